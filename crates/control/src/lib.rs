@@ -1,0 +1,1 @@
+//! converge control layer (see DESIGN.md).

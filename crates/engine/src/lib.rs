@@ -1,0 +1,1 @@
+//! converge engine layer (see DESIGN.md).

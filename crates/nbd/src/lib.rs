@@ -1,0 +1,1 @@
+//! converge nbd layer (see DESIGN.md).

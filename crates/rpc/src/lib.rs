@@ -1,0 +1,1 @@
+//! converge rpc layer (see DESIGN.md).

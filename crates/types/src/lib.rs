@@ -1,0 +1,324 @@
+//! The vocabulary of DESIGN.md as types, so every layer names things the same way.
+//!
+//! Nothing here does I/O. Ids are small copyable newtypes; units are in the names.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+
+/// Every internal I/O is in units of this many bytes (DESIGN.md: local engine).
+pub const BLOCK_SIZE: usize = 4096;
+/// Default slab size: the unit of placement.
+pub const DEFAULT_SLAB_SIZE_BYTES: u64 = 256 << 20;
+/// Largest single client or replica I/O, in bytes. NBD requests above this are refused.
+pub const MAX_IO_BYTES: usize = 32 << 20;
+
+macro_rules! id_type {
+    ($(#[$m:meta])* $name:ident($inner:ty)) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default)]
+        #[serde(transparent)]
+        pub struct $name(pub $inner);
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                write!(f, "{}", self.0)
+            }
+        }
+    };
+}
+
+id_type!(
+    /// A node: one server running `converged`; the default fault domain.
+    NodeId(u32)
+);
+id_type!(
+    /// A drive, unique in the cluster (random, written in the drive's superblock).
+    DriveId(u64)
+);
+id_type!(
+    /// A volume, unique in the cluster (random; the name is the user-facing handle).
+    VolumeId(u64)
+);
+id_type!(
+    /// Index of a slab within its volume (byte offset / slab size).
+    SlabIndex(u64)
+);
+id_type!(
+    /// Fencing number of an ownership term. Replicas refuse older epochs.
+    Epoch(u64)
+);
+id_type!(
+    /// Per-slab, per-write monotonically increasing stamp stored with each block.
+    Version(u64)
+);
+
+/// Identity of a cluster: written into every drive's superblock so a drive from another
+/// cluster is refused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct ClusterId(pub u128);
+
+impl fmt::Display for ClusterId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{:032x}", self.0)
+    }
+}
+
+impl FromStr for ClusterId {
+    type Err = ParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        u128::from_str_radix(s, 16)
+            .map(ClusterId)
+            .map_err(|_| ParseError(format!("cluster id {s:?} is not 32 hex digits")))
+    }
+}
+
+impl Serialize for ClusterId {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for ClusterId {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
+    }
+}
+
+/// The key of an extent: which slab of which volume it holds a copy of.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct ExtentKey {
+    pub volume: VolumeId,
+    pub slab: SlabIndex,
+}
+
+/// Error for user-supplied text that does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ParseError(pub String);
+
+/// How a volume survives failures.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Resiliency {
+    /// One copy: no redundancy. For comparisons and scratch data.
+    #[serde(rename = "simple")]
+    Simple,
+    #[serde(rename = "mirror-2")]
+    Mirror2,
+    #[serde(rename = "mirror-3")]
+    Mirror3,
+}
+
+impl Resiliency {
+    pub fn copies(self) -> usize {
+        match self {
+            Resiliency::Simple => 1,
+            Resiliency::Mirror2 => 2,
+            Resiliency::Mirror3 => 3,
+        }
+    }
+    /// Default `min_replicas`: copies that must be in sync for writes to be acked.
+    pub fn default_min_replicas(self) -> usize {
+        match self {
+            Resiliency::Simple => 1,
+            Resiliency::Mirror2 => 1,
+            Resiliency::Mirror3 => 2,
+        }
+    }
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Resiliency::Simple => "simple",
+            Resiliency::Mirror2 => "mirror-2",
+            Resiliency::Mirror3 => "mirror-3",
+        }
+    }
+}
+
+impl fmt::Display for Resiliency {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Resiliency {
+    type Err = ParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "simple" => Ok(Resiliency::Simple),
+            "mirror-2" => Ok(Resiliency::Mirror2),
+            "mirror-3" => Ok(Resiliency::Mirror3),
+            other => Err(ParseError(format!(
+                "unknown resiliency {other:?}: expected simple, mirror-2 or mirror-3 \
+                 (parity comes later)"
+            ))),
+        }
+    }
+}
+
+/// Role of a drive in its node.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DriveRole {
+    #[default]
+    Capacity,
+    Cache,
+}
+
+/// Media type of a drive; drives the cache-mode default and the endurance default.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum MediaType {
+    #[default]
+    Ssd,
+    Nvme,
+    Hdd,
+    Ram,
+}
+
+/// State of an extent (DESIGN.md vocabulary).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ExtentState {
+    InSync,
+    Stale,
+    Syncing,
+}
+
+impl fmt::Display for ExtentState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            ExtentState::InSync => "in-sync",
+            ExtentState::Stale => "stale",
+            ExtentState::Syncing => "syncing",
+        })
+    }
+}
+
+/// Parse a human size: `512`, `4K`, `64KiB`, `2G`, `1.5T` (binary units).
+pub fn parse_size(s: &str) -> Result<u64, ParseError> {
+    let t = s.trim();
+    let err = || {
+        ParseError(format!(
+            "size {s:?} is not a size: use bytes or a number with K, M, G or T (binary units), e.g. 10G"
+        ))
+    };
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    if num.is_empty() {
+        return Err(err());
+    }
+    let mult: u64 = match unit.trim().to_ascii_uppercase().as_str() {
+        "" | "B" => 1,
+        "K" | "KB" | "KIB" => 1 << 10,
+        "M" | "MB" | "MIB" => 1 << 20,
+        "G" | "GB" | "GIB" => 1 << 30,
+        "T" | "TB" | "TIB" => 1 << 40,
+        _ => return Err(err()),
+    };
+    if num.contains('.') {
+        let v: f64 = num.parse().map_err(|_| err())?;
+        let bytes = v * mult as f64;
+        if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
+            return Err(err());
+        }
+        Ok(bytes as u64)
+    } else {
+        let v: u64 = num.parse().map_err(|_| err())?;
+        v.checked_mul(mult).ok_or_else(err)
+    }
+}
+
+/// Format bytes for humans, binary units.
+pub fn format_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut u = 0;
+    while v >= 1024.0 && u < UNITS.len() - 1 {
+        v /= 1024.0;
+        u += 1;
+    }
+    if u == 0 {
+        format!("{bytes} B")
+    } else if v.fract() == 0.0 {
+        format!("{v:.0} {}", UNITS[u])
+    } else {
+        format!("{v:.1} {}", UNITS[u])
+    }
+}
+
+/// Tunables with documented defaults. Simulation randomises them; config may override.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Knobs {
+    /// TTL of a node's liveness lease in etcd.
+    pub node_lease_ttl_s: u64,
+    /// TTL of a volume owner's lease in etcd.
+    pub owner_lease_ttl_s: u64,
+    /// How long the owner waits for a replica's answer before treating it as failed.
+    pub replica_timeout_ms: u64,
+    /// Bound on requests in flight on one peer connection.
+    pub rpc_inflight_max: usize,
+    /// Largest RPC frame payload accepted, bytes.
+    pub rpc_frame_bytes_max: usize,
+    /// Bound on NBD requests in flight per client connection.
+    pub nbd_inflight_max: usize,
+    /// Most writes one group commit makes durable with a single flush.
+    pub group_commit_max: usize,
+}
+
+impl Default for Knobs {
+    fn default() -> Self {
+        Knobs {
+            node_lease_ttl_s: 10,
+            owner_lease_ttl_s: 10,
+            replica_timeout_ms: 10_000,
+            rpc_inflight_max: 256,
+            rpc_frame_bytes_max: MAX_IO_BYTES + (64 << 10),
+            nbd_inflight_max: 128,
+            group_commit_max: 256,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("4096").unwrap(), 4096);
+        assert_eq!(parse_size("4K").unwrap(), 4096);
+        assert_eq!(parse_size("2G").unwrap(), 2 << 30);
+        assert_eq!(parse_size("1.5G").unwrap(), 3 << 29);
+        assert_eq!(parse_size("64MiB").unwrap(), 64 << 20);
+        assert!(parse_size("").is_err());
+        assert!(parse_size("G").is_err());
+        assert!(parse_size("12X").is_err());
+        assert!(parse_size("-1G").is_err());
+        assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn resiliency_round_trip() {
+        for r in [Resiliency::Simple, Resiliency::Mirror2, Resiliency::Mirror3] {
+            assert_eq!(r.as_str().parse::<Resiliency>().unwrap(), r);
+        }
+        let e = "raid5".parse::<Resiliency>().unwrap_err();
+        assert!(e.0.contains("raid5"));
+    }
+
+    #[test]
+    fn cluster_id_round_trip() {
+        let c = ClusterId(0x1234_5678_9abc_def0_1122_3344_5566_7788);
+        assert_eq!(c.to_string().parse::<ClusterId>().unwrap(), c);
+    }
+
+    #[test]
+    fn format_sizes() {
+        assert_eq!(format_size(512), "512 B");
+        assert_eq!(format_size(2 << 30), "2 GiB");
+        assert_eq!(format_size(3 << 29), "1.5 GiB");
+    }
+}

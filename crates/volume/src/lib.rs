@@ -1,0 +1,1 @@
+//! converge volume layer (see DESIGN.md).
