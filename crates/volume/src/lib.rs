@@ -1,1 +1,694 @@
-//! converge volume layer (see DESIGN.md).
+//! The owner of a volume: splits client I/O at slab boundaries, stamps versions, writes
+//! every copy in parallel, routes reads (local copy first) and repairs bad blocks.
+//!
+//! It knows nothing of sockets, etcd or files: replicas are reached through [`ReplicaIo`]
+//! and new slabs are placed through [`SlabAllocator`], so the same code runs in the node
+//! daemon and in the deterministic simulator.
+
+pub mod stats;
+
+use bytes::{Bytes, BytesMut};
+use converge_types::{
+    DriveId, Epoch, ExtentKey, ExtentState, NodeId, Resiliency, SlabIndex, Version, VolumeId,
+    BLOCK_SIZE,
+};
+use serde::{Deserialize, Serialize};
+use stats::{VolumeCounters, VolumeStats};
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+const BS: u64 = BLOCK_SIZE as u64;
+
+/// Where one copy of a slab lives.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtentLoc {
+    pub node: NodeId,
+    pub drive: DriveId,
+    pub state: ExtentState,
+}
+
+/// A replica's answer to a read.
+#[derive(Clone, Debug)]
+pub struct ReadReply {
+    pub data: Bytes,
+    /// Indexes (within this read) of blocks whose checksum did not match.
+    pub bad_blocks: Vec<u32>,
+    /// Highest block version among the blocks read.
+    pub version: Version,
+}
+
+/// Why a replica could not do what was asked.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ReplicaError {
+    #[error("fenced: {0}")]
+    StaleEpoch(String),
+    #[error("checksum mismatch: {0}")]
+    Checksum(String),
+    #[error("no space: {0}")]
+    NoSpace(String),
+    #[error("unreachable: {0}")]
+    Unreachable(String),
+    #[error("I/O error: {0}")]
+    Io(String),
+}
+
+/// The path from the owner to one extent (its own node's drive or a peer's).
+pub trait ReplicaIo: Send + Sync + 'static {
+    #[allow(clippy::too_many_arguments)]
+    fn write(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        data: Bytes,
+    ) -> impl Future<Output = Result<(), ReplicaError>> + Send;
+
+    fn read(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    ) -> impl Future<Output = Result<ReadReply, ReplicaError>> + Send;
+
+    #[allow(clippy::too_many_arguments)]
+    fn zero(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    ) -> impl Future<Output = Result<(), ReplicaError>> + Send;
+}
+
+/// Places the extents of a slab on first write (thin provisioning). Implemented over etcd
+/// by the node; must return the same placement to concurrent callers for the same slab.
+pub trait SlabAllocator: Send + Sync + 'static {
+    fn allocate(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        copies: usize,
+    ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum VolumeError {
+    #[error(
+        "I/O at offset {offset} length {len} is beyond the end of volume {volume} ({size} bytes)"
+    )]
+    OutOfRange {
+        volume: String,
+        offset: u64,
+        len: u64,
+        size: u64,
+    },
+    #[error("cannot place a new slab of volume {volume}: {why}")]
+    NoSpace { volume: String, why: String },
+    #[error("volume {volume}: replica on node {node} drive {drive} failed: {error}")]
+    Replica {
+        volume: String,
+        node: NodeId,
+        drive: DriveId,
+        error: ReplicaError,
+    },
+    #[error("volume {volume}: no copy of slab {slab} could be read: {why}")]
+    Unreadable {
+        volume: String,
+        slab: SlabIndex,
+        why: String,
+    },
+    #[error("volume {volume}: control plane: {0}", volume = .1)]
+    Control(String, String),
+    #[error("volume {volume} cannot shrink from {from} to {to} bytes")]
+    Shrink { volume: String, from: u64, to: u64 },
+}
+
+/// What the owner needs to serve a volume.
+#[derive(Clone, Debug)]
+pub struct VolumeConfig {
+    pub id: VolumeId,
+    pub name: String,
+    pub size_bytes: u64,
+    pub slab_size_bytes: u64,
+    pub resiliency: Resiliency,
+    /// This owner's term; stamped on every replica request.
+    pub epoch: Epoch,
+    /// The node this owner runs on: its extents are read first (data locality).
+    pub local_node: NodeId,
+}
+
+struct Slab {
+    extents: Vec<ExtentLoc>,
+    /// Sequence within this epoch; the version is `epoch << 32 | seq`, so a new owner's
+    /// writes always carry higher versions than anything an older term wrote.
+    seq: AtomicU64,
+}
+
+/// One volume served by its owner.
+pub struct Volume<R, A> {
+    cfg: VolumeConfig,
+    size_bytes: AtomicU64,
+    slabs: RwLock<BTreeMap<SlabIndex, Arc<Slab>>>,
+    alloc_lock: tokio::sync::Mutex<()>,
+    /// Serialises read-modify-write of partial blocks (rare: clients that negotiated block
+    /// sizes never send them).
+    rmw_lock: tokio::sync::Mutex<()>,
+    io: Arc<R>,
+    alloc: Arc<A>,
+    counters: VolumeCounters,
+}
+
+/// One slab-sized piece of a client request.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Piece {
+    slab: SlabIndex,
+    /// Offset within the slab.
+    offset: u64,
+    len: u64,
+    /// Offset within the client request.
+    at: u64,
+}
+
+fn split(offset: u64, len: u64, slab_size: u64) -> impl Iterator<Item = Piece> {
+    let mut pos = offset;
+    let end = offset + len;
+    std::iter::from_fn(move || {
+        if pos >= end {
+            return None;
+        }
+        let slab = pos / slab_size;
+        let in_slab = pos % slab_size;
+        let n = (slab_size - in_slab).min(end - pos);
+        let p = Piece {
+            slab: SlabIndex(slab),
+            offset: in_slab,
+            len: n,
+            at: pos - offset,
+        };
+        pos += n;
+        Some(p)
+    })
+}
+
+/// crc32c of every block of `data` (a multiple of the block size).
+pub fn block_crcs(data: &[u8]) -> Arc<[u32]> {
+    data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect()
+}
+
+impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
+    pub fn new(
+        cfg: VolumeConfig,
+        slabs: BTreeMap<SlabIndex, Vec<ExtentLoc>>,
+        io: Arc<R>,
+        alloc: Arc<A>,
+    ) -> Self {
+        assert!(
+            cfg.slab_size_bytes >= BS && cfg.slab_size_bytes % BS == 0,
+            "slab size must be a multiple of the block size"
+        );
+        let slabs = slabs
+            .into_iter()
+            .map(|(i, extents)| {
+                (
+                    i,
+                    Arc::new(Slab {
+                        extents,
+                        seq: AtomicU64::new(0),
+                    }),
+                )
+            })
+            .collect();
+        Volume {
+            size_bytes: AtomicU64::new(cfg.size_bytes),
+            cfg,
+            slabs: RwLock::new(slabs),
+            alloc_lock: tokio::sync::Mutex::new(()),
+            rmw_lock: tokio::sync::Mutex::new(()),
+            io,
+            alloc,
+            counters: VolumeCounters::default(),
+        }
+    }
+
+    pub fn config(&self) -> &VolumeConfig {
+        &self.cfg
+    }
+
+    pub fn size_bytes(&self) -> u64 {
+        self.size_bytes.load(Ordering::Acquire)
+    }
+
+    /// Grow the volume. Shrinking is refused: it would drop data a VM may still use.
+    pub fn grow(&self, new_size: u64) -> Result<(), VolumeError> {
+        let cur = self.size_bytes();
+        if new_size < cur {
+            return Err(VolumeError::Shrink {
+                volume: self.cfg.name.clone(),
+                from: cur,
+                to: new_size,
+            });
+        }
+        self.size_bytes.store(new_size, Ordering::Release);
+        Ok(())
+    }
+
+    pub fn stats(&self) -> VolumeStats {
+        self.counters.snapshot()
+    }
+
+    /// The extents of every allocated slab, as this owner knows them.
+    pub fn slab_map(&self) -> BTreeMap<SlabIndex, Vec<ExtentLoc>> {
+        self.slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .iter()
+            .map(|(i, s)| (*i, s.extents.clone()))
+            .collect()
+    }
+
+    fn check_range(&self, offset: u64, len: u64) -> Result<(), VolumeError> {
+        let size = self.size_bytes();
+        match offset.checked_add(len) {
+            Some(end) if end <= size => Ok(()),
+            _ => Err(VolumeError::OutOfRange {
+                volume: self.cfg.name.clone(),
+                offset,
+                len,
+                size,
+            }),
+        }
+    }
+
+    fn slab(&self, idx: SlabIndex) -> Option<Arc<Slab>> {
+        self.slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .get(&idx)
+            .cloned()
+    }
+
+    async fn slab_or_allocate(&self, idx: SlabIndex) -> Result<Arc<Slab>, VolumeError> {
+        if let Some(s) = self.slab(idx) {
+            return Ok(s);
+        }
+        let _g = self.alloc_lock.lock().await;
+        if let Some(s) = self.slab(idx) {
+            return Ok(s);
+        }
+        let extents = self
+            .alloc
+            .allocate(self.cfg.id, idx, self.cfg.resiliency.copies())
+            .await?;
+        let slab = Arc::new(Slab {
+            extents,
+            seq: AtomicU64::new(0),
+        });
+        self.slabs
+            .write()
+            .expect("slab map lock poisoned")
+            .insert(idx, slab.clone());
+        Ok(slab)
+    }
+
+    fn next_version(&self, slab: &Slab) -> Version {
+        let seq = slab.seq.fetch_add(1, Ordering::Relaxed) + 1;
+        assert!(seq < 1 << 32, "version sequence exhausted within one epoch");
+        Version(self.cfg.epoch.0 << 32 | seq)
+    }
+
+    fn key(&self, slab: SlabIndex) -> ExtentKey {
+        ExtentKey {
+            volume: self.cfg.id,
+            slab,
+        }
+    }
+
+    /// Client write. Acked (returns Ok) only when every copy has made it durable.
+    pub async fn write(&self, offset: u64, data: Bytes) -> Result<(), VolumeError> {
+        let start = Instant::now();
+        let len = data.len() as u64;
+        self.check_range(offset, len)?;
+        let r = if offset % BS == 0 && len % BS == 0 {
+            self.write_aligned(offset, data).await
+        } else {
+            self.write_unaligned(offset, data).await
+        };
+        self.account(&r, start, true, len);
+        r
+    }
+
+    fn account<T>(&self, r: &Result<T, VolumeError>, start: Instant, write: bool, len: u64) {
+        let c = &self.counters;
+        if r.is_err() {
+            c.errors.fetch_add(1, Ordering::Relaxed);
+            return;
+        }
+        let us = start.elapsed().as_micros() as u64;
+        if write {
+            c.write_ops.fetch_add(1, Ordering::Relaxed);
+            c.write_bytes.fetch_add(len, Ordering::Relaxed);
+            c.write_latency.record_us(us);
+        } else {
+            c.read_ops.fetch_add(1, Ordering::Relaxed);
+            c.read_bytes.fetch_add(len, Ordering::Relaxed);
+            c.read_latency.record_us(us);
+        }
+    }
+
+    async fn write_aligned(&self, offset: u64, data: Bytes) -> Result<(), VolumeError> {
+        let pieces: Vec<Piece> =
+            split(offset, data.len() as u64, self.cfg.slab_size_bytes).collect();
+        if pieces.len() == 1 {
+            return self.write_piece(pieces[0], data).await;
+        }
+        let mut tasks = Vec::with_capacity(pieces.len());
+        for p in pieces {
+            let part = data.slice(p.at as usize..(p.at + p.len) as usize);
+            tasks.push(self.write_piece(p, part));
+        }
+        join_all_ok(tasks).await
+    }
+
+    async fn write_piece(&self, p: Piece, data: Bytes) -> Result<(), VolumeError> {
+        let slab = self.slab_or_allocate(p.slab).await?;
+        let version = self.next_version(&slab);
+        let crcs = block_crcs(&data);
+        let key = self.key(p.slab);
+        let epoch = self.cfg.epoch;
+        let writes = slab.extents.iter().map(|&at| {
+            let crcs = crcs.clone();
+            let data = data.clone();
+            async move {
+                self.io
+                    .write(at, key, epoch, version, p.offset, crcs, data)
+                    .await
+                    .map_err(|error| self.replica_error(at, error))
+            }
+        });
+        join_all_ok(writes).await
+    }
+
+    fn replica_error(&self, at: ExtentLoc, error: ReplicaError) -> VolumeError {
+        VolumeError::Replica {
+            volume: self.cfg.name.clone(),
+            node: at.node,
+            drive: at.drive,
+            error,
+        }
+    }
+
+    /// Partial blocks: read the covering blocks, patch, write back whole blocks.
+    async fn write_unaligned(&self, offset: u64, data: Bytes) -> Result<(), VolumeError> {
+        let _g = self.rmw_lock.lock().await;
+        let start = offset / BS * BS;
+        let end = (offset + data.len() as u64).div_ceil(BS) * BS;
+        let mut buf = BytesMut::from(&self.read_inner(start, end - start).await?[..]);
+        let at = (offset - start) as usize;
+        buf[at..at + data.len()].copy_from_slice(&data);
+        self.write_aligned(start, buf.freeze()).await
+    }
+
+    /// Client read. Never returns a block whose checksum failed: bad blocks are read from
+    /// another copy and rewritten on the bad one.
+    pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, VolumeError> {
+        let start = Instant::now();
+        self.check_range(offset, len)?;
+        let r = self.read_inner(offset, len).await;
+        self.account(&r, start, false, len);
+        r
+    }
+
+    async fn read_inner(&self, offset: u64, len: u64) -> Result<Bytes, VolumeError> {
+        // Widen to whole blocks; replicas only deal in blocks.
+        let a_start = offset / BS * BS;
+        let a_end = (offset + len).div_ceil(BS) * BS;
+        let pieces: Vec<Piece> =
+            split(a_start, a_end - a_start, self.cfg.slab_size_bytes).collect();
+        let whole = if pieces.len() == 1 {
+            self.read_piece(pieces[0]).await?
+        } else {
+            let parts = join_all_ok_vec(pieces.iter().map(|p| self.read_piece(*p))).await?;
+            let mut buf = BytesMut::with_capacity((a_end - a_start) as usize);
+            for part in parts {
+                buf.extend_from_slice(&part);
+            }
+            buf.freeze()
+        };
+        let skip = (offset - a_start) as usize;
+        Ok(whole.slice(skip..skip + len as usize))
+    }
+
+    /// Copies to read from, best first: in-sync only, the local node's first.
+    fn read_order(&self, slab: &Slab) -> Vec<ExtentLoc> {
+        let mut v: Vec<ExtentLoc> = slab
+            .extents
+            .iter()
+            .filter(|e| e.state == ExtentState::InSync)
+            .copied()
+            .collect();
+        v.sort_by_key(|e| e.node != self.cfg.local_node);
+        v
+    }
+
+    async fn read_piece(&self, p: Piece) -> Result<Bytes, VolumeError> {
+        let Some(slab) = self.slab(p.slab) else {
+            // Never written: thin provisioning reads zeros.
+            return Ok(Bytes::from(vec![0u8; p.len as usize]));
+        };
+        let order = self.read_order(&slab);
+        let key = self.key(p.slab);
+        let mut why = String::from("no in-sync copy");
+        for (i, &at) in order.iter().enumerate() {
+            match self
+                .io
+                .read(at, key, self.cfg.epoch, p.offset, p.len as u32)
+                .await
+            {
+                Ok(reply) if reply.bad_blocks.is_empty() => return Ok(reply.data),
+                Ok(reply) => {
+                    let others: Vec<ExtentLoc> = order
+                        .iter()
+                        .enumerate()
+                        .filter(|(j, _)| *j != i)
+                        .map(|(_, e)| *e)
+                        .collect();
+                    return self.repair(p, at, reply, &others).await;
+                }
+                Err(e) => {
+                    log::warn!(
+                        "volume {}: read of slab {} from node {} drive {} failed: {e}; trying another copy",
+                        self.cfg.name, p.slab, at.node, at.drive
+                    );
+                    why = e.to_string();
+                }
+            }
+        }
+        Err(VolumeError::Unreadable {
+            volume: self.cfg.name.clone(),
+            slab: p.slab,
+            why,
+        })
+    }
+
+    /// Replace each bad block of `reply` with a good copy's, and rewrite it on `bad_at`.
+    async fn repair(
+        &self,
+        p: Piece,
+        bad_at: ExtentLoc,
+        reply: ReadReply,
+        others: &[ExtentLoc],
+    ) -> Result<Bytes, VolumeError> {
+        let key = self.key(p.slab);
+        let mut buf = BytesMut::from(&reply.data[..]);
+        for &b in &reply.bad_blocks {
+            let boff = p.offset + b as u64 * BS;
+            let mut fixed = false;
+            for &src in others {
+                let Ok(good) = self
+                    .io
+                    .read(src, key, self.cfg.epoch, boff, BLOCK_SIZE as u32)
+                    .await
+                else {
+                    continue;
+                };
+                if !good.bad_blocks.is_empty() {
+                    continue;
+                }
+                let at = b as usize * BLOCK_SIZE;
+                buf[at..at + BLOCK_SIZE].copy_from_slice(&good.data);
+                // Rewrite with the good copy's version so the repaired block is not newer
+                // than the write it holds.
+                let crcs = block_crcs(&good.data);
+                match self
+                    .io
+                    .write(
+                        bad_at,
+                        key,
+                        self.cfg.epoch,
+                        good.version,
+                        boff,
+                        crcs,
+                        good.data,
+                    )
+                    .await
+                {
+                    Ok(()) => {
+                        self.counters
+                            .repaired_blocks
+                            .fetch_add(1, Ordering::Relaxed);
+                        log::warn!(
+                            "volume {}: repaired block at slab {} offset {} on node {} drive {} from node {}",
+                            self.cfg.name, p.slab, boff, bad_at.node, bad_at.drive, src.node
+                        );
+                    }
+                    Err(e) => log::error!(
+                        "volume {}: could not rewrite bad block on node {} drive {}: {e}",
+                        self.cfg.name,
+                        bad_at.node,
+                        bad_at.drive
+                    ),
+                }
+                fixed = true;
+                break;
+            }
+            if !fixed {
+                return Err(VolumeError::Unreadable {
+                    volume: self.cfg.name.clone(),
+                    slab: p.slab,
+                    why: format!(
+                        "block at offset {boff} fails its checksum on node {} and no other copy has it intact",
+                        bad_at.node
+                    ),
+                });
+            }
+        }
+        Ok(buf.freeze())
+    }
+
+    /// TRIM and WRITE_ZEROES. Whole blocks become zero (metadata only on the replicas);
+    /// partial blocks at the edges are written as zeros for WRITE_ZEROES and left alone
+    /// for TRIM (a hint).
+    pub async fn zero(&self, offset: u64, len: u64, trim: bool) -> Result<(), VolumeError> {
+        self.check_range(offset, len)?;
+        let r = self.zero_inner(offset, len, trim).await;
+        self.counters.zero_ops.fetch_add(1, Ordering::Relaxed);
+        if r.is_err() {
+            self.counters.errors.fetch_add(1, Ordering::Relaxed);
+        }
+        r
+    }
+
+    async fn zero_inner(&self, offset: u64, len: u64, trim: bool) -> Result<(), VolumeError> {
+        let end_all = offset + len;
+        // Whole blocks inside the range.
+        let start = offset.div_ceil(BS) * BS;
+        let end = end_all / BS * BS;
+        if end <= start {
+            // No whole block: only partial edges.
+            if !trim && len > 0 {
+                self.write_unaligned(offset, Bytes::from(vec![0u8; len as usize]))
+                    .await?;
+            }
+            return Ok(());
+        }
+        if !trim && start > offset {
+            self.write_unaligned(offset, Bytes::from(vec![0u8; (start - offset) as usize]))
+                .await?;
+        }
+        if !trim && end < end_all {
+            self.write_unaligned(end, Bytes::from(vec![0u8; (end_all - end) as usize]))
+                .await?;
+        }
+        let tasks = split(start, end - start, self.cfg.slab_size_bytes).map(|p| self.zero_piece(p));
+        join_all_ok(tasks).await
+    }
+
+    async fn zero_piece(&self, p: Piece) -> Result<(), VolumeError> {
+        let Some(slab) = self.slab(p.slab) else {
+            return Ok(()); // never written: already zero
+        };
+        let version = self.next_version(&slab);
+        let key = self.key(p.slab);
+        let tasks = slab.extents.iter().map(|&at| async move {
+            self.io
+                .zero(at, key, self.cfg.epoch, version, p.offset, p.len)
+                .await
+                .map_err(|e| self.replica_error(at, e))
+        });
+        join_all_ok(tasks).await
+    }
+}
+
+/// Run futures concurrently; the first error wins, but all are driven to completion so no
+/// replica request is abandoned half-way.
+async fn join_all_ok<F>(futs: impl IntoIterator<Item = F>) -> Result<(), VolumeError>
+where
+    F: Future<Output = Result<(), VolumeError>>,
+{
+    join_all_ok_vec(futs).await.map(|_| ())
+}
+
+async fn join_all_ok_vec<F, T>(futs: impl IntoIterator<Item = F>) -> Result<Vec<T>, VolumeError>
+where
+    F: Future<Output = Result<T, VolumeError>>,
+{
+    let results = join_all(futs.into_iter().collect()).await;
+    let mut out = Vec::with_capacity(results.len());
+    let mut first_err = None;
+    for r in results {
+        match r {
+            Ok(v) => out.push(v),
+            Err(e) => {
+                if first_err.is_none() {
+                    first_err = Some(e);
+                }
+            }
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(out),
+    }
+}
+
+/// A small join-all: polls every future each wake-up (the sets here are tiny: one future
+/// per copy or per slab touched).
+async fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
+    use std::pin::Pin;
+    use std::task::Poll;
+    let mut futs: Vec<Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
+    let mut outs: Vec<Option<F::Output>> = futs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in futs.iter_mut().zip(outs.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    Poll::Ready(v) => *o = Some(v),
+                    Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            Poll::Pending
+        } else {
+            Poll::Ready(())
+        }
+    })
+    .await;
+    outs.into_iter()
+        .map(|o| o.expect("every future completed"))
+        .collect()
+}
+
+#[cfg(test)]
+mod tests;
