@@ -1,0 +1,122 @@
+//! The HTTP API's request and response bodies (JSON), one definition for both ends so the
+//! CLI and the daemon cannot drift apart. Paths are under `/v1/`; errors are
+//! `{"error": "..."}` with a 4xx/5xx status.
+
+use converge_types::{
+    ClusterId, DriveId, DriveRole, ExtentState, MediaType, NodeId, Resiliency, VolumeId,
+};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ErrorBody {
+    pub error: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ClusterInfo {
+    pub id: ClusterId,
+    pub name: String,
+    pub slab_size_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub id: NodeId,
+    pub name: String,
+    pub live: bool,
+    pub rpc_addr: String,
+    pub api_addr: String,
+    pub nbd_socket: String,
+    pub nbd_tcp: Option<String>,
+    pub version: String,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct DriveInfo {
+    pub id: DriveId,
+    pub node: NodeId,
+    pub path: String,
+    pub role: DriveRole,
+    pub media: MediaType,
+    pub size_bytes: u64,
+    pub extents_total: u64,
+    /// Extents placed on this drive by slab maps.
+    pub extents_used: u64,
+    pub slab_size_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ExtentInfo {
+    pub drive: DriveId,
+    pub node: NodeId,
+    pub state: ExtentState,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct SlabInfo {
+    pub index: u64,
+    pub extents: Vec<ExtentInfo>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct VolumeInfo {
+    pub id: VolumeId,
+    pub name: String,
+    pub size_bytes: u64,
+    pub resiliency: Resiliency,
+    pub min_replicas: usize,
+    pub slab_size_bytes: u64,
+    pub owner: NodeId,
+    pub owner_name: String,
+    /// `nbd+unix:///NAME?socket=PATH` on the owner node.
+    pub uri: String,
+    /// `nbd://HOST:PORT/NAME` when the owner listens on TCP.
+    pub uri_tcp: Option<String>,
+    pub slabs_allocated: u64,
+    /// Bytes of slabs allocated (thin provisioning), per copy.
+    pub allocated_bytes: u64,
+    /// Extents not in sync.
+    pub degraded_extents: u64,
+    /// Present in `GET /v1/volumes/NAME`, absent in lists.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slabs: Option<Vec<SlabInfo>>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CreateVolume {
+    pub name: String,
+    pub size_bytes: u64,
+    pub resiliency: Resiliency,
+    /// Default: the node that receives the request.
+    #[serde(default)]
+    pub owner: Option<NodeId>,
+    #[serde(default)]
+    pub min_replicas: Option<usize>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct ResizeVolume {
+    pub size_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Capacity {
+    pub total_bytes: u64,
+    /// Bytes of extents placed (each copy counts).
+    pub used_bytes: u64,
+    /// Sum of volume sizes × copies (thin provisioning: may exceed total).
+    pub provisioned_bytes: u64,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Status {
+    pub cluster: ClusterInfo,
+    /// `healthy`, or `degraded: ...` with the reasons.
+    pub health: String,
+    pub nodes: Vec<NodeInfo>,
+    pub drives: Vec<DriveInfo>,
+    pub volumes: Vec<VolumeInfo>,
+    pub capacity: Capacity,
+    /// The node that answered.
+    pub answered_by: NodeId,
+}
