@@ -1,1 +1,14 @@
-//! converge rpc layer (see DESIGN.md).
+//! converge rpc layer: the pipelined binary peer protocol between nodes (DESIGN.md, "rpc").
+//!
+//! * [`wire`]: frames and messages, byte by byte (docs/FORMAT-rpc.md).
+//! * [`RpcClient`]: one pipelined TCP connection to a peer, lazily (re)connected.
+//! * [`serve`] + [`Handler`]: accepts peers of the same cluster and runs their requests.
+
+mod client;
+mod frame;
+mod server;
+pub mod wire;
+
+pub use client::{RpcClient, RpcError, RECONNECT_BACKOFF_MAX_MS, RECONNECT_BACKOFF_MIN_MS};
+pub use server::{serve, Handler};
+pub use wire::{ErrorCode, Hello, Request, Response, WireError, PROTOCOL_VERSION};

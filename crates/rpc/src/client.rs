@@ -1,0 +1,473 @@
+//! The calling side: one pipelined connection to a peer, shared by every caller on this node.
+//!
+//! Requests are matched to answers by request id, so any number (up to `rpc_inflight_max`)
+//! may be in flight and answered in any order. The connection is opened lazily by the first
+//! call and reopened lazily after it breaks, with bounded exponential backoff between failed
+//! attempts so a dead peer is not hammered with connects.
+
+use crate::frame::{self, Outgoing, ReadError, READ_BUFFER_BYTES};
+use crate::wire::{self, ErrorCode, Hello, Request, Response, WireError, PROTOCOL_VERSION};
+use converge_types::{Knobs, NodeId};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+use tokio::io::BufReader;
+use tokio::net::TcpStream;
+use tokio::sync::{mpsc, oneshot, Semaphore};
+use tokio::task::AbortHandle;
+use tokio::time::Instant;
+
+/// First delay after a failed connect; doubles per failure.
+pub const RECONNECT_BACKOFF_MIN_MS: u64 = 50;
+/// Longest delay between connect attempts.
+pub const RECONNECT_BACKOFF_MAX_MS: u64 = 2_000;
+
+/// Why a call did not produce a response.
+#[derive(Clone, Debug, thiserror::Error)]
+pub enum RpcError {
+    #[error("rpc to {addr}: no answer within {timeout_ms} ms (peer slow or unreachable)")]
+    Timeout { addr: String, timeout_ms: u64 },
+    #[error("rpc to {addr}: connection lost before the answer arrived; the next call reconnects")]
+    Disconnected { addr: String },
+    #[error("rpc to {addr}: cannot connect: {source} (retrying with backoff)")]
+    Connect {
+        addr: String,
+        source: Arc<std::io::Error>,
+    },
+    #[error("rpc to {addr}: peer refused the connection ({code}): {message}")]
+    Refused {
+        addr: String,
+        code: ErrorCode,
+        message: String,
+    },
+    /// The peer answered `Response::Err`.
+    #[error("peer answered {code}: {message}")]
+    Remote { code: ErrorCode, message: String },
+    #[error("request frame of {size} payload bytes exceeds rpc_frame_bytes_max {max}")]
+    FrameTooLarge { size: usize, max: usize },
+    #[error("invalid request, not sent: {0}")]
+    Invalid(WireError),
+    #[error("rpc to {addr}: peer sent bad bytes: {source}")]
+    Protocol { addr: String, source: WireError },
+}
+
+type Reply = Result<Response, RpcError>;
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Critical sections below never panic; if one somehow did, the map is still usable.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Callers waiting for answers on one connection.
+struct Pending {
+    closed: bool,
+    waiters: HashMap<u64, oneshot::Sender<Reply>>,
+}
+
+/// State shared by a connection's reader task, writer task and callers.
+struct ConnShared {
+    addr: String,
+    pending: Mutex<Pending>,
+    tasks: Mutex<Vec<AbortHandle>>,
+}
+
+impl ConnShared {
+    fn is_closed(&self) -> bool {
+        lock(&self.pending).closed
+    }
+
+    fn register(&self, id: u64) -> Result<oneshot::Receiver<Reply>, RpcError> {
+        let mut p = lock(&self.pending);
+        if p.closed {
+            return Err(RpcError::Disconnected {
+                addr: self.addr.clone(),
+            });
+        }
+        let (tx, rx) = oneshot::channel();
+        p.waiters.insert(id, tx);
+        Ok(rx)
+    }
+
+    fn take(&self, id: u64) -> Option<oneshot::Sender<Reply>> {
+        lock(&self.pending).waiters.remove(&id)
+    }
+
+    /// The connection is dead: every waiter gets `Disconnected`, both tasks stop.
+    fn fail(&self) {
+        let waiters = {
+            let mut p = lock(&self.pending);
+            p.closed = true;
+            std::mem::take(&mut p.waiters)
+        };
+        for (_, w) in waiters {
+            let _ = w.send(Err(RpcError::Disconnected {
+                addr: self.addr.clone(),
+            }));
+        }
+        for t in lock(&self.tasks).drain(..) {
+            t.abort();
+        }
+    }
+
+    fn set_tasks(&self, tasks: Vec<AbortHandle>) {
+        let closed = self.is_closed();
+        let mut t = lock(&self.tasks);
+        t.extend(tasks);
+        if closed {
+            // A task failed before its handles were stored.
+            for t in t.drain(..) {
+                t.abort();
+            }
+        }
+    }
+}
+
+/// One established connection. Dropping the last handle stops its tasks and closes the socket.
+struct Conn {
+    tx: mpsc::Sender<Outgoing>,
+    shared: Arc<ConnShared>,
+    peer: NodeId,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        self.shared.fail();
+    }
+}
+
+/// Removes a waiter whose call gave up (timeout or cancellation), so late answers are dropped.
+struct WaiterGuard<'a> {
+    shared: &'a ConnShared,
+    id: u64,
+}
+
+impl Drop for WaiterGuard<'_> {
+    fn drop(&mut self) {
+        self.shared.take(self.id);
+    }
+}
+
+struct Slot {
+    conn: Option<Arc<Conn>>,
+    failures: u32,
+    retry_at: Option<Instant>,
+    last_err: Option<RpcError>,
+}
+
+struct Inner {
+    addr: String,
+    hello: Hello,
+    frame_bytes_max: usize,
+    timeout: Duration,
+    inflight: Semaphore,
+    inflight_max: usize,
+    next_id: AtomicU64,
+    connections: AtomicU64,
+    slot: tokio::sync::Mutex<Slot>,
+}
+
+/// A pipelined connection to one peer. Cheap to clone; clones share the connection.
+#[derive(Clone)]
+pub struct RpcClient {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for RpcClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RpcClient")
+            .field("addr", &self.inner.addr)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Hello {
+    /// A hello for this node, speaking this build's protocol version.
+    pub fn new(cluster: converge_types::ClusterId, node: NodeId) -> Hello {
+        Hello {
+            cluster,
+            node,
+            protocol_version: PROTOCOL_VERSION,
+        }
+    }
+}
+
+impl RpcClient {
+    /// A client for the peer at `addr` (`host:port`). Does not connect: the first call does.
+    pub fn new(addr: String, hello: Hello, knobs: &Knobs) -> RpcClient {
+        let inflight_max = knobs.rpc_inflight_max.max(1);
+        RpcClient {
+            inner: Arc::new(Inner {
+                addr,
+                hello,
+                frame_bytes_max: knobs.rpc_frame_bytes_max,
+                timeout: Duration::from_millis(knobs.replica_timeout_ms),
+                inflight: Semaphore::new(inflight_max),
+                inflight_max,
+                next_id: AtomicU64::new(1),
+                connections: AtomicU64::new(0),
+                slot: tokio::sync::Mutex::new(Slot {
+                    conn: None,
+                    failures: 0,
+                    retry_at: None,
+                    last_err: None,
+                }),
+            }),
+        }
+    }
+
+    /// The peer's address, as given to `new`.
+    pub fn addr(&self) -> &str {
+        &self.inner.addr
+    }
+
+    /// How many connections (successful handshakes) this client has made so far.
+    pub fn connections_made(&self) -> u64 {
+        self.inner.connections.load(Ordering::Relaxed)
+    }
+
+    /// The peer's node id from its `HelloOk`, if a connection is up.
+    pub async fn peer_node(&self) -> Option<NodeId> {
+        let slot = self.inner.slot.lock().await;
+        slot.conn
+            .as_ref()
+            .filter(|c| !c.shared.is_closed())
+            .map(|c| c.peer)
+    }
+
+    /// Sends `req` and waits for its answer, at most `replica_timeout_ms` in all (waiting for
+    /// an in-flight slot and connecting included).
+    ///
+    /// A `Response::Err` from the peer is returned as `Err(RpcError::Remote { code, message })`,
+    /// so `Ok` always holds a success variant (`Ok`, `ReadOk`, `Pong`, ...).
+    /// `Hello` is sent by the client itself on connect and is refused here.
+    pub async fn call(&self, req: Request) -> Result<Response, RpcError> {
+        if matches!(req, Request::Hello(_)) {
+            return Err(RpcError::Invalid(WireError::Invalid(
+                "Hello is sent by the client on connect, not by callers".into(),
+            )));
+        }
+        wire::validate_request(&req).map_err(RpcError::Invalid)?;
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let frame = wire::encode_request(id, &req);
+        if frame.payload_len() > self.inner.frame_bytes_max {
+            return Err(RpcError::FrameTooLarge {
+                size: frame.payload_len(),
+                max: self.inner.frame_bytes_max,
+            });
+        }
+        let deadline = Instant::now() + self.inner.timeout;
+        match tokio::time::timeout_at(deadline, self.send_and_wait(id, frame, deadline)).await {
+            Ok(r) => r,
+            Err(_) => Err(self.timeout_error()),
+        }
+    }
+
+    fn timeout_error(&self) -> RpcError {
+        RpcError::Timeout {
+            addr: self.inner.addr.clone(),
+            timeout_ms: self.inner.timeout.as_millis() as u64,
+        }
+    }
+
+    async fn send_and_wait(
+        &self,
+        id: u64,
+        frame: wire::EncodedFrame,
+        deadline: Instant,
+    ) -> Result<Response, RpcError> {
+        let disconnected = || RpcError::Disconnected {
+            addr: self.inner.addr.clone(),
+        };
+        let _permit = self
+            .inner
+            .inflight
+            .acquire()
+            .await
+            .map_err(|_| disconnected())?;
+        let conn = self.connection(deadline).await?;
+        let rx = conn.shared.register(id)?;
+        let _guard = WaiterGuard {
+            shared: &conn.shared,
+            id,
+        };
+        conn.tx
+            .send(Outgoing::Frame(frame))
+            .await
+            .map_err(|_| disconnected())?;
+        match rx.await.map_err(|_| disconnected())?? {
+            Response::Err { code, message } => Err(RpcError::Remote { code, message }),
+            r => Ok(r),
+        }
+    }
+
+    /// The live connection, or a new one (one connect at a time; failed connects back off).
+    async fn connection(&self, deadline: Instant) -> Result<Arc<Conn>, RpcError> {
+        let mut slot = self.inner.slot.lock().await;
+        if let Some(c) = &slot.conn {
+            if !c.shared.is_closed() {
+                return Ok(c.clone());
+            }
+            slot.conn = None;
+        }
+        if let (Some(at), Some(e)) = (slot.retry_at, &slot.last_err) {
+            if Instant::now() < at {
+                return Err(e.clone());
+            }
+        }
+        let attempt = tokio::time::timeout_at(deadline, self.connect()).await;
+        match attempt {
+            Ok(Ok(conn)) => {
+                let conn = Arc::new(conn);
+                slot.failures = 0;
+                slot.retry_at = None;
+                slot.last_err = None;
+                slot.conn = Some(conn.clone());
+                self.inner.connections.fetch_add(1, Ordering::Relaxed);
+                Ok(conn)
+            }
+            Ok(Err(e)) => {
+                self.backoff(&mut slot, e.clone());
+                Err(e)
+            }
+            Err(_) => {
+                let e = self.timeout_error();
+                self.backoff(&mut slot, e.clone());
+                Err(e)
+            }
+        }
+    }
+
+    fn backoff(&self, slot: &mut Slot, e: RpcError) {
+        slot.failures = slot.failures.saturating_add(1);
+        let shift = (slot.failures - 1).min(16);
+        let delay_ms = (RECONNECT_BACKOFF_MIN_MS << shift).min(RECONNECT_BACKOFF_MAX_MS);
+        log::warn!(
+            "rpc to {}: connect attempt {} failed: {e}; next attempt in {delay_ms} ms",
+            self.inner.addr,
+            slot.failures
+        );
+        slot.retry_at = Some(Instant::now() + Duration::from_millis(delay_ms));
+        slot.last_err = Some(e);
+    }
+
+    /// Connects, says hello, and starts the reader and writer tasks.
+    async fn connect(&self) -> Result<Conn, RpcError> {
+        let addr = &self.inner.addr;
+        let io_err = |e: std::io::Error| RpcError::Connect {
+            addr: addr.clone(),
+            source: Arc::new(e),
+        };
+        let stream = TcpStream::connect(addr.as_str()).await.map_err(io_err)?;
+        stream.set_nodelay(true).map_err(io_err)?;
+        let (rd, mut wr) = stream.into_split();
+        let mut rd = BufReader::with_capacity(READ_BUFFER_BYTES, rd);
+
+        let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
+        let hello = wire::encode_request(id, &Request::Hello(self.inner.hello.clone()));
+        frame::write_frame(&mut wr, &hello).await.map_err(io_err)?;
+        let protocol = |source: WireError| RpcError::Protocol {
+            addr: addr.clone(),
+            source,
+        };
+        let (h, payload) = match frame::read_frame(&mut rd, self.inner.frame_bytes_max).await {
+            Ok(Some(f)) => f,
+            Ok(None) => {
+                return Err(io_err(std::io::Error::new(
+                    std::io::ErrorKind::UnexpectedEof,
+                    "peer closed the connection during the handshake",
+                )))
+            }
+            Err(ReadError::Io(e)) => return Err(io_err(e)),
+            Err(ReadError::Wire(e)) => return Err(protocol(e)),
+            Err(e @ ReadError::TooLarge { .. }) => {
+                return Err(protocol(WireError::Invalid(e.to_string())))
+            }
+        };
+        wire::check_payload(&h, &payload).map_err(protocol)?;
+        if h.request_id != id {
+            return Err(protocol(WireError::Invalid(format!(
+                "handshake answer carries request id {}, expected {id}",
+                h.request_id
+            ))));
+        }
+        let peer = match wire::decode_response(h.msg_type, payload).map_err(protocol)? {
+            Response::HelloOk { node } => node,
+            Response::Err { code, message } => {
+                log::warn!("rpc to {addr}: peer refused our hello ({code}): {message}");
+                return Err(RpcError::Refused {
+                    addr: addr.clone(),
+                    code,
+                    message,
+                });
+            }
+            other => {
+                return Err(protocol(WireError::Invalid(format!(
+                    "handshake answered with {other:?} instead of HelloOk"
+                ))))
+            }
+        };
+        log::debug!("rpc to {addr}: connected to node {peer}");
+
+        let shared = Arc::new(ConnShared {
+            addr: addr.clone(),
+            pending: Mutex::new(Pending {
+                closed: false,
+                waiters: HashMap::new(),
+            }),
+            tasks: Mutex::new(Vec::new()),
+        });
+        let (tx, rx) = mpsc::channel(self.inner.inflight_max);
+        let writer = {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                if let Err(e) = frame::write_loop(wr, rx).await {
+                    log::warn!("rpc to {}: write failed: {e}", shared.addr);
+                }
+                shared.fail();
+            })
+        };
+        let reader = tokio::spawn(read_loop(rd, shared.clone(), self.inner.frame_bytes_max));
+        shared.set_tasks(vec![writer.abort_handle(), reader.abort_handle()]);
+        Ok(Conn { tx, shared, peer })
+    }
+}
+
+/// Delivers each answer to its caller until the connection breaks.
+async fn read_loop<R: tokio::io::AsyncRead + Unpin>(
+    mut rd: R,
+    shared: Arc<ConnShared>,
+    frame_bytes_max: usize,
+) {
+    loop {
+        match frame::read_frame(&mut rd, frame_bytes_max).await {
+            Ok(Some((h, payload))) => {
+                let reply = wire::check_payload(&h, &payload)
+                    .and_then(|()| wire::decode_response(h.msg_type, payload))
+                    .map_err(|source| RpcError::Protocol {
+                        addr: shared.addr.clone(),
+                        source,
+                    });
+                match shared.take(h.request_id) {
+                    Some(w) => {
+                        let _ = w.send(reply);
+                    }
+                    None => log::debug!(
+                        "rpc to {}: answer to request {} arrived after its caller gave up",
+                        shared.addr,
+                        h.request_id
+                    ),
+                }
+            }
+            Ok(None) => {
+                log::info!("rpc to {}: peer closed the connection", shared.addr);
+                break;
+            }
+            Err(e) => {
+                log::warn!("rpc to {}: dropping connection: {e}", shared.addr);
+                break;
+            }
+        }
+    }
+    shared.fail();
+}

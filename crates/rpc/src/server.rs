@@ -1,0 +1,336 @@
+//! The answering side: accepts peers, checks their hello, and runs requests concurrently.
+//!
+//! Per connection: the handshake comes first; then one task reads frames and starts a handler
+//! task per request (at most `rpc_inflight_max` at once, further reading waits), and one
+//! writer task sends the answers in completion order, batched.
+//!
+//! Handler tasks are detached on purpose: when a connection (or the whole server) goes away,
+//! a handler that is halfway through a write to a drive is allowed to finish rather than being
+//! cancelled at an arbitrary await point; only its answer is lost.
+
+use crate::frame::{self, Outgoing, ReadError, READ_BUFFER_BYTES};
+use crate::wire::{
+    self, msg, EncodedFrame, ErrorCode, FrameHeader, Request, Response, WireError, PROTOCOL_VERSION,
+};
+use converge_types::{ClusterId, Knobs, NodeId};
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncWrite, BufReader};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+
+/// Pause after an accept error (e.g. out of file descriptors) before accepting again.
+const ACCEPT_ERROR_PAUSE_MS: u64 = 100;
+
+/// What the node plugs into the server: the engine, in production.
+pub trait Handler: Send + Sync + 'static {
+    /// Answers one request from node `peer`. `Hello` and `Ping` never reach the handler
+    /// (the rpc layer answers them).
+    fn handle(&self, peer: NodeId, req: Request) -> impl Future<Output = Response> + Send;
+}
+
+/// Accepts connections on `listener` until this future is dropped; dropping it closes every
+/// connection it accepted. Returns an error only if the listener itself is unusable.
+pub async fn serve<H: Handler>(
+    listener: TcpListener,
+    cluster: ClusterId,
+    my_node: NodeId,
+    handler: Arc<H>,
+    knobs: Knobs,
+) -> std::io::Result<()> {
+    let knobs = Arc::new(knobs);
+    let mut conns = JoinSet::new();
+    loop {
+        tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok((stream, addr)) => {
+                    conns.spawn(serve_conn(
+                        stream,
+                        addr,
+                        cluster,
+                        my_node,
+                        handler.clone(),
+                        knobs.clone(),
+                    ));
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => return Err(e),
+                Err(e) => {
+                    log::warn!("rpc server (node {my_node}): accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(ACCEPT_ERROR_PAUSE_MS)).await;
+                }
+            },
+            Some(_) = conns.join_next(), if !conns.is_empty() => {}
+        }
+    }
+}
+
+/// Encodes an answer, replacing it by an error if it would exceed the frame bound.
+fn encode_reply(id: u64, resp: &Response, frame_bytes_max: usize) -> EncodedFrame {
+    let f = wire::encode_response(id, resp);
+    if f.payload_len() <= frame_bytes_max {
+        return f;
+    }
+    wire::encode_response(
+        id,
+        &Response::err(
+            ErrorCode::Invalid,
+            format!(
+                "answer of {} bytes exceeds rpc_frame_bytes_max {frame_bytes_max}; ask for less",
+                f.payload_len()
+            ),
+        ),
+    )
+}
+
+/// Sends an error answer if the handler task ends without answering (it panicked).
+struct ReplyGuard {
+    tx: Option<mpsc::Sender<Outgoing>>,
+    id: u64,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for ReplyGuard {
+    fn drop(&mut self) {
+        if let Some(tx) = self.tx.take() {
+            let resp = Response::err(ErrorCode::Other, "request handler failed (panicked)");
+            let _ = tx.try_send(Outgoing::Frame(wire::encode_response(self.id, &resp)));
+        }
+    }
+}
+
+async fn serve_conn<H: Handler>(
+    stream: TcpStream,
+    addr: SocketAddr,
+    cluster: ClusterId,
+    my_node: NodeId,
+    handler: Arc<H>,
+    knobs: Arc<Knobs>,
+) {
+    if let Err(e) = stream.set_nodelay(true) {
+        log::warn!("rpc server: cannot set TCP_NODELAY for {addr}: {e}");
+    }
+    let max = knobs.rpc_frame_bytes_max;
+    let inflight_max = knobs.rpc_inflight_max.max(1);
+    let (rd, mut wr) = stream.into_split();
+    let mut rd = BufReader::with_capacity(READ_BUFFER_BYTES, rd);
+
+    let handshake_timeout = Duration::from_millis(knobs.replica_timeout_ms);
+    let peer = match tokio::time::timeout(
+        handshake_timeout,
+        handshake(&mut rd, &mut wr, addr, cluster, my_node, max),
+    )
+    .await
+    {
+        Ok(Some(peer)) => peer,
+        Ok(None) => return,
+        Err(_) => {
+            log::info!("rpc server: {addr} sent no hello within {handshake_timeout:?}");
+            return;
+        }
+    };
+    log::debug!("rpc server: node {peer} connected from {addr}");
+
+    let (tx, rx) = mpsc::channel(inflight_max);
+    let mut writer = tokio::spawn(frame::write_loop(wr, rx));
+    // Stop the writer (and so close the socket) however this task ends, aborted included.
+    let _stop_writer = AbortOnDrop(writer.abort_handle());
+    let slots = Arc::new(Semaphore::new(inflight_max));
+
+    loop {
+        let permit = tokio::select! {
+            p = slots.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => break,
+            },
+            _ = &mut writer => break,
+        };
+        let next = tokio::select! {
+            f = frame::read_frame(&mut rd, max) => f,
+            _ = &mut writer => break,
+        };
+        let (h, payload) = match next {
+            Ok(Some(f)) => f,
+            Ok(None) => break,
+            Err(ReadError::TooLarge { header, max }) => {
+                log::warn!(
+                    "rpc server: node {peer} at {addr} sent a {} byte frame, above \
+                     rpc_frame_bytes_max {max}; closing the connection",
+                    header.payload_len
+                );
+                let resp = Response::err(
+                    ErrorCode::Invalid,
+                    format!(
+                        "frame of {} payload bytes exceeds rpc_frame_bytes_max {max}; \
+                         connection closed",
+                        header.payload_len
+                    ),
+                );
+                let _ = tx
+                    .send(Outgoing::Frame(wire::encode_response(
+                        header.request_id,
+                        &resp,
+                    )))
+                    .await;
+                let _ = tx.send(Outgoing::Close).await;
+                // Let the writer deliver the refusal before the socket is closed.
+                let _ = tokio::time::timeout(handshake_timeout, &mut writer).await;
+                break;
+            }
+            Err(e) => {
+                log::warn!("rpc server: dropping connection of node {peer} at {addr}: {e}");
+                break;
+            }
+        };
+        let id = h.request_id;
+        let req = match parse(&h, payload) {
+            Ok(r) => r,
+            Err(resp) => {
+                log::debug!("rpc server: bad request {id} from node {peer}: {resp:?}");
+                if tx
+                    .send(Outgoing::Frame(wire::encode_response(id, &resp)))
+                    .await
+                    .is_err()
+                {
+                    break;
+                }
+                continue;
+            }
+        };
+        let direct = match req {
+            Request::Ping => Some(Response::Pong),
+            Request::Hello(_) => Some(Response::err(
+                ErrorCode::Invalid,
+                "Hello is only valid as the first message of a connection",
+            )),
+            _ => None,
+        };
+        if let Some(resp) = direct {
+            if tx
+                .send(Outgoing::Frame(wire::encode_response(id, &resp)))
+                .await
+                .is_err()
+            {
+                break;
+            }
+            continue;
+        }
+        let mut guard = ReplyGuard {
+            tx: Some(tx.clone()),
+            id,
+            _permit: permit,
+        };
+        let handler = handler.clone();
+        tokio::spawn(async move {
+            let resp = handler.handle(peer, req).await;
+            if let Some(tx) = guard.tx.take() {
+                let _ = tx.send(Outgoing::Frame(encode_reply(id, &resp, max))).await;
+            }
+            drop(guard);
+        });
+    }
+    drop(tx);
+    log::debug!("rpc server: node {peer} at {addr} disconnected");
+}
+
+/// Turns a frame into a request, or into the error answer the peer should get.
+fn parse(h: &FrameHeader, payload: bytes::Bytes) -> Result<Request, Response> {
+    if h.flags != 0 {
+        return Err(Response::err(
+            ErrorCode::Invalid,
+            WireError::UnknownFlags(h.flags).to_string(),
+        ));
+    }
+    if let Err(e) = wire::check_payload(h, &payload) {
+        return Err(Response::err(ErrorCode::ChecksumMismatch, e.to_string()));
+    }
+    if !msg::is_request(h.msg_type) {
+        return Err(Response::err(
+            ErrorCode::Invalid,
+            format!(
+                "message type {:#04x} is not a request (protocol version {PROTOCOL_VERSION})",
+                h.msg_type
+            ),
+        ));
+    }
+    wire::decode_request(h.msg_type, payload).map_err(|e| {
+        let msg = match e {
+            WireError::UnknownType(_) => {
+                format!("{e}: this node speaks protocol version {PROTOCOL_VERSION}")
+            }
+            _ => e.to_string(),
+        };
+        Response::err(ErrorCode::Invalid, msg)
+    })
+}
+
+struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Reads and checks the peer's hello; answers it. `None`: the connection must be closed.
+async fn handshake<R, W>(
+    rd: &mut R,
+    wr: &mut W,
+    addr: SocketAddr,
+    cluster: ClusterId,
+    my_node: NodeId,
+    max: usize,
+) -> Option<NodeId>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let (h, payload) = match frame::read_frame(rd, max).await {
+        Ok(Some(f)) => f,
+        Ok(None) => return None,
+        Err(e) => {
+            log::warn!("rpc server: bad first frame from {addr}: {e}");
+            return None;
+        }
+    };
+    let refuse = |message: String| Response::err(ErrorCode::Invalid, message);
+    let answer = match parse(&h, payload) {
+        Err(resp) => Err(resp),
+        Ok(Request::Hello(hello)) => {
+            if hello.protocol_version != PROTOCOL_VERSION {
+                Err(refuse(format!(
+                    "protocol version mismatch: node {my_node} speaks {PROTOCOL_VERSION}, \
+                     node {} at {addr} speaks {}",
+                    hello.node, hello.protocol_version
+                )))
+            } else if hello.cluster != cluster {
+                Err(refuse(format!(
+                    "cluster mismatch: node {my_node} belongs to cluster {cluster}, \
+                     node {} at {addr} to cluster {}; check the peer's configuration",
+                    hello.node, hello.cluster
+                )))
+            } else {
+                Ok(hello.node)
+            }
+        }
+        Ok(_) => Err(refuse(
+            "the first message of a connection must be Hello".into(),
+        )),
+    };
+    let (resp, result) = match answer {
+        Ok(node) => (Response::HelloOk { node: my_node }, Some(node)),
+        Err(resp) => {
+            if let Response::Err { message, .. } = &resp {
+                log::warn!("rpc server: refusing connection from {addr}: {message}");
+            }
+            (resp, None)
+        }
+    };
+    if let Err(e) = frame::write_frame(wr, &wire::encode_response(h.request_id, &resp)).await {
+        log::info!("rpc server: cannot answer hello from {addr}: {e}");
+        return None;
+    }
+    result
+}

@@ -1,0 +1,1034 @@
+//! Byte-exact encoding of rpc frames and messages (docs/FORMAT-rpc.md is the contract).
+//!
+//! Everything is little-endian. A frame is a 32-byte header followed by a payload. Bulk data
+//! (`Write::data`, `ReadOk::data`) is always the last field of its payload, so the encoder
+//! hands it out as a separate `Bytes` (no copy, written with a vectored write) and the decoder
+//! returns it as a slice of the received buffer (no copy either).
+//!
+//! Decoders never panic: every length is checked against what is left before it is used.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use converge_types::{
+    ClusterId, DriveId, Epoch, ExtentKey, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
+};
+
+/// First four bytes of every frame.
+pub const MAGIC: [u8; 4] = *b"CVRP";
+/// Version of the frame format and message set. Carried in every header and in `Hello`.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Size of the fixed frame header, bytes.
+pub const HEADER_LEN: usize = 32;
+/// Error messages longer than this are truncated by the encoder, bytes.
+pub const ERR_MESSAGE_BYTES_MAX: usize = 4096;
+
+/// Message type byte. Requests are `0x01..=0x7f`, responses `0x80..=0xff`.
+pub mod msg {
+    pub const HELLO: u8 = 0x01;
+    pub const PING: u8 = 0x02;
+    pub const WRITE: u8 = 0x10;
+    pub const READ: u8 = 0x11;
+    pub const ZERO: u8 = 0x12;
+    pub const FREE_EXTENT: u8 = 0x13;
+
+    pub const HELLO_OK: u8 = 0x81;
+    pub const PONG: u8 = 0x82;
+    pub const OK: u8 = 0x90;
+    pub const READ_OK: u8 = 0x91;
+    pub const ERR: u8 = 0xff;
+
+    /// True for the request half of the type space.
+    pub fn is_request(t: u8) -> bool {
+        (0x01..=0x7f).contains(&t)
+    }
+}
+
+/// First message on every connection: who is calling, from which cluster.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Hello {
+    pub cluster: ClusterId,
+    pub node: NodeId,
+    pub protocol_version: u16,
+}
+
+/// A request from one node to a peer.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Request {
+    Hello(Hello),
+    /// Write `data` at byte `offset` of the extent. `crcs[i]` is the crc32c of block `i`.
+    Write {
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        crcs: Vec<u32>,
+        data: Bytes,
+    },
+    Read {
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    },
+    Zero {
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    },
+    FreeExtent {
+        drive: DriveId,
+        key: ExtentKey,
+    },
+    Ping,
+}
+
+/// Why a request failed on the remote side. Unknown codes decode as `Other`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorCode {
+    StaleEpoch,
+    ChecksumMismatch,
+    NoSpace,
+    UnknownDrive,
+    Io,
+    Invalid,
+    Busy,
+    Other,
+}
+
+impl ErrorCode {
+    pub const ALL: [ErrorCode; 8] = [
+        ErrorCode::StaleEpoch,
+        ErrorCode::ChecksumMismatch,
+        ErrorCode::NoSpace,
+        ErrorCode::UnknownDrive,
+        ErrorCode::Io,
+        ErrorCode::Invalid,
+        ErrorCode::Busy,
+        ErrorCode::Other,
+    ];
+
+    pub fn to_u16(self) -> u16 {
+        match self {
+            ErrorCode::StaleEpoch => 1,
+            ErrorCode::ChecksumMismatch => 2,
+            ErrorCode::NoSpace => 3,
+            ErrorCode::UnknownDrive => 4,
+            ErrorCode::Io => 5,
+            ErrorCode::Invalid => 6,
+            ErrorCode::Busy => 7,
+            ErrorCode::Other => 0xffff,
+        }
+    }
+
+    pub fn from_u16(v: u16) -> ErrorCode {
+        match v {
+            1 => ErrorCode::StaleEpoch,
+            2 => ErrorCode::ChecksumMismatch,
+            3 => ErrorCode::NoSpace,
+            4 => ErrorCode::UnknownDrive,
+            5 => ErrorCode::Io,
+            6 => ErrorCode::Invalid,
+            7 => ErrorCode::Busy,
+            _ => ErrorCode::Other,
+        }
+    }
+}
+
+impl std::fmt::Display for ErrorCode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Debug::fmt(self, f)
+    }
+}
+
+/// The answer to a request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Response {
+    HelloOk {
+        node: NodeId,
+    },
+    Ok,
+    /// `bad_blocks` are indexes (from the start of the read) of blocks whose checksum failed;
+    /// `version` is the highest block version among the blocks read (a repair rewrites a bad
+    /// copy with the good copy's version, so it must travel).
+    ReadOk {
+        data: Bytes,
+        bad_blocks: Vec<u32>,
+        version: Version,
+    },
+    Pong,
+    Err {
+        code: ErrorCode,
+        message: String,
+    },
+}
+
+impl Response {
+    pub fn err(code: ErrorCode, message: impl Into<String>) -> Response {
+        Response::Err {
+            code,
+            message: message.into(),
+        }
+    }
+}
+
+/// What is wrong with some bytes or with a message about to be sent.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum WireError {
+    #[error("bad frame magic {0:02x?} (not a converge rpc peer?)")]
+    BadMagic([u8; 4]),
+    #[error("frame header checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]
+    HeaderChecksum { stored: u32, computed: u32 },
+    #[error("protocol version {got} not supported (this node speaks {PROTOCOL_VERSION})")]
+    Version { got: u16 },
+    #[error("frame payload of {len} bytes exceeds rpc_frame_bytes_max {max}")]
+    TooLarge { len: usize, max: usize },
+    #[error("reserved header bytes are not zero")]
+    Reserved,
+    #[error("payload checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]
+    PayloadChecksum { stored: u32, computed: u32 },
+    #[error("unknown message type {0:#04x}")]
+    UnknownType(u8),
+    #[error("unknown frame flags {0:#04x}")]
+    UnknownFlags(u8),
+    #[error("message truncated: needed {needed} more bytes for {field}")]
+    Truncated { field: &'static str, needed: usize },
+    #[error("{0} trailing bytes after message")]
+    Trailing(usize),
+    #[error("invalid message: {0}")]
+    Invalid(String),
+}
+
+/// The fixed part of a frame.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct FrameHeader {
+    pub msg_type: u8,
+    pub flags: u8,
+    pub request_id: u64,
+    pub payload_len: u32,
+    pub payload_crc: u32,
+}
+
+impl FrameHeader {
+    pub fn encode(&self) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[0..4].copy_from_slice(&MAGIC);
+        h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        h[6] = self.msg_type;
+        h[7] = self.flags;
+        h[8..16].copy_from_slice(&self.request_id.to_le_bytes());
+        h[16..20].copy_from_slice(&self.payload_len.to_le_bytes());
+        h[20..24].copy_from_slice(&self.payload_crc.to_le_bytes());
+        // 24..28 reserved, zero.
+        let crc = crc32c::crc32c(&h[0..28]);
+        h[28..32].copy_from_slice(&crc.to_le_bytes());
+        h
+    }
+
+    /// Checks magic, header crc, version, reserved bytes and the payload bound. Errors here
+    /// mean the byte stream cannot be trusted any more: the connection must be closed.
+    /// Unknown message types and flags are *not* errors here (the frame can still be skipped).
+    pub fn decode(
+        h: &[u8; HEADER_LEN],
+        payload_bytes_max: usize,
+    ) -> Result<FrameHeader, WireError> {
+        let magic = [h[0], h[1], h[2], h[3]];
+        if magic != MAGIC {
+            return Err(WireError::BadMagic(magic));
+        }
+        let stored = u32::from_le_bytes([h[28], h[29], h[30], h[31]]);
+        let computed = crc32c::crc32c(&h[0..28]);
+        if stored != computed {
+            return Err(WireError::HeaderChecksum { stored, computed });
+        }
+        let version = u16::from_le_bytes([h[4], h[5]]);
+        if version != PROTOCOL_VERSION {
+            return Err(WireError::Version { got: version });
+        }
+        if h[24..28] != [0, 0, 0, 0] {
+            return Err(WireError::Reserved);
+        }
+        let mut id = [0u8; 8];
+        id.copy_from_slice(&h[8..16]);
+        let payload_len = u32::from_le_bytes([h[16], h[17], h[18], h[19]]);
+        if payload_len as usize > payload_bytes_max {
+            return Err(WireError::TooLarge {
+                len: payload_len as usize,
+                max: payload_bytes_max,
+            });
+        }
+        Ok(FrameHeader {
+            msg_type: h[6],
+            flags: h[7],
+            request_id: u64::from_le_bytes(id),
+            payload_len,
+            payload_crc: u32::from_le_bytes([h[20], h[21], h[22], h[23]]),
+        })
+    }
+}
+
+/// A frame ready to be written: `head` (header + fixed fields) then `data` (bulk, may be empty).
+#[derive(Clone, Debug)]
+pub struct EncodedFrame {
+    pub head: Bytes,
+    pub data: Bytes,
+}
+
+impl EncodedFrame {
+    /// Length of the payload (everything after the header), bytes.
+    pub fn payload_len(&self) -> usize {
+        self.head.len() - HEADER_LEN + self.data.len()
+    }
+
+    /// Total bytes on the wire.
+    pub fn wire_len(&self) -> usize {
+        self.head.len() + self.data.len()
+    }
+
+    /// The frame as one contiguous buffer (copies; for tests and tools).
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(self.wire_len());
+        v.extend_from_slice(&self.head);
+        v.extend_from_slice(&self.data);
+        v
+    }
+}
+
+/// Checks what the rpc layer itself can check about a request before it is sent or handled.
+pub fn validate_request(req: &Request) -> Result<(), WireError> {
+    if let Request::Write { crcs, data, .. } = req {
+        if crcs.len().checked_mul(BLOCK_SIZE) != Some(data.len()) {
+            return Err(WireError::Invalid(format!(
+                "write carries {} crcs for {} data bytes: need one crc per {BLOCK_SIZE}-byte block",
+                crcs.len(),
+                data.len()
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn put_key(b: &mut BytesMut, drive: DriveId, key: &ExtentKey) {
+    b.put_u64_le(drive.0);
+    b.put_u64_le(key.volume.0);
+    b.put_u64_le(key.slab.0);
+}
+
+/// Builds a frame: `body` is written after a header placeholder, then the header is filled in.
+fn finish(msg_type: u8, request_id: u64, mut head: BytesMut, data: Bytes) -> EncodedFrame {
+    let body_len = head.len() - HEADER_LEN;
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&head[HEADER_LEN..]), &data);
+    // Payload lengths above u32::MAX saturate; every receiver bounds frames far below that,
+    // and senders check `payload_len()` against rpc_frame_bytes_max first.
+    let payload_len = u32::try_from(body_len + data.len()).unwrap_or(u32::MAX);
+    let header = FrameHeader {
+        msg_type,
+        flags: 0,
+        request_id,
+        payload_len,
+        payload_crc: crc,
+    };
+    head[..HEADER_LEN].copy_from_slice(&header.encode());
+    EncodedFrame {
+        head: head.freeze(),
+        data,
+    }
+}
+
+fn new_head(body_capacity: usize) -> BytesMut {
+    let mut b = BytesMut::with_capacity(HEADER_LEN + body_capacity);
+    b.put_bytes(0, HEADER_LEN);
+    b
+}
+
+/// Message type of a request.
+pub fn request_type(req: &Request) -> u8 {
+    match req {
+        Request::Hello(_) => msg::HELLO,
+        Request::Write { .. } => msg::WRITE,
+        Request::Read { .. } => msg::READ,
+        Request::Zero { .. } => msg::ZERO,
+        Request::FreeExtent { .. } => msg::FREE_EXTENT,
+        Request::Ping => msg::PING,
+    }
+}
+
+/// Message type of a response.
+pub fn response_type(resp: &Response) -> u8 {
+    match resp {
+        Response::HelloOk { .. } => msg::HELLO_OK,
+        Response::Ok => msg::OK,
+        Response::ReadOk { .. } => msg::READ_OK,
+        Response::Pong => msg::PONG,
+        Response::Err { .. } => msg::ERR,
+    }
+}
+
+/// Encodes a request frame. Does not validate (see [`validate_request`]) so that tests can
+/// build bad frames; `data` is shared, not copied.
+pub fn encode_request(request_id: u64, req: &Request) -> EncodedFrame {
+    let t = request_type(req);
+    match req {
+        Request::Hello(h) => {
+            let mut b = new_head(22);
+            b.put_u128_le(h.cluster.0);
+            b.put_u32_le(h.node.0);
+            b.put_u16_le(h.protocol_version);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::Write {
+            drive,
+            key,
+            epoch,
+            version,
+            offset,
+            crcs,
+            data,
+        } => {
+            let mut b = new_head(56 + 4 * crcs.len());
+            put_key(&mut b, *drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(version.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(u32::try_from(crcs.len()).unwrap_or(u32::MAX));
+            for c in crcs {
+                b.put_u32_le(*c);
+            }
+            b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
+            finish(t, request_id, b, data.clone())
+        }
+        Request::Read {
+            drive,
+            key,
+            epoch,
+            offset,
+            len,
+        } => {
+            let mut b = new_head(44);
+            put_key(&mut b, *drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*len);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::Zero {
+            drive,
+            key,
+            epoch,
+            version,
+            offset,
+            len,
+        } => {
+            let mut b = new_head(56);
+            put_key(&mut b, *drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(version.0);
+            b.put_u64_le(*offset);
+            b.put_u64_le(*len);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::FreeExtent { drive, key } => {
+            let mut b = new_head(24);
+            put_key(&mut b, *drive, key);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::Ping => finish(t, request_id, new_head(0), Bytes::new()),
+    }
+}
+
+/// Encodes a response frame; `data` is shared, not copied.
+pub fn encode_response(request_id: u64, resp: &Response) -> EncodedFrame {
+    let t = response_type(resp);
+    match resp {
+        Response::HelloOk { node } => {
+            let mut b = new_head(4);
+            b.put_u32_le(node.0);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Response::Ok | Response::Pong => finish(t, request_id, new_head(0), Bytes::new()),
+        Response::ReadOk {
+            data,
+            bad_blocks,
+            version,
+        } => {
+            let mut b = new_head(16 + 4 * bad_blocks.len());
+            b.put_u64_le(version.0);
+            b.put_u32_le(u32::try_from(bad_blocks.len()).unwrap_or(u32::MAX));
+            for i in bad_blocks {
+                b.put_u32_le(*i);
+            }
+            b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
+            finish(t, request_id, b, data.clone())
+        }
+        Response::Err { code, message } => {
+            let mut end = message.len().min(ERR_MESSAGE_BYTES_MAX);
+            while !message.is_char_boundary(end) {
+                end -= 1;
+            }
+            let m = &message.as_bytes()[..end];
+            let mut b = new_head(6 + m.len());
+            b.put_u16_le(code.to_u16());
+            b.put_u32_le(m.len() as u32);
+            b.put_slice(m);
+            finish(t, request_id, b, Bytes::new())
+        }
+    }
+}
+
+/// Checks the payload against the crc in its header.
+pub fn check_payload(header: &FrameHeader, payload: &[u8]) -> Result<(), WireError> {
+    let computed = crc32c::crc32c(payload);
+    if computed != header.payload_crc {
+        return Err(WireError::PayloadChecksum {
+            stored: header.payload_crc,
+            computed,
+        });
+    }
+    Ok(())
+}
+
+/// Splits one complete frame held in `buf` into header and payload (checks both crcs).
+/// Returns the number of bytes consumed as well, so callers can walk a buffer of frames.
+pub fn decode_frame(
+    buf: &Bytes,
+    payload_bytes_max: usize,
+) -> Result<(FrameHeader, Bytes, usize), WireError> {
+    let Some(h) = buf.get(..HEADER_LEN) else {
+        return Err(WireError::Truncated {
+            field: "frame header",
+            needed: HEADER_LEN - buf.len(),
+        });
+    };
+    let mut hb = [0u8; HEADER_LEN];
+    hb.copy_from_slice(h);
+    let header = FrameHeader::decode(&hb, payload_bytes_max)?;
+    let end = HEADER_LEN + header.payload_len as usize;
+    if buf.len() < end {
+        return Err(WireError::Truncated {
+            field: "frame payload",
+            needed: end - buf.len(),
+        });
+    }
+    let payload = buf.slice(HEADER_LEN..end);
+    check_payload(&header, &payload)?;
+    Ok((header, payload, end))
+}
+
+/// Reads fields off a payload without panicking.
+struct Reader {
+    buf: Bytes,
+    pos: usize,
+}
+
+impl Reader {
+    fn new(buf: Bytes) -> Reader {
+        Reader { buf, pos: 0 }
+    }
+
+    fn take(&mut self, n: usize, field: &'static str) -> Result<&[u8], WireError> {
+        let left = self.buf.len() - self.pos;
+        if n > left {
+            return Err(WireError::Truncated {
+                field,
+                needed: n - left,
+            });
+        }
+        let s = &self.buf[self.pos..self.pos + n];
+        self.pos += n;
+        Ok(s)
+    }
+
+    fn take_bytes(&mut self, n: usize, field: &'static str) -> Result<Bytes, WireError> {
+        let left = self.buf.len() - self.pos;
+        if n > left {
+            return Err(WireError::Truncated {
+                field,
+                needed: n - left,
+            });
+        }
+        let b = self.buf.slice(self.pos..self.pos + n);
+        self.pos += n;
+        Ok(b)
+    }
+
+    fn u16(&mut self, f: &'static str) -> Result<u16, WireError> {
+        let s = self.take(2, f)?;
+        Ok(u16::from_le_bytes([s[0], s[1]]))
+    }
+
+    fn u32(&mut self, f: &'static str) -> Result<u32, WireError> {
+        let s = self.take(4, f)?;
+        Ok(u32::from_le_bytes([s[0], s[1], s[2], s[3]]))
+    }
+
+    fn u64(&mut self, f: &'static str) -> Result<u64, WireError> {
+        let mut a = [0u8; 8];
+        a.copy_from_slice(self.take(8, f)?);
+        Ok(u64::from_le_bytes(a))
+    }
+
+    fn u128(&mut self, f: &'static str) -> Result<u128, WireError> {
+        let mut a = [0u8; 16];
+        a.copy_from_slice(self.take(16, f)?);
+        Ok(u128::from_le_bytes(a))
+    }
+
+    /// A u32 count followed by that many u32s; the count is checked before allocating.
+    fn u32_list(&mut self, f: &'static str) -> Result<Vec<u32>, WireError> {
+        let n = self.u32(f)? as usize;
+        let raw = self.take(n.saturating_mul(4), f)?;
+        Ok(raw
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect())
+    }
+
+    fn drive_key(&mut self) -> Result<(DriveId, ExtentKey), WireError> {
+        let drive = DriveId(self.u64("drive")?);
+        let volume = VolumeId(self.u64("volume")?);
+        let slab = SlabIndex(self.u64("slab")?);
+        Ok((drive, ExtentKey { volume, slab }))
+    }
+
+    fn finish(self) -> Result<(), WireError> {
+        let left = self.buf.len() - self.pos;
+        if left != 0 {
+            return Err(WireError::Trailing(left));
+        }
+        Ok(())
+    }
+}
+
+/// Decodes a request payload of type `msg_type`. `payload` is sliced, not copied.
+pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError> {
+    let mut r = Reader::new(payload);
+    let req = match msg_type {
+        msg::HELLO => Request::Hello(Hello {
+            cluster: ClusterId(r.u128("cluster")?),
+            node: NodeId(r.u32("node")?),
+            protocol_version: r.u16("protocol_version")?,
+        }),
+        msg::PING => Request::Ping,
+        msg::WRITE => {
+            let (drive, key) = r.drive_key()?;
+            let epoch = Epoch(r.u64("epoch")?);
+            let version = Version(r.u64("version")?);
+            let offset = r.u64("offset")?;
+            let crcs = r.u32_list("crcs")?;
+            let len = r.u32("data length")? as usize;
+            let data = r.take_bytes(len, "data")?;
+            Request::Write {
+                drive,
+                key,
+                epoch,
+                version,
+                offset,
+                crcs,
+                data,
+            }
+        }
+        msg::READ => {
+            let (drive, key) = r.drive_key()?;
+            Request::Read {
+                drive,
+                key,
+                epoch: Epoch(r.u64("epoch")?),
+                offset: r.u64("offset")?,
+                len: r.u32("len")?,
+            }
+        }
+        msg::ZERO => {
+            let (drive, key) = r.drive_key()?;
+            Request::Zero {
+                drive,
+                key,
+                epoch: Epoch(r.u64("epoch")?),
+                version: Version(r.u64("version")?),
+                offset: r.u64("offset")?,
+                len: r.u64("len")?,
+            }
+        }
+        msg::FREE_EXTENT => {
+            let (drive, key) = r.drive_key()?;
+            Request::FreeExtent { drive, key }
+        }
+        other => return Err(WireError::UnknownType(other)),
+    };
+    r.finish()?;
+    validate_request(&req)?;
+    Ok(req)
+}
+
+/// Decodes a response payload of type `msg_type`. `payload` is sliced, not copied.
+pub fn decode_response(msg_type: u8, payload: Bytes) -> Result<Response, WireError> {
+    let mut r = Reader::new(payload);
+    let resp = match msg_type {
+        msg::HELLO_OK => Response::HelloOk {
+            node: NodeId(r.u32("node")?),
+        },
+        msg::OK => Response::Ok,
+        msg::PONG => Response::Pong,
+        msg::READ_OK => {
+            let version = Version(r.u64("version")?);
+            let bad_blocks = r.u32_list("bad_blocks")?;
+            let len = r.u32("data length")? as usize;
+            let data = r.take_bytes(len, "data")?;
+            Response::ReadOk {
+                data,
+                bad_blocks,
+                version,
+            }
+        }
+        msg::ERR => {
+            let code = ErrorCode::from_u16(r.u16("error code")?);
+            let len = r.u32("message length")? as usize;
+            let message = String::from_utf8_lossy(r.take(len, "message")?).into_owned();
+            Response::Err { code, message }
+        }
+        other => return Err(WireError::UnknownType(other)),
+    };
+    r.finish()?;
+    Ok(resp)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::{Rng, RngCore, SeedableRng};
+
+    const MAX: usize = 1 << 20;
+
+    fn key(rng: &mut impl Rng) -> ExtentKey {
+        ExtentKey {
+            volume: VolumeId(rng.gen()),
+            slab: SlabIndex(rng.gen()),
+        }
+    }
+
+    fn data(rng: &mut impl Rng, blocks: usize) -> (Vec<u32>, Bytes) {
+        let mut d = vec![0u8; blocks * BLOCK_SIZE];
+        rng.fill_bytes(&mut d);
+        let crcs = d.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect();
+        (crcs, Bytes::from(d))
+    }
+
+    fn random_request(rng: &mut impl Rng) -> Request {
+        match rng.gen_range(0..6) {
+            0 => Request::Hello(Hello {
+                cluster: ClusterId(rng.gen()),
+                node: NodeId(rng.gen()),
+                protocol_version: rng.gen(),
+            }),
+            1 => {
+                let blocks = rng.gen_range(0..5);
+                let (crcs, data) = data(rng, blocks);
+                Request::Write {
+                    drive: DriveId(rng.gen()),
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    version: Version(rng.gen()),
+                    offset: rng.gen(),
+                    crcs,
+                    data,
+                }
+            }
+            2 => Request::Read {
+                drive: DriveId(rng.gen()),
+                key: key(rng),
+                epoch: Epoch(rng.gen()),
+                offset: rng.gen(),
+                len: rng.gen(),
+            },
+            3 => Request::Zero {
+                drive: DriveId(rng.gen()),
+                key: key(rng),
+                epoch: Epoch(rng.gen()),
+                version: Version(rng.gen()),
+                offset: rng.gen(),
+                len: rng.gen(),
+            },
+            4 => Request::FreeExtent {
+                drive: DriveId(rng.gen()),
+                key: key(rng),
+            },
+            _ => Request::Ping,
+        }
+    }
+
+    fn random_string(rng: &mut impl Rng) -> String {
+        let n = rng.gen_range(0..40);
+        (0..n)
+            .map(|_| {
+                if rng.gen_bool(0.2) {
+                    'é'
+                } else {
+                    rng.gen_range(' '..='~')
+                }
+            })
+            .collect()
+    }
+
+    fn random_response(rng: &mut impl Rng) -> Response {
+        match rng.gen_range(0..5) {
+            0 => Response::HelloOk {
+                node: NodeId(rng.gen()),
+            },
+            1 => Response::Ok,
+            2 => {
+                let blocks = rng.gen_range(0..5);
+                let (_, data) = data(rng, blocks);
+                let n = rng.gen_range(0..6);
+                Response::ReadOk {
+                    data,
+                    bad_blocks: (0..n).map(|_| rng.gen()).collect(),
+                    version: Version(rng.gen()),
+                }
+            }
+            3 => Response::Pong,
+            _ => Response::Err {
+                code: ErrorCode::ALL[rng.gen_range(0..ErrorCode::ALL.len())],
+                message: random_string(rng),
+            },
+        }
+    }
+
+    #[test]
+    fn requests_round_trip() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(1);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..2000 {
+            let req = random_request(&mut rng);
+            let id: u64 = rng.gen();
+            let frame = encode_request(id, &req);
+            let buf = Bytes::from(frame.to_vec());
+            let (h, payload, used) = decode_frame(&buf, MAX).expect("frame decodes");
+            assert_eq!(used, buf.len());
+            assert_eq!(h.request_id, id);
+            assert_eq!(h.payload_len as usize, frame.payload_len());
+            seen.insert(h.msg_type);
+            let back = decode_request(h.msg_type, payload).expect("request decodes");
+            assert_eq!(back, req);
+        }
+        assert_eq!(seen.len(), 6, "every request type was exercised");
+    }
+
+    #[test]
+    fn responses_round_trip() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(2);
+        let mut seen = std::collections::HashSet::new();
+        for _ in 0..2000 {
+            let resp = random_response(&mut rng);
+            let id: u64 = rng.gen();
+            let buf = Bytes::from(encode_response(id, &resp).to_vec());
+            let (h, payload, _) = decode_frame(&buf, MAX).expect("frame decodes");
+            assert_eq!(h.request_id, id);
+            seen.insert(h.msg_type);
+            assert_eq!(decode_response(h.msg_type, payload).expect("decodes"), resp);
+        }
+        assert_eq!(seen.len(), 5, "every response type was exercised");
+    }
+
+    #[test]
+    fn every_error_code_round_trips() {
+        for code in ErrorCode::ALL {
+            assert_eq!(ErrorCode::from_u16(code.to_u16()), code);
+        }
+        assert_eq!(ErrorCode::from_u16(999), ErrorCode::Other);
+    }
+
+    #[test]
+    fn long_error_message_is_truncated_on_a_char_boundary() {
+        let resp = Response::err(ErrorCode::Io, "é".repeat(ERR_MESSAGE_BYTES_MAX));
+        let buf = Bytes::from(encode_response(1, &resp).to_vec());
+        let (h, p, _) = decode_frame(&buf, MAX).expect("frame");
+        match decode_response(h.msg_type, p).expect("decodes") {
+            Response::Err { code, message } => {
+                assert_eq!(code, ErrorCode::Io);
+                assert!(message.len() <= ERR_MESSAGE_BYTES_MAX && message.len() > 4000);
+                assert!(message.chars().all(|c| c == 'é'));
+            }
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    #[test]
+    fn write_payload_is_not_copied_on_decode() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(3);
+        let (crcs, data) = data(&mut rng, 2);
+        let req = Request::Write {
+            drive: DriveId(1),
+            key: key(&mut rng),
+            epoch: Epoch(1),
+            version: Version(1),
+            offset: 0,
+            crcs,
+            data,
+        };
+        let buf = Bytes::from(encode_request(9, &req).to_vec());
+        let (h, payload, _) = decode_frame(&buf, MAX).expect("frame");
+        let Request::Write { data, .. } = decode_request(h.msg_type, payload).expect("req") else {
+            panic!("not a write")
+        };
+        let inside = buf.as_ptr() as usize..buf.as_ptr() as usize + buf.len();
+        assert!(inside.contains(&(data.as_ptr() as usize)));
+    }
+
+    #[test]
+    fn write_with_wrong_crc_count_is_invalid() {
+        let req = Request::Write {
+            drive: DriveId(1),
+            key: ExtentKey {
+                volume: VolumeId(1),
+                slab: SlabIndex(0),
+            },
+            epoch: Epoch(1),
+            version: Version(1),
+            offset: 0,
+            crcs: vec![0; 2],
+            data: Bytes::from(vec![0u8; BLOCK_SIZE]),
+        };
+        assert!(matches!(validate_request(&req), Err(WireError::Invalid(_))));
+        let buf = Bytes::from(encode_request(1, &req).to_vec());
+        let (h, p, _) = decode_frame(&buf, MAX).expect("frame itself is fine");
+        assert!(matches!(
+            decode_request(h.msg_type, p),
+            Err(WireError::Invalid(_))
+        ));
+        // Data not a multiple of the block size either.
+        let req = Request::Write {
+            drive: DriveId(1),
+            key: ExtentKey {
+                volume: VolumeId(1),
+                slab: SlabIndex(0),
+            },
+            epoch: Epoch(1),
+            version: Version(1),
+            offset: 0,
+            crcs: vec![0; 1],
+            data: Bytes::from(vec![0u8; BLOCK_SIZE + 1]),
+        };
+        assert!(validate_request(&req).is_err());
+    }
+
+    #[test]
+    fn every_header_bit_flip_is_detected() {
+        let frame = encode_request(42, &Request::Ping).to_vec();
+        for bit in 0..HEADER_LEN * 8 {
+            let mut f = frame.clone();
+            f[bit / 8] ^= 1 << (bit % 8);
+            let err = decode_frame(&Bytes::from(f), MAX).expect_err("flip must be detected");
+            assert!(
+                matches!(
+                    err,
+                    WireError::HeaderChecksum { .. } | WireError::BadMagic(_)
+                ),
+                "bit {bit}: {err:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn payload_corruption_is_detected() {
+        let req = Request::Read {
+            drive: DriveId(1),
+            key: ExtentKey {
+                volume: VolumeId(2),
+                slab: SlabIndex(3),
+            },
+            epoch: Epoch(4),
+            offset: 5,
+            len: 6,
+        };
+        let frame = encode_request(1, &req).to_vec();
+        for i in HEADER_LEN..frame.len() {
+            let mut f = frame.clone();
+            f[i] ^= 0x10;
+            assert!(matches!(
+                decode_frame(&Bytes::from(f), MAX),
+                Err(WireError::PayloadChecksum { .. })
+            ));
+        }
+    }
+
+    #[test]
+    fn oversized_frame_is_refused_by_the_header() {
+        let frame = encode_response(
+            1,
+            &Response::ReadOk {
+                data: Bytes::from(vec![7u8; 2 * BLOCK_SIZE]),
+                bad_blocks: vec![],
+                version: Version(1),
+            },
+        );
+        let buf = Bytes::from(frame.to_vec());
+        let err = decode_frame(&buf, BLOCK_SIZE).expect_err("too large");
+        assert!(matches!(err, WireError::TooLarge { .. }), "{err:?}");
+        assert!(decode_frame(&buf, frame.payload_len()).is_ok());
+        assert!(decode_frame(&buf, frame.payload_len() - 1).is_err());
+    }
+
+    #[test]
+    fn other_protocol_version_is_refused() {
+        let mut h = encode_request(1, &Request::Ping).to_vec();
+        h[4] = 2;
+        let crc = crc32c::crc32c(&h[0..28]);
+        h[28..32].copy_from_slice(&crc.to_le_bytes());
+        assert_eq!(
+            decode_frame(&Bytes::from(h), MAX).expect_err("version"),
+            WireError::Version { got: 2 }
+        );
+    }
+
+    #[test]
+    fn truncated_frames_and_payloads_are_errors() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(4);
+        for _ in 0..300 {
+            let req = random_request(&mut rng);
+            let frame = encode_request(1, &req).to_vec();
+            for cut in 0..frame.len().min(200) {
+                assert!(decode_frame(&Bytes::from(frame[..cut].to_vec()), MAX).is_err());
+            }
+            // A shorter payload under a type must not decode, except for empty messages.
+            let payload = Bytes::from(frame[HEADER_LEN..].to_vec());
+            for cut in 0..payload.len().min(200) {
+                assert!(decode_request(request_type(&req), payload.slice(..cut)).is_err());
+            }
+            // Extra bytes are refused too.
+            let mut longer = payload.to_vec();
+            longer.push(0);
+            assert!(decode_request(request_type(&req), Bytes::from(longer)).is_err());
+        }
+    }
+
+    #[test]
+    fn random_bytes_never_panic() {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let types: Vec<u8> = (0..=255).collect();
+        for i in 0..20_000 {
+            let n = rng.gen_range(0..300);
+            let mut b = vec![0u8; n];
+            rng.fill_bytes(&mut b);
+            if i % 2 == 0 && n >= HEADER_LEN {
+                // Give half of them a valid-looking header so the payload decoders run.
+                b[0..4].copy_from_slice(&MAGIC);
+                b[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+                b[24..28].fill(0);
+                let crc = crc32c::crc32c(&b[0..28]);
+                b[28..32].copy_from_slice(&crc.to_le_bytes());
+            }
+            let buf = Bytes::from(b);
+            let _ = decode_frame(&buf, MAX);
+            let t = types[rng.gen_range(0..types.len())];
+            let _ = decode_request(t, buf.clone());
+            let _ = decode_response(t, buf.clone());
+            // Counts that claim huge lists must not allocate or panic.
+            let mut huge = vec![0u8; 60];
+            rng.fill_bytes(&mut huge);
+            let _ = decode_request(msg::WRITE, Bytes::from(huge.clone()));
+            let _ = decode_response(msg::READ_OK, Bytes::from(huge));
+        }
+    }
+}

@@ -1,0 +1,586 @@
+//! Client and server over real loopback TCP: pipelining, refusals, timeouts, reconnects.
+
+use bytes::Bytes;
+use converge_rpc::wire::{self, msg, FrameHeader, HEADER_LEN};
+use converge_rpc::{
+    serve, ErrorCode, Handler, Hello, Request, Response, RpcClient, RpcError, PROTOCOL_VERSION,
+};
+use converge_types::{
+    ClusterId, DriveId, Epoch, ExtentKey, Knobs, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
+};
+use rand::Rng;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::task::JoinHandle;
+
+const CLUSTER: ClusterId = ClusterId(0xc0ffee);
+const SERVER_NODE: NodeId = NodeId(7);
+/// Requests on this drive are never answered.
+const DRIVE_BLACK_HOLE: DriveId = DriveId(999);
+/// Requests on this drive are refused as coming from an old epoch.
+const DRIVE_FENCED: DriveId = DriveId(998);
+/// Requests on this drive take 10 s.
+const DRIVE_SLOW: DriveId = DriveId(997);
+
+/// A tiny engine: stores writes by (drive, key, offset), verifies crcs, sleeps randomly so
+/// answers complete out of order, and records arrival vs completion order.
+#[derive(Default)]
+struct Store {
+    blocks: Mutex<HashMap<(DriveId, ExtentKey, u64), Bytes>>,
+    arrivals: AtomicU64,
+    order: Mutex<Vec<u64>>,
+}
+
+impl Handler for Store {
+    async fn handle(&self, peer: NodeId, req: Request) -> Response {
+        assert_eq!(peer, NodeId(1));
+        let arrival = self.arrivals.fetch_add(1, Ordering::SeqCst);
+        let pause = rand::thread_rng().gen_range(0..3000u64);
+        tokio::time::sleep(Duration::from_micros(pause)).await;
+        let resp = match req {
+            Request::Read { drive, .. } | Request::Zero { drive, .. }
+                if drive == DRIVE_BLACK_HOLE =>
+            {
+                std::future::pending::<()>().await;
+                Response::Ok
+            }
+            Request::Read { drive, .. } if drive == DRIVE_SLOW => {
+                tokio::time::sleep(Duration::from_secs(10)).await;
+                Response::Ok
+            }
+            Request::Read { drive, .. } if drive == DRIVE_FENCED => {
+                Response::err(ErrorCode::StaleEpoch, "epoch 1 < 2")
+            }
+            Request::Write {
+                drive,
+                key,
+                offset,
+                crcs,
+                data,
+                ..
+            } => {
+                let ok = data
+                    .chunks(BLOCK_SIZE)
+                    .zip(&crcs)
+                    .all(|(b, c)| crc32c::crc32c(b) == *c);
+                if !ok {
+                    Response::err(ErrorCode::ChecksumMismatch, "block crc mismatch")
+                } else {
+                    self.blocks
+                        .lock()
+                        .expect("lock")
+                        .insert((drive, key, offset), data);
+                    Response::Ok
+                }
+            }
+            Request::Read {
+                drive,
+                key,
+                offset,
+                len,
+                ..
+            } => match self.blocks.lock().expect("lock").get(&(drive, key, offset)) {
+                Some(d) => Response::ReadOk {
+                    data: d.clone(),
+                    bad_blocks: vec![],
+                    version: converge_types::Version(1),
+                },
+                None => Response::ReadOk {
+                    data: Bytes::from(vec![0u8; len as usize]),
+                    bad_blocks: vec![],
+                    version: converge_types::Version(0),
+                },
+            },
+            _ => Response::Ok,
+        };
+        self.order.lock().expect("lock").push(arrival);
+        resp
+    }
+}
+
+fn knobs(timeout_ms: u64, frame_max: usize) -> Knobs {
+    Knobs {
+        replica_timeout_ms: timeout_ms,
+        rpc_inflight_max: 64,
+        rpc_frame_bytes_max: frame_max,
+        ..Knobs::default()
+    }
+}
+
+async fn start_on(
+    addr: SocketAddr,
+    store: Arc<Store>,
+    knobs: Knobs,
+) -> (SocketAddr, JoinHandle<std::io::Result<()>>) {
+    let listener = TcpListener::bind(addr).await.expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(serve(listener, CLUSTER, SERVER_NODE, store, knobs));
+    (addr, task)
+}
+
+async fn start(knobs: Knobs) -> (SocketAddr, Arc<Store>, JoinHandle<std::io::Result<()>>) {
+    let store = Arc::new(Store::default());
+    let (addr, task) = start_on("127.0.0.1:0".parse().expect("addr"), store.clone(), knobs).await;
+    (addr, store, task)
+}
+
+fn client(addr: SocketAddr, knobs: &Knobs) -> RpcClient {
+    RpcClient::new(addr.to_string(), Hello::new(CLUSTER, NodeId(1)), knobs)
+}
+
+fn key(slab: u64) -> ExtentKey {
+    ExtentKey {
+        volume: VolumeId(5),
+        slab: SlabIndex(slab),
+    }
+}
+
+fn write(drive: DriveId, offset: u64, blocks: usize, fill: u8) -> Request {
+    let data = Bytes::from(vec![fill; blocks * BLOCK_SIZE]);
+    Request::Write {
+        drive,
+        key: key(0),
+        epoch: Epoch(1),
+        version: Version(offset),
+        offset,
+        crcs: data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect(),
+        data,
+    }
+}
+
+fn read(drive: DriveId, offset: u64, len: u32) -> Request {
+    Request::Read {
+        drive,
+        key: key(0),
+        epoch: Epoch(1),
+        offset,
+        len,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipelined_calls_on_one_connection_get_their_own_answers() {
+    let k = knobs(10_000, 1 << 20);
+    let (addr, store, _server) = start(k.clone()).await;
+    let c = client(addr, &k);
+    const N: u64 = 400;
+    let mut tasks = Vec::new();
+    for i in 0..N {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            let blocks = 1 + (i % 3) as usize;
+            let resp = c.call(write(DriveId(1), i * 65536, blocks, i as u8)).await;
+            assert_eq!(resp.expect("write"), Response::Ok);
+            let resp = c
+                .call(read(DriveId(1), i * 65536, (blocks * BLOCK_SIZE) as u32))
+                .await
+                .expect("read");
+            match resp {
+                Response::ReadOk {
+                    data, bad_blocks, ..
+                } => {
+                    assert!(bad_blocks.is_empty());
+                    assert_eq!(data.len(), blocks * BLOCK_SIZE, "request {i}");
+                    assert!(
+                        data.iter().all(|b| *b == i as u8),
+                        "request {i} got another's data"
+                    );
+                }
+                other => panic!("request {i}: {other:?}"),
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task");
+    }
+    assert_eq!(
+        c.connections_made(),
+        1,
+        "everything went over one connection"
+    );
+    assert_eq!(c.peer_node().await, Some(SERVER_NODE));
+    let order = store.order.lock().expect("lock").clone();
+    assert_eq!(order.len() as u64, 2 * N);
+    let inversions = order.windows(2).filter(|w| w[0] > w[1]).count();
+    assert!(
+        inversions > 0,
+        "handlers ran concurrently and finished out of order"
+    );
+    assert_eq!(c.call(Request::Ping).await.expect("ping"), Response::Pong);
+}
+
+#[tokio::test]
+async fn remote_errors_are_mapped_with_their_code() {
+    let k = knobs(10_000, 1 << 20);
+    let (addr, _store, _server) = start(k.clone()).await;
+    let c = client(addr, &k);
+    match c.call(read(DRIVE_FENCED, 0, 4096)).await {
+        Err(RpcError::Remote { code, message }) => {
+            assert_eq!(code, ErrorCode::StaleEpoch);
+            assert_eq!(message, "epoch 1 < 2");
+        }
+        other => panic!("{other:?}"),
+    }
+    // A corrupted block reaches the handler (the rpc layer only checks counts) and is refused.
+    let mut w = write(DriveId(1), 0, 2, 9);
+    if let Request::Write { crcs, .. } = &mut w {
+        crcs[1] ^= 1;
+    }
+    assert!(matches!(
+        c.call(w).await,
+        Err(RpcError::Remote {
+            code: ErrorCode::ChecksumMismatch,
+            ..
+        })
+    ));
+    // Wrong crc count: refused locally, never sent.
+    let mut w = write(DriveId(1), 0, 2, 9);
+    if let Request::Write { crcs, .. } = &mut w {
+        crcs.pop();
+    }
+    assert!(matches!(c.call(w).await, Err(RpcError::Invalid(_))));
+    assert!(matches!(
+        c.call(Request::Hello(Hello::new(CLUSTER, NodeId(1)))).await,
+        Err(RpcError::Invalid(_))
+    ));
+}
+
+#[tokio::test]
+async fn wrong_cluster_is_refused_with_a_clear_error() {
+    let k = knobs(10_000, 1 << 20);
+    let (addr, _store, _server) = start(k.clone()).await;
+    let stranger = RpcClient::new(
+        addr.to_string(),
+        Hello::new(ClusterId(0xbad), NodeId(1)),
+        &k,
+    );
+    match stranger.call(Request::Ping).await {
+        Err(RpcError::Refused { code, message, .. }) => {
+            assert_eq!(code, ErrorCode::Invalid);
+            assert!(message.contains("cluster mismatch"), "{message}");
+            assert!(message.contains(&ClusterId(0xbad).to_string()), "{message}");
+            assert!(message.contains(&CLUSTER.to_string()), "{message}");
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    assert_eq!(stranger.connections_made(), 0);
+    // The server is still there for its own cluster.
+    let friend = client(addr, &k);
+    assert_eq!(
+        friend.call(Request::Ping).await.expect("ping"),
+        Response::Pong
+    );
+}
+
+#[tokio::test]
+async fn wrong_protocol_version_is_refused() {
+    let k = knobs(10_000, 1 << 20);
+    let (addr, _store, _server) = start(k.clone()).await;
+    let hello = Hello {
+        cluster: CLUSTER,
+        node: NodeId(1),
+        protocol_version: PROTOCOL_VERSION + 1,
+    };
+    let c = RpcClient::new(addr.to_string(), hello, &k);
+    match c.call(Request::Ping).await {
+        Err(RpcError::Refused { message, .. }) => {
+            assert!(message.contains("protocol version"), "{message}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn call_times_out_when_the_handler_never_answers() {
+    let k = knobs(300, 1 << 20);
+    let (addr, _store, _server) = start(k.clone()).await;
+    let c = client(addr, &k);
+    assert_eq!(c.call(Request::Ping).await.expect("ping"), Response::Pong);
+    let t0 = Instant::now();
+    match c.call(read(DRIVE_BLACK_HOLE, 0, 4096)).await {
+        Err(RpcError::Timeout { timeout_ms, .. }) => assert_eq!(timeout_ms, 300),
+        other => panic!("expected Timeout, got {other:?}"),
+    }
+    assert!(t0.elapsed() >= Duration::from_millis(290));
+    // The connection survives a timed-out call.
+    assert_eq!(c.call(Request::Ping).await.expect("ping"), Response::Pong);
+    assert_eq!(c.connections_made(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_death_fails_pending_calls_and_the_client_reconnects() {
+    let k = knobs(5_000, 1 << 20);
+    let (addr, store, server) = start(k.clone()).await;
+    let c = client(addr, &k);
+    assert_eq!(c.call(Request::Ping).await.expect("ping"), Response::Pong);
+    let pending: Vec<_> = (0..5)
+        .map(|_| {
+            let c = c.clone();
+            tokio::spawn(async move { c.call(read(DRIVE_SLOW, 0, 4096)).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    server.abort();
+    let t0 = Instant::now();
+    for p in pending {
+        match p.await.expect("task") {
+            Err(RpcError::Disconnected { .. }) => {}
+            other => panic!("expected Disconnected, got {other:?}"),
+        }
+    }
+    assert!(
+        t0.elapsed() < Duration::from_secs(4),
+        "failed fast, not by timeout"
+    );
+
+    // While the server is down, calls fail (connect refused, then backoff) without hanging.
+    match c.call(Request::Ping).await {
+        Err(RpcError::Connect { .. }) => {}
+        other => panic!("expected Connect error, got {other:?}"),
+    }
+
+    let (_, _server) = start_on(addr, store, k.clone()).await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.call(Request::Ping).await {
+            Ok(r) => {
+                assert_eq!(r, Response::Pong);
+                break;
+            }
+            Err(e) => {
+                assert!(Instant::now() < deadline, "no reconnect: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+    assert_eq!(c.connections_made(), 2);
+}
+
+#[tokio::test]
+async fn oversized_request_is_refused_before_sending() {
+    let k = knobs(10_000, 64 << 10);
+    let (addr, _store, _server) = start(k.clone()).await;
+    let c = client(addr, &k);
+    match c.call(write(DriveId(1), 0, 16, 1)).await {
+        Err(RpcError::FrameTooLarge { size, max }) => {
+            assert!(size > 16 * BLOCK_SIZE);
+            assert_eq!(max, 64 << 10);
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(c.connections_made(), 0, "nothing was sent");
+    assert_eq!(
+        c.call(write(DriveId(1), 0, 15, 1)).await.expect("fits"),
+        Response::Ok
+    );
+    // An answer that would not fit is replaced by an error instead of a huge frame.
+    match c.call(read(DriveId(2), 0, 128 << 10)).await {
+        Err(RpcError::Remote { code, message }) => {
+            assert_eq!(code, ErrorCode::Invalid);
+            assert!(message.contains("rpc_frame_bytes_max"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+// ---- raw-socket tests: a misbehaving peer --------------------------------------------------
+
+async fn raw_read(s: &mut TcpStream) -> Option<(FrameHeader, Response)> {
+    let mut h = [0u8; HEADER_LEN];
+    if s.read_exact(&mut h).await.is_err() {
+        return None;
+    }
+    let header = FrameHeader::decode(&h, 1 << 20).expect("server header is valid");
+    let mut p = vec![0u8; header.payload_len as usize];
+    s.read_exact(&mut p).await.expect("payload");
+    let resp = wire::decode_response(header.msg_type, Bytes::from(p)).expect("response");
+    Some((header, resp))
+}
+
+async fn raw_connect(addr: SocketAddr) -> TcpStream {
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    let hello = wire::encode_request(1, &Request::Hello(Hello::new(CLUSTER, NodeId(1))));
+    s.write_all(&hello.to_vec()).await.expect("hello");
+    let (h, r) = raw_read(&mut s).await.expect("hello answer");
+    assert_eq!(h.request_id, 1);
+    assert_eq!(r, Response::HelloOk { node: SERVER_NODE });
+    s
+}
+
+fn raw_frame(msg_type: u8, id: u64, payload: &[u8]) -> Vec<u8> {
+    let h = FrameHeader {
+        msg_type,
+        flags: 0,
+        request_id: id,
+        payload_len: payload.len() as u32,
+        payload_crc: crc32c::crc32c(payload),
+    };
+    let mut v = h.encode().to_vec();
+    v.extend_from_slice(payload);
+    v
+}
+
+#[tokio::test]
+async fn server_refuses_frames_above_the_bound_and_closes() {
+    let k = knobs(10_000, 64 << 10);
+    let (addr, _store, _server) = start(k.clone()).await;
+    let mut s = raw_connect(addr).await;
+    let h = FrameHeader {
+        msg_type: msg::WRITE,
+        flags: 0,
+        request_id: 77,
+        payload_len: (64 << 10) + 1,
+        payload_crc: 0,
+    };
+    s.write_all(&h.encode()).await.expect("send");
+    let (h, r) = raw_read(&mut s).await.expect("refusal");
+    assert_eq!(h.request_id, 77);
+    match r {
+        Response::Err { code, message } => {
+            assert_eq!(code, ErrorCode::Invalid);
+            assert!(message.contains("rpc_frame_bytes_max"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    let mut rest = Vec::new();
+    let n = s.read_to_end(&mut rest).await.expect("clean close");
+    assert_eq!(n, 0, "connection closed after the refusal");
+}
+
+#[tokio::test]
+async fn unknown_types_and_bad_payloads_get_errors_and_the_connection_stays_up() {
+    let k = knobs(10_000, 1 << 20);
+    let (addr, _store, _server) = start(k.clone()).await;
+    let mut s = raw_connect(addr).await;
+
+    // A message type from a future protocol version.
+    s.write_all(&raw_frame(0x55, 10, b"future"))
+        .await
+        .expect("send");
+    let (h, r) = raw_read(&mut s).await.expect("answer");
+    assert_eq!(h.request_id, 10);
+    assert!(
+        matches!(
+            r,
+            Response::Err {
+                code: ErrorCode::Invalid,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+
+    // A response type sent as a request.
+    s.write_all(&raw_frame(msg::OK, 11, b""))
+        .await
+        .expect("send");
+    let (h, r) = raw_read(&mut s).await.expect("answer");
+    assert_eq!(h.request_id, 11);
+    assert!(
+        matches!(
+            r,
+            Response::Err {
+                code: ErrorCode::Invalid,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+
+    // A known type with a malformed (short) payload.
+    s.write_all(&raw_frame(msg::READ, 12, &[1, 2, 3]))
+        .await
+        .expect("send");
+    let (h, r) = raw_read(&mut s).await.expect("answer");
+    assert_eq!(h.request_id, 12);
+    assert!(
+        matches!(
+            r,
+            Response::Err {
+                code: ErrorCode::Invalid,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+
+    // Payload damaged in transit.
+    let mut f = wire::encode_request(13, &read(DriveId(1), 0, 4096)).to_vec();
+    let last = f.len() - 1;
+    f[last] ^= 0xff;
+    s.write_all(&f).await.expect("send");
+    let (h, r) = raw_read(&mut s).await.expect("answer");
+    assert_eq!(h.request_id, 13);
+    assert!(
+        matches!(
+            r,
+            Response::Err {
+                code: ErrorCode::ChecksumMismatch,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+
+    // A second hello.
+    let hello = wire::encode_request(14, &Request::Hello(Hello::new(CLUSTER, NodeId(1))));
+    s.write_all(&hello.to_vec()).await.expect("send");
+    let (_, r) = raw_read(&mut s).await.expect("answer");
+    assert!(
+        matches!(
+            r,
+            Response::Err {
+                code: ErrorCode::Invalid,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+
+    // Still up.
+    s.write_all(&wire::encode_request(15, &Request::Ping).to_vec())
+        .await
+        .expect("send");
+    let (h, r) = raw_read(&mut s).await.expect("answer");
+    assert_eq!((h.request_id, r), (15, Response::Pong));
+}
+
+#[tokio::test]
+async fn first_message_must_be_hello_and_garbage_closes() {
+    let k = knobs(10_000, 1 << 20);
+    let (addr, _store, _server) = start(k.clone()).await;
+
+    let mut s = TcpStream::connect(addr).await.expect("connect");
+    s.write_all(&wire::encode_request(3, &Request::Ping).to_vec())
+        .await
+        .expect("send");
+    let (h, r) = raw_read(&mut s).await.expect("refusal");
+    assert_eq!(h.request_id, 3);
+    assert!(
+        matches!(
+            r,
+            Response::Err {
+                code: ErrorCode::Invalid,
+                ..
+            }
+        ),
+        "{r:?}"
+    );
+    assert!(raw_read(&mut s).await.is_none(), "closed");
+
+    let mut s = raw_connect(addr).await;
+    let mut junk = [0u8; 64];
+    rand::thread_rng().fill(&mut junk[..]);
+    s.write_all(&junk).await.expect("send");
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await;
+    assert!(
+        closed.is_ok(),
+        "server closed a connection that sent garbage"
+    );
+}
