@@ -1,0 +1,297 @@
+//! Fixed-newstyle option haggling: turns a fresh connection into a chosen export (or a
+//! clean abort), answering LIST/INFO/GO/EXPORT_NAME and refusing everything else politely.
+
+use std::sync::Arc;
+
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+
+use crate::dev::{BlockDev, Resolver};
+use crate::error::NbdError;
+use crate::proto::*;
+use crate::server::ServerConfig;
+
+/// Option data above this is never valid (longest is GO: 4 + 4096 name + 2 + a few info
+/// requests), so it is not read into memory.
+pub(crate) const OPTION_DATA_MAX: u32 = 8 * 1024;
+/// Oversized option data up to this is skipped and refused; beyond it we hang up.
+pub(crate) const OPTION_DISCARD_MAX: u32 = 1024 * 1024;
+/// Options accepted on one connection before it is considered abusive.
+pub(crate) const OPTIONS_MAX: usize = 1024;
+
+/// What option haggling chose.
+pub(crate) struct Negotiated<D> {
+    pub dev: Arc<D>,
+    pub name: String,
+    /// The client asked for NBD_INFO_BLOCK_SIZE in NBD_OPT_GO, so it promised to honour
+    /// the advertised minimum block size; only then are unaligned requests refused.
+    pub block_size_negotiated: bool,
+}
+
+/// Transmission flags for an export under `cfg`.
+pub(crate) fn transmission_flags(cfg: &ServerConfig) -> u16 {
+    let mut f = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_CAN_MULTI_CONN;
+    if cfg.read_only {
+        f |= TFLAG_READ_ONLY;
+    } else {
+        f |= TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES;
+    }
+    f
+}
+
+/// Reads exactly `buf.len()` bytes; `Ok(false)` if the peer closed before the first byte.
+pub(crate) async fn read_exact_or_eof<Rd: AsyncRead + Unpin>(
+    rd: &mut Rd,
+    buf: &mut [u8],
+) -> Result<bool, NbdError> {
+    let mut got = 0;
+    while got < buf.len() {
+        let n = rd.read(&mut buf[got..]).await?;
+        if n == 0 {
+            return if got == 0 {
+                Ok(false)
+            } else {
+                Err(NbdError::Truncated)
+            };
+        }
+        got += n;
+    }
+    Ok(true)
+}
+
+/// Reads exactly `buf.len()` bytes; EOF anywhere is a truncated message.
+pub(crate) async fn read_exact<Rd: AsyncRead + Unpin>(
+    rd: &mut Rd,
+    buf: &mut [u8],
+) -> Result<(), NbdError> {
+    if read_exact_or_eof(rd, buf).await? || buf.is_empty() {
+        Ok(())
+    } else {
+        Err(NbdError::Truncated)
+    }
+}
+
+/// Reads and drops `len` bytes without buffering them all.
+pub(crate) async fn discard<Rd: AsyncRead + Unpin>(rd: &mut Rd, len: u64) -> Result<(), NbdError> {
+    let copied = tokio::io::copy(&mut rd.take(len), &mut tokio::io::sink()).await?;
+    if copied == len {
+        Ok(())
+    } else {
+        Err(NbdError::Truncated)
+    }
+}
+
+async fn send<Wr: AsyncWrite + Unpin>(wr: &mut Wr, buf: &[u8]) -> Result<(), NbdError> {
+    wr.write_all(buf).await?;
+    wr.flush().await?;
+    Ok(())
+}
+
+async fn send_error<Wr: AsyncWrite + Unpin>(
+    wr: &mut Wr,
+    option: u32,
+    reply_type: u32,
+    message: &str,
+) -> Result<(), NbdError> {
+    let mut msg = message.as_bytes();
+    if msg.len() > STRING_MAX {
+        msg = &msg[..STRING_MAX];
+    }
+    let mut out = Vec::with_capacity(20 + msg.len());
+    option_reply(&mut out, option, reply_type, msg);
+    send(wr, &out).await
+}
+
+fn info_reply(out: &mut Vec<u8>, option: u32, info: &[u8]) {
+    option_reply(out, option, REP_INFO, info);
+}
+
+/// Runs the handshake. `Ok(None)` means the client ended it cleanly (ABORT or close).
+pub(crate) async fn negotiate<R, Rd, Wr>(
+    rd: &mut Rd,
+    wr: &mut Wr,
+    resolver: &R,
+    cfg: &ServerConfig,
+) -> Result<Option<Negotiated<R::Dev>>, NbdError>
+where
+    R: Resolver,
+    Rd: AsyncRead + Unpin,
+    Wr: AsyncWrite + Unpin,
+{
+    let mut hello = [0u8; 18];
+    hello[0..8].copy_from_slice(&NBD_MAGIC.to_be_bytes());
+    hello[8..16].copy_from_slice(&IHAVEOPT.to_be_bytes());
+    hello[16..18].copy_from_slice(&(FLAG_FIXED_NEWSTYLE | FLAG_NO_ZEROES).to_be_bytes());
+    send(wr, &hello).await?;
+
+    let mut cflags = [0u8; 4];
+    if !read_exact_or_eof(rd, &mut cflags).await? {
+        return Ok(None);
+    }
+    let cflags = u32::from_be_bytes(cflags);
+    if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
+        return Err(NbdError::ClientFlags(cflags));
+    }
+    let fixed = cflags & FLAG_C_FIXED_NEWSTYLE != 0;
+    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+    let tflags = transmission_flags(cfg);
+
+    for _ in 0..OPTIONS_MAX {
+        let mut hdr = [0u8; 16];
+        if !read_exact_or_eof(rd, &mut hdr).await? {
+            return Ok(None);
+        }
+        let mut magic = [0u8; 8];
+        magic.copy_from_slice(&hdr[0..8]);
+        let magic = u64::from_be_bytes(magic);
+        if magic != IHAVEOPT {
+            return Err(NbdError::BadMagic {
+                phase: "option haggling",
+                got: magic,
+            });
+        }
+        let option = u32::from_be_bytes([hdr[8], hdr[9], hdr[10], hdr[11]]);
+        let len = u32::from_be_bytes([hdr[12], hdr[13], hdr[14], hdr[15]]);
+        if !fixed && option != OPT_EXPORT_NAME {
+            return Err(NbdError::NonFixedOption(option));
+        }
+        if len > OPTION_DATA_MAX {
+            if option == OPT_EXPORT_NAME || len > OPTION_DISCARD_MAX {
+                let _ = send_error(wr, option, REP_ERR_TOO_BIG, "option data too large").await;
+                return Err(NbdError::OptionTooLarge { option, len });
+            }
+            discard(rd, u64::from(len)).await?;
+            let msg =
+                format!("option {option} carries {len} bytes; the limit is {OPTION_DATA_MAX}");
+            send_error(wr, option, REP_ERR_TOO_BIG, &msg).await?;
+            continue;
+        }
+        let mut data = vec![0u8; len as usize];
+        read_exact(rd, &mut data).await?;
+
+        match option {
+            OPT_EXPORT_NAME => {
+                let name = String::from_utf8(data)
+                    .map_err(|_| NbdError::ExportRefused("export name is not UTF-8".to_owned()))?;
+                let dev = resolver
+                    .resolve(&name)
+                    .await
+                    .map_err(|e| NbdError::ExportRefused(e.client_message(&name)))?;
+                let mut out = Vec::with_capacity(10 + 124);
+                out.extend_from_slice(&dev.size_bytes().to_be_bytes());
+                out.extend_from_slice(&tflags.to_be_bytes());
+                if !no_zeroes {
+                    out.extend_from_slice(&[0u8; 124]);
+                }
+                send(wr, &out).await?;
+                return Ok(Some(Negotiated {
+                    dev,
+                    name,
+                    block_size_negotiated: false,
+                }));
+            }
+            OPT_ABORT => {
+                // The client may already be gone; it is leaving either way.
+                let mut out = Vec::new();
+                option_reply(&mut out, option, REP_ACK, &[]);
+                let _ = send(wr, &out).await;
+                return Ok(None);
+            }
+            OPT_LIST => {
+                if len != 0 {
+                    send_error(wr, option, REP_ERR_INVALID, "NBD_OPT_LIST takes no data").await?;
+                    continue;
+                }
+                let mut out = Vec::new();
+                for name in resolver.list().await {
+                    if name.len() > STRING_MAX {
+                        continue;
+                    }
+                    let mut d = Vec::with_capacity(4 + name.len());
+                    d.extend_from_slice(&(name.len() as u32).to_be_bytes());
+                    d.extend_from_slice(name.as_bytes());
+                    option_reply(&mut out, option, REP_SERVER, &d);
+                }
+                option_reply(&mut out, option, REP_ACK, &[]);
+                send(wr, &out).await?;
+            }
+            OPT_INFO | OPT_GO => {
+                let Some(req) = parse_info_request(&data) else {
+                    send_error(
+                        wr,
+                        option,
+                        REP_ERR_INVALID,
+                        "malformed NBD_OPT_INFO/GO data",
+                    )
+                    .await?;
+                    continue;
+                };
+                let dev = match resolver.resolve(&req.name).await {
+                    Ok(dev) => dev,
+                    Err(e) => {
+                        let msg = e.client_message(&req.name);
+                        log::info!("nbd: refusing export: {msg}");
+                        send_error(wr, option, REP_ERR_UNKNOWN, &msg).await?;
+                        continue;
+                    }
+                };
+                let mut out = Vec::new();
+                let mut export = Vec::with_capacity(12);
+                export.extend_from_slice(&INFO_EXPORT.to_be_bytes());
+                export.extend_from_slice(&dev.size_bytes().to_be_bytes());
+                export.extend_from_slice(&tflags.to_be_bytes());
+                info_reply(&mut out, option, &export);
+                if req.requests.contains(&INFO_NAME) {
+                    let mut d = INFO_NAME.to_be_bytes().to_vec();
+                    d.extend_from_slice(req.name.as_bytes());
+                    info_reply(&mut out, option, &d);
+                }
+                if req.requests.contains(&INFO_DESCRIPTION) {
+                    if let Some(text) = dev.description() {
+                        let mut d = INFO_DESCRIPTION.to_be_bytes().to_vec();
+                        let text = text.as_bytes();
+                        d.extend_from_slice(&text[..text.len().min(STRING_MAX)]);
+                        info_reply(&mut out, option, &d);
+                    }
+                }
+                let mut bs = Vec::with_capacity(14);
+                bs.extend_from_slice(&INFO_BLOCK_SIZE.to_be_bytes());
+                bs.extend_from_slice(&cfg.min_block.to_be_bytes());
+                bs.extend_from_slice(&cfg.preferred_block.to_be_bytes());
+                bs.extend_from_slice(&cfg.max_request_bytes.to_be_bytes());
+                info_reply(&mut out, option, &bs);
+                option_reply(&mut out, option, REP_ACK, &[]);
+                send(wr, &out).await?;
+                if option == OPT_GO {
+                    return Ok(Some(Negotiated {
+                        dev,
+                        name: req.name,
+                        block_size_negotiated: req.requests.contains(&INFO_BLOCK_SIZE),
+                    }));
+                }
+            }
+            OPT_STARTTLS => {
+                send_error(
+                    wr,
+                    option,
+                    REP_ERR_POLICY,
+                    "TLS is not offered on this socket",
+                )
+                .await?;
+            }
+            OPT_STRUCTURED_REPLY => {
+                send_error(
+                    wr,
+                    option,
+                    REP_ERR_UNSUP,
+                    "only simple replies are supported",
+                )
+                .await?;
+            }
+            _ => {
+                let msg = format!("option {option} is not supported");
+                send_error(wr, option, REP_ERR_UNSUP, &msg).await?;
+            }
+        }
+    }
+    Err(NbdError::TooManyOptions(OPTIONS_MAX))
+}

@@ -1,0 +1,251 @@
+//! Server entry points: configuration, counters, accept loops and the per-connection driver.
+
+use std::io;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::io::{AsyncRead, AsyncWrite, BufReader, BufWriter};
+use tokio::net::{TcpListener, UnixListener};
+use tokio::sync::Semaphore;
+
+use crate::dev::Resolver;
+use crate::error::{ConfigError, NbdError};
+use crate::{handshake, transmission};
+
+/// Server tunables. `Default` gives the documented defaults.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// Requests executing or waiting to be written, per connection (default 64).
+    pub inflight_max: usize,
+    /// Largest READ/WRITE payload, advertised as the maximum block size (default 32 MiB).
+    pub max_request_bytes: u32,
+    /// Advertised minimum block size (default 4096, the engine's checksum block). Enforced
+    /// (EINVAL) only for clients that asked for block sizes in NBD_OPT_GO.
+    pub min_block: u32,
+    /// Advertised preferred block size (default 4096).
+    pub preferred_block: u32,
+    /// Export read-only: NBD_FLAG_READ_ONLY, writes/trims fail with EPERM.
+    pub read_only: bool,
+    /// A client must pick an export within this time (default 30 s).
+    pub handshake_timeout_ms: u64,
+    /// Connections served at once by `serve_unix`/`serve_tcp` (default 1024); more wait.
+    pub connections_max: usize,
+    /// Counters shared by every connection served with this configuration.
+    pub stats: Arc<ServerStats>,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            inflight_max: 64,
+            max_request_bytes: 32 * 1024 * 1024,
+            min_block: 4096,
+            preferred_block: 4096,
+            read_only: false,
+            handshake_timeout_ms: 30_000,
+            connections_max: 1024,
+            stats: Arc::new(ServerStats::default()),
+        }
+    }
+}
+
+impl ServerConfig {
+    /// Checks the block-size constraints the NBD spec puts on advertised values.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        if self.inflight_max == 0 {
+            return Err(ConfigError::InflightZero);
+        }
+        let min = self.min_block;
+        if !min.is_power_of_two() || min > 65536 {
+            return Err(ConfigError::MinBlock(min));
+        }
+        let preferred = self.preferred_block;
+        if !preferred.is_power_of_two() || preferred < min {
+            return Err(ConfigError::PreferredBlock { preferred, min });
+        }
+        let max = self.max_request_bytes;
+        if max % min != 0 || max < preferred || max > 64 * 1024 * 1024 {
+            return Err(ConfigError::MaxRequest { max, min });
+        }
+        Ok(())
+    }
+}
+
+/// Counters, cheap to bump from any connection; read them with `snapshot`.
+#[derive(Debug, Default)]
+pub struct ServerStats {
+    pub connections_accepted: AtomicU64,
+    pub connections_active: AtomicU64,
+    pub requests: AtomicU64,
+    /// Error replies sent (bad requests and device errors).
+    pub errors: AtomicU64,
+    /// Payload bytes returned by reads / accepted by writes.
+    pub bytes_read: AtomicU64,
+    pub bytes_written: AtomicU64,
+}
+
+/// A point-in-time copy of `ServerStats`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StatsSnapshot {
+    pub connections_accepted: u64,
+    pub connections_active: u64,
+    pub requests: u64,
+    pub errors: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+}
+
+impl ServerStats {
+    pub fn snapshot(&self) -> StatsSnapshot {
+        StatsSnapshot {
+            connections_accepted: self.connections_accepted.load(Ordering::Relaxed),
+            connections_active: self.connections_active.load(Ordering::Relaxed),
+            requests: self.requests.load(Ordering::Relaxed),
+            errors: self.errors.load(Ordering::Relaxed),
+            bytes_read: self.bytes_read.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+        }
+    }
+}
+
+struct ActiveGuard(Arc<ServerStats>);
+
+impl Drop for ActiveGuard {
+    fn drop(&mut self) {
+        self.0.connections_active.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Serves one already-accepted connection to its end. `Ok` for clean ends (ABORT, DISC,
+/// client closing between messages); `Err` says why the connection was dropped.
+pub async fn serve_connection<R, S>(
+    stream: S,
+    resolver: Arc<R>,
+    cfg: ServerConfig,
+) -> Result<(), NbdError>
+where
+    R: Resolver,
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    cfg.validate()?;
+    cfg.stats
+        .connections_accepted
+        .fetch_add(1, Ordering::Relaxed);
+    cfg.stats.connections_active.fetch_add(1, Ordering::Relaxed);
+    let _active = ActiveGuard(Arc::clone(&cfg.stats));
+
+    let (rd, wr) = tokio::io::split(stream);
+    let mut rd = BufReader::with_capacity(64 * 1024, rd);
+    let mut wr = BufWriter::with_capacity(64 * 1024, wr);
+    let timeout = Duration::from_millis(cfg.handshake_timeout_ms);
+    let negotiated = tokio::time::timeout(
+        timeout,
+        handshake::negotiate(&mut rd, &mut wr, &*resolver, &cfg),
+    )
+    .await
+    .map_err(|_| NbdError::HandshakeTimeout(cfg.handshake_timeout_ms))??;
+    let Some(neg) = negotiated else {
+        return Ok(());
+    };
+    log::debug!(
+        "nbd: serving export {} (block sizes negotiated: {})",
+        neg.name,
+        neg.block_size_negotiated
+    );
+    transmission::run(&mut rd, &mut wr, neg, &cfg).await
+}
+
+fn config_io_error(e: ConfigError) -> io::Error {
+    io::Error::new(io::ErrorKind::InvalidInput, e)
+}
+
+async fn accept_backoff(e: &io::Error) {
+    // EMFILE and friends: wait instead of spinning; the loop must survive them.
+    log::warn!("nbd: accept failed: {e}");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+}
+
+/// Accepts on a unix socket forever, one task per connection. Errs only on a bad `cfg`.
+pub async fn serve_unix<R: Resolver>(
+    listener: UnixListener,
+    resolver: Arc<R>,
+    cfg: ServerConfig,
+) -> io::Result<()> {
+    cfg.validate().map_err(config_io_error)?;
+    let slots = Arc::new(Semaphore::new(cfg.connections_max.max(1)));
+    loop {
+        let permit = Arc::clone(&slots)
+            .acquire_owned()
+            .await
+            .map_err(io::Error::other)?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                accept_backoff(&e).await;
+                continue;
+            }
+        };
+        let (resolver, cfg) = (Arc::clone(&resolver), cfg.clone());
+        tokio::spawn(async move {
+            if let Err(e) = serve_connection(stream, resolver, cfg).await {
+                log::info!("nbd: unix connection ended: {e}");
+            }
+            drop(permit);
+        });
+    }
+}
+
+/// Accepts on TCP forever, one task per connection. Errs only on a bad `cfg`.
+pub async fn serve_tcp<R: Resolver>(
+    listener: TcpListener,
+    resolver: Arc<R>,
+    cfg: ServerConfig,
+) -> io::Result<()> {
+    cfg.validate().map_err(config_io_error)?;
+    let slots = Arc::new(Semaphore::new(cfg.connections_max.max(1)));
+    loop {
+        let permit = Arc::clone(&slots)
+            .acquire_owned()
+            .await
+            .map_err(io::Error::other)?;
+        let (stream, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                accept_backoff(&e).await;
+                continue;
+            }
+        };
+        // Replies are small and latency-bound; do not let Nagle hold them back.
+        if let Err(e) = stream.set_nodelay(true) {
+            log::debug!("nbd: set_nodelay for {peer}: {e}");
+        }
+        let (resolver, cfg) = (Arc::clone(&resolver), cfg.clone());
+        tokio::spawn(async move {
+            if let Err(e) = serve_connection(stream, resolver, cfg).await {
+                log::info!("nbd: connection from {peer} ended: {e}");
+            }
+            drop(permit);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_validation() {
+        assert!(ServerConfig::default().validate().is_ok());
+        let bad = |f: fn(&mut ServerConfig)| {
+            let mut c = ServerConfig::default();
+            f(&mut c);
+            c.validate().is_err()
+        };
+        assert!(bad(|c| c.inflight_max = 0));
+        assert!(bad(|c| c.min_block = 3000));
+        assert!(bad(|c| c.preferred_block = 512));
+        assert!(bad(|c| c.max_request_bytes = 32 * 1024 * 1024 + 512));
+        assert!(bad(|c| c.max_request_bytes = 128 * 1024 * 1024));
+    }
+}

@@ -1,0 +1,276 @@
+//! End-to-end tests with real NBD clients (libnbd's nbdinfo/nbdcopy, qemu-img, fio) against
+//! a RAM export served on a unix socket. A missing client binary skips loudly.
+
+use std::path::{Path, PathBuf};
+use std::process::Output;
+use std::sync::Arc;
+use std::time::Duration;
+
+use converge_nbd::testing::{MemDev, MemResolver};
+use converge_nbd::{serve_unix, ResolveError, ServerConfig};
+use rand::{RngCore, SeedableRng};
+use tokio::process::Command;
+
+const SIZE: usize = 16 << 20;
+
+struct Served {
+    dir: tempfile::TempDir,
+    socket: PathBuf,
+    dev: Arc<MemDev>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Served {
+    fn uri(&self, export: &str) -> String {
+        format!("nbd+unix:///{export}?socket={}", self.socket.display())
+    }
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+fn serve() -> Served {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let socket = dir.path().join("nbd.sock");
+    let listener = tokio::net::UnixListener::bind(&socket).expect("bind");
+    let dev = Arc::new(MemDev::new(SIZE).with_description("converge test export"));
+    let resolver = MemResolver::new()
+        .with_export("vm01", Arc::clone(&dev))
+        .with_export("scratch", Arc::new(MemDev::new(1 << 20)))
+        .with_refusal(
+            "vm02",
+            ResolveError::Elsewhere {
+                owner: "node 2 (127.0.0.2)".to_owned(),
+            },
+        );
+    let server = tokio::spawn(serve_unix(
+        listener,
+        Arc::new(resolver),
+        ServerConfig::default(),
+    ));
+    Served {
+        dir,
+        socket,
+        dev,
+        server,
+    }
+}
+
+fn have(bin: &str) -> bool {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path).any(|d| d.join(bin).is_file())
+}
+
+macro_rules! require {
+    ($($bin:literal),+) => {
+        $(if !have($bin) {
+            eprintln!("\n!!!!!!!! SKIPPING {}: `{}` is not installed !!!!!!!!\n", module_path!(), $bin);
+            return;
+        })+
+    };
+}
+
+async fn run(cmd: &mut Command) -> Output {
+    let fut = cmd.kill_on_drop(true).output();
+    let out = tokio::time::timeout(Duration::from_secs(180), fut)
+        .await
+        .expect("client timed out")
+        .expect("spawn client");
+    eprintln!(
+        "--- {:?}: {}\n{}{}",
+        cmd.as_std().get_program(),
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn random_file(path: &Path, len: usize, seed: u64) -> Vec<u8> {
+    let mut data = vec![0u8; len];
+    rand::rngs::StdRng::seed_from_u64(seed).fill_bytes(&mut data);
+    std::fs::write(path, &data).expect("write image");
+    data
+}
+
+/// `"key": value` from nbdinfo's JSON (flat per-export object).
+fn json_field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
+    let pat = format!("\"{key}\": ");
+    let start = json.find(&pat)? + pat.len();
+    let rest = &json[start..];
+    let end = rest.find([',', '\n', '}']).unwrap_or(rest.len());
+    Some(rest[..end].trim())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdinfo_reports_size_block_sizes_and_flags() {
+    require!("nbdinfo");
+    let s = serve();
+    let out = run(Command::new("nbdinfo").arg("--json").arg(s.uri("vm01"))).await;
+    assert!(out.status.success());
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        json_field(&json, "export-size"),
+        Some(SIZE.to_string().as_str())
+    );
+    assert_eq!(json_field(&json, "block_size_minimum"), Some("4096"));
+    assert_eq!(json_field(&json, "block_size_preferred"), Some("4096"));
+    assert_eq!(json_field(&json, "block_size_maximum"), Some("33554432"));
+    for flag in [
+        "can_flush",
+        "can_fua",
+        "can_multi_conn",
+        "can_trim",
+        "can_zero",
+    ] {
+        assert_eq!(json_field(&json, flag), Some("true"), "{flag}");
+    }
+    assert_eq!(json_field(&json, "is_read_only"), Some("false"));
+    assert_eq!(
+        json_field(&json, "description"),
+        Some("\"converge test export\"")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdinfo_lists_exports() {
+    require!("nbdinfo");
+    let s = serve();
+    let uri = format!("nbd+unix://?socket={}", s.socket.display());
+    let out = run(Command::new("nbdinfo").arg("--list").arg("--json").arg(uri)).await;
+    assert!(out.status.success());
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert!(json.contains("\"export-name\": \"vm01\""), "{json}");
+    assert!(json.contains("\"export-name\": \"scratch\""), "{json}");
+    assert!(!json.contains("vm02"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdcopy_in_and_out_then_qemu_img_compare() {
+    require!("nbdcopy", "qemu-img");
+    let s = serve();
+    let input = s.path("in.img");
+    let data = random_file(&input, SIZE, 0x5eed);
+    let out = run(Command::new("nbdcopy").arg(&input).arg(s.uri("vm01"))).await;
+    assert!(out.status.success());
+    assert!(
+        s.dev.contents() == data,
+        "device contents differ after nbdcopy in"
+    );
+
+    let output = s.path("out.img");
+    let out = run(Command::new("nbdcopy").arg(s.uri("vm01")).arg(&output)).await;
+    assert!(out.status.success());
+    assert!(std::fs::read(&output).expect("read out.img") == data);
+
+    let compare = |img: PathBuf| {
+        let mut c = Command::new("qemu-img");
+        c.args(["compare", "-f", "raw", "-F", "raw"])
+            .arg(img)
+            .arg(s.uri("vm01"));
+        c
+    };
+    let out = run(&mut compare(input.clone())).await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "qemu-img compare found differences"
+    );
+    // The comparison must be able to fail: one flipped byte is a difference.
+    let mut changed = data;
+    changed[SIZE / 2 + 17] ^= 0x40;
+    let other = s.path("changed.img");
+    std::fs::write(&other, &changed).expect("write");
+    let out = run(&mut compare(other)).await;
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "qemu-img compare missed a difference"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_img_convert_and_refusal_message() {
+    require!("qemu-img");
+    let s = serve();
+    let input = s.path("in.img");
+    let data = random_file(&input, SIZE, 7);
+    let out = run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+        .arg(&input)
+        .arg(s.uri("vm01")))
+    .await;
+    assert!(out.status.success());
+    assert!(s.dev.contents() == data);
+    let out = run(Command::new("qemu-img").arg("info").arg(s.uri("vm02"))).await;
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("volume vm02 is owned by node 2 (127.0.0.2); connect there"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fio_randwrite_verify_crc32c_over_two_connections() {
+    require!("fio");
+    let s = serve();
+    let out = run(Command::new("fio")
+        .current_dir(s.dir.path())
+        .args([
+            "--name=converge-nbd",
+            "--ioengine=nbd",
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--numjobs=2",
+            "--size=8m",
+            "--offset_increment=8m",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--do_verify=1",
+            "--group_reporting",
+        ])
+        .arg(format!("--uri={}", s.uri("vm01"))))
+    .await;
+    assert!(out.status.success());
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("err= 0"), "{stdout}");
+    assert!(!stdout.contains("verify:"), "{stdout}");
+    // Both halves of the device were written (one connection each).
+    let contents = s.dev.contents();
+    assert!(contents[..SIZE / 2].iter().any(|&b| b != 0));
+    assert!(contents[SIZE / 2..].iter().any(|&b| b != 0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tcp_listener_serves_nbdcopy() {
+    require!("nbdcopy");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind tcp");
+    let port = listener.local_addr().expect("local addr").port();
+    let dev = Arc::new(MemDev::new(1 << 20));
+    let resolver = MemResolver::new().with_export("vm01", Arc::clone(&dev));
+    let server = tokio::spawn(converge_nbd::serve_tcp(
+        listener,
+        Arc::new(resolver),
+        ServerConfig::default(),
+    ));
+    let dir = tempfile::tempdir().expect("tempdir");
+    let input = dir.path().join("in.img");
+    let data = random_file(&input, 1 << 20, 11);
+    let out = run(Command::new("nbdcopy")
+        .arg(&input)
+        .arg(format!("nbd://127.0.0.1:{port}/vm01")))
+    .await;
+    server.abort();
+    assert!(out.status.success());
+    assert!(dev.contents() == data);
+}
