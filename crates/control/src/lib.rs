@@ -1,1 +1,22 @@
-//! converge control layer (see DESIGN.md).
+//! converge control plane: the cluster model over etcd, placement, leases (DESIGN.md,
+//! "Control plane").
+//!
+//! * [`etcd`]: a small async etcd v3 client over the JSON gateway.
+//! * [`model`]: typed records under `/converge/` and the transactions that change them.
+//! * [`placement`]: pure placement of slab copies on drives of distinct nodes.
+//! * `testing` (feature `testing`): a throwaway real etcd for integration tests.
+
+pub mod etcd;
+pub mod model;
+pub mod placement;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+pub use etcd::{
+    Compare, Etcd, EtcdError, EventKind, KeyValue, LeaseId, Op, Txn, TxnResponse, Watch, WatchEvent,
+};
+pub use model::{
+    Cluster, ClusterRecord, ControlError, DriveRecord, ExtentRecord, NodeRecord, OwnerRecord,
+    SlabRecord, VolumeRecord,
+};
+pub use placement::{can_place_volume, place, DriveLoad, PlacementError};

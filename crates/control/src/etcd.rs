@@ -1,0 +1,1063 @@
+//! A small async etcd v3 client over etcd's JSON gRPC-gateway (HTTP/1.1), so the control
+//! plane needs no gRPC/protoc toolchain.
+//!
+//! Keys and values travel base64-encoded; int64 fields come back as JSON strings. Every
+//! unary call opens its own connection (control-plane traffic is light) and is bounded by
+//! the per-request timeout. On a connection failure the next endpoint is tried; once a
+//! request has been sent it is never re-sent elsewhere, so a transaction cannot apply twice.
+
+use base64::engine::general_purpose::STANDARD as B64;
+use base64::Engine as _;
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper_util::rt::TokioIo;
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Deserializer};
+use serde_json::{json, Value};
+use std::fmt;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::net::TcpStream;
+use tokio::task::JoinHandle;
+
+/// Default bound on one request (connect + answer).
+pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 5_000;
+/// Largest unary answer accepted from etcd, bytes (etcd's own default request limit is 1.5 MiB;
+/// a prefix range over many slabs can be larger).
+pub const RESPONSE_BYTES_MAX: usize = 256 << 20;
+/// Largest single watch message buffered, bytes.
+pub const WATCH_MESSAGE_BYTES_MAX: usize = 64 << 20;
+
+/// An etcd lease id.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LeaseId(pub i64);
+
+impl fmt::Display for LeaseId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)
+    }
+}
+
+/// What went wrong talking to etcd.
+#[derive(Debug, thiserror::Error)]
+pub enum EtcdError {
+    #[error("no etcd endpoints given: pass at least one, e.g. http://127.0.0.1:2379")]
+    NoEndpoints,
+    #[error("etcd endpoint {endpoint:?} is invalid: {reason}; use the form http://HOST:PORT")]
+    InvalidEndpoint { endpoint: String, reason: String },
+    #[error("etcd at {endpoint} is unreachable: {reason}; is etcd running?")]
+    Unreachable { endpoint: String, reason: String },
+    #[error(
+        "etcd at {endpoint} did not answer {path} within {timeout_ms} ms; \
+         is etcd overloaded, or is the network partitioned?"
+    )]
+    Timeout {
+        endpoint: String,
+        path: String,
+        timeout_ms: u64,
+    },
+    #[error("etcd at {endpoint} dropped the connection during {path}: {reason}; retry, and check etcd's health")]
+    ConnectionLost {
+        endpoint: String,
+        path: String,
+        reason: String,
+    },
+    #[error("etcd at {endpoint} refused {path} (HTTP {status}): {message}")]
+    Server {
+        endpoint: String,
+        path: String,
+        status: u16,
+        message: String,
+    },
+    #[error(
+        "etcd at {endpoint} sent an unreadable answer to {path}: {reason}; \
+         is this an etcd v3.4+ client endpoint?"
+    )]
+    BadResponse {
+        endpoint: String,
+        path: String,
+        reason: String,
+    },
+    #[error(
+        "watch on {prefix:?} can no longer be resumed: etcd compacted history up to revision \
+         {compact_revision}; reload with a fresh read and watch again from its revision"
+    )]
+    WatchCompacted {
+        prefix: String,
+        compact_revision: i64,
+    },
+    #[error("watch on {prefix:?} at {endpoint} ended: {reason}; reload and watch again")]
+    WatchClosed {
+        endpoint: String,
+        prefix: String,
+        reason: String,
+    },
+}
+
+/// One key as stored in etcd.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct KeyValue {
+    pub key: String,
+    pub value: Vec<u8>,
+    pub create_revision: i64,
+    pub mod_revision: i64,
+    /// Lease the key is bound to; 0 if none.
+    pub lease: i64,
+}
+
+/// A condition of a transaction; all compare with "equal".
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Compare {
+    /// The key's last modification revision equals this (0: the key is absent).
+    ModRevision(String, i64),
+    /// The key's creation revision equals this (0: the key is absent).
+    CreateRevision(String, i64),
+    /// The key exists and holds exactly these bytes.
+    Value(String, Vec<u8>),
+}
+
+/// An operation of a transaction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Op {
+    Put(String, Vec<u8>, Option<LeaseId>),
+    Delete(String),
+    /// Deletes every key that starts with this prefix.
+    DeletePrefix(String),
+    /// Reads one key; its result lands in [`TxnResponse::gets`].
+    Get(String),
+}
+
+/// An etcd transaction: if all `compare` hold, run `success`, else run `failure`.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Txn {
+    pub compare: Vec<Compare>,
+    pub success: Vec<Op>,
+    pub failure: Vec<Op>,
+}
+
+/// Outcome of a transaction.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TxnResponse {
+    pub succeeded: bool,
+    /// Store revision after the transaction.
+    pub revision: i64,
+    /// One entry per [`Op::Get`] of the branch that ran, in order.
+    pub gets: Vec<Option<KeyValue>>,
+}
+
+/// Kind of change a watch reports.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventKind {
+    Put,
+    Delete,
+}
+
+/// One change seen by a watch. For a delete, `kv` carries the key and `mod_revision` only.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WatchEvent {
+    pub kind: EventKind,
+    pub kv: KeyValue,
+}
+
+#[derive(Debug)]
+struct Endpoint {
+    url: String,
+    /// host:port to connect to and to send as Host.
+    authority: String,
+}
+
+#[derive(Debug)]
+struct Inner {
+    endpoints: Vec<Endpoint>,
+    /// Index of the endpoint that answered last; tried first.
+    preferred: AtomicUsize,
+    timeout: Duration,
+}
+
+/// Async etcd v3 client. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Etcd {
+    inner: Arc<Inner>,
+}
+
+/// Aborts a spawned connection driver when the request or watch using it ends.
+struct AbortOnDrop(JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+fn parse_endpoint(raw: &str) -> Result<Endpoint, EtcdError> {
+    let invalid = |reason: &str| EtcdError::InvalidEndpoint {
+        endpoint: raw.to_string(),
+        reason: reason.to_string(),
+    };
+    let s = raw.trim();
+    let rest = if let Some(r) = s.strip_prefix("http://") {
+        r
+    } else if s.starts_with("https://") {
+        return Err(invalid("TLS (https) is not supported yet"));
+    } else if s.contains("://") {
+        return Err(invalid("only the http scheme is supported"));
+    } else {
+        s
+    };
+    let rest = rest.trim_end_matches('/');
+    if rest.is_empty() {
+        return Err(invalid("no host given"));
+    }
+    if rest.contains('/') {
+        return Err(invalid("an endpoint has no path"));
+    }
+    // Without a port, etcd's default client port.
+    let has_port = match rest.rfind(':') {
+        Some(i) => !rest[..i].is_empty() && !rest.ends_with(']'),
+        None => false,
+    };
+    let authority = if has_port {
+        let port = &rest[rest.rfind(':').map_or(0, |i| i + 1)..];
+        if port.parse::<u16>().is_err() {
+            return Err(invalid("the port is not a number from 1 to 65535"));
+        }
+        rest.to_string()
+    } else {
+        format!("{rest}:2379")
+    };
+    Ok(Endpoint {
+        url: format!("http://{authority}"),
+        authority,
+    })
+}
+
+/// The smallest key greater than every key with this prefix (etcd's `range_end` for a prefix).
+fn prefix_end(prefix: &[u8]) -> Vec<u8> {
+    let mut end = prefix.to_vec();
+    while let Some(last) = end.pop() {
+        if last < 0xff {
+            end.push(last + 1);
+            return end;
+        }
+    }
+    // All 0xff (or empty): everything from the key on.
+    vec![0]
+}
+
+fn b64(bytes: &[u8]) -> String {
+    B64.encode(bytes)
+}
+
+/// int64 fields arrive as JSON strings (proto3 JSON); accept numbers too.
+fn de_i64<'de, D: Deserializer<'de>>(d: D) -> Result<i64, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Num {
+        S(String),
+        I(i64),
+    }
+    match Option::<Num>::deserialize(d)? {
+        None => Ok(0),
+        Some(Num::I(i)) => Ok(i),
+        Some(Num::S(s)) => s.parse().map_err(serde::de::Error::custom),
+    }
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct RawHeader {
+    #[serde(default, deserialize_with = "de_i64")]
+    revision: i64,
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct RawKv {
+    #[serde(default)]
+    key: String,
+    #[serde(default)]
+    value: String,
+    #[serde(default, deserialize_with = "de_i64")]
+    create_revision: i64,
+    #[serde(default, deserialize_with = "de_i64")]
+    mod_revision: i64,
+    #[serde(default, deserialize_with = "de_i64")]
+    lease: i64,
+}
+
+impl RawKv {
+    fn decode(self) -> Result<KeyValue, String> {
+        let key = B64
+            .decode(&self.key)
+            .map_err(|e| format!("key is not base64: {e}"))?;
+        let key = String::from_utf8(key).map_err(|_| "key is not UTF-8".to_string())?;
+        let value = B64
+            .decode(&self.value)
+            .map_err(|e| format!("value of {key:?} is not base64: {e}"))?;
+        Ok(KeyValue {
+            key,
+            value,
+            create_revision: self.create_revision,
+            mod_revision: self.mod_revision,
+            lease: self.lease,
+        })
+    }
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct RangeResp {
+    #[serde(default)]
+    header: RawHeader,
+    #[serde(default)]
+    kvs: Vec<RawKv>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct PutResp {
+    #[serde(default)]
+    header: RawHeader,
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct DeleteResp {
+    #[serde(default, deserialize_with = "de_i64")]
+    deleted: i64,
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct RawTxnItem {
+    #[serde(default)]
+    response_range: Option<RangeResp>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct RawTxnResp {
+    #[serde(default)]
+    header: RawHeader,
+    #[serde(default)]
+    succeeded: bool,
+    #[serde(default)]
+    responses: Vec<RawTxnItem>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct LeaseResp {
+    #[serde(rename = "ID", default, deserialize_with = "de_i64")]
+    id: i64,
+    #[serde(rename = "TTL", default, deserialize_with = "de_i64")]
+    ttl: i64,
+    #[serde(default)]
+    error: String,
+}
+
+#[derive(Deserialize, Debug)]
+struct StreamMsg<T> {
+    #[serde(default)]
+    result: Option<T>,
+    #[serde(default)]
+    error: Option<Value>,
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct RawEvent {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    #[serde(default)]
+    kv: RawKv,
+}
+
+#[derive(Deserialize, Default, Debug)]
+struct RawWatchResp {
+    #[serde(default)]
+    header: RawHeader,
+    #[serde(default)]
+    created: bool,
+    #[serde(default)]
+    canceled: bool,
+    #[serde(default, deserialize_with = "de_i64")]
+    compact_revision: i64,
+    #[serde(default)]
+    cancel_reason: String,
+    #[serde(default)]
+    events: Vec<RawEvent>,
+}
+
+fn compare_json(c: &Compare) -> Value {
+    match c {
+        Compare::ModRevision(k, r) => json!({
+            "key": b64(k.as_bytes()), "result": "EQUAL", "target": "MOD", "mod_revision": r.to_string()
+        }),
+        Compare::CreateRevision(k, r) => json!({
+            "key": b64(k.as_bytes()), "result": "EQUAL", "target": "CREATE", "create_revision": r.to_string()
+        }),
+        Compare::Value(k, v) => json!({
+            "key": b64(k.as_bytes()), "result": "EQUAL", "target": "VALUE", "value": b64(v)
+        }),
+    }
+}
+
+fn put_json(key: &str, value: &[u8], lease: Option<LeaseId>) -> Value {
+    let mut v = json!({ "key": b64(key.as_bytes()), "value": b64(value) });
+    if let Some(l) = lease {
+        v["lease"] = Value::String(l.0.to_string());
+    }
+    v
+}
+
+fn op_json(op: &Op) -> Value {
+    match op {
+        Op::Put(k, v, l) => json!({ "request_put": put_json(k, v, *l) }),
+        Op::Delete(k) => json!({ "request_delete_range": { "key": b64(k.as_bytes()) } }),
+        Op::DeletePrefix(p) => json!({ "request_delete_range": {
+            "key": b64(p.as_bytes()), "range_end": b64(&prefix_end(p.as_bytes()))
+        }}),
+        Op::Get(k) => json!({ "request_range": { "key": b64(k.as_bytes()) } }),
+    }
+}
+
+/// Pulls the first complete JSON value off `buf`; `Ok(None)` if more bytes are needed.
+fn take_json<T: DeserializeOwned>(buf: &mut Vec<u8>) -> Result<Option<T>, serde_json::Error> {
+    let start = buf
+        .iter()
+        .position(|b| !b.is_ascii_whitespace())
+        .unwrap_or(buf.len());
+    if start == buf.len() {
+        buf.clear();
+        return Ok(None);
+    }
+    let mut it = serde_json::Deserializer::from_slice(&buf[start..]).into_iter::<T>();
+    match it.next() {
+        None => Ok(None),
+        Some(Ok(v)) => {
+            let used = start + it.byte_offset();
+            buf.drain(..used);
+            Ok(Some(v))
+        }
+        Some(Err(e)) if e.is_eof() => Ok(None),
+        Some(Err(e)) => Err(e),
+    }
+}
+
+impl Etcd {
+    /// A client for these endpoints (`http://HOST:PORT`), with the default request timeout.
+    pub fn new(endpoints: Vec<String>) -> Result<Etcd, EtcdError> {
+        if endpoints.is_empty() {
+            return Err(EtcdError::NoEndpoints);
+        }
+        let endpoints = endpoints
+            .iter()
+            .map(|e| parse_endpoint(e))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Etcd {
+            inner: Arc::new(Inner {
+                endpoints,
+                preferred: AtomicUsize::new(0),
+                timeout: Duration::from_millis(DEFAULT_REQUEST_TIMEOUT_MS),
+            }),
+        })
+    }
+
+    /// The same endpoints with another per-request timeout.
+    pub fn with_timeout(&self, timeout: Duration) -> Etcd {
+        Etcd {
+            inner: Arc::new(Inner {
+                endpoints: self
+                    .inner
+                    .endpoints
+                    .iter()
+                    .map(|e| Endpoint {
+                        url: e.url.clone(),
+                        authority: e.authority.clone(),
+                    })
+                    .collect(),
+                preferred: AtomicUsize::new(self.inner.preferred.load(Ordering::Relaxed)),
+                timeout,
+            }),
+        }
+    }
+
+    /// The endpoints, normalised to `http://HOST:PORT`.
+    pub fn endpoints(&self) -> Vec<String> {
+        self.inner.endpoints.iter().map(|e| e.url.clone()).collect()
+    }
+
+    fn timeout_ms(&self) -> u64 {
+        u64::try_from(self.inner.timeout.as_millis()).unwrap_or(u64::MAX)
+    }
+
+    /// Connects to the first endpoint that accepts, starting at the preferred one.
+    async fn connect(&self) -> Result<(usize, TcpStream), EtcdError> {
+        let n = self.inner.endpoints.len();
+        let start = self.inner.preferred.load(Ordering::Relaxed) % n;
+        let mut reasons = Vec::new();
+        for i in 0..n {
+            let idx = (start + i) % n;
+            let ep = &self.inner.endpoints[idx];
+            match tokio::time::timeout(self.inner.timeout, TcpStream::connect(&ep.authority)).await
+            {
+                Ok(Ok(stream)) => {
+                    let _ = stream.set_nodelay(true);
+                    self.inner.preferred.store(idx, Ordering::Relaxed);
+                    return Ok((idx, stream));
+                }
+                Ok(Err(e)) => reasons.push((ep.url.clone(), e.to_string())),
+                Err(_) => reasons.push((
+                    ep.url.clone(),
+                    format!("connect timed out after {} ms", self.timeout_ms()),
+                )),
+            }
+            if n > 1 {
+                log::warn!(
+                    "etcd at {} is unreachable ({}); trying the next endpoint",
+                    ep.url,
+                    reasons.last().map(|r| r.1.as_str()).unwrap_or("")
+                );
+            }
+        }
+        let endpoint = reasons
+            .iter()
+            .map(|r| r.0.as_str())
+            .collect::<Vec<_>>()
+            .join(", ");
+        let reason = if reasons.len() == 1 {
+            reasons[0].1.clone()
+        } else {
+            reasons
+                .iter()
+                .map(|(u, r)| format!("{u}: {r}"))
+                .collect::<Vec<_>>()
+                .join("; ")
+        };
+        Err(EtcdError::Unreachable { endpoint, reason })
+    }
+
+    /// Sends one POST and returns the response head and body stream, plus the connection guard.
+    async fn open(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<(usize, hyper::Response<Incoming>, AbortOnDrop), EtcdError> {
+        let (idx, stream) = self.connect().await?;
+        let ep = &self.inner.endpoints[idx];
+        let lost = |e: hyper::Error| EtcdError::ConnectionLost {
+            endpoint: ep.url.clone(),
+            path: path.to_string(),
+            reason: e.to_string(),
+        };
+        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+            .await
+            .map_err(lost)?;
+        let guard = AbortOnDrop(tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                log::debug!("etcd connection ended: {e}");
+            }
+        }));
+        let req = hyper::Request::post(path)
+            .header(hyper::header::HOST, ep.authority.as_str())
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| EtcdError::InvalidEndpoint {
+                endpoint: ep.url.clone(),
+                reason: format!("cannot build a request for it: {e}"),
+            })?;
+        let resp = sender.send_request(req).await.map_err(lost)?;
+        Ok((idx, resp, guard))
+    }
+
+    async fn post_inner(&self, path: &str, body: Vec<u8>) -> Result<(usize, Bytes), EtcdError> {
+        let (idx, resp, _guard) = self.open(path, body).await?;
+        let ep = &self.inner.endpoints[idx];
+        let status = resp.status();
+        let bytes = Limited::new(resp.into_body(), RESPONSE_BYTES_MAX)
+            .collect()
+            .await
+            .map_err(|e| EtcdError::ConnectionLost {
+                endpoint: ep.url.clone(),
+                path: path.to_string(),
+                reason: e.to_string(),
+            })?
+            .to_bytes();
+        if !status.is_success() {
+            let message = serde_json::from_slice::<Value>(&bytes)
+                .ok()
+                .and_then(|v| {
+                    v.get("message")
+                        .or_else(|| v.get("error"))
+                        .and_then(|m| m.as_str().map(str::to_string))
+                })
+                .unwrap_or_else(|| String::from_utf8_lossy(&bytes).trim().to_string());
+            return Err(EtcdError::Server {
+                endpoint: ep.url.clone(),
+                path: path.to_string(),
+                status: status.as_u16(),
+                message,
+            });
+        }
+        Ok((idx, bytes))
+    }
+
+    /// One bounded request/response exchange.
+    async fn post(&self, path: &str, body: &Value) -> Result<(usize, Bytes), EtcdError> {
+        let body = body.to_string().into_bytes();
+        match tokio::time::timeout(self.inner.timeout, self.post_inner(path, body)).await {
+            Ok(r) => r,
+            Err(_) => {
+                let idx = self.inner.preferred.load(Ordering::Relaxed) % self.inner.endpoints.len();
+                Err(EtcdError::Timeout {
+                    endpoint: self.inner.endpoints[idx].url.clone(),
+                    path: path.to_string(),
+                    timeout_ms: self.timeout_ms(),
+                })
+            }
+        }
+    }
+
+    fn bad(&self, idx: usize, path: &str, reason: impl fmt::Display) -> EtcdError {
+        EtcdError::BadResponse {
+            endpoint: self.inner.endpoints[idx].url.clone(),
+            path: path.to_string(),
+            reason: reason.to_string(),
+        }
+    }
+
+    async fn call<T: DeserializeOwned>(
+        &self,
+        path: &str,
+        body: &Value,
+    ) -> Result<(usize, T), EtcdError> {
+        let (idx, bytes) = self.post(path, body).await?;
+        let v = serde_json::from_slice(&bytes).map_err(|e| self.bad(idx, path, e))?;
+        Ok((idx, v))
+    }
+
+    async fn range(&self, body: Value) -> Result<(Vec<KeyValue>, i64), EtcdError> {
+        const PATH: &str = "/v3/kv/range";
+        let (idx, r): (usize, RangeResp) = self.call(PATH, &body).await?;
+        let kvs = r
+            .kvs
+            .into_iter()
+            .map(RawKv::decode)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| self.bad(idx, PATH, e))?;
+        Ok((kvs, r.header.revision))
+    }
+
+    /// Reads one key.
+    pub async fn get(&self, key: &str) -> Result<Option<KeyValue>, EtcdError> {
+        let (kvs, _) = self.range(json!({ "key": b64(key.as_bytes()) })).await?;
+        Ok(kvs.into_iter().next())
+    }
+
+    /// Reads every key with this prefix, sorted by key, and the store revision of the read
+    /// (watch from revision + 1 to see every later change).
+    pub async fn get_prefix(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64), EtcdError> {
+        self.range(json!({
+            "key": b64(prefix.as_bytes()),
+            "range_end": b64(&prefix_end(prefix.as_bytes())),
+        }))
+        .await
+    }
+
+    /// Writes a key; returns the store revision of the write.
+    pub async fn put(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: Option<LeaseId>,
+    ) -> Result<i64, EtcdError> {
+        let (_, r): (usize, PutResp) = self
+            .call("/v3/kv/put", &put_json(key, value, lease))
+            .await?;
+        Ok(r.header.revision)
+    }
+
+    /// Deletes one key; returns how many keys were deleted (0 or 1).
+    pub async fn delete(&self, key: &str) -> Result<u64, EtcdError> {
+        let (_, r): (usize, DeleteResp) = self
+            .call("/v3/kv/deleterange", &json!({ "key": b64(key.as_bytes()) }))
+            .await?;
+        Ok(u64::try_from(r.deleted).unwrap_or(0))
+    }
+
+    /// Deletes every key with this prefix; returns how many were deleted.
+    pub async fn delete_prefix(&self, prefix: &str) -> Result<u64, EtcdError> {
+        let (_, r): (usize, DeleteResp) = self
+            .call(
+                "/v3/kv/deleterange",
+                &json!({
+                    "key": b64(prefix.as_bytes()),
+                    "range_end": b64(&prefix_end(prefix.as_bytes())),
+                }),
+            )
+            .await?;
+        Ok(u64::try_from(r.deleted).unwrap_or(0))
+    }
+
+    /// Runs a transaction atomically.
+    pub async fn txn(&self, txn: Txn) -> Result<TxnResponse, EtcdError> {
+        const PATH: &str = "/v3/kv/txn";
+        let body = json!({
+            "compare": txn.compare.iter().map(compare_json).collect::<Vec<_>>(),
+            "success": txn.success.iter().map(op_json).collect::<Vec<_>>(),
+            "failure": txn.failure.iter().map(op_json).collect::<Vec<_>>(),
+        });
+        let (idx, r): (usize, RawTxnResp) = self.call(PATH, &body).await?;
+        let mut gets = Vec::new();
+        for item in r.responses {
+            if let Some(range) = item.response_range {
+                let kv = match range.kvs.into_iter().next() {
+                    Some(raw) => Some(raw.decode().map_err(|e| self.bad(idx, PATH, e))?),
+                    None => None,
+                };
+                gets.push(kv);
+            }
+        }
+        Ok(TxnResponse {
+            succeeded: r.succeeded,
+            revision: r.header.revision,
+            gets,
+        })
+    }
+
+    /// Writes the key only if it is absent; true if this call created it.
+    pub async fn create(
+        &self,
+        key: &str,
+        value: &[u8],
+        lease: Option<LeaseId>,
+    ) -> Result<bool, EtcdError> {
+        let r = self
+            .txn(Txn {
+                compare: vec![Compare::CreateRevision(key.to_string(), 0)],
+                success: vec![Op::Put(key.to_string(), value.to_vec(), lease)],
+                failure: vec![],
+            })
+            .await?;
+        Ok(r.succeeded)
+    }
+
+    /// Writes the key only if its mod revision is still `expected_mod_revision` (0: absent).
+    /// A key bound to a lease loses that binding; use [`Etcd::txn`] to keep one.
+    pub async fn cas(
+        &self,
+        key: &str,
+        value: &[u8],
+        expected_mod_revision: i64,
+    ) -> Result<bool, EtcdError> {
+        let r = self
+            .txn(Txn {
+                compare: vec![Compare::ModRevision(key.to_string(), expected_mod_revision)],
+                success: vec![Op::Put(key.to_string(), value.to_vec(), None)],
+                failure: vec![],
+            })
+            .await?;
+        Ok(r.succeeded)
+    }
+
+    /// Grants a lease that expires after `ttl_s` seconds without a keepalive.
+    pub async fn lease_grant(&self, ttl_s: i64) -> Result<LeaseId, EtcdError> {
+        const PATH: &str = "/v3/lease/grant";
+        let (idx, r): (usize, LeaseResp) = self
+            .call(PATH, &json!({ "TTL": ttl_s.to_string(), "ID": "0" }))
+            .await?;
+        if !r.error.is_empty() {
+            return Err(EtcdError::Server {
+                endpoint: self.inner.endpoints[idx].url.clone(),
+                path: PATH.to_string(),
+                status: 200,
+                message: r.error,
+            });
+        }
+        if r.id == 0 {
+            return Err(self.bad(idx, PATH, "no lease ID in the answer"));
+        }
+        Ok(LeaseId(r.id))
+    }
+
+    /// Renews a lease once; returns the TTL left in seconds. 0 means the lease has expired
+    /// (or was revoked): keys bound to it are gone, grant a new one.
+    pub async fn lease_keepalive(&self, id: LeaseId) -> Result<i64, EtcdError> {
+        const PATH: &str = "/v3/lease/keepalive";
+        // A streaming RPC: the gateway answers one message per request message.
+        let (idx, bytes) = self.post(PATH, &json!({ "ID": id.0.to_string() })).await?;
+        let mut buf = bytes.to_vec();
+        let msg: StreamMsg<LeaseResp> = take_json(&mut buf)
+            .map_err(|e| self.bad(idx, PATH, e))?
+            .ok_or_else(|| self.bad(idx, PATH, "empty answer"))?;
+        if let Some(err) = msg.error {
+            return Err(EtcdError::Server {
+                endpoint: self.inner.endpoints[idx].url.clone(),
+                path: PATH.to_string(),
+                status: 200,
+                message: err.to_string(),
+            });
+        }
+        Ok(msg.result.map_or(0, |r| r.ttl.max(0)))
+    }
+
+    /// Revokes a lease, deleting its keys at once. Revoking an expired lease is not an error.
+    pub async fn lease_revoke(&self, id: LeaseId) -> Result<(), EtcdError> {
+        match self
+            .post("/v3/lease/revoke", &json!({ "ID": id.0.to_string() }))
+            .await
+        {
+            Ok(_) => Ok(()),
+            Err(EtcdError::Server { message, .. }) if message.contains("lease not found") => Ok(()),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Watches every key with this prefix from `start_revision` (0: from now). Returns once
+    /// etcd has confirmed the watch, so every change after this call is reported.
+    pub async fn watch_prefix(
+        &self,
+        prefix: &str,
+        start_revision: i64,
+    ) -> Result<Watch, EtcdError> {
+        const PATH: &str = "/v3/watch";
+        let mut create = json!({
+            "key": b64(prefix.as_bytes()),
+            "range_end": b64(&prefix_end(prefix.as_bytes())),
+        });
+        if start_revision > 0 {
+            create["start_revision"] = Value::String(start_revision.to_string());
+        }
+        let body = json!({ "create_request": create }).to_string().into_bytes();
+        let timeout = self.inner.timeout;
+        let setup = async {
+            let (idx, resp, guard) = self.open(PATH, body).await?;
+            let ep = self.inner.endpoints[idx].url.clone();
+            if !resp.status().is_success() {
+                return Err(EtcdError::Server {
+                    endpoint: ep,
+                    path: PATH.to_string(),
+                    status: resp.status().as_u16(),
+                    message: "the watch was refused".to_string(),
+                });
+            }
+            let mut watch = Watch {
+                body: resp.into_body(),
+                buf: Vec::new(),
+                pending: Vec::new(),
+                endpoint: ep,
+                prefix: prefix.to_string(),
+                revision: 0,
+                _conn: guard,
+            };
+            // Wait for "created"; events that arrive with it are kept for next().
+            loop {
+                let msg = watch.read_message().await?;
+                let created = msg.created;
+                let events = watch.handle(msg)?;
+                watch.pending.extend(events);
+                if created {
+                    return Ok(watch);
+                }
+            }
+        };
+        match tokio::time::timeout(timeout, setup).await {
+            Ok(r) => r,
+            Err(_) => {
+                let idx = self.inner.preferred.load(Ordering::Relaxed) % self.inner.endpoints.len();
+                Err(EtcdError::Timeout {
+                    endpoint: self.inner.endpoints[idx].url.clone(),
+                    path: PATH.to_string(),
+                    timeout_ms: self.timeout_ms(),
+                })
+            }
+        }
+    }
+}
+
+/// A live watch on a prefix. Dropping it closes the stream (etcd cancels the watch).
+pub struct Watch {
+    body: Incoming,
+    buf: Vec<u8>,
+    pending: Vec<WatchEvent>,
+    endpoint: String,
+    prefix: String,
+    revision: i64,
+    _conn: AbortOnDrop,
+}
+
+impl fmt::Debug for Watch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Watch")
+            .field("endpoint", &self.endpoint)
+            .field("prefix", &self.prefix)
+            .field("revision", &self.revision)
+            .finish()
+    }
+}
+
+impl Watch {
+    /// Waits for the next batch of changes (never empty). Errors end the watch: reload the
+    /// state with a read and watch again from its revision + 1.
+    pub async fn next(&mut self) -> Result<Vec<WatchEvent>, EtcdError> {
+        if !self.pending.is_empty() {
+            return Ok(std::mem::take(&mut self.pending));
+        }
+        loop {
+            let msg = self.read_message().await?;
+            let events = self.handle(msg)?;
+            if !events.is_empty() {
+                return Ok(events);
+            }
+        }
+    }
+
+    /// Highest store revision this watch has reported (0 before the first message).
+    pub fn revision(&self) -> i64 {
+        self.revision
+    }
+
+    fn closed(&self, reason: impl fmt::Display) -> EtcdError {
+        EtcdError::WatchClosed {
+            endpoint: self.endpoint.clone(),
+            prefix: self.prefix.clone(),
+            reason: reason.to_string(),
+        }
+    }
+
+    async fn read_message(&mut self) -> Result<RawWatchResp, EtcdError> {
+        loop {
+            match take_json::<StreamMsg<RawWatchResp>>(&mut self.buf) {
+                Ok(Some(msg)) => {
+                    if let Some(err) = msg.error {
+                        return Err(self.closed(format!("etcd reported {err}")));
+                    }
+                    match msg.result {
+                        Some(r) => return Ok(r),
+                        None => continue,
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => {
+                    return Err(EtcdError::BadResponse {
+                        endpoint: self.endpoint.clone(),
+                        path: "/v3/watch".to_string(),
+                        reason: e.to_string(),
+                    })
+                }
+            }
+            if self.buf.len() > WATCH_MESSAGE_BYTES_MAX {
+                return Err(self.closed(format!(
+                    "a message exceeded {WATCH_MESSAGE_BYTES_MAX} bytes"
+                )));
+            }
+            match self.body.frame().await {
+                None => return Err(self.closed("etcd closed the stream")),
+                Some(Err(e)) => return Err(self.closed(e)),
+                Some(Ok(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        self.buf.extend_from_slice(&data);
+                    }
+                }
+            }
+        }
+    }
+
+    fn handle(&mut self, msg: RawWatchResp) -> Result<Vec<WatchEvent>, EtcdError> {
+        if msg.canceled {
+            if msg.compact_revision > 0 {
+                return Err(EtcdError::WatchCompacted {
+                    prefix: self.prefix.clone(),
+                    compact_revision: msg.compact_revision,
+                });
+            }
+            return Err(self.closed(format!("etcd canceled the watch: {}", msg.cancel_reason)));
+        }
+        self.revision = self.revision.max(msg.header.revision);
+        let mut out = Vec::with_capacity(msg.events.len());
+        for ev in msg.events {
+            let kind = match ev.kind.as_deref() {
+                None | Some("PUT") => EventKind::Put,
+                Some("DELETE") => EventKind::Delete,
+                Some(other) => {
+                    return Err(EtcdError::BadResponse {
+                        endpoint: self.endpoint.clone(),
+                        path: "/v3/watch".to_string(),
+                        reason: format!("unknown event type {other:?}"),
+                    })
+                }
+            };
+            let kv = ev.kv.decode().map_err(|e| EtcdError::BadResponse {
+                endpoint: self.endpoint.clone(),
+                path: "/v3/watch".to_string(),
+                reason: e,
+            })?;
+            self.revision = self.revision.max(kv.mod_revision);
+            out.push(WatchEvent { kind, kv });
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints_parse() {
+        assert_eq!(
+            parse_endpoint("http://127.0.0.1:2379").unwrap().authority,
+            "127.0.0.1:2379"
+        );
+        assert_eq!(
+            parse_endpoint("http://127.0.0.1:2379/").unwrap().url,
+            "http://127.0.0.1:2379"
+        );
+        assert_eq!(parse_endpoint("etcd1").unwrap().authority, "etcd1:2379");
+        assert_eq!(
+            parse_endpoint("etcd1:1234").unwrap().url,
+            "http://etcd1:1234"
+        );
+        assert!(parse_endpoint("https://x:1").is_err());
+        assert!(parse_endpoint("http://x:notaport").is_err());
+        assert!(parse_endpoint("http://x:1/v3").is_err());
+        assert!(parse_endpoint("").is_err());
+        assert!(matches!(Etcd::new(vec![]), Err(EtcdError::NoEndpoints)));
+    }
+
+    #[test]
+    fn prefix_ends() {
+        assert_eq!(prefix_end(b"/a/"), b"/a0".to_vec());
+        assert_eq!(prefix_end(b"a\xff"), b"b".to_vec());
+        assert_eq!(prefix_end(b"\xff\xff"), vec![0]);
+        assert_eq!(prefix_end(b""), vec![0]);
+    }
+
+    #[test]
+    fn stream_messages_split_anywhere() {
+        let text = br#"{"result":{"header":{"revision":"3"},"created":true}}
+{"result":{"header":{"revision":"4"},"events":[{"type":"DELETE","kv":{"key":"YQ==","mod_revision":"4"}}]}}"#;
+        for cut in 0..text.len() {
+            let mut buf = text[..cut].to_vec();
+            let mut got = Vec::new();
+            while let Some(m) = take_json::<StreamMsg<RawWatchResp>>(&mut buf).unwrap() {
+                got.push(m);
+            }
+            buf.extend_from_slice(&text[cut..]);
+            while let Some(m) = take_json::<StreamMsg<RawWatchResp>>(&mut buf).unwrap() {
+                got.push(m);
+            }
+            assert_eq!(got.len(), 2, "cut at {cut}");
+            let last = got[1].result.as_ref().unwrap();
+            assert_eq!(last.header.revision, 4);
+            assert_eq!(last.events[0].kind.as_deref(), Some("DELETE"));
+        }
+    }
+
+    #[test]
+    fn kv_decodes_proto_json() {
+        let raw: RawKv = serde_json::from_str(
+            r#"{"key":"YQ==","create_revision":"2","mod_revision":"3","version":"1","value":"Yg==","lease":"7"}"#,
+        )
+        .unwrap();
+        let kv = raw.decode().unwrap();
+        assert_eq!(kv.key, "a");
+        assert_eq!(kv.value, b"b");
+        assert_eq!((kv.create_revision, kv.mod_revision, kv.lease), (2, 3, 7));
+    }
+}

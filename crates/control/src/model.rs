@@ -1,0 +1,662 @@
+//! The cluster's records in etcd: one typed API over the key scheme, so no other crate
+//! builds keys or parses values by hand.
+//!
+//! Every value is a serde JSON document. The key scheme (a contract: changing it needs a
+//! migration):
+//!
+//! | key | value | notes |
+//! |---|---|---|
+//! | `/converge/cluster` | [`ClusterRecord`] | written once, create-if-absent |
+//! | `/converge/nodes/<node id>` | [`NodeRecord`] | bound to the node's lease: present = live |
+//! | `/converge/drives/<drive id>` | [`DriveRecord`] | persistent |
+//! | `/converge/volumes/<name>` | [`VolumeRecord`] | persistent; the name is the user's handle |
+//! | `/converge/slabs/<volume id>/<slab index, 20-digit zero-padded>` | [`SlabRecord`] | created on first write; padding makes key order = slab order |
+//! | `/converge/owners/<volume id>` | [`OwnerRecord`] | bound to the owner's lease |
+//! | `/converge/epochs/<volume id>` | JSON number | highest epoch ever granted; survives the owner's lease so epochs never repeat |
+//!
+//! Ids are decimal. Read-modify-write of shared records goes through etcd transactions
+//! compared on mod revision, so concurrent writers never lose each other's updates.
+
+use crate::etcd::{Compare, Etcd, EtcdError, KeyValue, LeaseId, Op, Txn};
+use converge_types::{
+    ClusterId, DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency, SlabIndex,
+    VolumeId,
+};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// Root of every converge key.
+pub const ROOT: &str = "/converge/";
+/// Bound on optimistic-transaction retries when other writers keep winning.
+pub const TXN_RETRIES_MAX: usize = 32;
+/// Longest volume name accepted.
+pub const VOLUME_NAME_BYTES_MAX: usize = 128;
+
+/// Key builders for the scheme above; public so watchers can filter events.
+pub mod keys {
+    use converge_types::{DriveId, NodeId, SlabIndex, VolumeId};
+
+    pub const CLUSTER: &str = "/converge/cluster";
+    pub const NODES: &str = "/converge/nodes/";
+    pub const DRIVES: &str = "/converge/drives/";
+    pub const VOLUMES: &str = "/converge/volumes/";
+    pub const SLABS: &str = "/converge/slabs/";
+    pub const OWNERS: &str = "/converge/owners/";
+    pub const EPOCHS: &str = "/converge/epochs/";
+
+    pub fn node(id: NodeId) -> String {
+        format!("{NODES}{}", id.0)
+    }
+    pub fn drive(id: DriveId) -> String {
+        format!("{DRIVES}{}", id.0)
+    }
+    pub fn volume(name: &str) -> String {
+        format!("{VOLUMES}{name}")
+    }
+    /// Prefix of every slab key of a volume (ends with `/` so volume 1 is not volume 12).
+    pub fn slabs(volume: VolumeId) -> String {
+        format!("{SLABS}{}/", volume.0)
+    }
+    pub fn slab(volume: VolumeId, slab: SlabIndex) -> String {
+        format!("{SLABS}{}/{:020}", volume.0, slab.0)
+    }
+    pub fn owner(volume: VolumeId) -> String {
+        format!("{OWNERS}{}", volume.0)
+    }
+    pub fn epoch(volume: VolumeId) -> String {
+        format!("{EPOCHS}{}", volume.0)
+    }
+    /// Parses the (volume, slab) out of a slab key.
+    pub fn parse_slab(key: &str) -> Option<(VolumeId, SlabIndex)> {
+        let rest = key.strip_prefix(SLABS)?;
+        let (vol, slab) = rest.split_once('/')?;
+        Some((VolumeId(vol.parse().ok()?), SlabIndex(slab.parse().ok()?)))
+    }
+}
+
+/// Identity of the cluster, written by the first node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClusterRecord {
+    pub cluster_id: ClusterId,
+    pub name: String,
+    pub slab_size_bytes: u64,
+    pub created_unix: u64,
+}
+
+/// A running node; the key lives as long as the node's lease.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub id: NodeId,
+    pub name: String,
+    /// Peer protocol address, host:port.
+    pub rpc_addr: String,
+    /// HTTP API address, host:port.
+    pub api_addr: String,
+    /// Path of the NBD unix socket.
+    pub nbd_socket: String,
+    /// NBD TCP address for remote clients, if enabled.
+    pub nbd_tcp: Option<String>,
+    pub version: String,
+    pub started_unix: u64,
+}
+
+/// A drive a node contributes.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DriveRecord {
+    pub id: DriveId,
+    pub node: NodeId,
+    pub path: String,
+    pub role: DriveRole,
+    pub media: MediaType,
+    pub size_bytes: u64,
+    /// Extents (slab-sized slots) the drive can hold.
+    pub extents_total: u64,
+    pub slab_size_bytes: u64,
+    /// Rated endurance, terabytes written, in bytes; None if unknown.
+    pub tbw_bytes: Option<u64>,
+    pub warranty_years: Option<f64>,
+}
+
+/// A volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    pub id: VolumeId,
+    pub name: String,
+    pub size_bytes: u64,
+    pub resiliency: Resiliency,
+    pub min_replicas: usize,
+    pub slab_size_bytes: u64,
+    /// Preferred owner (where it was created); the serving owner is in [`OwnerRecord`].
+    pub owner: NodeId,
+    pub created_unix: u64,
+}
+
+/// One copy of a slab.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ExtentRecord {
+    pub drive: DriveId,
+    pub node: NodeId,
+    pub state: ExtentState,
+}
+
+/// Where a slab's copies live and their states.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SlabRecord {
+    pub extents: Vec<ExtentRecord>,
+}
+
+/// The node serving a volume and its fencing epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct OwnerRecord {
+    pub node: NodeId,
+    pub epoch: Epoch,
+}
+
+/// What went wrong in the cluster model.
+#[derive(Debug, thiserror::Error)]
+pub enum ControlError {
+    #[error(transparent)]
+    Etcd(#[from] EtcdError),
+    #[error(
+        "the record at {key} in etcd is not a valid {what}: {reason}; was it written by an \
+         incompatible converge version? Inspect it with `etcdctl get {key}`"
+    )]
+    Corrupt {
+        key: String,
+        what: &'static str,
+        reason: String,
+    },
+    #[error(
+        "node id {id} is already used by a live node at {existing_rpc_addr} (this node is at \
+         {rpc_addr}); give this node another id, or stop the other node and wait for its lease to expire"
+    )]
+    NodeIdInUse {
+        id: NodeId,
+        existing_rpc_addr: String,
+        rpc_addr: String,
+    },
+    #[error("a volume named {name:?} already exists; choose another name or delete it first")]
+    VolumeExists { name: String },
+    #[error(
+        "volume name {name:?} is invalid: use 1 to {VOLUME_NAME_BYTES_MAX} letters, digits, \
+         '.', '_' or '-', not starting with '.'"
+    )]
+    InvalidVolumeName { name: String },
+    #[error(
+        "volume {volume} is owned by node {node} (epoch {epoch}); open it there, or wait for \
+         that node's lease to expire"
+    )]
+    OwnedElsewhere {
+        volume: VolumeId,
+        node: NodeId,
+        epoch: Epoch,
+    },
+    #[error(
+        "gave up on {what} after {TXN_RETRIES_MAX} attempts because other writers kept \
+         changing it; retry later"
+    )]
+    Contended { what: String },
+}
+
+fn now_unix() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+fn encode<T: Serialize>(key: &str, what: &'static str, v: &T) -> Result<Vec<u8>, ControlError> {
+    serde_json::to_vec(v).map_err(|e| ControlError::Corrupt {
+        key: key.to_string(),
+        what,
+        reason: format!("cannot encode: {e}"),
+    })
+}
+
+fn decode<T: DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Result<T, ControlError> {
+    serde_json::from_slice(&kv.value).map_err(|e| ControlError::Corrupt {
+        key: kv.key.clone(),
+        what,
+        reason: e.to_string(),
+    })
+}
+
+/// Whether a volume name is safe as an etcd key segment and an NBD export name.
+pub fn valid_volume_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= VOLUME_NAME_BYTES_MAX
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// Typed access to the cluster's records in etcd. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Cluster {
+    etcd: Etcd,
+}
+
+impl Cluster {
+    pub fn new(etcd: Etcd) -> Cluster {
+        Cluster { etcd }
+    }
+
+    /// The underlying client, for leases and watches.
+    pub fn etcd(&self) -> &Etcd {
+        &self.etcd
+    }
+
+    /// Creates the cluster record if there is none (the first node), else loads it. When the
+    /// cluster exists, `name_if_new` and `slab_size_bytes` are ignored: the record wins.
+    pub async fn init_or_load(
+        &self,
+        name_if_new: &str,
+        slab_size_bytes: u64,
+    ) -> Result<ClusterRecord, ControlError> {
+        let rec = ClusterRecord {
+            cluster_id: ClusterId(rand::random::<u128>()),
+            name: name_if_new.to_string(),
+            slab_size_bytes,
+            created_unix: now_unix(),
+        };
+        let value = encode(keys::CLUSTER, "cluster record", &rec)?;
+        for _ in 0..TXN_RETRIES_MAX {
+            if self.etcd.create(keys::CLUSTER, &value, None).await? {
+                log::info!("created cluster {} ({})", rec.name, rec.cluster_id);
+                return Ok(rec);
+            }
+            if let Some(kv) = self.etcd.get(keys::CLUSTER).await? {
+                return decode(&kv, "cluster record");
+            }
+            // Deleted between the two calls (someone wiping the cluster): try again.
+        }
+        Err(ControlError::Contended {
+            what: "the cluster record".to_string(),
+        })
+    }
+
+    /// Publishes this node as live, bound to `lease`. Refuses if another live node holds the
+    /// id with a different rpc address; the same address (a restart) replaces the record.
+    pub async fn register_node(
+        &self,
+        rec: &NodeRecord,
+        lease: LeaseId,
+    ) -> Result<(), ControlError> {
+        let key = keys::node(rec.id);
+        let value = encode(&key, "node record", rec)?;
+        for _ in 0..TXN_RETRIES_MAX {
+            let current = self.etcd.get(&key).await?;
+            let expected = match &current {
+                None => 0,
+                Some(kv) => {
+                    let existing: NodeRecord = decode(kv, "node record")?;
+                    if existing.rpc_addr != rec.rpc_addr {
+                        return Err(ControlError::NodeIdInUse {
+                            id: rec.id,
+                            existing_rpc_addr: existing.rpc_addr,
+                            rpc_addr: rec.rpc_addr.clone(),
+                        });
+                    }
+                    kv.mod_revision
+                }
+            };
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![Compare::ModRevision(key.clone(), expected)],
+                    success: vec![Op::Put(key.clone(), value.clone(), Some(lease))],
+                    failure: vec![],
+                })
+                .await?;
+            if r.succeeded {
+                return Ok(());
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("registering node {}", rec.id),
+        })
+    }
+
+    /// Nodes whose lease is alive, by id.
+    pub async fn live_nodes(&self) -> Result<Vec<NodeRecord>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::NODES).await?;
+        let mut nodes = kvs
+            .iter()
+            .map(|kv| decode::<NodeRecord>(kv, "node record"))
+            .collect::<Result<Vec<_>, _>>()?;
+        nodes.sort_by_key(|n| n.id);
+        Ok(nodes)
+    }
+
+    /// Creates or replaces a drive record.
+    pub async fn put_drive(&self, rec: &DriveRecord) -> Result<(), ControlError> {
+        let key = keys::drive(rec.id);
+        let value = encode(&key, "drive record", rec)?;
+        self.etcd.put(&key, &value, None).await?;
+        Ok(())
+    }
+
+    /// Every drive of the cluster (live node or not), by id.
+    pub async fn drives(&self) -> Result<Vec<DriveRecord>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::DRIVES).await?;
+        let mut drives = kvs
+            .iter()
+            .map(|kv| decode::<DriveRecord>(kv, "drive record"))
+            .collect::<Result<Vec<_>, _>>()?;
+        drives.sort_by_key(|d| d.id);
+        Ok(drives)
+    }
+
+    /// Creates a volume; [`ControlError::VolumeExists`] if the name is taken.
+    pub async fn create_volume(&self, rec: &VolumeRecord) -> Result<(), ControlError> {
+        if !valid_volume_name(&rec.name) {
+            return Err(ControlError::InvalidVolumeName {
+                name: rec.name.clone(),
+            });
+        }
+        let key = keys::volume(&rec.name);
+        let value = encode(&key, "volume record", rec)?;
+        if self.etcd.create(&key, &value, None).await? {
+            Ok(())
+        } else {
+            Err(ControlError::VolumeExists {
+                name: rec.name.clone(),
+            })
+        }
+    }
+
+    /// A volume by name and the mod revision of its record (for [`Cluster::update_volume`]).
+    pub async fn volume(&self, name: &str) -> Result<Option<(VolumeRecord, i64)>, ControlError> {
+        match self.etcd.get(&keys::volume(name)).await? {
+            None => Ok(None),
+            Some(kv) => Ok(Some((decode(&kv, "volume record")?, kv.mod_revision))),
+        }
+    }
+
+    /// Every volume, by name.
+    pub async fn volumes(&self) -> Result<Vec<VolumeRecord>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::VOLUMES).await?;
+        kvs.iter()
+            .map(|kv| decode::<VolumeRecord>(kv, "volume record"))
+            .collect()
+    }
+
+    /// Replaces a volume record if it is unchanged since `expected_mod_revision`; false if
+    /// someone else changed (or deleted) it first.
+    pub async fn update_volume(
+        &self,
+        rec: &VolumeRecord,
+        expected_mod_revision: i64,
+    ) -> Result<bool, ControlError> {
+        let key = keys::volume(&rec.name);
+        let value = encode(&key, "volume record", rec)?;
+        if expected_mod_revision <= 0 {
+            // 0 would mean "absent" to etcd: an update must never create.
+            return Ok(false);
+        }
+        Ok(self.etcd.cas(&key, &value, expected_mod_revision).await?)
+    }
+
+    /// Deletes a volume with its slab map, owner and epoch keys in one transaction. Returns
+    /// the deleted record, or None if there was no such volume.
+    pub async fn delete_volume(&self, name: &str) -> Result<Option<VolumeRecord>, ControlError> {
+        let key = keys::volume(name);
+        for _ in 0..TXN_RETRIES_MAX {
+            let Some(kv) = self.etcd.get(&key).await? else {
+                return Ok(None);
+            };
+            let rec: VolumeRecord = decode(&kv, "volume record")?;
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![Compare::ModRevision(key.clone(), kv.mod_revision)],
+                    success: vec![
+                        Op::Delete(key.clone()),
+                        Op::DeletePrefix(keys::slabs(rec.id)),
+                        Op::Delete(keys::owner(rec.id)),
+                        Op::Delete(keys::epoch(rec.id)),
+                    ],
+                    failure: vec![],
+                })
+                .await?;
+            if r.succeeded {
+                return Ok(Some(rec));
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("deleting volume {name:?}"),
+        })
+    }
+
+    /// The volume's allocated slabs with the mod revision of each record (for CAS).
+    pub async fn slabs(
+        &self,
+        volume: VolumeId,
+    ) -> Result<BTreeMap<SlabIndex, (SlabRecord, i64)>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(&keys::slabs(volume)).await?;
+        let mut out = BTreeMap::new();
+        for kv in kvs {
+            let Some((_, slab)) = keys::parse_slab(&kv.key) else {
+                return Err(ControlError::Corrupt {
+                    key: kv.key.clone(),
+                    what: "slab key",
+                    reason: "expected /converge/slabs/<volume id>/<slab index>".to_string(),
+                });
+            };
+            let rec: SlabRecord = decode(&kv, "slab record")?;
+            out.insert(slab, (rec, kv.mod_revision));
+        }
+        Ok(out)
+    }
+
+    /// Allocates a slab if it has no record yet. If another node allocated it first, returns
+    /// that record instead; either way the result is what etcd holds, with its mod revision.
+    pub async fn create_slab(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        rec: &SlabRecord,
+    ) -> Result<(SlabRecord, i64), ControlError> {
+        let key = keys::slab(volume, slab);
+        let value = encode(&key, "slab record", rec)?;
+        for _ in 0..TXN_RETRIES_MAX {
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![Compare::CreateRevision(key.clone(), 0)],
+                    success: vec![Op::Put(key.clone(), value.clone(), None)],
+                    failure: vec![Op::Get(key.clone())],
+                })
+                .await?;
+            if r.succeeded {
+                return Ok((rec.clone(), r.revision));
+            }
+            if let Some(Some(kv)) = r.gets.into_iter().next() {
+                return Ok((decode(&kv, "slab record")?, kv.mod_revision));
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("allocating slab {slab} of volume {volume}"),
+        })
+    }
+
+    /// Replaces a slab record if unchanged since `expected_mod_revision`.
+    pub async fn cas_slab(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        rec: &SlabRecord,
+        expected_mod_revision: i64,
+    ) -> Result<bool, ControlError> {
+        let key = keys::slab(volume, slab);
+        let value = encode(&key, "slab record", rec)?;
+        if expected_mod_revision <= 0 {
+            return Ok(false);
+        }
+        Ok(self.etcd.cas(&key, &value, expected_mod_revision).await?)
+    }
+
+    /// Makes `node` the owner of `volume` under `lease` with a new epoch, higher than every
+    /// epoch granted before. Fails with [`ControlError::OwnedElsewhere`] while another node's
+    /// ownership lease is alive. Claiming again as the current owner starts a new term.
+    pub async fn claim_ownership(
+        &self,
+        volume: VolumeId,
+        node: NodeId,
+        lease: LeaseId,
+    ) -> Result<Epoch, ControlError> {
+        let owner_key = keys::owner(volume);
+        let epoch_key = keys::epoch(volume);
+        for _ in 0..TXN_RETRIES_MAX {
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![],
+                    success: vec![Op::Get(owner_key.clone()), Op::Get(epoch_key.clone())],
+                    failure: vec![],
+                })
+                .await?;
+            let mut gets = r.gets.into_iter();
+            let owner_kv = gets.next().flatten();
+            let epoch_kv = gets.next().flatten();
+            let mut highest = match &epoch_kv {
+                Some(kv) => decode::<Epoch>(kv, "epoch")?,
+                None => Epoch(0),
+            };
+            if let Some(kv) = &owner_kv {
+                let owner: OwnerRecord = decode(kv, "owner record")?;
+                if owner.node != node {
+                    return Err(ControlError::OwnedElsewhere {
+                        volume,
+                        node: owner.node,
+                        epoch: owner.epoch,
+                    });
+                }
+                highest = highest.max(owner.epoch);
+            }
+            let epoch = Epoch(highest.0 + 1);
+            let owner_value = encode(&owner_key, "owner record", &OwnerRecord { node, epoch })?;
+            let epoch_value = encode(&epoch_key, "epoch", &epoch)?;
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![
+                        Compare::ModRevision(
+                            owner_key.clone(),
+                            owner_kv.as_ref().map_or(0, |kv| kv.mod_revision),
+                        ),
+                        Compare::ModRevision(
+                            epoch_key.clone(),
+                            epoch_kv.as_ref().map_or(0, |kv| kv.mod_revision),
+                        ),
+                    ],
+                    success: vec![
+                        Op::Put(owner_key.clone(), owner_value, Some(lease)),
+                        Op::Put(epoch_key.clone(), epoch_value, None),
+                    ],
+                    failure: vec![],
+                })
+                .await?;
+            if r.succeeded {
+                log::info!("node {node} owns volume {volume} at epoch {epoch}");
+                return Ok(epoch);
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("claiming ownership of volume {volume}"),
+        })
+    }
+
+    /// The current owner of a volume, if its lease is alive.
+    pub async fn owner(&self, volume: VolumeId) -> Result<Option<OwnerRecord>, ControlError> {
+        match self.etcd.get(&keys::owner(volume)).await? {
+            None => Ok(None),
+            Some(kv) => Ok(Some(decode(&kv, "owner record")?)),
+        }
+    }
+
+    /// Gives up ownership if `node` holds it; a no-op if it does not (already released,
+    /// expired, or taken over). The epoch key stays, so the next owner's epoch is higher.
+    pub async fn release_ownership(
+        &self,
+        volume: VolumeId,
+        node: NodeId,
+    ) -> Result<(), ControlError> {
+        let key = keys::owner(volume);
+        for _ in 0..TXN_RETRIES_MAX {
+            let Some(kv) = self.etcd.get(&key).await? else {
+                return Ok(());
+            };
+            let owner: OwnerRecord = decode(&kv, "owner record")?;
+            if owner.node != node {
+                return Ok(());
+            }
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![Compare::ModRevision(key.clone(), kv.mod_revision)],
+                    success: vec![Op::Delete(key.clone())],
+                    failure: vec![],
+                })
+                .await?;
+            if r.succeeded {
+                return Ok(());
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("releasing volume {volume}"),
+        })
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slab_keys_sort_and_parse() {
+        let a = keys::slab(VolumeId(7), SlabIndex(9));
+        let b = keys::slab(VolumeId(7), SlabIndex(10));
+        assert_eq!(a, "/converge/slabs/7/00000000000000000009");
+        assert!(a < b, "zero padding keeps key order = slab order");
+        assert_eq!(keys::parse_slab(&b), Some((VolumeId(7), SlabIndex(10))));
+        assert_eq!(
+            keys::parse_slab(&keys::slab(VolumeId(u64::MAX), SlabIndex(u64::MAX))),
+            Some((VolumeId(u64::MAX), SlabIndex(u64::MAX)))
+        );
+        assert_eq!(keys::parse_slab("/converge/slabs/x/1"), None);
+        assert!(!keys::slab(VolumeId(12), SlabIndex(0)).starts_with(&keys::slabs(VolumeId(1))));
+    }
+
+    #[test]
+    fn volume_names() {
+        assert!(valid_volume_name("vm01"));
+        assert!(valid_volume_name("db-2.data_x"));
+        assert!(!valid_volume_name(""));
+        assert!(!valid_volume_name("a/b"));
+        assert!(!valid_volume_name(".hidden"));
+        assert!(!valid_volume_name("a b"));
+        assert!(!valid_volume_name(&"x".repeat(VOLUME_NAME_BYTES_MAX + 1)));
+    }
+
+    #[test]
+    fn records_round_trip_json() {
+        let s = SlabRecord {
+            extents: vec![ExtentRecord {
+                drive: DriveId(5),
+                node: NodeId(1),
+                state: ExtentState::InSync,
+            }],
+        };
+        let text = serde_json::to_string(&s).unwrap();
+        assert_eq!(
+            text,
+            r#"{"extents":[{"drive":5,"node":1,"state":"in-sync"}]}"#
+        );
+        assert_eq!(serde_json::from_str::<SlabRecord>(&text).unwrap(), s);
+    }
+}

@@ -1,0 +1,522 @@
+//! Placement: which drives hold a slab's copies. Pure functions so the leader, the CLI's
+//! create-time check and the simulation all decide the same way.
+//!
+//! Rules (DESIGN.md, control plane): the copies of a slab go to capacity drives on distinct
+//! live nodes (a node is the fault domain), preferring the least-used drives so used
+//! capacity stays balanced. Ties break on drive id, so a placement is reproducible.
+
+use converge_types::{format_size, DriveId, DriveRole, NodeId};
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+
+/// A drive as placement sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DriveLoad {
+    pub drive: DriveId,
+    pub node: NodeId,
+    /// Extents (slab-sized slots) the drive can hold.
+    pub extents_total: u64,
+    /// Extents allocated on it.
+    pub extents_used: u64,
+    /// Whether its node is live.
+    pub live: bool,
+    pub role: DriveRole,
+}
+
+impl DriveLoad {
+    fn free(&self) -> u64 {
+        self.extents_total.saturating_sub(self.extents_used)
+    }
+    fn usable(&self) -> bool {
+        self.live && self.role == DriveRole::Capacity && self.free() > 0
+    }
+}
+
+/// Why copies cannot be placed, in the user's terms.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PlacementError {
+    #[error("a slab needs at least one copy; got {copies}")]
+    NoCopies { copies: usize },
+    #[error("slab size must be above 0 bytes")]
+    ZeroSlabSize,
+    #[error(
+        "{layout} needs {copies} nodes with free capacity; only {available} live node{s} \
+         {have} capacity drives with free space ({detail}); add nodes or drives, or free space",
+        s = if *available == 1 { "" } else { "s" },
+        have = if *available == 1 { "has" } else { "have" }
+    )]
+    NotEnoughNodes {
+        layout: String,
+        copies: usize,
+        available: usize,
+        detail: String,
+    },
+    #[error(
+        "a {size} volume as {layout} needs {needed} extents ({slabs} slabs × {copies} copies, \
+         each copy of a slab on another node), but live nodes can hold only {usable} more \
+         ({detail}); add drives or nodes, free space, or create a smaller volume"
+    )]
+    NotEnoughCapacity {
+        size: String,
+        layout: String,
+        copies: usize,
+        slabs: u64,
+        needed: u128,
+        usable: u128,
+        detail: String,
+    },
+}
+
+/// Name of a copy count in the user's words (`mirror-3`).
+fn layout_name(copies: usize) -> String {
+    match copies {
+        1 => "simple".to_string(),
+        2 | 3 => format!("mirror-{copies}"),
+        n => format!("{n} copies"),
+    }
+}
+
+/// Per node: free and total extents over its live capacity drives, or why it has none.
+#[derive(Default)]
+struct NodeSummary {
+    free: u64,
+    total: u64,
+    capacity_drives: usize,
+    live: bool,
+    excluded: bool,
+}
+
+fn summarize(candidates: &[DriveLoad], exclude_nodes: &[NodeId]) -> BTreeMap<NodeId, NodeSummary> {
+    let mut nodes: BTreeMap<NodeId, NodeSummary> = BTreeMap::new();
+    for d in candidates {
+        let n = nodes.entry(d.node).or_default();
+        n.excluded = exclude_nodes.contains(&d.node);
+        if d.live {
+            n.live = true;
+        }
+        if d.live && d.role == DriveRole::Capacity {
+            n.capacity_drives += 1;
+            n.free += d.free();
+            n.total += d.extents_total;
+        }
+    }
+    nodes
+}
+
+fn describe(nodes: &BTreeMap<NodeId, NodeSummary>) -> String {
+    if nodes.is_empty() {
+        return "no drives are registered".to_string();
+    }
+    nodes
+        .iter()
+        .map(|(id, n)| {
+            if !n.live {
+                format!("node {id}: down")
+            } else if n.excluded {
+                format!("node {id}: already holds a copy")
+            } else if n.capacity_drives == 0 {
+                format!("node {id}: no capacity drives")
+            } else {
+                format!("node {id}: {} free of {} slabs", n.free, n.total)
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// Orders drives by used fraction (least used first), then by drive id.
+fn by_load(a: &DriveLoad, b: &DriveLoad) -> Ordering {
+    // used_a / total_a vs used_b / total_b, exactly, in integers.
+    let lhs = u128::from(a.extents_used) * u128::from(b.extents_total);
+    let rhs = u128::from(b.extents_used) * u128::from(a.extents_total);
+    lhs.cmp(&rhs).then(a.drive.cmp(&b.drive))
+}
+
+/// Picks `copies` capacity drives on distinct live nodes not in `exclude_nodes` (e.g. nodes
+/// that already hold a copy of the slab), least-used first. The result is in the order
+/// chosen: the least-used drive first.
+pub fn place(
+    copies: usize,
+    candidates: &[DriveLoad],
+    exclude_nodes: &[NodeId],
+) -> Result<Vec<DriveId>, PlacementError> {
+    if copies == 0 {
+        return Err(PlacementError::NoCopies { copies });
+    }
+    // Best drive per node, then best nodes.
+    let mut best: BTreeMap<NodeId, DriveLoad> = BTreeMap::new();
+    for d in candidates
+        .iter()
+        .filter(|d| d.usable() && !exclude_nodes.contains(&d.node))
+    {
+        match best.get(&d.node) {
+            Some(cur) if by_load(cur, d) != Ordering::Greater => {}
+            _ => {
+                best.insert(d.node, *d);
+            }
+        }
+    }
+    if best.len() < copies {
+        return Err(PlacementError::NotEnoughNodes {
+            layout: layout_name(copies),
+            copies,
+            available: best.len(),
+            detail: describe(&summarize(candidates, exclude_nodes)),
+        });
+    }
+    let mut picks: Vec<DriveLoad> = best.into_values().collect();
+    picks.sort_by(by_load);
+    Ok(picks.into_iter().take(copies).map(|d| d.drive).collect())
+}
+
+/// Create-time check: could a volume of `size_bytes` with `copies` copies be fully written
+/// on today's free capacity? Checks that enough live nodes have capacity drives with free
+/// space, and that their free extents can hold every slab's copies on distinct nodes.
+pub fn can_place_volume(
+    copies: usize,
+    size_bytes: u64,
+    slab_size: u64,
+    candidates: &[DriveLoad],
+) -> Result<(), PlacementError> {
+    if copies == 0 {
+        return Err(PlacementError::NoCopies { copies });
+    }
+    if slab_size == 0 {
+        return Err(PlacementError::ZeroSlabSize);
+    }
+    let nodes = summarize(candidates, &[]);
+    let with_space = nodes.values().filter(|n| n.live && n.free > 0).count();
+    if with_space < copies {
+        return Err(PlacementError::NotEnoughNodes {
+            layout: layout_name(copies),
+            copies,
+            available: with_space,
+            detail: describe(&nodes),
+        });
+    }
+    let slabs = size_bytes.div_ceil(slab_size);
+    // S slabs of c copies on distinct nodes fit iff sum over nodes of min(free, S) >= c*S:
+    // a node can hold at most one copy of each slab, so its space beyond S is no use.
+    let usable: u128 = nodes
+        .values()
+        .filter(|n| n.live)
+        .map(|n| u128::from(n.free.min(slabs)))
+        .sum();
+    let needed = u128::from(slabs) * copies as u128;
+    if usable < needed {
+        let detail = nodes
+            .iter()
+            .filter(|(_, n)| n.live && n.capacity_drives > 0)
+            .map(|(id, n)| format!("node {id}: {} free", n.free))
+            .collect::<Vec<_>>()
+            .join(", ");
+        return Err(PlacementError::NotEnoughCapacity {
+            size: format_size(size_bytes),
+            layout: layout_name(copies),
+            copies,
+            slabs,
+            needed,
+            usable,
+            detail,
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use rand::rngs::StdRng;
+    use rand::{Rng, SeedableRng};
+    use std::collections::BTreeSet;
+
+    fn drive(id: u64, node: u32, total: u64, used: u64) -> DriveLoad {
+        DriveLoad {
+            drive: DriveId(id),
+            node: NodeId(node),
+            extents_total: total,
+            extents_used: used,
+            live: true,
+            role: DriveRole::Capacity,
+        }
+    }
+
+    #[test]
+    fn picks_distinct_nodes_least_used_first() {
+        let c = [
+            drive(1, 1, 10, 5),
+            drive(2, 1, 10, 0),
+            drive(3, 2, 10, 9),
+            drive(4, 3, 10, 1),
+        ];
+        assert_eq!(
+            place(2, &c, &[]).unwrap(),
+            vec![DriveId(2), DriveId(4)],
+            "node 1's emptier drive, then node 3; node 2 is the fullest"
+        );
+        assert_eq!(
+            place(3, &c, &[]).unwrap(),
+            vec![DriveId(2), DriveId(4), DriveId(3)]
+        );
+    }
+
+    #[test]
+    fn ties_break_on_drive_id() {
+        let c = [drive(9, 1, 10, 0), drive(3, 2, 10, 0), drive(5, 3, 10, 0)];
+        assert_eq!(place(2, &c, &[]).unwrap(), vec![DriveId(3), DriveId(5)]);
+    }
+
+    #[test]
+    fn used_fraction_not_count() {
+        // 5 of 100 used is emptier than 1 of 10.
+        let c = [drive(1, 1, 10, 1), drive(2, 2, 100, 5)];
+        assert_eq!(place(1, &c, &[]).unwrap(), vec![DriveId(2)]);
+    }
+
+    #[test]
+    fn skips_dead_cache_full_and_excluded() {
+        let mut dead = drive(1, 1, 10, 0);
+        dead.live = false;
+        let mut cache = drive(2, 2, 10, 0);
+        cache.role = DriveRole::Cache;
+        let full = drive(3, 3, 8, 8);
+        let ok = drive(4, 4, 10, 3);
+        let excluded = drive(5, 5, 10, 0);
+        let c = [dead, cache, full, ok, excluded];
+        assert_eq!(place(1, &c, &[NodeId(5)]).unwrap(), vec![DriveId(4)]);
+        let e = place(3, &c, &[NodeId(5)]).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.starts_with("mirror-3 needs 3 nodes with free capacity; only 1 live node has"),
+            "{msg}"
+        );
+        for part in [
+            "node 1: down",
+            "node 2: no capacity drives",
+            "node 3: 0 free of 8 slabs",
+            "node 4: 7 free of 10 slabs",
+            "node 5: already holds a copy",
+        ] {
+            assert!(msg.contains(part), "{msg} lacks {part}");
+        }
+    }
+
+    #[test]
+    fn zero_copies_and_no_drives() {
+        assert!(matches!(
+            place(0, &[], &[]),
+            Err(PlacementError::NoCopies { .. })
+        ));
+        let msg = place(2, &[], &[]).unwrap_err().to_string();
+        assert!(msg.contains("mirror-2 needs 2 nodes"), "{msg}");
+        assert!(msg.contains("no drives are registered"), "{msg}");
+    }
+
+    fn random_cluster(rng: &mut StdRng) -> Vec<DriveLoad> {
+        let nodes = rng.gen_range(0..7u32);
+        let mut out = Vec::new();
+        let mut id = 0;
+        for n in 0..nodes {
+            for _ in 0..rng.gen_range(0..4) {
+                id += 1;
+                let total = rng.gen_range(0..20);
+                let mut d = drive(id, n, total, rng.gen_range(0..=total));
+                d.live = rng.gen_bool(0.85);
+                if rng.gen_bool(0.15) {
+                    d.role = DriveRole::Cache;
+                }
+                out.push(d);
+            }
+        }
+        out
+    }
+
+    /// Property: a placement is either valid (distinct live nodes, capacity drives with
+    /// space, not excluded, the least-used per node) or an error exactly when too few
+    /// nodes qualify.
+    #[test]
+    fn property_placements_are_valid() {
+        let mut rng = StdRng::seed_from_u64(0xC0FFEE);
+        for case in 0..5_000 {
+            let c = random_cluster(&mut rng);
+            let copies = rng.gen_range(1..=4);
+            let exclude: Vec<NodeId> = (0..rng.gen_range(0..2))
+                .map(|_| NodeId(rng.gen_range(0..7)))
+                .collect();
+            let eligible: BTreeSet<NodeId> = c
+                .iter()
+                .filter(|d| d.usable() && !exclude.contains(&d.node))
+                .map(|d| d.node)
+                .collect();
+            match place(copies, &c, &exclude) {
+                Ok(picks) => {
+                    assert_eq!(picks.len(), copies, "case {case}");
+                    let mut seen = BTreeSet::new();
+                    for p in &picks {
+                        let d = c.iter().find(|d| d.drive == *p).unwrap();
+                        assert!(d.usable(), "case {case}: picked unusable {d:?}");
+                        assert!(!exclude.contains(&d.node), "case {case}: excluded node");
+                        assert!(
+                            seen.insert(d.node),
+                            "case {case}: two copies on node {}",
+                            d.node
+                        );
+                        // No other eligible drive on that node is strictly less used.
+                        for o in c.iter().filter(|o| o.node == d.node && o.usable()) {
+                            assert_ne!(by_load(o, d), Ordering::Less, "case {case}");
+                        }
+                    }
+                    // Deterministic.
+                    assert_eq!(place(copies, &c, &exclude).unwrap(), picks);
+                }
+                Err(PlacementError::NotEnoughNodes { available, .. }) => {
+                    assert!(eligible.len() < copies, "case {case}");
+                    assert_eq!(available, eligible.len(), "case {case}");
+                }
+                Err(e) => panic!("case {case}: unexpected {e}"),
+            }
+        }
+    }
+
+    /// Property: placing slab after slab keeps used capacity balanced: with equal drives on
+    /// every node, used extents never differ by more than two between drives (one is not
+    /// always possible: when the only empty drives share a node, a copy must go elsewhere).
+    #[test]
+    fn property_repeated_placement_balances() {
+        let mut rng = StdRng::seed_from_u64(7);
+        for _ in 0..300 {
+            let nodes = rng.gen_range(3..8u32);
+            let per_node = rng.gen_range(1..4u64);
+            let total = 64;
+            let mut c: Vec<DriveLoad> = (0..nodes)
+                .flat_map(|n| (0..per_node).map(move |k| drive(u64::from(n) * 10 + k, n, total, 0)))
+                .collect();
+            let copies = rng.gen_range(1..=3usize);
+            let slabs = rng.gen_range(1..200);
+            for _ in 0..slabs {
+                let Ok(picks) = place(copies, &c, &[]) else {
+                    break;
+                };
+                for p in picks {
+                    let d = c.iter_mut().find(|d| d.drive == p).unwrap();
+                    d.extents_used += 1;
+                }
+                let used: Vec<u64> = c.iter().map(|d| d.extents_used).collect();
+                let (lo, hi) = (used.iter().min().unwrap(), used.iter().max().unwrap());
+                assert!(
+                    hi - lo <= 2,
+                    "unbalanced: {used:?} nodes {nodes} per node {per_node} copies {copies}"
+                );
+            }
+        }
+    }
+
+    /// Property: with unequal drives, fuller drives are never preferred: after many slabs,
+    /// the used fractions of all drives stay within one extent's worth of each other.
+    #[test]
+    fn property_balances_used_fraction() {
+        let mut c = vec![
+            drive(1, 1, 100, 0),
+            drive(2, 2, 50, 0),
+            drive(3, 3, 25, 0),
+            drive(4, 4, 100, 0),
+        ];
+        for _ in 0..100 {
+            for p in place(2, &c, &[]).unwrap() {
+                c.iter_mut().find(|d| d.drive == p).unwrap().extents_used += 1;
+            }
+        }
+        let fr: Vec<f64> = c
+            .iter()
+            .map(|d| d.extents_used as f64 / d.extents_total as f64)
+            .collect();
+        let lo = fr.iter().cloned().fold(f64::MAX, f64::min);
+        let hi = fr.iter().cloned().fold(0.0, f64::max);
+        assert!(hi - lo <= 1.0 / 25.0 + 1e-9, "fractions {fr:?}");
+    }
+
+    #[test]
+    fn volume_check_counts_nodes() {
+        let c = [drive(1, 1, 8, 8), drive(2, 2, 8, 0), drive(3, 3, 8, 0)];
+        let msg = can_place_volume(3, 1 << 30, 256 << 20, &c)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("mirror-3 needs 3 nodes with free capacity; only 2 live nodes have"),
+            "{msg}"
+        );
+        assert!(msg.contains("node 1: 0 free of 8 slabs"), "{msg}");
+        can_place_volume(2, 1 << 30, 256 << 20, &c).unwrap();
+    }
+
+    #[test]
+    fn volume_check_counts_capacity_per_distinct_node() {
+        // 4 slabs × 2 copies = 8 extents. Node 1 has 100 free but can hold only one copy
+        // of each slab (4); node 2 has 3: 7 usable < 8.
+        let slab = 1 << 20;
+        let c = [drive(1, 1, 100, 0), drive(2, 2, 3, 0)];
+        let e = can_place_volume(2, 4 * slab, slab, &c).unwrap_err();
+        match &e {
+            PlacementError::NotEnoughCapacity {
+                needed,
+                usable,
+                slabs,
+                ..
+            } => {
+                assert_eq!((*needed, *usable, *slabs), (8, 7, 4));
+            }
+            other => panic!("unexpected {other}"),
+        }
+        let msg = e.to_string();
+        assert!(
+            msg.contains("4 MiB volume as mirror-2 needs 8 extents (4 slabs × 2 copies"),
+            "{msg}"
+        );
+        assert!(msg.contains("can hold only 7 more"), "{msg}");
+        assert!(msg.contains("node 1: 100 free, node 2: 3 free"), "{msg}");
+        // A partial last slab still takes a whole extent; 3 slabs fit.
+        can_place_volume(2, 2 * slab + 1, slab, &c).unwrap();
+        assert!(can_place_volume(2, 3 * slab + 1, slab, &c).is_err());
+        // Dead nodes' space does not count.
+        let mut dead = drive(3, 3, 100, 0);
+        dead.live = false;
+        assert!(can_place_volume(2, 4 * slab, slab, &[c[0], c[1], dead]).is_err());
+        can_place_volume(2, 4 * slab, slab, &[c[0], c[1], drive(3, 3, 1, 0)]).unwrap();
+        assert_eq!(
+            can_place_volume(1, 1, 0, &c),
+            Err(PlacementError::ZeroSlabSize)
+        );
+        can_place_volume(1, 0, slab, &c).unwrap();
+    }
+
+    /// Property: when can_place_volume accepts, repeated place() really fits every slab.
+    #[test]
+    fn property_volume_check_is_sound() {
+        let mut rng = StdRng::seed_from_u64(42);
+        for case in 0..2_000 {
+            let mut c = random_cluster(&mut rng);
+            let copies = rng.gen_range(1..=3);
+            let slabs = rng.gen_range(0..30u64);
+            let ok = can_place_volume(copies, slabs * 4096, 4096, &c).is_ok();
+            let mut placed_all = true;
+            for _ in 0..slabs {
+                match place(copies, &c, &[]) {
+                    Ok(p) => {
+                        for id in p {
+                            c.iter_mut().find(|d| d.drive == id).unwrap().extents_used += 1;
+                        }
+                    }
+                    Err(_) => {
+                        placed_all = false;
+                        break;
+                    }
+                }
+            }
+            if placed_all && slabs > 0 {
+                // The check never refuses what could be placed.
+                assert!(ok, "case {case}: check refused a placeable volume");
+            }
+        }
+    }
+}

@@ -1,0 +1,394 @@
+//! The cluster model against a real etcd: records, races, ownership epochs, deletion.
+#![allow(clippy::unwrap_used)] // tests: a failed step is the failure we want to see
+
+use converge_control::etcd::Etcd;
+use converge_control::model::keys;
+use converge_control::testing::EtcdServer;
+use converge_control::{
+    Cluster, ControlError, DriveRecord, ExtentRecord, NodeRecord, OwnerRecord, SlabRecord,
+    VolumeRecord,
+};
+use converge_types::{
+    DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency, SlabIndex, VolumeId,
+};
+use std::time::Duration;
+
+fn node(id: u32, rpc: &str) -> NodeRecord {
+    NodeRecord {
+        id: NodeId(id),
+        name: format!("n{id}"),
+        rpc_addr: rpc.to_string(),
+        api_addr: "127.0.0.1:8080".into(),
+        nbd_socket: "/run/converge/nbd.sock".into(),
+        nbd_tcp: None,
+        version: "0.1.0".into(),
+        started_unix: 1,
+    }
+}
+
+fn volume(id: u64, name: &str) -> VolumeRecord {
+    VolumeRecord {
+        id: VolumeId(id),
+        name: name.into(),
+        size_bytes: 1 << 30,
+        resiliency: Resiliency::Mirror3,
+        min_replicas: 2,
+        slab_size_bytes: 256 << 20,
+        owner: NodeId(1),
+        created_unix: 1,
+    }
+}
+
+fn slab(drives: &[(u64, u32)]) -> SlabRecord {
+    SlabRecord {
+        extents: drives
+            .iter()
+            .map(|&(d, n)| ExtentRecord {
+                drive: DriveId(d),
+                node: NodeId(n),
+                state: ExtentState::InSync,
+            })
+            .collect(),
+    }
+}
+
+#[tokio::test]
+async fn first_node_creates_the_cluster_others_load_it() {
+    let srv = EtcdServer::start();
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let c = Cluster::new(srv.client());
+        tasks.push(tokio::spawn(async move {
+            c.init_or_load(&format!("name{i}"), 1 << 20).await.unwrap()
+        }));
+    }
+    let mut recs = Vec::new();
+    for t in tasks {
+        recs.push(t.await.unwrap());
+    }
+    assert!(
+        recs.iter().all(|r| r == &recs[0]),
+        "every node sees one cluster: {recs:?}"
+    );
+    let later = Cluster::new(srv.client())
+        .init_or_load("other", 4096)
+        .await
+        .unwrap();
+    assert_eq!(later, recs[0]);
+    assert_eq!(later.slab_size_bytes, 1 << 20, "the existing record wins");
+}
+
+#[tokio::test]
+async fn nodes_are_live_while_their_lease_is() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let l1 = etcd.lease_grant(60).await.unwrap();
+    let l2 = etcd.lease_grant(60).await.unwrap();
+    c.register_node(&node(2, "10.0.0.2:7000"), l2)
+        .await
+        .unwrap();
+    c.register_node(&node(1, "10.0.0.1:7000"), l1)
+        .await
+        .unwrap();
+    let live: Vec<NodeId> = c.live_nodes().await.unwrap().iter().map(|n| n.id).collect();
+    assert_eq!(live, [NodeId(1), NodeId(2)]);
+
+    // Same id, another address: refused, naming both.
+    let e = c
+        .register_node(&node(1, "10.0.0.9:7000"), l2)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, ControlError::NodeIdInUse { .. }), "{e}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("10.0.0.1:7000") && msg.contains("10.0.0.9:7000"),
+        "{msg}"
+    );
+
+    // Same id and address (a restart with a new lease): replaces the record.
+    let l1b = etcd.lease_grant(60).await.unwrap();
+    let mut restarted = node(1, "10.0.0.1:7000");
+    restarted.started_unix = 2;
+    c.register_node(&restarted, l1b).await.unwrap();
+    etcd.lease_revoke(l1).await.unwrap();
+    let nodes = c.live_nodes().await.unwrap();
+    assert_eq!(
+        nodes[0], restarted,
+        "bound to the new lease, so it survives the old one"
+    );
+
+    // A node whose lease ends is no longer live; its id is free again.
+    etcd.lease_revoke(l2).await.unwrap();
+    let live: Vec<NodeId> = c.live_nodes().await.unwrap().iter().map(|n| n.id).collect();
+    assert_eq!(live, [NodeId(1)]);
+    let l3 = etcd.lease_grant(60).await.unwrap();
+    c.register_node(&node(2, "10.0.0.22:7000"), l3)
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn drives_round_trip() {
+    let srv = EtcdServer::start();
+    let c = Cluster::new(srv.client());
+    let mut d = DriveRecord {
+        id: DriveId(42),
+        node: NodeId(1),
+        path: "/dev/nvme0n1".into(),
+        role: DriveRole::Capacity,
+        media: MediaType::Nvme,
+        size_bytes: 1 << 40,
+        extents_total: 4000,
+        slab_size_bytes: 256 << 20,
+        tbw_bytes: Some(600 << 40),
+        warranty_years: Some(5.0),
+    };
+    c.put_drive(&d).await.unwrap();
+    let mut d2 = d.clone();
+    d2.id = DriveId(7);
+    d2.role = DriveRole::Cache;
+    d2.tbw_bytes = None;
+    c.put_drive(&d2).await.unwrap();
+    d.extents_total = 3999;
+    c.put_drive(&d).await.unwrap();
+    assert_eq!(c.drives().await.unwrap(), vec![d2, d]);
+}
+
+#[tokio::test]
+async fn volumes_create_update_and_refuse_duplicates() {
+    let srv = EtcdServer::start();
+    let c = Cluster::new(srv.client());
+    let v = volume(11, "vm01");
+    c.create_volume(&v).await.unwrap();
+    let e = c.create_volume(&volume(12, "vm01")).await.unwrap_err();
+    assert!(matches!(e, ControlError::VolumeExists { .. }), "{e}");
+    assert!(e.to_string().contains("\"vm01\""), "{e}");
+    let e = c.create_volume(&volume(13, "a/b")).await.unwrap_err();
+    assert!(matches!(e, ControlError::InvalidVolumeName { .. }), "{e}");
+
+    let (got, rev) = c.volume("vm01").await.unwrap().unwrap();
+    assert_eq!(got, v);
+    assert!(c.volume("nope").await.unwrap().is_none());
+
+    let mut bigger = v.clone();
+    bigger.size_bytes *= 2;
+    assert!(c.update_volume(&bigger, rev).await.unwrap());
+    assert!(
+        !c.update_volume(&v, rev).await.unwrap(),
+        "stale revision loses"
+    );
+    assert_eq!(c.volume("vm01").await.unwrap().unwrap().0, bigger);
+    assert!(
+        !c.update_volume(&volume(14, "ghost"), 0).await.unwrap(),
+        "update never creates"
+    );
+    assert!(c.volume("ghost").await.unwrap().is_none());
+
+    c.create_volume(&volume(15, "db")).await.unwrap();
+    let names: Vec<String> = c
+        .volumes()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|v| v.name)
+        .collect();
+    assert_eq!(names, ["db", "vm01"]);
+}
+
+#[tokio::test]
+async fn concurrent_slab_allocation_agrees_on_one_record() {
+    let srv = EtcdServer::start();
+    let c = Cluster::new(srv.client());
+    let vol = VolumeId(5);
+    let mut tasks = Vec::new();
+    for i in 0..16u64 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            c.create_slab(vol, SlabIndex(3), &slab(&[(i, 1), (100 + i, 2)]))
+                .await
+                .unwrap()
+        }));
+    }
+    let mut results = Vec::new();
+    for t in tasks {
+        results.push(t.await.unwrap());
+    }
+    assert!(
+        results.iter().all(|r| r == &results[0]),
+        "every allocator returns the record etcd holds: {results:?}"
+    );
+    let map = c.slabs(vol).await.unwrap();
+    assert_eq!(map.len(), 1);
+    assert_eq!(map[&SlabIndex(3)], results[0]);
+
+    // CAS: mark an extent stale with the right revision; a stale revision loses.
+    let (mut rec, rev) = results[0].clone();
+    rec.extents[1].state = ExtentState::Stale;
+    assert!(c.cas_slab(vol, SlabIndex(3), &rec, rev).await.unwrap());
+    assert!(!c
+        .cas_slab(vol, SlabIndex(3), &results[0].0, rev)
+        .await
+        .unwrap());
+    assert!(
+        !c.cas_slab(vol, SlabIndex(4), &rec, 0).await.unwrap(),
+        "cas never creates"
+    );
+    let map = c.slabs(vol).await.unwrap();
+    assert_eq!(map[&SlabIndex(3)].0, rec);
+
+    // Slab order follows the index, not the text.
+    for i in [10u64, 2, 100] {
+        c.create_slab(vol, SlabIndex(i), &slab(&[(1, 1)]))
+            .await
+            .unwrap();
+    }
+    let idx: Vec<u64> = c.slabs(vol).await.unwrap().keys().map(|s| s.0).collect();
+    assert_eq!(idx, [2, 3, 10, 100]);
+}
+
+#[tokio::test]
+async fn ownership_epochs_increase_and_conflicts_name_the_owner() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let vol = VolumeId(9);
+    let l1 = etcd.lease_grant(60).await.unwrap();
+    let l2 = etcd.lease_grant(60).await.unwrap();
+
+    let e1 = c.claim_ownership(vol, NodeId(1), l1).await.unwrap();
+    assert_eq!(e1, Epoch(1));
+    let e1b = c.claim_ownership(vol, NodeId(1), l1).await.unwrap();
+    assert!(e1b > e1, "re-claiming starts a new term");
+    assert_eq!(
+        c.owner(vol).await.unwrap(),
+        Some(OwnerRecord {
+            node: NodeId(1),
+            epoch: e1b
+        })
+    );
+
+    let e = c.claim_ownership(vol, NodeId(2), l2).await.unwrap_err();
+    match &e {
+        ControlError::OwnedElsewhere { node, epoch, .. } => {
+            assert_eq!((*node, *epoch), (NodeId(1), e1b));
+        }
+        other => panic!("unexpected {other}"),
+    }
+    assert!(e.to_string().contains("owned by node 1"), "{e}");
+
+    // Releasing by a non-owner is a no-op; by the owner frees it, and the epoch goes on.
+    c.release_ownership(vol, NodeId(2)).await.unwrap();
+    assert!(c.owner(vol).await.unwrap().is_some());
+    c.release_ownership(vol, NodeId(1)).await.unwrap();
+    assert_eq!(c.owner(vol).await.unwrap(), None);
+    let e2 = c.claim_ownership(vol, NodeId(2), l2).await.unwrap();
+    assert!(e2 > e1b, "{e2} after {e1b}");
+
+    // The owner's lease ends (node died): another node takes over with a higher epoch.
+    etcd.lease_revoke(l2).await.unwrap();
+    let e3 = c.claim_ownership(vol, NodeId(1), l1).await.unwrap();
+    assert!(e3 > e2);
+
+    // Racing claimants: exactly one wins, the rest see it as the owner.
+    let vol2 = VolumeId(10);
+    let mut tasks = Vec::new();
+    for n in 1..=8u32 {
+        let c = c.clone();
+        let etcd = etcd.clone();
+        tasks.push(tokio::spawn(async move {
+            let l = etcd.lease_grant(60).await.unwrap();
+            (n, c.claim_ownership(vol2, NodeId(n), l).await)
+        }));
+    }
+    let mut winners = Vec::new();
+    let mut seen_owners = Vec::new();
+    for t in tasks {
+        match t.await.unwrap() {
+            (n, Ok(epoch)) => winners.push((n, epoch)),
+            (_, Err(ControlError::OwnedElsewhere { node, .. })) => seen_owners.push(node),
+            (_, Err(e)) => panic!("unexpected {e}"),
+        }
+    }
+    assert_eq!(winners.len(), 1, "{winners:?}");
+    assert!(seen_owners.iter().all(|n| n.0 == winners[0].0));
+}
+
+#[tokio::test]
+async fn ownership_lapses_when_the_lease_expires() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let vol = VolumeId(3);
+    let short = etcd.lease_grant(1).await.unwrap();
+    let e1 = c.claim_ownership(vol, NodeId(1), short).await.unwrap();
+    let mut free = false;
+    for _ in 0..300 {
+        if c.owner(vol).await.unwrap().is_none() {
+            free = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(free, "ownership must end with its lease");
+    let l2 = etcd.lease_grant(60).await.unwrap();
+    let e2 = c.claim_ownership(vol, NodeId(2), l2).await.unwrap();
+    assert!(e2 > e1, "epochs survive the owner's lease");
+}
+
+#[tokio::test]
+async fn delete_volume_removes_its_slabs_owner_and_epoch() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let v = volume(1, "gone");
+    let keep = volume(12, "kept"); // id 12 shares the text prefix "1" with volume 1
+    c.create_volume(&v).await.unwrap();
+    c.create_volume(&keep).await.unwrap();
+    for i in 0..5 {
+        c.create_slab(v.id, SlabIndex(i), &slab(&[(1, 1)]))
+            .await
+            .unwrap();
+    }
+    c.create_slab(keep.id, SlabIndex(0), &slab(&[(1, 1)]))
+        .await
+        .unwrap();
+    let lease = etcd.lease_grant(60).await.unwrap();
+    c.claim_ownership(v.id, NodeId(1), lease).await.unwrap();
+    c.claim_ownership(keep.id, NodeId(1), lease).await.unwrap();
+
+    let deleted = c.delete_volume("gone").await.unwrap();
+    assert_eq!(deleted, Some(v.clone()));
+    assert!(c.volume("gone").await.unwrap().is_none());
+    assert!(c.slabs(v.id).await.unwrap().is_empty());
+    assert!(c.owner(v.id).await.unwrap().is_none());
+    assert!(etcd.get(&keys::epoch(v.id)).await.unwrap().is_none());
+    assert_eq!(c.delete_volume("gone").await.unwrap(), None);
+
+    // The other volume is untouched.
+    assert!(c.volume("kept").await.unwrap().is_some());
+    assert_eq!(c.slabs(keep.id).await.unwrap().len(), 1);
+    assert!(c.owner(keep.id).await.unwrap().is_some());
+    assert!(etcd.get(&keys::epoch(keep.id)).await.unwrap().is_some());
+}
+
+#[tokio::test]
+async fn corrupt_records_are_reported_with_their_key() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    etcd.put("/converge/volumes/bad", b"{not json", None)
+        .await
+        .unwrap();
+    let e = c.volume("bad").await.unwrap_err();
+    assert!(matches!(e, ControlError::Corrupt { .. }), "{e}");
+    assert!(e.to_string().contains("/converge/volumes/bad"), "{e}");
+}
+
+#[tokio::test]
+async fn model_errors_when_etcd_is_down() {
+    let c = Cluster::new(Etcd::new(vec![converge_control::testing::unused_endpoint()]).unwrap());
+    let e = c.volumes().await.unwrap_err();
+    assert!(matches!(e, ControlError::Etcd(_)), "{e}");
+    assert!(e.to_string().contains("is etcd running?"), "{e}");
+}
