@@ -1,0 +1,303 @@
+//! End-to-end: a 4-node lab (real etcd, real converged processes) serving a mirror-3
+//! volume to real NBD clients; durability across clean restarts and kill -9; bad input.
+
+mod common;
+
+use common::*;
+use std::collections::BTreeSet;
+use std::process::Command;
+
+#[test]
+fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
+    let lab = Lab::up(4, &[]);
+    let uri = lab.create_volume("vm01", "512M", "mirror-3");
+    assert!(uri.starts_with("nbd+unix:///vm01?socket="), "{uri}");
+
+    // nbdinfo: size and block sizes.
+    let info = must(Command::new("nbdinfo").arg("--json").arg(&uri));
+    let info: serde_json::Value = serde_json::from_str(&info).expect("nbdinfo json");
+    let export = &info["exports"][0];
+    assert_eq!(export["export-size"].as_u64(), Some(512 << 20), "{info}");
+    assert_eq!(export["block-size-minimum"].as_u64(), Some(4096), "{info}");
+    assert_eq!(export["block-size-preferred"].as_u64(), Some(4096), "{info}");
+    assert!(export["block-size-maximum"].as_u64().unwrap_or(0) >= 1 << 20, "{info}");
+
+    // fio random writes with crc32c verify, then a separate read-back verify pass.
+    let w = fio(
+        &uri,
+        &[
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=256M",
+            "--io_size=32M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--do_verify=1",
+            "--randseed=42",
+        ],
+    );
+    assert_eq!(fio_errors(&w), 0, "fio write+verify errors: {w}\n{}", lab.logs());
+    let r = fio(
+        &uri,
+        &[
+            "--rw=randwrite",
+            "--bs=4k",
+            "--iodepth=16",
+            "--size=256M",
+            "--io_size=32M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--verify_only",
+            "--randseed=42",
+        ],
+    );
+    assert_eq!(fio_errors(&r), 0, "fio read-back verify errors: {r}");
+    let verified = r["jobs"][0]["read"]["io_bytes"].as_u64().unwrap_or(0);
+    assert!(verified >= 32 << 20, "read-back verify read {verified} bytes: {r}");
+
+    // nbdcopy of random data in and out, compared; qemu-img compare against the file.
+    let tmp = tempfile::tempdir().expect("tmp");
+    let src = random_file(tmp.path(), "src.img", 512 << 20, 7);
+    must(Command::new("nbdcopy").arg(&src).arg(&uri));
+    let back = tmp.path().join("back.img");
+    must(Command::new("nbdcopy").arg(&uri).arg(&back));
+    assert!(
+        std::fs::read(&src).unwrap() == std::fs::read(&back).unwrap(),
+        "nbdcopy round trip differs"
+    );
+    must(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&src)
+        .arg(&uri));
+    // And qemu-img compare must notice a difference (the check can fail).
+    let mut other = std::fs::read(&src).unwrap();
+    other[12345] ^= 1;
+    std::fs::write(&back, &other).unwrap();
+    let o = run(Command::new("qemu-img")
+        .args(["compare", "-f", "raw", "-F", "raw"])
+        .arg(&back)
+        .arg(&uri));
+    assert!(!o.status.success(), "qemu-img compare missed a flipped bit");
+
+    // Placement: every slab has 3 extents on 3 distinct nodes, all in sync.
+    let v = lab.json(&["volume", "show", "vm01"]);
+    let slabs = v["slabs"].as_array().expect("slabs");
+    assert_eq!(slabs.len(), 8, "512 MiB of 64 MiB slabs fully written: {v}");
+    for s in slabs {
+        let ex = s["extents"].as_array().expect("extents");
+        assert_eq!(ex.len(), 3, "{s}");
+        let nodes: BTreeSet<u64> = ex.iter().map(|e| e["node"].as_u64().unwrap()).collect();
+        assert_eq!(nodes.len(), 3, "copies of slab on distinct nodes: {s}");
+        assert!(ex.iter().all(|e| e["state"] == "in-sync"), "{s}");
+    }
+    // Balance: 8 slabs x 3 copies over 8 drives.
+    let drives = lab.json(&["drive", "list"]);
+    let used: Vec<u64> = drives
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d["extents_used"].as_u64().unwrap())
+        .collect();
+    assert_eq!(used.iter().sum::<u64>(), 24, "{drives}");
+    assert!(used.iter().all(|u| *u == 3), "placement balances drives: {used:?}");
+
+    let st = lab.json(&["status"]);
+    assert_eq!(st["health"], "healthy", "{st}");
+    assert_eq!(st["nodes"].as_array().unwrap().len(), 4);
+    // Human output works too.
+    let human = lab.must(&["status"]);
+    assert!(human.contains("vm01") && human.contains("4/4 live"), "{human}");
+
+    // Metrics expose drive and volume counters and the daemon's CPU time.
+    let lj = lab.lab_json();
+    let api = lj["nodes"][0]["api"].as_str().unwrap().trim_start_matches("http://").to_string();
+    let metrics = http_get(&api, "/metrics");
+    for m in [
+        "converge_drive_written_bytes_total",
+        "converge_drive_inflight_seconds_total",
+        "converge_volume_write_latency_seconds_bucket",
+        "converge_process_cpu_seconds_total",
+    ] {
+        assert!(metrics.contains(m), "metrics lack {m}:\n{metrics}");
+    }
+}
+
+fn http_get(hostport: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(hostport).expect("connect api");
+    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn acked_writes_survive_clean_restart_and_kill_9() {
+    let lab = Lab::up(4, &[]);
+    let uri = lab.create_volume("db", "256M", "mirror-3");
+    let tmp = tempfile::tempdir().expect("tmp");
+    let a = random_file(tmp.path(), "a.img", 256 << 20, 1);
+    must(Command::new("nbdcopy").arg(&a).arg(&uri));
+
+    // Clean stop (SIGTERM) of every process, then start the same lab again.
+    lab.must(&["lab", "down"]);
+    lab.must(&["lab", "up"]);
+    let back = tmp.path().join("back.img");
+    must(Command::new("nbdcopy").arg(&uri).arg(&back));
+    assert!(
+        std::fs::read(&a).unwrap() == std::fs::read(&back).unwrap(),
+        "data differs after a clean restart\n{}",
+        lab.logs()
+    );
+
+    // Write new data; as soon as nbdcopy returns (every write acked) kill -9 every node.
+    let b = random_file(tmp.path(), "b.img", 256 << 20, 2);
+    must(Command::new("nbdcopy").arg(&b).arg(&uri));
+    for n in 1..=4 {
+        lab.must(&["lab", "fault", "kill", &n.to_string()]);
+    }
+    for n in 1..=4 {
+        lab.must(&["lab", "fault", "restart", &n.to_string()]);
+    }
+    std::fs::remove_file(&back).unwrap();
+    must(Command::new("nbdcopy").arg(&uri).arg(&back));
+    assert!(
+        std::fs::read(&b).unwrap() == std::fs::read(&back).unwrap(),
+        "acked data lost or damaged after kill -9\n{}",
+        lab.logs()
+    );
+    // fio verify after the crash too: write, kill -9 all, read back with verify_only.
+    let args = [
+        "--rw=randwrite",
+        "--bs=16k",
+        "--iodepth=8",
+        "--size=128M",
+        "--io_size=16M",
+        "--verify=crc32c",
+        "--verify_fatal=1",
+        "--randseed=9",
+    ];
+    let mut w = args.to_vec();
+    w.push("--do_verify=0");
+    assert_eq!(fio_errors(&fio(&uri, &w)), 0);
+    for n in 1..=4 {
+        lab.must(&["lab", "fault", "kill", &n.to_string()]);
+    }
+    for n in 1..=4 {
+        lab.must(&["lab", "fault", "restart", &n.to_string()]);
+    }
+    let mut r = args.to_vec();
+    r.push("--verify_only");
+    let v = fio(&uri, &r);
+    assert_eq!(fio_errors(&v), 0, "verify after kill -9: {v}\n{}", lab.logs());
+}
+
+#[test]
+fn bad_volume_requests_get_clear_errors() {
+    let lab = Lab::up(2, &[]);
+    let e = lab.fails(&["volume", "create", "x", "--size", "12Q"]);
+    assert!(e.contains("not a size"), "{e}");
+    let e = lab.fails(&["volume", "create", "x", "--size", "1G", "--resiliency", "raid5"]);
+    assert!(e.contains("unknown resiliency"), "{e}");
+    let e = lab.fails(&["volume", "create", "x", "--size", "1G", "--resiliency", "mirror-3"]);
+    assert!(e.contains("mirror-3 needs 3 nodes"), "{e}");
+    let e = lab.fails(&["volume", "create", "x", "--size", "100G", "--resiliency", "mirror-2"]);
+    assert!(e.contains("cannot create volume x"), "{e}");
+    let e = lab.fails(&["volume", "create", "bad/name", "--size", "1G"]);
+    assert!(e.contains("not valid"), "{e}");
+    let e = lab.fails(&["volume", "create", "x", "--size", "1000", "--resiliency", "mirror-2"]);
+    assert!(e.contains("multiple of 4096"), "{e}");
+    let e = lab.fails(&["volume", "show", "nosuch"]);
+    assert!(e.contains("no volume named"), "{e}");
+    lab.must(&["volume", "create", "x", "--size", "64M", "--resiliency", "mirror-2"]);
+    let e = lab.fails(&["volume", "create", "x", "--size", "64M", "--resiliency", "mirror-2"]);
+    assert!(e.contains("already exists"), "{e}");
+    let e = lab.fails(&["volume", "resize", "x", "--size", "32M"]);
+    assert!(e.contains("shrinking"), "{e}");
+    lab.must(&["volume", "resize", "x", "--size", "128M"]);
+    assert_eq!(lab.json(&["volume", "show", "x"])["size_bytes"].as_u64(), Some(128 << 20));
+    lab.must(&["volume", "delete", "x"]);
+    assert!(lab.json(&["volume", "list"]).as_array().unwrap().is_empty());
+
+    // Unknown export over NBD.
+    let sock = lab.lab_json()["nodes"][0]["nbd_socket"].as_str().unwrap().to_string();
+    let o = run(Command::new("nbdinfo").arg(format!("nbd+unix:///nosuch?socket={sock}")));
+    assert!(!o.status.success(), "unknown export must be refused");
+    // A volume owned by node 2, asked for on node 1: refused, naming the owner.
+    lab.must(&["volume", "create", "y", "--size", "64M", "--resiliency", "mirror-2", "--owner", "2"]);
+    let o = run(Command::new("qemu-img")
+        .args(["info", &format!("nbd+unix:///y?socket={sock}")]));
+    assert!(!o.status.success());
+    let msg = String::from_utf8_lossy(&o.stderr);
+    assert!(msg.contains("owned by node 2"), "{msg}");
+    // An unreachable API is a clear error.
+    let o = run(lab.cmd(&["status", "--api", "http://127.0.0.1:9"]));
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot reach the converge API"));
+}
+
+#[test]
+fn converged_refuses_foreign_drives_bad_config_and_dead_etcd() {
+    let lab = Lab::up(1, &[]);
+    let lj = lab.lab_json();
+    let cfg_path = lj["nodes"][0]["config"].as_str().unwrap().to_string();
+    let cfg = std::fs::read_to_string(&cfg_path).unwrap();
+    let converged = converge_bin().with_file_name("converged");
+    let tmp = tempfile::tempdir().unwrap();
+
+    // etcd not running: a closed port.
+    let dead = cfg.replace(
+        lj["etcd_endpoint"].as_str().unwrap(),
+        "http://127.0.0.1:9",
+    );
+    let dead = dead.replace("nbd.sock", "nbd-dead.sock");
+    let p = tmp.path().join("dead.toml");
+    std::fs::write(&p, &dead).unwrap();
+    let o = run(Command::new(&converged).arg("--config").arg(&p));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("127.0.0.1:9"), "names the etcd endpoint: {err}");
+
+    // A second lab (another cluster) must refuse the first lab's drive file.
+    let other = Lab::up(1, &[]);
+    let ocfg = std::fs::read_to_string(
+        other.lab_json()["nodes"][0]["config"].as_str().unwrap(),
+    )
+    .unwrap();
+    let first_drive = lj["nodes"][0]["drives"][0].as_str().unwrap();
+    let mut foreign = String::new();
+    for line in ocfg.lines() {
+        if line.starts_with("path = ") {
+            foreign.push_str(&format!("path = \"{first_drive}\"\n"));
+            break;
+        }
+        let line = line
+            .replace("nbd.sock", "nbd-foreign.sock");
+        // Fresh ports so the addresses are free.
+        let line = if line.starts_with("rpc = ") {
+            "rpc = \"127.0.0.2:0\"".to_string()
+        } else if line.starts_with("api = ") {
+            "api = \"127.0.0.2:0\"".to_string()
+        } else {
+            line
+        };
+        foreign.push_str(&line);
+        foreign.push('\n');
+    }
+    foreign.push_str("size = 1073741824\nrole = \"capacity\"\n");
+    let p = tmp.path().join("foreign.toml");
+    std::fs::write(&p, &foreign).unwrap();
+    let o = run(Command::new(&converged).arg("--config").arg(&p));
+    assert!(!o.status.success(), "foreign drive accepted:\n{foreign}");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("belongs to another cluster"), "{err}");
+
+    // A config error names the field.
+    let p = tmp.path().join("bad.toml");
+    std::fs::write(&p, cfg.replace("[network]\nrpc = ", "[network]\nrpc = \"nowhere\"\n#")).unwrap();
+    let o = run(Command::new(&converged).arg("--config").arg(&p));
+    assert!(!o.status.success());
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("network.rpc"), "{err}");
+}

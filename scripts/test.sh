@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Sets up and runs the whole test suite: lints, unit tests, and end-to-end tests against a
+# real etcd, real converged processes and real NBD clients.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CONVERGE_PROFILE=release ./scripts/setup.sh
+export PATH="$HOME/.cargo/bin:$PATH"
+echo "== format and lints"
+cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets --quiet -- -D warnings
+echo "== tests"
+if cargo nextest --version >/dev/null 2>&1; then
+  cargo nextest run --release --workspace --no-fail-fast
+else
+  cargo test --release --workspace --no-fail-fast -- --test-threads=2
+fi
