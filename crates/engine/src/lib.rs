@@ -1,1 +1,27 @@
-//! converge engine layer (see DESIGN.md).
+//! converge-engine: the per-drive store (DESIGN.md "Local engine"). Extents of slab size,
+//! crc32c + version per 4 KiB block, epoch fencing, a metadata journal with group commit,
+//! and crash recovery that returns old or new data, or reports the block bad.
+//!
+//! Layout and recovery are specified byte by byte in docs/FORMAT-engine.md.
+
+// Tests may unwrap: a panic there is the failure report.
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+mod commit;
+mod drive;
+mod error;
+pub mod faulty;
+pub mod file;
+pub mod layout;
+mod recover;
+mod stats;
+
+pub use drive::{Capacity, Drive, ExtentInfo, FormatOptions, ReadInfo};
+pub use error::EngineError;
+pub use faulty::FaultyFile;
+pub use file::{AlignedBuf, BlockFile, DirectFile};
+pub use layout::{DriveIdentity, FORMAT_VERSION};
+pub use stats::{DriveStats, LatencyHistogram, LATENCY_BUCKETS};
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,407 @@
+//! Group commit and checkpoints: writers queue metadata records, one leader at a time
+//! writes them as a journal batch and syncs once for everyone, then applies them; when the
+//! journal fills, the leader writes the durable metadata in place and moves the tail.
+
+use crate::drive::{lock, CommitState, Drive, Extent, IoKind, LeaderState};
+use crate::error::EngineError;
+use crate::file::AlignedBuf;
+use crate::layout::{
+    encode_meta_sector, encode_table_sector, seal_batch, BlockMeta, ExtentEntry, Record,
+    BATCH_HEADER, BLOCK, BLOCKS_PER_META_PAGE, EXT_PER_PAGE, EXT_PER_SECTOR, META_PER_SECTOR,
+    RECORD, SECTOR, SECTORS_PER_PAGE,
+};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, MutexGuard};
+
+impl Drive {
+    pub(crate) fn check_failed(&self) -> Result<(), EngineError> {
+        match &lock(&self.commit).failed {
+            Some(reason) => Err(EngineError::Failed {
+                reason: reason.clone(),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) fn fail(&self, e: &EngineError) {
+        let mut st = lock(&self.commit);
+        if st.failed.is_none() {
+            log::error!("drive {} failed: {e}", self.id.drive);
+            st.failed = Some(e.to_string());
+        }
+        drop(st);
+        self.commit_cv.notify_all();
+    }
+
+    /// Queues records for the journal and returns the batch sequence number that holds the
+    /// last of them. `force` never waits for room (used under the table lock, where waiting
+    /// could deadlock with the leader); a batch may then exceed its bound by a few records.
+    pub(crate) fn enqueue(&self, records: &[u8], force: bool) -> Result<u64, EngineError> {
+        debug_assert_eq!(records.len() % RECORD, 0);
+        let cap = self.batch_records_max;
+        let mut st = lock(&self.commit);
+        let mut seq = st.open_seq;
+        for chunk in records.chunks(cap) {
+            loop {
+                if let Some(reason) = &st.failed {
+                    return Err(EngineError::Failed {
+                        reason: reason.clone(),
+                    });
+                }
+                if force || st.pending.len() + chunk.len() <= cap {
+                    break;
+                }
+                st = if st.leader_active {
+                    self.commit_cv.wait(st).expect("commit lock poisoned")
+                } else {
+                    self.lead_one(st)
+                };
+            }
+            st.pending.extend_from_slice(chunk);
+            seq = st.open_seq;
+        }
+        Ok(seq)
+    }
+
+    /// Returns once batch `seq` (and all before it) is durable; leads a batch if nobody is.
+    ///
+    /// A failed drive acks nothing, even a write whose batch is durable: a write skipped
+    /// because of a newer claim whose data write then failed has no batch of its own to
+    /// wait for, and an error is always a safe answer (the owner treats it as unknown).
+    pub(crate) fn wait_durable(&self, seq: u64) -> Result<(), EngineError> {
+        let mut st = lock(&self.commit);
+        loop {
+            if let Some(reason) = &st.failed {
+                return Err(EngineError::Failed {
+                    reason: reason.clone(),
+                });
+            }
+            if st.durable_seq >= seq {
+                return Ok(());
+            }
+            st = if st.leader_active {
+                self.commit_cv.wait(st).expect("commit lock poisoned")
+            } else {
+                self.lead_one(st)
+            };
+        }
+    }
+
+    /// Writes the open batch as leader: one journal write, one sync for every waiter.
+    fn lead_one<'a>(&'a self, mut st: MutexGuard<'a, CommitState>) -> MutexGuard<'a, CommitState> {
+        assert!(
+            !st.pending.is_empty(),
+            "a waiter leads only when its records are in the open batch"
+        );
+        st.leader_active = true;
+        let seq = st.open_seq;
+        st.open_seq += 1;
+        // Only the thread that set leader_active takes this lock, so it is free.
+        let mut ld = lock(&self.leader);
+        std::mem::swap(&mut st.pending, &mut ld.spare);
+        drop(st);
+        let res = self.write_batch(&mut ld, seq);
+        drop(ld);
+        let mut st = lock(&self.commit);
+        match res {
+            Ok(()) => st.durable_seq = seq,
+            Err(e) => {
+                log::error!(
+                    "drive {} failed writing journal batch {seq}: {e}",
+                    self.id.drive
+                );
+                st.failed.get_or_insert_with(|| e.to_string());
+            }
+        }
+        st.leader_active = false;
+        self.commit_cv.notify_all();
+        st
+    }
+
+    fn write_batch(&self, ld: &mut LeaderState, seq: u64) -> Result<(), EngineError> {
+        assert_eq!(seq, ld.next_seq, "journal batches are written in sequence");
+        let records = std::mem::take(&mut ld.spare);
+        let js = self.journal_sector as u64;
+        let jlen = self.layout.journal_len;
+        let len = (BATCH_HEADER + records.len()) as u64;
+        let len = len.div_ceil(js) * js;
+        // Checkpoint before the replay window passes half the journal: keeps room for the
+        // batch and its wrap-around waste, and bounds recovery time.
+        let waste = |head: u64| if head + len > jlen { jlen - head } else { 0 };
+        if ld.used + waste(ld.head) + len > jlen / 2 {
+            self.checkpoint_locked(ld)?;
+        }
+        let mut pos = ld.head;
+        if pos + len > jlen {
+            ld.used += jlen - pos;
+            pos = 0;
+        }
+        let len_usize = len as usize;
+        if ld.batch_buf.capacity() < len_usize {
+            ld.batch_buf = AlignedBuf::new(len_usize);
+        }
+        ld.batch_buf.set_len(len_usize);
+        let buf = &mut ld.batch_buf[..];
+        buf[BATCH_HEADER..BATCH_HEADER + records.len()].copy_from_slice(&records);
+        buf[BATCH_HEADER + records.len()..].fill(0);
+        seal_batch(
+            buf,
+            ld.sb.journal_gen,
+            seq,
+            len_usize,
+            (records.len() / RECORD) as u32,
+        );
+        self.dev_write(
+            &ld.batch_buf[..],
+            self.layout.journal_off + pos,
+            IoKind::Journal,
+        )?;
+        self.dev_sync()?;
+        self.counters
+            .journal_batches
+            .fetch_add(1, Ordering::Relaxed);
+        ld.head = pos + len;
+        if ld.head >= jlen {
+            ld.head = 0;
+        }
+        ld.used += len;
+        ld.next_seq = seq + 1;
+        self.apply_records(ld, &records);
+        ld.spare = records;
+        ld.spare.clear();
+        Ok(())
+    }
+
+    fn durable_extent(&self, slot: u32) -> Option<Arc<Extent>> {
+        lock(&self.table)
+            .slots
+            .get(slot as usize)
+            .and_then(|s| s.durable.clone())
+    }
+
+    /// Applies a durable batch to the in-memory durable state, in journal order.
+    fn apply_records(&self, ld: &mut LeaderState, records: &[u8]) {
+        let mut cache: Option<(u32, Option<Arc<Extent>>)> = None;
+        for raw in records.chunks_exact(RECORD) {
+            let rec = Record::decode(raw).expect("records in a batch were encoded by this drive");
+            match rec {
+                Record::Data {
+                    slot,
+                    block,
+                    crc,
+                    version,
+                } => {
+                    let meta = BlockMeta {
+                        version,
+                        crc,
+                        flags: crate::layout::F_DATA,
+                    };
+                    self.apply_blocks(ld, &mut cache, slot, block, 1, meta);
+                }
+                Record::Zero {
+                    slot,
+                    block,
+                    count,
+                    version,
+                } => {
+                    let meta = BlockMeta {
+                        version,
+                        crc: 0,
+                        flags: 0,
+                    };
+                    self.apply_blocks(ld, &mut cache, slot, block, count, meta);
+                }
+                Record::Alloc { slot, key, epoch } => {
+                    cache = None;
+                    let mut t = lock(&self.table);
+                    let s = &mut t.slots[slot as usize];
+                    s.durable = s.live.clone().filter(|e| e.key == key);
+                    s.entry = ExtentEntry {
+                        in_use: true,
+                        key: Some(key),
+                        epoch: epoch.0,
+                    };
+                    ld.dirty_table.insert(slot / EXT_PER_PAGE);
+                    // The slot's metadata pages still hold a previous extent's: reset them.
+                    for p in 0..self.layout.meta_pages_per_extent() {
+                        ld.dirty_meta.insert((slot, p));
+                    }
+                }
+                Record::Epoch { slot, epoch } => {
+                    let mut t = lock(&self.table);
+                    let e = &mut t.slots[slot as usize].entry;
+                    e.epoch = e.epoch.max(epoch.0);
+                    ld.dirty_table.insert(slot / EXT_PER_PAGE);
+                }
+                Record::Free { slot } => {
+                    cache = None;
+                    let mut t = lock(&self.table);
+                    let s = &mut t.slots[slot as usize];
+                    s.durable = None;
+                    s.entry = ExtentEntry::default();
+                    if s.live.is_none() {
+                        t.free.push(slot);
+                    }
+                    ld.dirty_table.insert(slot / EXT_PER_PAGE);
+                }
+            }
+        }
+    }
+
+    fn apply_blocks(
+        &self,
+        ld: &mut LeaderState,
+        cache: &mut Option<(u32, Option<Arc<Extent>>)>,
+        slot: u32,
+        block: u32,
+        count: u32,
+        meta: BlockMeta,
+    ) {
+        let ext = match cache {
+            Some((s, e)) if *s == slot => e.clone(),
+            _ => {
+                let e = self.durable_extent(slot);
+                *cache = Some((slot, e.clone()));
+                e
+            }
+        };
+        let Some(ext) = ext else { return };
+        let mut m = lock(&ext.meta);
+        for b in block..block.saturating_add(count) {
+            m.apply(b, meta);
+        }
+        drop(m);
+        let last = block.saturating_add(count.max(1) - 1);
+        for p in block / BLOCKS_PER_META_PAGE..=last / BLOCKS_PER_META_PAGE {
+            ld.dirty_meta.insert((slot, p));
+        }
+    }
+
+    /// Makes the durable in-memory metadata durable in place, then moves the journal tail
+    /// to the head. Only the commit leader calls this, between batches.
+    pub(crate) fn checkpoint_locked(&self, ld: &mut LeaderState) -> Result<(), EngineError> {
+        let table_pages = std::mem::take(&mut ld.dirty_table);
+        let meta_pages = std::mem::take(&mut ld.dirty_meta);
+        let mut buf = std::mem::replace(&mut ld.page_buf, AlignedBuf::new(0));
+        let res = self.write_pages(&table_pages, &meta_pages, &mut buf);
+        ld.page_buf = buf;
+        res?;
+        self.dev_sync()?;
+        // The superblock write is the commit point: copies alternate, so a torn write
+        // leaves the previous one valid.
+        ld.sb.generation += 1;
+        ld.sb.journal_tail = ld.head;
+        ld.sb.journal_tail_seq = ld.next_seq;
+        ld.sb.journal_sector = self.journal_sector as u32;
+        let mut sbuf = AlignedBuf::new(BLOCK as usize);
+        ld.sb.encode(&mut sbuf);
+        self.dev_write(&sbuf, (ld.sb.generation % 2) * BLOCK, IoKind::Meta)?;
+        self.dev_sync()?;
+        ld.used = 0;
+        self.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn write_pages(
+        &self,
+        table_pages: &std::collections::BTreeSet<u32>,
+        meta_pages: &std::collections::BTreeSet<(u32, u32)>,
+        buf: &mut AlignedBuf,
+    ) -> Result<(), EngineError> {
+        const PAGE: usize = BLOCK as usize;
+        let chunk_pages = buf.capacity() / PAGE;
+        for &page in table_pages {
+            buf.set_len(PAGE);
+            {
+                let t = lock(&self.table);
+                for sec in 0..SECTORS_PER_PAGE {
+                    let sector = page * SECTORS_PER_PAGE + sec;
+                    let first = (sector * EXT_PER_SECTOR) as usize;
+                    let end = (first + EXT_PER_SECTOR as usize).min(t.slots.len());
+                    let entries: Vec<ExtentEntry> = t
+                        .slots
+                        .get(first..end)
+                        .unwrap_or(&[])
+                        .iter()
+                        .map(|s| s.entry)
+                        .collect();
+                    let at = sec as usize * SECTOR;
+                    encode_table_sector(&mut buf[at..at + SECTOR], sector, &entries);
+                }
+            }
+            self.dev_write(buf, self.layout.table_page_off(page), IoKind::Meta)?;
+        }
+        // Coalesce runs of adjacent metadata pages into one write each.
+        let mut run: Option<(u32, u32, usize)> = None; // (slot, first page, pages)
+        let mut metas = vec![BlockMeta::default(); META_PER_SECTOR as usize];
+        for &(slot, page) in meta_pages {
+            if let Some((s, p0, n)) = run {
+                if s != slot || p0 + n as u32 != page || n == chunk_pages {
+                    self.dev_write(
+                        &buf[..n * PAGE],
+                        self.layout.meta_page_off(s, p0),
+                        IoKind::Meta,
+                    )?;
+                    run = None;
+                }
+            }
+            let (s, p0, n) = run.unwrap_or((slot, page, 0));
+            buf.set_len(buf.capacity());
+            let ext = self.durable_extent(slot);
+            let guard = ext.as_ref().map(|e| lock(&e.meta));
+            for sec in 0..SECTORS_PER_PAGE {
+                let sector = page * SECTORS_PER_PAGE + sec;
+                let first = (sector * META_PER_SECTOR) as usize;
+                let bpe = self.layout.blocks_per_extent as usize;
+                let end = (first + META_PER_SECTOR as usize).min(bpe);
+                let src: &[BlockMeta] = match &guard {
+                    Some(m) if first < bpe => &m.blocks[first..end],
+                    _ => &[],
+                };
+                metas[..src.len()].copy_from_slice(src);
+                let at = n * PAGE + sec as usize * SECTOR;
+                encode_meta_sector(&mut buf[at..at + SECTOR], slot, sector, &metas[..src.len()]);
+            }
+            run = Some((s, p0, n + 1));
+        }
+        if let Some((s, p0, n)) = run {
+            self.dev_write(
+                &buf[..n * PAGE],
+                self.layout.meta_page_off(s, p0),
+                IoKind::Meta,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Writes all durable metadata in place and empties the journal now (e.g. before a
+    /// clean shutdown, so the next open replays nothing). Writes keep flowing meanwhile.
+    pub fn checkpoint(&self) -> Result<(), EngineError> {
+        let mut st = lock(&self.commit);
+        loop {
+            if let Some(reason) = &st.failed {
+                return Err(EngineError::Failed {
+                    reason: reason.clone(),
+                });
+            }
+            if !st.leader_active {
+                break;
+            }
+            st = self.commit_cv.wait(st).expect("commit lock poisoned");
+        }
+        st.leader_active = true;
+        drop(st);
+        let res = {
+            let mut ld = lock(&self.leader);
+            self.checkpoint_locked(&mut ld)
+        };
+        let mut st = lock(&self.commit);
+        if let Err(e) = &res {
+            st.failed.get_or_insert_with(|| e.to_string());
+        }
+        st.leader_active = false;
+        drop(st);
+        self.commit_cv.notify_all();
+        res
+    }
+}

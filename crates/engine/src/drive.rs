@@ -1,0 +1,739 @@
+//! The per-drive store's public face and its hot paths (write, read, zero): extents,
+//! per-block crc + version, epoch fencing, and the in-memory view the journal makes durable.
+
+use crate::error::EngineError;
+use crate::file::{AlignedBuf, BlockFile};
+use crate::layout::{
+    BlockMeta, DriveIdentity, ExtentEntry, Layout, Record, Superblock, BLOCK, F_DATA, RECORD,
+};
+use crate::stats::{Counters, DriveStats, OpKind};
+use converge_types::{Epoch, ExtentKey, Version, BLOCK_SIZE, MAX_IO_BYTES};
+use serde::Serialize;
+use std::cell::RefCell;
+use std::collections::hash_map::Entry;
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+
+/// A read retries this many times when a block's crc mismatches because a write raced it.
+const READ_RETRIES: usize = 8;
+
+/// Options of `Drive::format_with`; defaults suit production.
+#[derive(Clone, Debug, Default)]
+pub struct FormatOptions {
+    /// Size of the metadata journal; default: 1/128 of the drive, between 1 and 128 MiB.
+    /// Small journals checkpoint more often (tests use this to exercise checkpoints).
+    pub journal_bytes: Option<u64>,
+}
+
+/// What a read found besides the data.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
+pub struct ReadInfo {
+    /// Indexes (within this read) of blocks whose data does not match their crc; their
+    /// bytes must not be used: read another copy and repair.
+    pub bad_blocks: Vec<u32>,
+    /// Highest version among the blocks read (0 if none was ever written).
+    pub versions: Version,
+}
+
+/// One extent held by this drive.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ExtentInfo {
+    pub key: ExtentKey,
+    pub epoch: Epoch,
+    pub bytes_allocated: u64,
+}
+
+/// Space of the drive in extents (slabs) and bytes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct Capacity {
+    pub extents_total: u64,
+    pub extents_used: u64,
+    pub bytes_total: u64,
+    pub bytes_used: u64,
+}
+
+/// A block with a write in progress: the metadata a reader or a later writer must see.
+pub(crate) struct Overlay {
+    pub meta: BlockMeta,
+    /// The data pwrite (or the record enqueue) is in progress: others wait.
+    pub busy: bool,
+    /// Claims whose records are not yet durable and applied to `blocks`.
+    pub pending: u32,
+    /// Batch holding the latest claim's record: a write skipped because of this claim
+    /// is acked only once it is durable (else a crash could lose both).
+    pub seq: u64,
+}
+
+pub(crate) struct ExtentMeta {
+    /// Durable metadata: only changed when a journal batch holding the change is synced.
+    /// Checkpoints write exactly this, never a change the journal could still lose.
+    pub blocks: Vec<BlockMeta>,
+    /// Blocks with writes not yet applied to `blocks` (bounded by writes in flight).
+    pub overlay: HashMap<u32, Overlay>,
+}
+
+impl ExtentMeta {
+    fn current(&self, b: u32) -> BlockMeta {
+        match self.overlay.get(&b) {
+            Some(o) => o.meta,
+            None => self.blocks[b as usize],
+        }
+    }
+
+    fn any_busy(&self, first: u32, count: u32) -> bool {
+        !self.overlay.is_empty()
+            && (first..first + count).any(|b| self.overlay.get(&b).is_some_and(|o| o.busy))
+    }
+
+    /// Applies a durable record's effect (called in journal order).
+    pub fn apply(&mut self, b: u32, meta: BlockMeta) {
+        if let Some(slot) = self.blocks.get_mut(b as usize) {
+            *slot = meta;
+        }
+        if let Entry::Occupied(mut o) = self.overlay.entry(b) {
+            let ov = o.get_mut();
+            ov.pending = ov.pending.saturating_sub(1);
+            if ov.pending == 0 && !ov.busy {
+                o.remove();
+            }
+        }
+    }
+}
+
+/// An allocated extent in memory.
+pub(crate) struct Extent {
+    pub key: ExtentKey,
+    pub slot: u32,
+    /// Highest epoch seen (in memory; durable once `epoch_seq` is).
+    pub epoch: AtomicU64,
+    /// Journal batch holding the latest alloc/epoch record: acks wait for it.
+    pub epoch_seq: AtomicU64,
+    pub meta: Mutex<ExtentMeta>,
+    pub cv: Condvar,
+}
+
+impl Extent {
+    pub fn new(key: ExtentKey, slot: u32, epoch: u64, seq: u64, blocks: Vec<BlockMeta>) -> Extent {
+        Extent {
+            key,
+            slot,
+            epoch: AtomicU64::new(epoch),
+            epoch_seq: AtomicU64::new(seq),
+            meta: Mutex::new(ExtentMeta {
+                blocks,
+                overlay: HashMap::new(),
+            }),
+            cv: Condvar::new(),
+        }
+    }
+}
+
+pub(crate) struct Slot {
+    /// The extent as clients see it (set at allocation, cleared at free).
+    pub live: Option<Arc<Extent>>,
+    /// The extent as the durable journal sees it (set when the alloc record is applied).
+    pub durable: Option<Arc<Extent>>,
+    /// Durable extent-table entry (what checkpoints write).
+    pub entry: ExtentEntry,
+}
+
+pub(crate) struct Table {
+    pub slots: Vec<Slot>,
+    pub by_key: HashMap<ExtentKey, u32>,
+    /// Free slots, popped from the end (lowest slot first).
+    pub free: Vec<u32>,
+}
+
+pub(crate) struct CommitState {
+    /// Records of the batch being filled.
+    pub pending: Vec<u8>,
+    /// Sequence number the batch being filled will get.
+    pub open_seq: u64,
+    /// Every batch up to this one is durable and applied.
+    pub durable_seq: u64,
+    /// A thread is writing a batch (or checkpointing); others wait or queue.
+    pub leader_active: bool,
+    /// Sticky: after a failed device write or sync nothing more is acked (fsync errors
+    /// cannot be retried safely), until the drive is reopened.
+    pub failed: Option<String>,
+}
+
+/// State only the current commit leader touches.
+pub(crate) struct LeaderState {
+    pub sb: Superblock,
+    /// Offset in the journal region where the next batch goes.
+    pub head: u64,
+    /// Journal bytes between the checkpoint tail and head (what replay would read).
+    pub used: u64,
+    pub next_seq: u64,
+    /// Records of the batch being written (swapped with CommitState::pending).
+    pub spare: Vec<u8>,
+    pub batch_buf: AlignedBuf,
+    pub page_buf: AlignedBuf,
+    /// (slot, page) metadata pages changed since the last checkpoint.
+    pub dirty_meta: BTreeSet<(u32, u32)>,
+    pub dirty_table: BTreeSet<u32>,
+}
+
+#[derive(Clone, Copy)]
+pub(crate) enum IoKind {
+    Data,
+    Journal,
+    Meta,
+}
+
+/// One formatted drive: a set of extents with per-block crc32c and version.
+///
+/// `Send + Sync`; every method takes `&self` and may be called from many threads.
+pub struct Drive {
+    pub(crate) file: Arc<dyn BlockFile>,
+    pub(crate) id: DriveIdentity,
+    pub(crate) layout: Layout,
+    pub(crate) table: Mutex<Table>,
+    pub(crate) commit: Mutex<CommitState>,
+    pub(crate) commit_cv: Condvar,
+    pub(crate) leader: Mutex<LeaderState>,
+    pub(crate) counters: Counters,
+    /// 512 or 4096: the unit journal batches are padded to.
+    pub(crate) journal_sector: usize,
+    /// Bytes of records one batch carries at most (bounds batch size and latency).
+    pub(crate) batch_records_max: usize,
+}
+
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock()
+        .expect("engine lock poisoned: a panic left drive state unknown; reopen the drive")
+}
+
+#[derive(Default)]
+struct Scratch {
+    applied: Vec<bool>,
+    records: Vec<u8>,
+    metas: Vec<BlockMeta>,
+    metas2: Vec<BlockMeta>,
+}
+
+thread_local! {
+    // Per-thread buffers reused across I/Os, so the hot path does not allocate per request.
+    static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
+}
+
+fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
+    SCRATCH.with(|c| match c.try_borrow_mut() {
+        Ok(mut s) => f(&mut s),
+        Err(_) => f(&mut Scratch::default()),
+    })
+}
+
+impl Drive {
+    pub fn identity(&self) -> &DriveIdentity {
+        &self.id
+    }
+
+    /// The layout in use (region offsets), for tools and tests.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Journal write unit chosen at open (512 if the device accepts 512-byte O_DIRECT I/O).
+    pub fn journal_sector_bytes(&self) -> usize {
+        self.journal_sector
+    }
+
+    pub(crate) fn dev_write(&self, buf: &[u8], off: u64, kind: IoKind) -> Result<(), EngineError> {
+        self.file
+            .write_at(buf, off)
+            .map_err(EngineError::io("write"))?;
+        let c = match kind {
+            IoKind::Data => &self.counters.data_write_bytes,
+            IoKind::Journal => &self.counters.journal_write_bytes,
+            IoKind::Meta => &self.counters.metadata_write_bytes,
+        };
+        c.fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub(crate) fn dev_read(&self, buf: &mut [u8], off: u64) -> Result<(), EngineError> {
+        self.file
+            .read_at(buf, off)
+            .map_err(EngineError::io("read"))?;
+        self.counters
+            .read_bytes
+            .fetch_add(buf.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    pub(crate) fn dev_sync(&self) -> Result<(), EngineError> {
+        self.file.sync().map_err(EngineError::io("sync"))?;
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Validates an I/O range and returns (first block, block count).
+    fn range(&self, key: ExtentKey, offset: u64, len: u64) -> Result<(u32, u32), EngineError> {
+        let bad = |reason| EngineError::InvalidIo {
+            key,
+            reason,
+            offset,
+            len,
+        };
+        if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) {
+            return Err(bad("offset and length must be multiples of 4096"));
+        }
+        if len == 0 || len > MAX_IO_BYTES as u64 {
+            return Err(bad("length must be between 4 KiB and 32 MiB"));
+        }
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.layout.slab_size_bytes)
+        {
+            return Err(bad("range ends beyond the slab"));
+        }
+        Ok(((offset / BLOCK) as u32, (len / BLOCK) as u32))
+    }
+
+    fn lookup(&self, key: ExtentKey) -> Option<Arc<Extent>> {
+        let t = lock(&self.table);
+        t.by_key
+            .get(&key)
+            .and_then(|&s| t.slots[s as usize].live.clone())
+    }
+
+    fn check_epoch(ext: &Extent, epoch: Epoch) -> Result<(), EngineError> {
+        let current = ext.epoch.load(Ordering::Acquire);
+        if epoch.0 < current {
+            return Err(EngineError::StaleEpoch {
+                key: ext.key,
+                requested: epoch,
+                current: Epoch(current),
+            });
+        }
+        Ok(())
+    }
+
+    /// Finds or allocates the extent, applying epoch fencing. Alloc/epoch records are
+    /// queued under the table lock so every later write of the extent lands in the same
+    /// or a later batch (its ack then implies the fence is durable).
+    fn extent_for_write(&self, key: ExtentKey, epoch: Epoch) -> Result<Arc<Extent>, EngineError> {
+        let mut t = lock(&self.table);
+        let mut rec = [0u8; RECORD];
+        if let Some(&slot) = t.by_key.get(&key) {
+            let ext = t.slots[slot as usize]
+                .live
+                .clone()
+                .expect("by_key only names live slots");
+            Self::check_epoch(&ext, epoch)?;
+            if epoch.0 > ext.epoch.load(Ordering::Acquire) {
+                Record::Epoch { slot, epoch }.encode(&mut rec);
+                let seq = self.enqueue(&rec, true)?;
+                ext.epoch.store(epoch.0, Ordering::Release);
+                ext.epoch_seq.fetch_max(seq, Ordering::AcqRel);
+            }
+            return Ok(ext);
+        }
+        let slot = t.free.pop().ok_or(EngineError::NoSpace {
+            extents_total: u64::from(self.layout.extents_total),
+        })?;
+        Record::Alloc { slot, key, epoch }.encode(&mut rec);
+        let seq = match self.enqueue(&rec, true) {
+            Ok(s) => s,
+            Err(e) => {
+                t.free.push(slot);
+                return Err(e);
+            }
+        };
+        let blocks = vec![BlockMeta::default(); self.layout.blocks_per_extent as usize];
+        let ext = Arc::new(Extent::new(key, slot, epoch.0, seq, blocks));
+        t.slots[slot as usize].live = Some(ext.clone());
+        t.by_key.insert(key, slot);
+        Ok(ext)
+    }
+
+    /// Claims blocks for a write: waits for in-progress writes of the same blocks (so data
+    /// and metadata land in one order), applies the version rule, marks claimed blocks busy.
+    /// Returns (blocks claimed, batch a skipped block's newer claim must reach first).
+    fn claim(
+        &self,
+        ext: &Extent,
+        first: u32,
+        count: u32,
+        new: impl Fn(usize) -> BlockMeta,
+        applied: &mut Vec<bool>,
+    ) -> (u32, u64) {
+        let mut m = lock(&ext.meta);
+        while m.any_busy(first, count) {
+            m = ext.cv.wait(m).expect("extent lock poisoned");
+        }
+        applied.clear();
+        let mut n = 0;
+        let mut need_seq = 0;
+        for i in 0..count as usize {
+            let b = first + i as u32;
+            let nm = new(i);
+            if nm.version >= m.current(b).version {
+                let ExtentMeta { blocks, overlay } = &mut *m;
+                let o = overlay.entry(b).or_insert(Overlay {
+                    meta: blocks[b as usize],
+                    busy: false,
+                    pending: 0,
+                    seq: 0,
+                });
+                o.meta = nm;
+                o.busy = true;
+                o.pending += 1;
+                applied.push(true);
+                n += 1;
+            } else {
+                // Not busy (we waited), so a claim's seq is already known here.
+                if let Some(o) = m.overlay.get(&b) {
+                    need_seq = need_seq.max(o.seq);
+                }
+                applied.push(false);
+            }
+        }
+        (n, need_seq)
+    }
+
+    fn release(&self, ext: &Extent, first: u32, applied: &[bool], seq: u64) {
+        let mut m = lock(&ext.meta);
+        for (i, _) in applied.iter().enumerate().filter(|(_, &a)| a) {
+            if let Entry::Occupied(mut o) = m.overlay.entry(first + i as u32) {
+                o.get_mut().busy = false;
+                o.get_mut().seq = o.get().seq.max(seq);
+                if o.get().pending == 0 {
+                    o.remove();
+                }
+            }
+        }
+        drop(m);
+        ext.cv.notify_all();
+    }
+
+    /// Copies the current metadata of a range, waiting for in-progress writes to finish.
+    fn snapshot(ext: &Extent, first: u32, count: u32, out: &mut Vec<BlockMeta>) {
+        let mut m = lock(&ext.meta);
+        while m.any_busy(first, count) {
+            m = ext.cv.wait(m).expect("extent lock poisoned");
+        }
+        out.clear();
+        out.extend((first..first + count).map(|b| m.current(b)));
+    }
+
+    /// Writes blocks of one extent; durable when it returns Ok (see the crate docs).
+    pub fn write(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+    ) -> Result<(), EngineError> {
+        let t = self.counters.begin();
+        let r = self.write_inner(key, epoch, version, offset, data, crcs);
+        self.counters.end(OpKind::Write, t);
+        r
+    }
+
+    fn write_inner(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+    ) -> Result<(), EngineError> {
+        let (first, count) = self.range(key, offset, data.len() as u64)?;
+        if crcs.len() != count as usize {
+            return Err(EngineError::InvalidIo {
+                key,
+                reason: "one crc per 4 KiB block is required",
+                offset,
+                len: data.len() as u64,
+            });
+        }
+        // End-to-end check: the owner computed these; a mismatch means corruption in flight.
+        for (i, (blk, &crc)) in data.chunks_exact(BLOCK_SIZE).zip(crcs).enumerate() {
+            if crc32c::crc32c(blk) != crc {
+                return Err(EngineError::ChecksumMismatch {
+                    key,
+                    block: first + i as u32,
+                });
+            }
+        }
+        self.check_failed()?;
+        let ext = self.extent_for_write(key, epoch)?;
+        with_scratch(|s| {
+            let (n, need_seq) = self.claim(
+                &ext,
+                first,
+                count,
+                |i| BlockMeta {
+                    version: version.0,
+                    crc: crcs[i],
+                    flags: F_DATA,
+                },
+                &mut s.applied,
+            );
+            self.counters
+                .skipped_blocks
+                .fetch_add(u64::from(count - n), Ordering::Relaxed);
+            let mut seq = need_seq.max(ext.epoch_seq.load(Ordering::Acquire));
+            if n > 0 {
+                let res = self
+                    .write_runs(&ext, first, data, &s.applied)
+                    .and_then(|()| {
+                        s.records.clear();
+                        for (i, _) in s.applied.iter().enumerate().filter(|(_, &a)| a) {
+                            Record::Data {
+                                slot: ext.slot,
+                                block: first + i as u32,
+                                crc: crcs[i],
+                                version: version.0,
+                            }
+                            .push(&mut s.records);
+                        }
+                        self.enqueue(&s.records, false)
+                    });
+                if let Err(e) = &res {
+                    // The data on disk no longer matches what we know: stop acking.
+                    self.fail(e);
+                }
+                self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
+                seq = seq.max(res?);
+            }
+            self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))
+        })
+    }
+
+    /// Issues one pwrite per run of claimed blocks (usually one for the whole request).
+    fn write_runs(
+        &self,
+        ext: &Extent,
+        first: u32,
+        data: &[u8],
+        applied: &[bool],
+    ) -> Result<(), EngineError> {
+        let mut i = 0;
+        while i < applied.len() {
+            if !applied[i] {
+                i += 1;
+                continue;
+            }
+            let start = i;
+            while i < applied.len() && applied[i] {
+                i += 1;
+            }
+            self.dev_write(
+                &data[start * BLOCK_SIZE..i * BLOCK_SIZE],
+                self.layout.data_block_off(ext.slot, first + start as u32),
+                IoKind::Data,
+            )?;
+        }
+        Ok(())
+    }
+
+    /// Reads blocks; unallocated or zeroed blocks read as zeros. See [`ReadInfo`].
+    pub fn read(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<ReadInfo, EngineError> {
+        let t = self.counters.begin();
+        let r = self.read_inner(key, epoch, offset, buf);
+        self.counters.end(OpKind::Read, t);
+        r
+    }
+
+    fn read_inner(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<ReadInfo, EngineError> {
+        let (first, count) = self.range(key, offset, buf.len() as u64)?;
+        self.check_failed()?;
+        let Some(ext) = self.lookup(key) else {
+            buf.fill(0);
+            return Ok(ReadInfo::default());
+        };
+        Self::check_epoch(&ext, epoch)?;
+        with_scratch(|s| {
+            let mut bad = Vec::new();
+            for attempt in 0..READ_RETRIES {
+                Self::snapshot(&ext, first, count, &mut s.metas);
+                if s.metas.iter().any(|m| m.has_data() || m.is_bad()) {
+                    self.dev_read(buf, self.layout.data_block_off(ext.slot, first))?;
+                }
+                bad.clear();
+                for (i, (m, blk)) in s
+                    .metas
+                    .iter()
+                    .zip(buf.chunks_exact_mut(BLOCK_SIZE))
+                    .enumerate()
+                {
+                    if m.is_bad() || (m.has_data() && crc32c::crc32c(blk) != m.crc) {
+                        bad.push(i as u32);
+                    } else if !m.has_data() {
+                        blk.fill(0);
+                    }
+                }
+                if bad.is_empty() || attempt + 1 == READ_RETRIES {
+                    break;
+                }
+                // A mismatch is real only if no write changed these blocks meanwhile.
+                Self::snapshot(&ext, first, count, &mut s.metas2);
+                if s.metas == s.metas2 {
+                    break;
+                }
+            }
+            self.counters
+                .bad_blocks_reported
+                .fetch_add(bad.len() as u64, Ordering::Relaxed);
+            let versions = Version(s.metas.iter().map(|m| m.version).max().unwrap_or(0));
+            Ok(ReadInfo {
+                bad_blocks: bad,
+                versions,
+            })
+        })
+    }
+
+    /// TRIM / WRITE_ZEROES: the blocks read as zeros at `version`; metadata only.
+    pub fn zero(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), EngineError> {
+        let t = self.counters.begin();
+        let r = self.zero_inner(key, epoch, version, offset, len);
+        self.counters.end(OpKind::Zero, t);
+        r
+    }
+
+    fn zero_inner(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), EngineError> {
+        let (first, count) = self.range(key, offset, len)?;
+        self.check_failed()?;
+        let ext = self.extent_for_write(key, epoch)?;
+        with_scratch(|s| {
+            let new = BlockMeta {
+                version: version.0,
+                crc: 0,
+                flags: 0,
+            };
+            let (n, need_seq) = self.claim(&ext, first, count, |_| new, &mut s.applied);
+            self.counters
+                .skipped_blocks
+                .fetch_add(u64::from(count - n), Ordering::Relaxed);
+            let mut seq = need_seq.max(ext.epoch_seq.load(Ordering::Acquire));
+            if n > 0 {
+                s.records.clear();
+                let mut i = 0;
+                while i < s.applied.len() {
+                    if !s.applied[i] {
+                        i += 1;
+                        continue;
+                    }
+                    let start = i;
+                    while i < s.applied.len() && s.applied[i] {
+                        i += 1;
+                    }
+                    Record::Zero {
+                        slot: ext.slot,
+                        block: first + start as u32,
+                        count: (i - start) as u32,
+                        version: version.0,
+                    }
+                    .push(&mut s.records);
+                }
+                let res = self.enqueue(&s.records, false);
+                if let Err(e) = &res {
+                    self.fail(e);
+                }
+                self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
+                seq = seq.max(res?);
+            }
+            self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))
+        })
+    }
+
+    /// Current version of `count` blocks from `offset` (0 for never-written blocks).
+    pub fn block_versions(
+        &self,
+        key: ExtentKey,
+        offset: u64,
+        count: usize,
+    ) -> Result<Vec<Version>, EngineError> {
+        let (first, n) = self.range(key, offset, count as u64 * BLOCK)?;
+        let Some(ext) = self.lookup(key) else {
+            return Ok(vec![Version(0); count]);
+        };
+        let m = lock(&ext.meta);
+        Ok((first..first + n)
+            .map(|b| Version(m.current(b).version))
+            .collect())
+    }
+
+    /// Extents on this drive with their epochs.
+    pub fn extents(&self) -> Vec<ExtentInfo> {
+        let t = lock(&self.table);
+        let mut v: Vec<ExtentInfo> = t
+            .by_key
+            .values()
+            .filter_map(|&s| t.slots[s as usize].live.as_ref())
+            .map(|e| ExtentInfo {
+                key: e.key,
+                epoch: Epoch(e.epoch.load(Ordering::Acquire)),
+                bytes_allocated: self.layout.slab_size_bytes,
+            })
+            .collect();
+        v.sort_by_key(|e| e.key);
+        v
+    }
+
+    /// Frees an extent (durable on Ok). Freeing an unknown extent is Ok (retries are safe).
+    /// The caller must not run I/O on the extent concurrently.
+    pub fn free_extent(&self, key: ExtentKey) -> Result<(), EngineError> {
+        self.check_failed()?;
+        let seq = {
+            let mut t = lock(&self.table);
+            let Some(slot) = t.by_key.remove(&key) else {
+                return Ok(());
+            };
+            t.slots[slot as usize].live = None;
+            let mut rec = [0u8; RECORD];
+            Record::Free { slot }.encode(&mut rec);
+            self.enqueue(&rec, true)?
+        };
+        self.wait_durable(seq)
+    }
+
+    pub fn capacity(&self) -> Capacity {
+        let used = lock(&self.table).by_key.len() as u64;
+        let total = u64::from(self.layout.extents_total);
+        Capacity {
+            extents_total: total,
+            extents_used: used,
+            bytes_total: total * self.layout.slab_size_bytes,
+            bytes_used: used * self.layout.slab_size_bytes,
+        }
+    }
+
+    pub fn stats(&self) -> DriveStats {
+        self.counters.snapshot()
+    }
+}

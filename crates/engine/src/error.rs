@@ -1,0 +1,53 @@
+//! Typed errors of the engine, so callers (volume, node) can react per cause: fence, repair, fail the drive.
+
+use converge_types::{Epoch, ExtentKey};
+
+/// Everything a drive operation can fail with.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    #[error(
+        "drive I/O failed during {op}: {source}; the drive should be taken offline and checked"
+    )]
+    Io {
+        op: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error(
+        "drive is failed after an earlier I/O error ({reason}); reopen it to recover from the journal"
+    )]
+    Failed { reason: String },
+    #[error("data of block {block} of extent {key:?} does not match the crc32c sent by the owner; the request was corrupted in flight and nothing was written")]
+    ChecksumMismatch { key: ExtentKey, block: u32 },
+    #[error("extent {key:?} is at epoch {current}, request carries older epoch {requested}: the sender is no longer the owner")]
+    StaleEpoch {
+        key: ExtentKey,
+        requested: Epoch,
+        current: Epoch,
+    },
+    #[error("no free extent on this drive (all {extents_total} in use); place the slab on another drive or free extents")]
+    NoSpace { extents_total: u64 },
+    #[error("invalid I/O on extent {key:?}: {reason} (offset {offset}, length {len})")]
+    InvalidIo {
+        key: ExtentKey,
+        reason: &'static str,
+        offset: u64,
+        len: u64,
+    },
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+    #[error("drive is too small: {len_bytes} bytes, at least {needed_bytes} are needed for one extent plus metadata")]
+    TooSmall { len_bytes: u64, needed_bytes: u64 },
+    #[error("no converge superblock on this drive; format it first")]
+    NotFormatted,
+    #[error("drive has engine format version {found}, this build supports {supported}; upgrade converge")]
+    UnsupportedVersion { found: u32, supported: u32 },
+    #[error("drive metadata is corrupt: {0}")]
+    Corrupt(String),
+}
+
+impl EngineError {
+    pub(crate) fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> EngineError {
+        move |source| EngineError::Io { op, source }
+    }
+}
