@@ -151,14 +151,31 @@ fn spawn(
         .process_group(0)
         .spawn()
         .with_context(|| format!("starting {name}"))?;
-    Ok(LabProc {
+    let p = LabProc {
         name: name.to_string(),
         pid: child.id() as i32,
         marker,
         log: log.to_path_buf(),
         addr,
         argv,
-    })
+    };
+    // Until exec completes, /proc/PID/cmdline is still ours: wait for the exec (or exit).
+    let mut child = child;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !is_ours(&p) {
+        if let Ok(Some(status)) = child.try_wait() {
+            bail!(
+                "{name} exited at once ({status}); its log ({}) ends with:\n{}",
+                log.display(),
+                tail(log, 15)
+            );
+        }
+        if Instant::now() > deadline {
+            bail!("{name} did not start within 10 s");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(p)
 }
 
 /// Start a recorded process again with the same command line.
@@ -425,6 +442,38 @@ pub fn wait_healthy(lab: &Lab, timeout: Duration) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// Wait until node `id` answers its API and sees itself live.
+pub fn wait_node(lab: &Lab, id: u32, timeout: Duration) -> Result<()> {
+    let n = lab
+        .nodes
+        .iter()
+        .find(|n| n.id == id)
+        .ok_or_else(|| anyhow!("the lab has no node {id}"))?;
+    let deadline = Instant::now() + timeout;
+    loop {
+        if !is_ours(&n.proc) {
+            bail!(
+                "node{id} exited during start-up; its log ({}) ends with:\n{}",
+                n.proc.log.display(),
+                tail(&n.proc.log, 15)
+            );
+        }
+        let ok = crate::http::call::<Vec<converge_api::NodeInfo>>(&n.api, "GET", "/v1/nodes", None)
+            .map(|v| v.iter().any(|x| x.id.0 == id && x.live))
+            .unwrap_or(false);
+        if ok {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "node{id} did not become healthy in {timeout:?}; see {}",
+                n.proc.log.display()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
 }
 
 /// Send `sig` and wait for the process to go; escalate to SIGKILL after `grace`.

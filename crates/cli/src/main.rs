@@ -441,7 +441,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 }
                 FaultCmd::Restart { .. } => {
                     lab::restart_node(&mut l, id)?;
-                    lab::wait_healthy(&l, Duration::from_secs(60))?;
+                    lab::wait_node(&l, id, Duration::from_secs(60))?;
                     "restarted"
                 }
             };

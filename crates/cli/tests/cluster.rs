@@ -18,9 +18,16 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
     let info: serde_json::Value = serde_json::from_str(&info).expect("nbdinfo json");
     let export = &info["exports"][0];
     assert_eq!(export["export-size"].as_u64(), Some(512 << 20), "{info}");
-    assert_eq!(export["block-size-minimum"].as_u64(), Some(4096), "{info}");
-    assert_eq!(export["block-size-preferred"].as_u64(), Some(4096), "{info}");
-    assert!(export["block-size-maximum"].as_u64().unwrap_or(0) >= 1 << 20, "{info}");
+    assert_eq!(export["block_size_minimum"].as_u64(), Some(4096), "{info}");
+    assert_eq!(
+        export["block_size_preferred"].as_u64(),
+        Some(4096),
+        "{info}"
+    );
+    assert!(
+        export["block_size_maximum"].as_u64().unwrap_or(0) >= 1 << 20,
+        "{info}"
+    );
 
     // fio random writes with crc32c verify, then a separate read-back verify pass.
     let w = fio(
@@ -37,7 +44,12 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
             "--randseed=42",
         ],
     );
-    assert_eq!(fio_errors(&w), 0, "fio write+verify errors: {w}\n{}", lab.logs());
+    assert_eq!(
+        fio_errors(&w),
+        0,
+        "fio write+verify errors: {w}\n{}",
+        lab.logs()
+    );
     let r = fio(
         &uri,
         &[
@@ -54,7 +66,10 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
     );
     assert_eq!(fio_errors(&r), 0, "fio read-back verify errors: {r}");
     let verified = r["jobs"][0]["read"]["io_bytes"].as_u64().unwrap_or(0);
-    assert!(verified >= 32 << 20, "read-back verify read {verified} bytes: {r}");
+    assert!(
+        verified >= 32 << 20,
+        "read-back verify read {verified} bytes: {r}"
+    );
 
     // nbdcopy of random data in and out, compared; qemu-img compare against the file.
     let tmp = tempfile::tempdir().expect("tmp");
@@ -66,10 +81,12 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
         std::fs::read(&src).unwrap() == std::fs::read(&back).unwrap(),
         "nbdcopy round trip differs"
     );
-    must(Command::new("qemu-img")
-        .args(["compare", "-f", "raw", "-F", "raw"])
-        .arg(&src)
-        .arg(&uri));
+    must(
+        Command::new("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "raw"])
+            .arg(&src)
+            .arg(&uri),
+    );
     // And qemu-img compare must notice a difference (the check can fail).
     let mut other = std::fs::read(&src).unwrap();
     other[12345] ^= 1;
@@ -100,18 +117,28 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
         .map(|d| d["extents_used"].as_u64().unwrap())
         .collect();
     assert_eq!(used.iter().sum::<u64>(), 24, "{drives}");
-    assert!(used.iter().all(|u| *u == 3), "placement balances drives: {used:?}");
+    assert!(
+        used.iter().all(|u| *u == 3),
+        "placement balances drives: {used:?}"
+    );
 
     let st = lab.json(&["status"]);
     assert_eq!(st["health"], "healthy", "{st}");
     assert_eq!(st["nodes"].as_array().unwrap().len(), 4);
     // Human output works too.
     let human = lab.must(&["status"]);
-    assert!(human.contains("vm01") && human.contains("4/4 live"), "{human}");
+    assert!(
+        human.contains("vm01") && human.contains("4/4 live"),
+        "{human}"
+    );
 
     // Metrics expose drive and volume counters and the daemon's CPU time.
     let lj = lab.lab_json();
-    let api = lj["nodes"][0]["api"].as_str().unwrap().trim_start_matches("http://").to_string();
+    let api = lj["nodes"][0]["api"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("http://")
+        .to_string();
     let metrics = http_get(&api, "/metrics");
     for m in [
         "converge_drive_written_bytes_total",
@@ -126,7 +153,11 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
 fn http_get(hostport: &str, path: &str) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(hostport).expect("connect api");
-    write!(s, "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
     let mut out = String::new();
     s.read_to_string(&mut out).unwrap();
     out
@@ -190,7 +221,12 @@ fn acked_writes_survive_clean_restart_and_kill_9() {
     let mut r = args.to_vec();
     r.push("--verify_only");
     let v = fio(&uri, &r);
-    assert_eq!(fio_errors(&v), 0, "verify after kill -9: {v}\n{}", lab.logs());
+    assert_eq!(
+        fio_errors(&v),
+        0,
+        "verify after kill -9: {v}\n{}",
+        lab.logs()
+    );
 }
 
 #[test]
@@ -198,41 +234,104 @@ fn bad_volume_requests_get_clear_errors() {
     let lab = Lab::up(2, &[]);
     let e = lab.fails(&["volume", "create", "x", "--size", "12Q"]);
     assert!(e.contains("not a size"), "{e}");
-    let e = lab.fails(&["volume", "create", "x", "--size", "1G", "--resiliency", "raid5"]);
+    let e = lab.fails(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "1G",
+        "--resiliency",
+        "raid5",
+    ]);
     assert!(e.contains("unknown resiliency"), "{e}");
-    let e = lab.fails(&["volume", "create", "x", "--size", "1G", "--resiliency", "mirror-3"]);
+    let e = lab.fails(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "1G",
+        "--resiliency",
+        "mirror-3",
+    ]);
     assert!(e.contains("mirror-3 needs 3 nodes"), "{e}");
-    let e = lab.fails(&["volume", "create", "x", "--size", "100G", "--resiliency", "mirror-2"]);
+    let e = lab.fails(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "100G",
+        "--resiliency",
+        "mirror-2",
+    ]);
     assert!(e.contains("cannot create volume x"), "{e}");
     let e = lab.fails(&["volume", "create", "bad/name", "--size", "1G"]);
     assert!(e.contains("not valid"), "{e}");
-    let e = lab.fails(&["volume", "create", "x", "--size", "1000", "--resiliency", "mirror-2"]);
+    let e = lab.fails(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "1000",
+        "--resiliency",
+        "mirror-2",
+    ]);
     assert!(e.contains("multiple of 4096"), "{e}");
     let e = lab.fails(&["volume", "show", "nosuch"]);
     assert!(e.contains("no volume named"), "{e}");
-    lab.must(&["volume", "create", "x", "--size", "64M", "--resiliency", "mirror-2"]);
-    let e = lab.fails(&["volume", "create", "x", "--size", "64M", "--resiliency", "mirror-2"]);
+    lab.must(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "64M",
+        "--resiliency",
+        "mirror-2",
+    ]);
+    let e = lab.fails(&[
+        "volume",
+        "create",
+        "x",
+        "--size",
+        "64M",
+        "--resiliency",
+        "mirror-2",
+    ]);
     assert!(e.contains("already exists"), "{e}");
     let e = lab.fails(&["volume", "resize", "x", "--size", "32M"]);
     assert!(e.contains("shrinking"), "{e}");
     lab.must(&["volume", "resize", "x", "--size", "128M"]);
-    assert_eq!(lab.json(&["volume", "show", "x"])["size_bytes"].as_u64(), Some(128 << 20));
+    assert_eq!(
+        lab.json(&["volume", "show", "x"])["size_bytes"].as_u64(),
+        Some(128 << 20)
+    );
     lab.must(&["volume", "delete", "x"]);
     assert!(lab.json(&["volume", "list"]).as_array().unwrap().is_empty());
 
     // Unknown export over NBD.
-    let sock = lab.lab_json()["nodes"][0]["nbd_socket"].as_str().unwrap().to_string();
+    let sock = lab.lab_json()["nodes"][0]["nbd_socket"]
+        .as_str()
+        .unwrap()
+        .to_string();
     let o = run(Command::new("nbdinfo").arg(format!("nbd+unix:///nosuch?socket={sock}")));
     assert!(!o.status.success(), "unknown export must be refused");
     // A volume owned by node 2, asked for on node 1: refused, naming the owner.
-    lab.must(&["volume", "create", "y", "--size", "64M", "--resiliency", "mirror-2", "--owner", "2"]);
-    let o = run(Command::new("qemu-img")
-        .args(["info", &format!("nbd+unix:///y?socket={sock}")]));
+    lab.must(&[
+        "volume",
+        "create",
+        "y",
+        "--size",
+        "64M",
+        "--resiliency",
+        "mirror-2",
+        "--owner",
+        "2",
+    ]);
+    let o = run(Command::new("qemu-img").args(["info", &format!("nbd+unix:///y?socket={sock}")]));
     assert!(!o.status.success());
     let msg = String::from_utf8_lossy(&o.stderr);
     assert!(msg.contains("owned by node 2"), "{msg}");
     // An unreachable API is a clear error.
-    let o = run(lab.cmd(&["status", "--api", "http://127.0.0.1:9"]));
+    let o = run(&mut lab.cmd(&["status", "--api", "http://127.0.0.1:9"]));
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("cannot reach the converge API"));
 }
@@ -247,24 +346,22 @@ fn converged_refuses_foreign_drives_bad_config_and_dead_etcd() {
     let tmp = tempfile::tempdir().unwrap();
 
     // etcd not running: a closed port.
-    let dead = cfg.replace(
-        lj["etcd_endpoint"].as_str().unwrap(),
-        "http://127.0.0.1:9",
-    );
+    let dead = cfg.replace(lj["etcd_endpoint"].as_str().unwrap(), "http://127.0.0.1:9");
     let dead = dead.replace("nbd.sock", "nbd-dead.sock");
     let p = tmp.path().join("dead.toml");
     std::fs::write(&p, &dead).unwrap();
     let o = run(Command::new(&converged).arg("--config").arg(&p));
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);
-    assert!(err.contains("127.0.0.1:9"), "names the etcd endpoint: {err}");
+    assert!(
+        err.contains("127.0.0.1:9"),
+        "names the etcd endpoint: {err}"
+    );
 
     // A second lab (another cluster) must refuse the first lab's drive file.
     let other = Lab::up(1, &[]);
-    let ocfg = std::fs::read_to_string(
-        other.lab_json()["nodes"][0]["config"].as_str().unwrap(),
-    )
-    .unwrap();
+    let ocfg =
+        std::fs::read_to_string(other.lab_json()["nodes"][0]["config"].as_str().unwrap()).unwrap();
     let first_drive = lj["nodes"][0]["drives"][0].as_str().unwrap();
     let mut foreign = String::new();
     for line in ocfg.lines() {
@@ -272,8 +369,7 @@ fn converged_refuses_foreign_drives_bad_config_and_dead_etcd() {
             foreign.push_str(&format!("path = \"{first_drive}\"\n"));
             break;
         }
-        let line = line
-            .replace("nbd.sock", "nbd-foreign.sock");
+        let line = line.replace("nbd.sock", "nbd-foreign.sock");
         // Fresh ports so the addresses are free.
         let line = if line.starts_with("rpc = ") {
             "rpc = \"127.0.0.2:0\"".to_string()
@@ -295,7 +391,11 @@ fn converged_refuses_foreign_drives_bad_config_and_dead_etcd() {
 
     // A config error names the field.
     let p = tmp.path().join("bad.toml");
-    std::fs::write(&p, cfg.replace("[network]\nrpc = ", "[network]\nrpc = \"nowhere\"\n#")).unwrap();
+    std::fs::write(
+        &p,
+        cfg.replace("[network]\nrpc = ", "[network]\nrpc = \"nowhere\"\n#"),
+    )
+    .unwrap();
     let o = run(Command::new(&converged).arg("--config").arg(&p));
     assert!(!o.status.success());
     let err = String::from_utf8_lossy(&o.stderr);

@@ -1,1 +1,308 @@
-fn main() {}
+//! `converged`: the converge node daemon. Opens this node's drives, joins the cluster
+//! through etcd, serves peers (RPC), clients (NBD) and operators (HTTP API + /metrics).
+
+mod api;
+mod config;
+mod export;
+mod http_client;
+mod metrics;
+mod node;
+
+use anyhow::{anyhow, bail, Context, Result};
+use clap::Parser;
+use config::Config;
+use converge_control::etcd::Etcd;
+use converge_control::model::{Cluster, DriveRecord};
+use converge_engine::{DirectFile, Drive, DriveIdentity};
+use converge_rpc::Hello;
+use converge_types::{ClusterId, DriveId};
+use node::{Allocator, LocalDrives, Node, Replicas, RpcHandler};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+#[derive(Parser)]
+#[command(
+    name = "converged",
+    version,
+    about = "converge node daemon: contributes this node's drives to the cluster and serves volumes over NBD"
+)]
+struct Args {
+    /// Config file (TOML): node id, addresses, etcd endpoints, drives.
+    #[arg(long, short)]
+    config: PathBuf,
+    /// Check the config and the drives, then exit without joining the cluster.
+    #[arg(long)]
+    check: bool,
+}
+
+fn main() {
+    env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
+        .format_timestamp_millis()
+        .init();
+    let args = Args::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("converged")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("converged: cannot start the runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    if let Err(e) = rt.block_on(run(args)) {
+        log::error!("{e:#}");
+        eprintln!("converged: error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+/// Open (or format, if blank) every configured drive, refusing drives of another cluster
+/// or node.
+type OpenDrives = (HashMap<DriveId, Arc<Drive>>, Vec<DriveRecord>);
+
+fn open_drives(cfg: &Config, cluster: ClusterId) -> Result<OpenDrives> {
+    let mut drives = HashMap::new();
+    let mut recs = Vec::new();
+    for d in &cfg.drives {
+        let file = DirectFile::open(&d.path, d.size_bytes)
+            .with_context(|| format!("opening drive {}", d.path.display()))?;
+        let file: Arc<dyn converge_engine::BlockFile> = Arc::new(file);
+        let drive = match Drive::probe(file.as_ref())
+            .with_context(|| format!("reading the superblock of {}", d.path.display()))?
+        {
+            None => {
+                let id = DriveIdentity {
+                    cluster,
+                    node: cfg.node_id,
+                    drive: DriveId(rand::random::<u64>() >> 1),
+                    slab_size_bytes: cfg.slab_size_bytes,
+                    role: d.role,
+                    media: d.media,
+                };
+                log::info!(
+                    "formatting new drive {} as {:016x}",
+                    d.path.display(),
+                    id.drive.0
+                );
+                Drive::format(file, id)
+                    .with_context(|| format!("formatting {}", d.path.display()))?
+            }
+            Some(id) => {
+                if id.cluster != cluster {
+                    bail!(
+                        "drive {} belongs to another cluster ({}), not this one ({cluster}); \
+                         it still holds that cluster's data. Use another path, or wipe it \
+                         (e.g. `truncate -s 0`) only if that data is no longer wanted",
+                        d.path.display(),
+                        id.cluster
+                    );
+                }
+                if id.node != cfg.node_id {
+                    bail!(
+                        "drive {} belongs to node {} of this cluster, not to node {}; \
+                         give each node its own drives",
+                        d.path.display(),
+                        id.node,
+                        cfg.node_id
+                    );
+                }
+                Drive::open(file).with_context(|| format!("opening drive {}", d.path.display()))?
+            }
+        };
+        let id = drive.identity().clone();
+        if drives.contains_key(&id.drive) {
+            bail!(
+                "drive {} has the same id as another drive of this node (a copied file?)",
+                d.path.display()
+            );
+        }
+        let cap = drive.capacity();
+        recs.push(DriveRecord {
+            id: id.drive,
+            node: cfg.node_id,
+            path: d.path.display().to_string(),
+            role: id.role,
+            media: id.media,
+            size_bytes: cap.bytes_total,
+            extents_total: cap.extents_total,
+            slab_size_bytes: id.slab_size_bytes,
+            tbw_bytes: d.tbw_bytes,
+            warranty_years: d.warranty_years,
+        });
+        drives.insert(id.drive, Arc::new(drive));
+    }
+    Ok((drives, recs))
+}
+
+async fn run(args: Args) -> Result<()> {
+    let cfg = Config::load(&args.config)?;
+    let etcd = Etcd::new(cfg.etcd_endpoints.clone()).map_err(|e| anyhow!("{e}"))?;
+    let cluster = Cluster::new(etcd.clone());
+    let cluster_rec = cluster
+        .init_or_load(&cfg.cluster_name, cfg.slab_size_bytes)
+        .await
+        .map_err(|e| {
+            anyhow!(
+                "joining the cluster through etcd {:?}: {e}",
+                cfg.etcd_endpoints
+            )
+        })?;
+    if cluster_rec.slab_size_bytes != cfg.slab_size_bytes {
+        log::warn!(
+            "config slab_size {} differs from the cluster's {}; using the cluster's",
+            cfg.slab_size_bytes,
+            cluster_rec.slab_size_bytes
+        );
+    }
+    let mut cfg = cfg;
+    cfg.slab_size_bytes = cluster_rec.slab_size_bytes;
+    let (drives, drive_recs) = open_drives(&cfg, cluster_rec.cluster_id)?;
+    if args.check {
+        println!("config and {} drives are fine", drives.len());
+        return Ok(());
+    }
+
+    // Bind everything before announcing ourselves, so peers never see a node that cannot
+    // be reached.
+    let rpc_listener = tokio::net::TcpListener::bind(cfg.rpc_addr)
+        .await
+        .with_context(|| format!("binding the peer RPC address {}", cfg.rpc_addr))?;
+    let api_listener = tokio::net::TcpListener::bind(cfg.api_addr)
+        .await
+        .with_context(|| format!("binding the API address {}", cfg.api_addr))?;
+    if cfg.nbd_socket.exists() {
+        std::fs::remove_file(&cfg.nbd_socket)
+            .with_context(|| format!("removing the old socket {}", cfg.nbd_socket.display()))?;
+    }
+    if let Some(dir) = cfg.nbd_socket.parent() {
+        std::fs::create_dir_all(dir).ok();
+    }
+    let nbd_listener = tokio::net::UnixListener::bind(&cfg.nbd_socket)
+        .with_context(|| format!("binding the NBD socket {}", cfg.nbd_socket.display()))?;
+    let nbd_tcp = match cfg.nbd_tcp {
+        Some(a) => Some(
+            tokio::net::TcpListener::bind(a)
+                .await
+                .with_context(|| format!("binding the NBD TCP address {a}"))?,
+        ),
+        None => None,
+    };
+
+    let lease = etcd
+        .lease_grant(cfg.knobs.node_lease_ttl_s as i64)
+        .await
+        .map_err(|e| anyhow!("{e}"))?;
+    let local = Arc::new(LocalDrives {
+        drives: drives.clone(),
+    });
+    let hello = Hello::new(cluster_rec.cluster_id, cfg.node_id);
+    let node = Arc::new(Node {
+        replicas: Arc::new(Replicas::new(
+            cfg.node_id,
+            local.clone(),
+            cluster.clone(),
+            hello,
+            cfg.knobs.clone(),
+        )),
+        allocator: Arc::new(Allocator {
+            cluster: cluster.clone(),
+        }),
+        cfg: cfg.clone(),
+        cluster: cluster.clone(),
+        cluster_rec: cluster_rec.clone(),
+        lease: Mutex::new(lease),
+        drives,
+        volumes: tokio::sync::Mutex::new(HashMap::new()),
+    });
+    for d in &drive_recs {
+        cluster.put_drive(d).await.map_err(|e| anyhow!("{e}"))?;
+    }
+    cluster
+        .register_node(&node.node_record(), lease)
+        .await
+        .map_err(|e| anyhow!("{e}"))?;
+    log::info!(
+        "node {} ({}) joined cluster {} ({}) with {} drives; rpc {}, api {}, nbd {}",
+        cfg.node_id,
+        cfg.name,
+        cluster_rec.name,
+        cluster_rec.cluster_id,
+        drive_recs.len(),
+        cfg.rpc_addr,
+        cfg.api_addr,
+        cfg.nbd_socket.display()
+    );
+
+    let rpc = tokio::spawn(converge_rpc::serve(
+        rpc_listener,
+        cluster_rec.cluster_id,
+        cfg.node_id,
+        Arc::new(RpcHandler { local }),
+        cfg.knobs.clone(),
+    ));
+    let api = tokio::spawn(api::serve(api_listener, node.clone()));
+    let exports = Arc::new(export::Exports { node: node.clone() });
+    let nbd_cfg = converge_nbd::ServerConfig {
+        inflight_max: cfg.knobs.nbd_inflight_max,
+        ..Default::default()
+    };
+    let nbd = tokio::spawn(converge_nbd::serve_unix(
+        nbd_listener,
+        exports.clone(),
+        nbd_cfg.clone(),
+    ));
+    let nbd_tcp = nbd_tcp.map(|l| tokio::spawn(converge_nbd::serve_tcp(l, exports, nbd_cfg)));
+    let keepalive = tokio::spawn(keep_alive(node.clone()));
+
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => log::info!("SIGTERM: shutting down"),
+        _ = tokio::signal::ctrl_c() => log::info!("SIGINT: shutting down"),
+        r = rpc => bail!("peer RPC server stopped: {r:?}"),
+        r = api => bail!("API server stopped: {r:?}"),
+        r = nbd => bail!("NBD server stopped: {r:?}"),
+    }
+    keepalive.abort();
+    if let Some(t) = nbd_tcp {
+        t.abort();
+    }
+    // Every acked write is already durable; leaving the cluster promptly lets others see
+    // this node as down now rather than when the lease expires.
+    let _ = std::fs::remove_file(&cfg.nbd_socket);
+    if let Err(e) = etcd.lease_revoke(node.lease()).await {
+        log::warn!("could not revoke the node lease: {e}");
+    }
+    log::info!("stopped");
+    Ok(())
+}
+
+/// Keep the node lease alive; if it expired (etcd unreachable too long), take a new one
+/// and register again.
+async fn keep_alive(node: Arc<Node>) {
+    let ttl = node.cfg.knobs.node_lease_ttl_s.max(3);
+    let period = Duration::from_millis(ttl * 1000 / 3);
+    loop {
+        tokio::time::sleep(period).await;
+        let lease = node.lease();
+        match node.cluster.etcd().lease_keepalive(lease).await {
+            Ok(left) if left > 0 => {}
+            Ok(_) => {
+                log::warn!("node lease expired; registering again");
+                match node.cluster.etcd().lease_grant(ttl as i64).await {
+                    Ok(l) => {
+                        *node.lease.lock().expect("lease lock poisoned") = l;
+                        if let Err(e) = node.cluster.register_node(&node.node_record(), l).await {
+                            log::error!("registering again failed: {e}");
+                        }
+                    }
+                    Err(e) => log::error!("etcd lease grant failed: {e}"),
+                }
+            }
+            Err(e) => log::warn!("etcd keepalive failed: {e}"),
+        }
+    }
+}

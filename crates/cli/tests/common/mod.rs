@@ -38,7 +38,10 @@ pub fn require_tools() {
             .output()
             .map(|o| o.status.success())
             .unwrap_or(false);
-        assert!(ok, "{t} is not installed: run scripts/setup.sh (tests need the real tools)");
+        assert!(
+            ok,
+            "{t} is not installed: run scripts/setup.sh (tests need the real tools)"
+        );
     }
 }
 
@@ -107,7 +110,15 @@ impl Lab {
     }
 
     pub fn create_volume(&self, name: &str, size: &str, resiliency: &str) -> String {
-        self.must(&["volume", "create", name, "--size", size, "--resiliency", resiliency]);
+        self.must(&[
+            "volume",
+            "create",
+            name,
+            "--size",
+            size,
+            "--resiliency",
+            resiliency,
+        ]);
         self.uri(name)
     }
 
@@ -129,7 +140,10 @@ impl Lab {
             let p = self.path().join(format!("node{i}/converged.log"));
             if let Ok(t) = std::fs::read_to_string(&p) {
                 let lines: Vec<&str> = t.lines().collect();
-                s.push_str(&format!("--- node{i} (last 30 lines)\n{}\n", lines[lines.len().saturating_sub(30)..].join("\n")));
+                s.push_str(&format!(
+                    "--- node{i} (last 30 lines)\n{}\n",
+                    lines[lines.len().saturating_sub(30)..].join("\n")
+                ));
             }
         }
         s

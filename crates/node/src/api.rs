@@ -1,0 +1,584 @@
+//! The node's HTTP API (JSON, what the CLI uses) and `/metrics` (Prometheus text format).
+//! Every node answers every request: cluster state comes from etcd; requests that change a
+//! volume's served state (delete, resize) are forwarded to the volume's owner node.
+
+use crate::node::{drive_loads, extents_used, Node};
+use bytes::Bytes;
+use converge_api::*;
+use converge_control::model::{SlabRecord, VolumeRecord};
+use converge_control::placement;
+use converge_types::{ExtentState, NodeId, VolumeId, BLOCK_SIZE};
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::{Method, Request, Response, StatusCode};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+type Resp = Response<Full<Bytes>>;
+
+const BODY_BYTES_MAX: usize = 1 << 20;
+
+pub async fn serve(listener: tokio::net::TcpListener, node: Arc<Node>) -> std::io::Result<()> {
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let node = node.clone();
+        tokio::spawn(async move {
+            let svc = hyper::service::service_fn(move |req| {
+                let node = node.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(node, req).await) }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .serve_connection(io, svc)
+                .await
+            {
+                log::debug!("api connection: {e}");
+            }
+        });
+    }
+}
+
+struct ApiError(StatusCode, String);
+
+impl ApiError {
+    fn bad(msg: impl Into<String>) -> ApiError {
+        ApiError(StatusCode::BAD_REQUEST, msg.into())
+    }
+    fn unavailable(msg: impl std::fmt::Display) -> ApiError {
+        ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            format!("control plane unavailable: {msg}"),
+        )
+    }
+}
+
+fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Resp {
+    let body = serde_json::to_vec_pretty(v)
+        .unwrap_or_else(|e| format!("{{\"error\":\"{e}\"}}").into_bytes());
+    Response::builder()
+        .status(status)
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body)))
+        .expect("static response parts are valid")
+}
+
+async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
+    let method = req.method().clone();
+    let path = req.uri().path().to_string();
+    let body = match Limited::new(req.into_body(), BODY_BYTES_MAX)
+        .collect()
+        .await
+    {
+        Ok(b) => b.to_bytes(),
+        Err(e) => {
+            return json(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &ErrorBody {
+                    error: format!("request body unreadable or above {BODY_BYTES_MAX} bytes: {e}"),
+                },
+            )
+        }
+    };
+    if path == "/metrics" && method == Method::GET {
+        let text = crate::metrics::render(&node).await;
+        return Response::builder()
+            .header("content-type", "text/plain; version=0.0.4")
+            .body(Full::new(Bytes::from(text)))
+            .expect("static response parts are valid");
+    }
+    match route(&node, &method, &path, &body).await {
+        Ok((status, v)) => json(status, &v),
+        Err(ApiError(status, error)) => json(status, &ErrorBody { error }),
+    }
+}
+
+type Out = Result<(StatusCode, serde_json::Value), ApiError>;
+
+fn ok<T: serde::Serialize>(v: &T) -> Out {
+    Ok((
+        StatusCode::OK,
+        serde_json::to_value(v)
+            .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?,
+    ))
+}
+
+async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Out {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    match (method, parts.as_slice()) {
+        (&Method::GET, ["v1", "health"]) => {
+            ok(&serde_json::json!({"ok": true, "node": node.cfg.node_id}))
+        }
+        (&Method::GET, ["v1", "status"]) => ok(&status(node).await?),
+        (&Method::GET, ["v1", "nodes"]) => ok(&nodes(node).await?),
+        (&Method::GET, ["v1", "drives"]) => ok(&drives(node).await?),
+        (&Method::GET, ["v1", "volumes"]) => ok(&volumes(node, false).await?),
+        (&Method::POST, ["v1", "volumes"]) => {
+            let req: CreateVolume = serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad(format!("bad volume create request: {e}")))?;
+            let v = create_volume(node, req).await?;
+            Ok((
+                StatusCode::CREATED,
+                serde_json::to_value(v).map_err(|e| ApiError::bad(e.to_string()))?,
+            ))
+        }
+        (&Method::GET, ["v1", "volumes", name]) => ok(&volume(node, name).await?),
+        (&Method::DELETE, ["v1", "volumes", name]) => delete_volume(node, name, body).await,
+        (&Method::POST, ["v1", "volumes", name, "resize"]) => resize_volume(node, name, body).await,
+        (_, ["v1", ..]) | (_, ["metrics"]) => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no such API: {method} {path}"),
+        )),
+        _ => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no such path {path}; the API is under /v1/"),
+        )),
+    }
+}
+
+async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
+    let live = node
+        .cluster
+        .live_nodes()
+        .await
+        .map_err(ApiError::unavailable)?;
+    let mut out: Vec<NodeInfo> = live
+        .into_iter()
+        .map(|n| NodeInfo {
+            id: n.id,
+            name: n.name,
+            live: true,
+            rpc_addr: n.rpc_addr,
+            api_addr: n.api_addr,
+            nbd_socket: n.nbd_socket,
+            nbd_tcp: n.nbd_tcp,
+            version: n.version,
+        })
+        .collect();
+    // Nodes with drives but no live record are down.
+    let drives = node.cluster.drives().await.map_err(ApiError::unavailable)?;
+    for d in drives {
+        if !out.iter().any(|n| n.id == d.node) {
+            out.push(NodeInfo {
+                id: d.node,
+                name: format!("node{}", d.node),
+                live: false,
+                rpc_addr: String::new(),
+                api_addr: String::new(),
+                nbd_socket: String::new(),
+                nbd_tcp: None,
+                version: String::new(),
+            });
+        }
+    }
+    out.sort_by_key(|n| n.id);
+    Ok(out)
+}
+
+async fn drives(node: &Node) -> Result<Vec<DriveInfo>, ApiError> {
+    let used = extents_used(&node.cluster)
+        .await
+        .map_err(ApiError::unavailable)?;
+    let mut v: Vec<DriveInfo> = node
+        .cluster
+        .drives()
+        .await
+        .map_err(ApiError::unavailable)?
+        .into_iter()
+        .map(|d| DriveInfo {
+            id: d.id,
+            node: d.node,
+            path: d.path,
+            role: d.role,
+            media: d.media,
+            size_bytes: d.size_bytes,
+            extents_total: d.extents_total,
+            extents_used: used.get(&d.id).copied().unwrap_or(0),
+            slab_size_bytes: d.slab_size_bytes,
+        })
+        .collect();
+    v.sort_by_key(|d| (d.node, d.path.clone()));
+    Ok(v)
+}
+
+fn uri_of(rec: &VolumeRecord, owner: Option<&NodeInfo>) -> (String, Option<String>) {
+    match owner {
+        Some(n) => (
+            format!("nbd+unix:///{}?socket={}", rec.name, n.nbd_socket),
+            n.nbd_tcp
+                .as_ref()
+                .map(|t| format!("nbd://{t}/{}", rec.name)),
+        ),
+        None => (
+            format!(
+                "nbd+unix:///{}?socket=(owner node {} is down)",
+                rec.name, rec.owner
+            ),
+            None,
+        ),
+    }
+}
+
+fn volume_info(
+    rec: &VolumeRecord,
+    slabs: &BTreeMap<converge_types::SlabIndex, SlabRecord>,
+    nodes: &[NodeInfo],
+    detail: bool,
+) -> VolumeInfo {
+    let owner = nodes.iter().find(|n| n.id == rec.owner && n.live);
+    let (uri, uri_tcp) = uri_of(rec, owner);
+    VolumeInfo {
+        id: rec.id,
+        name: rec.name.clone(),
+        size_bytes: rec.size_bytes,
+        resiliency: rec.resiliency,
+        min_replicas: rec.min_replicas,
+        slab_size_bytes: rec.slab_size_bytes,
+        owner: rec.owner,
+        owner_name: owner
+            .map(|n| n.name.clone())
+            .unwrap_or_else(|| format!("node{} (down)", rec.owner)),
+        uri,
+        uri_tcp,
+        slabs_allocated: slabs.len() as u64,
+        allocated_bytes: slabs.len() as u64 * rec.slab_size_bytes,
+        degraded_extents: slabs
+            .values()
+            .flat_map(|s| s.extents.iter())
+            .filter(|e| e.state != ExtentState::InSync)
+            .count() as u64,
+        slabs: detail.then(|| {
+            slabs
+                .iter()
+                .map(|(i, s)| SlabInfo {
+                    index: i.0,
+                    extents: s
+                        .extents
+                        .iter()
+                        .map(|e| ExtentInfo {
+                            drive: e.drive,
+                            node: e.node,
+                            state: e.state,
+                        })
+                        .collect(),
+                })
+                .collect()
+        }),
+    }
+}
+
+async fn slab_map(
+    node: &Node,
+    id: VolumeId,
+) -> Result<BTreeMap<converge_types::SlabIndex, SlabRecord>, ApiError> {
+    Ok(node
+        .cluster
+        .slabs(id)
+        .await
+        .map_err(ApiError::unavailable)?
+        .into_iter()
+        .map(|(i, (s, _))| (i, s))
+        .collect())
+}
+
+async fn volumes(node: &Node, detail: bool) -> Result<Vec<VolumeInfo>, ApiError> {
+    let ns = nodes(node).await?;
+    let mut out = Vec::new();
+    for rec in node
+        .cluster
+        .volumes()
+        .await
+        .map_err(ApiError::unavailable)?
+    {
+        let slabs = slab_map(node, rec.id).await?;
+        out.push(volume_info(&rec, &slabs, &ns, detail));
+    }
+    out.sort_by(|a, b| a.name.cmp(&b.name));
+    Ok(out)
+}
+
+async fn volume(node: &Node, name: &str) -> Result<VolumeInfo, ApiError> {
+    let Some((rec, _)) = node
+        .cluster
+        .volume(name)
+        .await
+        .map_err(ApiError::unavailable)?
+    else {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no volume named {name:?}"),
+        ));
+    };
+    let ns = nodes(node).await?;
+    let slabs = slab_map(node, rec.id).await?;
+    Ok(volume_info(&rec, &slabs, &ns, true))
+}
+
+async fn status(node: &Node) -> Result<Status, ApiError> {
+    let ns = nodes(node).await?;
+    let ds = drives(node).await?;
+    let vs = volumes(node, false).await?;
+    let total: u64 = ds
+        .iter()
+        .filter(|d| d.role == converge_types::DriveRole::Capacity)
+        .map(|d| d.extents_total * d.slab_size_bytes)
+        .sum();
+    let used: u64 = ds.iter().map(|d| d.extents_used * d.slab_size_bytes).sum();
+    let provisioned: u64 = vs
+        .iter()
+        .map(|v| v.size_bytes * v.resiliency.copies() as u64)
+        .sum();
+    let mut problems = Vec::new();
+    let down: Vec<String> = ns
+        .iter()
+        .filter(|n| !n.live)
+        .map(|n| n.name.clone())
+        .collect();
+    if !down.is_empty() {
+        problems.push(format!("nodes down: {}", down.join(", ")));
+    }
+    let degraded: u64 = vs.iter().map(|v| v.degraded_extents).sum();
+    if degraded > 0 {
+        problems.push(format!("{degraded} extents not in sync"));
+    }
+    let c = &node.cluster_rec;
+    Ok(Status {
+        cluster: ClusterInfo {
+            id: c.cluster_id,
+            name: c.name.clone(),
+            slab_size_bytes: c.slab_size_bytes,
+        },
+        health: if problems.is_empty() {
+            "healthy".into()
+        } else {
+            format!("degraded: {}", problems.join("; "))
+        },
+        nodes: ns,
+        drives: ds,
+        volumes: vs,
+        capacity: Capacity {
+            total_bytes: total,
+            used_bytes: used,
+            provisioned_bytes: provisioned,
+        },
+        answered_by: node.cfg.node_id,
+    })
+}
+
+async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, ApiError> {
+    if !converge_control::model::valid_volume_name(&req.name) {
+        return Err(ApiError::bad(format!(
+            "volume name {:?} is not valid: use 1-128 letters, digits, '-', '_' or '.'",
+            req.name
+        )));
+    }
+    let bs = BLOCK_SIZE as u64;
+    if req.size_bytes == 0 || req.size_bytes % bs != 0 {
+        return Err(ApiError::bad(format!(
+            "volume size {} bytes is not valid: it must be above 0 and a multiple of {bs} bytes",
+            req.size_bytes
+        )));
+    }
+    if req.size_bytes > 1 << 50 {
+        return Err(ApiError::bad("volume size above 1 PiB is not supported"));
+    }
+    let copies = req.resiliency.copies();
+    let min_replicas = req
+        .min_replicas
+        .unwrap_or_else(|| req.resiliency.default_min_replicas());
+    if min_replicas == 0 || min_replicas > copies {
+        return Err(ApiError::bad(format!(
+            "min_replicas {min_replicas} must be between 1 and {copies} for {}",
+            req.resiliency
+        )));
+    }
+    let owner = req.owner.unwrap_or(node.cfg.node_id);
+    let live = node
+        .cluster
+        .live_nodes()
+        .await
+        .map_err(ApiError::unavailable)?;
+    if !live.iter().any(|n| n.id == owner) {
+        return Err(ApiError::bad(format!(
+            "owner node {owner} is not a live node"
+        )));
+    }
+    let slab = node.cluster_rec.slab_size_bytes;
+    let loads = drive_loads(&node.cluster)
+        .await
+        .map_err(ApiError::unavailable)?;
+    placement::can_place_volume(copies, req.size_bytes, slab, &loads).map_err(|e| {
+        ApiError(
+            StatusCode::CONFLICT,
+            format!("cannot create volume {}: {e}", req.name),
+        )
+    })?;
+    let rec = VolumeRecord {
+        id: VolumeId(rand::random::<u64>() >> 1),
+        name: req.name.clone(),
+        size_bytes: req.size_bytes,
+        resiliency: req.resiliency,
+        min_replicas,
+        slab_size_bytes: slab,
+        owner,
+        created_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+    };
+    node.cluster
+        .create_volume(&rec)
+        .await
+        .map_err(|e| match e {
+            converge_control::model::ControlError::VolumeExists { .. } => ApiError(
+                StatusCode::CONFLICT,
+                format!("a volume named {} already exists", req.name),
+            ),
+            other => ApiError::unavailable(other),
+        })?;
+    log::info!(
+        "created volume {} ({} bytes, {}) owned by node {owner}",
+        rec.name,
+        rec.size_bytes,
+        rec.resiliency
+    );
+    volume(node, &req.name).await
+}
+
+/// Forward a request to the owner node's API when it is another live node.
+async fn forward_to_owner(
+    node: &Node,
+    owner: NodeId,
+    method: &str,
+    path: &str,
+    body: &[u8],
+) -> Result<Option<(StatusCode, serde_json::Value)>, ApiError> {
+    if owner == node.cfg.node_id {
+        return Ok(None);
+    }
+    let live = node
+        .cluster
+        .live_nodes()
+        .await
+        .map_err(ApiError::unavailable)?;
+    let Some(n) = live.into_iter().find(|n| n.id == owner) else {
+        // The owner is down: act here (it serves nothing).
+        return Ok(None);
+    };
+    let (status, bytes) = crate::http_client::request(&n.api_addr, method, path, body)
+        .await
+        .map_err(|e| {
+            ApiError(
+                StatusCode::BAD_GATEWAY,
+                format!("forwarding to owner node {owner} at {}: {e}", n.api_addr),
+            )
+        })?;
+    let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
+    Ok(Some((
+        StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),
+        v,
+    )))
+}
+
+async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
+    let Some((rec, _)) = node
+        .cluster
+        .volume(name)
+        .await
+        .map_err(ApiError::unavailable)?
+    else {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no volume named {name:?}"),
+        ));
+    };
+    if let Some(r) = forward_to_owner(
+        node,
+        rec.owner,
+        "DELETE",
+        &format!("/v1/volumes/{name}"),
+        body,
+    )
+    .await?
+    {
+        return Ok(r);
+    }
+    let slabs = slab_map(node, rec.id).await?;
+    // Stop serving first so no write races the delete, then drop records, then space.
+    node.volumes.lock().await.remove(name);
+    node.cluster
+        .delete_volume(name)
+        .await
+        .map_err(ApiError::unavailable)?;
+    node.free_extents(&rec, &slabs).await;
+    log::info!("deleted volume {name}");
+    ok(&serde_json::json!({"deleted": name}))
+}
+
+async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
+    let req: ResizeVolume = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("bad resize request: {e}")))?;
+    let Some((mut rec, rev)) = node
+        .cluster
+        .volume(name)
+        .await
+        .map_err(ApiError::unavailable)?
+    else {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no volume named {name:?}"),
+        ));
+    };
+    if req.size_bytes < rec.size_bytes {
+        return Err(ApiError::bad(format!(
+            "volume {name} is {} bytes; shrinking to {} is refused (it would cut data off the end)",
+            rec.size_bytes, req.size_bytes
+        )));
+    }
+    if req.size_bytes % BLOCK_SIZE as u64 != 0 || req.size_bytes > 1 << 50 {
+        return Err(ApiError::bad(format!(
+            "size {} bytes must be a multiple of {BLOCK_SIZE} and at most 1 PiB",
+            req.size_bytes
+        )));
+    }
+    if let Some(r) = forward_to_owner(
+        node,
+        rec.owner,
+        "POST",
+        &format!("/v1/volumes/{name}/resize"),
+        body,
+    )
+    .await?
+    {
+        return Ok(r);
+    }
+    let loads = drive_loads(&node.cluster)
+        .await
+        .map_err(ApiError::unavailable)?;
+    let grow = req.size_bytes - rec.size_bytes;
+    if grow > 0 {
+        placement::can_place_volume(rec.resiliency.copies(), grow, rec.slab_size_bytes, &loads)
+            .map_err(|e| {
+                ApiError(
+                    StatusCode::CONFLICT,
+                    format!("cannot grow volume {name}: {e}"),
+                )
+            })?;
+    }
+    rec.size_bytes = req.size_bytes;
+    if !node
+        .cluster
+        .update_volume(&rec, rev)
+        .await
+        .map_err(ApiError::unavailable)?
+    {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("volume {name} changed meanwhile; try again"),
+        ));
+    }
+    if let Some(v) = node.volumes.lock().await.get(name) {
+        v.grow(req.size_bytes)
+            .map_err(|e| ApiError::bad(e.to_string()))?;
+    }
+    ok(&volume(node, name).await?)
+}

@@ -1,0 +1,292 @@
+//! `converged`'s one config file (TOML), parsed and checked before anything starts, so a
+//! mistake is reported with the field that is wrong instead of a failure half-way up.
+
+use converge_types::{parse_size, DriveRole, Knobs, MediaType, NodeId, DEFAULT_SLAB_SIZE_BYTES};
+use serde::Deserialize;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("config {path} is not valid: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("config {path}: {field}: {message}")]
+    Field {
+        path: PathBuf,
+        field: String,
+        message: String,
+    },
+}
+
+/// A size given as bytes (integer) or text ("2G").
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+enum SizeField {
+    Bytes(u64),
+    Text(String),
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    node: RawNode,
+    network: RawNetwork,
+    etcd: RawEtcd,
+    #[serde(default, rename = "drive")]
+    drives: Vec<RawDrive>,
+    #[serde(default)]
+    knobs: Knobs,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNode {
+    id: u32,
+    name: Option<String>,
+    #[serde(default = "default_cluster_name")]
+    cluster_name: String,
+    slab_size: Option<SizeField>,
+}
+
+fn default_cluster_name() -> String {
+    "converge".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNetwork {
+    rpc: String,
+    api: String,
+    nbd_socket: PathBuf,
+    nbd_tcp: Option<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEtcd {
+    endpoints: Vec<String>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDrive {
+    path: PathBuf,
+    size: Option<SizeField>,
+    #[serde(default)]
+    role: DriveRole,
+    #[serde(default)]
+    media: MediaType,
+    tbw: Option<SizeField>,
+    warranty_years: Option<f64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct DriveConfig {
+    pub path: PathBuf,
+    /// Create the file at this size if it does not exist.
+    pub size_bytes: Option<u64>,
+    pub role: DriveRole,
+    pub media: MediaType,
+    pub tbw_bytes: Option<u64>,
+    pub warranty_years: Option<f64>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub node_id: NodeId,
+    pub name: String,
+    pub cluster_name: String,
+    pub slab_size_bytes: u64,
+    pub rpc_addr: SocketAddr,
+    pub api_addr: SocketAddr,
+    pub nbd_socket: PathBuf,
+    pub nbd_tcp: Option<SocketAddr>,
+    pub etcd_endpoints: Vec<String>,
+    pub drives: Vec<DriveConfig>,
+    pub knobs: Knobs,
+}
+
+impl Config {
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_path_buf(),
+            source,
+        })?;
+        Config::parse(path, &text)
+    }
+
+    pub fn parse(path: &Path, text: &str) -> Result<Config, ConfigError> {
+        let raw: RawConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        let field = |field: &str, message: String| ConfigError::Field {
+            path: path.to_path_buf(),
+            field: field.to_string(),
+            message,
+        };
+        let size = |name: &str, s: &SizeField| -> Result<u64, ConfigError> {
+            match s {
+                SizeField::Bytes(b) => Ok(*b),
+                SizeField::Text(t) => parse_size(t).map_err(|e| field(name, e.0)),
+            }
+        };
+        if raw.node.id == 0 {
+            return Err(field("node.id", "must be 1 or more".into()));
+        }
+        let slab_size_bytes = match &raw.node.slab_size {
+            Some(s) => size("node.slab_size", s)?,
+            None => DEFAULT_SLAB_SIZE_BYTES,
+        };
+        if slab_size_bytes < (1 << 20) || !slab_size_bytes.is_power_of_two() {
+            return Err(field(
+                "node.slab_size",
+                format!("{slab_size_bytes} bytes: must be a power of two, at least 1 MiB"),
+            ));
+        }
+        let addr = |name: &str, s: &str| -> Result<SocketAddr, ConfigError> {
+            s.parse()
+                .map_err(|_| field(name, format!("{s:?} is not an address like 127.0.0.1:7100")))
+        };
+        if raw.etcd.endpoints.is_empty() {
+            return Err(field(
+                "etcd.endpoints",
+                "needs at least one endpoint, e.g. [\"http://127.0.0.1:2379\"]".into(),
+            ));
+        }
+        for e in &raw.etcd.endpoints {
+            if !e.starts_with("http://") {
+                return Err(field(
+                    "etcd.endpoints",
+                    format!("{e:?} must start with http://"),
+                ));
+            }
+        }
+        if raw.drives.is_empty() {
+            return Err(field(
+                "drive",
+                "no [[drive]] given: a node must contribute at least one drive".into(),
+            ));
+        }
+        let mut drives = Vec::new();
+        for (i, d) in raw.drives.iter().enumerate() {
+            let name = format!("drive[{i}]");
+            let size_bytes = d
+                .size
+                .as_ref()
+                .map(|s| size(&format!("{name}.size"), s))
+                .transpose()?;
+            if let Some(s) = size_bytes {
+                if s < 2 * slab_size_bytes {
+                    return Err(field(
+                        &format!("{name}.size"),
+                        format!("{s} bytes is smaller than two slabs"),
+                    ));
+                }
+            }
+            if drives.iter().any(|x: &DriveConfig| x.path == d.path) {
+                return Err(field(
+                    &format!("{name}.path"),
+                    format!("{} is listed twice", d.path.display()),
+                ));
+            }
+            drives.push(DriveConfig {
+                path: d.path.clone(),
+                size_bytes,
+                role: d.role,
+                media: d.media,
+                tbw_bytes: d
+                    .tbw
+                    .as_ref()
+                    .map(|s| size(&format!("{name}.tbw"), s))
+                    .transpose()?,
+                warranty_years: d.warranty_years,
+            });
+        }
+        if raw.network.nbd_socket.as_os_str().len() > 100 {
+            return Err(field(
+                "network.nbd_socket",
+                "path is too long for a unix socket (100 bytes max)".into(),
+            ));
+        }
+        Ok(Config {
+            node_id: NodeId(raw.node.id),
+            name: raw
+                .node
+                .name
+                .unwrap_or_else(|| format!("node{}", raw.node.id)),
+            cluster_name: raw.node.cluster_name,
+            slab_size_bytes,
+            rpc_addr: addr("network.rpc", &raw.network.rpc)?,
+            api_addr: addr("network.api", &raw.network.api)?,
+            nbd_socket: raw.network.nbd_socket,
+            nbd_tcp: raw
+                .network
+                .nbd_tcp
+                .as_deref()
+                .map(|s| addr("network.nbd_tcp", s))
+                .transpose()?,
+            etcd_endpoints: raw.etcd.endpoints,
+            drives,
+            knobs: raw.knobs,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const GOOD: &str = r#"
+[node]
+id = 1
+slab_size = "64M"
+[network]
+rpc = "127.0.0.2:7100"
+api = "127.0.0.2:7200"
+nbd_socket = "/tmp/n1.sock"
+[etcd]
+endpoints = ["http://127.0.0.1:2379"]
+[[drive]]
+path = "/tmp/d1.img"
+size = "1G"
+"#;
+
+    #[test]
+    fn parses_a_good_config() {
+        let c = Config::parse(Path::new("x.toml"), GOOD).unwrap();
+        assert_eq!(c.node_id, NodeId(1));
+        assert_eq!(c.name, "node1");
+        assert_eq!(c.slab_size_bytes, 64 << 20);
+        assert_eq!(c.drives[0].size_bytes, Some(1 << 30));
+        assert_eq!(c.drives[0].role, DriveRole::Capacity);
+    }
+
+    #[test]
+    fn errors_name_the_field() {
+        let bad = GOOD.replace("127.0.0.2:7100", "nowhere");
+        let e = Config::parse(Path::new("x.toml"), &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("network.rpc"), "{e}");
+        let bad = GOOD.replace("slab_size = \"64M\"", "slab_size = \"3M\"");
+        let e = Config::parse(Path::new("x.toml"), &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("node.slab_size"), "{e}");
+        let bad = GOOD.replace("id = 1", "id = 1\nbogus = 2");
+        let e = Config::parse(Path::new("x.toml"), &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("bogus"), "{e}");
+        let bad = GOOD.replace("size = \"1G\"", "size = \"1Q\"");
+        assert!(Config::parse(Path::new("x.toml"), &bad).is_err());
+        let bad = GOOD.replace("http://127.0.0.1:2379", "127.0.0.1:2379");
+        assert!(Config::parse(Path::new("x.toml"), &bad).is_err());
+    }
+}

@@ -1,0 +1,127 @@
+//! `/metrics` in the Prometheus text format: per drive (ops, bytes, outstanding I/Os and
+//! its time integral for queue length, latency histogram), per volume this node owns, and
+//! the daemon's own CPU seconds (for CPU cost per I/O in the fleet).
+
+use crate::node::Node;
+use converge_volume::stats::HistogramSnapshot;
+use std::fmt::Write as _;
+
+/// CPU seconds (user + system) this process has used, from /proc/self/stat.
+pub fn process_cpu_seconds() -> f64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/self/stat") else {
+        return 0.0;
+    };
+    // Fields after the command name (which may contain spaces) start after ')'.
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // utime and stime are fields 14 and 15 of the full line: 12 and 13 after ')'.
+    let ticks: u64 = f.get(11).and_then(|s| s.parse().ok()).unwrap_or(0)
+        + f.get(12).and_then(|s| s.parse().ok()).unwrap_or(0);
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    ticks as f64 / if hz > 0 { hz as f64 } else { 100.0 }
+}
+
+fn histogram(out: &mut String, name: &str, labels: &str, h: &HistogramSnapshot) {
+    let mut cum = 0u64;
+    for (i, c) in h.buckets.iter().enumerate() {
+        cum += c;
+        if *c == 0 && i + 1 != h.buckets.len() {
+            continue;
+        }
+        let le = HistogramSnapshot::bucket_le_us(i) as f64 / 1e6;
+        let _ = writeln!(out, "{name}_bucket{{{labels},le=\"{le}\"}} {cum}");
+    }
+    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {}", h.count);
+    let _ = writeln!(out, "{name}_sum{{{labels}}} {}", h.sum_us as f64 / 1e6);
+    let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
+}
+
+pub async fn render(node: &Node) -> String {
+    let mut o = String::new();
+    let n = node.cfg.node_id;
+    let _ = writeln!(
+        o,
+        "# HELP converge_process_cpu_seconds_total CPU seconds used by converged."
+    );
+    let _ = writeln!(o, "# TYPE converge_process_cpu_seconds_total counter");
+    let _ = writeln!(
+        o,
+        "converge_process_cpu_seconds_total{{node=\"{n}\"}} {}",
+        process_cpu_seconds()
+    );
+    let _ = writeln!(
+        o,
+        "# HELP converge_drive_read_ops_total Reads served by the drive."
+    );
+    let _ = writeln!(o, "# TYPE converge_drive_read_ops_total counter");
+    let mut drives: Vec<_> = node.drives.iter().collect();
+    drives.sort_by_key(|(id, _)| **id);
+    for (id, d) in &drives {
+        let s = d.stats();
+        let l = format!("node=\"{n}\",drive=\"{:016x}\"", id.0);
+        let _ = writeln!(o, "converge_drive_read_ops_total{{{l}}} {}", s.read_ops);
+        let _ = writeln!(o, "converge_drive_write_ops_total{{{l}}} {}", s.write_ops);
+        let _ = writeln!(o, "converge_drive_read_bytes_total{{{l}}} {}", s.read_bytes);
+        let _ = writeln!(
+            o,
+            "converge_drive_written_bytes_total{{{l}}} {}",
+            s.write_bytes
+        );
+        let _ = writeln!(
+            o,
+            "converge_drive_data_written_bytes_total{{{l}}} {}",
+            s.data_write_bytes
+        );
+        let _ = writeln!(o, "converge_drive_flushes_total{{{l}}} {}", s.flushes);
+        let _ = writeln!(o, "converge_drive_inflight{{{l}}} {}", s.inflight);
+        let _ = writeln!(
+            o,
+            "converge_drive_inflight_seconds_total{{{l}}} {}",
+            s.inflight_time_ns as f64 / 1e9
+        );
+        let c = d.capacity();
+        let _ = writeln!(o, "converge_drive_extents_total{{{l}}} {}", c.extents_total);
+        let _ = writeln!(o, "converge_drive_extents_used{{{l}}} {}", c.extents_used);
+    }
+    let vols = node.volumes.lock().await;
+    let mut names: Vec<&String> = vols.keys().collect();
+    names.sort();
+    for name in names {
+        let s = vols[name].stats();
+        let l = format!("node=\"{n}\",volume=\"{name}\"");
+        let _ = writeln!(o, "converge_volume_read_ops_total{{{l}}} {}", s.read_ops);
+        let _ = writeln!(o, "converge_volume_write_ops_total{{{l}}} {}", s.write_ops);
+        let _ = writeln!(
+            o,
+            "converge_volume_read_bytes_total{{{l}}} {}",
+            s.read_bytes
+        );
+        let _ = writeln!(
+            o,
+            "converge_volume_written_bytes_total{{{l}}} {}",
+            s.write_bytes
+        );
+        let _ = writeln!(o, "converge_volume_errors_total{{{l}}} {}", s.errors);
+        let _ = writeln!(
+            o,
+            "converge_volume_repaired_blocks_total{{{l}}} {}",
+            s.repaired_blocks
+        );
+        histogram(
+            &mut o,
+            "converge_volume_read_latency_seconds",
+            &l,
+            &s.read_latency,
+        );
+        histogram(
+            &mut o,
+            "converge_volume_write_latency_seconds",
+            &l,
+            &s.write_latency,
+        );
+    }
+    o
+}
