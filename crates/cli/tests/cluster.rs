@@ -1,6 +1,8 @@
 //! End-to-end: a 4-node lab (real etcd, real converged processes) serving a mirror-3
 //! volume to real NBD clients; durability across clean restarts and kill -9; bad input.
 
+#![allow(clippy::unwrap_used)]
+
 mod common;
 
 use common::*;

@@ -65,7 +65,7 @@ impl ServerConfig {
             return Err(ConfigError::PreferredBlock { preferred, min });
         }
         let max = self.max_request_bytes;
-        if max % min != 0 || max < preferred || max > 64 * 1024 * 1024 {
+        if !max.is_multiple_of(min) || max < preferred || max > 64 * 1024 * 1024 {
             return Err(ConfigError::MaxRequest { max, min });
         }
         Ok(())

@@ -84,7 +84,7 @@ pub(crate) fn classify(req: &Request, lim: &Limits) -> Result<Op, u32> {
         Some(end) if end <= lim.size_bytes => {
             let align = u64::from(lim.align.max(1));
             // The last block of an export whose size is not a multiple may end at the size.
-            if req.offset % align != 0 || (end % align != 0 && end != lim.size_bytes) {
+            if !req.offset.is_multiple_of(align) || (end % align != 0 && end != lim.size_bytes) {
                 return Err(EINVAL);
             }
         }

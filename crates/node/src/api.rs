@@ -372,7 +372,7 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
         )));
     }
     let bs = BLOCK_SIZE as u64;
-    if req.size_bytes == 0 || req.size_bytes % bs != 0 {
+    if req.size_bytes == 0 || !req.size_bytes.is_multiple_of(bs) {
         return Err(ApiError::bad(format!(
             "volume size {} bytes is not valid: it must be above 0 and a multiple of {bs} bytes",
             req.size_bytes
@@ -534,7 +534,7 @@ async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
             rec.size_bytes, req.size_bytes
         )));
     }
-    if req.size_bytes % BLOCK_SIZE as u64 != 0 || req.size_bytes > 1 << 50 {
+    if !req.size_bytes.is_multiple_of(BLOCK_SIZE as u64) || req.size_bytes > 1 << 50 {
         return Err(ApiError::bad(format!(
             "size {} bytes must be a multiple of {BLOCK_SIZE} and at most 1 PiB",
             req.size_bytes

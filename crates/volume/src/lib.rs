@@ -213,7 +213,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         alloc: Arc<A>,
     ) -> Self {
         assert!(
-            cfg.slab_size_bytes >= BS && cfg.slab_size_bytes % BS == 0,
+            cfg.slab_size_bytes >= BS && cfg.slab_size_bytes.is_multiple_of(BS),
             "slab size must be a multiple of the block size"
         );
         let slabs = slabs
@@ -338,7 +338,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let start = Instant::now();
         let len = data.len() as u64;
         self.check_range(offset, len)?;
-        let r = if offset % BS == 0 && len % BS == 0 {
+        let r = if offset.is_multiple_of(BS) && len.is_multiple_of(BS) {
             self.write_aligned(offset, data).await
         } else {
             self.write_unaligned(offset, data).await

@@ -5,10 +5,12 @@ use rand::{Rng, SeedableRng};
 use std::collections::HashMap;
 use std::sync::Mutex;
 
+/// (drive, key, block index in slab) -> (version, crc, data)
+type Blocks = HashMap<(DriveId, ExtentKey, u64), (Version, u32, Vec<u8>)>;
+
 #[derive(Default)]
 struct MemReplicas {
-    /// (drive, key, block index in slab) -> (version, crc, data)
-    blocks: Mutex<HashMap<(DriveId, ExtentKey, u64), (Version, u32, Vec<u8>)>>,
+    blocks: Mutex<Blocks>,
     failed: Mutex<Vec<NodeId>>,
     writes: AtomicU64,
 }
@@ -196,7 +198,7 @@ async fn thin_volume_reads_zeros() {
 #[tokio::test]
 async fn writes_cross_slabs_and_reach_every_copy() {
     let (v, io) = volume(1 << 20, 64 << 10);
-    let data = pattern(3 * 64 << 10, 1);
+    let data = pattern(3 * (64 << 10), 1);
     v.write(32 << 10, data.clone()).await.unwrap();
     assert_eq!(v.read(32 << 10, data.len() as u64).await.unwrap(), data);
     let map = v.slab_map();

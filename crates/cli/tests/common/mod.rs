@@ -1,6 +1,7 @@
 //! Helpers for end-to-end tests: a lab cluster in a temp dir driven through the real
 //! `converge` CLI, and the real NBD clients (fio, nbdcopy, nbdinfo, qemu-img).
 
+#![allow(clippy::unwrap_used)]
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
