@@ -403,3 +403,106 @@ fn converged_refuses_foreign_drives_bad_config_and_dead_etcd() {
     let err = String::from_utf8_lossy(&o.stderr);
     assert!(err.contains("network.rpc"), "{err}");
 }
+
+/// Bits flipped in a drive file: reads return good data from another copy, and the bad
+/// copy is rewritten (a second read needs no repair, and the file holds good bytes again).
+#[test]
+fn flipped_bits_are_served_from_a_good_copy_and_repaired() {
+    let lab = Lab::up(3, &[]);
+    lab.must(&[
+        "volume",
+        "create",
+        "rot",
+        "--size",
+        "64M",
+        "--resiliency",
+        "mirror-3",
+        "--owner",
+        "1",
+    ]);
+    let uri = lab.uri("rot");
+    let tmp = tempfile::tempdir().unwrap();
+    // Every 4 KiB block starts with a unique marker so it can be found in a drive file.
+    let mut data = Vec::with_capacity(64 << 20);
+    for b in 0..(64 << 20) / 4096 {
+        let mut blk = vec![(b % 251) as u8; 4096];
+        let m = format!("CVMARK{b:08}");
+        blk[..m.len()].copy_from_slice(m.as_bytes());
+        data.extend_from_slice(&blk);
+    }
+    let src = tmp.path().join("src.img");
+    std::fs::write(&src, &data).unwrap();
+    must(Command::new("nbdcopy").arg(&src).arg(&uri));
+
+    // Flip a bit in blocks 100..110 of the owner's (node 1) copy: it is read first.
+    let drives: Vec<String> = lab.lab_json()["nodes"][0]["drives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap().to_string())
+        .collect();
+    // (drive file, byte offset flipped, the block's fill byte)
+    let mut flipped = Vec::new();
+    for path in &drives {
+        let img = std::fs::read(path).unwrap();
+        for pos in (0..img.len()).step_by(4096) {
+            if img[pos..].starts_with(b"CVMARK") {
+                let b: u32 = std::str::from_utf8(&img[pos + 6..pos + 14])
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                if (100..110).contains(&b) {
+                    flipped.push((path.clone(), pos + 2000, (b % 251) as u8));
+                }
+            }
+        }
+    }
+    for (path, off, _) in &flipped {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        let mut byte = [0u8; 1];
+        f.read_exact_at(&mut byte, *off as u64).unwrap();
+        byte[0] ^= 0x40;
+        f.write_all_at(&byte, *off as u64).unwrap();
+        f.sync_all().unwrap();
+    }
+
+    let repaired = || -> u64 {
+        let api = lab.lab_json()["nodes"][0]["api"]
+            .as_str()
+            .unwrap()
+            .trim_start_matches("http://")
+            .to_string();
+        let m = http_get(&api, "/metrics");
+        m.lines()
+            .filter(|l| l.starts_with("converge_volume_repaired_blocks_total"))
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+            .sum()
+    };
+    let back = tmp.path().join("back.img");
+    must(Command::new("nbdcopy").arg(&uri).arg(&back));
+    assert!(
+        std::fs::read(&back).unwrap() == data,
+        "read returned damaged data\n{}",
+        lab.logs()
+    );
+    assert_eq!(repaired(), 10, "each bad block repaired once");
+    // Second read: nothing left to repair.
+    must(Command::new("nbdcopy").arg(&uri).arg(&back));
+    assert!(std::fs::read(&back).unwrap() == data);
+    assert_eq!(repaired(), 10, "repair rewrote the bad copies");
+    for (path, off, fill) in &flipped {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::File::open(path).unwrap();
+        let mut byte = [0u8; 1];
+        f.read_exact_at(&mut byte, *off as u64).unwrap();
+        assert_eq!(
+            byte[0], *fill,
+            "{path} offset {off}: the bad copy was rewritten"
+        );
+    }
+}
