@@ -506,3 +506,44 @@ fn flipped_bits_are_served_from_a_good_copy_and_repaired() {
         );
     }
 }
+
+/// Malformed NBD requests (libnbd with its client-side checks off) get error replies and
+/// the connection stays usable.
+#[test]
+fn bad_nbd_requests_get_errors_and_the_connection_survives() {
+    let lab = Lab::up(3, &[]);
+    let uri = lab.create_volume("badio", "64M", "mirror-3");
+    let script = r#"
+import nbd, sys
+h = nbd.NBD()
+h.set_strict_mode(0)
+h.connect_uri(sys.argv[1])
+size = h.get_size()
+h.pwrite(b"\xab" * 4096, 0)
+def expect_error(what, f):
+    try:
+        f()
+    except nbd.Error as e:
+        print(what, "errno", e.errno)
+        return
+    sys.exit(what + ": no error")
+expect_error("read past end", lambda: h.pread(4096, size))
+expect_error("write past end", lambda: h.pwrite(b"\0" * 4096, size - 2048))
+expect_error("oversized read", lambda: h.pread(48 << 20, 0))
+expect_error("oversized write", lambda: h.pwrite(b"\0" * (40 << 20), 0))
+expect_error("misaligned read", lambda: h.pread(4096, 100))
+expect_error("trim past end", lambda: h.trim(8192, size))
+# The connection still works and the data is intact.
+assert h.pread(4096, 0) == b"\xab" * 4096, "data after errors"
+h.shutdown()
+print("ok")
+"#;
+    let out = must(
+        Command::new("/usr/bin/python3")
+            .arg("-c")
+            .arg(script)
+            .arg(&uri),
+    );
+    assert!(out.trim_end().ends_with("ok"), "{out}");
+    assert_eq!(out.matches("errno").count(), 6, "{out}");
+}

@@ -260,12 +260,15 @@ where
             Ok(op) => op,
             Err(errno) => {
                 log::debug!("nbd: rejecting {req:?} with error {errno}");
-                slot.finish(errno, None);
-                if req.typ == CMD_WRITE {
-                    if req.len > WRITE_DISCARD_MAX {
-                        return Ok(ReaderEnd::OversizedPayload(req.len));
-                    }
+                // Consume a refused WRITE's payload before replying: a client may not
+                // expect the reply to a command it is still sending (libnbd drops the
+                // connection if it comes early).
+                if req.typ == CMD_WRITE && req.len <= WRITE_DISCARD_MAX {
                     discard(rd, u64::from(req.len)).await?;
+                }
+                slot.finish(errno, None);
+                if req.typ == CMD_WRITE && req.len > WRITE_DISCARD_MAX {
+                    return Ok(ReaderEnd::OversizedPayload(req.len));
                 }
                 continue;
             }

@@ -39,6 +39,28 @@ fn histogram(out: &mut String, name: &str, labels: &str, h: &HistogramSnapshot) 
     let _ = writeln!(out, "{name}_count{{{labels}}} {}", h.count);
 }
 
+fn drive_histogram(
+    out: &mut String,
+    name: &str,
+    labels: &str,
+    h: &converge_engine::LatencyHistogram,
+) {
+    let mut cum = 0u64;
+    for (upper, c) in h.bucket_upper_us.iter().zip(&h.counts) {
+        cum += c;
+        if *upper == u64::MAX {
+            continue;
+        }
+        let _ = writeln!(
+            out,
+            "{name}_bucket{{{labels},le=\"{}\"}} {cum}",
+            *upper as f64 / 1e6
+        );
+    }
+    let _ = writeln!(out, "{name}_bucket{{{labels},le=\"+Inf\"}} {cum}");
+    let _ = writeln!(out, "{name}_count{{{labels}}} {cum}");
+}
+
 pub async fn render(node: &Node) -> String {
     let mut o = String::new();
     let n = node.cfg.node_id;
@@ -81,6 +103,28 @@ pub async fn render(node: &Node) -> String {
             o,
             "converge_drive_inflight_seconds_total{{{l}}} {}",
             s.inflight_time_ns as f64 / 1e9
+        );
+        drive_histogram(
+            &mut o,
+            "converge_drive_read_latency_seconds",
+            &l,
+            &s.read_latency_us,
+        );
+        drive_histogram(
+            &mut o,
+            "converge_drive_write_latency_seconds",
+            &l,
+            &s.write_latency_us,
+        );
+        let _ = writeln!(
+            o,
+            "converge_drive_journal_written_bytes_total{{{l}}} {}",
+            s.journal_write_bytes
+        );
+        let _ = writeln!(
+            o,
+            "converge_drive_metadata_written_bytes_total{{{l}}} {}",
+            s.metadata_write_bytes
         );
         let c = d.capacity();
         let _ = writeln!(o, "converge_drive_extents_total{{{l}}} {}", c.extents_total);
