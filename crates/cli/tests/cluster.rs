@@ -187,12 +187,7 @@ fn acked_writes_survive_clean_restart_and_kill_9() {
     // Write new data; as soon as nbdcopy returns (every write acked) kill -9 every node.
     let b = random_file(tmp.path(), "b.img", 256 << 20, 2);
     must(Command::new("nbdcopy").arg(&b).arg(&uri));
-    for n in 1..=4 {
-        lab.must(&["lab", "fault", "kill", &n.to_string()]);
-    }
-    for n in 1..=4 {
-        lab.must(&["lab", "fault", "restart", &n.to_string()]);
-    }
+    lab.kill_all_and_restart(4);
     std::fs::remove_file(&back).unwrap();
     must(Command::new("nbdcopy").arg(&uri).arg(&back));
     assert!(
@@ -214,12 +209,7 @@ fn acked_writes_survive_clean_restart_and_kill_9() {
     let mut w = args.to_vec();
     w.push("--do_verify=0");
     assert_eq!(fio_errors(&fio(&uri, &w)), 0);
-    for n in 1..=4 {
-        lab.must(&["lab", "fault", "kill", &n.to_string()]);
-    }
-    for n in 1..=4 {
-        lab.must(&["lab", "fault", "restart", &n.to_string()]);
-    }
+    lab.kill_all_and_restart(4);
     let mut r = args.to_vec();
     r.push("--verify_only");
     let v = fio(&uri, &r);

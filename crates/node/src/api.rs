@@ -296,18 +296,17 @@ async fn volumes(node: &Node, detail: bool) -> Result<Vec<VolumeInfo>, ApiError>
     Ok(out)
 }
 
-async fn volume(node: &Node, name: &str) -> Result<VolumeInfo, ApiError> {
-    let Some((rec, _)) = node
-        .cluster
+/// The volume's record and its revision, or 404.
+async fn volume_record(node: &Node, name: &str) -> Result<(VolumeRecord, i64), ApiError> {
+    node.cluster
         .volume(name)
         .await
         .map_err(ApiError::unavailable)?
-    else {
-        return Err(ApiError(
-            StatusCode::NOT_FOUND,
-            format!("no volume named {name:?}"),
-        ));
-    };
+        .ok_or_else(|| ApiError(StatusCode::NOT_FOUND, format!("no volume named {name:?}")))
+}
+
+async fn volume(node: &Node, name: &str) -> Result<VolumeInfo, ApiError> {
+    let (rec, _) = volume_record(node, name).await?;
     let ns = nodes(node).await?;
     let slabs = slab_map(node, rec.id).await?;
     Ok(volume_info(&rec, &slabs, &ns, true))
@@ -480,17 +479,7 @@ async fn forward_to_owner(
 }
 
 async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
-    let Some((rec, _)) = node
-        .cluster
-        .volume(name)
-        .await
-        .map_err(ApiError::unavailable)?
-    else {
-        return Err(ApiError(
-            StatusCode::NOT_FOUND,
-            format!("no volume named {name:?}"),
-        ));
-    };
+    let (rec, _) = volume_record(node, name).await?;
     if let Some(r) = forward_to_owner(
         node,
         rec.owner,
@@ -517,17 +506,7 @@ async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
 async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     let req: ResizeVolume = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("bad resize request: {e}")))?;
-    let Some((mut rec, rev)) = node
-        .cluster
-        .volume(name)
-        .await
-        .map_err(ApiError::unavailable)?
-    else {
-        return Err(ApiError(
-            StatusCode::NOT_FOUND,
-            format!("no volume named {name:?}"),
-        ));
-    };
+    let (mut rec, rev) = volume_record(node, name).await?;
     if req.size_bytes < rec.size_bytes {
         return Err(ApiError::bad(format!(
             "volume {name} is {} bytes; shrinking to {} is refused (it would cut data off the end)",

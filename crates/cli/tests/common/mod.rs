@@ -130,6 +130,16 @@ impl Lab {
             .to_string()
     }
 
+    /// kill -9 every node, then start each again with its data.
+    pub fn kill_all_and_restart(&self, nodes: u32) {
+        for n in 1..=nodes {
+            self.must(&["lab", "fault", "kill", &n.to_string()]);
+        }
+        for n in 1..=nodes {
+            self.must(&["lab", "fault", "restart", &n.to_string()]);
+        }
+    }
+
     pub fn lab_json(&self) -> serde_json::Value {
         let t = std::fs::read_to_string(self.path().join("lab.json")).expect("lab.json");
         serde_json::from_str(&t).expect("lab.json parses")
