@@ -166,39 +166,39 @@ async fn accept_backoff(e: &io::Error) {
     tokio::time::sleep(Duration::from_millis(50)).await;
 }
 
-/// Accepts on a unix socket forever, one task per connection. Errs only on a bad `cfg`.
-pub async fn serve_unix<R: Resolver>(
-    listener: UnixListener,
-    resolver: Arc<R>,
-    cfg: ServerConfig,
-) -> io::Result<()> {
-    cfg.validate().map_err(config_io_error)?;
-    let slots = Arc::new(Semaphore::new(cfg.connections_max.max(1)));
-    loop {
-        let permit = Arc::clone(&slots)
-            .acquire_owned()
-            .await
-            .map_err(io::Error::other)?;
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
-            Err(e) => {
-                accept_backoff(&e).await;
-                continue;
-            }
-        };
-        let (resolver, cfg) = (Arc::clone(&resolver), cfg.clone());
-        tokio::spawn(async move {
-            if let Err(e) = serve_connection(stream, resolver, cfg).await {
-                log::info!("nbd: unix connection ended: {e}");
-            }
-            drop(permit);
-        });
+/// A listener the shared accept loop can take connections from.
+trait Acceptor: Send + Sync {
+    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    /// The next connection and a name for the peer, for logs.
+    fn accept_one(
+        &self,
+    ) -> impl std::future::Future<Output = io::Result<(Self::Stream, String)>> + Send;
+}
+
+impl Acceptor for UnixListener {
+    type Stream = tokio::net::UnixStream;
+    async fn accept_one(&self) -> io::Result<(Self::Stream, String)> {
+        let (stream, _) = self.accept().await?;
+        Ok((stream, "unix socket".to_string()))
     }
 }
 
-/// Accepts on TCP forever, one task per connection. Errs only on a bad `cfg`.
-pub async fn serve_tcp<R: Resolver>(
-    listener: TcpListener,
+impl Acceptor for TcpListener {
+    type Stream = tokio::net::TcpStream;
+    async fn accept_one(&self) -> io::Result<(Self::Stream, String)> {
+        let (stream, peer) = self.accept().await?;
+        // Replies are small and latency-bound; do not let Nagle hold them back.
+        if let Err(e) = stream.set_nodelay(true) {
+            log::debug!("nbd: set_nodelay for {peer}: {e}");
+        }
+        Ok((stream, peer.to_string()))
+    }
+}
+
+/// The accept loop both listeners share: bounded connections, one task per connection,
+/// accept errors (EMFILE and friends) waited out rather than fatal.
+async fn accept_loop<R: Resolver, L: Acceptor>(
+    listener: L,
     resolver: Arc<R>,
     cfg: ServerConfig,
 ) -> io::Result<()> {
@@ -209,17 +209,13 @@ pub async fn serve_tcp<R: Resolver>(
             .acquire_owned()
             .await
             .map_err(io::Error::other)?;
-        let (stream, peer) = match listener.accept().await {
+        let (stream, peer) = match listener.accept_one().await {
             Ok(x) => x,
             Err(e) => {
                 accept_backoff(&e).await;
                 continue;
             }
         };
-        // Replies are small and latency-bound; do not let Nagle hold them back.
-        if let Err(e) = stream.set_nodelay(true) {
-            log::debug!("nbd: set_nodelay for {peer}: {e}");
-        }
         let (resolver, cfg) = (Arc::clone(&resolver), cfg.clone());
         tokio::spawn(async move {
             if let Err(e) = serve_connection(stream, resolver, cfg).await {
@@ -228,6 +224,24 @@ pub async fn serve_tcp<R: Resolver>(
             drop(permit);
         });
     }
+}
+
+/// Accepts on a unix socket forever, one task per connection. Errs only on a bad `cfg`.
+pub async fn serve_unix<R: Resolver>(
+    listener: UnixListener,
+    resolver: Arc<R>,
+    cfg: ServerConfig,
+) -> io::Result<()> {
+    accept_loop(listener, resolver, cfg).await
+}
+
+/// Accepts on TCP forever, one task per connection. Errs only on a bad `cfg`.
+pub async fn serve_tcp<R: Resolver>(
+    listener: TcpListener,
+    resolver: Arc<R>,
+    cfg: ServerConfig,
+) -> io::Result<()> {
+    accept_loop(listener, resolver, cfg).await
 }
 
 #[cfg(test)]
