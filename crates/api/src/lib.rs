@@ -117,6 +117,70 @@ pub struct Status {
     pub drives: Vec<DriveInfo>,
     pub volumes: Vec<VolumeInfo>,
     pub capacity: Capacity,
+    /// Background jobs running now (resync, rebuild, scrub), from every node.
+    #[serde(default)]
+    pub jobs: Vec<JobInfo>,
+    /// Why the cluster cannot restore full redundancy, if it cannot (e.g. no room for a
+    /// rebuild).
+    #[serde(default)]
+    pub warnings: Vec<String>,
     /// The node that answered.
     pub answered_by: NodeId,
+}
+
+/// `POST /v1/volumes/NAME/scrub`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ScrubRequest {
+    /// Wait for the scrub to finish and answer its result (else it runs as a job).
+    #[serde(default)]
+    pub wait: bool,
+    /// Rewrite bad or disagreeing blocks from a good copy (default true).
+    #[serde(default = "yes")]
+    pub repair: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// The result of one volume's scrub.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ScrubResult {
+    pub volume: String,
+    /// The node that ran it (the volume's owner).
+    pub node: NodeId,
+    pub started_unix: u64,
+    pub finished_unix: u64,
+    pub blocks_checked: u64,
+    pub bytes_read: u64,
+    pub bad_checksums: u64,
+    pub mismatches: u64,
+    pub repaired: u64,
+    /// Set if the scrub stopped early.
+    pub error: Option<String>,
+}
+
+/// `POST /v1/volumes/NAME/move`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MoveVolume {
+    pub to: NodeId,
+}
+
+/// A background job: a resync of a returning copy, a rebuild of a lost one, a scrub.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct JobInfo {
+    /// `resync`, `rebuild` or `scrub`.
+    pub kind: String,
+    /// The node running it.
+    pub node: NodeId,
+    pub volume: String,
+    pub slab: u64,
+    /// What is copied where, in words.
+    pub detail: String,
+    pub bytes_done: u64,
+    /// Known once the job has compared versions (0 before).
+    pub bytes_total: u64,
+    pub started_unix: u64,
+    /// Seconds left at the current rate, if known.
+    pub eta_s: Option<u64>,
 }

@@ -54,6 +54,7 @@ pub struct UpOptions {
     pub ram: bool,
     pub slab_size: u64,
     pub timeout: Duration,
+    pub repair_delay_s: u64,
 }
 
 pub fn default_dir() -> PathBuf {
@@ -350,6 +351,12 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
                 if o.ram { "ram" } else { "ssd" }
             ));
         }
+        // Failure detection tuned for rehearsing failures on one machine: a dead node is
+        // noticed in seconds, not minutes.
+        toml.push_str(&format!(
+            "\n[knobs]\nnode_lease_ttl_s = 6\nreplica_timeout_ms = 3000\nrepair_delay_s = {}\n",
+            o.repair_delay_s
+        ));
         fs::write(&config, toml)?;
         let mut cmd = Command::new(&converged);
         cmd.arg("--config").arg(&config);

@@ -50,9 +50,31 @@ enum Cmd {
     /// Volumes (virtual disks): create, list, show, delete, resize.
     #[command(subcommand)]
     Volume(VolumeCmd),
+    /// Scrub: read every copy, verify checksums, compare copies, repair what differs.
+    #[command(subcommand)]
+    Scrub(ScrubCmd),
     /// A whole cluster on this machine: etcd plus N converged on 127.0.0.x.
     #[command(subcommand)]
     Lab(LabCmd),
+}
+
+#[derive(Subcommand)]
+enum ScrubCmd {
+    /// Scrub volumes now (all of them, or those named). Each runs on its volume's owner,
+    /// throttled by the scrub_bytes_per_s knob; the schedule (scrub_interval_h) runs it too.
+    Start {
+        /// Volumes to scrub; default: every volume.
+        volumes: Vec<String>,
+        /// Wait and print each result (else the scrubs run in the background; see
+        /// `converge scrub status`).
+        #[arg(long)]
+        wait: bool,
+        /// Only report bad or disagreeing blocks; do not rewrite them.
+        #[arg(long)]
+        no_repair: bool,
+    },
+    /// Last scrub result of each volume, and scrubs running now.
+    Status,
 }
 
 #[derive(Subcommand)]
@@ -95,6 +117,14 @@ enum VolumeCmd {
         #[arg(long)]
         size: String,
     },
+    /// Hand a volume over to another node cleanly: the new owner fences the copies with a
+    /// new epoch and serves it; clients connected to the old owner are forwarded.
+    Move {
+        name: String,
+        /// Node id of the new owner.
+        #[arg(long)]
+        to: u32,
+    },
 }
 
 #[derive(Args, Clone)]
@@ -135,6 +165,10 @@ enum LabCmd {
         /// Seconds to wait for the cluster to become healthy.
         #[arg(long, default_value_t = 60)]
         timeout: u64,
+        /// Seconds a down node's copies wait before they are rebuilt elsewhere (the
+        /// repair_delay_s knob; production default 600, short in the lab to rehearse it).
+        #[arg(long, default_value_t = 60)]
+        repair_delay: u64,
     },
     /// Stop exactly the processes this lab started.
     Down {
@@ -230,6 +264,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", drives_table(&v));
         }
         Cmd::Volume(v) => run_volume(&cli, v)?,
+        Cmd::Scrub(c) => run_scrub(&cli, c)?,
     }
     Ok(())
 }
@@ -350,6 +385,22 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
             }
             println!("volume {} is now {}", v.name, format_size(v.size_bytes));
         }
+        VolumeCmd::Move { name, to } => {
+            check_name(name)?;
+            let body = serde_json::to_value(converge_api::MoveVolume {
+                to: converge_types::NodeId(*to),
+            })?;
+            let v: VolumeInfo = http::call(
+                &api_base(cli)?,
+                "POST",
+                &format!("/v1/volumes/{name}/move"),
+                Some(&body),
+            )?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!("volume {} is now served by node {}", v.name, v.owner);
+        }
     }
     Ok(())
 }
@@ -364,8 +415,10 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             ram,
             slab_size,
             timeout,
+            repair_delay,
         } => {
             let o = lab::UpOptions {
+                repair_delay_s: *repair_delay,
                 dir: dir.path(),
                 nodes: *nodes,
                 drives_per_node: *drives_per_node,
@@ -560,4 +613,117 @@ fn print_status(s: &Status) {
     println!("\nNODES\n{}", nodes_table(&s.nodes));
     println!("DRIVES\n{}", drives_table(&s.drives));
     println!("VOLUMES\n{}", volumes_table(&s.volumes));
+    if !s.jobs.is_empty() {
+        println!("JOBS\n{}", jobs_table(&s.jobs));
+    }
+    for w in &s.warnings {
+        println!("warning: {w}");
+    }
+}
+
+fn run_scrub(cli: &Cli, c: &ScrubCmd) -> Result<()> {
+    let base = api_base(cli)?;
+    match c {
+        ScrubCmd::Start {
+            volumes,
+            wait,
+            no_repair,
+        } => {
+            let names: Vec<String> = if volumes.is_empty() {
+                let v: Vec<VolumeInfo> = http::call(&base, "GET", "/v1/volumes", None)?;
+                v.into_iter().map(|v| v.name).collect()
+            } else {
+                volumes.clone()
+            };
+            let body = serde_json::to_value(converge_api::ScrubRequest {
+                wait: *wait,
+                repair: !*no_repair,
+            })?;
+            let mut results = Vec::new();
+            for n in &names {
+                check_name(n)?;
+                if *wait {
+                    let r: converge_api::ScrubResult = http::call(
+                        &base,
+                        "POST",
+                        &format!("/v1/volumes/{n}/scrub"),
+                        Some(&body),
+                    )?;
+                    results.push(r);
+                } else {
+                    let _: serde_json::Value = http::call(
+                        &base,
+                        "POST",
+                        &format!("/v1/volumes/{n}/scrub"),
+                        Some(&body),
+                    )?;
+                    if !cli.json {
+                        println!("scrub of {n} started");
+                    }
+                }
+            }
+            if *wait {
+                if cli.json {
+                    return print_json(&results);
+                }
+                print!("{}", scrub_table(&results));
+            }
+        }
+        ScrubCmd::Status => {
+            let r: Vec<converge_api::ScrubResult> = http::call(&base, "GET", "/v1/scrub", None)?;
+            let s: Status = http::call(&base, "GET", "/v1/status", None)?;
+            let running: Vec<converge_api::JobInfo> =
+                s.jobs.into_iter().filter(|j| j.kind == "scrub").collect();
+            if cli.json {
+                return print_json(&serde_json::json!({"last": r, "running": running}));
+            }
+            if !running.is_empty() {
+                println!("RUNNING\n{}", jobs_table(&running));
+            }
+            println!("LAST RESULTS\n{}", scrub_table(&r));
+        }
+    }
+    Ok(())
+}
+
+fn scrub_table(v: &[converge_api::ScrubResult]) -> String {
+    let mut t = table::Table::new(&[
+        "VOLUME", "NODE", "CHECKED", "BAD", "MISMATCH", "REPAIRED", "FINISHED", "ERROR",
+    ]);
+    for r in v {
+        t.row(vec![
+            r.volume.clone(),
+            r.node.to_string(),
+            format_size(r.blocks_checked * 4096),
+            r.bad_checksums.to_string(),
+            r.mismatches.to_string(),
+            r.repaired.to_string(),
+            r.finished_unix.to_string(),
+            r.error.clone().unwrap_or_default(),
+        ]);
+    }
+    t.render()
+}
+
+fn jobs_table(v: &[converge_api::JobInfo]) -> String {
+    let mut t = table::Table::new(&[
+        "KIND", "NODE", "VOLUME", "SLAB", "DONE", "TOTAL", "ETA", "DETAIL",
+    ]);
+    for j in v {
+        t.row(vec![
+            j.kind.clone(),
+            j.node.to_string(),
+            j.volume.clone(),
+            j.slab.to_string(),
+            format_size(j.bytes_done),
+            if j.bytes_total > 0 {
+                format_size(j.bytes_total)
+            } else {
+                "comparing".into()
+            },
+            j.eta_s.map_or("-".into(), |s| format!("{s}s")),
+            j.detail.clone(),
+        ]);
+    }
+    t.render()
 }

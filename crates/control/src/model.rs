@@ -452,6 +452,18 @@ impl Cluster {
         Ok(out)
     }
 
+    /// One slab's record and its mod revision (for a compare-and-swap), if allocated.
+    pub async fn slab(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+    ) -> Result<Option<(SlabRecord, i64)>, ControlError> {
+        match self.etcd.get(&keys::slab(volume, slab)).await? {
+            None => Ok(None),
+            Some(kv) => Ok(Some((decode(&kv, "slab record")?, kv.mod_revision))),
+        }
+    }
+
     /// Allocates a slab if it has no record yet. If another node allocated it first, returns
     /// that record instead; either way the result is what etcd holds, with its mod revision.
     pub async fn create_slab(

@@ -359,6 +359,7 @@ impl Drive {
         first: u32,
         count: u32,
         new: impl Fn(usize) -> BlockMeta,
+        accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
         applied: &mut Vec<bool>,
     ) -> (u32, u64) {
         let mut m = lock(&ext.meta);
@@ -371,7 +372,7 @@ impl Drive {
         for i in 0..count as usize {
             let b = first + i as u32;
             let nm = new(i);
-            if nm.version >= m.current(b).version {
+            if accept(i, &m.current(b), &nm) {
                 let ExtentMeta { blocks, overlay } = &mut *m;
                 let o = overlay.entry(b).or_insert(Overlay {
                     meta: blocks[b as usize],
@@ -421,6 +422,8 @@ impl Drive {
     }
 
     /// Writes blocks of one extent; durable when it returns Ok (see the crate docs).
+    /// A block whose current version is newer than `version` keeps its data (a later write
+    /// already replaced it).
     pub fn write(
         &self,
         key: ExtentKey,
@@ -431,20 +434,70 @@ impl Drive {
         crcs: &[u32],
     ) -> Result<(), EngineError> {
         let t = self.counters.begin();
-        let r = self.write_inner(key, epoch, version, offset, data, crcs);
+        let r = self
+            .write_inner(
+                key,
+                epoch,
+                offset,
+                data,
+                crcs,
+                |_| version.0,
+                |_, cur, new| new.version >= cur.version,
+            )
+            .map(|_| ());
         self.counters.end(OpKind::Write, t);
         r
     }
 
+    /// Copies blocks from another replica (resync, rebuild, reconcile): block `i` gets
+    /// `versions[i]`, but only if its current version is still `expect[i]` (what the
+    /// copier saw before reading the source). A block changed meanwhile by the owner holds
+    /// newer data and is left alone. Returns how many blocks were written. Durable on Ok.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_blocks(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+        versions: &[Version],
+        expect: &[Version],
+    ) -> Result<u32, EngineError> {
+        let n = data.len() / BLOCK_SIZE;
+        if versions.len() != n || expect.len() != n {
+            return Err(EngineError::InvalidIo {
+                key,
+                reason: "one version and one expected version per 4 KiB block are required",
+                offset,
+                len: data.len() as u64,
+            });
+        }
+        let t = self.counters.begin();
+        let r = self.write_inner(
+            key,
+            epoch,
+            offset,
+            data,
+            crcs,
+            |i| versions[i].0,
+            |i, cur, _| cur.version == expect[i].0,
+        );
+        self.counters.end(OpKind::Write, t);
+        r
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn write_inner(
         &self,
         key: ExtentKey,
         epoch: Epoch,
-        version: Version,
         offset: u64,
         data: &[u8],
         crcs: &[u32],
-    ) -> Result<(), EngineError> {
+        version_of: impl Fn(usize) -> u64,
+        accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
+    ) -> Result<u32, EngineError> {
         let (first, count) = self.range(key, offset, data.len() as u64)?;
         if crcs.len() != count as usize {
             return Err(EngineError::InvalidIo {
@@ -471,10 +524,11 @@ impl Drive {
                 first,
                 count,
                 |i| BlockMeta {
-                    version: version.0,
+                    version: version_of(i),
                     crc: crcs[i],
                     flags: F_DATA,
                 },
+                accept,
                 &mut s.applied,
             );
             self.counters
@@ -491,7 +545,7 @@ impl Drive {
                                 slot: ext.slot,
                                 block: first + i as u32,
                                 crc: crcs[i],
-                                version: version.0,
+                                version: version_of(i),
                             }
                             .push(&mut s.records);
                         }
@@ -504,7 +558,8 @@ impl Drive {
                 self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
                 seq = seq.max(res?);
             }
-            self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))
+            self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))?;
+            Ok(n)
         })
     }
 
@@ -544,7 +599,23 @@ impl Drive {
         buf: &mut [u8],
     ) -> Result<ReadInfo, EngineError> {
         let t = self.counters.begin();
-        let r = self.read_inner(key, epoch, offset, buf);
+        let r = self.read_inner(key, epoch, offset, buf, None);
+        self.counters.end(OpKind::Read, t);
+        r
+    }
+
+    /// A read that also reports every block's version (`versions` is replaced), for
+    /// copying blocks between replicas with [`Drive::write_blocks`].
+    pub fn read_blocks(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+        versions: &mut Vec<Version>,
+    ) -> Result<ReadInfo, EngineError> {
+        let t = self.counters.begin();
+        let r = self.read_inner(key, epoch, offset, buf, Some(versions));
         self.counters.end(OpKind::Read, t);
         r
     }
@@ -555,11 +626,16 @@ impl Drive {
         epoch: Epoch,
         offset: u64,
         buf: &mut [u8],
+        block_versions: Option<&mut Vec<Version>>,
     ) -> Result<ReadInfo, EngineError> {
         let (first, count) = self.range(key, offset, buf.len() as u64)?;
         self.check_failed()?;
         let Some(ext) = self.lookup(key) else {
             buf.fill(0);
+            if let Some(v) = block_versions {
+                v.clear();
+                v.resize(count as usize, Version(0));
+            }
             return Ok(ReadInfo::default());
         };
         Self::check_epoch(&ext, epoch)?;
@@ -596,6 +672,10 @@ impl Drive {
                 .bad_blocks_reported
                 .fetch_add(bad.len() as u64, Ordering::Relaxed);
             let versions = Version(s.metas.iter().map(|m| m.version).max().unwrap_or(0));
+            if let Some(v) = block_versions {
+                v.clear();
+                v.extend(s.metas.iter().map(|m| Version(m.version)));
+            }
             Ok(ReadInfo {
                 bad_blocks: bad,
                 versions,
@@ -635,7 +715,14 @@ impl Drive {
                 crc: 0,
                 flags: 0,
             };
-            let (n, need_seq) = self.claim(&ext, first, count, |_| new, &mut s.applied);
+            let (n, need_seq) = self.claim(
+                &ext,
+                first,
+                count,
+                |_| new,
+                |_, cur, new| new.version >= cur.version,
+                &mut s.applied,
+            );
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - n), Ordering::Relaxed);
@@ -686,6 +773,18 @@ impl Drive {
         Ok((first..first + n)
             .map(|b| Version(m.current(b).version))
             .collect())
+    }
+
+    /// Raises the extent's epoch to `epoch` (durably) so that requests of older owners are
+    /// refused from now on; a new owner calls it on every copy before serving. An extent
+    /// this drive does not hold needs no fence (it is created at the writer's epoch).
+    pub fn fence(&self, key: ExtentKey, epoch: Epoch) -> Result<(), EngineError> {
+        self.check_failed()?;
+        if self.lookup(key).is_none() {
+            return Ok(());
+        }
+        let ext = self.extent_for_write(key, epoch)?;
+        self.wait_durable(ext.epoch_seq.load(Ordering::Acquire))
     }
 
     /// Extents on this drive with their epochs.

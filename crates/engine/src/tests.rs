@@ -594,3 +594,73 @@ fn skipped_write_is_not_acked_before_the_newer_claim_is_durable() {
         "the skipped write was acked without its newer claim"
     );
 }
+
+/// Copying between replicas: each block lands only where its current version is the one
+/// the copier saw, so a copy never overwrites a newer owner write; per-block versions are
+/// kept (even lower ones, which is how a diverged block is made to agree).
+#[test]
+fn write_blocks_is_per_block_compare_and_set() {
+    let (_f, d) = faulty(8 << 20);
+    let mut rng = StdRng::seed_from_u64(11);
+    let k = key(1, 0);
+    let (a, ac) = blocks(&mut rng, 4);
+    d.write(k, Epoch(1), Version(20), 0, &a, &ac).unwrap();
+    // Block 1 was rewritten by the owner (version 30) after the copier looked.
+    let (b1, b1c) = blocks(&mut rng, 1);
+    d.write(k, Epoch(1), Version(30), B as u64, &b1, &b1c)
+        .unwrap();
+    let (src, sc) = blocks(&mut rng, 4);
+    let vers = [Version(7), Version(8), Version(25), Version(9)];
+    let expect = [Version(20), Version(20), Version(20), Version(0)];
+    let n = d
+        .write_blocks(k, Epoch(1), 0, &src, &sc, &vers, &expect)
+        .unwrap();
+    // Block 0: expected 20, is 20 → copied with version 7 (lower is allowed);
+    // block 1: now 30 → kept; block 2: copied; block 3: expected 0, is 20 → kept.
+    assert_eq!(n, 2);
+    let mut buf = vec![0u8; 4 * B];
+    let mut v = Vec::new();
+    let info = d.read_blocks(k, Epoch(1), 0, &mut buf, &mut v).unwrap();
+    assert!(info.bad_blocks.is_empty());
+    assert_eq!(v, vec![Version(7), Version(30), Version(25), Version(20)]);
+    assert_eq!(&buf[..B], &src[..B]);
+    assert_eq!(&buf[B..2 * B], &b1[..]);
+    assert_eq!(&buf[2 * B..3 * B], &src[2 * B..3 * B]);
+    assert_eq!(&buf[3 * B..], &a[3 * B..]);
+    // Mismatched lengths are refused.
+    assert!(matches!(
+        d.write_blocks(k, Epoch(1), 0, &src, &sc, &vers[..3], &expect),
+        Err(EngineError::InvalidIo { .. })
+    ));
+    // Unallocated extents read zeros with version 0 per block.
+    let mut v = Vec::new();
+    d.read_blocks(key(9, 9), Epoch(1), 0, &mut buf[..2 * B], &mut v)
+        .unwrap();
+    assert_eq!(v, vec![Version(0), Version(0)]);
+}
+
+/// A new owner fences every copy: older owners are refused afterwards, across a crash; an
+/// extent the drive does not hold is not created by a fence.
+#[test]
+fn fence_raises_the_epoch_durably() {
+    let (f, d) = faulty(8 << 20);
+    let mut rng = StdRng::seed_from_u64(12);
+    let k = key(1, 0);
+    let (x, xc) = blocks(&mut rng, 1);
+    d.write(k, Epoch(3), Version(1), 0, &x, &xc).unwrap();
+    d.fence(k, Epoch(4)).unwrap();
+    assert!(matches!(
+        d.write(k, Epoch(3), Version(2), 0, &x, &xc),
+        Err(EngineError::StaleEpoch { .. })
+    ));
+    assert!(matches!(
+        d.fence(k, Epoch(2)),
+        Err(EngineError::StaleEpoch { .. })
+    ));
+    d.fence(key(5, 5), Epoch(9)).unwrap();
+    assert_eq!(d.extents().len(), 1);
+    drop(d);
+    f.crash(2);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert_eq!(d.extents()[0].epoch, Epoch(4));
+}

@@ -124,6 +124,10 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::GET, ["v1", "volumes", name]) => ok(&volume(node, name).await?),
         (&Method::DELETE, ["v1", "volumes", name]) => delete_volume(node, name, body).await,
         (&Method::POST, ["v1", "volumes", name, "resize"]) => resize_volume(node, name, body).await,
+        (&Method::POST, ["v1", "volumes", name, "move"]) => move_volume(node, name, body).await,
+        (&Method::POST, ["v1", "volumes", name, "open"]) => open_here(node, name).await,
+        (&Method::POST, ["v1", "volumes", name, "scrub"]) => scrub(node, name, body).await,
+        (&Method::GET, ["v1", "scrub"]) => ok(&crate::scrub::results(node).await),
         (_, ["v1", ..]) | (_, ["metrics"]) => Err(ApiError(
             StatusCode::NOT_FOUND,
             format!("no such API: {method} {path}"),
@@ -339,8 +343,15 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     if degraded > 0 {
         problems.push(format!("{degraded} extents not in sync"));
     }
+    let jobs = crate::repair::all_jobs(node).await;
+    if !jobs.is_empty() {
+        problems.push(format!("{} repair jobs running", jobs.len()));
+    }
+    let warnings = rebuild_warnings(node, &ns).await;
     let c = &node.cluster_rec;
     Ok(Status {
+        jobs,
+        warnings,
         cluster: ClusterInfo {
             id: c.cluster_id,
             name: c.name.clone(),
@@ -361,6 +372,35 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
         },
         answered_by: node.cfg.node_id,
     })
+}
+
+/// Lost copies (on nodes that are down) that no drive could take if they had to be rebuilt.
+async fn rebuild_warnings(node: &Node, ns: &[NodeInfo]) -> Vec<String> {
+    let live: Vec<NodeId> = ns.iter().filter(|n| n.live).map(|n| n.id).collect();
+    let Ok(vols) = node.cluster.volumes().await else {
+        return Vec::new();
+    };
+    let Ok(loads) = drive_loads(&node.cluster).await else {
+        return Vec::new();
+    };
+    let mut out = Vec::new();
+    for v in vols {
+        let Ok(slabs) = node.cluster.slabs(v.id).await else {
+            continue;
+        };
+        for (idx, (s, _)) in slabs {
+            for e in s.extents.iter().filter(|e| !live.contains(&e.node)) {
+                let holding: Vec<NodeId> = s.extents.iter().map(|x| x.node).collect();
+                if let Err(err) = placement::place(1, &loads, &holding) {
+                    out.push(format!(
+                        "volume {} slab {idx}: the copy on node {} (down) cannot be rebuilt elsewhere: {err}",
+                        v.name, e.node
+                    ));
+                }
+            }
+        }
+    }
+    out
 }
 
 async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, ApiError> {
@@ -443,6 +483,137 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
     volume(node, &req.name).await
 }
 
+/// The node serving the volume now (its owner record), else its preferred owner.
+async fn serving_owner(node: &Node, rec: &VolumeRecord) -> Result<NodeId, ApiError> {
+    Ok(node
+        .cluster
+        .owner(rec.id)
+        .await
+        .map_err(ApiError::unavailable)?
+        .map_or(rec.owner, |o| o.node))
+}
+
+/// `volume move`: runs on the serving owner. Makes `to` the preferred owner, stops
+/// serving here and gives up ownership, then asks `to` to take the volume over (a new
+/// epoch fences this node; clients connected here are forwarded to `to`).
+async fn move_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
+    let req: MoveVolume = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("bad move request: {e}")))?;
+    let (mut rec, rev) = volume_record(node, name).await?;
+    let live = node
+        .cluster
+        .live_nodes()
+        .await
+        .map_err(ApiError::unavailable)?;
+    let Some(target) = live.iter().find(|n| n.id == req.to) else {
+        return Err(ApiError::bad(format!(
+            "node {} is not a live node of this cluster; `converge node list` shows them",
+            req.to
+        )));
+    };
+    let serving = serving_owner(node, &rec).await?;
+    if serving == req.to {
+        return ok(&volume(node, name).await?);
+    }
+    if let Some(r) = forward_to_owner(
+        node,
+        serving,
+        "POST",
+        &format!("/v1/volumes/{name}/move"),
+        body,
+    )
+    .await?
+    {
+        return Ok(r);
+    }
+    rec.owner = req.to;
+    if !node
+        .cluster
+        .update_volume(&rec, rev)
+        .await
+        .map_err(ApiError::unavailable)?
+    {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("volume {name} changed meanwhile; try again"),
+        ));
+    }
+    node.drop_volume(name).await;
+    node.cluster
+        .release_ownership(rec.id, node.cfg.node_id)
+        .await
+        .map_err(ApiError::unavailable)?;
+    let (status, bytes) = crate::http_client::request(
+        &target.api_addr,
+        "POST",
+        &format!("/v1/volumes/{name}/open"),
+        b"",
+    )
+    .await
+    .map_err(|e| {
+        ApiError(
+            StatusCode::BAD_GATEWAY,
+            format!("volume {name}: node {} did not take it over: {e}", req.to),
+        )
+    })?;
+    if status != 200 {
+        return Err(ApiError(
+            StatusCode::BAD_GATEWAY,
+            format!(
+                "volume {name}: node {} did not take it over: {}",
+                req.to,
+                String::from_utf8_lossy(&bytes)
+            ),
+        ));
+    }
+    log::info!("volume {name} moved to node {}", req.to);
+    ok(&volume(node, name).await?)
+}
+
+/// Scrub one volume: wait for the result, or start it as a job.
+async fn scrub(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
+    let req: ScrubRequest = if body.is_empty() {
+        ScrubRequest {
+            wait: false,
+            repair: true,
+        }
+    } else {
+        serde_json::from_slice(body)
+            .map_err(|e| ApiError::bad(format!("bad scrub request: {e}")))?
+    };
+    volume_record(node, name).await?;
+    if req.wait {
+        return match crate::scrub::scrub_volume(node, name, req.repair).await {
+            Ok(r) => ok(&r),
+            Err(e) => Err(ApiError::unavailable(e)),
+        };
+    }
+    let n = node.clone();
+    let name2 = name.to_string();
+    tokio::spawn(async move {
+        if let Err(e) = crate::scrub::scrub_volume(&n, &name2, req.repair).await {
+            log::warn!("scrub of volume {name2}: {e}");
+        }
+    });
+    ok(&serde_json::json!({"started": name}))
+}
+
+/// Serve the volume from this node now (the second half of a move).
+async fn open_here(node: &Arc<Node>, name: &str) -> Out {
+    match node.open_volume(name).await {
+        Ok(crate::node::Route::Local(_)) => ok(&volume(node, name).await?),
+        Ok(crate::node::Route::Remote { owner, .. }) => Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("volume {name} is served by node {owner}"),
+        )),
+        Err(crate::node::OpenError::Unknown) => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no volume named {name}"),
+        )),
+        Err(crate::node::OpenError::Unavailable(e)) => Err(ApiError::unavailable(e)),
+    }
+}
+
 /// Forward a request to the owner node's API when it is another live node.
 async fn forward_to_owner(
     node: &Node,
@@ -482,7 +653,7 @@ async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     let (rec, _) = volume_record(node, name).await?;
     if let Some(r) = forward_to_owner(
         node,
-        rec.owner,
+        serving_owner(node, &rec).await?,
         "DELETE",
         &format!("/v1/volumes/{name}"),
         body,
@@ -521,7 +692,7 @@ async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     }
     if let Some(r) = forward_to_owner(
         node,
-        rec.owner,
+        serving_owner(node, &rec).await?,
         "POST",
         &format!("/v1/volumes/{name}/resize"),
         body,

@@ -1,24 +1,36 @@
-//! One NBD export per volume: adapts the owner's [`Volume`](converge_volume::Volume) to
-//! the NBD server's device trait, and resolves export names to the volumes this node owns.
+//! One NBD export per volume. A client may connect to any node: if this node owns the
+//! volume its I/O runs here; if another node does, every request is forwarded to that
+//! owner over the peer protocol (redirected I/O); if the owner is gone, this node takes
+//! the volume over. When ownership moves (takeover, `volume move`, a deposed owner), the
+//! export re-resolves the route and retries the request, so clients see no error.
 
-use crate::node::{Node, OpenError, Vol};
+use crate::node::{Node, OpenError, Route};
 use bytes::Bytes;
 use converge_nbd::{BlockDev, DevError, DevErrorKind, ResolveError, Resolver};
+use converge_rpc::{ErrorCode, Request, Response, RpcError};
+use converge_types::{NodeId, VolumeId};
 use converge_volume::{ReplicaError, VolumeError};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
 
 pub struct Export {
-    pub vol: Arc<Vol>,
+    node: Arc<Node>,
+    name: String,
+    size_bytes: u64,
+    route: RwLock<Arc<Route>>,
 }
 
-fn dev_error(e: VolumeError) -> DevError {
+/// Why one attempt failed: either for good, or because the route must be looked up again.
+enum Attempt {
+    Fail(DevError),
+    Reroute(String),
+}
+
+fn dev_error(e: VolumeError) -> Attempt {
     let kind = match &e {
+        VolumeError::Fenced { .. } => return Attempt::Reroute(e.to_string()),
         VolumeError::OutOfRange { .. } => DevErrorKind::Invalid,
         VolumeError::NoSpace { .. } => DevErrorKind::NoSpace,
-        VolumeError::Replica {
-            error: ReplicaError::StaleEpoch(_),
-            ..
-        } => DevErrorKind::Unavailable,
         VolumeError::Replica {
             error: ReplicaError::NoSpace(_),
             ..
@@ -26,48 +38,213 @@ fn dev_error(e: VolumeError) -> DevError {
         _ => DevErrorKind::Io,
     };
     log::warn!("nbd I/O failed: {e}");
-    DevError::new(kind, e.to_string())
+    Attempt::Fail(DevError::new(kind, e.to_string()))
+}
+
+fn remote_error(owner: NodeId, e: RpcError) -> Attempt {
+    match e {
+        RpcError::Remote { code, message } => {
+            let kind = match code {
+                ErrorCode::NotOwner | ErrorCode::Busy => {
+                    return Attempt::Reroute(format!("node {owner}: {message}"))
+                }
+                ErrorCode::OutOfRange | ErrorCode::Invalid => DevErrorKind::Invalid,
+                ErrorCode::NoSpace => DevErrorKind::NoSpace,
+                _ => DevErrorKind::Io,
+            };
+            log::warn!("redirected I/O to node {owner} failed: {message}");
+            Attempt::Fail(DevError::new(kind, message))
+        }
+        // The owner is unreachable: it may be dead; look again (and maybe take over).
+        other => Attempt::Reroute(format!("node {owner}: {other}")),
+    }
+}
+
+impl Export {
+    fn route(&self) -> Arc<Route> {
+        self.route.read().expect("route lock poisoned").clone()
+    }
+
+    /// How long a request keeps trying new routes before it fails: long enough for a dead
+    /// owner's lease to expire and for a takeover.
+    fn reroute_deadline(&self) -> Instant {
+        Instant::now() + Duration::from_secs(self.node.cfg.knobs.node_lease_ttl_s * 3 + 10)
+    }
+
+    async fn reresolve(&self, why: &str, failed: &Route) {
+        if let Route::Local(v) = failed {
+            self.node.drop_volume(&v.config().name).await;
+        }
+        match self.node.open_volume(&self.name).await {
+            Ok(r) => {
+                let desc = match &r {
+                    Route::Local(v) => format!("served here at epoch {}", v.config().epoch),
+                    Route::Remote { owner, .. } => format!("forwarded to node {owner}"),
+                };
+                log::info!("volume {}: re-routed ({why}): {desc}", self.name);
+                *self.route.write().expect("route lock poisoned") = Arc::new(r);
+            }
+            Err(OpenError::Unknown) => log::warn!("volume {}: deleted", self.name),
+            Err(OpenError::Unavailable(e)) => {
+                log::warn!("volume {}: re-routing ({why}): {e}", self.name)
+            }
+        }
+    }
+
+    async fn forward(&self, owner: NodeId, req: Request) -> Result<Response, Attempt> {
+        match self.node.replicas.call_peer(owner, req).await {
+            Ok(Response::Err { code, message }) => {
+                Err(remote_error(owner, RpcError::Remote { code, message }))
+            }
+            Ok(r) => Ok(r),
+            Err(e) => Err(remote_error(owner, e)),
+        }
+    }
+
+    /// Runs `local` or forwards `remote()` depending on the route, re-routing on ownership
+    /// changes until the deadline.
+    async fn run<T, L, LF>(
+        &self,
+        local: L,
+        remote: impl Fn(VolumeId) -> Request,
+        from_response: impl Fn(Response) -> Result<T, Attempt>,
+    ) -> Result<T, DevError>
+    where
+        L: Fn(Arc<converge_volume::Volume<crate::node::Replicas, crate::node::Allocator>>) -> LF,
+        LF: std::future::Future<Output = Result<T, VolumeError>>,
+    {
+        let mut deadline = None;
+        loop {
+            let route = self.route();
+            let r = match &*route {
+                Route::Local(v) => local(v.clone()).await.map_err(dev_error),
+                Route::Remote { owner, volume } => {
+                    match self.forward(*owner, remote(*volume)).await {
+                        Ok(resp) => from_response(resp),
+                        Err(e) => Err(e),
+                    }
+                }
+            };
+            match r {
+                Ok(v) => return Ok(v),
+                Err(Attempt::Fail(e)) => return Err(e),
+                Err(Attempt::Reroute(why)) => {
+                    let d = *deadline.get_or_insert_with(|| self.reroute_deadline());
+                    if Instant::now() >= d {
+                        return Err(DevError::new(
+                            DevErrorKind::Unavailable,
+                            format!("volume {}: no owner could be reached: {why}", self.name),
+                        ));
+                    }
+                    self.reresolve(&why, &route).await;
+                    if Arc::ptr_eq(&route, &self.route()) {
+                        tokio::time::sleep(Duration::from_millis(250)).await;
+                    }
+                }
+            }
+        }
+    }
+}
+
+fn unexpected<T>(r: Response) -> Result<T, Attempt> {
+    Err(Attempt::Fail(DevError::new(
+        DevErrorKind::Io,
+        format!("owner answered {r:?}"),
+    )))
 }
 
 impl BlockDev for Export {
     fn size_bytes(&self) -> u64 {
-        self.vol.size_bytes()
+        match &*self.route() {
+            Route::Local(v) => v.size_bytes(),
+            Route::Remote { .. } => self.size_bytes,
+        }
     }
 
     async fn read(&self, offset: u64, len: u32) -> Result<Bytes, DevError> {
-        self.vol.read(offset, len as u64).await.map_err(dev_error)
+        self.run(
+            |v| async move { v.read(offset, len as u64).await },
+            |volume| Request::VolRead {
+                volume,
+                offset,
+                len,
+            },
+            |r| match r {
+                Response::ReadOk { data, .. } if data.len() == len as usize => Ok(data),
+                other => unexpected(other),
+            },
+        )
+        .await
     }
 
     async fn write(&self, offset: u64, data: Bytes, _fua: bool) -> Result<(), DevError> {
-        // Every acked write is already durable on every copy: FUA costs nothing extra.
-        self.vol.write(offset, data).await.map_err(dev_error)
+        // Every acked write is already durable on min_replicas copies: FUA costs nothing.
+        self.run(
+            |v| {
+                let data = data.clone();
+                async move { v.write(offset, data).await }
+            },
+            |volume| Request::VolWrite {
+                volume,
+                offset,
+                data: data.clone(),
+            },
+            |r| match r {
+                Response::Ok => Ok(()),
+                other => unexpected(other),
+            },
+        )
+        .await
     }
 
     async fn flush(&self) -> Result<(), DevError> {
-        // Writes are durable on every copy before they are acked (multi-conn safe).
+        // Writes are durable before they are acked (multi-conn safe).
         Ok(())
     }
 
     async fn trim(&self, offset: u64, len: u32) -> Result<(), DevError> {
-        self.vol
-            .zero(offset, len as u64, true)
-            .await
-            .map_err(dev_error)
+        self.zero(offset, u64::from(len), true).await
     }
 
     async fn write_zeroes(&self, offset: u64, len: u32, _may_trim: bool) -> Result<(), DevError> {
-        self.vol
-            .zero(offset, len as u64, false)
-            .await
-            .map_err(dev_error)
+        self.zero(offset, u64::from(len), false).await
     }
 
     fn description(&self) -> Option<String> {
-        let c = self.vol.config();
-        Some(format!(
-            "converge volume {} ({}, epoch {})",
-            c.name, c.resiliency, c.epoch
-        ))
+        Some(match &*self.route() {
+            Route::Local(v) => {
+                let c = v.config();
+                format!(
+                    "converge volume {} ({}, epoch {}, served here)",
+                    c.name, c.resiliency, c.epoch
+                )
+            }
+            Route::Remote { owner, .. } => {
+                format!(
+                    "converge volume {} (forwarded to owner node {owner})",
+                    self.name
+                )
+            }
+        })
+    }
+}
+
+impl Export {
+    async fn zero(&self, offset: u64, len: u64, trim: bool) -> Result<(), DevError> {
+        self.run(
+            |v| async move { v.zero(offset, len, trim).await },
+            |volume| Request::VolZero {
+                volume,
+                offset,
+                len,
+                trim,
+            },
+            |r| match r {
+                Response::Ok => Ok(()),
+                other => unexpected(other),
+            },
+        )
+        .await
     }
 }
 
@@ -80,11 +257,7 @@ impl Resolver for Exports {
 
     async fn list(&self) -> Vec<String> {
         match self.node.cluster.volumes().await {
-            Ok(v) => v
-                .into_iter()
-                .filter(|v| v.owner == self.node.cfg.node_id)
-                .map(|v| v.name)
-                .collect(),
+            Ok(v) => v.into_iter().map(|v| v.name).collect(),
             Err(e) => {
                 log::warn!("nbd list: {e}");
                 Vec::new()
@@ -93,10 +266,19 @@ impl Resolver for Exports {
     }
 
     async fn resolve(&self, export: &str) -> Result<Arc<Export>, ResolveError> {
+        let size = match self.node.cluster.volume(export).await {
+            Ok(Some((rec, _))) => rec.size_bytes,
+            Ok(None) => return Err(ResolveError::Unknown),
+            Err(e) => return Err(ResolveError::Unavailable(e.to_string())),
+        };
         match self.node.open_volume(export).await {
-            Ok(vol) => Ok(Arc::new(Export { vol })),
+            Ok(route) => Ok(Arc::new(Export {
+                node: self.node.clone(),
+                name: export.to_string(),
+                size_bytes: size,
+                route: RwLock::new(Arc::new(route)),
+            })),
             Err(OpenError::Unknown) => Err(ResolveError::Unknown),
-            Err(OpenError::Elsewhere(owner)) => Err(ResolveError::Elsewhere { owner }),
             Err(OpenError::Unavailable(why)) => Err(ResolveError::Unavailable(why)),
         }
     }

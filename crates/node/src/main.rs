@@ -7,6 +7,8 @@ mod export;
 mod http_client;
 mod metrics;
 mod node;
+mod repair;
+mod scrub;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
@@ -217,6 +219,10 @@ async fn run(args: Args) -> Result<()> {
         lease: Mutex::new(lease),
         drives,
         volumes: tokio::sync::Mutex::new(HashMap::new()),
+        jobs: repair::Jobs::default(),
+        throttle: converge_volume::resync::Throttle::new(cfg.knobs.resync_bytes_per_s),
+        scrub_throttle: converge_volume::resync::Throttle::new(cfg.knobs.scrub_bytes_per_s),
+        scrub_stats: Default::default(),
     });
     for d in &drive_recs {
         cluster.put_drive(d).await.map_err(|e| anyhow!("{e}"))?;
@@ -241,7 +247,10 @@ async fn run(args: Args) -> Result<()> {
         rpc_listener,
         cluster_rec.cluster_id,
         cfg.node_id,
-        Arc::new(RpcHandler { local }),
+        Arc::new(RpcHandler {
+            local,
+            node: node.clone(),
+        }),
         cfg.knobs.clone(),
     ));
     let api = tokio::spawn(api::serve(api_listener, node.clone()));
@@ -257,6 +266,8 @@ async fn run(args: Args) -> Result<()> {
     ));
     let nbd_tcp = nbd_tcp.map(|l| tokio::spawn(converge_nbd::serve_tcp(l, exports, nbd_cfg)));
     let keepalive = tokio::spawn(keep_alive(node.clone()));
+    let repairer = tokio::spawn(repair::run(node.clone()));
+    let publisher = tokio::spawn(repair::publish(node.clone()));
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
@@ -267,6 +278,8 @@ async fn run(args: Args) -> Result<()> {
         r = nbd => bail!("NBD server stopped: {r:?}"),
     }
     keepalive.abort();
+    repairer.abort();
+    publisher.abort();
     if let Some(t) = nbd_tcp {
         t.abort();
     }
@@ -291,6 +304,9 @@ async fn keep_alive(node: Arc<Node>) {
         match node.cluster.etcd().lease_keepalive(lease).await {
             Ok(left) if left > 0 => {}
             Ok(_) => {
+                // Our ownerships were bound to the lease: other nodes may serve those
+                // volumes now (and have fenced us). Stop serving them; clients re-route.
+                node.drop_all_volumes().await;
                 log::warn!("node lease expired; registering again");
                 match node.cluster.etcd().lease_grant(ttl as i64).await {
                     Ok(l) => {

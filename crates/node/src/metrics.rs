@@ -154,6 +154,18 @@ pub async fn render(node: &Node) -> String {
             "converge_volume_repaired_blocks_total{{{l}}} {}",
             s.repaired_blocks
         );
+        let _ = writeln!(
+            o,
+            "converge_volume_extents_marked_stale_total{{{l}}} {}",
+            s.extents_marked_stale
+        );
+        let stale = vols[name]
+            .slab_map()
+            .values()
+            .flatten()
+            .filter(|e| e.state != converge_types::ExtentState::InSync)
+            .count();
+        let _ = writeln!(o, "converge_volume_extents_not_in_sync{{{l}}} {stale}");
         histogram(
             &mut o,
             "converge_volume_read_latency_seconds",
@@ -166,6 +178,26 @@ pub async fn render(node: &Node) -> String {
             &l,
             &s.write_latency,
         );
+    }
+    let j = &node.jobs;
+    let sc = &node.scrub_stats;
+    let ld = |a: &std::sync::atomic::AtomicU64| a.load(std::sync::atomic::Ordering::Relaxed);
+    for (name, val) in [
+        ("converge_resync_jobs_done_total", ld(&j.resync_done)),
+        ("converge_rebuild_jobs_done_total", ld(&j.rebuild_done)),
+        ("converge_repair_jobs_failed_total", ld(&j.failed)),
+        ("converge_repair_bytes_copied_total", ld(&j.bytes_copied)),
+        (
+            "converge_repair_blocks_written_total",
+            ld(&j.blocks_written),
+        ),
+        ("converge_scrub_blocks_checked_total", ld(&sc.blocks)),
+        ("converge_scrub_bad_checksums_total", ld(&sc.bad)),
+        ("converge_scrub_mismatches_total", ld(&sc.mismatches)),
+        ("converge_scrub_repaired_blocks_total", ld(&sc.repaired)),
+        ("converge_jobs_running", j.list().len() as u64),
+    ] {
+        let _ = writeln!(o, "{name} {val}");
     }
     o
 }

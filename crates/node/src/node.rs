@@ -13,10 +13,12 @@ use converge_rpc::Handler;
 use converge_rpc::{ErrorCode, Request, Response};
 use converge_rpc::{Hello, RpcClient, RpcError};
 use converge_types::{
-    DriveId, Epoch, ExtentKey, ExtentState, Knobs, NodeId, SlabIndex, Version, VolumeId,
+    DriveId, Epoch, ExtentKey, ExtentState, Knobs, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
 };
+use converge_volume::resync::Throttle;
 use converge_volume::{
-    ExtentLoc, ReadReply, ReplicaError, ReplicaIo, SlabAllocator, Volume, VolumeConfig, VolumeError,
+    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, SlabAllocator, SlabChange, Volume,
+    VolumeConfig, VolumeError,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -34,6 +36,29 @@ pub struct Node {
     pub allocator: Arc<Allocator>,
     /// Volumes this node owns and serves, by name.
     pub volumes: tokio::sync::Mutex<HashMap<String, Arc<Vol>>>,
+    /// Background copy jobs (resync, rebuild) of this node.
+    pub jobs: crate::repair::Jobs,
+    /// Shared by this node's copy jobs.
+    pub throttle: Throttle,
+    pub scrub_throttle: Throttle,
+    pub scrub_stats: ScrubStats,
+}
+
+/// Totals of this node's scrubs (for /metrics).
+#[derive(Default)]
+pub struct ScrubStats {
+    pub blocks: std::sync::atomic::AtomicU64,
+    pub bad: std::sync::atomic::AtomicU64,
+    pub mismatches: std::sync::atomic::AtomicU64,
+    pub repaired: std::sync::atomic::AtomicU64,
+}
+
+/// Where a volume's I/O goes from this node.
+pub enum Route {
+    /// This node owns it.
+    Local(Arc<Vol>),
+    /// Another node owns it: forward I/O there (redirected I/O).
+    Remote { owner: NodeId, volume: VolumeId },
 }
 
 impl Node {
@@ -57,39 +82,60 @@ impl Node {
         }
     }
 
-    /// Serve `name`: load it if this node is its owner, claiming a new epoch.
-    pub async fn open_volume(&self, name: &str) -> Result<Arc<Vol>, OpenError> {
+    /// Where `name`'s I/O goes: the volume if this node serves it; else its live owner;
+    /// else this node claims ownership with a new epoch, fences every copy and reconciles
+    /// them (takeover), and serves it.
+    pub async fn open_volume(&self, name: &str) -> Result<Route, OpenError> {
         let mut vols = self.volumes.lock().await;
         if let Some(v) = vols.get(name) {
-            return Ok(v.clone());
+            return Ok(Route::Local(v.clone()));
         }
-        let Some((rec, _)) = self
-            .cluster
-            .volume(name)
-            .await
-            .map_err(|e| OpenError::Unavailable(e.to_string()))?
-        else {
+        let unavailable =
+            |e: converge_control::model::ControlError| OpenError::Unavailable(e.to_string());
+        let Some((rec, _)) = self.cluster.volume(name).await.map_err(unavailable)? else {
             return Err(OpenError::Unknown);
         };
-        if rec.owner != self.cfg.node_id {
-            let nodes = self.cluster.live_nodes().await.unwrap_or_default();
-            let owner = nodes
-                .iter()
-                .find(|n| n.id == rec.owner)
-                .map(|n| format!("node {} ({}, socket {})", n.id, n.name, n.nbd_socket))
-                .unwrap_or_else(|| format!("node {} (not live)", rec.owner));
-            return Err(OpenError::Elsewhere(owner));
+        match self.cluster.owner(rec.id).await.map_err(unavailable)? {
+            Some(o) if o.node != self.cfg.node_id => {
+                return Ok(Route::Remote {
+                    owner: o.node,
+                    volume: rec.id,
+                });
+            }
+            Some(_) => {}
+            None => {
+                // Unowned: the preferred owner (where it was created or moved to) takes it
+                // if it is live; otherwise this node does (failover).
+                if rec.owner != self.cfg.node_id {
+                    let live = self.cluster.live_nodes().await.map_err(unavailable)?;
+                    if live.iter().any(|n| n.id == rec.owner) {
+                        return Ok(Route::Remote {
+                            owner: rec.owner,
+                            volume: rec.id,
+                        });
+                    }
+                }
+            }
         }
-        let epoch = self
+        let epoch = match self
             .cluster
             .claim_ownership(rec.id, self.cfg.node_id, self.lease())
             .await
-            .map_err(|e| OpenError::Unavailable(e.to_string()))?;
+        {
+            Ok(e) => e,
+            Err(converge_control::model::ControlError::OwnedElsewhere { node, .. }) => {
+                return Ok(Route::Remote {
+                    owner: node,
+                    volume: rec.id,
+                })
+            }
+            Err(e) => return Err(unavailable(e)),
+        };
         let slabs = self
             .cluster
             .slabs(rec.id)
             .await
-            .map_err(|e| OpenError::Unavailable(e.to_string()))?
+            .map_err(unavailable)?
             .into_iter()
             .map(|(i, (s, _))| (i, extents_of(&s)))
             .collect();
@@ -102,19 +148,78 @@ impl Node {
                 resiliency: rec.resiliency,
                 epoch,
                 local_node: self.cfg.node_id,
+                min_replicas: rec.min_replicas.max(1),
+                degraded_write_wait: std::time::Duration::from_millis(
+                    self.cfg.knobs.degraded_write_wait_ms,
+                ),
             },
             slabs,
             self.replicas.clone(),
             self.allocator.clone(),
         ));
-        log::info!(
-            "serving volume {} (id {}) at epoch {}",
-            rec.name,
-            rec.id,
-            epoch
-        );
+        match v.reconcile().await {
+            Ok(r) => log::info!(
+                "serving volume {} (id {}) at epoch {}: copies fenced and compared ({} blocks, {} diverged, {} rewritten)",
+                rec.name,
+                rec.id,
+                epoch,
+                r.blocks_compared,
+                r.blocks_differing,
+                r.blocks_written
+            ),
+            Err(e) => {
+                log::error!("volume {}: takeover failed: {e}", rec.name);
+                if let Err(e2) = self.cluster.release_ownership(rec.id, self.cfg.node_id).await {
+                    log::warn!("volume {}: releasing ownership: {e2}", rec.name);
+                }
+                return Err(OpenError::Unavailable(format!(
+                    "taking over volume {}: {e}",
+                    rec.name
+                )));
+            }
+        }
         vols.insert(name.to_string(), v.clone());
-        Ok(v)
+        Ok(Route::Local(v))
+    }
+
+    /// Stops serving `name` here (deposed, moved or deleted); clients are re-routed.
+    pub async fn drop_volume(&self, name: &str) {
+        if self.volumes.lock().await.remove(name).is_some() {
+            log::warn!("volume {name}: no longer served by this node");
+        }
+    }
+
+    /// Stops serving every volume: the node lease was lost, so other nodes may own them now.
+    pub async fn drop_all_volumes(&self) {
+        let mut v = self.volumes.lock().await;
+        if !v.is_empty() {
+            log::warn!("dropping {} volumes after losing the node lease", v.len());
+            v.clear();
+        }
+    }
+
+    /// The served volume with this id, opening it if this node may own it.
+    pub async fn volume_by_id(&self, id: VolumeId) -> Result<Route, OpenError> {
+        let name = {
+            let vols = self.volumes.lock().await;
+            if let Some(v) = vols.values().find(|v| v.config().id == id) {
+                return Ok(Route::Local(v.clone()));
+            }
+            None::<String>
+        };
+        let name = match name {
+            Some(n) => n,
+            None => self
+                .cluster
+                .volumes()
+                .await
+                .map_err(|e| OpenError::Unavailable(e.to_string()))?
+                .into_iter()
+                .find(|v| v.id == id)
+                .map(|v| v.name)
+                .ok_or(OpenError::Unknown)?,
+        };
+        self.open_volume(&name).await
     }
 
     /// Free every extent of a deleted volume on whichever node holds it.
@@ -149,7 +254,6 @@ pub fn extents_of(s: &SlabRecord) -> Vec<ExtentLoc> {
 
 pub enum OpenError {
     Unknown,
-    Elsewhere(String),
     Unavailable(String),
 }
 
@@ -262,6 +366,60 @@ impl LocalDrives {
         let d = self.drive(drive)?;
         blocking(move || d.free_extent(key)).await
     }
+
+    pub async fn read_blocks(
+        &self,
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    ) -> Result<BlocksReply, EngineError> {
+        let d = self.drive(drive)?;
+        blocking(move || {
+            let mut buf = BytesMut::zeroed(len as usize);
+            let mut versions = Vec::new();
+            let info = d.read_blocks(key, epoch, offset, &mut buf, &mut versions)?;
+            Ok(BlocksReply {
+                data: buf.freeze(),
+                bad_blocks: info.bad_blocks,
+                versions,
+            })
+        })
+        .await
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub async fn write_blocks(
+        &self,
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        versions: Vec<Version>,
+        expect: Vec<Version>,
+        data: Bytes,
+    ) -> Result<u32, EngineError> {
+        let d = self.drive(drive)?;
+        blocking(move || d.write_blocks(key, epoch, offset, &data, &crcs, &versions, &expect)).await
+    }
+
+    pub async fn versions(
+        &self,
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        count: u32,
+    ) -> Result<Vec<Version>, EngineError> {
+        let d = self.drive(drive)?;
+        blocking(move || {
+            d.fence(key, epoch)?;
+            d.block_versions(key, offset, count as usize)
+        })
+        .await
+    }
 }
 
 /// The owner's path to every extent: local drives directly, peers over RPC.
@@ -313,6 +471,23 @@ impl Replicas {
             })
             .clone();
         Ok(c)
+    }
+
+    /// A request to a peer, with the peer protocol's own errors (for redirected I/O).
+    pub async fn call_peer(&self, node: NodeId, req: Request) -> Result<Response, RpcError> {
+        let c = self.peer(node).await.map_err(|e| RpcError::Connect {
+            addr: format!("node {node}"),
+            source: Arc::new(std::io::Error::other(e.to_string())),
+        })?;
+        c.call(req).await
+    }
+
+    /// Is the node reachable (a ping over the peer protocol)? This node always is.
+    pub async fn call_peer_or_local_ping(&self, node: NodeId) -> Result<(), ReplicaError> {
+        if node == self.me {
+            return Ok(());
+        }
+        self.call(node, Request::Ping).await.map(|_| ())
     }
 
     async fn call(&self, node: NodeId, req: Request) -> Result<Response, ReplicaError> {
@@ -441,6 +616,109 @@ impl ReplicaIo for Replicas {
         };
         self.call(at.node, req).await.map(|_| ())
     }
+
+    async fn read_blocks(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    ) -> Result<BlocksReply, ReplicaError> {
+        if at.node == self.me {
+            return self
+                .local
+                .read_blocks(at.drive, key, epoch, offset, len)
+                .await
+                .map_err(engine_to_replica);
+        }
+        let req = Request::ReadBlocks {
+            drive: at.drive,
+            key,
+            epoch,
+            offset,
+            len,
+        };
+        match self.call(at.node, req).await? {
+            Response::BlocksOk {
+                data,
+                bad_blocks,
+                versions,
+            } if data.len() == len as usize && versions.len() * BLOCK_SIZE == data.len() => {
+                Ok(BlocksReply {
+                    data,
+                    bad_blocks,
+                    versions,
+                })
+            }
+            other => Err(ReplicaError::Io(format!(
+                "node {} answered a {len}-byte block read with {other:?}",
+                at.node
+            ))),
+        }
+    }
+
+    async fn write_blocks(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        versions: Vec<Version>,
+        expect: Vec<Version>,
+        data: Bytes,
+    ) -> Result<u32, ReplicaError> {
+        if at.node == self.me {
+            return self
+                .local
+                .write_blocks(at.drive, key, epoch, offset, crcs, versions, expect, data)
+                .await
+                .map_err(engine_to_replica);
+        }
+        let req = Request::WriteBlocks {
+            drive: at.drive,
+            key,
+            epoch,
+            offset,
+            crcs: crcs.to_vec(),
+            versions,
+            expect,
+            data,
+        };
+        match self.call(at.node, req).await? {
+            Response::Written { blocks } => Ok(blocks),
+            other => Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    async fn versions(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        count: u32,
+    ) -> Result<Vec<Version>, ReplicaError> {
+        if at.node == self.me {
+            return self
+                .local
+                .versions(at.drive, key, epoch, offset, count)
+                .await
+                .map_err(engine_to_replica);
+        }
+        let req = Request::Versions {
+            drive: at.drive,
+            key,
+            epoch,
+            offset,
+            count,
+        };
+        match self.call(at.node, req).await? {
+            Response::VersionsOk { versions } if versions.len() == count as usize => Ok(versions),
+            other => Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
+        }
+    }
 }
 
 /// Places new slabs: reads drives, live nodes and every slab's extents from etcd,
@@ -527,11 +805,150 @@ impl SlabAllocator for Allocator {
             .map_err(|e| ctl(e.to_string()))?;
         Ok(extents_of(&rec))
     }
+
+    async fn change(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        change: SlabChange,
+    ) -> Result<Vec<ExtentLoc>, VolumeError> {
+        let ctl = |e: String| VolumeError::Control(e, volume.to_string());
+        for _ in 0..converge_control::model::TXN_RETRIES_MAX {
+            let Some((mut rec, rev)) = self
+                .cluster
+                .slab(volume, slab)
+                .await
+                .map_err(|e| ctl(e.to_string()))?
+            else {
+                return Err(ctl(format!("slab {slab} has no record")));
+            };
+            let mut changed = false;
+            match &change {
+                SlabChange::State { drive, from, to } => {
+                    for e in rec.extents.iter_mut() {
+                        if e.drive == *drive && from.contains(&e.state) && e.state != *to {
+                            e.state = *to;
+                            changed = true;
+                        }
+                    }
+                }
+                SlabChange::Replace { old, new } => {
+                    for e in rec.extents.iter_mut() {
+                        if e.drive == *old {
+                            *e = converge_control::model::ExtentRecord {
+                                drive: new.drive,
+                                node: new.node,
+                                state: new.state,
+                            };
+                            changed = true;
+                        }
+                    }
+                }
+            }
+            if !changed {
+                return Ok(extents_of(&rec));
+            }
+            if self
+                .cluster
+                .cas_slab(volume, slab, &rec, rev)
+                .await
+                .map_err(|e| ctl(e.to_string()))?
+            {
+                return Ok(extents_of(&rec));
+            }
+        }
+        Err(ctl(format!(
+            "slab {slab}: too many concurrent changes of its record"
+        )))
+    }
 }
 
-/// Serves peers' requests against this node's drives.
+/// Serves peers' requests: extent I/O against this node's drives, and redirected volume
+/// I/O for the volumes this node owns.
 pub struct RpcHandler {
     pub local: Arc<LocalDrives>,
+    pub node: Arc<Node>,
+}
+
+fn volume_to_response(e: VolumeError) -> Response {
+    let code = match &e {
+        VolumeError::Fenced { .. } => ErrorCode::NotOwner,
+        VolumeError::OutOfRange { .. } => ErrorCode::OutOfRange,
+        VolumeError::NoSpace { .. } => ErrorCode::NoSpace,
+        _ => ErrorCode::Io,
+    };
+    Response::err(code, e.to_string())
+}
+
+impl RpcHandler {
+    async fn owned(&self, id: VolumeId) -> Result<Arc<Vol>, Response> {
+        match self.node.volume_by_id(id).await {
+            Ok(Route::Local(v)) => Ok(v),
+            Ok(Route::Remote { owner, .. }) => Err(Response::err(
+                ErrorCode::NotOwner,
+                format!("volume {id} is owned by node {owner}"),
+            )),
+            Err(OpenError::Unknown) => Err(Response::err(
+                ErrorCode::Invalid,
+                format!("no volume with id {id}"),
+            )),
+            Err(OpenError::Unavailable(why)) => Err(Response::err(ErrorCode::Busy, why)),
+        }
+    }
+
+    async fn volume_io(&self, req: Request) -> Response {
+        let (id, r) = match req {
+            Request::VolRead {
+                volume,
+                offset,
+                len,
+            } => (volume, VolIo::Read(offset, len)),
+            Request::VolWrite {
+                volume,
+                offset,
+                data,
+            } => (volume, VolIo::Write(offset, data)),
+            Request::VolZero {
+                volume,
+                offset,
+                len,
+                trim,
+            } => (volume, VolIo::Zero(offset, len, trim)),
+            _ => return Response::err(ErrorCode::Invalid, "not a volume request"),
+        };
+        let v = match self.owned(id).await {
+            Ok(v) => v,
+            Err(resp) => return resp,
+        };
+        let r = match r {
+            VolIo::Read(off, len) => {
+                v.read(off, u64::from(len))
+                    .await
+                    .map(|data| Response::ReadOk {
+                        data,
+                        bad_blocks: Vec::new(),
+                        version: Version(0),
+                    })
+            }
+            VolIo::Write(off, data) => v.write(off, data).await.map(|_| Response::Ok),
+            VolIo::Zero(off, len, trim) => v.zero(off, len, trim).await.map(|_| Response::Ok),
+        };
+        match r {
+            Ok(resp) => resp,
+            Err(e) => {
+                if matches!(e, VolumeError::Fenced { .. }) {
+                    self.node.drop_volume(&v.config().name).await;
+                }
+                volume_to_response(e)
+            }
+        }
+    }
+}
+
+enum VolIo {
+    Read(u64, u32),
+    Write(u64, Bytes),
+    Zero(u64, u64, bool),
 }
 
 impl Handler for RpcHandler {
@@ -579,6 +996,59 @@ impl Handler for RpcHandler {
                 .map(|_| Response::Ok),
             Request::FreeExtent { drive, key } => {
                 self.local.free(drive, key).await.map(|_| Response::Ok)
+            }
+            Request::ReadBlocks {
+                drive,
+                key,
+                epoch,
+                offset,
+                len,
+            } => self
+                .local
+                .read_blocks(drive, key, epoch, offset, len)
+                .await
+                .map(|r| Response::BlocksOk {
+                    data: r.data,
+                    bad_blocks: r.bad_blocks,
+                    versions: r.versions,
+                }),
+            Request::WriteBlocks {
+                drive,
+                key,
+                epoch,
+                offset,
+                crcs,
+                versions,
+                expect,
+                data,
+            } => self
+                .local
+                .write_blocks(
+                    drive,
+                    key,
+                    epoch,
+                    offset,
+                    crcs.into(),
+                    versions,
+                    expect,
+                    data,
+                )
+                .await
+                .map(|blocks| Response::Written { blocks }),
+            Request::Versions {
+                drive,
+                key,
+                epoch,
+                offset,
+                count,
+            } => self
+                .local
+                .versions(drive, key, epoch, offset, count)
+                .await
+                .map(|versions| Response::VersionsOk { versions }),
+            req
+            @ (Request::VolRead { .. } | Request::VolWrite { .. } | Request::VolZero { .. }) => {
+                return self.volume_io(req).await
             }
             Request::Ping => Ok(Response::Pong),
             Request::Hello(_) => Ok(Response::err(ErrorCode::Invalid, "hello after handshake")),

@@ -29,11 +29,20 @@ pub mod msg {
     pub const READ: u8 = 0x11;
     pub const ZERO: u8 = 0x12;
     pub const FREE_EXTENT: u8 = 0x13;
+    pub const READ_BLOCKS: u8 = 0x14;
+    pub const WRITE_BLOCKS: u8 = 0x15;
+    pub const VERSIONS: u8 = 0x16;
+    pub const VOL_READ: u8 = 0x20;
+    pub const VOL_WRITE: u8 = 0x21;
+    pub const VOL_ZERO: u8 = 0x22;
 
     pub const HELLO_OK: u8 = 0x81;
     pub const PONG: u8 = 0x82;
     pub const OK: u8 = 0x90;
     pub const READ_OK: u8 = 0x91;
+    pub const BLOCKS_OK: u8 = 0x92;
+    pub const VERSIONS_OK: u8 = 0x93;
+    pub const WRITTEN: u8 = 0x94;
     pub const ERR: u8 = 0xff;
 
     /// True for the request half of the type space.
@@ -84,6 +93,52 @@ pub enum Request {
         key: ExtentKey,
     },
     Ping,
+    /// A read that answers every block's version ([`Response::BlocksOk`]): for copying.
+    ReadBlocks {
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    },
+    /// Copy blocks in: block `i` gets `versions[i]` if its version is still `expect[i]`.
+    WriteBlocks {
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        crcs: Vec<u32>,
+        versions: Vec<Version>,
+        expect: Vec<Version>,
+        data: Bytes,
+    },
+    /// Raise the extent's epoch to `epoch` (fence older owners), then answer the versions
+    /// of `count` blocks from `offset` ([`Response::VersionsOk`]).
+    Versions {
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        count: u32,
+    },
+    /// Redirected I/O: a node serving a client for a volume it does not own forwards the
+    /// client's request to the owner, which runs it as if the client were local.
+    VolRead {
+        volume: VolumeId,
+        offset: u64,
+        len: u32,
+    },
+    VolWrite {
+        volume: VolumeId,
+        offset: u64,
+        data: Bytes,
+    },
+    VolZero {
+        volume: VolumeId,
+        offset: u64,
+        len: u64,
+        trim: bool,
+    },
 }
 
 /// Why a request failed on the remote side. Unknown codes decode as `Other`.
@@ -96,11 +151,15 @@ pub enum ErrorCode {
     Io,
     Invalid,
     Busy,
+    /// Redirected I/O reached a node that does not (or no longer) own the volume.
+    NotOwner,
+    /// Redirected I/O outside the volume.
+    OutOfRange,
     Other,
 }
 
 impl ErrorCode {
-    pub const ALL: [ErrorCode; 8] = [
+    pub const ALL: [ErrorCode; 10] = [
         ErrorCode::StaleEpoch,
         ErrorCode::ChecksumMismatch,
         ErrorCode::NoSpace,
@@ -108,6 +167,8 @@ impl ErrorCode {
         ErrorCode::Io,
         ErrorCode::Invalid,
         ErrorCode::Busy,
+        ErrorCode::NotOwner,
+        ErrorCode::OutOfRange,
         ErrorCode::Other,
     ];
 
@@ -120,6 +181,8 @@ impl ErrorCode {
             ErrorCode::Io => 5,
             ErrorCode::Invalid => 6,
             ErrorCode::Busy => 7,
+            ErrorCode::NotOwner => 8,
+            ErrorCode::OutOfRange => 9,
             ErrorCode::Other => 0xffff,
         }
     }
@@ -133,6 +196,8 @@ impl ErrorCode {
             5 => ErrorCode::Io,
             6 => ErrorCode::Invalid,
             7 => ErrorCode::Busy,
+            8 => ErrorCode::NotOwner,
+            9 => ErrorCode::OutOfRange,
             _ => ErrorCode::Other,
         }
     }
@@ -160,6 +225,19 @@ pub enum Response {
         version: Version,
     },
     Pong,
+    /// Answer to `ReadBlocks`: the version of every block read.
+    BlocksOk {
+        data: Bytes,
+        bad_blocks: Vec<u32>,
+        versions: Vec<Version>,
+    },
+    VersionsOk {
+        versions: Vec<Version>,
+    },
+    /// Answer to `WriteBlocks`: how many blocks were written (the rest had changed).
+    Written {
+        blocks: u32,
+    },
     Err {
         code: ErrorCode,
         message: String,
@@ -299,7 +377,23 @@ impl EncodedFrame {
 
 /// Checks what the rpc layer itself can check about a request before it is sent or handled.
 pub fn validate_request(req: &Request) -> Result<(), WireError> {
-    if let Request::Write { crcs, data, .. } = req {
+    if let Request::WriteBlocks {
+        crcs,
+        versions,
+        expect,
+        ..
+    } = req
+    {
+        if versions.len() != crcs.len() || expect.len() != crcs.len() {
+            return Err(WireError::Invalid(format!(
+                "block copy carries {} crcs, {} versions and {} expected versions: need one of each per block",
+                crcs.len(),
+                versions.len(),
+                expect.len()
+            )));
+        }
+    }
+    if let Request::Write { crcs, data, .. } | Request::WriteBlocks { crcs, data, .. } = req {
         if crcs.len().checked_mul(BLOCK_SIZE) != Some(data.len()) {
             return Err(WireError::Invalid(format!(
                 "write carries {} crcs for {} data bytes: need one crc per {BLOCK_SIZE}-byte block",
@@ -353,6 +447,12 @@ pub fn request_type(req: &Request) -> u8 {
         Request::Zero { .. } => msg::ZERO,
         Request::FreeExtent { .. } => msg::FREE_EXTENT,
         Request::Ping => msg::PING,
+        Request::ReadBlocks { .. } => msg::READ_BLOCKS,
+        Request::WriteBlocks { .. } => msg::WRITE_BLOCKS,
+        Request::Versions { .. } => msg::VERSIONS,
+        Request::VolRead { .. } => msg::VOL_READ,
+        Request::VolWrite { .. } => msg::VOL_WRITE,
+        Request::VolZero { .. } => msg::VOL_ZERO,
     }
 }
 
@@ -363,6 +463,9 @@ pub fn response_type(resp: &Response) -> u8 {
         Response::Ok => msg::OK,
         Response::ReadOk { .. } => msg::READ_OK,
         Response::Pong => msg::PONG,
+        Response::BlocksOk { .. } => msg::BLOCKS_OK,
+        Response::VersionsOk { .. } => msg::VERSIONS_OK,
+        Response::Written { .. } => msg::WRITTEN,
         Response::Err { .. } => msg::ERR,
     }
 }
@@ -436,6 +539,103 @@ pub fn encode_request(request_id: u64, req: &Request) -> EncodedFrame {
             finish(t, request_id, b, Bytes::new())
         }
         Request::Ping => finish(t, request_id, new_head(0), Bytes::new()),
+        Request::ReadBlocks {
+            drive,
+            key,
+            epoch,
+            offset,
+            len,
+        } => {
+            let mut b = new_head(44);
+            put_key(&mut b, *drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*len);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::WriteBlocks {
+            drive,
+            key,
+            epoch,
+            offset,
+            crcs,
+            versions,
+            expect,
+            data,
+        } => {
+            let mut b = new_head(60 + 20 * crcs.len());
+            put_key(&mut b, *drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(*offset);
+            put_u32_list(&mut b, crcs);
+            put_versions(&mut b, versions);
+            put_versions(&mut b, expect);
+            b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
+            finish(t, request_id, b, data.clone())
+        }
+        Request::Versions {
+            drive,
+            key,
+            epoch,
+            offset,
+            count,
+        } => {
+            let mut b = new_head(44);
+            put_key(&mut b, *drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*count);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::VolRead {
+            volume,
+            offset,
+            len,
+        } => {
+            let mut b = new_head(20);
+            b.put_u64_le(volume.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*len);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::VolWrite {
+            volume,
+            offset,
+            data,
+        } => {
+            let mut b = new_head(20);
+            b.put_u64_le(volume.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
+            finish(t, request_id, b, data.clone())
+        }
+        Request::VolZero {
+            volume,
+            offset,
+            len,
+            trim,
+        } => {
+            let mut b = new_head(25);
+            b.put_u64_le(volume.0);
+            b.put_u64_le(*offset);
+            b.put_u64_le(*len);
+            b.put_u8(u8::from(*trim));
+            finish(t, request_id, b, Bytes::new())
+        }
+    }
+}
+
+fn put_u32_list(b: &mut BytesMut, v: &[u32]) {
+    b.put_u32_le(u32::try_from(v.len()).unwrap_or(u32::MAX));
+    for x in v {
+        b.put_u32_le(*x);
+    }
+}
+
+fn put_versions(b: &mut BytesMut, v: &[Version]) {
+    b.put_u32_le(u32::try_from(v.len()).unwrap_or(u32::MAX));
+    for x in v {
+        b.put_u64_le(x.0);
     }
 }
 
@@ -462,6 +662,27 @@ pub fn encode_response(request_id: u64, resp: &Response) -> EncodedFrame {
             }
             b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
             finish(t, request_id, b, data.clone())
+        }
+        Response::BlocksOk {
+            data,
+            bad_blocks,
+            versions,
+        } => {
+            let mut b = new_head(12 + 4 * bad_blocks.len() + 8 * versions.len());
+            put_u32_list(&mut b, bad_blocks);
+            put_versions(&mut b, versions);
+            b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
+            finish(t, request_id, b, data.clone())
+        }
+        Response::VersionsOk { versions } => {
+            let mut b = new_head(4 + 8 * versions.len());
+            put_versions(&mut b, versions);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Response::Written { blocks } => {
+            let mut b = new_head(4);
+            b.put_u32_le(*blocks);
+            finish(t, request_id, b, Bytes::new())
         }
         Response::Err { code, message } => {
             let mut end = message.len().min(ERR_MESSAGE_BYTES_MAX);
@@ -586,6 +807,24 @@ impl Reader {
             .collect())
     }
 
+    /// A u32 count followed by that many u64 versions; the count is checked first.
+    fn versions(&mut self, f: &'static str) -> Result<Vec<Version>, WireError> {
+        let n = self.u32(f)? as usize;
+        let raw = self.take(n.saturating_mul(8), f)?;
+        Ok(raw
+            .chunks_exact(8)
+            .map(|c| {
+                let mut a = [0u8; 8];
+                a.copy_from_slice(c);
+                Version(u64::from_le_bytes(a))
+            })
+            .collect())
+    }
+
+    fn u8(&mut self, f: &'static str) -> Result<u8, WireError> {
+        Ok(self.take(1, f)?[0])
+    }
+
     fn drive_key(&mut self) -> Result<(DriveId, ExtentKey), WireError> {
         let drive = DriveId(self.u64("drive")?);
         let volume = VolumeId(self.u64("volume")?);
@@ -655,6 +894,72 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             let (drive, key) = r.drive_key()?;
             Request::FreeExtent { drive, key }
         }
+        msg::READ_BLOCKS => {
+            let (drive, key) = r.drive_key()?;
+            Request::ReadBlocks {
+                drive,
+                key,
+                epoch: Epoch(r.u64("epoch")?),
+                offset: r.u64("offset")?,
+                len: r.u32("len")?,
+            }
+        }
+        msg::WRITE_BLOCKS => {
+            let (drive, key) = r.drive_key()?;
+            let epoch = Epoch(r.u64("epoch")?);
+            let offset = r.u64("offset")?;
+            let crcs = r.u32_list("crcs")?;
+            let versions = r.versions("versions")?;
+            let expect = r.versions("expected versions")?;
+            let len = r.u32("data length")? as usize;
+            let data = r.take_bytes(len, "data")?;
+            Request::WriteBlocks {
+                drive,
+                key,
+                epoch,
+                offset,
+                crcs,
+                versions,
+                expect,
+                data,
+            }
+        }
+        msg::VERSIONS => {
+            let (drive, key) = r.drive_key()?;
+            Request::Versions {
+                drive,
+                key,
+                epoch: Epoch(r.u64("epoch")?),
+                offset: r.u64("offset")?,
+                count: r.u32("count")?,
+            }
+        }
+        msg::VOL_READ => Request::VolRead {
+            volume: VolumeId(r.u64("volume")?),
+            offset: r.u64("offset")?,
+            len: r.u32("len")?,
+        },
+        msg::VOL_WRITE => {
+            let volume = VolumeId(r.u64("volume")?);
+            let offset = r.u64("offset")?;
+            let len = r.u32("data length")? as usize;
+            let data = r.take_bytes(len, "data")?;
+            Request::VolWrite {
+                volume,
+                offset,
+                data,
+            }
+        }
+        msg::VOL_ZERO => Request::VolZero {
+            volume: VolumeId(r.u64("volume")?),
+            offset: r.u64("offset")?,
+            len: r.u64("len")?,
+            trim: match r.u8("trim")? {
+                0 => false,
+                1 => true,
+                v => return Err(WireError::Invalid(format!("trim flag {v} is not 0 or 1"))),
+            },
+        },
         other => return Err(WireError::UnknownType(other)),
     };
     r.finish()?;
@@ -682,6 +987,23 @@ pub fn decode_response(msg_type: u8, payload: Bytes) -> Result<Response, WireErr
                 version,
             }
         }
+        msg::BLOCKS_OK => {
+            let bad_blocks = r.u32_list("bad_blocks")?;
+            let versions = r.versions("versions")?;
+            let len = r.u32("data length")? as usize;
+            let data = r.take_bytes(len, "data")?;
+            Response::BlocksOk {
+                data,
+                bad_blocks,
+                versions,
+            }
+        }
+        msg::VERSIONS_OK => Response::VersionsOk {
+            versions: r.versions("versions")?,
+        },
+        msg::WRITTEN => Response::Written {
+            blocks: r.u32("blocks")?,
+        },
         msg::ERR => {
             let code = ErrorCode::from_u16(r.u16("error code")?);
             let len = r.u32("message length")? as usize;
@@ -716,7 +1038,55 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..6) {
+        match rng.gen_range(0..12) {
+            6 => Request::ReadBlocks {
+                drive: DriveId(rng.gen()),
+                key: key(rng),
+                epoch: Epoch(rng.gen()),
+                offset: rng.gen(),
+                len: rng.gen(),
+            },
+            7 => {
+                let blocks = rng.gen_range(0..5);
+                let (crcs, data) = data(rng, blocks);
+                Request::WriteBlocks {
+                    drive: DriveId(rng.gen()),
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    offset: rng.gen(),
+                    versions: (0..blocks).map(|_| Version(rng.gen())).collect(),
+                    expect: (0..blocks).map(|_| Version(rng.gen())).collect(),
+                    crcs,
+                    data,
+                }
+            }
+            8 => Request::Versions {
+                drive: DriveId(rng.gen()),
+                key: key(rng),
+                epoch: Epoch(rng.gen()),
+                offset: rng.gen(),
+                count: rng.gen(),
+            },
+            9 => Request::VolRead {
+                volume: VolumeId(rng.gen()),
+                offset: rng.gen(),
+                len: rng.gen(),
+            },
+            10 => {
+                let blocks = rng.gen_range(0..5);
+                let (_, data) = data(rng, blocks);
+                Request::VolWrite {
+                    volume: VolumeId(rng.gen()),
+                    offset: rng.gen(),
+                    data,
+                }
+            }
+            11 => Request::VolZero {
+                volume: VolumeId(rng.gen()),
+                offset: rng.gen(),
+                len: rng.gen(),
+                trim: rng.gen(),
+            },
             0 => Request::Hello(Hello {
                 cluster: ClusterId(rng.gen()),
                 node: NodeId(rng.gen()),
@@ -772,7 +1142,22 @@ mod tests {
     }
 
     fn random_response(rng: &mut impl Rng) -> Response {
-        match rng.gen_range(0..5) {
+        match rng.gen_range(0..8) {
+            5 => {
+                let blocks = rng.gen_range(0..5);
+                let (_, data) = data(rng, blocks);
+                Response::BlocksOk {
+                    data,
+                    bad_blocks: (0..rng.gen_range(0..3)).map(|_| rng.gen()).collect(),
+                    versions: (0..blocks).map(|_| Version(rng.gen())).collect(),
+                }
+            }
+            6 => Response::VersionsOk {
+                versions: (0..rng.gen_range(0..9))
+                    .map(|_| Version(rng.gen()))
+                    .collect(),
+            },
+            7 => Response::Written { blocks: rng.gen() },
             0 => Response::HelloOk {
                 node: NodeId(rng.gen()),
             },
@@ -812,7 +1197,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 6, "every request type was exercised");
+        assert_eq!(seen.len(), 12, "every request type was exercised");
     }
 
     #[test]
@@ -828,7 +1213,7 @@ mod tests {
             seen.insert(h.msg_type);
             assert_eq!(decode_response(h.msg_type, payload).expect("decodes"), resp);
         }
-        assert_eq!(seen.len(), 5, "every response type was exercised");
+        assert_eq!(seen.len(), 8, "every response type was exercised");
     }
 
     #[test]

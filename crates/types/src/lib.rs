@@ -266,6 +266,19 @@ pub struct Knobs {
     pub nbd_inflight_max: usize,
     /// Most writes one group commit makes durable with a single flush.
     pub group_commit_max: usize,
+    /// How long a write waits for enough in-sync copies (`min_replicas`) to come back
+    /// before it fails; nothing is acked below `min_replicas`.
+    pub degraded_write_wait_ms: u64,
+    /// Resync / rebuild copy rate per job, bytes per second (throttle).
+    pub resync_bytes_per_s: u64,
+    /// How long a stale extent's node or drive may stay away before its extents are
+    /// rebuilt elsewhere (vSAN waits 60 minutes, Mayastor 10).
+    pub repair_delay_s: u64,
+    /// Scrub read rate per node, bytes per second (throttle).
+    pub scrub_bytes_per_s: u64,
+    /// Scrub every volume this often (hours; 0 turns the schedule off). The leader starts
+    /// the scrub of a volume whose last one is older.
+    pub scrub_interval_h: u64,
 }
 
 impl Default for Knobs {
@@ -278,6 +291,11 @@ impl Default for Knobs {
             rpc_frame_bytes_max: MAX_IO_BYTES + (64 << 10),
             nbd_inflight_max: 128,
             group_commit_max: 256,
+            degraded_write_wait_ms: 30_000,
+            resync_bytes_per_s: 256 << 20,
+            repair_delay_s: 600,
+            scrub_bytes_per_s: 64 << 20,
+            scrub_interval_h: 168,
         }
     }
 }

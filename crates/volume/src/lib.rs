@@ -5,6 +5,7 @@
 //! and new slabs are placed through [`SlabAllocator`], so the same code runs in the node
 //! daemon and in the deterministic simulator.
 
+pub mod resync;
 pub mod stats;
 
 use bytes::{Bytes, BytesMut};
@@ -88,6 +89,63 @@ pub trait ReplicaIo: Send + Sync + 'static {
         offset: u64,
         len: u64,
     ) -> impl Future<Output = Result<(), ReplicaError>> + Send;
+
+    /// A read answering every block's version (for copying between replicas).
+    fn read_blocks(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    ) -> impl Future<Output = Result<BlocksReply, ReplicaError>> + Send;
+
+    /// Copy blocks in: block `i` gets `versions[i]` only if its version is still
+    /// `expect[i]`. Returns how many blocks were written.
+    #[allow(clippy::too_many_arguments)]
+    fn write_blocks(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        versions: Vec<Version>,
+        expect: Vec<Version>,
+        data: Bytes,
+    ) -> impl Future<Output = Result<u32, ReplicaError>> + Send;
+
+    /// Fence the extent at `epoch` (older owners are refused from then on) and answer the
+    /// versions of `count` blocks from `offset`.
+    fn versions(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        count: u32,
+    ) -> impl Future<Output = Result<Vec<Version>, ReplicaError>> + Send;
+}
+
+/// A replica's answer to [`ReplicaIo::read_blocks`].
+#[derive(Clone, Debug)]
+pub struct BlocksReply {
+    pub data: Bytes,
+    pub bad_blocks: Vec<u32>,
+    pub versions: Vec<Version>,
+}
+
+/// A change to one slab's record in the control plane (a compare-and-swap there).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SlabChange {
+    /// Set the state of the extent on `drive`, if it is currently in one of `from`.
+    State {
+        drive: DriveId,
+        from: Vec<ExtentState>,
+        to: ExtentState,
+    },
+    /// Replace the extent on `old` (if still there) by `new` (rebuild elsewhere).
+    Replace { old: DriveId, new: ExtentLoc },
 }
 
 /// Places the extents of a slab on first write (thin provisioning). Implemented over etcd
@@ -98,6 +156,16 @@ pub trait SlabAllocator: Send + Sync + 'static {
         volume: VolumeId,
         slab: SlabIndex,
         copies: usize,
+    ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
+
+    /// Applies `change` to the slab's record (atomically, against concurrent changers) and
+    /// returns the record's extents afterwards. A change whose precondition no longer holds
+    /// is not an error: the current extents are returned and the caller re-checks.
+    fn change(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        change: SlabChange,
     ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
 }
 
@@ -131,6 +199,21 @@ pub enum VolumeError {
     Control(String, String),
     #[error("volume {volume} cannot shrink from {from} to {to} bytes")]
     Shrink { volume: String, from: u64, to: u64 },
+    #[error(
+        "volume {volume}: slab {slab} has {in_sync} in-sync copies reachable, below min_replicas {min_replicas}; the write was not acked (waiting for copies to return or be rebuilt)"
+    )]
+    Degraded {
+        volume: String,
+        slab: SlabIndex,
+        in_sync: usize,
+        min_replicas: usize,
+    },
+    #[error("volume {volume}: this node's term (epoch {epoch}) is over: another node took ownership ({why})")]
+    Fenced {
+        volume: String,
+        epoch: Epoch,
+        why: String,
+    },
 }
 
 /// What the owner needs to serve a volume.
@@ -145,13 +228,53 @@ pub struct VolumeConfig {
     pub epoch: Epoch,
     /// The node this owner runs on: its extents are read first (data locality).
     pub local_node: NodeId,
+    /// In-sync copies a write must reach to be acked.
+    pub min_replicas: usize,
+    /// How long a write waits for `min_replicas` in-sync copies before failing.
+    pub degraded_write_wait: std::time::Duration,
 }
 
-struct Slab {
-    extents: Vec<ExtentLoc>,
+pub(crate) struct Slab {
+    /// The copies and their states; replaced (not mutated) on every state change, so an
+    /// I/O works on one consistent snapshot.
+    extents: RwLock<Arc<[ExtentLoc]>>,
     /// Sequence within this epoch; the version is `epoch << 32 | seq`, so a new owner's
     /// writes always carry higher versions than anything an older term wrote.
     seq: AtomicU64,
+    /// Writes hold it shared while they run; a state change that must see no write in
+    /// flight with an older snapshot (stale → syncing) takes it exclusively.
+    gate: tokio::sync::RwLock<()>,
+    /// Serialises control-plane changes of this slab.
+    change: tokio::sync::Mutex<()>,
+}
+
+impl Slab {
+    fn new(extents: Vec<ExtentLoc>) -> Slab {
+        Slab {
+            extents: RwLock::new(extents.into()),
+            seq: AtomicU64::new(0),
+            gate: tokio::sync::RwLock::new(()),
+            change: tokio::sync::Mutex::new(()),
+        }
+    }
+
+    pub(crate) fn extents(&self) -> Arc<[ExtentLoc]> {
+        self.extents
+            .read()
+            .expect("slab extents lock poisoned")
+            .clone()
+    }
+
+    fn set_extents(&self, v: Vec<ExtentLoc>) {
+        *self.extents.write().expect("slab extents lock poisoned") = v.into();
+    }
+
+    fn in_sync(&self) -> usize {
+        self.extents()
+            .iter()
+            .filter(|e| e.state == ExtentState::InSync)
+            .count()
+    }
 }
 
 /// One volume served by its owner.
@@ -218,15 +341,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         );
         let slabs = slabs
             .into_iter()
-            .map(|(i, extents)| {
-                (
-                    i,
-                    Arc::new(Slab {
-                        extents,
-                        seq: AtomicU64::new(0),
-                    }),
-                )
-            })
+            .map(|(i, extents)| (i, Arc::new(Slab::new(extents))))
             .collect();
         Volume {
             size_bytes: AtomicU64::new(cfg.size_bytes),
@@ -272,7 +387,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .read()
             .expect("slab map lock poisoned")
             .iter()
-            .map(|(i, s)| (*i, s.extents.clone()))
+            .map(|(i, s)| (*i, s.extents().to_vec()))
             .collect()
     }
 
@@ -289,7 +404,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
     }
 
-    fn slab(&self, idx: SlabIndex) -> Option<Arc<Slab>> {
+    pub(crate) fn slab(&self, idx: SlabIndex) -> Option<Arc<Slab>> {
         self.slabs
             .read()
             .expect("slab map lock poisoned")
@@ -309,10 +424,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .alloc
             .allocate(self.cfg.id, idx, self.cfg.resiliency.copies())
             .await?;
-        let slab = Arc::new(Slab {
-            extents,
-            seq: AtomicU64::new(0),
-        });
+        let slab = Arc::new(Slab::new(extents));
         self.slabs
             .write()
             .expect("slab map lock poisoned")
@@ -326,7 +438,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Version(self.cfg.epoch.0 << 32 | seq)
     }
 
-    fn key(&self, slab: SlabIndex) -> ExtentKey {
+    pub(crate) fn key(&self, slab: SlabIndex) -> ExtentKey {
         ExtentKey {
             volume: self.cfg.id,
             slab,
@@ -381,30 +493,156 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     async fn write_piece(&self, p: Piece, data: Bytes) -> Result<(), VolumeError> {
         let slab = self.slab_or_allocate(p.slab).await?;
+        self.wait_min_replicas(p.slab, &slab).await?;
+        let _gate = slab.gate.read().await;
+        let extents = slab.extents();
         let version = self.next_version(&slab);
         let crcs = block_crcs(&data);
         let key = self.key(p.slab);
         let epoch = self.cfg.epoch;
-        let writes = slab.extents.iter().map(|&at| {
+        let targets = extents.iter().filter(|e| e.state != ExtentState::Stale);
+        let writes = targets.map(|&at| {
             let crcs = crcs.clone();
             let data = data.clone();
             async move {
-                self.io
+                let r = self
+                    .io
                     .write(at, key, epoch, version, p.offset, crcs, data)
-                    .await
-                    .map_err(|error| self.replica_error(at, error))
+                    .await;
+                (at, r)
             }
         });
-        join_all_ok(writes).await
+        let results = join_all(writes.collect()).await;
+        self.settle(p.slab, &slab, results).await
     }
 
-    fn replica_error(&self, at: ExtentLoc, error: ReplicaError) -> VolumeError {
-        VolumeError::Replica {
-            volume: self.cfg.name.clone(),
-            node: at.node,
-            drive: at.drive,
-            error,
+    /// Decides a replicated operation's outcome from every copy's answer: copies that
+    /// failed are marked stale in the control plane *before* anything is acked; the
+    /// operation is acked if at least `min_replicas` in-sync copies made it durable.
+    async fn settle(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        results: Vec<(ExtentLoc, Result<(), ReplicaError>)>,
+    ) -> Result<(), VolumeError> {
+        let mut ok_in_sync = 0;
+        let mut failed = Vec::new();
+        for (at, r) in results {
+            match r {
+                Ok(()) => {
+                    if at.state == ExtentState::InSync {
+                        ok_in_sync += 1;
+                    }
+                }
+                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                Err(e) => failed.push((at, e)),
+            }
         }
+        for (at, e) in &failed {
+            log::warn!(
+                "volume {}: slab {} copy on node {} drive {} failed ({e}); marking it stale",
+                self.cfg.name,
+                idx,
+                at.node,
+                at.drive
+            );
+            self.mark_stale(idx, slab, at.drive).await?;
+            self.counters
+                .extents_marked_stale
+                .fetch_add(1, Ordering::Relaxed);
+        }
+        if ok_in_sync < self.cfg.min_replicas {
+            return Err(VolumeError::Degraded {
+                volume: self.cfg.name.clone(),
+                slab: idx,
+                in_sync: ok_in_sync,
+                min_replicas: self.cfg.min_replicas,
+            });
+        }
+        Ok(())
+    }
+
+    fn fenced(&self, why: String) -> VolumeError {
+        VolumeError::Fenced {
+            volume: self.cfg.name.clone(),
+            epoch: self.cfg.epoch,
+            why,
+        }
+    }
+
+    /// Below `min_replicas` in-sync copies a write waits (bounded) for resync or rebuild to
+    /// bring copies back, then fails: nothing is acked on fewer copies than the policy says.
+    async fn wait_min_replicas(&self, idx: SlabIndex, slab: &Slab) -> Result<(), VolumeError> {
+        if slab.in_sync() >= self.cfg.min_replicas {
+            return Ok(());
+        }
+        let deadline = Instant::now() + self.cfg.degraded_write_wait;
+        loop {
+            let n = slab.in_sync();
+            if n >= self.cfg.min_replicas {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                return Err(VolumeError::Degraded {
+                    volume: self.cfg.name.clone(),
+                    slab: idx,
+                    in_sync: n,
+                    min_replicas: self.cfg.min_replicas,
+                });
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    }
+
+    /// Marks the copy on `drive` stale (in the control plane first, then in memory).
+    pub(crate) async fn mark_stale(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        drive: DriveId,
+    ) -> Result<(), VolumeError> {
+        self.change_state(
+            idx,
+            slab,
+            drive,
+            &[ExtentState::InSync, ExtentState::Syncing],
+            ExtentState::Stale,
+        )
+        .await
+    }
+
+    /// Changes one copy's state through the control plane and adopts the record's
+    /// extents; a no-op if the copy is not in one of `from` (any more).
+    pub(crate) async fn change_state(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        drive: DriveId,
+        from: &[ExtentState],
+        to: ExtentState,
+    ) -> Result<(), VolumeError> {
+        let _c = slab.change.lock().await;
+        let current = slab.extents();
+        if !current
+            .iter()
+            .any(|e| e.drive == drive && from.contains(&e.state))
+        {
+            return Ok(());
+        }
+        let extents = self
+            .alloc
+            .change(
+                self.cfg.id,
+                idx,
+                SlabChange::State {
+                    drive,
+                    from: from.to_vec(),
+                    to,
+                },
+            )
+            .await?;
+        slab.set_extents(extents);
+        Ok(())
     }
 
     /// Partial blocks: read the covering blocks, patch, write back whole blocks.
@@ -451,7 +689,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Copies to read from, best first: in-sync only, the local node's first.
     fn read_order(&self, slab: &Slab) -> Vec<ExtentLoc> {
         let mut v: Vec<ExtentLoc> = slab
-            .extents
+            .extents()
             .iter()
             .filter(|e| e.state == ExtentState::InSync)
             .copied()
@@ -484,6 +722,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                         .collect();
                     return self.repair(p, at, reply, &others).await;
                 }
+                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
                 Err(e) => {
                     log::warn!(
                         "volume {}: read of slab {} from node {} drive {} failed: {e}; trying another copy",
@@ -617,15 +856,23 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let Some(slab) = self.slab(p.slab) else {
             return Ok(()); // never written: already zero
         };
+        self.wait_min_replicas(p.slab, &slab).await?;
+        let _gate = slab.gate.read().await;
+        let extents = slab.extents();
         let version = self.next_version(&slab);
         let key = self.key(p.slab);
-        let tasks = slab.extents.iter().map(|&at| async move {
-            self.io
-                .zero(at, key, self.cfg.epoch, version, p.offset, p.len)
-                .await
-                .map_err(|e| self.replica_error(at, e))
-        });
-        join_all_ok(tasks).await
+        let tasks = extents
+            .iter()
+            .filter(|e| e.state != ExtentState::Stale)
+            .map(|&at| async move {
+                let r = self
+                    .io
+                    .zero(at, key, self.cfg.epoch, version, p.offset, p.len)
+                    .await;
+                (at, r)
+            });
+        let results = join_all(tasks.collect()).await;
+        self.settle(p.slab, &slab, results).await
     }
 }
 

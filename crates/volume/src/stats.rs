@@ -57,6 +57,8 @@ pub struct VolumeCounters {
     pub errors: AtomicU64,
     /// Blocks found bad on a replica and rewritten from a good copy.
     pub repaired_blocks: AtomicU64,
+    /// Copies marked stale because they failed a write.
+    pub extents_marked_stale: AtomicU64,
     pub read_latency: Histogram,
     pub write_latency: Histogram,
 }
@@ -70,6 +72,7 @@ pub struct VolumeStats {
     pub zero_ops: u64,
     pub errors: u64,
     pub repaired_blocks: u64,
+    pub extents_marked_stale: u64,
     pub read_latency: HistogramSnapshot,
     pub write_latency: HistogramSnapshot,
 }
@@ -84,6 +87,7 @@ impl VolumeCounters {
             zero_ops: self.zero_ops.load(Relaxed),
             errors: self.errors.load(Relaxed),
             repaired_blocks: self.repaired_blocks.load(Relaxed),
+            extents_marked_stale: self.extents_marked_stale.load(Relaxed),
             read_latency: self.read_latency.snapshot(),
             write_latency: self.write_latency.snapshot(),
         }

@@ -13,6 +13,10 @@ struct MemReplicas {
     blocks: Mutex<Blocks>,
     failed: Mutex<Vec<NodeId>>,
     writes: AtomicU64,
+    copied: AtomicU64,
+    blocks_copied: AtomicU64,
+    /// Highest epoch seen per copy (fencing).
+    epochs: Mutex<HashMap<(DriveId, ExtentKey), Epoch>>,
 }
 
 impl MemReplicas {
@@ -23,6 +27,33 @@ impl MemReplicas {
     }
     fn is_failed(&self, n: NodeId) -> bool {
         self.failed.lock().unwrap().contains(&n)
+    }
+    fn check(&self, at: ExtentLoc, key: ExtentKey, epoch: Epoch) -> Result<(), ReplicaError> {
+        if self.is_failed(at.node) {
+            return Err(ReplicaError::Unreachable(format!("node {} down", at.node)));
+        }
+        let mut e = self.epochs.lock().unwrap();
+        let cur = e.entry((at.drive, key)).or_insert(epoch);
+        if epoch < *cur {
+            return Err(ReplicaError::StaleEpoch(format!("{epoch} < {cur}")));
+        }
+        *cur = epoch;
+        Ok(())
+    }
+    fn version(&self, drive: DriveId, key: ExtentKey, block: u64) -> Version {
+        let m = self.blocks.lock().unwrap();
+        m.get(&(drive, key, block)).map_or(Version(0), |e| e.0)
+    }
+    /// Every block of `key` on `drive`: (block, version, data).
+    fn copy_of(&self, drive: DriveId, key: ExtentKey) -> Vec<(u64, Version, Vec<u8>)> {
+        let m = self.blocks.lock().unwrap();
+        let mut v: Vec<_> = m
+            .iter()
+            .filter(|((d, k, _), _)| *d == drive && *k == key)
+            .map(|((_, _, b), (ver, _, data))| (*b, *ver, data.clone()))
+            .collect();
+        v.sort_by_key(|x| x.0);
+        v
     }
 }
 
@@ -37,9 +68,7 @@ impl ReplicaIo for MemReplicas {
         crcs: Arc<[u32]>,
         data: Bytes,
     ) -> Result<(), ReplicaError> {
-        if self.is_failed(at.node) {
-            return Err(ReplicaError::Unreachable(format!("node {} down", at.node)));
-        }
+        self.check(at, key, _epoch)?;
         assert_eq!(offset % BS, 0);
         assert_eq!(data.len() % BLOCK_SIZE, 0);
         self.writes.fetch_add(1, Ordering::Relaxed);
@@ -68,9 +97,7 @@ impl ReplicaIo for MemReplicas {
         offset: u64,
         len: u32,
     ) -> Result<ReadReply, ReplicaError> {
-        if self.is_failed(at.node) {
-            return Err(ReplicaError::Unreachable(format!("node {} down", at.node)));
-        }
+        self.check(at, key, _epoch)?;
         let m = self.blocks.lock().unwrap();
         let mut data = Vec::with_capacity(len as usize);
         let mut bad = Vec::new();
@@ -103,19 +130,85 @@ impl ReplicaIo for MemReplicas {
         offset: u64,
         len: u64,
     ) -> Result<(), ReplicaError> {
+        self.check(at, key, _epoch)?;
         let zero = vec![0u8; BLOCK_SIZE];
         let crc = crc32c::crc32c(&zero);
         let mut m = self.blocks.lock().unwrap();
         for b in offset / BS..(offset + len) / BS {
-            m.insert((at.drive, key, b), (version, crc, zero.clone()));
+            let cur = m.get(&(at.drive, key, b)).map_or(Version(0), |e| e.0);
+            if version >= cur {
+                m.insert((at.drive, key, b), (version, crc, zero.clone()));
+            }
         }
         Ok(())
     }
+
+    async fn read_blocks(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    ) -> Result<BlocksReply, ReplicaError> {
+        let r = self.read(at, key, epoch, offset, len).await?;
+        let versions = (0..len as u64 / BS)
+            .map(|i| self.version(at.drive, key, offset / BS + i))
+            .collect();
+        Ok(BlocksReply {
+            data: r.data,
+            bad_blocks: r.bad_blocks,
+            versions,
+        })
+    }
+
+    async fn write_blocks(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        versions: Vec<Version>,
+        expect: Vec<Version>,
+        data: Bytes,
+    ) -> Result<u32, ReplicaError> {
+        self.check(at, key, epoch)?;
+        self.copied.fetch_add(1, Ordering::Relaxed);
+        let mut m = self.blocks.lock().unwrap();
+        let mut n = 0;
+        for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
+            let b = offset / BS + i as u64;
+            let cur = m.get(&(at.drive, key, b)).map_or(Version(0), |e| e.0);
+            if cur == expect[i] {
+                m.insert((at.drive, key, b), (versions[i], crcs[i], chunk.to_vec()));
+                n += 1;
+            }
+        }
+        self.blocks_copied.fetch_add(n as u64, Ordering::Relaxed);
+        Ok(n)
+    }
+
+    async fn versions(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        count: u32,
+    ) -> Result<Vec<Version>, ReplicaError> {
+        self.check(at, key, epoch)?;
+        Ok((0..count as u64)
+            .map(|i| self.version(at.drive, key, offset / BS + i))
+            .collect())
+    }
 }
 
-/// Places copy i of every slab on node i+1, drive (node*10).
+/// Places copy i of every slab on node i+1, drive (node*10); keeps the slab records.
+#[derive(Default)]
 struct FixedAlloc {
     calls: AtomicU64,
+    records: Mutex<HashMap<SlabIndex, Vec<ExtentLoc>>>,
 }
 
 impl SlabAllocator for FixedAlloc {
@@ -126,31 +219,79 @@ impl SlabAllocator for FixedAlloc {
         copies: usize,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        Ok((1..=copies as u32)
+        let v: Vec<ExtentLoc> = (1..=copies as u32)
             .map(|n| ExtentLoc {
                 node: NodeId(n),
                 drive: DriveId(n as u64 * 10),
                 state: ExtentState::InSync,
             })
-            .collect())
+            .collect();
+        self.records.lock().unwrap().insert(_slab, v.clone());
+        Ok(v)
+    }
+
+    async fn change(
+        &self,
+        _volume: VolumeId,
+        slab: SlabIndex,
+        change: SlabChange,
+    ) -> Result<Vec<ExtentLoc>, VolumeError> {
+        let mut r = self.records.lock().unwrap();
+        let ex = r.get_mut(&slab).expect("slab recorded");
+        match change {
+            SlabChange::State { drive, from, to } => {
+                for e in ex.iter_mut() {
+                    if e.drive == drive && from.contains(&e.state) {
+                        e.state = to;
+                    }
+                }
+            }
+            SlabChange::Replace { old, new } => {
+                for e in ex.iter_mut() {
+                    if e.drive == old {
+                        *e = new;
+                    }
+                }
+            }
+        }
+        Ok(ex.clone())
     }
 }
 
-fn volume(size: u64, slab: u64) -> (Volume<MemReplicas, FixedAlloc>, Arc<MemReplicas>) {
-    let io = Arc::new(MemReplicas::default());
-    let cfg = VolumeConfig {
+type TestVol = Volume<MemReplicas, FixedAlloc>;
+
+fn config(size: u64, slab: u64, epoch: u64) -> VolumeConfig {
+    VolumeConfig {
         id: VolumeId(7),
         name: "vm01".into(),
         size_bytes: size,
         slab_size_bytes: slab,
         resiliency: Resiliency::Mirror3,
-        epoch: Epoch(3),
+        epoch: Epoch(epoch),
         local_node: NodeId(2),
-    };
-    let alloc = Arc::new(FixedAlloc {
-        calls: AtomicU64::new(0),
-    });
-    (Volume::new(cfg, BTreeMap::new(), io.clone(), alloc), io)
+        min_replicas: 2,
+        degraded_write_wait: std::time::Duration::from_millis(200),
+    }
+}
+
+fn volume(size: u64, slab: u64) -> (TestVol, Arc<MemReplicas>) {
+    let (v, io, _) = volume_with_alloc(size, slab);
+    (v, io)
+}
+
+fn volume_with_alloc(size: u64, slab: u64) -> (TestVol, Arc<MemReplicas>, Arc<FixedAlloc>) {
+    let io = Arc::new(MemReplicas::default());
+    let alloc = Arc::new(FixedAlloc::default());
+    (
+        Volume::new(
+            config(size, slab, 3),
+            BTreeMap::new(),
+            io.clone(),
+            alloc.clone(),
+        ),
+        io,
+        alloc,
+    )
 }
 
 fn pattern(len: usize, seed: u64) -> Bytes {
@@ -305,21 +446,6 @@ async fn all_copies_bad_is_an_error_not_bad_data() {
 }
 
 #[tokio::test]
-async fn failed_replica_fails_the_write_and_reads_go_elsewhere() {
-    let (v, io) = volume(1 << 20, 64 << 10);
-    let data = pattern(4096, 8);
-    v.write(0, data.clone()).await.unwrap();
-    io.failed.lock().unwrap().push(NodeId(2));
-    // Reads fall back to another in-sync copy.
-    assert_eq!(v.read(0, 4096).await.unwrap(), data);
-    // Writes are not acked unless every copy has them (degraded mode comes with failures).
-    assert!(matches!(
-        v.write(0, data).await,
-        Err(VolumeError::Replica { .. })
-    ));
-}
-
-#[tokio::test]
 async fn zeroes_and_trim() {
     let (v, _) = volume(1 << 20, 64 << 10);
     let data = pattern(64 << 10, 9);
@@ -353,4 +479,227 @@ async fn concurrent_first_writes_allocate_once() {
         h.await.unwrap().unwrap();
     }
     assert_eq!(v.alloc.calls.load(Ordering::Relaxed), 1);
+}
+
+fn state_of(v: &TestVol, slab: u64, node: u32) -> ExtentState {
+    v.slab_map()[&SlabIndex(slab)]
+        .iter()
+        .find(|e| e.node == NodeId(node))
+        .unwrap()
+        .state
+}
+
+/// Every copy of every slab holds the same versions and bytes.
+fn assert_copies_identical(v: &TestVol, io: &MemReplicas) {
+    for (idx, ex) in v.slab_map() {
+        let key = v.key(idx);
+        let first = io.copy_of(ex[0].drive, key);
+        for e in &ex[1..] {
+            assert_eq!(
+                io.copy_of(e.drive, key),
+                first,
+                "slab {idx}: drive {} differs from drive {}",
+                e.drive,
+                ex[0].drive
+            );
+        }
+    }
+}
+
+#[tokio::test]
+async fn a_failed_copy_is_marked_stale_and_writes_continue_on_min_replicas() {
+    let (v, io, alloc) = volume_with_alloc(1 << 20, 64 << 10);
+    let data = pattern(4096, 8);
+    v.write(0, data.clone()).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(2));
+    // Two of three copies answer: the write is acked, the third is stale (in the control
+    // plane too) and no longer written or read.
+    let data2 = pattern(4096, 9);
+    v.write(0, data2.clone()).await.unwrap();
+    assert_eq!(state_of(&v, 0, 2), ExtentState::Stale);
+    assert_eq!(
+        alloc.records.lock().unwrap()[&SlabIndex(0)][1].state,
+        ExtentState::Stale
+    );
+    assert_eq!(v.stats().extents_marked_stale, 1);
+    assert_eq!(v.read(0, 4096).await.unwrap(), data2);
+    let before = io.writes.load(Ordering::Relaxed);
+    v.write(0, data2.clone()).await.unwrap();
+    assert_eq!(io.writes.load(Ordering::Relaxed) - before, 2);
+}
+
+#[tokio::test]
+async fn below_min_replicas_nothing_is_acked() {
+    let (v, io) = volume(1 << 20, 64 << 10);
+    v.write(0, pattern(4096, 1)).await.unwrap();
+    io.failed.lock().unwrap().extend([NodeId(1), NodeId(2)]);
+    let e = v.write(0, pattern(4096, 2)).await.unwrap_err();
+    assert!(
+        matches!(
+            e,
+            VolumeError::Degraded {
+                in_sync: 1,
+                min_replicas: 2,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    // Later writes wait (bounded) and fail the same way; reads still work from node 3.
+    let e = v.write(4096, pattern(4096, 3)).await.unwrap_err();
+    assert!(matches!(e, VolumeError::Degraded { .. }), "{e}");
+    assert_eq!(v.read(0, 4096).await.unwrap().len(), 4096);
+}
+
+#[tokio::test]
+async fn resync_copies_only_the_blocks_missed() {
+    let (v, io) = volume(1 << 20, 256 << 10);
+    // 64 blocks written everywhere.
+    v.write(0, pattern(256 << 10, 1)).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(3));
+    // While node 3 is away: 3 single-block writes and one 2-block zero.
+    for (i, b) in [5u64, 17, 40].iter().enumerate() {
+        v.write(b * 4096, pattern(4096, 10 + i as u64))
+            .await
+            .unwrap();
+    }
+    v.zero(50 * 4096, 8192, false).await.unwrap();
+    assert_eq!(state_of(&v, 0, 3), ExtentState::Stale);
+    io.failed.lock().unwrap().clear();
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let stale = v.stale_extents();
+    assert_eq!(stale.len(), 1);
+    let r = v
+        .resync(stale[0].0, stale[0].1.drive, &t, &p)
+        .await
+        .unwrap();
+    assert_eq!(r.blocks_compared, 64);
+    assert_eq!(r.blocks_differing, 5);
+    assert_eq!(r.blocks_written, 5);
+    assert_eq!(io.blocks_copied.load(Ordering::Relaxed), 5);
+    assert_eq!(p.bytes_done.load(Ordering::Relaxed), 5 * 4096);
+    assert_eq!(state_of(&v, 0, 3), ExtentState::InSync);
+    assert_copies_identical(&v, &io);
+    // Nothing to do a second time.
+    assert!(v.stale_extents().is_empty());
+}
+
+#[tokio::test]
+async fn resync_under_concurrent_writes_converges() {
+    let (v, io) = volume(1 << 20, 1 << 20);
+    let v = Arc::new(v);
+    v.write(0, pattern(1 << 20, 1)).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(1));
+    for i in 0..64u64 {
+        v.write(i * 8192, pattern(4096, 100 + i)).await.unwrap();
+    }
+    io.failed.lock().unwrap().clear();
+    let writer = {
+        let v = v.clone();
+        tokio::spawn(async move {
+            for i in 0..400u64 {
+                let b = (i * 37) % 256;
+                v.write(b * 4096, pattern(4096, 1000 + i)).await.unwrap();
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    let t = resync::Throttle::new(64 << 20);
+    let p = resync::Progress::default();
+    let (idx, e) = v.stale_extents()[0];
+    v.resync(idx, e.drive, &t, &p).await.unwrap();
+    writer.await.unwrap();
+    assert_eq!(state_of(&v, 0, 1), ExtentState::InSync);
+    assert_copies_identical(&v, &io);
+}
+
+#[tokio::test]
+async fn rebuild_fills_a_replacement_copy() {
+    let (v, io, alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    v.write(0, pattern(128 << 10, 1)).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(3));
+    v.write(4096, pattern(4096, 2)).await.unwrap();
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let new = ExtentLoc {
+        node: NodeId(4),
+        drive: DriveId(40),
+        state: ExtentState::Syncing,
+    };
+    let r = v
+        .rebuild(SlabIndex(0), DriveId(30), new, &t, &p)
+        .await
+        .unwrap();
+    assert_eq!(r.blocks_written, 32);
+    let ex = &alloc.records.lock().unwrap()[&SlabIndex(0)];
+    assert!(ex.iter().all(|e| e.state == ExtentState::InSync));
+    assert!(ex.iter().any(|e| e.drive == DriveId(40)));
+    assert!(!ex.iter().any(|e| e.drive == DriveId(30)));
+    assert_copies_identical(&v, &io);
+}
+
+#[tokio::test]
+async fn takeover_fences_the_old_owner_and_makes_copies_agree() {
+    let (old, io, alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    old.write(0, pattern(64 << 10, 1)).await.unwrap();
+    // The old owner crashed mid-write: block 3 reached only node 1's copy.
+    let key = old.key(SlabIndex(0));
+    let stray = pattern(4096, 99);
+    io.write(
+        old.slab_map()[&SlabIndex(0)][0],
+        key,
+        Epoch(3),
+        Version(3 << 32 | 1000),
+        3 * 4096,
+        block_crcs(&stray),
+        stray.clone(),
+    )
+    .await
+    .unwrap();
+    // A new owner at epoch 4 reconciles before serving.
+    let slabs = alloc.records.lock().unwrap().clone().into_iter().collect();
+    let new = Volume::new(
+        config(1 << 20, 256 << 10, 4),
+        slabs,
+        io.clone(),
+        alloc.clone(),
+    );
+    let r = new.reconcile().await.unwrap();
+    assert_eq!(r.blocks_differing, 2, "two copies lacked the stray write");
+    assert_copies_identical(&new, &io);
+    assert_eq!(new.read(3 * 4096, 4096).await.unwrap(), stray);
+    // The deposed owner can neither write nor read any more.
+    let e = old.write(0, pattern(4096, 5)).await.unwrap_err();
+    assert!(matches!(e, VolumeError::Fenced { .. }), "{e}");
+    let e = old.read(0, 4096).await.unwrap_err();
+    assert!(matches!(e, VolumeError::Fenced { .. }), "{e}");
+    // The new owner writes on.
+    new.write(0, pattern(4096, 6)).await.unwrap();
+    assert_copies_identical(&new, &io);
+}
+
+#[tokio::test]
+async fn scrub_finds_rot_and_disagreement_and_repairs_them() {
+    let (v, io) = volume(1 << 20, 256 << 10);
+    v.write(0, pattern(64 << 10, 1)).await.unwrap();
+    let key = v.key(SlabIndex(0));
+    io.rot(DriveId(30), key, 2);
+    // A copy that silently holds other bytes under the same version.
+    {
+        let mut m = io.blocks.lock().unwrap();
+        let e = m.get_mut(&(DriveId(10), key, 7)).unwrap();
+        e.2[0] ^= 1;
+        e.1 = crc32c::crc32c(&e.2);
+    }
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let r = v.scrub(true, &t, &p).await.unwrap();
+    assert_eq!(r.blocks_checked, 64);
+    assert_eq!(r.bad_checksums, 1);
+    assert_eq!(r.mismatches, 1);
+    assert_eq!(r.repaired, 2);
+    let r = v.scrub(true, &t, &p).await.unwrap();
+    assert_eq!((r.bad_checksums, r.mismatches, r.repaired), (0, 0, 0));
+    assert_copies_identical(&v, &io);
 }

@@ -161,6 +161,75 @@ impl Lab {
     }
 }
 
+impl Lab {
+    /// The URI of `volume` on node `node`'s NBD socket (any node serves any volume).
+    pub fn uri_on(&self, volume: &str, node: u32) -> String {
+        let sock = self.lab_json()["nodes"][node as usize - 1]["nbd_socket"]
+            .as_str()
+            .expect("nbd_socket")
+            .to_string();
+        format!("nbd+unix:///{volume}?socket={sock}")
+    }
+
+    /// Sum of a metric's samples on node `node`'s /metrics.
+    pub fn metric(&self, node: u32, name: &str) -> u64 {
+        let api = self.lab_json()["nodes"][node as usize - 1]["api"]
+            .as_str()
+            .expect("api")
+            .trim_start_matches("http://")
+            .to_string();
+        http_get(&api, "/metrics")
+            .lines()
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|r| r.starts_with(' ') || r.starts_with('{'))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap() as u64)
+            .sum()
+    }
+
+    /// Polls `f` every 500 ms until it is true; panics with `what` and the logs after
+    /// `timeout` (a generous bound, not a timing assertion).
+    pub fn wait_for(&self, what: &str, timeout: std::time::Duration, mut f: impl FnMut() -> bool) {
+        let end = std::time::Instant::now() + timeout;
+        while !f() {
+            if std::time::Instant::now() > end {
+                panic!("gave up waiting for {what}\n{}", self.logs());
+            }
+            std::thread::sleep(std::time::Duration::from_millis(500));
+        }
+    }
+
+    /// Extents of `volume` as (slab, node, state).
+    pub fn extents(&self, volume: &str) -> Vec<(u64, u64, String)> {
+        let v = self.json(&["volume", "show", volume]);
+        let mut out = Vec::new();
+        for s in v["slabs"].as_array().expect("slabs") {
+            for e in s["extents"].as_array().expect("extents") {
+                out.push((
+                    s["index"].as_u64().unwrap(),
+                    e["node"].as_u64().unwrap(),
+                    e["state"].as_str().unwrap().to_string(),
+                ));
+            }
+        }
+        out
+    }
+}
+
+pub fn http_get(hostport: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(hostport).expect("connect api");
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
 impl Drop for Lab {
     fn drop(&mut self) {
         let _ = run(&mut self.cmd(&["lab", "down", "--purge"]));
@@ -199,4 +268,62 @@ pub fn fio_errors(v: &serde_json::Value) -> u64 {
         .iter()
         .map(|j| j["error"].as_u64().unwrap_or(0))
         .sum()
+}
+
+/// Writes `volume` (64 MiB) with blocks that each start with a unique marker, then flips
+/// a bit in the blocks numbered `blocks` of node `node`'s copy (found by marker in its
+/// drive files). Returns the image written and each flip as (drive file, offset, the
+/// block's fill byte).
+pub fn write_marked_and_flip(
+    lab: &Lab,
+    volume: &str,
+    dir: &Path,
+    node: u32,
+    blocks: std::ops::Range<u32>,
+) -> (PathBuf, Vec<(String, usize, u8)>) {
+    let mut data = Vec::with_capacity(64 << 20);
+    for b in 0..(64u32 << 20) / 4096 {
+        let mut blk = vec![(b % 251) as u8; 4096];
+        let m = format!("CVMARK{b:08}");
+        blk[..m.len()].copy_from_slice(m.as_bytes());
+        data.extend_from_slice(&blk);
+    }
+    let src = dir.join(format!("{volume}.img"));
+    std::fs::write(&src, &data).unwrap();
+    must(Command::new("nbdcopy").arg(&src).arg(lab.uri(volume)));
+    let drives: Vec<String> = lab.lab_json()["nodes"][node as usize - 1]["drives"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap().to_string())
+        .collect();
+    let mut flipped = Vec::new();
+    for path in &drives {
+        let img = std::fs::read(path).unwrap();
+        for pos in (0..img.len()).step_by(4096) {
+            if img[pos..].starts_with(b"CVMARK") {
+                let b: u32 = std::str::from_utf8(&img[pos + 6..pos + 14])
+                    .unwrap()
+                    .parse()
+                    .unwrap();
+                if blocks.contains(&b) {
+                    flipped.push((path.clone(), pos + 2000, (b % 251) as u8));
+                }
+            }
+        }
+    }
+    for (path, off, _) in &flipped {
+        use std::os::unix::fs::FileExt;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .unwrap();
+        let mut byte = [0u8; 1];
+        f.read_exact_at(&mut byte, *off as u64).unwrap();
+        byte[0] ^= 0x40;
+        f.write_all_at(&byte, *off as u64).unwrap();
+        f.sync_all().unwrap();
+    }
+    (src, flipped)
 }

@@ -1,0 +1,389 @@
+//! Restoring redundancy in the background. Every node runs [`run`]:
+//!
+//! * For each volume it owns, each `stale` copy whose node is live and answers is brought
+//!   back by a delta resync (only the blocks that differ are copied).
+//! * A stale copy whose node has been down longer than the repair delay is rebuilt on
+//!   another node's drive (placement excludes nodes that already hold a copy); if no drive
+//!   has room, `status` says so.
+//! * The node holding the leader lease takes ownership of degraded volumes nobody serves,
+//!   so they are repaired even when no client is connected.
+//!
+//! Jobs run one at a time per node, throttled by `resync_bytes_per_s`, and are published
+//! in etcd (under the node's lease) so `converge status` on any node shows them.
+
+use crate::node::{drive_loads, Node, Route, Vol};
+use converge_api::JobInfo;
+use converge_control::placement;
+use converge_types::{ExtentKey, ExtentState, NodeId, SlabIndex};
+use converge_volume::resync::Progress;
+use converge_volume::ExtentLoc;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+pub const JOBS_PREFIX: &str = "/converge/jobs/";
+pub const LEADER_KEY: &str = "/converge/leader";
+
+pub fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+struct Running {
+    info: JobInfo,
+    progress: Arc<Progress>,
+    started: Instant,
+}
+
+/// This node's jobs and their totals (for /metrics).
+#[derive(Default)]
+pub struct Jobs {
+    next: AtomicU64,
+    running: Mutex<BTreeMap<u64, Running>>,
+    pub resync_done: AtomicU64,
+    pub rebuild_done: AtomicU64,
+    pub failed: AtomicU64,
+    pub bytes_copied: AtomicU64,
+    pub blocks_written: AtomicU64,
+}
+
+/// Removes the job from the running list when dropped.
+pub struct JobGuard<'a> {
+    jobs: &'a Jobs,
+    id: u64,
+    pub progress: Arc<Progress>,
+}
+
+impl Drop for JobGuard<'_> {
+    fn drop(&mut self) {
+        self.jobs
+            .running
+            .lock()
+            .expect("jobs lock poisoned")
+            .remove(&self.id);
+    }
+}
+
+impl Jobs {
+    pub fn start(&self, info: JobInfo) -> JobGuard<'_> {
+        let id = self.next.fetch_add(1, Ordering::Relaxed);
+        let progress = Arc::new(Progress::default());
+        self.running.lock().expect("jobs lock poisoned").insert(
+            id,
+            Running {
+                info,
+                progress: progress.clone(),
+                started: Instant::now(),
+            },
+        );
+        JobGuard {
+            jobs: self,
+            id,
+            progress,
+        }
+    }
+
+    /// Running jobs with their progress and ETA.
+    pub fn list(&self) -> Vec<JobInfo> {
+        let r = self.running.lock().expect("jobs lock poisoned");
+        r.values()
+            .map(|j| {
+                let mut i = j.info.clone();
+                i.bytes_done = j.progress.bytes_done.load(Ordering::Relaxed);
+                i.bytes_total = j.progress.bytes_total.load(Ordering::Relaxed);
+                let secs = j.started.elapsed().as_secs_f64();
+                i.eta_s = (i.bytes_done > 0 && i.bytes_total >= i.bytes_done).then(|| {
+                    let rate = i.bytes_done as f64 / secs.max(0.001);
+                    ((i.bytes_total - i.bytes_done) as f64 / rate) as u64
+                });
+                i
+            })
+            .collect()
+    }
+}
+
+/// Publishes this node's jobs to etcd every second while any run.
+pub async fn publish(node: Arc<Node>) {
+    let key = format!("{JOBS_PREFIX}{}", node.cfg.node_id);
+    let mut published = false;
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let jobs = node.jobs.list();
+        let etcd = node.cluster.etcd();
+        if jobs.is_empty() {
+            if published && etcd.delete(&key).await.is_ok() {
+                published = false;
+            }
+            continue;
+        }
+        match serde_json::to_vec(&jobs) {
+            Ok(v) => match etcd.put(&key, &v, Some(node.lease())).await {
+                Ok(_) => published = true,
+                Err(e) => log::debug!("publishing jobs: {e}"),
+            },
+            Err(e) => log::warn!("encoding jobs: {e}"),
+        }
+    }
+}
+
+/// Every node's published jobs.
+pub async fn all_jobs(node: &Node) -> Vec<JobInfo> {
+    let Ok((kvs, _)) = node.cluster.etcd().get_prefix(JOBS_PREFIX).await else {
+        return node.jobs.list();
+    };
+    let mut out: Vec<JobInfo> = kvs
+        .iter()
+        .filter_map(|kv| serde_json::from_slice::<Vec<JobInfo>>(&kv.value).ok())
+        .flatten()
+        .collect();
+    out.sort_by(|a, b| (a.node, &a.volume, a.slab).cmp(&(b.node, &b.volume, b.slab)));
+    out
+}
+
+/// The repair loop (see the module docs).
+pub async fn run(node: Arc<Node>) {
+    let mut down_since: HashMap<NodeId, Instant> = HashMap::new();
+    let mut warned: HashSet<(String, SlabIndex)> = HashSet::new();
+    loop {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let live: HashSet<NodeId> = match node.cluster.live_nodes().await {
+            Ok(n) => n.into_iter().map(|n| n.id).collect(),
+            Err(e) => {
+                log::debug!("repair: etcd: {e}");
+                continue;
+            }
+        };
+        if let Ok(all) = node.cluster.drives().await {
+            for d in all {
+                if !live.contains(&d.node) {
+                    down_since.entry(d.node).or_insert_with(Instant::now);
+                }
+            }
+        }
+        down_since.retain(|n, _| !live.contains(n));
+        if is_leader(&node).await {
+            adopt_orphans(&node).await;
+            if !scrub_running(&node) {
+                let n = node.clone();
+                tokio::spawn(async move { crate::scrub::scheduled(&n).await });
+            }
+        }
+        let vols: Vec<Arc<Vol>> = node.volumes.lock().await.values().cloned().collect();
+        for v in vols {
+            // A node whose lease expired has failed for every slab it holds.
+            for (idx, ex) in v.slab_map() {
+                for e in ex {
+                    if e.state != ExtentState::Stale && !live.contains(&e.node) {
+                        log::warn!(
+                            "volume {}: node {} is down; its copy of slab {idx} is stale",
+                            v.config().name,
+                            e.node
+                        );
+                        if let Err(err) = v.copy_failed(idx, e.drive).await {
+                            log::warn!("marking a copy stale: {err}");
+                        }
+                    }
+                }
+            }
+            for (idx, e) in v.stale_extents() {
+                if live.contains(&e.node) {
+                    if node.replicas.call_peer_or_local_ping(e.node).await.is_ok() {
+                        resync(&node, &v, idx, e).await;
+                    }
+                    continue;
+                }
+                let away = down_since
+                    .get(&e.node)
+                    .map(|t| t.elapsed())
+                    .unwrap_or_default();
+                if away >= Duration::from_secs(node.cfg.knobs.repair_delay_s) {
+                    rebuild(&node, &v, idx, e, &mut warned).await;
+                }
+            }
+        }
+    }
+}
+
+async fn resync(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
+    let name = v.config().name.clone();
+    let job = node.jobs.start(JobInfo {
+        kind: "resync".into(),
+        node: node.cfg.node_id,
+        volume: name.clone(),
+        slab: idx.0,
+        detail: format!("copy on node {} drive {}", e.node, e.drive),
+        bytes_done: 0,
+        bytes_total: 0,
+        started_unix: unix_now(),
+        eta_s: None,
+    });
+    let t = Instant::now();
+    match v.resync(idx, e.drive, &node.throttle, &job.progress).await {
+        Ok(r) => {
+            node.jobs.resync_done.fetch_add(1, Ordering::Relaxed);
+            node.jobs
+                .bytes_copied
+                .fetch_add(r.blocks_differing * 4096, Ordering::Relaxed);
+            node.jobs
+                .blocks_written
+                .fetch_add(r.blocks_written, Ordering::Relaxed);
+            log::info!(
+                "resync of volume {name} slab {idx} on node {} done in {:.1}s: {} of {} blocks differed",
+                e.node,
+                t.elapsed().as_secs_f64(),
+                r.blocks_differing,
+                r.blocks_compared
+            );
+        }
+        Err(err) => {
+            node.jobs.failed.fetch_add(1, Ordering::Relaxed);
+            log::warn!(
+                "resync of volume {name} slab {idx} on node {}: {err}",
+                e.node
+            );
+        }
+    }
+}
+
+async fn rebuild(
+    node: &Node,
+    v: &Vol,
+    idx: SlabIndex,
+    e: ExtentLoc,
+    warned: &mut HashSet<(String, SlabIndex)>,
+) {
+    let name = v.config().name.clone();
+    let Some(map) = v.slab_map().get(&idx).cloned() else {
+        return;
+    };
+    let holding: Vec<NodeId> = map.iter().map(|x| x.node).collect();
+    let loads = match drive_loads(&node.cluster).await {
+        Ok(l) => l,
+        Err(err) => {
+            log::debug!("rebuild: {err}");
+            return;
+        }
+    };
+    let target = match placement::place(1, &loads, &holding) {
+        Ok(d) => d[0],
+        Err(err) => {
+            if warned.insert((name.clone(), idx)) {
+                log::warn!(
+                    "volume {name} slab {idx}: the copy on node {} cannot be rebuilt: {err}",
+                    e.node
+                );
+            }
+            return;
+        }
+    };
+    let new_node = loads
+        .iter()
+        .find(|l| l.drive == target)
+        .map(|l| l.node)
+        .unwrap_or_default();
+    let new = ExtentLoc {
+        node: new_node,
+        drive: target,
+        state: ExtentState::Syncing,
+    };
+    let job = node.jobs.start(JobInfo {
+        kind: "rebuild".into(),
+        node: node.cfg.node_id,
+        volume: name.clone(),
+        slab: idx.0,
+        detail: format!(
+            "replaces the copy on node {} drive {} (down past the repair delay) with node {} drive {}",
+            e.node, e.drive, new_node, target
+        ),
+        bytes_done: 0,
+        bytes_total: 0,
+        started_unix: unix_now(),
+        eta_s: None,
+    });
+    let t = Instant::now();
+    match v
+        .rebuild(idx, e.drive, new, &node.throttle, &job.progress)
+        .await
+    {
+        Ok(r) => {
+            warned.remove(&(name.clone(), idx));
+            node.jobs.rebuild_done.fetch_add(1, Ordering::Relaxed);
+            node.jobs
+                .bytes_copied
+                .fetch_add(r.blocks_differing * 4096, Ordering::Relaxed);
+            node.jobs
+                .blocks_written
+                .fetch_add(r.blocks_written, Ordering::Relaxed);
+            log::info!(
+                "rebuilt volume {name} slab {idx} on node {new_node} in {:.1}s ({} blocks)",
+                t.elapsed().as_secs_f64(),
+                r.blocks_written
+            );
+            // The lost copy's node is down; its extent is freed if it ever comes back
+            // (orphan extents are reclaimed at start-up).
+            let key = ExtentKey {
+                volume: v.config().id,
+                slab: idx,
+            };
+            if let Err(err) = node.replicas.free(e.node, e.drive, key).await {
+                log::debug!("freeing the replaced copy: {err}");
+            }
+        }
+        Err(err) => {
+            node.jobs.failed.fetch_add(1, Ordering::Relaxed);
+            log::warn!("rebuild of volume {name} slab {idx}: {err}");
+        }
+    }
+}
+
+fn scrub_running(node: &Node) -> bool {
+    node.jobs.list().iter().any(|j| j.kind == "scrub")
+}
+
+/// Holds (or takes) the leader lease key.
+async fn is_leader(node: &Node) -> bool {
+    let etcd = node.cluster.etcd();
+    let me = node.cfg.node_id.to_string();
+    match etcd.get(LEADER_KEY).await {
+        Ok(Some(kv)) => kv.value == me.as_bytes(),
+        Ok(None) => etcd
+            .create(LEADER_KEY, me.as_bytes(), Some(node.lease()))
+            .await
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Leader duty: serve (and so repair) degraded volumes that have no owner.
+async fn adopt_orphans(node: &Node) {
+    let Ok(vols) = node.cluster.volumes().await else {
+        return;
+    };
+    for rec in vols {
+        if matches!(node.cluster.owner(rec.id).await, Ok(Some(_)) | Err(_)) {
+            continue;
+        }
+        let Ok(slabs) = node.cluster.slabs(rec.id).await else {
+            continue;
+        };
+        let degraded = slabs
+            .values()
+            .any(|(s, _)| s.extents.iter().any(|e| e.state != ExtentState::InSync));
+        if degraded {
+            log::info!(
+                "leader: volume {} is degraded and unowned; taking it over to repair it",
+                rec.name
+            );
+            match node.open_volume(&rec.name).await {
+                Ok(Route::Local(_)) | Ok(Route::Remote { .. }) => {}
+                Err(crate::node::OpenError::Unknown) => {}
+                Err(crate::node::OpenError::Unavailable(e)) => {
+                    log::warn!("leader: volume {}: {e}", rec.name)
+                }
+            }
+        }
+    }
+}

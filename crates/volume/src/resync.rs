@@ -1,0 +1,705 @@
+//! Bringing copies back in sync: delta resync of a returning stale copy, rebuild of a
+//! replacement copy, and the reconcile a new owner runs before it serves a volume.
+//!
+//! All three copy blocks with per-block versions: the copier reads the versions of source
+//! and target, copies only the blocks that differ, and writes each block with a
+//! compare-and-set on the target's version (see `Drive::write_blocks`), so a concurrent
+//! owner write — which always reaches `syncing` copies too — is never overwritten by older
+//! data. The rules are written down in docs/CONSISTENCY.md.
+
+use crate::{block_crcs, ExtentLoc, ReplicaError, ReplicaIo, SlabAllocator, SlabChange, Volume};
+use crate::{Slab, VolumeError, BS};
+use converge_types::{DriveId, Epoch, ExtentState, SlabIndex, Version};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Blocks whose versions are fetched per request.
+const VERSIONS_CHUNK: u64 = 8192;
+/// Largest copy request, in blocks (256 KiB).
+const COPY_RUN_BLOCKS: u64 = 64;
+
+/// Progress of one copy job, shared with whoever reports it.
+#[derive(Debug, Default)]
+pub struct Progress {
+    /// Blocks whose versions were compared.
+    pub blocks_compared: AtomicU64,
+    /// Bytes found to differ (what the job will copy), known after the compare pass.
+    pub bytes_total: AtomicU64,
+    /// Bytes copied so far.
+    pub bytes_done: AtomicU64,
+    /// Blocks actually written on the target (a block changed meanwhile is not).
+    pub blocks_written: AtomicU64,
+}
+
+/// A byte-rate limit shared by the copies of one node.
+#[derive(Debug)]
+pub struct Throttle {
+    bytes_per_s: u64,
+    next: Mutex<Instant>,
+}
+
+impl Throttle {
+    pub fn new(bytes_per_s: u64) -> Throttle {
+        Throttle {
+            bytes_per_s: bytes_per_s.max(1),
+            next: Mutex::new(Instant::now()),
+        }
+    }
+
+    /// Waits until `bytes` more may be moved.
+    pub async fn take(&self, bytes: u64) {
+        let wait = {
+            let mut next = self.next.lock().expect("throttle lock poisoned");
+            let now = Instant::now();
+            let start = (*next).max(now);
+            *next = start + Duration::from_secs_f64(bytes as f64 / self.bytes_per_s as f64);
+            start.saturating_duration_since(now)
+        };
+        if !wait.is_zero() {
+            tokio::time::sleep(wait).await;
+        }
+    }
+}
+
+/// What a finished copy did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct CopyReport {
+    pub blocks_compared: u64,
+    pub blocks_differing: u64,
+    pub blocks_written: u64,
+}
+
+/// Does the target's block need the source's? Newer on the source: yes. Newer on the
+/// target: only if it was written in an older owner's term (an unacked write that reached
+/// only some copies before a crash); a newer block of the current term is a write in flight
+/// that the source is about to receive too.
+fn needs_copy(src: Version, dst: Version, epoch: Epoch) -> bool {
+    src > dst || (dst > src && (dst.0 >> 32) < epoch.0)
+}
+
+/// A block to copy and the target version seen when it was chosen.
+#[derive(Clone, Copy)]
+struct Diff {
+    block: u64,
+    expect: Version,
+}
+
+impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
+    /// Copies that missed writes, per slab: the resync candidates.
+    pub fn stale_extents(&self) -> Vec<(SlabIndex, ExtentLoc)> {
+        self.slab_map()
+            .into_iter()
+            .flat_map(|(i, ex)| {
+                ex.into_iter()
+                    .filter(|e| e.state == ExtentState::Stale)
+                    .map(move |e| (i, e))
+            })
+            .collect()
+    }
+
+    /// Marks the copy on `drive` stale because its node or drive is known to be down
+    /// (failure detection outside the I/O path: a lease expired). Nothing to do if it is
+    /// stale already.
+    pub async fn copy_failed(&self, idx: SlabIndex, drive: DriveId) -> Result<(), VolumeError> {
+        let slab = self.slab_or_err(idx)?;
+        self.mark_stale(idx, &slab, drive).await
+    }
+
+    /// The best copy to copy from: in-sync, this node's first.
+    fn source(&self, slab: &Slab, not: DriveId) -> Option<ExtentLoc> {
+        let ex = slab.extents();
+        let mut v: Vec<ExtentLoc> = ex
+            .iter()
+            .filter(|e| e.state == ExtentState::InSync && e.drive != not)
+            .copied()
+            .collect();
+        v.sort_by_key(|e| e.node != self.cfg.local_node);
+        v.first().copied()
+    }
+
+    fn slab_or_err(&self, idx: SlabIndex) -> Result<std::sync::Arc<Slab>, VolumeError> {
+        self.slab(idx).ok_or_else(|| VolumeError::Unreadable {
+            volume: self.cfg.name.clone(),
+            slab: idx,
+            why: "slab is not allocated".into(),
+        })
+    }
+
+    /// Delta resync of the stale copy on `drive`: it becomes `syncing` (receives new
+    /// writes), only the blocks that differ from an in-sync copy are copied, and it becomes
+    /// `in-sync`. On failure it is left (or marked) stale; running it again is safe.
+    pub async fn resync(
+        &self,
+        idx: SlabIndex,
+        drive: DriveId,
+        throttle: &Throttle,
+        progress: &Progress,
+    ) -> Result<CopyReport, VolumeError> {
+        let slab = self.slab_or_err(idx)?;
+        {
+            // No write with a snapshot that skips this copy may be in flight once it is
+            // `syncing`: such a write would be missed by both the copy and the writer.
+            let _g = slab.gate.write().await;
+            self.change_state(
+                idx,
+                &slab,
+                drive,
+                &[ExtentState::Stale],
+                ExtentState::Syncing,
+            )
+            .await?;
+        }
+        self.fill_and_promote(idx, &slab, drive, throttle, progress)
+            .await
+    }
+
+    /// Rebuild: replaces the copy on `old` by a new one at `new` (another node's drive),
+    /// fills it from an in-sync copy while writes continue, then makes it `in-sync`. The
+    /// caller frees the old extent afterwards.
+    pub async fn rebuild(
+        &self,
+        idx: SlabIndex,
+        old: DriveId,
+        new: ExtentLoc,
+        throttle: &Throttle,
+        progress: &Progress,
+    ) -> Result<CopyReport, VolumeError> {
+        let slab = self.slab_or_err(idx)?;
+        {
+            let _g = slab.gate.write().await;
+            let _c = slab.change.lock().await;
+            let new = ExtentLoc {
+                state: ExtentState::Syncing,
+                ..new
+            };
+            let extents = self
+                .alloc
+                .change(self.cfg.id, idx, SlabChange::Replace { old, new })
+                .await?;
+            slab.set_extents(extents);
+        }
+        self.fill_and_promote(idx, &slab, new.drive, throttle, progress)
+            .await
+    }
+
+    async fn fill_and_promote(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        drive: DriveId,
+        throttle: &Throttle,
+        progress: &Progress,
+    ) -> Result<CopyReport, VolumeError> {
+        let r = self.fill(idx, slab, drive, throttle, progress).await;
+        let report = match r {
+            Ok(rep) => rep,
+            Err(e) => {
+                if let Err(e2) = self
+                    .change_state(
+                        idx,
+                        slab,
+                        drive,
+                        &[ExtentState::Syncing],
+                        ExtentState::Stale,
+                    )
+                    .await
+                {
+                    log::warn!("volume {}: slab {idx}: {e2}", self.cfg.name);
+                }
+                return Err(e);
+            }
+        };
+        self.change_state(
+            idx,
+            slab,
+            drive,
+            &[ExtentState::Syncing],
+            ExtentState::InSync,
+        )
+        .await?;
+        let now = slab.extents();
+        if !now
+            .iter()
+            .any(|e| e.drive == drive && e.state == ExtentState::InSync)
+        {
+            return Err(VolumeError::Unreadable {
+                volume: self.cfg.name.clone(),
+                slab: idx,
+                why: format!("the copy on drive {drive} failed during the copy; it stays stale"),
+            });
+        }
+        log::info!(
+            "volume {}: slab {idx} copy on drive {drive} is in sync ({} of {} blocks differed, {} written)",
+            self.cfg.name,
+            report.blocks_differing,
+            report.blocks_compared,
+            report.blocks_written
+        );
+        Ok(report)
+    }
+
+    /// Compares and copies into the `syncing` copy on `drive`; the source must stay in
+    /// sync throughout (checked at the end).
+    async fn fill(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        drive: DriveId,
+        throttle: &Throttle,
+        progress: &Progress,
+    ) -> Result<CopyReport, VolumeError> {
+        let key = self.key(idx);
+        let epoch = self.cfg.epoch;
+        let target = slab
+            .extents()
+            .iter()
+            .find(|e| e.drive == drive)
+            .copied()
+            .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no copy")))?;
+        let src = self
+            .source(slab, drive)
+            .ok_or_else(|| self.copy_error(idx, "no in-sync copy to copy from".into()))?;
+        let blocks = self.cfg.slab_size_bytes / BS;
+        let mut diffs = Vec::new();
+        let mut start = 0;
+        while start < blocks {
+            let n = VERSIONS_CHUNK.min(blocks - start);
+            let sv = self
+                .io
+                .versions(src, key, epoch, start * BS, n as u32)
+                .await
+                .map_err(|e| self.replica_failed(idx, src, e))?;
+            let tv = self
+                .io
+                .versions(target, key, epoch, start * BS, n as u32)
+                .await
+                .map_err(|e| self.replica_failed(idx, target, e))?;
+            for (i, (s, t)) in sv.iter().zip(&tv).enumerate() {
+                if needs_copy(*s, *t, epoch) {
+                    diffs.push(Diff {
+                        block: start + i as u64,
+                        expect: *t,
+                    });
+                }
+            }
+            progress.blocks_compared.fetch_add(n, Ordering::Relaxed);
+            start += n;
+        }
+        progress
+            .bytes_total
+            .store(diffs.len() as u64 * BS, Ordering::Relaxed);
+        let mut report = CopyReport {
+            blocks_compared: blocks,
+            blocks_differing: diffs.len() as u64,
+            blocks_written: 0,
+        };
+        let mut i = 0;
+        while i < diffs.len() {
+            // A run of consecutive differing blocks, bounded.
+            let mut j = i + 1;
+            while j < diffs.len()
+                && diffs[j].block == diffs[j - 1].block + 1
+                && (j - i) < COPY_RUN_BLOCKS as usize
+            {
+                j += 1;
+            }
+            let run = &diffs[i..j];
+            let bytes = run.len() as u64 * BS;
+            throttle.take(bytes).await;
+            let written = self.copy_run(idx, slab, src, target, run).await?;
+            report.blocks_written += u64::from(written);
+            progress
+                .blocks_written
+                .fetch_add(u64::from(written), Ordering::Relaxed);
+            progress.bytes_done.fetch_add(bytes, Ordering::Relaxed);
+            i = j;
+        }
+        // The source must still be in sync: if it failed meanwhile, what it gave us may
+        // lack writes it missed (those reached the target directly, but be safe).
+        if !slab
+            .extents()
+            .iter()
+            .any(|e| e.drive == src.drive && e.state == ExtentState::InSync)
+        {
+            return Err(self.copy_error(idx, format!("source drive {} went stale", src.drive)));
+        }
+        Ok(report)
+    }
+
+    /// Copies one run of blocks from `src` (or, for blocks that fail their checksum there,
+    /// from another in-sync copy) into `target`.
+    async fn copy_run(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        src: ExtentLoc,
+        target: ExtentLoc,
+        run: &[Diff],
+    ) -> Result<u32, VolumeError> {
+        let key = self.key(idx);
+        let epoch = self.cfg.epoch;
+        let off = run[0].block * BS;
+        let len = run.len() as u64 * BS;
+        let r = self
+            .io
+            .read_blocks(src, key, epoch, off, len as u32)
+            .await
+            .map_err(|e| self.replica_failed(idx, src, e))?;
+        let mut data = bytes::BytesMut::from(&r.data[..]);
+        let mut versions = r.versions;
+        for &b in &r.bad_blocks {
+            // Take this block from another in-sync copy.
+            let boff = off + u64::from(b) * BS;
+            let mut fixed = false;
+            for other in slab.extents().iter() {
+                if other.state != ExtentState::InSync
+                    || other.drive == src.drive
+                    || other.drive == target.drive
+                {
+                    continue;
+                }
+                if let Ok(g) = self
+                    .io
+                    .read_blocks(*other, key, epoch, boff, BS as u32)
+                    .await
+                {
+                    if g.bad_blocks.is_empty() {
+                        let at = b as usize * BS as usize;
+                        data[at..at + BS as usize].copy_from_slice(&g.data);
+                        versions[b as usize] = g.versions[0];
+                        fixed = true;
+                        break;
+                    }
+                }
+            }
+            if !fixed {
+                return Err(self.copy_error(
+                    idx,
+                    format!("block at offset {boff} fails its checksum on every in-sync copy"),
+                ));
+            }
+        }
+        let data = data.freeze();
+        let crcs = block_crcs(&data);
+        let expect: Vec<Version> = run.iter().map(|d| d.expect).collect();
+        self.io
+            .write_blocks(target, key, epoch, off, crcs, versions, expect, data)
+            .await
+            .map_err(|e| self.replica_failed(idx, target, e))
+    }
+
+    /// Run by a new owner before serving: fences every copy at the new epoch (older owners
+    /// are refused from then on) and makes the in-sync copies agree block by block (a
+    /// crashed owner's last writes may have reached only some of them). Copies that do
+    /// not answer are marked stale; `syncing` copies (an interrupted resync) become stale
+    /// and are resynced later. Reads only versions, then copies only differing blocks.
+    pub async fn reconcile(&self) -> Result<CopyReport, VolumeError> {
+        let mut total = CopyReport::default();
+        let slabs: Vec<SlabIndex> = self.slab_map().keys().copied().collect();
+        for idx in slabs {
+            let slab = self.slab_or_err(idx)?;
+            let r = self.reconcile_slab(idx, &slab).await?;
+            total.blocks_compared += r.blocks_compared;
+            total.blocks_differing += r.blocks_differing;
+            total.blocks_written += r.blocks_written;
+        }
+        Ok(total)
+    }
+
+    async fn reconcile_slab(&self, idx: SlabIndex, slab: &Slab) -> Result<CopyReport, VolumeError> {
+        let key = self.key(idx);
+        let epoch = self.cfg.epoch;
+        for e in slab.extents().iter() {
+            if e.state == ExtentState::Syncing {
+                self.change_state(
+                    idx,
+                    slab,
+                    e.drive,
+                    &[ExtentState::Syncing],
+                    ExtentState::Stale,
+                )
+                .await?;
+            }
+        }
+        let blocks = self.cfg.slab_size_bytes / BS;
+        let mut report = CopyReport {
+            blocks_compared: blocks,
+            ..CopyReport::default()
+        };
+        let mut start = 0;
+        while start < blocks {
+            let n = VERSIONS_CHUNK.min(blocks - start);
+            // Fence and fetch versions from every copy, stale ones included (they must be
+            // fenced too); only in-sync copies take part in the comparison.
+            let ex = slab.extents();
+            let mut copies: Vec<(ExtentLoc, Vec<Version>)> = Vec::new();
+            for e in ex.iter() {
+                match self.io.versions(*e, key, epoch, start * BS, n as u32).await {
+                    Ok(v) if e.state == ExtentState::InSync => copies.push((*e, v)),
+                    Ok(_) => {}
+                    Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                    Err(err) => {
+                        if e.state == ExtentState::InSync {
+                            log::warn!(
+                                "volume {}: slab {idx}: copy on node {} drive {} unreachable at takeover ({err}); marking it stale",
+                                self.cfg.name, e.node, e.drive
+                            );
+                            self.mark_stale(idx, slab, e.drive).await?;
+                        }
+                    }
+                }
+            }
+            if copies.is_empty() {
+                return Err(self.copy_error(idx, "no in-sync copy answered".into()));
+            }
+            for i in 0..n as usize {
+                let (best, bv) = copies
+                    .iter()
+                    .map(|(e, v)| (*e, v[i]))
+                    .max_by_key(|(_, v)| *v)
+                    .expect("copies is not empty");
+                for (e, v) in &copies {
+                    if v[i] == bv {
+                        continue;
+                    }
+                    report.blocks_differing += 1;
+                    let d = Diff {
+                        block: start + i as u64,
+                        expect: v[i],
+                    };
+                    report.blocks_written +=
+                        u64::from(self.copy_run(idx, slab, best, *e, &[d]).await?);
+                }
+            }
+            start += n;
+        }
+        if report.blocks_differing > 0 {
+            log::warn!(
+                "volume {}: slab {idx}: takeover made {} diverged blocks agree",
+                self.cfg.name,
+                report.blocks_differing
+            );
+        }
+        Ok(report)
+    }
+
+    fn copy_error(&self, idx: SlabIndex, why: String) -> VolumeError {
+        VolumeError::Unreadable {
+            volume: self.cfg.name.clone(),
+            slab: idx,
+            why,
+        }
+    }
+
+    fn replica_failed(&self, idx: SlabIndex, at: ExtentLoc, e: ReplicaError) -> VolumeError {
+        if let ReplicaError::StaleEpoch(why) = e {
+            return self.fenced(why);
+        }
+        self.copy_error(
+            idx,
+            format!("copy on node {} drive {}: {e}", at.node, at.drive),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn copy_rule() {
+        let e = Epoch(5);
+        let v = |ep: u64, s: u64| Version(ep << 32 | s);
+        assert!(needs_copy(v(5, 3), v(5, 2), e));
+        assert!(!needs_copy(v(5, 3), v(5, 3), e));
+        // Newer target of this term: a write in flight, leave it.
+        assert!(!needs_copy(v(5, 2), v(5, 3), e));
+        // Newer target of an older term: an unacked leftover, overwrite it.
+        assert!(needs_copy(v(4, 2), v(4, 9), e));
+        assert!(needs_copy(Version(0), v(3, 1), e));
+    }
+}
+
+/// What a scrub found.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct ScrubReport {
+    /// Blocks compared (per slab block, across all its in-sync copies).
+    pub blocks_checked: u64,
+    /// Bytes read from all copies.
+    pub bytes_read: u64,
+    /// Blocks whose data failed its checksum on some copy.
+    pub bad_checksums: u64,
+    /// Blocks whose in-sync copies disagreed (version or bytes).
+    pub mismatches: u64,
+    /// Blocks rewritten from a good copy.
+    pub repaired: u64,
+}
+
+impl ScrubReport {
+    pub fn add(&mut self, o: &ScrubReport) {
+        self.blocks_checked += o.blocks_checked;
+        self.bytes_read += o.bytes_read;
+        self.bad_checksums += o.bad_checksums;
+        self.mismatches += o.mismatches;
+        self.repaired += o.repaired;
+    }
+}
+
+/// Blocks compared per scrub step (the slab's writes wait for one step at most).
+const SCRUB_STEP_BLOCKS: u64 = 64;
+
+impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
+    /// Reads every block of every in-sync copy of every allocated slab, verifies checksums
+    /// and that the copies agree (same version, same bytes), and repairs what does not
+    /// (from a copy with a good checksum and the highest version) when `repair` is set.
+    /// Each step holds the slab's writes back briefly so copies are compared at rest.
+    pub async fn scrub(
+        &self,
+        repair: bool,
+        throttle: &Throttle,
+        progress: &Progress,
+    ) -> Result<ScrubReport, VolumeError> {
+        let mut total = ScrubReport::default();
+        let slabs: Vec<SlabIndex> = self.slab_map().keys().copied().collect();
+        progress.bytes_total.store(
+            slabs.len() as u64 * self.cfg.slab_size_bytes,
+            Ordering::Relaxed,
+        );
+        for idx in slabs {
+            let slab = self.slab_or_err(idx)?;
+            let blocks = self.cfg.slab_size_bytes / BS;
+            let mut start = 0;
+            while start < blocks {
+                let n = SCRUB_STEP_BLOCKS.min(blocks - start);
+                let copies = slab
+                    .extents()
+                    .iter()
+                    .filter(|e| e.state == ExtentState::InSync)
+                    .count() as u64;
+                throttle.take(n * BS * copies).await;
+                let r = self.scrub_step(idx, &slab, start, n, repair).await?;
+                total.add(&r);
+                progress.bytes_done.fetch_add(n * BS, Ordering::Relaxed);
+                progress.blocks_compared.fetch_add(n, Ordering::Relaxed);
+                start += n;
+            }
+        }
+        self.counters
+            .repaired_blocks
+            .fetch_add(total.repaired, Ordering::Relaxed);
+        Ok(total)
+    }
+
+    async fn scrub_step(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        start: u64,
+        n: u64,
+        repair: bool,
+    ) -> Result<ScrubReport, VolumeError> {
+        let key = self.key(idx);
+        let epoch = self.cfg.epoch;
+        let _g = slab.gate.write().await;
+        let mut rep = ScrubReport {
+            blocks_checked: n,
+            ..ScrubReport::default()
+        };
+        let mut copies = Vec::new();
+        for e in slab.extents().iter() {
+            if e.state != ExtentState::InSync {
+                continue;
+            }
+            match self
+                .io
+                .read_blocks(*e, key, epoch, start * BS, (n * BS) as u32)
+                .await
+            {
+                Ok(r) => {
+                    rep.bytes_read += n * BS;
+                    copies.push((*e, r));
+                }
+                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                Err(err) => log::warn!(
+                    "scrub: volume {} slab {idx}: copy on node {} unreadable: {err}",
+                    self.cfg.name,
+                    e.node
+                ),
+            }
+        }
+        let bsz = BS as usize;
+        for b in 0..n as usize {
+            let good =
+                |(_, r): &&(ExtentLoc, crate::BlocksReply)| !r.bad_blocks.contains(&(b as u32));
+            let bad_here = copies.iter().filter(|c| !good(c)).count() as u64;
+            rep.bad_checksums += u64::from(bad_here > 0);
+            // The reference: a good copy with the highest version; among equals, the bytes
+            // most copies hold (a majority outvotes one silently different copy).
+            let same = |x: &crate::BlocksReply| {
+                copies
+                    .iter()
+                    .filter(good)
+                    .filter(|(_, r)| {
+                        r.versions[b] == x.versions[b]
+                            && r.data[b * bsz..(b + 1) * bsz] == x.data[b * bsz..(b + 1) * bsz]
+                    })
+                    .count()
+            };
+            let Some((src, sr)) = copies
+                .iter()
+                .filter(good)
+                .max_by_key(|(_, r)| (r.versions[b], same(r)))
+            else {
+                if bad_here > 0 {
+                    log::error!(
+                        "scrub: volume {} slab {idx} block {}: no copy has a good checksum",
+                        self.cfg.name,
+                        start + b as u64
+                    );
+                }
+                continue;
+            };
+            let sdata = &sr.data[b * bsz..(b + 1) * bsz];
+            let mut mismatch = false;
+            for (e, r) in &copies {
+                let ok = !r.bad_blocks.contains(&(b as u32))
+                    && r.versions[b] == sr.versions[b]
+                    && &r.data[b * bsz..(b + 1) * bsz] == sdata;
+                if ok {
+                    continue;
+                }
+                if !r.bad_blocks.contains(&(b as u32)) {
+                    mismatch = true;
+                }
+                if repair {
+                    let data = sr.data.slice(b * bsz..(b + 1) * bsz);
+                    let w = self
+                        .io
+                        .write_blocks(
+                            *e,
+                            key,
+                            epoch,
+                            (start + b as u64) * BS,
+                            block_crcs(&data),
+                            vec![sr.versions[b]],
+                            vec![r.versions[b]],
+                            data,
+                        )
+                        .await
+                        .map_err(|err| self.replica_failed(idx, *e, err))?;
+                    rep.repaired += u64::from(w);
+                    log::warn!(
+                        "scrub: volume {} slab {idx} block {}: repaired the copy on node {} from node {}",
+                        self.cfg.name,
+                        start + b as u64,
+                        e.node,
+                        src.node
+                    );
+                }
+            }
+            rep.mismatches += u64::from(mismatch);
+        }
+        Ok(rep)
+    }
+}
