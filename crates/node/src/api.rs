@@ -124,6 +124,10 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::GET, ["v1", "volumes", name]) => ok(&volume(node, name).await?),
         (&Method::DELETE, ["v1", "volumes", name]) => delete_volume(node, name, body).await,
         (&Method::POST, ["v1", "volumes", name, "resize"]) => resize_volume(node, name, body).await,
+        // Lab-only debug views (the fault injector); handlers live in lab_api.rs.
+        (_, ["v1", "lab", rest @ ..]) => crate::lab_api::route(node, method, rest, body)
+            .await
+            .map_err(|(status, msg)| ApiError(status, msg)),
         (_, ["v1", ..]) | (_, ["metrics"]) => Err(ApiError(
             StatusCode::NOT_FOUND,
             format!("no such API: {method} {path}"),
