@@ -177,25 +177,47 @@ enum LabCmd {
 #[derive(Subcommand, Clone)]
 enum FaultCmd {
     /// kill -9 the node's converged (no clean shutdown).
-    Kill { node: u32 },
+    Kill {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
     /// Stop the node cleanly (SIGTERM).
-    Stop { node: u32 },
+    Stop {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
     /// Start a stopped or killed node again with its data (in its namespace, if any).
-    Restart { node: u32 },
+    Restart {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
     /// Freeze the node's converged (SIGSTOP): it keeps its connections but answers
     /// nothing, like a hung server; its etcd lease runs out and peers see it down.
-    Pause { node: u32 },
+    Pause {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
     /// Continue a paused node (SIGCONT); it registers itself live again.
-    Resume { node: u32 },
+    Resume {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
     /// Cut the node's network link (needs `lab up --netns`): the kernel drops every packet
     /// between it and peers, etcd and the CLI, while the process keeps running.
-    Partition { node: u32 },
+    Partition {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
     /// Reconnect a partitioned node's link.
-    Heal { node: u32 },
-    /// Flip one bit in each of N random written data blocks of the node's drive files,
+    Heal {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
+    /// Flip one bit in each of --blocks random written data blocks of the node's drive files,
     /// as a failing disk would; reads of those blocks then fail their checksum and are
     /// served from another copy, which repairs them.
     Corrupt {
+        /// Node id (1, 2, ...; see `converge lab ps`).
         node: u32,
         /// How many distinct blocks to damage.
         #[arg(long, default_value_t = 1)]
