@@ -3,6 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# iproute2: `ip netns`, veth pairs and bridges for `converge lab up --netns` (partitions).
 PKGS=(etcd-server etcd-client fio libnbd-bin nbdkit qemu-utils iproute2 python3-libnbd procps)
 missing=()
 for p in "${PKGS[@]}"; do

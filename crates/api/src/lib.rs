@@ -7,6 +7,8 @@ use converge_types::{
 };
 use serde::{Deserialize, Serialize};
 
+pub mod lab;
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ErrorBody {
     pub error: String,

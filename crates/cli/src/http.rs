@@ -4,8 +4,10 @@
 
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{Read, Write};
-use std::net::TcpStream;
+use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
+
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
 pub struct Response {
     pub status: u16,
@@ -18,9 +20,12 @@ pub fn request(base: &str, method: &str, path: &str, body: Option<&[u8]>) -> Res
         .strip_prefix("http://")
         .ok_or_else(|| anyhow!("API address {base:?} must start with http://"))?
         .trim_end_matches('/');
-    let mut s = TcpStream::connect(hostport).with_context(|| {
+    let unreachable = || {
         format!("cannot reach the converge API at {base}: is converged running there? (set --api or CONVERGE_API)")
-    })?;
+    };
+    // A bounded connect: a node cut off the network (a lab partition) must fail in
+    // seconds, not after the kernel's SYN retries.
+    let mut s = connect(hostport).with_context(unreachable)?;
     s.set_read_timeout(Some(Duration::from_secs(120)))?;
     let body = body.unwrap_or(&[]);
     let head = format!(
@@ -33,6 +38,19 @@ pub fn request(base: &str, method: &str, path: &str, body: Option<&[u8]>) -> Res
     s.read_to_end(&mut raw)
         .with_context(|| format!("reading the answer from {base}{path}"))?;
     parse(&raw).with_context(|| format!("bad HTTP answer from {base}{path}"))
+}
+
+fn connect(hostport: &str) -> std::io::Result<TcpStream> {
+    let mut last = None;
+    for a in hostport.to_socket_addrs()? {
+        match TcpStream::connect_timeout(&a, CONNECT_TIMEOUT) {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.unwrap_or_else(|| {
+        std::io::Error::new(std::io::ErrorKind::NotFound, "no address to connect to")
+    }))
 }
 
 fn parse(raw: &[u8]) -> Result<Response> {

@@ -1,9 +1,13 @@
 //! `converge lab`: a whole cluster on one machine — a local etcd and N `converged` on
-//! 127.0.0.x with file-backed drives — for demos, tests and the fleet on a laptop.
+//! 127.0.0.x (or, with `--netns`, each in its own network namespace) with file-backed
+//! drives — for demos, tests, rehearsing failures and the fleet on a laptop.
 //!
-//! Everything the lab starts is recorded in `DIR/lab.json` (PID and command line), and
-//! `lab down` stops exactly those processes, checking each PID still runs what we started.
+//! Everything the lab starts is recorded in `DIR/lab.json` (PID and command line, and the
+//! network namespaces, veths and bridge of a `--netns` lab), and `lab down` stops exactly
+//! those processes, checking each PID still runs what we started, and deletes exactly
+//! those links.
 
+use crate::netns::LabNet;
 use anyhow::{anyhow, bail, Context, Result};
 use serde::{Deserialize, Serialize};
 use std::fs;
@@ -23,6 +27,10 @@ pub struct LabProc {
     pub addr: String,
     /// Program and arguments, to start it again.
     pub argv: Vec<String>,
+    /// Network namespace it runs in (started as `ip netns exec NETNS argv...`; ip execs,
+    /// so `pid` is the program's own).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub netns: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -44,6 +52,9 @@ pub struct Lab {
     pub nodes: Vec<LabNode>,
     /// Drive files in RAM (`--ram`) live here, outside DIR.
     pub ram_dir: Option<PathBuf>,
+    /// Network namespaces, veths and bridge of a `--netns` lab.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub net: Option<LabNet>,
 }
 
 pub struct UpOptions {
@@ -55,6 +66,8 @@ pub struct UpOptions {
     pub slab_size: u64,
     pub timeout: Duration,
     pub repair_delay_s: u64,
+    /// Each node in its own network namespace (needed for partitions).
+    pub netns: bool,
 }
 
 pub fn default_dir() -> PathBuf {
@@ -98,6 +111,81 @@ pub fn is_ours(p: &LabProc) -> bool {
     }
 }
 
+/// The first word of /proc/PID/cmdline (the program the PID runs now).
+fn program_of(pid: i32) -> Option<String> {
+    let cmd = fs::read(format!("/proc/{pid}/cmdline")).ok()?;
+    let first = cmd.split(|&b| b == 0).next()?;
+    Some(String::from_utf8_lossy(first).into_owned())
+}
+
+/// Stopped by a signal (SIGSTOP): the state letter in /proc/PID/stat is `T`.
+fn is_stopped(p: &LabProc) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{}/stat", p.pid)) else {
+        return false;
+    };
+    // The state follows the command name, which may hold spaces: look after the last ')'.
+    stat.rfind(')')
+        .and_then(|i| stat[i + 1..].split_whitespace().next())
+        .is_some_and(|s| s == "T")
+}
+
+/// What a lab process is doing, as the kernel sees it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ProcState {
+    Running,
+    /// Stopped with SIGSTOP (`lab fault pause`).
+    Paused,
+    /// Not running (stopped, killed, or never started).
+    Dead,
+}
+
+pub fn proc_state(p: &LabProc) -> ProcState {
+    if !is_ours(p) {
+        ProcState::Dead
+    } else if is_stopped(p) {
+        ProcState::Paused
+    } else {
+        ProcState::Running
+    }
+}
+
+/// A node's state: its process, and whether its link is cut (`--netns` labs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct NodeState {
+    pub proc: ProcState,
+    pub partitioned: bool,
+}
+
+impl NodeState {
+    /// Running and reachable: its API will answer.
+    pub fn serves(&self) -> bool {
+        self.proc == ProcState::Running && !self.partitioned
+    }
+}
+
+impl std::fmt::Display for NodeState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let p = match self.proc {
+            ProcState::Running => "running",
+            ProcState::Paused => "paused",
+            ProcState::Dead => "dead",
+        };
+        match (self.proc, self.partitioned) {
+            (ProcState::Running, true) => write!(f, "partitioned"),
+            (_, true) => write!(f, "{p}, partitioned"),
+            (_, false) => write!(f, "{p}"),
+        }
+    }
+}
+
+pub fn node_state(lab: &Lab, n: &LabNode) -> NodeState {
+    NodeState {
+        proc: proc_state(&n.proc),
+        partitioned: lab.net.as_ref().is_some_and(|net| net.partitioned(n.id)),
+    }
+}
+
 /// Free TCP ports on `ip`, all held open together so they are distinct.
 fn free_ports(ip: Ipv4Addr, n: usize) -> Result<Vec<u16>> {
     let ls: Vec<TcpListener> = (0..n)
@@ -127,17 +215,42 @@ fn find_binary(name: &str) -> Result<PathBuf> {
     bail!("cannot find `{name}` next to converge or on PATH (install etcd-server for etcd; build converge for converged)")
 }
 
+/// The command that starts `argv`, inside `netns` if given.
+fn command(argv: &[String], netns: Option<&str>) -> Result<Command> {
+    let (prog, args) = argv
+        .split_first()
+        .ok_or_else(|| anyhow!("empty command line"))?;
+    let mut cmd = match netns {
+        Some(ns) => {
+            let mut c = Command::new(crate::netns::require()?);
+            c.args(["netns", "exec", ns]).arg(prog);
+            c
+        }
+        None => Command::new(prog),
+    };
+    cmd.args(args);
+    if std::env::var_os("RUST_LOG").is_none() {
+        cmd.env("RUST_LOG", "info");
+    }
+    Ok(cmd)
+}
+
+fn argv_of(cmd: &Command) -> Vec<String> {
+    std::iter::once(cmd.get_program())
+        .chain(cmd.get_args())
+        .map(|a| a.to_string_lossy().into_owned())
+        .collect()
+}
+
 fn spawn(
     name: &str,
-    cmd: &mut Command,
+    argv: Vec<String>,
+    netns: Option<String>,
     log: &Path,
     marker: String,
     addr: String,
 ) -> Result<LabProc> {
-    let argv: Vec<String> = std::iter::once(cmd.get_program())
-        .chain(cmd.get_args())
-        .map(|a| a.to_string_lossy().into_owned())
-        .collect();
+    let mut cmd = command(&argv, netns.as_deref())?;
     let out = fs::OpenOptions::new()
         .append(true)
         .create(true)
@@ -159,11 +272,17 @@ fn spawn(
         log: log.to_path_buf(),
         addr,
         argv,
+        netns,
     };
     // Until exec completes, /proc/PID/cmdline is still ours: wait for the exec (or exit).
+    // Inside a namespace `ip netns exec` runs first with the marker in its arguments: wait
+    // until it has exec'd the program itself.
+    let started = |p: &LabProc| {
+        is_ours(p) && (p.netns.is_none() || program_of(p.pid).as_ref() == p.argv.first())
+    };
     let mut child = child;
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !is_ours(&p) {
+    while !started(&p) {
         if let Ok(Some(status)) = child.try_wait() {
             bail!(
                 "{name} exited at once ({status}); its log ({}) ends with:\n{}",
@@ -184,18 +303,13 @@ pub fn respawn(p: &mut LabProc) -> Result<()> {
     if is_ours(p) {
         bail!("{} is still running (pid {})", p.name, p.pid);
     }
-    let (prog, args) = p
-        .argv
-        .split_first()
-        .ok_or_else(|| anyhow!("no command recorded for {}", p.name))?;
-    let mut cmd = Command::new(prog);
-    cmd.args(args);
-    if std::env::var_os("RUST_LOG").is_none() {
-        cmd.env("RUST_LOG", "info");
+    if p.argv.is_empty() {
+        bail!("no command recorded for {}", p.name);
     }
     let np = spawn(
         &p.name,
-        &mut cmd,
+        p.argv.clone(),
+        p.netns.clone(),
         &p.log.clone(),
         p.marker.clone(),
         p.addr.clone(),
@@ -207,6 +321,10 @@ pub fn respawn(p: &mut LabProc) -> Result<()> {
 /// Start every stopped process of a lab again (etcd first) and wait for health.
 pub fn resume(dir: &Path, timeout: Duration) -> Result<Lab> {
     let mut lab = load(dir)?;
+    if let Some(net) = &lab.net {
+        crate::netns::require()?;
+        net.ensure()?;
+    }
     if !is_ours(&lab.etcd) {
         respawn(&mut lab.etcd)?;
         save(&lab)?;
@@ -253,7 +371,18 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             converge_types::format_size(o.slab_size)
         );
     }
+    if o.netns {
+        crate::netns::require()?;
+    }
     if let Ok(lab) = load(&o.dir) {
+        if o.netns && lab.net.is_none() {
+            bail!(
+                "the lab in {} was started without --netns; bring it down with \
+                 `converge lab down --purge --dir {}` and start it again with --netns",
+                o.dir.display(),
+                o.dir.display()
+            );
+        }
         if lab.nodes.iter().all(|n| is_ours(&n.proc)) && is_ours(&lab.etcd) {
             bail!(
                 "a lab is already running in {} (see `converge lab ps --dir {}`; stop it with `converge lab down`)",
@@ -269,10 +398,31 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     let etcd_bin = find_binary("etcd")?;
     let converged = find_binary("converged")?;
 
-    // etcd on 127.0.0.1
-    let ports = free_ports(Ipv4Addr::LOCALHOST, 2)?;
-    let client = format!("http://127.0.0.1:{}", ports[0]);
-    let peer = format!("http://127.0.0.1:{}", ports[1]);
+    // With --netns: the bridge, a namespace and a veth pair per node, before anything
+    // listens on their addresses.
+    let net = if o.netns {
+        let net = LabNet::plan(&dir, o.nodes)?;
+        net.clean_leftovers()?;
+        if let Err(e) = net.ensure() {
+            let (_, left) = net.teardown();
+            if !left.is_empty() {
+                log_warn(&format!("could not remove: {}", left.join("; ")));
+            }
+            return Err(e.context("creating the lab network"));
+        }
+        Some(net)
+    } else {
+        None
+    };
+
+    // etcd on 127.0.0.1, or on the bridge so namespaced nodes reach it.
+    let etcd_ip = net
+        .as_ref()
+        .map(|n| n.bridge_addr())
+        .unwrap_or(Ipv4Addr::LOCALHOST);
+    let ports = free_ports(etcd_ip, 2)?;
+    let client = format!("http://{etcd_ip}:{}", ports[0]);
+    let peer = format!("http://{etcd_ip}:{}", ports[1]);
     let etcd_dir = dir.join("etcd");
     let mut cmd = Command::new(&etcd_bin);
     cmd.arg("--name")
@@ -291,17 +441,26 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         .arg(format!("converge-lab={peer}"))
         .arg("--log-level")
         .arg("warn");
-    let etcd = spawn(
+    let etcd = match spawn(
         "etcd",
-        &mut cmd,
+        argv_of(&cmd),
+        None,
         &dir.join("etcd.log"),
         etcd_dir.display().to_string(),
         client.clone(),
-    )?;
+    ) {
+        Ok(p) => p,
+        Err(e) => {
+            if let Some(net) = &net {
+                net.teardown();
+            }
+            return Err(e);
+        }
+    };
     let ram_dir = if o.ram {
         let d = PathBuf::from(format!(
             "/dev/shm/converge-lab-{:x}",
-            fxhash(dir.display().to_string().as_bytes())
+            crate::netns::fxhash(dir.display().to_string().as_bytes())
         ));
         fs::create_dir_all(&d)?;
         Some(d)
@@ -314,13 +473,23 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         etcd,
         nodes: Vec::new(),
         ram_dir: ram_dir.clone(),
+        net: net.clone(),
     };
     save(&lab)?;
     wait_etcd(&lab, o.timeout)?;
 
     for id in 1..=o.nodes {
-        let ip = Ipv4Addr::new(127, 0, 0, (id + 1) as u8);
-        let ports = free_ports(ip, 2)?;
+        let (ip, ports, netns) = match &net {
+            // A namespace of its own: the usual ports are free there.
+            Some(net) => {
+                let n = net.node(id)?;
+                (n.addr, vec![7100, 7200], Some(n.netns.clone()))
+            }
+            None => {
+                let ip = Ipv4Addr::new(127, 0, 0, (id + 1) as u8);
+                (ip, free_ports(ip, 2)?, None)
+            }
+        };
         let ndir = dir.join(format!("node{id}"));
         fs::create_dir_all(&ndir)?;
         let ddir = match &ram_dir {
@@ -358,14 +527,15 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             o.repair_delay_s
         ));
         fs::write(&config, toml)?;
-        let mut cmd = Command::new(&converged);
-        cmd.arg("--config").arg(&config);
-        if std::env::var_os("RUST_LOG").is_none() {
-            cmd.env("RUST_LOG", "info");
-        }
+        let argv = vec![
+            converged.display().to_string(),
+            "--config".to_string(),
+            config.display().to_string(),
+        ];
         let proc = spawn(
             &format!("node{id}"),
-            &mut cmd,
+            argv,
+            netns,
             &ndir.join("converged.log"),
             config.display().to_string(),
             format!("http://{api}"),
@@ -383,12 +553,6 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     }
     wait_healthy(&lab, o.timeout)?;
     Ok(lab)
-}
-
-fn fxhash(b: &[u8]) -> u64 {
-    b.iter().fold(0xcbf29ce484222325u64, |h, &x| {
-        (h ^ x as u64).wrapping_mul(0x100000001b3)
-    })
 }
 
 fn wait_etcd(lab: &Lab, timeout: Duration) -> Result<()> {
@@ -490,6 +654,9 @@ pub fn stop_proc(p: &LabProc, grace: Duration) -> bool {
     }
     // SAFETY: kill(2) with a PID we verified runs our command; no memory is touched.
     unsafe { libc::kill(p.pid, libc::SIGTERM) };
+    // A paused (SIGSTOPped) process handles SIGTERM only once continued.
+    // SAFETY: as above.
+    unsafe { libc::kill(p.pid, libc::SIGCONT) };
     let deadline = Instant::now() + grace;
     while is_ours(p) && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
@@ -517,9 +684,30 @@ pub fn kill_proc(p: &LabProc) -> bool {
     true
 }
 
-pub fn down(dir: &Path, purge: bool) -> Result<Vec<String>> {
+/// What `lab down` did.
+#[derive(Debug, Default, Serialize)]
+pub struct DownReport {
+    pub stopped: Vec<String>,
+    /// Network namespaces, veths and bridge deleted.
+    pub removed: Vec<String>,
+    /// What could not be removed, and why.
+    pub left: Vec<String>,
+}
+
+pub fn down(dir: &Path, purge: bool) -> Result<DownReport> {
     let lab = load(dir)?;
-    let mut stopped = Vec::new();
+    let mut report = DownReport::default();
+    // Heal cut links first, so every daemon can leave the cluster cleanly on SIGTERM.
+    if let Some(net) = &lab.net {
+        for n in &net.nodes {
+            if net.partitioned(n.id) {
+                if let Err(e) = net.set_link(n.id, true) {
+                    report.left.push(format!("{e:#}"));
+                }
+            }
+        }
+    }
+    let stopped = &mut report.stopped;
     for n in &lab.nodes {
         if stop_proc(&n.proc, Duration::from_secs(15)) {
             stopped.push(format!("{} (pid {})", n.proc.name, n.proc.pid));
@@ -528,11 +716,108 @@ pub fn down(dir: &Path, purge: bool) -> Result<Vec<String>> {
     if stop_proc(&lab.etcd, Duration::from_secs(10)) {
         stopped.push(format!("etcd (pid {})", lab.etcd.pid));
     }
+    if let Some(net) = &lab.net {
+        let (removed, left) = net.teardown();
+        report.removed = removed;
+        report.left.extend(left);
+    }
     if purge {
         if let Some(r) = &lab.ram_dir {
             let _ = fs::remove_dir_all(r);
         }
         fs::remove_dir_all(&lab.dir).with_context(|| format!("removing {}", lab.dir.display()))?;
     }
-    Ok(stopped)
+    Ok(report)
+}
+
+fn log_warn(msg: &str) {
+    eprintln!("converge: warning: {msg}");
+}
+
+fn find_node(lab: &Lab, id: u32) -> Result<&LabNode> {
+    lab.nodes.iter().find(|n| n.id == id).ok_or_else(|| {
+        anyhow!(
+            "the lab has no node {id} (it has nodes 1..={})",
+            lab.nodes.len()
+        )
+    })
+}
+
+/// SIGSTOP node `id`'s converged: it keeps its sockets and leases but answers nothing, as
+/// a hung or overloaded server does; its etcd lease expires after the TTL.
+pub fn pause_node(lab: &Lab, id: u32) -> Result<i32> {
+    let n = find_node(lab, id)?;
+    match proc_state(&n.proc) {
+        ProcState::Dead => {
+            bail!("node{id} is not running; `converge lab fault restart {id}` starts it")
+        }
+        ProcState::Paused => {
+            bail!("node{id} is already paused; `converge lab fault resume {id}` continues it")
+        }
+        ProcState::Running => {}
+    }
+    // SAFETY: kill(2) with a PID whose command line we just checked.
+    unsafe { libc::kill(n.proc.pid, libc::SIGSTOP) };
+    wait_for(|| is_stopped(&n.proc) || !is_ours(&n.proc), "node to stop")?;
+    Ok(n.proc.pid)
+}
+
+/// SIGCONT a paused node.
+pub fn resume_node(lab: &Lab, id: u32) -> Result<i32> {
+    let n = find_node(lab, id)?;
+    match proc_state(&n.proc) {
+        ProcState::Dead => {
+            bail!("node{id} is not running; `converge lab fault restart {id}` starts it")
+        }
+        ProcState::Running => bail!("node{id} is not paused"),
+        ProcState::Paused => {}
+    }
+    // SAFETY: kill(2) with a PID whose command line we just checked.
+    unsafe { libc::kill(n.proc.pid, libc::SIGCONT) };
+    wait_for(|| !is_stopped(&n.proc), "node to continue")?;
+    Ok(n.proc.pid)
+}
+
+fn wait_for(mut done: impl FnMut() -> bool, what: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        if Instant::now() > deadline {
+            bail!("timed out waiting for the {what}");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    Ok(())
+}
+
+fn lab_net(lab: &Lab, id: u32) -> Result<&LabNet> {
+    find_node(lab, id)?;
+    lab.net.as_ref().ok_or_else(|| {
+        anyhow!(
+            "node{id} runs in the root network namespace, so its network cannot be cut without \
+             cutting everything else; partitions need a lab started with `converge lab up \
+             --netns` (as root, with iproute2's `ip`): `converge lab down --purge`, then \
+             `converge lab up --netns ...`"
+        )
+    })
+}
+
+/// Cut node `id` off the network: its veth's root-side end goes down, so the kernel drops
+/// every packet between the node and the bridge (peers, etcd, the CLI).
+pub fn partition_node(lab: &Lab, id: u32) -> Result<String> {
+    let net = lab_net(lab, id)?;
+    if net.partitioned(id) {
+        bail!("node{id} is already partitioned; `converge lab fault heal {id}` reconnects it");
+    }
+    net.set_link(id, false)?;
+    Ok(net.node(id)?.veth.clone())
+}
+
+/// Reconnect a partitioned node.
+pub fn heal_node(lab: &Lab, id: u32) -> Result<String> {
+    let net = lab_net(lab, id)?;
+    if !net.partitioned(id) {
+        bail!("node{id} is not partitioned");
+    }
+    net.set_link(id, true)?;
+    Ok(net.node(id)?.veth.clone())
 }

@@ -5,6 +5,8 @@
 
 mod http;
 mod lab;
+mod nemesis;
+mod netns;
 mod table;
 
 use anyhow::{bail, Context, Result};
@@ -53,7 +55,8 @@ enum Cmd {
     /// Scrub: read every copy, verify checksums, compare copies, repair what differs.
     #[command(subcommand)]
     Scrub(ScrubCmd),
-    /// A whole cluster on this machine: etcd plus N converged on 127.0.0.x.
+    /// A whole cluster on this machine: etcd plus N converged on 127.0.0.x (or each in
+    /// its own network namespace), with faults to rehearse failures.
     #[command(subcommand)]
     Lab(LabCmd),
 }
@@ -130,7 +133,7 @@ enum VolumeCmd {
 #[derive(Args, Clone)]
 struct LabDir {
     /// Lab directory (default: $CONVERGE_LAB_DIR or ./converge-lab).
-    #[arg(long)]
+    #[arg(long, global = true)]
     dir: Option<PathBuf>,
 }
 
@@ -169,8 +172,14 @@ enum LabCmd {
         /// repair_delay_s knob; production default 600, short in the lab to rehearse it).
         #[arg(long, default_value_t = 60)]
         repair_delay: u64,
+        /// Run each node in its own network namespace (cvg-TAG-nN), joined to a bridge by
+        /// a veth pair, so `lab fault partition` can cut its link. Needs root and iproute2.
+        /// Nodes get 10.X.Y.2, .3, ...; etcd listens on the bridge (10.X.Y.1).
+        #[arg(long)]
+        netns: bool,
     },
-    /// Stop exactly the processes this lab started.
+    /// Stop exactly the processes this lab started (paused ones too) and delete its
+    /// network namespaces, veths and bridge.
     Down {
         #[command(flatten)]
         dir: LabDir,
@@ -183,12 +192,14 @@ enum LabCmd {
         #[command(flatten)]
         dir: LabDir,
     },
-    /// List the lab's processes and whether they run.
+    /// List the lab's processes: PID, state (running, paused, partitioned, dead) and
+    /// network namespace.
     Ps {
         #[command(flatten)]
         dir: LabDir,
     },
-    /// Inject a real fault into a lab node, to rehearse failures.
+    /// Inject a real fault into a lab node, to rehearse failures: signals to its process,
+    /// a cut link, flipped bits in its drive files.
     Fault {
         #[command(flatten)]
         dir: LabDir,
@@ -197,14 +208,76 @@ enum LabCmd {
     },
 }
 
-#[derive(Subcommand, Clone, Copy)]
+#[derive(Subcommand, Clone)]
 enum FaultCmd {
     /// kill -9 the node's converged (no clean shutdown).
-    Kill { node: u32 },
+    Kill {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
     /// Stop the node cleanly (SIGTERM).
-    Stop { node: u32 },
-    /// Start a stopped or killed node again with its data.
-    Restart { node: u32 },
+    Stop {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
+    /// Start a stopped or killed node again with its data (in its namespace, if any).
+    Restart {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
+    /// Freeze the node's converged (SIGSTOP): it keeps its connections but answers
+    /// nothing, like a hung server; its etcd lease runs out and peers see it down.
+    Pause {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
+    /// Continue a paused node (SIGCONT); it registers itself live again.
+    Resume {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
+    /// Cut the node's network link (needs `lab up --netns`): the kernel drops every packet
+    /// between it and peers, etcd and the CLI, while the process keeps running.
+    Partition {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
+    /// Reconnect a partitioned node's link.
+    Heal {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+    },
+    /// Flip one bit in each of --blocks random written data blocks of the node's drive files,
+    /// as a failing disk would; reads of those blocks then fail their checksum and are
+    /// served from another copy, which repairs them.
+    Corrupt {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+        /// How many distinct blocks to damage.
+        #[arg(long, default_value_t = 1)]
+        blocks: u32,
+        /// Seed of the random choice (printed), to replay it.
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Only this drive of the node (id from `converge drive list`).
+        #[arg(long)]
+        drive: Option<String>,
+    },
+}
+
+impl FaultCmd {
+    fn node(&self) -> u32 {
+        match self {
+            FaultCmd::Kill { node }
+            | FaultCmd::Stop { node }
+            | FaultCmd::Restart { node }
+            | FaultCmd::Pause { node }
+            | FaultCmd::Resume { node }
+            | FaultCmd::Partition { node }
+            | FaultCmd::Heal { node }
+            | FaultCmd::Corrupt { node, .. } => *node,
+        }
+    }
 }
 
 fn main() {
@@ -227,11 +300,18 @@ fn api_base(cli: &Cli) -> Result<String> {
     let lab = lab::load(&dir).context(
         "no API address given: use --api http://HOST:PORT, set CONVERGE_API, or start a lab",
     )?;
+    // A paused node accepts connections but never answers, a partitioned one cannot be
+    // reached: use a node that serves.
     lab.nodes
         .iter()
-        .find(|n| lab::is_ours(&n.proc))
+        .find(|n| lab::node_state(&lab, n).serves())
         .map(|n| n.api.clone())
-        .ok_or_else(|| anyhow::anyhow!("no node of the lab in {} is running", dir.display()))
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "no node of the lab in {} is running and reachable (see `converge lab ps`)",
+                dir.display()
+            )
+        })
 }
 
 fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
@@ -416,6 +496,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             slab_size,
             timeout,
             repair_delay,
+            netns,
         } => {
             let o = lab::UpOptions {
                 repair_delay_s: *repair_delay,
@@ -426,6 +507,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 ram: *ram,
                 slab_size: parse_size(slab_size)?,
                 timeout: Duration::from_secs(*timeout),
+                netns: *netns,
             };
             let lab = lab::up(&o)?;
             if json_out {
@@ -437,21 +519,39 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 lab.etcd_endpoint,
                 lab.nodes.len()
             );
+            if let Some(net) = &lab.net {
+                println!(
+                    "network: bridge {} ({}/24), one namespace per node ({} ...)",
+                    net.bridge,
+                    net.bridge_addr(),
+                    net.nodes.first().map(|n| n.netns.as_str()).unwrap_or("")
+                );
+            }
             println!(
                 "point the CLI at it with:  eval \"$(converge lab env --dir {})\"",
                 lab.dir.display()
             );
         }
         LabCmd::Down { dir, purge } => {
-            let stopped = lab::down(&dir.path(), *purge)?;
+            let r = lab::down(&dir.path(), *purge)?;
             if json_out {
-                return print_json(&json!({ "stopped": stopped }));
+                print_json(&r)?;
+            } else {
+                if r.stopped.is_empty() {
+                    println!("nothing was running");
+                }
+                for s in &r.stopped {
+                    println!("stopped {s}");
+                }
+                if !r.removed.is_empty() {
+                    println!("removed {}", r.removed.join(", "));
+                }
             }
-            if stopped.is_empty() {
-                println!("nothing was running");
-            }
-            for s in stopped {
-                println!("stopped {s}");
+            if !r.left.is_empty() {
+                bail!(
+                    "the lab is down but some of it remains: {}",
+                    r.left.join("; ")
+                );
             }
         }
         LabCmd::Env { dir } => {
@@ -466,72 +566,175 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             println!("export CONVERGE_LAB_DIR={}", l.dir.display());
             println!("export CONVERGE_ETCD={}", l.etcd_endpoint);
         }
-        LabCmd::Fault { dir, fault } => {
-            let mut l = lab::load(&dir.path())?;
-            let id = match fault {
-                FaultCmd::Kill { node } | FaultCmd::Stop { node } | FaultCmd::Restart { node } => {
-                    *node
-                }
-            };
-            let Some(n) = l.nodes.iter().find(|n| n.id == id).cloned() else {
-                bail!(
-                    "the lab has no node {id} (it has nodes 1..={})",
-                    l.nodes.len()
-                );
-            };
-            let what = match fault {
-                FaultCmd::Kill { .. } => {
-                    if !lab::kill_proc(&n.proc) {
-                        bail!("node{id} is not running");
-                    }
-                    "killed (SIGKILL)"
-                }
-                FaultCmd::Stop { .. } => {
-                    if !lab::stop_proc(&n.proc, Duration::from_secs(15)) {
-                        bail!("node{id} is not running");
-                    }
-                    "stopped"
-                }
-                FaultCmd::Restart { .. } => {
-                    lab::restart_node(&mut l, id)?;
-                    lab::wait_node(&l, id, Duration::from_secs(60))?;
-                    "restarted"
-                }
-            };
-            if json_out {
-                return print_json(&json!({ "node": id, "result": what }));
-            }
-            println!("node{id} {what}");
-        }
+        LabCmd::Fault { dir, fault } => return run_fault(&dir.path(), fault, json_out),
         LabCmd::Ps { dir } => {
             let l = lab::load(&dir.path())?;
-            let procs: Vec<&lab::LabProc> = std::iter::once(&l.etcd)
-                .chain(l.nodes.iter().map(|n| &n.proc))
-                .collect();
+            // (process, state, namespace)
+            let mut rows: Vec<(&lab::LabProc, String, Option<String>)> = vec![(
+                &l.etcd,
+                node_state_word(lab::proc_state(&l.etcd)).to_string(),
+                None,
+            )];
+            for n in &l.nodes {
+                rows.push((
+                    &n.proc,
+                    lab::node_state(&l, n).to_string(),
+                    n.proc.netns.clone(),
+                ));
+            }
             if json_out {
-                let v: Vec<_> = procs
+                let v: Vec<_> = rows
                     .iter()
-                    .map(|p| json!({"name": p.name, "pid": p.pid, "running": lab::is_ours(p), "addr": p.addr, "log": p.log}))
+                    .map(|(p, state, ns)| {
+                        json!({
+                            "name": p.name, "pid": p.pid, "running": lab::is_ours(p),
+                            "state": state, "netns": ns, "addr": p.addr, "log": p.log,
+                        })
+                    })
                     .collect();
                 return print_json(&v);
             }
-            let mut t = Table::new(&["NAME", "PID", "STATE", "ADDRESS", "LOG"]);
-            for p in procs {
+            let mut t = Table::new(&["NAME", "PID", "STATE", "NETNS", "ADDRESS", "LOG"]);
+            for (p, state, ns) in rows {
                 t.row(vec![
                     p.name.clone(),
                     p.pid.to_string(),
-                    if lab::is_ours(p) {
-                        "running"
-                    } else {
-                        "stopped"
-                    }
-                    .into(),
+                    state,
+                    ns.unwrap_or_else(|| "-".into()),
                     p.addr.clone(),
                     p.log.display().to_string(),
                 ]);
             }
             print!("{}", t.render());
         }
+    }
+    Ok(())
+}
+
+fn node_state_word(s: lab::ProcState) -> &'static str {
+    match s {
+        lab::ProcState::Running => "running",
+        lab::ProcState::Paused => "paused",
+        lab::ProcState::Dead => "dead",
+    }
+}
+
+fn run_fault(dir: &std::path::Path, fault: &FaultCmd, json_out: bool) -> Result<()> {
+    let mut l = lab::load(dir)?;
+    let id = fault.node();
+    let Some(n) = l.nodes.iter().find(|n| n.id == id).cloned() else {
+        bail!(
+            "the lab has no node {id} (it has nodes 1..={})",
+            l.nodes.len()
+        );
+    };
+    let what = match fault {
+        FaultCmd::Kill { .. } => {
+            if !lab::kill_proc(&n.proc) {
+                bail!("node{id} is not running");
+            }
+            format!("killed (SIGKILL to pid {})", n.proc.pid)
+        }
+        FaultCmd::Stop { .. } => {
+            if !lab::stop_proc(&n.proc, Duration::from_secs(15)) {
+                bail!("node{id} is not running");
+            }
+            format!("stopped (SIGTERM to pid {})", n.proc.pid)
+        }
+        FaultCmd::Restart { .. } => {
+            lab::restart_node(&mut l, id)?;
+            let pid = l.nodes.iter().find(|x| x.id == id).map(|x| x.proc.pid);
+            if l.net.as_ref().is_some_and(|net| net.partitioned(id)) {
+                format!(
+                    "restarted (pid {}) but partitioned: it joins the cluster after \
+                     `converge lab fault heal {id}`",
+                    pid.unwrap_or(0)
+                )
+            } else {
+                lab::wait_node(&l, id, Duration::from_secs(60))?;
+                format!("restarted (pid {})", pid.unwrap_or(0))
+            }
+        }
+        FaultCmd::Pause { .. } => {
+            let pid = lab::pause_node(&l, id)?;
+            format!(
+                "paused (SIGSTOP to pid {pid}): it answers nothing and its lease runs out; \
+                 `converge lab fault resume {id}` continues it"
+            )
+        }
+        FaultCmd::Resume { .. } => {
+            let pid = lab::resume_node(&l, id)?;
+            format!("resumed (SIGCONT to pid {pid})")
+        }
+        FaultCmd::Partition { .. } => {
+            let veth = lab::partition_node(&l, id)?;
+            format!(
+                "partitioned (link {veth} down): packets to and from it are dropped; \
+                 `converge lab fault heal {id}` reconnects it"
+            )
+        }
+        FaultCmd::Heal { .. } => {
+            let veth = lab::heal_node(&l, id)?;
+            format!("healed (link {veth} up)")
+        }
+        FaultCmd::Corrupt {
+            blocks,
+            seed,
+            drive,
+            ..
+        } => {
+            let r = nemesis::corrupt(&l, id, *blocks, *seed, drive.as_deref())?;
+            if json_out {
+                return print_json(&r);
+            }
+            let mut t = Table::new(&[
+                "DRIVE", "VOLUME", "SLAB", "BLOCK", "OFFSET", "BIT", "BYTE", "FILE",
+            ]);
+            for f in &r.flips {
+                t.row(vec![
+                    f.drive.clone(),
+                    f.volume.clone(),
+                    f.slab.to_string(),
+                    f.block.to_string(),
+                    f.offset_bytes.to_string(),
+                    f.bit.to_string(),
+                    format!("{:02x}->{:02x}", f.before, f.after),
+                    f.path.clone(),
+                ]);
+            }
+            print!("{}", t.render());
+            let short = if (r.flips.len() as u32) < *blocks {
+                format!(" (only {} written blocks were there)", r.written_blocks)
+            } else {
+                String::new()
+            };
+            println!(
+                "node{id}: flipped one bit in each of {} written blocks{short} (seed {}); \
+                 reads of them fail their checksum and are answered from another copy",
+                r.flips.len(),
+                r.seed
+            );
+            return Ok(());
+        }
+    };
+    if json_out {
+        return print_json(&json!({ "node": id, "result": what }));
+    }
+    println!("node{id} {what}");
+    // A CLI pinned to this node's API would now hang or fail: say so.
+    if matches!(
+        fault,
+        FaultCmd::Pause { .. }
+            | FaultCmd::Partition { .. }
+            | FaultCmd::Kill { .. }
+            | FaultCmd::Stop { .. }
+    ) && std::env::var("CONVERGE_API").is_ok_and(|a| a.trim_end_matches('/') == n.api)
+    {
+        eprintln!(
+            "note: CONVERGE_API points at node{id} ({}); `unset CONVERGE_API` so commands \
+             use a node of the lab that answers",
+            n.api
+        );
     }
     Ok(())
 }

@@ -14,6 +14,7 @@ pub mod faulty;
 pub mod file;
 pub mod layout;
 mod recover;
+mod sample;
 mod stats;
 
 pub use drive::{Capacity, Drive, ExtentInfo, FormatOptions, ReadInfo};
@@ -21,6 +22,7 @@ pub use error::EngineError;
 pub use faulty::FaultyFile;
 pub use file::{AlignedBuf, BlockFile, DirectFile};
 pub use layout::{DriveIdentity, FORMAT_VERSION};
+pub use sample::{DataBlock, DataBlockSample};
 pub use stats::{DriveStats, LatencyHistogram, LATENCY_BUCKETS};
 
 #[cfg(test)]

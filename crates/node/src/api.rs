@@ -128,6 +128,10 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::POST, ["v1", "volumes", name, "open"]) => open_here(node, name).await,
         (&Method::POST, ["v1", "volumes", name, "scrub"]) => scrub(node, name, body).await,
         (&Method::GET, ["v1", "scrub"]) => ok(&crate::scrub::results(node).await),
+        // Lab-only debug views (the fault injector); handlers live in lab_api.rs.
+        (_, ["v1", "lab", rest @ ..]) => crate::lab_api::route(node, method, rest, body)
+            .await
+            .map_err(|(status, msg)| ApiError(status, msg)),
         (_, ["v1", ..]) | (_, ["metrics"]) => Err(ApiError(
             StatusCode::NOT_FOUND,
             format!("no such API: {method} {path}"),

@@ -5,6 +5,7 @@ mod api;
 mod config;
 mod export;
 mod http_client;
+mod lab_api;
 mod metrics;
 mod node;
 mod repair;
