@@ -31,6 +31,16 @@ pub struct NodeInfo {
     pub nbd_socket: String,
     pub nbd_tcp: Option<String>,
     pub version: String,
+    /// In maintenance: its copies are stale, it owns no volume, nothing new is placed
+    /// there and nothing is rebuilt away from it.
+    #[serde(default)]
+    pub maintenance: bool,
+}
+
+/// `POST /v1/nodes/ID/maintenance`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Maintenance {
+    pub on: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

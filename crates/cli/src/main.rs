@@ -82,6 +82,16 @@ enum ScrubCmd {
 
 #[derive(Subcommand)]
 enum NodeCmd {
+    /// Planned downtime: `on` moves the node's volumes away and stops writing its copies
+    /// (refused if a resync or rebuild is running, or if any slab would keep fewer than
+    /// min_replicas in-sync copies); `off` resyncs what it missed.
+    Maintenance {
+        /// Node id.
+        node: u32,
+        /// on or off.
+        #[arg(value_parser = ["on", "off"])]
+        state: String,
+    },
     /// List nodes and whether they are live.
     List,
 }
@@ -328,6 +338,20 @@ fn run(cli: Cli) -> Result<()> {
                 return print_json(&s);
             }
             print_status(&s);
+        }
+        Cmd::Node(NodeCmd::Maintenance { node, state }) => {
+            let body = serde_json::to_value(converge_api::Maintenance { on: state == "on" })?;
+            let v: Vec<NodeInfo> = http::call(
+                &api_base(&cli)?,
+                "POST",
+                &format!("/v1/nodes/{node}/maintenance"),
+                Some(&body),
+            )?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!("node {node}: maintenance {state}");
+            print!("{}", nodes_table(&v));
         }
         Cmd::Node(NodeCmd::List) => {
             let v: Vec<NodeInfo> = http::call(&api_base(&cli)?, "GET", "/v1/nodes", None)?;
@@ -745,7 +769,13 @@ fn nodes_table(v: &[NodeInfo]) -> String {
         t.row(vec![
             n.id.to_string(),
             n.name.clone(),
-            if n.live { "live" } else { "down" }.into(),
+            match (n.live, n.maintenance) {
+                (true, false) => "live",
+                (true, true) => "live, maintenance",
+                (false, true) => "down, maintenance",
+                (false, false) => "down",
+            }
+            .into(),
             n.rpc_addr.clone(),
             n.api_addr.clone(),
             n.nbd_socket.clone(),

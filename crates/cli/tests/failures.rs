@@ -283,3 +283,71 @@ fn scrub_finds_and_repairs_flipped_bits() {
     let st = lab.must(&["scrub", "status"]);
     assert!(st.contains("LAST RESULTS") && st.contains(" s "), "{st}");
 }
+
+/// Maintenance: a node's copies go stale and its volumes move away while writes go on;
+/// a second node is refused while that would leave slabs below min_replicas; `off`
+/// resyncs only what the node missed.
+#[test]
+fn maintenance_moves_volumes_refuses_when_unsafe_and_resyncs() {
+    let lab = Lab::up(4, &[]);
+    lab.must(&[
+        "volume",
+        "create",
+        "m",
+        "--size",
+        "128M",
+        "--resiliency",
+        "mirror-3",
+        "--owner",
+        "2",
+    ]);
+    let uri = lab.uri_on("m", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let img = random_file(tmp.path(), "m.img", 128 << 20, 11);
+    must(Command::new("nbdcopy").arg(&img).arg(&uri));
+    let ext = lab.extents("m");
+    // A node holding a copy of slab 0 serves the volume, then goes into maintenance.
+    let victim = (2..=4u64)
+        .find(|n| ext.iter().any(|e| e.0 == 0 && e.1 == *n))
+        .unwrap();
+    let vs = victim.to_string();
+    lab.must(&["volume", "move", "m", "--to", &vs]);
+    lab.must(&["node", "maintenance", &vs, "on"]);
+    lab.wait_for("the node's copies to turn stale", MIN, || {
+        lab.extents("m")
+            .iter()
+            .all(|e| (e.1 == victim) == (e.2 == "stale"))
+    });
+    assert_ne!(
+        lab.json(&["volume", "show", "m"])["owner"],
+        victim,
+        "moved off the node"
+    );
+    let nodes = lab.json(&["node", "list"]);
+    assert!(
+        nodes
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == victim && n["maintenance"] == true),
+        "{nodes}"
+    );
+    qemu_io(&uri, "write -P 0x21 8192 16384");
+    patch(&img, 8192, 16384, 0x21);
+    compare(&uri, &img, "in maintenance");
+    // Another node holding slab 0 would leave it one in-sync copy.
+    let other = ext.iter().find(|e| e.0 == 0 && e.1 != victim).unwrap().1;
+    let e = lab.fails(&["node", "maintenance", &other.to_string(), "on"]);
+    assert!(e.contains("below its min_replicas"), "{e}");
+    lab.must(&["node", "maintenance", &vs, "off"]);
+    lab.wait_for("resync after maintenance", 2 * MIN, || {
+        all_in_sync(&lab, "m")
+    });
+    // Only the 4 blocks written meanwhile were copied back.
+    let copied: u64 = (1..=4)
+        .map(|n| lab.metric(n, "converge_repair_blocks_written_total"))
+        .sum();
+    assert_eq!(copied, 4, "{}", lab.logs());
+    compare(&uri, &img, "after maintenance");
+    assert_copies_agree(&lab, "m");
+}

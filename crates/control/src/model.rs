@@ -45,6 +45,8 @@ pub mod keys {
     pub const SLABS: &str = "/converge/slabs/";
     pub const OWNERS: &str = "/converge/owners/";
     pub const EPOCHS: &str = "/converge/epochs/";
+    /// Nodes in maintenance (planned downtime): `/converge/maintenance/<node id>`.
+    pub const MAINTENANCE: &str = "/converge/maintenance/";
 
     pub fn node(id: NodeId) -> String {
         format!("{NODES}{}", id.0)
@@ -450,6 +452,27 @@ impl Cluster {
             out.insert(slab, (rec, kv.mod_revision));
         }
         Ok(out)
+    }
+
+    /// Puts a node in maintenance (or takes it out).
+    pub async fn set_maintenance(&self, node: NodeId, on: bool) -> Result<(), ControlError> {
+        let key = format!("{}{}", keys::MAINTENANCE, node.0);
+        if on {
+            self.etcd.put(&key, b"{}", None).await?;
+        } else {
+            self.etcd.delete(&key).await?;
+        }
+        Ok(())
+    }
+
+    /// Nodes in maintenance.
+    pub async fn maintenance_nodes(&self) -> Result<Vec<NodeId>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::MAINTENANCE).await?;
+        Ok(kvs
+            .iter()
+            .filter_map(|kv| kv.key.strip_prefix(keys::MAINTENANCE)?.parse().ok())
+            .map(NodeId)
+            .collect())
     }
 
     /// One slab's record and its mod revision (for a compare-and-swap), if allocated.

@@ -127,6 +127,7 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::POST, ["v1", "volumes", name, "move"]) => move_volume(node, name, body).await,
         (&Method::POST, ["v1", "volumes", name, "open"]) => open_here(node, name).await,
         (&Method::POST, ["v1", "volumes", name, "scrub"]) => scrub(node, name, body).await,
+        (&Method::POST, ["v1", "nodes", id, "maintenance"]) => maintenance(node, id, body).await,
         (&Method::GET, ["v1", "scrub"]) => ok(&crate::scrub::results(node).await),
         // Lab-only debug views (the fault injector); handlers live in lab_api.rs.
         (_, ["v1", "lab", rest @ ..]) => crate::lab_api::route(node, method, rest, body)
@@ -160,6 +161,7 @@ async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
             nbd_socket: n.nbd_socket,
             nbd_tcp: n.nbd_tcp,
             version: n.version,
+            maintenance: false,
         })
         .collect();
     // Nodes with drives but no live record are down.
@@ -175,8 +177,17 @@ async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
                 nbd_socket: String::new(),
                 nbd_tcp: None,
                 version: String::new(),
+                maintenance: false,
             });
         }
+    }
+    let maint = node
+        .cluster
+        .maintenance_nodes()
+        .await
+        .map_err(ApiError::unavailable)?;
+    for n in out.iter_mut() {
+        n.maintenance = maint.contains(&n.id);
     }
     out.sort_by_key(|n| n.id);
     Ok(out)
@@ -572,6 +583,110 @@ async fn move_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     }
     log::info!("volume {name} moved to node {}", req.to);
     ok(&volume(node, name).await?)
+}
+
+/// `node maintenance ID on|off`. On: refused while a resync or rebuild runs anywhere, or
+/// if a slab would be left with fewer than min_replicas in-sync copies elsewhere; then
+/// the node's volumes move to other nodes and owners mark its copies stale (so writes
+/// never wait for it). Off: the copies are resynced by their owners (delta).
+async fn maintenance(node: &Arc<Node>, id: &str, body: &[u8]) -> Out {
+    let req: Maintenance = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("bad maintenance request: {e}")))?;
+    let id = NodeId(
+        id.parse()
+            .map_err(|_| ApiError::bad(format!("node id {id:?} is not a number")))?,
+    );
+    let ns = nodes(node).await?;
+    if !ns.iter().any(|n| n.id == id) {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no node {id} in this cluster"),
+        ));
+    }
+    if !req.on {
+        node.cluster
+            .set_maintenance(id, false)
+            .await
+            .map_err(ApiError::unavailable)?;
+        log::info!("node {id} leaves maintenance; its copies will be resynced");
+        return ok(&nodes(node).await?);
+    }
+    let jobs = crate::repair::all_jobs(node).await;
+    if let Some(j) = jobs.iter().find(|j| j.kind != "scrub") {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!(
+                "refused: a {} of volume {} slab {} is running on node {}; wait until `converge status` shows no jobs",
+                j.kind, j.volume, j.slab, j.node
+            ),
+        ));
+    }
+    let maint = node
+        .cluster
+        .maintenance_nodes()
+        .await
+        .map_err(ApiError::unavailable)?;
+    let usable: Vec<NodeId> = ns
+        .iter()
+        .filter(|n| n.live && n.id != id && !maint.contains(&n.id))
+        .map(|n| n.id)
+        .collect();
+    let vols = node
+        .cluster
+        .volumes()
+        .await
+        .map_err(ApiError::unavailable)?;
+    let mut owned_here = Vec::new();
+    for v in &vols {
+        let slabs = slab_map(node, v.id).await?;
+        for (idx, s) in &slabs {
+            if !s.extents.iter().any(|e| e.node == id) {
+                continue;
+            }
+            let left = s
+                .extents
+                .iter()
+                .filter(|e| {
+                    e.node != id && e.state == ExtentState::InSync && usable.contains(&e.node)
+                })
+                .count();
+            if left < v.min_replicas {
+                return Err(ApiError(
+                    StatusCode::CONFLICT,
+                    format!(
+                        "refused: volume {} slab {idx} would keep {left} in-sync copies, below its min_replicas {} (wait for resyncs, or bring nodes back first)",
+                        v.name, v.min_replicas
+                    ),
+                ));
+            }
+        }
+        if serving_owner(node, v).await? == id {
+            owned_here.push(v.name.clone());
+        }
+    }
+    node.cluster
+        .set_maintenance(id, true)
+        .await
+        .map_err(ApiError::unavailable)?;
+    if !owned_here.is_empty() && usable.is_empty() {
+        node.cluster
+            .set_maintenance(id, false)
+            .await
+            .map_err(ApiError::unavailable)?;
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("refused: node {id} serves volumes and no other live node can take them"),
+        ));
+    }
+    for name in owned_here {
+        let to = usable[0];
+        let body = serde_json::to_vec(&MoveVolume { to }).unwrap_or_default();
+        if let Err(ApiError(_, e)) = move_volume(node, &name, &body).await {
+            log::warn!("maintenance: moving volume {name} off node {id}: {e}");
+        }
+    }
+    log::info!("node {id} is in maintenance");
+    ok(&nodes(node).await?)
 }
 
 /// Scrub one volume: wait for the result, or start it as a job.

@@ -754,6 +754,11 @@ pub async fn drive_loads(cluster: &Cluster) -> Result<Vec<DriveLoad>, String> {
         .iter()
         .map(|n| n.id)
         .collect();
+    let maint = cluster
+        .maintenance_nodes()
+        .await
+        .map_err(|e| e.to_string())?;
+    let live: Vec<NodeId> = live.into_iter().filter(|n| !maint.contains(n)).collect();
     let used = extents_used(cluster).await?;
     Ok(drives
         .iter()

@@ -164,6 +164,18 @@ pub async fn run(node: Arc<Node>) {
             }
         }
         down_since.retain(|n, _| !live.contains(n));
+        // Nodes in maintenance: their copies are stale (writes do not wait for them), they
+        // are not resynced until maintenance ends and not rebuilt elsewhere meanwhile.
+        let maint: HashSet<NodeId> = node
+            .cluster
+            .maintenance_nodes()
+            .await
+            .map(|v| v.into_iter().collect())
+            .unwrap_or_default();
+        if maint.contains(&node.cfg.node_id) && !node.volumes.lock().await.is_empty() {
+            let names: Vec<String> = node.volumes.lock().await.keys().cloned().collect();
+            log::info!("in maintenance: still serving {names:?} until they are moved");
+        }
         if is_leader(&node).await {
             adopt_orphans(&node).await;
             if !scrub_running(&node) {
@@ -176,9 +188,10 @@ pub async fn run(node: Arc<Node>) {
             // A node whose lease expired has failed for every slab it holds.
             for (idx, ex) in v.slab_map() {
                 for e in ex {
-                    if e.state != ExtentState::Stale && !live.contains(&e.node) {
+                    let away = !live.contains(&e.node) || maint.contains(&e.node);
+                    if e.state != ExtentState::Stale && away {
                         log::warn!(
-                            "volume {}: node {} is down; its copy of slab {idx} is stale",
+                            "volume {}: node {} is down or in maintenance; its copy of slab {idx} is stale",
                             v.config().name,
                             e.node
                         );
@@ -189,6 +202,9 @@ pub async fn run(node: Arc<Node>) {
                 }
             }
             for (idx, e) in v.stale_extents() {
+                if maint.contains(&e.node) {
+                    continue;
+                }
                 if live.contains(&e.node) {
                     if node.replicas.call_peer_or_local_ping(e.node).await.is_ok() {
                         resync(&node, &v, idx, e).await;
