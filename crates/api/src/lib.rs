@@ -55,6 +55,9 @@ pub struct DriveInfo {
     /// Extents placed on this drive by slab maps.
     pub extents_used: u64,
     pub slab_size_bytes: u64,
+    /// Why the drive failed (I/O errors), if it did: its copies are rebuilt elsewhere.
+    #[serde(default)]
+    pub failed: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

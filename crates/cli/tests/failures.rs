@@ -351,3 +351,75 @@ fn maintenance_moves_volumes_refuses_when_unsafe_and_resyncs() {
     compare(&uri, &img, "after maintenance");
     assert_copies_agree(&lab, "m");
 }
+
+/// A drive whose writes fail (here: its file sits on a full tmpfs, so writes get ENOSPC)
+/// is marked failed; its copies are rebuilt on other nodes at once, and no write is lost.
+#[test]
+fn a_drive_that_fails_is_marked_failed_and_its_copies_rebuilt() {
+    let lab = Lab::up(4, &[]);
+    // Move node 4's first drive onto a small tmpfs: the file stays sparse, so writes fail with
+    // ENOSPC once the tmpfs is full.
+    let lj = lab.lab_json();
+    let drive = lj["nodes"][3]["drives"][0].as_str().unwrap().to_string();
+    lab.must(&["lab", "fault", "stop", "4"]);
+    let mnt = tempfile::tempdir().unwrap();
+    let m = mnt.path().display().to_string();
+    must(Command::new("mount").args(["-t", "tmpfs", "-o", "size=40m", "tmpfs", &m]));
+    struct Unmount(String);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").args(["-l", &self.0]).status();
+        }
+    }
+    let _u = Unmount(m.clone());
+    let small = format!("{m}/drive.img");
+    must(Command::new("cp").args(["--sparse=always", &drive, &small]));
+    std::fs::remove_file(&drive).unwrap();
+    std::os::unix::fs::symlink(&small, &drive).unwrap();
+    lab.must(&["lab", "fault", "restart", "4"]);
+
+    lab.must(&[
+        "volume",
+        "create",
+        "f",
+        "--size",
+        "256M",
+        "--resiliency",
+        "mirror-3",
+        "--owner",
+        "1",
+    ]);
+    let uri = lab.uri("f");
+    let tmp = tempfile::tempdir().unwrap();
+    let img = random_file(tmp.path(), "f.img", 256 << 20, 13);
+    must(Command::new("nbdcopy").arg(&img).arg(&uri));
+    let failed_drive = || {
+        lab.json(&["drive", "list"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|d| d["node"] == 4 && !d["failed"].is_null())
+            .map(|d| d["id"].clone())
+    };
+    lab.wait_for("node 4's drive to be marked failed", MIN, || {
+        failed_drive().is_some()
+    });
+    let bad = failed_drive().unwrap();
+    let st = lab.json(&["status"]);
+    assert!(
+        st["health"].as_str().unwrap().contains("drives failed"),
+        "{st}"
+    );
+    lab.wait_for("copies rebuilt off the failed drive", 3 * MIN, || {
+        let v = lab.json(&["volume", "show", "f"]);
+        v["slabs"].as_array().unwrap().iter().all(|s| {
+            s["extents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|e| e["drive"] != bad && e["state"] == "in-sync")
+        })
+    });
+    compare(&uri, &img, "after the drive failed");
+    assert_copies_agree(&lab, "f");
+}

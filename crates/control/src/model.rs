@@ -24,7 +24,7 @@ use converge_types::{
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 /// Root of every converge key.
@@ -47,6 +47,8 @@ pub mod keys {
     pub const EPOCHS: &str = "/converge/epochs/";
     /// Nodes in maintenance (planned downtime): `/converge/maintenance/<node id>`.
     pub const MAINTENANCE: &str = "/converge/maintenance/";
+    /// Drives that failed (I/O errors): `/converge/failed-drives/<drive id>` = reason.
+    pub const FAILED_DRIVES: &str = "/converge/failed-drives/";
 
     pub fn node(id: NodeId) -> String {
         format!("{NODES}{}", id.0)
@@ -463,6 +465,36 @@ impl Cluster {
             self.etcd.delete(&key).await?;
         }
         Ok(())
+    }
+
+    /// Records that a drive failed (or, with `None`, that it works again).
+    pub async fn set_drive_failed(
+        &self,
+        drive: DriveId,
+        reason: Option<&str>,
+    ) -> Result<(), ControlError> {
+        let key = format!("{}{}", keys::FAILED_DRIVES, drive.0);
+        match reason {
+            Some(r) => {
+                self.etcd.put(&key, r.as_bytes(), None).await?;
+            }
+            None => {
+                self.etcd.delete(&key).await?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Failed drives and why.
+    pub async fn failed_drives(&self) -> Result<HashMap<DriveId, String>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::FAILED_DRIVES).await?;
+        Ok(kvs
+            .iter()
+            .filter_map(|kv| {
+                let id = kv.key.strip_prefix(keys::FAILED_DRIVES)?.parse().ok()?;
+                Some((DriveId(id), String::from_utf8_lossy(&kv.value).into_owned()))
+            })
+            .collect())
     }
 
     /// Nodes in maintenance.

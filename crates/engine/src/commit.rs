@@ -14,6 +14,12 @@ use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
 impl Drive {
+    /// Why the drive failed (a device write or sync error), if it did; it acks nothing
+    /// after that.
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.commit).failed.clone()
+    }
+
     pub(crate) fn check_failed(&self) -> Result<(), EngineError> {
         match &lock(&self.commit).failed {
             Some(reason) => Err(EngineError::Failed {

@@ -197,6 +197,11 @@ async fn drives(node: &Node) -> Result<Vec<DriveInfo>, ApiError> {
     let used = extents_used(&node.cluster)
         .await
         .map_err(ApiError::unavailable)?;
+    let failed = node
+        .cluster
+        .failed_drives()
+        .await
+        .map_err(ApiError::unavailable)?;
     let mut v: Vec<DriveInfo> = node
         .cluster
         .drives()
@@ -213,6 +218,7 @@ async fn drives(node: &Node) -> Result<Vec<DriveInfo>, ApiError> {
             extents_total: d.extents_total,
             extents_used: used.get(&d.id).copied().unwrap_or(0),
             slab_size_bytes: d.slab_size_bytes,
+            failed: failed.get(&d.id).cloned(),
         })
         .collect();
     v.sort_by_key(|d| (d.node, d.path.clone()));
@@ -353,6 +359,14 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
         .collect();
     if !down.is_empty() {
         problems.push(format!("nodes down: {}", down.join(", ")));
+    }
+    let failed: Vec<String> = ds
+        .iter()
+        .filter(|d| d.failed.is_some())
+        .map(|d| format!("{} on node {}", d.id, d.node))
+        .collect();
+    if !failed.is_empty() {
+        problems.push(format!("drives failed: {}", failed.join(", ")));
     }
     let degraded: u64 = vs.iter().map(|v| v.degraded_extents).sum();
     if degraded > 0 {

@@ -224,9 +224,16 @@ async fn run(args: Args) -> Result<()> {
         throttle: converge_volume::resync::Throttle::new(cfg.knobs.resync_bytes_per_s),
         scrub_throttle: converge_volume::resync::Throttle::new(cfg.knobs.scrub_bytes_per_s),
         scrub_stats: Default::default(),
+        failed_reported: Mutex::new(Default::default()),
     });
     for d in &drive_recs {
         cluster.put_drive(d).await.map_err(|e| anyhow!("{e}"))?;
+        // It opened and recovered: whatever failure was recorded is over (its old copies
+        // were rebuilt elsewhere and are orphans now).
+        cluster
+            .set_drive_failed(d.id, None)
+            .await
+            .map_err(|e| anyhow!("{e}"))?;
     }
     cluster
         .register_node(&node.node_record(), lease)

@@ -42,6 +42,8 @@ pub struct Node {
     pub throttle: Throttle,
     pub scrub_throttle: Throttle,
     pub scrub_stats: ScrubStats,
+    /// Local drives whose failure is recorded in etcd.
+    pub failed_reported: Mutex<std::collections::HashSet<DriveId>>,
 }
 
 /// Totals of this node's scrubs (for /metrics).
@@ -759,6 +761,7 @@ pub async fn drive_loads(cluster: &Cluster) -> Result<Vec<DriveLoad>, String> {
         .await
         .map_err(|e| e.to_string())?;
     let live: Vec<NodeId> = live.into_iter().filter(|n| !maint.contains(n)).collect();
+    let failed = cluster.failed_drives().await.map_err(|e| e.to_string())?;
     let used = extents_used(cluster).await?;
     Ok(drives
         .iter()
@@ -767,7 +770,7 @@ pub async fn drive_loads(cluster: &Cluster) -> Result<Vec<DriveLoad>, String> {
             node: d.node,
             extents_total: d.extents_total,
             extents_used: used.get(&d.id).copied().unwrap_or(0),
-            live: live.contains(&d.node),
+            live: live.contains(&d.node) && !failed.contains_key(&d.id),
             role: d.role,
         })
         .collect())

@@ -172,6 +172,13 @@ pub async fn run(node: Arc<Node>) {
             .await
             .map(|v| v.into_iter().collect())
             .unwrap_or_default();
+        report_failed_drives(&node).await;
+        let failed: HashSet<converge_types::DriveId> = node
+            .cluster
+            .failed_drives()
+            .await
+            .map(|m| m.into_keys().collect())
+            .unwrap_or_default();
         if maint.contains(&node.cfg.node_id) && !node.volumes.lock().await.is_empty() {
             let names: Vec<String> = node.volumes.lock().await.keys().cloned().collect();
             log::info!("in maintenance: still serving {names:?} until they are moved");
@@ -188,7 +195,9 @@ pub async fn run(node: Arc<Node>) {
             // A node whose lease expired has failed for every slab it holds.
             for (idx, ex) in v.slab_map() {
                 for e in ex {
-                    let away = !live.contains(&e.node) || maint.contains(&e.node);
+                    let away = !live.contains(&e.node)
+                        || maint.contains(&e.node)
+                        || failed.contains(&e.drive);
                     if e.state != ExtentState::Stale && away {
                         log::warn!(
                             "volume {}: node {} is down or in maintenance; its copy of slab {idx} is stale",
@@ -203,6 +212,11 @@ pub async fn run(node: Arc<Node>) {
             }
             for (idx, e) in v.stale_extents() {
                 if maint.contains(&e.node) {
+                    continue;
+                }
+                if failed.contains(&e.drive) {
+                    // A failed drive does not come back: rebuild now.
+                    rebuild(&node, &v, idx, e, &mut warned).await;
                     continue;
                 }
                 if live.contains(&e.node) {
@@ -351,6 +365,29 @@ async fn rebuild(
         Err(err) => {
             node.jobs.failed.fetch_add(1, Ordering::Relaxed);
             log::warn!("rebuild of volume {name} slab {idx}: {err}");
+        }
+    }
+}
+
+/// Records this node's drives that failed (I/O errors) in etcd, once each.
+async fn report_failed_drives(node: &Node) {
+    for (id, d) in &node.drives {
+        if let Some(reason) = d.failure() {
+            let first = node
+                .failed_reported
+                .lock()
+                .expect("lock poisoned")
+                .insert(*id);
+            if first {
+                log::error!("drive {id} failed: {reason}; its copies will be rebuilt elsewhere");
+                if let Err(e) = node.cluster.set_drive_failed(*id, Some(&reason)).await {
+                    log::warn!("recording the failure of drive {id}: {e}");
+                    node.failed_reported
+                        .lock()
+                        .expect("lock poisoned")
+                        .remove(id);
+                }
+            }
         }
     }
 }
