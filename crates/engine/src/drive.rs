@@ -71,6 +71,27 @@ pub(crate) struct ExtentMeta {
     pub blocks: Vec<BlockMeta>,
     /// Blocks with writes not yet applied to `blocks` (bounded by writes in flight).
     pub overlay: HashMap<u32, Overlay>,
+    /// Digest of the durable version map (see [`version_digest`]), kept up to date by
+    /// `apply`, so copies can be compared without reading their block lists.
+    pub digest: u64,
+}
+
+/// One block's share of an extent's version digest.
+fn digest_term(block: u32, version: u64) -> u64 {
+    // splitmix64 finaliser over (block, version).
+    let mut z =
+        version ^ (u64::from(block) << 40 | u64::from(block)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^ (z >> 31)
+}
+
+/// Order-independent digest of a version map: the wrapping sum of one term per block.
+/// Equal digests mean equal version maps (with overwhelming probability).
+pub(crate) fn version_digest(versions: impl Iterator<Item = u64>) -> u64 {
+    versions
+        .enumerate()
+        .fold(0u64, |d, (b, v)| d.wrapping_add(digest_term(b as u32, v)))
 }
 
 impl ExtentMeta {
@@ -89,6 +110,10 @@ impl ExtentMeta {
     /// Applies a durable record's effect (called in journal order).
     pub fn apply(&mut self, b: u32, meta: BlockMeta) {
         if let Some(slot) = self.blocks.get_mut(b as usize) {
+            self.digest = self
+                .digest
+                .wrapping_sub(digest_term(b, slot.version))
+                .wrapping_add(digest_term(b, meta.version));
             *slot = meta;
         }
         if let Entry::Occupied(mut o) = self.overlay.entry(b) {
@@ -121,6 +146,7 @@ impl Extent {
             epoch: AtomicU64::new(epoch),
             epoch_seq: AtomicU64::new(seq),
             meta: Mutex::new(ExtentMeta {
+                digest: version_digest(blocks.iter().map(|m| m.version)),
                 blocks,
                 overlay: HashMap::new(),
             }),
@@ -373,7 +399,9 @@ impl Drive {
             let b = first + i as u32;
             let nm = new(i);
             if accept(i, &m.current(b), &nm) {
-                let ExtentMeta { blocks, overlay } = &mut *m;
+                let ExtentMeta {
+                    blocks, overlay, ..
+                } = &mut *m;
                 let o = overlay.entry(b).or_insert(Overlay {
                     meta: blocks[b as usize],
                     busy: false,
@@ -785,6 +813,22 @@ impl Drive {
         }
         let ext = self.extent_for_write(key, epoch)?;
         self.wait_durable(ext.epoch_seq.load(Ordering::Acquire))
+    }
+
+    /// Fences the extent at `epoch` (as [`Drive::fence`]) and returns the digest of its
+    /// durable version map: two copies with equal digests hold the same versions, so a new
+    /// owner only compares block by block the slabs whose copies' digests differ (those
+    /// with writes in flight at the crash). An extent this drive does not hold has the
+    /// digest of a never-written one.
+    pub fn fence_and_digest(&self, key: ExtentKey, epoch: Epoch) -> Result<u64, EngineError> {
+        self.fence(key, epoch)?;
+        match self.lookup(key) {
+            Some(ext) => Ok(lock(&ext.meta).digest),
+            None => Ok(version_digest(std::iter::repeat_n(
+                0,
+                (self.layout.slab_size_bytes / BLOCK) as usize,
+            ))),
+        }
     }
 
     /// Extents on this drive with their epochs.

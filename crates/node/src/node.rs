@@ -407,6 +407,16 @@ impl LocalDrives {
         blocking(move || d.write_blocks(key, epoch, offset, &data, &crcs, &versions, &expect)).await
     }
 
+    pub async fn digest(
+        &self,
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
+    ) -> Result<u64, EngineError> {
+        let d = self.drive(drive)?;
+        blocking(move || d.fence_and_digest(key, epoch)).await
+    }
+
     pub async fn versions(
         &self,
         drive: DriveId,
@@ -690,6 +700,30 @@ impl ReplicaIo for Replicas {
         };
         match self.call(at.node, req).await? {
             Response::Written { blocks } => Ok(blocks),
+            other => Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
+        }
+    }
+
+    async fn digest(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+    ) -> Result<u64, ReplicaError> {
+        if at.node == self.me {
+            return self
+                .local
+                .digest(at.drive, key, epoch)
+                .await
+                .map_err(engine_to_replica);
+        }
+        let req = Request::Digest {
+            drive: at.drive,
+            key,
+            epoch,
+        };
+        match self.call(at.node, req).await? {
+            Response::DigestOk { digest } => Ok(digest),
             other => Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
         }
     }
@@ -1043,6 +1077,11 @@ impl Handler for RpcHandler {
                 )
                 .await
                 .map(|blocks| Response::Written { blocks }),
+            Request::Digest { drive, key, epoch } => self
+                .local
+                .digest(drive, key, epoch)
+                .await
+                .map(|digest| Response::DigestOk { digest }),
             Request::Versions {
                 drive,
                 key,

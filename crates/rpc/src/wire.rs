@@ -32,6 +32,7 @@ pub mod msg {
     pub const READ_BLOCKS: u8 = 0x14;
     pub const WRITE_BLOCKS: u8 = 0x15;
     pub const VERSIONS: u8 = 0x16;
+    pub const DIGEST: u8 = 0x17;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
@@ -43,6 +44,7 @@ pub mod msg {
     pub const BLOCKS_OK: u8 = 0x92;
     pub const VERSIONS_OK: u8 = 0x93;
     pub const WRITTEN: u8 = 0x94;
+    pub const DIGEST_OK: u8 = 0x95;
     pub const ERR: u8 = 0xff;
 
     /// True for the request half of the type space.
@@ -120,6 +122,13 @@ pub enum Request {
         epoch: Epoch,
         offset: u64,
         count: u32,
+    },
+    /// Raise the extent's epoch to `epoch`, then answer the digest of its version map
+    /// ([`Response::DigestOk`]).
+    Digest {
+        drive: DriveId,
+        key: ExtentKey,
+        epoch: Epoch,
     },
     /// Redirected I/O: a node serving a client for a volume it does not own forwards the
     /// client's request to the owner, which runs it as if the client were local.
@@ -237,6 +246,9 @@ pub enum Response {
     /// Answer to `WriteBlocks`: how many blocks were written (the rest had changed).
     Written {
         blocks: u32,
+    },
+    DigestOk {
+        digest: u64,
     },
     Err {
         code: ErrorCode,
@@ -450,6 +462,7 @@ pub fn request_type(req: &Request) -> u8 {
         Request::ReadBlocks { .. } => msg::READ_BLOCKS,
         Request::WriteBlocks { .. } => msg::WRITE_BLOCKS,
         Request::Versions { .. } => msg::VERSIONS,
+        Request::Digest { .. } => msg::DIGEST,
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
         Request::VolZero { .. } => msg::VOL_ZERO,
@@ -466,6 +479,7 @@ pub fn response_type(resp: &Response) -> u8 {
         Response::BlocksOk { .. } => msg::BLOCKS_OK,
         Response::VersionsOk { .. } => msg::VERSIONS_OK,
         Response::Written { .. } => msg::WRITTEN,
+        Response::DigestOk { .. } => msg::DIGEST_OK,
         Response::Err { .. } => msg::ERR,
     }
 }
@@ -587,6 +601,12 @@ pub fn encode_request(request_id: u64, req: &Request) -> EncodedFrame {
             b.put_u32_le(*count);
             finish(t, request_id, b, Bytes::new())
         }
+        Request::Digest { drive, key, epoch } => {
+            let mut b = new_head(32);
+            put_key(&mut b, *drive, key);
+            b.put_u64_le(epoch.0);
+            finish(t, request_id, b, Bytes::new())
+        }
         Request::VolRead {
             volume,
             offset,
@@ -682,6 +702,11 @@ pub fn encode_response(request_id: u64, resp: &Response) -> EncodedFrame {
         Response::Written { blocks } => {
             let mut b = new_head(4);
             b.put_u32_le(*blocks);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Response::DigestOk { digest } => {
+            let mut b = new_head(8);
+            b.put_u64_le(*digest);
             finish(t, request_id, b, Bytes::new())
         }
         Response::Err { code, message } => {
@@ -934,6 +959,14 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
                 count: r.u32("count")?,
             }
         }
+        msg::DIGEST => {
+            let (drive, key) = r.drive_key()?;
+            Request::Digest {
+                drive,
+                key,
+                epoch: Epoch(r.u64("epoch")?),
+            }
+        }
         msg::VOL_READ => Request::VolRead {
             volume: VolumeId(r.u64("volume")?),
             offset: r.u64("offset")?,
@@ -1004,6 +1037,9 @@ pub fn decode_response(msg_type: u8, payload: Bytes) -> Result<Response, WireErr
         msg::WRITTEN => Response::Written {
             blocks: r.u32("blocks")?,
         },
+        msg::DIGEST_OK => Response::DigestOk {
+            digest: r.u64("digest")?,
+        },
         msg::ERR => {
             let code = ErrorCode::from_u16(r.u16("error code")?);
             let len = r.u32("message length")? as usize;
@@ -1038,7 +1074,12 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..12) {
+        match rng.gen_range(0..13) {
+            12 => Request::Digest {
+                drive: DriveId(rng.gen()),
+                key: key(rng),
+                epoch: Epoch(rng.gen()),
+            },
             6 => Request::ReadBlocks {
                 drive: DriveId(rng.gen()),
                 key: key(rng),
@@ -1142,7 +1183,8 @@ mod tests {
     }
 
     fn random_response(rng: &mut impl Rng) -> Response {
-        match rng.gen_range(0..8) {
+        match rng.gen_range(0..9) {
+            8 => Response::DigestOk { digest: rng.gen() },
             5 => {
                 let blocks = rng.gen_range(0..5);
                 let (_, data) = data(rng, blocks);
@@ -1197,7 +1239,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 12, "every request type was exercised");
+        assert_eq!(seen.len(), 13, "every request type was exercised");
     }
 
     #[test]
@@ -1213,7 +1255,7 @@ mod tests {
             seen.insert(h.msg_type);
             assert_eq!(decode_response(h.msg_type, payload).expect("decodes"), resp);
         }
-        assert_eq!(seen.len(), 8, "every response type was exercised");
+        assert_eq!(seen.len(), 9, "every response type was exercised");
     }
 
     #[test]

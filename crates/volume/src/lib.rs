@@ -115,6 +115,15 @@ pub trait ReplicaIo: Send + Sync + 'static {
         data: Bytes,
     ) -> impl Future<Output = Result<u32, ReplicaError>> + Send;
 
+    /// Fence the extent at `epoch` and answer the digest of its version map (equal digests:
+    /// equal versions).
+    fn digest(
+        &self,
+        at: ExtentLoc,
+        key: ExtentKey,
+        epoch: Epoch,
+    ) -> impl Future<Output = Result<u64, ReplicaError>> + Send;
+
     /// Fence the extent at `epoch` (older owners are refused from then on) and answer the
     /// versions of `count` blocks from `offset`.
     fn versions(

@@ -393,7 +393,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// are refused from then on) and makes the in-sync copies agree block by block (a
     /// crashed owner's last writes may have reached only some of them). Copies that do
     /// not answer are marked stale; `syncing` copies (an interrupted resync) become stale
-    /// and are resynced later. Reads only versions, then copies only differing blocks.
+    /// and are resynced later. Per slab it compares one digest per copy; only slabs whose
+    /// digests differ are compared block by block, and only differing blocks copied.
     pub async fn reconcile(&self) -> Result<CopyReport, VolumeError> {
         let mut total = CopyReport::default();
         let slabs: Vec<SlabIndex> = self.slab_map().keys().copied().collect();
@@ -421,6 +422,32 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 )
                 .await?;
             }
+        }
+        // Fence every copy (stale ones too) and compare digests of the version maps: only
+        // a slab whose in-sync copies differ (writes in flight at the crash) is compared
+        // block by block, so a takeover's work is bounded by what was being written.
+        let mut digests = Vec::new();
+        for e in slab.extents().iter() {
+            match self.io.digest(*e, key, epoch).await {
+                Ok(d) if e.state == ExtentState::InSync => digests.push(d),
+                Ok(_) => {}
+                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                Err(err) => {
+                    if e.state == ExtentState::InSync {
+                        log::warn!(
+                            "volume {}: slab {idx}: copy on node {} drive {} unreachable at takeover ({err}); marking it stale",
+                            self.cfg.name, e.node, e.drive
+                        );
+                        self.mark_stale(idx, slab, e.drive).await?;
+                    }
+                }
+            }
+        }
+        if digests.is_empty() {
+            return Err(self.copy_error(idx, "no in-sync copy answered".into()));
+        }
+        if digests.iter().all(|d| *d == digests[0]) {
+            return Ok(CopyReport::default());
         }
         let blocks = self.cfg.slab_size_bytes / BS;
         let mut report = CopyReport {
