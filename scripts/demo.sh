@@ -16,7 +16,7 @@ converge volume create vm01 --size 1G --resiliency mirror-3
 URI=$(converge volume show vm01 --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["uri"])')
 echo "== fio: 4 KiB random writes with crc32c verify, then read-back verify, on $URI"
 fio --name=demo --ioengine=nbd --uri="$URI" --rw=randwrite --bs=4k --iodepth=16 \
-    --size=256M --io_size=64M --verify=crc32c --verify_fatal=1 --do_verify=1 \
+    --size=256M --io_size=64M --verify=crc32c --verify_fatal=1 --verify_state_save=0 --do_verify=1 \
     --group_reporting --output-format=normal | grep -E "IOPS|lat \(usec\): min|err=|verify" || true
 echo "== nbdinfo"
 nbdinfo "$URI" | grep -E "export-size|block_size" || true

@@ -179,6 +179,18 @@ fn thrash() {
             lab.logs()
         );
     }
+    if totals.get("io_errors").copied().unwrap_or(0) > 0 {
+        for n in 1..=4 {
+            let log = std::fs::read_to_string(lab.path().join(format!("node{n}/converged.log")))
+                .unwrap_or_default();
+            for l in log
+                .lines()
+                .filter(|l| l.contains("nbd: ") || l.contains("Degraded"))
+            {
+                eprintln!("node{n}: {l}");
+            }
+        }
+    }
     println!(
         "thrash: {} s of faults, seed {seed}: {faults:?}; clients {totals:?}; scrub repaired {scrubbed:?}",
         start.elapsed().as_secs()

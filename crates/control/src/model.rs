@@ -550,6 +550,55 @@ impl Cluster {
         })
     }
 
+    /// Replaces a slab record if unchanged since `expected_mod_revision` *and* `owner` still
+    /// owns the volume at its epoch: a deposed owner (paused, partitioned) cannot change
+    /// slab states any more (control-plane fencing). `Ok(None)` means the record changed
+    /// meanwhile (retry); `Err(OwnedElsewhere)` that `owner` lost the volume.
+    pub async fn cas_slab_as_owner(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        rec: &SlabRecord,
+        expected_mod_revision: i64,
+        owner: OwnerRecord,
+    ) -> Result<Option<()>, ControlError> {
+        let key = keys::slab(volume, slab);
+        let value = encode(&key, "slab record", rec)?;
+        let okey = keys::owner(volume);
+        let ovalue = encode(&okey, "owner record", &owner)?;
+        let r = self
+            .etcd
+            .txn(Txn {
+                compare: vec![
+                    Compare::ModRevision(key.clone(), expected_mod_revision),
+                    Compare::Value(okey.clone(), ovalue),
+                ],
+                success: vec![Op::Put(key, value, None)],
+                failure: vec![Op::Get(okey.clone())],
+            })
+            .await?;
+        if r.succeeded {
+            return Ok(Some(()));
+        }
+        let now: Option<OwnerRecord> = match r.gets.into_iter().next().flatten() {
+            Some(kv) => Some(decode(&kv, "owner record")?),
+            None => None,
+        };
+        match now {
+            Some(o) if o == owner => Ok(None),
+            Some(o) => Err(ControlError::OwnedElsewhere {
+                volume,
+                node: o.node,
+                epoch: o.epoch,
+            }),
+            None => Err(ControlError::OwnedElsewhere {
+                volume,
+                node: NodeId(0),
+                epoch: owner.epoch,
+            }),
+        }
+    }
+
     /// Replaces a slab record if unchanged since `expected_mod_revision`.
     pub async fn cas_slab(
         &self,

@@ -28,7 +28,9 @@ enum Attempt {
 
 fn dev_error(e: VolumeError) -> Attempt {
     let kind = match &e {
-        VolumeError::Fenced { .. } => return Attempt::Reroute(e.to_string()),
+        VolumeError::Fenced { .. } | VolumeError::Control(..) => {
+            return Attempt::Reroute(e.to_string())
+        }
         VolumeError::OutOfRange { .. } => DevErrorKind::Invalid,
         VolumeError::NoSpace { .. } => DevErrorKind::NoSpace,
         VolumeError::Replica {

@@ -213,6 +213,7 @@ async fn run(args: Args) -> Result<()> {
         )),
         allocator: Arc::new(Allocator {
             cluster: cluster.clone(),
+            me: cfg.node_id,
         }),
         cfg: cfg.clone(),
         cluster: cluster.clone(),

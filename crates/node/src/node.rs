@@ -491,7 +491,11 @@ impl Replicas {
             addr: format!("node {node}"),
             source: Arc::new(std::io::Error::other(e.to_string())),
         })?;
-        c.call(req).await
+        // The owner may itself wait for a replica timeout and for degraded writes.
+        let limit = std::time::Duration::from_millis(
+            self.knobs.replica_timeout_ms * 2 + self.knobs.degraded_write_wait_ms,
+        );
+        c.call_within(req, limit).await
     }
 
     /// Is the node reachable (a ping over the peer protocol)? This node always is.
@@ -761,6 +765,8 @@ impl ReplicaIo for Replicas {
 /// picks drives on distinct nodes balancing use, and records the slab (create-if-absent).
 pub struct Allocator {
     pub cluster: Cluster,
+    /// This node: slab changes are made as this node's ownership.
+    pub me: NodeId,
 }
 
 /// Extents placed on each drive, counted from all slab records.
@@ -852,6 +858,7 @@ impl SlabAllocator for Allocator {
         &self,
         volume: VolumeId,
         slab: SlabIndex,
+        epoch: Epoch,
         change: SlabChange,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         let ctl = |e: String| VolumeError::Control(e, volume.to_string());
@@ -890,13 +897,27 @@ impl SlabAllocator for Allocator {
             if !changed {
                 return Ok(extents_of(&rec));
             }
-            if self
+            let owner = converge_control::model::OwnerRecord {
+                node: self.me,
+                epoch,
+            };
+            match self
                 .cluster
-                .cas_slab(volume, slab, &rec, rev)
+                .cas_slab_as_owner(volume, slab, &rec, rev, owner)
                 .await
-                .map_err(|e| ctl(e.to_string()))?
             {
-                return Ok(extents_of(&rec));
+                Ok(Some(())) => return Ok(extents_of(&rec)),
+                Ok(None) => {}
+                Err(converge_control::model::ControlError::OwnedElsewhere { node, epoch: e, .. }) => {
+                    return Err(VolumeError::Fenced {
+                        volume: volume.to_string(),
+                        epoch,
+                        why: format!(
+                            "the volume's owner record is now node {node} epoch {e}; this node may not change its slabs"
+                        ),
+                    })
+                }
+                Err(e) => return Err(ctl(e.to_string())),
             }
         }
         Err(ctl(format!(
@@ -915,6 +936,9 @@ pub struct RpcHandler {
 fn volume_to_response(e: VolumeError) -> Response {
     let code = match &e {
         VolumeError::Fenced { .. } => ErrorCode::NotOwner,
+        // This owner cannot reach etcd (it may be cut off and about to be deposed): the
+        // forwarding node looks the owner up again and retries, instead of failing.
+        VolumeError::Control(..) => ErrorCode::Busy,
         VolumeError::OutOfRange { .. } => ErrorCode::OutOfRange,
         VolumeError::NoSpace { .. } => ErrorCode::NoSpace,
         _ => ErrorCode::Io,

@@ -156,6 +156,11 @@ pub async fn run(node: Arc<Node>) {
                 continue;
             }
         };
+        if !live.contains(&node.cfg.node_id) {
+            // Our own lease expired (we were paused or cut off): we may have been deposed;
+            // judge nobody until the keepalive has registered us again.
+            continue;
+        }
         if let Ok(all) = node.cluster.drives().await {
             for d in all {
                 if !live.contains(&d.node) {
@@ -192,6 +197,12 @@ pub async fn run(node: Arc<Node>) {
         }
         let vols: Vec<Arc<Vol>> = node.volumes.lock().await.values().cloned().collect();
         for v in vols {
+            if let Err(e) = v.reconcile_suspect().await {
+                log::warn!(
+                    "volume {}: reconciling after failed writes: {e}",
+                    v.config().name
+                );
+            }
             // A node whose lease expired has failed for every slab it holds.
             for (idx, ex) in v.slab_map() {
                 for e in ex {

@@ -242,6 +242,16 @@ impl RpcClient {
     /// so `Ok` always holds a success variant (`Ok`, `ReadOk`, `Pong`, ...).
     /// `Hello` is sent by the client itself on connect and is refused here.
     pub async fn call(&self, req: Request) -> Result<Response, RpcError> {
+        self.call_within(req, self.inner.timeout).await
+    }
+
+    /// [`RpcClient::call`] with its own time limit (redirected volume I/O may wait on the
+    /// owner's own replica timeouts, so it needs longer than one replica request).
+    pub async fn call_within(
+        &self,
+        req: Request,
+        timeout: std::time::Duration,
+    ) -> Result<Response, RpcError> {
         if matches!(req, Request::Hello(_)) {
             return Err(RpcError::Invalid(WireError::Invalid(
                 "Hello is sent by the client on connect, not by callers".into(),
@@ -256,17 +266,13 @@ impl RpcClient {
                 max: self.inner.frame_bytes_max,
             });
         }
-        let deadline = Instant::now() + self.inner.timeout;
+        let deadline = Instant::now() + timeout;
         match tokio::time::timeout_at(deadline, self.send_and_wait(id, frame, deadline)).await {
             Ok(r) => r,
-            Err(_) => Err(self.timeout_error()),
-        }
-    }
-
-    fn timeout_error(&self) -> RpcError {
-        RpcError::Timeout {
-            addr: self.inner.addr.clone(),
-            timeout_ms: self.inner.timeout.as_millis() as u64,
+            Err(_) => Err(RpcError::Timeout {
+                addr: self.inner.addr.clone(),
+                timeout_ms: timeout.as_millis() as u64,
+            }),
         }
     }
 
@@ -331,7 +337,10 @@ impl RpcClient {
                 Err(e)
             }
             Err(_) => {
-                let e = self.timeout_error();
+                let e = RpcError::Timeout {
+                    addr: self.inner.addr.clone(),
+                    timeout_ms: self.inner.timeout.as_millis() as u64,
+                };
                 self.backoff(&mut slot, e.clone());
                 Err(e)
             }

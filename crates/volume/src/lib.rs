@@ -170,10 +170,13 @@ pub trait SlabAllocator: Send + Sync + 'static {
     /// Applies `change` to the slab's record (atomically, against concurrent changers) and
     /// returns the record's extents afterwards. A change whose precondition no longer holds
     /// is not an error: the current extents are returned and the caller re-checks.
+    /// Only the owner at `epoch` may change the record: a deposed owner gets
+    /// [`VolumeError::Fenced`].
     fn change(
         &self,
         volume: VolumeId,
         slab: SlabIndex,
+        epoch: Epoch,
         change: SlabChange,
     ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
 }
@@ -255,6 +258,9 @@ pub(crate) struct Slab {
     gate: tokio::sync::RwLock<()>,
     /// Serialises control-plane changes of this slab.
     change: tokio::sync::Mutex<()>,
+    /// A write failed on every in-sync copy, so they may disagree on its blocks and none
+    /// could be marked stale; the slab is reconciled (like at a takeover) when they answer.
+    pub(crate) suspect: std::sync::atomic::AtomicBool,
 }
 
 impl Slab {
@@ -264,6 +270,7 @@ impl Slab {
             seq: AtomicU64::new(0),
             gate: tokio::sync::RwLock::new(()),
             change: tokio::sync::Mutex::new(()),
+            suspect: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -547,18 +554,30 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 Err(e) => failed.push((at, e)),
             }
         }
-        for (at, e) in &failed {
+        if ok_in_sync == 0 && !failed.is_empty() {
+            // No in-sync copy is known to hold this write, and some may: marking them all
+            // stale would leave no copy to read or resync from. Keep them in sync, fail the
+            // write, and make them agree as soon as they answer.
+            slab.suspect.store(true, Ordering::Release);
             log::warn!(
-                "volume {}: slab {} copy on node {} drive {} failed ({e}); marking it stale",
+                "volume {}: slab {idx}: a write failed on every in-sync copy ({}); the slab will be reconciled",
                 self.cfg.name,
-                idx,
-                at.node,
-                at.drive
+                failed[0].1
             );
-            self.mark_stale(idx, slab, at.drive).await?;
-            self.counters
-                .extents_marked_stale
-                .fetch_add(1, Ordering::Relaxed);
+        } else {
+            for (at, e) in &failed {
+                log::warn!(
+                    "volume {}: slab {} copy on node {} drive {} failed ({e}); marking it stale",
+                    self.cfg.name,
+                    idx,
+                    at.node,
+                    at.drive
+                );
+                self.mark_stale(idx, slab, at.drive).await?;
+                self.counters
+                    .extents_marked_stale
+                    .fetch_add(1, Ordering::Relaxed);
+            }
         }
         if ok_in_sync < self.cfg.min_replicas {
             return Err(VolumeError::Degraded {
@@ -643,6 +662,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .change(
                 self.cfg.id,
                 idx,
+                self.cfg.epoch,
                 SlabChange::State {
                     drive,
                     from: from.to_vec(),

@@ -86,6 +86,24 @@ struct Diff {
 }
 
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
+    /// Reconciles slabs where a write failed on every in-sync copy (see `settle`), once
+    /// their copies answer. Writes to the slab wait meanwhile.
+    pub async fn reconcile_suspect(&self) -> Result<u64, VolumeError> {
+        let mut n = 0;
+        let slabs: Vec<SlabIndex> = self.slab_map().keys().copied().collect();
+        for idx in slabs {
+            let slab = self.slab_or_err(idx)?;
+            if !slab.suspect.load(Ordering::Acquire) {
+                continue;
+            }
+            let _g = slab.gate.write().await;
+            let r = self.reconcile_slab(idx, &slab).await?;
+            slab.suspect.store(false, Ordering::Release);
+            n += r.blocks_written;
+        }
+        Ok(n)
+    }
+
     /// Copies that missed writes, per slab: the resync candidates.
     pub fn stale_extents(&self) -> Vec<(SlabIndex, ExtentLoc)> {
         self.slab_map()
@@ -175,7 +193,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             };
             let extents = self
                 .alloc
-                .change(self.cfg.id, idx, SlabChange::Replace { old, new })
+                .change(
+                    self.cfg.id,
+                    idx,
+                    self.cfg.epoch,
+                    SlabChange::Replace { old, new },
+                )
                 .await?;
             slab.set_extents(extents);
         }
@@ -427,6 +450,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // a slab whose in-sync copies differ (writes in flight at the crash) is compared
         // block by block, so a takeover's work is bounded by what was being written.
         let mut digests = Vec::new();
+        let mut unreachable = Vec::new();
         for e in slab.extents().iter() {
             match self.io.digest(*e, key, epoch).await {
                 Ok(d) if e.state == ExtentState::InSync => digests.push(d),
@@ -434,17 +458,21 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
                 Err(err) => {
                     if e.state == ExtentState::InSync {
-                        log::warn!(
-                            "volume {}: slab {idx}: copy on node {} drive {} unreachable at takeover ({err}); marking it stale",
-                            self.cfg.name, e.node, e.drive
-                        );
-                        self.mark_stale(idx, slab, e.drive).await?;
+                        unreachable.push((*e, err));
                     }
                 }
             }
         }
         if digests.is_empty() {
+            // Never mark the last in-sync copies stale: wait for one to answer.
             return Err(self.copy_error(idx, "no in-sync copy answered".into()));
+        }
+        for (e, err) in unreachable {
+            log::warn!(
+                "volume {}: slab {idx}: copy on node {} drive {} unreachable at takeover ({err}); marking it stale",
+                self.cfg.name, e.node, e.drive
+            );
+            self.mark_stale(idx, slab, e.drive).await?;
         }
         if digests.iter().all(|d| *d == digests[0]) {
             return Ok(CopyReport::default());
@@ -468,11 +496,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
                     Err(err) => {
                         if e.state == ExtentState::InSync {
-                            log::warn!(
-                                "volume {}: slab {idx}: copy on node {} drive {} unreachable at takeover ({err}); marking it stale",
-                                self.cfg.name, e.node, e.drive
-                            );
-                            self.mark_stale(idx, slab, e.drive).await?;
+                            return Err(self.copy_error(
+                                idx,
+                                format!(
+                                    "copy on node {} drive {} stopped answering: {err}",
+                                    e.node, e.drive
+                                ),
+                            ));
                         }
                     }
                 }

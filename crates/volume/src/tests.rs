@@ -253,6 +253,7 @@ impl SlabAllocator for FixedAlloc {
         &self,
         _volume: VolumeId,
         slab: SlabIndex,
+        _epoch: Epoch,
         change: SlabChange,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         let mut r = self.records.lock().unwrap();
@@ -741,4 +742,39 @@ async fn takeover_compares_only_slabs_whose_copies_differ() {
         "4 slabs, all copies agree"
     );
     assert_eq!(io.digests.load(Ordering::Relaxed), 12);
+}
+
+#[tokio::test]
+async fn a_write_failing_everywhere_stales_nothing_and_is_reconciled() {
+    let (v, io) = volume(1 << 20, 256 << 10);
+    v.write(0, pattern(8192, 1)).await.unwrap();
+    io.failed
+        .lock()
+        .unwrap()
+        .extend([NodeId(1), NodeId(2), NodeId(3)]);
+    let e = v.write(0, pattern(4096, 2)).await.unwrap_err();
+    assert!(matches!(e, VolumeError::Degraded { in_sync: 0, .. }), "{e}");
+    // Every copy stays in sync: nothing says which one is good.
+    assert!(v.slab_map()[&SlabIndex(0)]
+        .iter()
+        .all(|e| e.state == ExtentState::InSync));
+    // Meanwhile the write landed on one copy only (as a timed-out write may).
+    let key = v.key(SlabIndex(0));
+    let late = pattern(4096, 3);
+    io.failed.lock().unwrap().clear();
+    io.write(
+        v.slab_map()[&SlabIndex(0)][2],
+        key,
+        Epoch(3),
+        Version(3 << 32 | 99),
+        0,
+        block_crcs(&late),
+        late.clone(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(v.reconcile_suspect().await.unwrap(), 2);
+    assert_copies_identical(&v, &io);
+    assert_eq!(v.read(0, 4096).await.unwrap(), late);
+    assert_eq!(v.reconcile_suspect().await.unwrap(), 0);
 }

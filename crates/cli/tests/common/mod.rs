@@ -254,6 +254,7 @@ pub fn fio(uri: &str, args: &[&str]) -> serde_json::Value {
         .arg("--ioengine=nbd")
         .arg(format!("--uri={uri}"))
         .arg("--output-format=json")
+        .arg("--verify_state_save=0")
         .args(args);
     let out = must(&mut c);
     // fio may print warnings before the JSON.
