@@ -131,8 +131,14 @@ fn thrash() {
                 lab.must(&["lab", "fault", "heal", &node]);
             }
             _ => {
-                let n = rng.gen_range(1..=4u32).to_string();
-                lab.must(&["lab", "fault", "corrupt", &n, "--blocks", "4"]);
+                // A node that holds written blocks (placement decides which do).
+                let first = rng.gen_range(0..4u32);
+                let hit = (0..4u32).map(|i| (first + i) % 4 + 1).find(|n| {
+                    run(&mut lab.cmd(&["lab", "fault", "corrupt", &n.to_string(), "--blocks", "4"]))
+                        .status
+                        .success()
+                });
+                assert!(hit.is_some(), "no node has written blocks to corrupt");
             }
         }
         *faults.entry(kind).or_default() += 1;

@@ -516,20 +516,86 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let crcs = block_crcs(&data);
         let key = self.key(p.slab);
         let epoch = self.cfg.epoch;
-        let targets = extents.iter().filter(|e| e.state != ExtentState::Stale);
-        let writes = targets.map(|&at| {
+        let targets: Vec<ExtentLoc> = extents
+            .iter()
+            .filter(|e| e.state != ExtentState::Stale)
+            .copied()
+            .collect();
+        self.replicate(p.slab, &slab, targets, |at| {
             let crcs = crcs.clone();
             let data = data.clone();
             async move {
-                let r = self
-                    .io
+                self.io
                     .write(at, key, epoch, version, p.offset, crcs, data)
-                    .await;
-                (at, r)
+                    .await
             }
-        });
-        let results = join_all(writes.collect()).await;
-        self.settle(p.slab, &slab, results).await
+        })
+        .await
+    }
+
+    /// Runs `op` on every target copy in parallel and settles the outcome. While fewer
+    /// than `min_replicas` in-sync copies succeeded, the copies that failed are retried
+    /// (the same version: idempotent) until `degraded_write_wait` — a slow or briefly
+    /// unreachable copy does not fail the write.
+    async fn replicate<F, Fut>(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        targets: Vec<ExtentLoc>,
+        op: F,
+    ) -> Result<(), VolumeError>
+    where
+        F: Fn(ExtentLoc) -> Fut,
+        Fut: Future<Output = Result<(), ReplicaError>>,
+    {
+        let deadline = Instant::now() + self.cfg.degraded_write_wait;
+        let mut pending = targets;
+        let mut ok_in_sync = 0;
+        loop {
+            let results = join_all(
+                pending
+                    .iter()
+                    .map(|&at| {
+                        let f = op(at);
+                        async move { (at, f.await) }
+                    })
+                    .collect(),
+            )
+            .await;
+            let mut failed = Vec::new();
+            for (at, r) in results {
+                match r {
+                    Ok(()) => {
+                        if at.state == ExtentState::InSync {
+                            ok_in_sync += 1;
+                        }
+                    }
+                    Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                    Err(e) => failed.push((at, e)),
+                }
+            }
+            let in_sync_failed = failed.iter().any(|(at, _)| at.state == ExtentState::InSync);
+            if failed.is_empty()
+                || ok_in_sync >= self.cfg.min_replicas
+                || !in_sync_failed
+                || Instant::now() >= deadline
+            {
+                return self.settle(idx, slab, ok_in_sync, failed).await;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            // Retry only in-sync copies still in sync (one marked stale meanwhile is out).
+            let now = slab.extents();
+            pending = failed
+                .into_iter()
+                .map(|(at, _)| at)
+                .filter(|at| {
+                    at.state == ExtentState::InSync
+                        && now
+                            .iter()
+                            .any(|e| e.drive == at.drive && e.state == ExtentState::InSync)
+                })
+                .collect();
+        }
     }
 
     /// Decides a replicated operation's outcome from every copy's answer: copies that
@@ -539,21 +605,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         &self,
         idx: SlabIndex,
         slab: &Slab,
-        results: Vec<(ExtentLoc, Result<(), ReplicaError>)>,
+        ok_in_sync: usize,
+        failed: Vec<(ExtentLoc, ReplicaError)>,
     ) -> Result<(), VolumeError> {
-        let mut ok_in_sync = 0;
-        let mut failed = Vec::new();
-        for (at, r) in results {
-            match r {
-                Ok(()) => {
-                    if at.state == ExtentState::InSync {
-                        ok_in_sync += 1;
-                    }
-                }
-                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
-                Err(e) => failed.push((at, e)),
-            }
-        }
         if ok_in_sync == 0 && !failed.is_empty() {
             // No in-sync copy is known to hold this write, and some may: marking them all
             // stale would leave no copy to read or resync from. Keep them in sync, fail the
@@ -890,18 +944,17 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let extents = slab.extents();
         let version = self.next_version(&slab);
         let key = self.key(p.slab);
-        let tasks = extents
+        let targets: Vec<ExtentLoc> = extents
             .iter()
             .filter(|e| e.state != ExtentState::Stale)
-            .map(|&at| async move {
-                let r = self
-                    .io
-                    .zero(at, key, self.cfg.epoch, version, p.offset, p.len)
-                    .await;
-                (at, r)
-            });
-        let results = join_all(tasks.collect()).await;
-        self.settle(p.slab, &slab, results).await
+            .copied()
+            .collect();
+        self.replicate(p.slab, &slab, targets, |at| async move {
+            self.io
+                .zero(at, key, self.cfg.epoch, version, p.offset, p.len)
+                .await
+        })
+        .await
     }
 }
 
