@@ -7,6 +7,8 @@ use converge_types::{
 };
 use serde::{Deserialize, Serialize};
 
+pub mod fleet;
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ErrorBody {
     pub error: String,

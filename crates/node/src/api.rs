@@ -124,6 +124,10 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::GET, ["v1", "volumes", name]) => ok(&volume(node, name).await?),
         (&Method::DELETE, ["v1", "volumes", name]) => delete_volume(node, name, body).await,
         (&Method::POST, ["v1", "volumes", name, "resize"]) => resize_volume(node, name, body).await,
+        // The fleet's workers and samples live in their own module (crate::fleet).
+        (_, ["v1", "fleet", rest @ ..]) => crate::fleet::route(node, method, rest, body)
+            .await
+            .map_err(|(status, msg)| ApiError(status, msg)),
         (_, ["v1", ..]) | (_, ["metrics"]) => Err(ApiError(
             StatusCode::NOT_FOUND,
             format!("no such API: {method} {path}"),
