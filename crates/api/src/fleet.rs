@@ -115,6 +115,17 @@ pub struct DriveCounters {
     pub inflight_time_ns: u64,
 }
 
+/// Cumulative client I/O counters of one volume this node owns (what the NBD clients —
+/// the workers — asked for, before replication).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct VolumeIoCounters {
+    pub name: String,
+    pub read_ops: u64,
+    pub read_bytes: u64,
+    pub write_ops: u64,
+    pub write_bytes: u64,
+}
+
 /// `GET /v1/fleet/sample`: cumulative counters now; the fleet takes one before and one
 /// after the measured window and works with the differences.
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -130,4 +141,7 @@ pub struct FleetSample {
     /// CPU seconds (user + system) used by this `converged`.
     pub converged_cpu_s: f64,
     pub drives: Vec<DriveCounters>,
+    /// Volumes this node serves: client bytes counted in the same window as the drives'.
+    #[serde(default)]
+    pub volumes: Vec<VolumeIoCounters>,
 }

@@ -3,6 +3,7 @@
 //! Cluster commands talk to any node's HTTP API (`--api` or `CONVERGE_API`; inside a lab
 //! directory the lab's first node is used). Human tables by default, `--json` everywhere.
 
+mod fleet;
 mod http;
 mod lab;
 mod table;
@@ -53,6 +54,11 @@ enum Cmd {
     /// A whole cluster on this machine: etcd plus N converged on 127.0.0.x.
     #[command(subcommand)]
     Lab(LabCmd),
+    /// Benchmark the cluster the way vendors' reference architectures do: fio workers
+    /// ("VMs") on every node swept over queue depths, read/write mixes and block sizes,
+    /// with a report (tables, charts, CPU, queue length, write amplification, endurance).
+    #[command(subcommand)]
+    Fleet(fleet::FleetCmd),
 }
 
 #[derive(Subcommand)]
@@ -208,6 +214,7 @@ fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
 fn run(cli: Cli) -> Result<()> {
     match &cli.cmd {
         Cmd::Lab(c) => return run_lab(c, cli.json),
+        Cmd::Fleet(c) => return fleet::run(c, cli.json, || api_base(&cli)),
         Cmd::Status => {
             let s: Status = http::call(&api_base(&cli)?, "GET", "/v1/status", None)?;
             if cli.json {

@@ -62,12 +62,13 @@ pub fn ratio(v: Option<f64>) -> String {
         .unwrap_or_else(|| "no writes".into())
 }
 
-/// Years of drive life: `12.3`, `>1000`, `no wear`.
+/// Drive life: `12.3 y`, `>1000 y`, `45.6 days` under a year, `no wear`.
 pub fn years(v: Option<f64>) -> String {
     match v {
         None => "no wear".into(),
-        Some(y) if y >= 1000.0 => ">1000".into(),
-        Some(y) => sig3(y),
+        Some(y) if y >= 1000.0 => ">1000 y".into(),
+        Some(y) if y < 1.0 => format!("{} days", sig3(y * 365.0)),
+        Some(y) => format!("{} y", sig3(y)),
     }
 }
 
@@ -108,8 +109,9 @@ mod tests {
         assert_eq!(change(100.0, 112.34), "+12.3 %");
         assert_eq!(change(100.0, 96.0), "-4.0 %");
         assert_eq!(change(0.0, 5.0), "n/a");
-        assert_eq!(years(Some(5000.0)), ">1000");
-        assert_eq!(years(Some(2.345)), "2.35");
+        assert_eq!(years(Some(5000.0)), ">1000 y");
+        assert_eq!(years(Some(2.345)), "2.35 y");
+        assert_eq!(years(Some(0.5)), "182 days");
         assert_eq!(duration_s(125.0), "2m05s");
         assert_eq!(duration_s(3725.0), "1h02m");
         assert_eq!(sig3(0.004567), "0.0046");

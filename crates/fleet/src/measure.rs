@@ -61,6 +61,11 @@ pub struct NodeMeasure {
     pub host_busy_ticks: u64,
     pub host_total_ticks: u64,
     pub converged_cpu_s: f64,
+    /// Client I/O the node's volumes served over the window (all its volumes).
+    #[serde(default)]
+    pub volume_ops: u64,
+    #[serde(default)]
+    pub volume_write_bytes: u64,
 }
 
 /// Differences of one drive's counters over its node's window.
@@ -163,6 +168,16 @@ pub fn measure(
         if cpu < 0.0 {
             return Err(MeasureError::CounterReset { node });
         }
+        // A volume first opened inside the window counts from zero.
+        let (mut volume_ops, mut volume_write_bytes) = (0u64, 0u64);
+        for vb in &b.volumes {
+            let va = a.volumes.iter().find(|v| v.name == vb.name);
+            let (ops0, bytes0) = va
+                .map(|v| (v.read_ops + v.write_ops, v.write_bytes))
+                .unwrap_or((0, 0));
+            volume_ops += delta(node, ops0, vb.read_ops + vb.write_ops)?;
+            volume_write_bytes += delta(node, bytes0, vb.write_bytes)?;
+        }
         m.nodes.push(NodeMeasure {
             node,
             host_id: a.host_id.clone(),
@@ -170,6 +185,8 @@ pub fn measure(
             host_busy_ticks: delta(node, a.host_busy_ticks, b.host_busy_ticks)?,
             host_total_ticks: delta(node, a.host_total_ticks, b.host_total_ticks)?,
             converged_cpu_s: cpu,
+            volume_ops,
+            volume_write_bytes,
         });
         for da in &a.drives {
             let Some(db) = b.drives.iter().find(|d| d.id == da.id) else {

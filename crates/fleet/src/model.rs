@@ -119,9 +119,16 @@ pub enum RunStatus {
 }
 
 /// Write amplification: bytes written to drives per byte the workers wrote, by tier.
+/// The workers' bytes are counted by converge's volumes in the same window as the drives'
+/// (fio's own window cannot coincide with it to the millisecond: at a few seconds per
+/// point that skew alone moves the ratio by percents); fio's figure is kept beside it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct WriteAmp {
+    /// What the workers wrote, as the volumes counted it (fio's figure if unavailable).
     pub client_write_mb_per_s: f64,
+    /// What the workers wrote, as fio measured it over its own window.
+    #[serde(default)]
+    pub fio_write_mb_per_s: f64,
     pub capacity_write_mb_per_s: f64,
     /// Capacity tier, every byte (data + journal + metadata).
     pub total: Option<f64>,
@@ -258,6 +265,9 @@ struct RepeatFigures {
     host_cpu_pct: Option<f64>,
     hosts: usize,
     converged_cores: f64,
+    /// Client I/Os and written bytes per second as the volumes counted them.
+    volume_iops: f64,
+    volume_write_bps: f64,
     fio_cores: f64,
     drive_iops: Vec<f64>,
     drive_write_bps: Vec<f64>,
@@ -293,6 +303,8 @@ fn figures(cfg: &RunConfig, r: &RepeatMeasure) -> RepeatFigures {
         if n.window_s > 0.0 {
             f.converged_cores += n.converged_cpu_s / n.window_s;
         }
+        f.volume_iops += per_s(n.volume_ops, n.window_s);
+        f.volume_write_bps += per_s(n.volume_write_bytes, n.window_s);
     }
     f.hosts = by_host.len();
     if !by_host.is_empty() {
@@ -408,12 +420,18 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
         .iter()
         .flat_map(|f| f.drive_write_bps.clone())
         .collect();
-    let client_w = mean(figs.iter().map(|f| f.write_bytes_per_s));
+    let fio_w = mean(figs.iter().map(|f| f.write_bytes_per_s));
+    let vol_w = mean(figs.iter().map(|f| f.volume_write_bps));
+    let client_w = if vol_w > 0.0 { vol_w } else { fio_w };
+    // CPU per I/O over the same window as the CPU time, like WA.
+    let vol_iops = mean(figs.iter().map(|f| f.volume_iops));
+    let io_rate = if vol_iops > 0.0 { vol_iops } else { iops_mean };
     let cap_w = mean(figs.iter().map(|f| f.cap_write_bps));
     let capacity_drives = cfg.capacity_drives();
     let cache_w = mean_opt(figs.iter().map(|f| f.cache_write_bps));
     let wa = WriteAmp {
         client_write_mb_per_s: client_w / 1e6,
+        fio_write_mb_per_s: fio_w / 1e6,
         capacity_write_mb_per_s: cap_w / 1e6,
         total: ratio(cap_w, client_w),
         data: ratio(mean(figs.iter().map(|f| f.cap_data_bps)), client_w),
@@ -435,7 +453,7 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
         write_iops: mean(figs.iter().map(|f| f.write_iops)),
         mb_per_s: mean(figs.iter().map(|f| f.bytes_per_s)) / 1e6,
         read_mb_per_s: mean(figs.iter().map(|f| f.read_bytes_per_s)) / 1e6,
-        write_mb_per_s: client_w / 1e6,
+        write_mb_per_s: fio_w / 1e6,
         lat_mean_us,
         read_lat_mean_us: read_lat,
         write_lat_mean_us: write_lat,
@@ -445,7 +463,7 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
         host_cpu_pct: mean_opt(figs.iter().map(|f| f.host_cpu_pct)),
         hosts: figs.iter().map(|f| f.hosts).max().unwrap_or(0),
         converged_cores,
-        cpu_us_per_io: ratio(converged_cores * 1e6, iops_mean),
+        cpu_us_per_io: ratio(converged_cores * 1e6, io_rate),
         fio_cores: mean(figs.iter().map(|f| f.fio_cores)),
         drives: capacity_drives,
         drive_iops_mean: mean(drives_all.iter().copied()),
@@ -625,6 +643,7 @@ pub(crate) mod tests {
                 host_busy_ticks: 500,
                 host_total_ticks: 1000,
                 converged_cpu_s: 2.0,
+                ..Default::default()
             });
         }
         let client_bytes = 4.0 * w_iops * 4096.0 * secs;
@@ -680,6 +699,30 @@ pub(crate) mod tests {
         // Percentiles merged across workers: 100..400 µs, p50 = 200 µs.
         assert_eq!(s.read_pct_us[0], Some(200.0));
         assert_eq!(s.read_pct_us[5], Some(400.0));
+    }
+
+    #[test]
+    fn wa_counts_client_bytes_in_the_drives_window_when_the_volumes_report_them() {
+        let cfg = config(vec![100], vec![1]);
+        let ps = points(&cfg.settings);
+        let mut r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        // fio saw 4000 writes/s over its own window; the volumes counted 2 % more in the
+        // drives' window — the drives wrote 3× what the volumes got, exactly.
+        let fio_bytes_per_s = 4000.0 * 4096.0;
+        let drive_bytes: u64 = r.drives.iter().map(|d| d.data_write_bytes).sum();
+        for n in &mut r.nodes {
+            n.volume_write_bytes = drive_bytes / 3 / 4;
+            n.volume_ops = (1.02 * 1000.0 * n.window_s) as u64;
+        }
+        // Make the fio figure disagree by 2 %.
+        for w in &mut r.workers {
+            w.write_bytes_per_s *= 0.98;
+        }
+        let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        assert!((s.wa.data.unwrap() - 3.0).abs() < 1e-6, "{:?}", s.wa);
+        assert!((s.wa.fio_write_mb_per_s - 0.98 * fio_bytes_per_s / 1e6).abs() < 1e-6);
+        // CPU per I/O uses the volumes' I/O rate too: 0.8 cores / 4080 I/O/s.
+        assert!((s.cpu_us_per_io.unwrap() - 0.8e6 / 4080.0).abs() < 1e-6);
     }
 
     #[test]

@@ -23,6 +23,8 @@ pub enum Item {
     Chart(Chart),
     /// Small charts laid out side by side.
     Charts(Vec<Chart>),
+    /// Colour key shared by the charts that follow: (name, colour).
+    Legend(Vec<(String, String)>),
 }
 
 #[derive(Clone, Debug)]
@@ -515,6 +517,20 @@ fn latency(s: &RunSummary) -> Section {
         }));
     }
     if !charts.is_empty() {
+        if let Some(last) = s.points.iter().rev().find_map(|r| r.repeats.last()) {
+            sec.items.push(Item::Legend(
+                last.workers
+                    .iter()
+                    .enumerate()
+                    .map(|(i, w)| {
+                        (
+                            format!("node {} worker {}", w.node, w.worker),
+                            crate::svg::color(i).to_string(),
+                        )
+                    })
+                    .collect(),
+            ));
+        }
         sec.text(
             "Latency distribution of each worker at each point (one line per worker, last \
              repeat): x is the percentile on a \"nines\" scale, y the latency (log scale). A \
@@ -531,7 +547,8 @@ fn cpu(s: &RunSummary) -> Section {
     sec.text(
         "Host CPU is the busy share of all the host's CPUs over the measured window (from \
          /proc/stat), averaged over hosts. CPU per I/O is the CPU time of every converged \
-         (user + system) divided by the fleet's I/Os: the storage stack's cost per I/O.",
+         (user + system) divided by the client I/Os the volumes served in the same window: \
+         the storage stack's cost per I/O.",
     );
     sec.tables(ra_tables(s, "Host CPU", |_, st| {
         st.host_cpu_pct
@@ -718,7 +735,9 @@ fn write_amp(s: &RunSummary) -> Section {
     let mut sec = Section::new("wa", "Write amplification");
     let copies = s.config.settings.resiliency.copies();
     sec.text(format!(
-        "Bytes written to drives per byte the workers wrote (fio), by tier. The capacity \
+        "Bytes written to drives per byte the workers wrote, by tier. The workers' bytes \
+         are counted by converge's volumes over the same window as the drives' (fio's own \
+         figure, over its slightly different window, is shown beside it). The capacity \
          tier counts every byte (data + journal + metadata); its data share alone is what \
          the resiliency costs: {} ({copies} copies) has a floor of {copies}.0. The cache \
          tier: {}.",
@@ -768,7 +787,7 @@ fn write_amp(s: &RunSummary) -> Section {
         "Breakdown per point",
         &[
             "point",
-            "workers write MB/s",
+            "workers write MB/s (volumes / fio)",
             "drives write MB/s",
             "total",
             "data",
@@ -780,7 +799,11 @@ fn write_amp(s: &RunSummary) -> Section {
     for (p, st) in &wp {
         b.row(vec![
             p.label(),
-            fmt::sig3(st.wa.client_write_mb_per_s),
+            format!(
+                "{} / {}",
+                fmt::sig3(st.wa.client_write_mb_per_s),
+                fmt::sig3(st.wa.fio_write_mb_per_s)
+            ),
             fmt::sig3(st.wa.capacity_write_mb_per_s),
             fmt::ratio(st.wa.total),
             fmt::ratio(st.wa.data),
@@ -840,9 +863,9 @@ fn endurance(s: &RunSummary) -> Section {
             "point",
             "drive write MB/s",
             "sustainable MB/s 24/12/8 h",
-            "years at 24 h",
-            "years at 12 h",
-            "years at 8 h",
+            "life at 24 h",
+            "life at 12 h",
+            "life at 8 h",
             "DWPD needed 24/12/8 h",
             "warranty",
         ],
@@ -891,7 +914,7 @@ fn endurance(s: &RunSummary) -> Section {
         if let Some(e) = &st.endurance {
             sec.text(format!(
                 "Hardest point: {} writes {} MB/s to drive {:016x} (node {}); 24/7 this wears \
-                 it out in {} years ({} years at 8 h a day) against a {}-year warranty.",
+                 it out in {} ({} at 8 h a day) against a {}-year warranty.",
                 p.label(),
                 fmt::sig3(e.write_mb_per_s),
                 e.drive.0,
@@ -984,7 +1007,7 @@ pub fn markdown(s: &RunSummary) -> String {
                     o.push_str(&t.to_markdown());
                     o.push('\n');
                 }
-                Item::Chart(_) | Item::Charts(_) => {}
+                Item::Chart(_) | Item::Charts(_) | Item::Legend(_) => {}
             }
         }
     }
@@ -993,7 +1016,8 @@ pub fn markdown(s: &RunSummary) -> String {
 
 const CSS: &str = "body{font-family:-apple-system,'Segoe UI',Helvetica,Arial,sans-serif;margin:24px auto;max-width:1180px;color:#222;padding:0 16px}\
 h1{font-size:22px}h2{font-size:18px;border-bottom:1px solid #ccc;padding-bottom:4px;margin-top:36px}\
-table{border-collapse:collapse;margin:12px 0 18px;font-size:13px}caption{text-align:left;font-weight:bold;padding:4px 0}\
+table{border-collapse:collapse;margin:12px 0 18px;font-size:13px}caption{text-align:left;font-weight:bold;padding:4px 0;white-space:nowrap}\
+.legend span{display:inline-block;margin-right:14px;font-size:12px}.legend i{display:inline-block;width:18px;height:3px;margin-right:5px;vertical-align:middle}\
 th,td{border:1px solid #ddd;padding:4px 8px;text-align:right;white-space:nowrap}thead th{background:#f2f4f8;text-align:center}\
 tbody th{text-align:left;font-weight:normal;background:#fafafa}p{line-height:1.45;max-width:980px}\
 .status{font-weight:bold}.interrupted{color:#b00}.charts{display:flex;flex-wrap:wrap;gap:8px}\
@@ -1041,6 +1065,18 @@ pub fn html_page(title: &str, status: &str, alert: bool, secs: &[Section]) -> St
                 Item::Table(t) => o.push_str(&t.to_html()),
                 Item::Chart(c) => {
                     let _ = writeln!(o, "<div class=\"chart\">{}</div>", c.render());
+                }
+                Item::Legend(keys) => {
+                    o.push_str("<div class=\"legend\">");
+                    for (name, col) in keys {
+                        let _ = write!(
+                            o,
+                            "<span><i style=\"background:{}\"></i>{}</span>",
+                            esc(col),
+                            esc(name)
+                        );
+                    }
+                    o.push_str("</div>\n");
                 }
                 Item::Charts(cs) => {
                     o.push_str("<div class=\"charts\">");
@@ -1113,6 +1149,7 @@ pub fn csv(s: &RunSummary) -> String {
             "drive_ql_max",
             "drive_ql_expected",
             "client_write_mb_per_s",
+            "fio_write_mb_per_s",
             "capacity_write_mb_per_s",
             "wa_total",
             "wa_data",
@@ -1180,6 +1217,7 @@ pub fn csv(s: &RunSummary) -> String {
             format!("{:.4}", st.drive_ql_max),
             format!("{:.4}", st.drive_ql_expected),
             format!("{:.4}", st.wa.client_write_mb_per_s),
+            format!("{:.4}", st.wa.fio_write_mb_per_s),
             format!("{:.4}", st.wa.capacity_write_mb_per_s),
             opt(st.wa.total),
             opt(st.wa.data),

@@ -14,6 +14,30 @@ pub fn color(i: usize) -> &'static str {
     PALETTE[i % PALETTE.len()]
 }
 
+/// The series colour darkened, for lines drawn over that series' bars.
+pub fn dark(i: usize) -> String {
+    let c = color(i).trim_start_matches('#');
+    let ch = |k: usize| {
+        u8::from_str_radix(c.get(k..k + 2).unwrap_or("00"), 16).unwrap_or(0) as f64 * 0.55
+    };
+    format!("#{:02x}{:02x}{:02x}", ch(0) as u8, ch(2) as u8, ch(4) as u8)
+}
+
+/// Legend entries laid out left to right, wrapping into more rows: (x, row) per entry.
+fn legend_layout(widths: &[f64], x0: f64, x1: f64) -> Vec<(f64, usize)> {
+    let mut out = Vec::new();
+    let (mut x, mut row) = (x0, 0);
+    for &w in widths {
+        if x > x0 && x + w > x1 {
+            x = x0;
+            row += 1;
+        }
+        out.push((x, row));
+        x += w;
+    }
+    out
+}
+
 #[derive(Clone, Debug, PartialEq)]
 pub struct Series {
     pub name: String,
@@ -117,7 +141,21 @@ fn text(out: &mut String, x: f64, y: f64, anchor: &str, extra: &str, s: &str) {
 fn grouped(c: &GroupedChart) -> String {
     let (w, h) = (760.0, 360.0);
     let right_axis = c.line_unit.is_some() && !c.lines.is_empty();
-    let (ml, mr, mt, mb) = (70.0, if right_axis { 70.0 } else { 20.0 }, 36.0, 78.0);
+    let (ml, mr, mt) = (70.0, if right_axis { 70.0 } else { 20.0 }, 36.0);
+    // Legend: bars then lines, wrapping; its rows decide the bottom margin.
+    let entry_w = |name: &str, line: bool| {
+        (if line { 30.0 } else { 24.0 }) + 6.6 * name.chars().count() as f64
+    };
+    let widths: Vec<f64> = c
+        .bars
+        .iter()
+        .map(|s| entry_w(&s.name, false))
+        .chain(c.lines.iter().map(|s| entry_w(&s.name, true)))
+        .collect();
+    let legend = legend_layout(&widths, ml, w - 10.0);
+    let rows = legend.iter().map(|(_, r)| r + 1).max().unwrap_or(1) as f64;
+    let h = h + 18.0 * (rows - 1.0);
+    let mb = 78.0 + 18.0 * (rows - 1.0);
     let (pw, ph) = (w - ml - mr, h - mt - mb);
     let mut o = String::new();
     let _ = write!(
@@ -252,9 +290,9 @@ fn grouped(c: &GroupedChart) -> String {
     for (li, s) in c.lines.iter().enumerate() {
         // A line per bar series sits on that series' bars; extra lines on group centres.
         let col = if c.lines.len() == nbars {
-            color(li)
+            dark(li)
         } else {
-            "#222"
+            "#222".to_string()
         };
         let xs = |gi: usize| {
             if c.lines.len() == nbars {
@@ -295,9 +333,10 @@ fn grouped(c: &GroupedChart) -> String {
         }
     }
     // Legend.
-    let mut lx = ml;
-    let ly = h - 18.0;
+    let ly0 = mt + ph + 52.0;
     for (si, s) in c.bars.iter().enumerate() {
+        let (lx, row) = legend[si];
+        let ly = ly0 + 18.0 * row as f64;
         let _ = write!(
             o,
             r#"<rect x="{lx:.1}" y="{:.1}" width="12" height="12" fill="{}"/>"#,
@@ -305,23 +344,25 @@ fn grouped(c: &GroupedChart) -> String {
             color(si)
         );
         text(&mut o, lx + 16.0, ly, "start", "", &s.name);
-        lx += 24.0 + 7.0 * s.name.chars().count() as f64;
     }
     for (li, s) in c.lines.iter().enumerate() {
+        let (lx, row) = legend[nbars + li];
+        let ly = ly0 + 18.0 * row as f64;
         let col = if c.lines.len() == nbars {
-            color(li)
+            dark(li)
         } else {
-            "#222"
+            "#222".to_string()
         };
         let _ = write!(
             o,
-            r#"<line x1="{lx:.1}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="{col}" stroke-width="2" stroke-dasharray="5 3"/>"#,
-            lx + 18.0,
+            r#"<line x1="{lx:.1}" x2="{:.1}" y1="{:.1}" y2="{:.1}" stroke="{col}" stroke-width="2" stroke-dasharray="5 3"/><circle cx="{:.1}" cy="{:.1}" r="3.5" fill="{col}"/>"#,
+            lx + 20.0,
             ly - 4.0,
+            ly - 4.0,
+            lx + 10.0,
             ly - 4.0
         );
-        text(&mut o, lx + 22.0, ly, "start", "", &s.name);
-        lx += 30.0 + 7.0 * s.name.chars().count() as f64;
+        text(&mut o, lx + 24.0, ly, "start", "", &s.name);
     }
     o.push_str("</svg>");
     o
@@ -335,7 +376,7 @@ pub fn nines(p: f64) -> f64 {
 
 fn curves(c: &CurveChart) -> String {
     let (w, h) = (c.width, c.height);
-    let (ml, mr, mt, mb) = (58.0, 12.0, 30.0, 40.0);
+    let (ml, mr, mt, mb) = (58.0, 24.0, 30.0, 40.0);
     let (pw, ph) = (w - ml - mr, h - mt - mb);
     let mut o = String::new();
     let _ = write!(
@@ -487,7 +528,11 @@ mod tests {
             3 + 2,
             "3 bars + 2 legend keys"
         );
-        assert_eq!(s.matches("<circle").count(), 3);
+        assert_eq!(
+            s.matches("<circle cx").count() - 2,
+            3,
+            "3 points + 2 legend keys"
+        );
         assert!(s.contains("IOPS &lt;by&gt; QD"));
         assert!(!s.contains("NaN") && !s.contains("inf"));
     }

@@ -9,8 +9,8 @@
 
 use crate::node::Node;
 use converge_api::fleet::{
-    DriveCounters, FleetDrive, FleetNode, FleetSample, WorkerKind, WorkerSpec, WorkerState,
-    WorkerStatus,
+    DriveCounters, FleetDrive, FleetNode, FleetSample, VolumeIoCounters, WorkerKind, WorkerSpec,
+    WorkerState, WorkerStatus,
 };
 use converge_types::{BLOCK_SIZE, MAX_IO_BYTES};
 use hyper::{Method, StatusCode};
@@ -88,7 +88,7 @@ fn to_value<T: serde::Serialize>(status: StatusCode, v: &T) -> FleetResult {
 pub async fn route(node: &Arc<Node>, method: &Method, rest: &[&str], body: &[u8]) -> FleetResult {
     match (method, rest) {
         (&Method::GET, ["node"]) => to_value(StatusCode::OK, &node_info(node).await?),
-        (&Method::GET, ["sample"]) => to_value(StatusCode::OK, &sample(node)),
+        (&Method::GET, ["sample"]) => to_value(StatusCode::OK, &sample(node).await),
         (&Method::GET, ["workers"]) => {
             let all: Vec<WorkerStatus> =
                 lock().workers.values().map(|w| current(w, node)).collect();
@@ -194,7 +194,24 @@ fn host_id() -> String {
     read_trimmed("/proc/sys/kernel/random/boot_id")
 }
 
-fn sample(node: &Node) -> FleetSample {
+async fn sample(node: &Node) -> FleetSample {
+    let mut volumes: Vec<VolumeIoCounters> = node
+        .volumes
+        .lock()
+        .await
+        .iter()
+        .map(|(name, v)| {
+            let s = v.stats();
+            VolumeIoCounters {
+                name: name.clone(),
+                read_ops: s.read_ops,
+                read_bytes: s.read_bytes,
+                write_ops: s.write_ops,
+                write_bytes: s.write_bytes,
+            }
+        })
+        .collect();
+    volumes.sort_by(|a, b| a.name.cmp(&b.name));
     let (busy, total) = host_cpu_ticks();
     let mut drives: Vec<DriveCounters> = node
         .drives
@@ -223,6 +240,7 @@ fn sample(node: &Node) -> FleetSample {
         host_total_ticks: total,
         converged_cpu_s: crate::metrics::process_cpu_seconds(),
         drives,
+        volumes,
     }
 }
 
