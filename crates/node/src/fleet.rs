@@ -412,6 +412,8 @@ fn fio_args(node: &Node, s: &WorkerSpec, output: &Path) -> Vec<String> {
         "--ioengine=nbd".to_string(),
         format!("--uri={uri}"),
         "--numjobs=1".to_string(),
+        // One process per worker: the job runs as a thread, so a signal reaches all of it.
+        "--thread".to_string(),
         format!("--bs={}", s.bs_bytes),
         format!("--iodepth={}", s.qd),
         format!("--size={}", s.size_bytes),
