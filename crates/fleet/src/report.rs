@@ -634,6 +634,44 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
         fmt::sig3(st.drive_ql_mean),
         fmt::sig3(st.drive_ql_max),
     ));
+    // Writes: the formula counts client I/Os, the drives see one operation per copy.
+    let copies = s.config.settings.resiliency.copies() as f64;
+    let heaviest_write = pts.iter().filter(|(p, _)| p.write_pct > 0).max_by(|a, b| {
+        (a.1.drive_ql_expected, a.0.write_pct)
+            .partial_cmp(&(b.1.drive_ql_expected, b.0.write_pct))
+            .unwrap_or(std::cmp::Ordering::Equal)
+    });
+    if let Some((p, st)) = heaviest_write.filter(|_| copies > 1.0) {
+        let w = f64::from(p.write_pct) / 100.0;
+        let fanned = st.drive_ql_expected * ((1.0 - w) + w * copies);
+        out.push(format!(
+            "Writes fan out: each client write is one operation on each of {copies} copies' \
+             drives. At the heaviest write point ({}), the drives held {} outstanding \
+             operations against {} expected by the formula, or {} once each write counts \
+             {copies} times ({} of that): {}.",
+            p.label(),
+            fmt::sig3(st.drive_ql_mean),
+            fmt::sig3(st.drive_ql_expected),
+            fmt::sig3(fanned),
+            fmt::pct(100.0 * st.drive_ql_mean / fanned),
+            if st.drive_ql_mean < 0.5 * fanned {
+                "writes too spend most of their time above the drives"
+            } else {
+                "the drives are a large part of a write's wait"
+            }
+        ));
+    }
+    if st.drive_iops_min == 0.0 && st.drive_iops_max > 0.0 {
+        out.push(format!(
+            "The load is uneven: at that point some capacity drives served no I/O at all \
+             while the busiest held {} outstanding. Reads go to the local copy first, and \
+             {} volumes of {} span few slabs of {}: a larger --working-set spreads the load.",
+            fmt::sig3(st.drive_ql_max),
+            s.config.volumes.len(),
+            format_size(s.config.settings.working_set_bytes),
+            format_size(s.config.cluster.slab_size_bytes),
+        ));
+    }
     out
 }
 
@@ -1412,5 +1450,17 @@ mod tests {
         // 4 × 1 × 8 / 8 drives = 4 expected vs 0.5 measured.
         assert!(w.contains("wait above the drives"), "{w}");
         assert!(w.contains("12.5 %"), "{w}");
+        assert!(!w.contains("fan out"), "no write point: {w}");
+        // A write point: mirror-3 puts 3 operations on the drives per client write.
+        let s = summary(vec![100], vec![8]);
+        let w = wait_analysis(&s).join(" ");
+        assert!(
+            w.contains("or 12.0 once each write counts 3 times (4.2 % of that)"),
+            "{w}"
+        );
+        assert!(
+            w.contains("writes too spend most of their time above the drives"),
+            "{w}"
+        );
     }
 }
