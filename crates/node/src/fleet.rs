@@ -533,6 +533,7 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
         WorkerKind::Measure => Duration::from_secs(spec.ramp_s + spec.runtime_s + WORKER_GRACE_S),
     };
     let (tx, rx) = oneshot::channel();
+    let output_path = output.clone();
     let status = WorkerStatus {
         id,
         node: node.cfg.node_id,
@@ -570,7 +571,10 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
         };
         let mut r = lock();
         let Some(w) = r.workers.get_mut(&id) else {
-            return; // deleted meanwhile
+            // Deleted while it ran: fio may have written its result since; drop it too.
+            let _ = std::fs::remove_file(&output_path);
+            let _ = std::fs::remove_file(&stderr_path);
+            return;
         };
         w.stop = None;
         w.status.pid = None;
