@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The main job: set up, start a 4-node lab cluster on this machine, create a mirror-3
-# volume, write and verify it with fio over NBD, and show the cluster's status.
+# volume, write and verify it with fio over NBD, show the cluster's status, and run a
+# quick small-block fleet (the IOPS / latency table of a reference architecture).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/setup.sh
@@ -22,6 +23,11 @@ echo "== nbdinfo"
 nbdinfo "$URI" | grep -E "export-size|block_size" || true
 echo "== converge status"
 converge status
+FLEET_OUT="$PWD/fleet-results/quick-small-block-$(date +%Y%m%d-%H%M%S)"
+echo
+echo "== converge fleet: quick small-block sweep (16 points; a few minutes on a laptop)"
+converge fleet run --profile small-block --quick --out "$FLEET_OUT"
 echo
 echo "The lab keeps running. Try: eval \"\$(converge lab env)\"; converge volume list"
+echo "Fleet report: $FLEET_OUT/report.html (converge fleet report DIR [DIR ...] compares runs)"
 echo "Stop it with: converge lab down   (add --purge to delete its data)"

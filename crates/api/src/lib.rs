@@ -7,6 +7,7 @@ use converge_types::{
 };
 use serde::{Deserialize, Serialize};
 
+pub mod fleet;
 pub mod lab;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

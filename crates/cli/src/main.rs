@@ -3,6 +3,7 @@
 //! Cluster commands talk to any node's HTTP API (`--api` or `CONVERGE_API`; inside a lab
 //! directory the lab's first node is used). Human tables by default, `--json` everywhere.
 
+mod fleet;
 mod http;
 mod lab;
 mod nemesis;
@@ -59,6 +60,11 @@ enum Cmd {
     /// its own network namespace), with faults to rehearse failures.
     #[command(subcommand)]
     Lab(LabCmd),
+    /// Benchmark the cluster the way vendors' reference architectures do: fio workers
+    /// ("VMs") on every node swept over queue depths, read/write mixes and block sizes,
+    /// with a report (tables, charts, CPU, queue length, write amplification, endurance).
+    #[command(subcommand)]
+    Fleet(fleet::FleetCmd),
 }
 
 #[derive(Subcommand)]
@@ -332,6 +338,7 @@ fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
 fn run(cli: Cli) -> Result<()> {
     match &cli.cmd {
         Cmd::Lab(c) => return run_lab(c, cli.json),
+        Cmd::Fleet(c) => return fleet::run(c, cli.json, || api_base(&cli)),
         Cmd::Status => {
             let s: Status = http::call(&api_base(&cli)?, "GET", "/v1/status", None)?;
             if cli.json {

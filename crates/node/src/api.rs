@@ -133,6 +133,10 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (_, ["v1", "lab", rest @ ..]) => crate::lab_api::route(node, method, rest, body)
             .await
             .map_err(|(status, msg)| ApiError(status, msg)),
+        // The fleet's workers and samples live in their own module (crate::fleet).
+        (_, ["v1", "fleet", rest @ ..]) => crate::fleet::route(node, method, rest, body)
+            .await
+            .map_err(|(status, msg)| ApiError(status, msg)),
         (_, ["v1", ..]) | (_, ["metrics"]) => Err(ApiError(
             StatusCode::NOT_FOUND,
             format!("no such API: {method} {path}"),

@@ -4,6 +4,7 @@
 mod api;
 mod config;
 mod export;
+mod fleet;
 mod http_client;
 mod lab_api;
 mod metrics;

@@ -1,0 +1,1228 @@
+//! `converge fleet`: runs the fleet methodology (docs/FLEET.md) on a running cluster and
+//! renders its report. Every node's daemon starts the fio workers for the volumes it owns,
+//! so the same command works on the lab and on real servers; this side validates
+//! everything first, creates and pre-fills the volumes, walks the sweep (warm-up, measured
+//! window bracketed by counter samples on every node, cool-down), collects, and writes the
+//! report after every point — so Ctrl-C or a failure still leaves what was measured.
+
+use crate::http;
+use anyhow::{anyhow, bail, Context, Result};
+use clap::{Args, Subcommand};
+use converge_api::fleet::{
+    FleetNode, FleetSample, WorkerKind, WorkerSpec, WorkerState, WorkerStatus,
+};
+use converge_api::{CreateVolume, Status};
+use converge_fleet::compare;
+use converge_fleet::endurance;
+use converge_fleet::fio;
+use converge_fleet::format as fmt;
+use converge_fleet::measure::{self, WorkerRun};
+use converge_fleet::model::{ClusterConfig, DriveConfig, NodeConfig, FORMAT_VERSION};
+use converge_fleet::profile::{self, Overrides, Point, Profile, Settings};
+use converge_fleet::report;
+use converge_fleet::{PointRecord, RunConfig, RunStatus, RunSummary};
+use converge_types::{format_size, parse_size, NodeId, Resiliency};
+use serde_json::Value;
+use std::io::Write as _;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+/// How often workers are checked while they run.
+const POLL: Duration = Duration::from_millis(500);
+/// Workers must have ended this long after their warm-up + runtime.
+const END_GRACE: Duration = Duration::from_secs(60);
+/// Volumes of the fleet are named `fleet-n<node>-w<k>`.
+const VOLUME_PREFIX: &str = "fleet-n";
+
+#[derive(Subcommand)]
+pub enum FleetCmd {
+    /// Run a fleet on the cluster: W fio workers per node, each against its own volume
+    /// owned by that node, swept over a profile's points; writes raw fio JSON,
+    /// summary.json/csv, report.md and report.html to --out.
+    #[command(
+        after_help = "Profiles (see `converge fleet profiles` and docs/FLEET.md):\n  \
+        small-block  4 KiB random, QD 1,2,4,8 x write 0,10,30,100 %: the headline IOPS table\n  \
+        large-block  128 KiB random, QD 1,2,4,8 x write 0,100 %: MB/s\n  \
+        vm-scaling   4 KiB random, QD 1,8, workers per node 1..4\n  \
+        oltp         8 KiB random, 10 % writes, QD 1..16\n  \
+        exchange     32 KiB, 80 % random, 40 % writes, QD 1..16\n  \
+        seq          512 KiB sequential, QD 1, write 0,100 %\n\n\
+        Examples:\n  \
+        converge fleet run --profile small-block --quick --out /tmp/fleet1\n  \
+        converge fleet run --profile small-block --resiliency mirror-2 --out /tmp/fleet-m2\n  \
+        converge fleet run --profile large-block --warmup 5m --duration 90m --repeat 3 --out ra\n  \
+        converge fleet report /tmp/fleet1 /tmp/fleet-m2 --out /tmp/compare"
+    )]
+    Run(Box<RunArgs>),
+    /// Render a run's report again from its summary.json, or lay several runs side by side
+    /// with the % change of each against the first.
+    Report {
+        /// Run directories (each holds summary.json).
+        #[arg(required = true)]
+        dirs: Vec<PathBuf>,
+        /// Where to write: one run re-renders into its own directory by default; a
+        /// comparison writes compare.md and compare.html here (printed only without it).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
+    /// List the profiles with their parameters.
+    Profiles,
+    /// After a crashed run: stop the fleet workers on every node and delete the fleet's
+    /// volumes (fleet-n*-w*).
+    Clean,
+}
+
+#[derive(Args)]
+pub struct RunArgs {
+    /// small-block, large-block, vm-scaling, oltp, exchange or seq.
+    #[arg(long)]
+    profile: String,
+    /// Directory for the results (must not exist, or be empty).
+    #[arg(long)]
+    out: PathBuf,
+    /// Shrink everything (1 worker per node, 64 MiB working set, 2 s warm-up, 5 s
+    /// measured) so a laptop lab finishes a small-block sweep in a few minutes. Other
+    /// flags still override.
+    #[arg(long)]
+    quick: bool,
+    /// Workers ("VMs") per node; several values are swept (e.g. 1,2,4).
+    #[arg(long, value_delimiter = ',')]
+    workers_per_node: Option<Vec<u64>>,
+    /// Queue depths per worker, e.g. 1,2,4,8.
+    #[arg(long, value_delimiter = ',')]
+    qd: Option<Vec<u64>>,
+    /// Write shares in %, e.g. 0,10,30,100 (read % = 100 - write %).
+    #[arg(long, value_delimiter = ',')]
+    write_pct: Option<Vec<u64>>,
+    /// Block sizes, e.g. 4K or 4K,64K (multiples of 4 KiB).
+    #[arg(long, value_delimiter = ',')]
+    bs: Option<Vec<String>>,
+    /// Data each worker touches: its volume's size, e.g. 1G.
+    #[arg(long)]
+    working_set: Option<String>,
+    /// Resiliency of the fleet's volumes: simple, mirror-2 or mirror-3 (default).
+    #[arg(long)]
+    resiliency: Option<String>,
+    /// Warm-up per point, excluded from the measurements (e.g. 30s, 5m).
+    #[arg(long)]
+    warmup: Option<String>,
+    /// Measured time per point (e.g. 60s, 10m).
+    #[arg(long)]
+    duration: Option<String>,
+    /// Idle time after each point (e.g. 30s).
+    #[arg(long)]
+    cooldown: Option<String>,
+    /// Times each point is measured; the report shows the mean and the spread.
+    #[arg(long)]
+    repeat: Option<u64>,
+    /// Node ids that run workers (default: every node); all nodes hold copies either way.
+    #[arg(long, value_delimiter = ',')]
+    nodes: Option<Vec<u32>>,
+    /// Keep the fleet's volumes at the end (default: delete them).
+    #[arg(long)]
+    keep: bool,
+    /// Rated lifetime writes (TBW) of every drive, e.g. 3.5T, instead of each drive's own
+    /// `tbw` setting or its media default (flash: 1 drive write per day for the warranty).
+    #[arg(long)]
+    drive_tbw: Option<String>,
+    /// Warranty years of every drive (default: each drive's own setting, else 5).
+    #[arg(long)]
+    drive_warranty_years: Option<f64>,
+}
+
+// ---------------------------------------------------------------------------- Ctrl-C
+
+static INTERRUPTED: AtomicBool = AtomicBool::new(false);
+
+extern "C" fn on_signal(_: libc::c_int) {
+    INTERRUPTED.store(true, Ordering::SeqCst);
+}
+
+/// Ctrl-C (or SIGTERM) sets a flag the run checks; a second one kills the CLI at once
+/// (the daemons still bound their workers' lives).
+fn install_signal_handlers() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: a zeroed sigaction is valid; the handler only stores to an atomic,
+        // which is async-signal-safe.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as *const () as usize;
+            sa.sa_flags = libc::SA_RESETHAND;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Interrupted;
+
+impl std::fmt::Display for Interrupted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("interrupted (Ctrl-C)")
+    }
+}
+
+impl std::error::Error for Interrupted {}
+
+fn check_interrupt() -> Result<()> {
+    if INTERRUPTED.load(Ordering::SeqCst) {
+        return Err(Interrupted.into());
+    }
+    Ok(())
+}
+
+/// Sleep until `t`, waking for Ctrl-C.
+fn sleep_until(t: Instant) -> Result<()> {
+    loop {
+        check_interrupt()?;
+        let now = Instant::now();
+        if now >= t {
+            return Ok(());
+        }
+        std::thread::sleep((t - now).min(Duration::from_millis(100)));
+    }
+}
+
+// ---------------------------------------------------------------------------- progress
+
+struct Progress {
+    tty: bool,
+    shown: bool,
+}
+
+impl Progress {
+    fn new() -> Progress {
+        // SAFETY: isatty only inspects the descriptor.
+        let tty = unsafe { libc::isatty(2) } == 1;
+        Progress { tty, shown: false }
+    }
+
+    /// A line that the next one replaces (on a terminal; elsewhere it is printed once).
+    fn status(&mut self, line: &str) {
+        let mut e = std::io::stderr();
+        if self.tty {
+            let _ = write!(e, "\r\x1b[K{line}");
+            let _ = e.flush();
+            self.shown = true;
+        }
+    }
+
+    /// A line that stays.
+    fn line(&mut self, line: &str) {
+        let mut e = std::io::stderr();
+        if self.tty && self.shown {
+            let _ = write!(e, "\r\x1b[K");
+            self.shown = false;
+        }
+        let _ = writeln!(e, "{line}");
+    }
+}
+
+// ---------------------------------------------------------------------------- nodes
+
+struct NodeCtx {
+    id: NodeId,
+    api: String,
+    info: FleetNode,
+    runs_workers: bool,
+}
+
+fn node_api(addr: &str) -> String {
+    if addr.starts_with("http://") {
+        addr.to_string()
+    } else {
+        format!("http://{addr}")
+    }
+}
+
+fn volume_name(node: NodeId, k: u32) -> String {
+    format!("{VOLUME_PREFIX}{}-w{k}", node.0)
+}
+
+fn sample_all(nodes: &[NodeCtx]) -> Result<Vec<FleetSample>> {
+    nodes
+        .iter()
+        .map(|n| {
+            http::call(&n.api, "GET", "/v1/fleet/sample", None)
+                .with_context(|| format!("sampling node {}", n.id))
+        })
+        .collect()
+}
+
+// ---------------------------------------------------------------------------- entry
+
+pub fn run(cmd: &FleetCmd, json: bool, api: impl Fn() -> Result<String>) -> Result<()> {
+    match cmd {
+        FleetCmd::Run(a) => run_fleet(a, json, &api()?),
+        FleetCmd::Report { dirs, out } => report_cmd(dirs, out.as_deref(), json),
+        FleetCmd::Profiles => {
+            profiles(json);
+            Ok(())
+        }
+        FleetCmd::Clean => clean(&api()?),
+    }
+}
+
+fn profiles(json: bool) {
+    if json {
+        let v: Vec<Value> = Profile::ALL
+            .iter()
+            .map(|p| serde_json::json!({"name": p.name(), "description": p.description(), "defaults": p.defaults()}))
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v).unwrap_or_default());
+        return;
+    }
+    let mut t = converge_fleet::table::Table::new(
+        "",
+        &[
+            "PROFILE",
+            "BS",
+            "QD",
+            "WRITE %",
+            "WORKERS/NODE",
+            "WORKING SET",
+            "POINTS",
+        ],
+    );
+    for p in Profile::ALL {
+        let d = p.defaults();
+        let l = |v: &[u32]| {
+            v.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(",")
+        };
+        t.row(vec![
+            p.name().into(),
+            d.block_sizes
+                .iter()
+                .map(|b| format_size(*b))
+                .collect::<Vec<_>>()
+                .join(","),
+            l(&d.queue_depths),
+            d.write_pcts
+                .iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+            l(&d.workers_per_node),
+            format_size(d.working_set_bytes),
+            profile::points(&d).len().to_string(),
+        ]);
+    }
+    print!("{}", t.to_text());
+    println!("\nDefaults: 10 s warm-up, 30 s measured per point, mirror-3. --quick: 1 worker/node, 64 MiB, 2 s + 5 s.");
+    for p in Profile::ALL {
+        println!("  {:12} {}", p.name(), p.description());
+    }
+}
+
+fn overrides(a: &RunArgs) -> Result<Overrides> {
+    let dur = |v: &Option<String>| -> Result<Option<u64>> {
+        v.as_deref()
+            .map(profile::parse_duration_s)
+            .transpose()
+            .map_err(|e| anyhow!("{e}"))
+    };
+    Ok(Overrides {
+        workers_per_node: a.workers_per_node.clone(),
+        qd: a.qd.clone(),
+        write_pct: a.write_pct.clone(),
+        bs: a
+            .bs
+            .as_ref()
+            .map(|v| {
+                v.iter()
+                    .map(|s| parse_size(s).map_err(|e| anyhow!("--bs: {e}")))
+                    .collect::<Result<Vec<u64>>>()
+            })
+            .transpose()?,
+        working_set: a
+            .working_set
+            .as_deref()
+            .map(|s| parse_size(s).map_err(|e| anyhow!("--working-set: {e}")))
+            .transpose()?,
+        resiliency: a
+            .resiliency
+            .as_deref()
+            .map(|s| {
+                s.parse::<Resiliency>()
+                    .map_err(|e| anyhow!("--resiliency: {e}"))
+            })
+            .transpose()?,
+        warmup_s: dur(&a.warmup).context("--warmup")?,
+        duration_s: dur(&a.duration).context("--duration")?,
+        cooldown_s: dur(&a.cooldown).context("--cooldown")?,
+        repeat: a.repeat,
+        quick: a.quick,
+    })
+}
+
+fn check_out_dir(out: &Path) -> Result<()> {
+    if out.exists() {
+        let empty = std::fs::read_dir(out)
+            .with_context(|| format!("--out {} exists but cannot be read", out.display()))?
+            .next()
+            .is_none();
+        if !empty {
+            bail!(
+                "--out {} already exists and is not empty: choose a new directory (runs are \
+                 never overwritten; `converge fleet report {}` re-renders that one)",
+                out.display(),
+                out.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// The run: everything checked before anything starts.
+struct Plan {
+    settings: Settings,
+    points: Vec<Point>,
+    nodes: Vec<NodeCtx>,
+    config: RunConfig,
+}
+
+fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
+    // 1. The arguments alone.
+    let settings = profile::resolve(&a.profile, &overrides(a)?).map_err(|e| anyhow!("{e}"))?;
+    let points = profile::points(&settings);
+    let flag_tbw = a
+        .drive_tbw
+        .as_deref()
+        .map(|s| parse_size(s).map_err(|e| anyhow!("--drive-tbw: {e}")))
+        .transpose()?;
+    if let Some(y) = a.drive_warranty_years {
+        if !(y > 0.0 && y <= 100.0) {
+            bail!("--drive-warranty-years {y}: must be above 0 and at most 100");
+        }
+    }
+    if flag_tbw == Some(0) {
+        bail!("--drive-tbw 0: a rating must be above 0");
+    }
+    check_out_dir(&a.out)?;
+
+    // 2. The cluster.
+    let status: Status =
+        http::call(api, "GET", "/v1/status", None).context("reading the cluster's status")?;
+    if status.health != "healthy" {
+        bail!(
+            "the cluster is not healthy ({}): a fleet would measure a degraded cluster; \
+             fix it first (`converge status`)",
+            status.health
+        );
+    }
+    let live: Vec<_> = status.nodes.iter().filter(|n| n.live).collect();
+    let worker_ids: Vec<NodeId> = match &a.nodes {
+        None => live.iter().map(|n| n.id).collect(),
+        Some(ids) => {
+            let mut v = Vec::new();
+            for &id in ids {
+                if !live.iter().any(|n| n.id.0 == id) {
+                    bail!(
+                        "--nodes {id}: no live node {id} (live nodes: {})",
+                        live.iter()
+                            .map(|n| n.id.to_string())
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    );
+                }
+                if !v.contains(&NodeId(id)) {
+                    v.push(NodeId(id));
+                }
+            }
+            v
+        }
+    };
+    if worker_ids.is_empty() {
+        bail!("no live node to run workers on");
+    }
+    let copies = settings.resiliency.copies();
+    if live.len() < copies {
+        bail!(
+            "{} needs {copies} nodes for its copies but the cluster has {} live: use \
+             --resiliency with fewer copies, or add nodes",
+            settings.resiliency,
+            live.len()
+        );
+    }
+    let mut nodes = Vec::new();
+    for n in &live {
+        let api = node_api(&n.api_addr);
+        let info: FleetNode =
+            http::call(&api, "GET", "/v1/fleet/node", None).with_context(|| {
+                format!(
+                    "asking node {} ({api}) for its fleet information: is it running a converged \
+                 with the fleet API?",
+                    n.id
+                )
+            })?;
+        let runs_workers = worker_ids.contains(&n.id);
+        if runs_workers {
+            if let Some(e) = &info.fio_error {
+                bail!("node {} cannot run fleet workers: {e}", n.id);
+            }
+            let qd_max = settings.queue_depths.iter().copied().max().unwrap_or(1);
+            if qd_max as usize > info.nbd_inflight_max {
+                bail!(
+                    "--qd {qd_max} is above node {}'s limit of {} requests in flight per NBD \
+                     connection (knobs.nbd_inflight_max): use a lower QD or raise the knob",
+                    n.id,
+                    info.nbd_inflight_max
+                );
+            }
+        }
+        let busy: Vec<WorkerStatus> = http::call(&api, "GET", "/v1/fleet/workers", None)?;
+        if let Some(w) = busy.iter().find(|w| w.state == WorkerState::Running) {
+            bail!(
+                "node {} already runs fleet worker {} ({} on volume {}): another fleet is \
+                 running; wait for it, or stop it with `converge fleet clean`",
+                n.id,
+                w.id,
+                w.spec.name,
+                w.spec.volume
+            );
+        }
+        nodes.push(NodeCtx {
+            id: n.id,
+            api,
+            info,
+            runs_workers,
+        });
+    }
+    let per_node = settings.volumes_per_node();
+    let volumes: Vec<String> = nodes
+        .iter()
+        .filter(|n| n.runs_workers)
+        .flat_map(|n| (1..=per_node).map(move |k| volume_name(n.id, k)))
+        .collect();
+    let existing: Vec<&str> = status
+        .volumes
+        .iter()
+        .map(|v| v.name.as_str())
+        .filter(|v| volumes.iter().any(|x| x == v))
+        .collect();
+    if !existing.is_empty() {
+        bail!(
+            "volume{} {} already exist{} (left by an earlier fleet run?): delete {} with \
+             `converge fleet clean` or `converge volume delete NAME`",
+            if existing.len() == 1 { "" } else { "s" },
+            existing.join(", "),
+            if existing.len() == 1 { "s" } else { "" },
+            if existing.len() == 1 { "it" } else { "them" }
+        );
+    }
+    // 3. Capacity: every volume is written end to end, so every slab of it is allocated.
+    let slab = status.cluster.slab_size_bytes.max(1);
+    let per_copy = settings.working_set_bytes.div_ceil(slab) * slab;
+    let need = volumes.len() as u64 * per_copy * copies as u64;
+    let free = status
+        .capacity
+        .total_bytes
+        .saturating_sub(status.capacity.used_bytes);
+    if need > free {
+        bail!(
+            "not enough free capacity for the fleet: it needs {} ({} volumes × {} in {} \
+             slabs × {copies} copies for {}) but the cluster has {} free of {}. Use a smaller \
+             --working-set, fewer --workers-per-node or --nodes, or a resiliency with fewer \
+             copies",
+            format_size(need),
+            volumes.len(),
+            format_size(settings.working_set_bytes),
+            format_size(slab),
+            settings.resiliency,
+            format_size(free),
+            format_size(status.capacity.total_bytes)
+        );
+    }
+    // 4. The configuration the report states.
+    let mut drives = Vec::new();
+    for n in &nodes {
+        for d in &n.info.drives {
+            drives.push(DriveConfig {
+                id: d.id,
+                node: d.node.0,
+                path: d.path.clone(),
+                role: d.role,
+                media: d.media,
+                size_bytes: d.size_bytes,
+                rating: endurance::resolve(
+                    d.media,
+                    d.size_bytes,
+                    d.tbw_bytes,
+                    d.warranty_years,
+                    flag_tbw,
+                    a.drive_warranty_years,
+                ),
+            });
+        }
+    }
+    let config = RunConfig {
+        format_version: FORMAT_VERSION,
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        cli_version: env!("CARGO_PKG_VERSION").to_string(),
+        started_unix: SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        cluster: ClusterConfig {
+            name: status.cluster.name.clone(),
+            id: status.cluster.id.to_string(),
+            slab_size_bytes: status.cluster.slab_size_bytes,
+            health: status.health.clone(),
+            cache_mode: "none (no cache tier yet)".into(),
+        },
+        nodes: nodes
+            .iter()
+            .map(|n| NodeConfig {
+                id: n.id.0,
+                name: n.info.name.clone(),
+                hostname: n.info.hostname.clone(),
+                host_id: n.info.host_id.clone(),
+                kernel: n.info.kernel.clone(),
+                cpus: n.info.cpus,
+                converged_version: n.info.converged_version.clone(),
+                fio_version: n.info.fio_version.clone().unwrap_or_default(),
+                runs_workers: n.runs_workers,
+            })
+            .collect(),
+        drives,
+        settings: settings.clone(),
+        volumes,
+    };
+    Ok(Plan {
+        settings,
+        points,
+        nodes,
+        config,
+    })
+}
+
+/// What the run has started on the cluster, so it can be undone on every way out.
+struct Session<'a> {
+    api: &'a str,
+    nodes: &'a [NodeCtx],
+    created: Vec<String>,
+    /// (node index, worker id) of workers not yet deleted.
+    workers: Vec<(usize, u64)>,
+    keep: bool,
+}
+
+impl Session<'_> {
+    fn start_worker(&mut self, ni: usize, spec: &WorkerSpec) -> Result<WorkerStatus> {
+        let n = &self.nodes[ni];
+        let body = serde_json::to_value(spec)?;
+        let w: WorkerStatus = http::call(&n.api, "POST", "/v1/fleet/workers", Some(&body))
+            .with_context(|| format!("starting worker {} on node {}", spec.name, n.id))?;
+        self.workers.push((ni, w.id));
+        Ok(w)
+    }
+
+    fn statuses(&self) -> Result<Vec<(usize, WorkerStatus)>> {
+        let mut out = Vec::new();
+        for (ni, n) in self.nodes.iter().enumerate() {
+            if !self.workers.iter().any(|(i, _)| *i == ni) {
+                continue;
+            }
+            let all: Vec<WorkerStatus> = http::call(&n.api, "GET", "/v1/fleet/workers", None)
+                .with_context(|| format!("polling node {}'s workers", n.id))?;
+            for w in all {
+                if self.workers.contains(&(ni, w.id)) {
+                    out.push((ni, w));
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// Fail fast if a worker failed or vanished.
+    fn check_workers(&self) -> Result<usize> {
+        let st = self.statuses()?;
+        if st.len() < self.workers.len() {
+            bail!("a fleet worker vanished from its node (was converged restarted?)");
+        }
+        for (ni, w) in &st {
+            if w.state == WorkerState::Failed || w.state == WorkerState::Stopped {
+                bail!(
+                    "worker {} on node {} {}: {}",
+                    w.spec.name,
+                    self.nodes[*ni].id,
+                    if w.state == WorkerState::Failed {
+                        "failed"
+                    } else {
+                        "was stopped"
+                    },
+                    w.message.clone().unwrap_or_else(|| "no message".into())
+                );
+            }
+        }
+        Ok(st
+            .iter()
+            .filter(|(_, w)| w.state == WorkerState::Running)
+            .count())
+    }
+
+    fn delete_workers(&mut self) {
+        for (ni, id) in std::mem::take(&mut self.workers) {
+            let n = &self.nodes[ni];
+            let _ = http::request(&n.api, "DELETE", &format!("/v1/fleet/workers/{id}"), None);
+        }
+    }
+
+    fn cleanup(&mut self, progress: &mut Progress) {
+        self.delete_workers();
+        if self.keep {
+            if !self.created.is_empty() {
+                progress.line(&format!(
+                    "kept {} volumes (--keep): {}",
+                    self.created.len(),
+                    self.created.join(", ")
+                ));
+            }
+            return;
+        }
+        for v in std::mem::take(&mut self.created) {
+            if let Err(e) =
+                http::call::<Value>(self.api, "DELETE", &format!("/v1/volumes/{v}"), None)
+            {
+                progress.line(&format!(
+                    "warning: could not delete volume {v}: {e:#} (delete it with `converge volume delete {v}`)"
+                ));
+            }
+        }
+    }
+}
+
+fn run_fleet(a: &RunArgs, json: bool, api: &str) -> Result<()> {
+    let t0 = Instant::now();
+    let Plan {
+        settings,
+        points,
+        nodes,
+        config,
+    } = plan(a, api)?;
+    std::fs::create_dir_all(a.out.join("raw"))
+        .with_context(|| format!("creating {}", a.out.display()))?;
+    install_signal_handlers();
+    let mut progress = Progress::new();
+    let total = points.len() * settings.repeat as usize;
+    progress.line(&format!(
+        "fleet {}: {} points x {} repeat{} on {} nodes ({} workers), {} of {} per worker; \
+         estimated {}; results in {}",
+        settings.profile,
+        points.len(),
+        settings.repeat,
+        if settings.repeat == 1 { "" } else { "s" },
+        config.worker_nodes(),
+        config.volumes.len(),
+        format_size(settings.working_set_bytes),
+        settings.resiliency,
+        fmt::duration_s(profile::estimated_s(&settings) as f64),
+        a.out.display()
+    ));
+    let mut summary = RunSummary {
+        config,
+        status: RunStatus::Running,
+        wall_s: 0.0,
+        points_planned: points.len(),
+        points: Vec::new(),
+        notes: Vec::new(),
+    };
+    let mut session = Session {
+        api,
+        nodes: &nodes,
+        created: Vec::new(),
+        workers: Vec::new(),
+        keep: a.keep,
+    };
+    let result = sweep(
+        &mut session,
+        &settings,
+        &points,
+        &a.out,
+        &mut summary,
+        &mut progress,
+        t0,
+        total,
+    );
+    session.cleanup(&mut progress);
+    summary.wall_s = t0.elapsed().as_secs_f64();
+    summary.status = match &result {
+        Ok(()) => RunStatus::Complete,
+        Err(e) if e.downcast_ref::<Interrupted>().is_some() => {
+            RunStatus::Interrupted("Ctrl-C; workers stopped".into())
+        }
+        Err(e) => RunStatus::Failed(format!("{e:#}")),
+    };
+    summary.restat();
+    report::write_all(&a.out, &summary)
+        .with_context(|| format!("writing the report into {}", a.out.display()))?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&summary)?);
+    } else {
+        print!("{}", report::headline_text(&summary));
+        print_tail(&summary, &a.out);
+    }
+    match result {
+        Ok(()) => Ok(()),
+        Err(e) if e.downcast_ref::<Interrupted>().is_some() => {
+            eprintln!(
+                "converge: interrupted: {} of {} points measured; the report of those is in {}",
+                summary.measured().count(),
+                summary.points_planned,
+                a.out.display()
+            );
+            std::process::exit(130);
+        }
+        Err(e) => Err(e.context(format!(
+            "the fleet stopped; what was measured is in {}",
+            a.out.display()
+        ))),
+    }
+}
+
+fn print_tail(s: &RunSummary, out: &Path) {
+    let wp: Vec<_> = s.measured().filter(|(p, _)| p.write_pct > 0).collect();
+    if !wp.is_empty() {
+        let avg = |f: &dyn Fn(&converge_fleet::PointStats) -> Option<f64>| {
+            let v: Vec<f64> = wp.iter().filter_map(|(_, st)| f(st)).collect();
+            if v.is_empty() {
+                0.0
+            } else {
+                v.iter().sum::<f64>() / v.len() as f64
+            }
+        };
+        println!(
+            "write amplification ({}, mean of write points): total {:.2}, data only {:.2}",
+            s.config.settings.resiliency,
+            avg(&|st| st.wa.total),
+            avg(&|st| st.wa.data)
+        );
+    }
+    for l in report::wait_analysis(s) {
+        println!("{l}");
+    }
+    println!(
+        "wall time {}; report: {}/report.html (and report.md, summary.json, summary.csv, raw/)",
+        fmt::duration_s(s.wall_s),
+        out.display()
+    );
+}
+
+/// Power of two ≤ 1 MiB dividing `ws` (a multiple of 4 KiB): the pre-fill block size.
+fn prefill_bs(ws: u64) -> u64 {
+    let mut bs = 1 << 20;
+    while bs > 4096 && !ws.is_multiple_of(bs) {
+        bs >>= 1;
+    }
+    bs
+}
+
+#[allow(clippy::too_many_arguments)]
+fn sweep(
+    session: &mut Session,
+    settings: &Settings,
+    points: &[Point],
+    out: &Path,
+    summary: &mut RunSummary,
+    progress: &mut Progress,
+    t0: Instant,
+    total: usize,
+) -> Result<()> {
+    let nodes = session.nodes;
+    let workers: Vec<usize> = (0..nodes.len())
+        .filter(|&i| nodes[i].runs_workers)
+        .collect();
+    // Volumes, each owned by its worker's node.
+    let per_node = settings.volumes_per_node();
+    for &ni in &workers {
+        for k in 1..=per_node {
+            check_interrupt()?;
+            let name = volume_name(nodes[ni].id, k);
+            progress.status(&format!("creating volume {name}"));
+            let body = serde_json::to_value(CreateVolume {
+                name: name.clone(),
+                size_bytes: settings.working_set_bytes,
+                resiliency: settings.resiliency,
+                owner: Some(nodes[ni].id),
+                min_replicas: None,
+            })?;
+            let _: Value = http::call(session.api, "POST", "/v1/volumes", Some(&body))
+                .with_context(|| format!("creating volume {name}"))?;
+            session.created.push(name);
+        }
+    }
+    // Pre-fill every volume once, all at the same time.
+    let tp = Instant::now();
+    let ws = settings.working_set_bytes;
+    for &ni in &workers {
+        for k in 1..=per_node {
+            let spec = WorkerSpec {
+                name: format!("prefill-n{}-w{k}", nodes[ni].id),
+                volume: volume_name(nodes[ni].id, k),
+                kind: WorkerKind::Prefill,
+                bs_bytes: prefill_bs(ws),
+                qd: 4,
+                write_pct: 100,
+                random_pct: 0,
+                size_bytes: ws,
+                ramp_s: 0,
+                runtime_s: 0,
+            };
+            session.start_worker(ni, &spec)?;
+        }
+    }
+    let nvol = session.workers.len();
+    loop {
+        sleep_until(Instant::now() + POLL)?;
+        let running = session.check_workers()?;
+        progress.status(&format!(
+            "pre-filling {nvol} volumes of {}: {} done ({})",
+            format_size(ws),
+            nvol - running,
+            fmt::duration_s(tp.elapsed().as_secs_f64())
+        ));
+        if running == 0 {
+            break;
+        }
+    }
+    for &(ni, id) in &session.workers {
+        let v: Value = http::call(
+            &nodes[ni].api,
+            "GET",
+            &format!("/v1/fleet/workers/{id}/result"),
+            None,
+        )?;
+        let job =
+            fio::from_value(&v).map_err(|e| anyhow!("pre-fill on node {}: {e}", nodes[ni].id))?;
+        if job.error != 0 || job.write.bytes < ws {
+            bail!(
+                "pre-fill on node {} wrote {} of {} (fio error {})",
+                nodes[ni].id,
+                format_size(job.write.bytes),
+                format_size(ws),
+                job.error
+            );
+        }
+    }
+    session.delete_workers();
+    progress.line(&format!(
+        "pre-filled {nvol} volumes of {} in {}",
+        format_size(ws),
+        fmt::duration_s(tp.elapsed().as_secs_f64())
+    ));
+
+    let mut done = 0usize;
+    let sweep_start = Instant::now();
+    for point in points {
+        let mut rec = PointRecord {
+            point: point.clone(),
+            repeats: Vec::new(),
+            stats: None,
+        };
+        for rep in 1..=settings.repeat {
+            let eta = {
+                let left = (total - done) as f64;
+                let per = if done > 0 {
+                    sweep_start.elapsed().as_secs_f64() / done as f64
+                } else {
+                    (settings.warmup_s + settings.duration_s + settings.cooldown_s) as f64 + 2.0
+                };
+                fmt::duration_s(left * per)
+            };
+            let head = format!(
+                "[{:>w$}/{total}] {}{}",
+                done + 1,
+                point.label(),
+                if settings.repeat > 1 {
+                    format!(" (repeat {rep}/{})", settings.repeat)
+                } else {
+                    String::new()
+                },
+                w = total.to_string().len()
+            );
+            let m = measure_point(session, settings, point, rep, out, progress, &head, &eta)?;
+            rec.repeats.push(m);
+            done += 1;
+            if settings.cooldown_s > 0 {
+                progress.status(&format!(
+                    "{head}: cool-down {} s — ETA {eta}",
+                    settings.cooldown_s
+                ));
+                sleep_until(Instant::now() + Duration::from_secs(settings.cooldown_s))?;
+            }
+        }
+        rec.stats = converge_fleet::model::point_stats(&summary.config, point, &rec.repeats);
+        if let Some(st) = &rec.stats {
+            progress.line(&format!(
+                "[{:>w$}/{}] {}: {} IOPS, {} MB/s, mean {}, p99.9 {}",
+                summary.points.len() + 1,
+                points.len(),
+                point.label(),
+                fmt::iops(st.iops),
+                fmt::sig3(st.mb_per_s),
+                fmt::lat_opt(st.lat_mean_us),
+                fmt::lat_opt(st.all_pct_us.get(3).copied().flatten()),
+                w = points.len().to_string().len()
+            ));
+        }
+        summary.points.push(rec);
+        // The report so far, after every point: a crash or Ctrl-C keeps it.
+        summary.wall_s = t0.elapsed().as_secs_f64();
+        report::write_all(out, summary)
+            .with_context(|| format!("writing the report into {}", out.display()))?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn measure_point(
+    session: &mut Session,
+    s: &Settings,
+    point: &Point,
+    rep: u32,
+    out: &Path,
+    progress: &mut Progress,
+    head: &str,
+    eta: &str,
+) -> Result<measure::RepeatMeasure> {
+    let nodes = session.nodes;
+    let raw = out.join("raw").join(point.slug()).join(format!("r{rep}"));
+    std::fs::create_dir_all(&raw).with_context(|| format!("creating {}", raw.display()))?;
+    let warmup = Duration::from_secs(s.warmup_s);
+    let duration = Duration::from_secs(s.duration_s);
+    // Start every worker; the measured window must lie inside every worker's.
+    let mut slots = Vec::new();
+    let first = Instant::now();
+    for (ni, n) in nodes.iter().enumerate().filter(|(_, n)| n.runs_workers) {
+        for k in 1..=point.workers_per_node {
+            let spec = WorkerSpec {
+                name: format!("{}-r{rep}-n{}-w{k}", point.slug(), n.id),
+                volume: volume_name(n.id, k),
+                kind: WorkerKind::Measure,
+                bs_bytes: point.bs_bytes,
+                qd: point.qd,
+                write_pct: point.write_pct,
+                random_pct: point.random_pct,
+                size_bytes: s.working_set_bytes,
+                ramp_s: s.warmup_s,
+                runtime_s: s.duration_s,
+            };
+            let w = session.start_worker(ni, &spec)?;
+            slots.push((ni, k, w.id, spec.volume));
+        }
+    }
+    let last = Instant::now();
+    // Window: after the last worker's warm-up, before the first worker's end.
+    let margin = (duration / 10).min(Duration::from_millis(500));
+    let from = last + warmup + Duration::from_millis(100);
+    let mut to = first + warmup + duration - margin;
+    if to <= from + Duration::from_millis(200) {
+        to = from + Duration::from_millis(200);
+    }
+    while Instant::now() < from {
+        progress.status(&format!(
+            "{head}: warm-up {}/{} s — ETA {eta}",
+            first.elapsed().as_secs().min(s.warmup_s),
+            s.warmup_s
+        ));
+        sleep_until((Instant::now() + POLL).min(from))?;
+        session.check_workers()?;
+    }
+    let before = sample_all(nodes)?;
+    while Instant::now() < to {
+        progress.status(&format!(
+            "{head}: measuring {}/{} s — ETA {eta}",
+            from.elapsed().as_secs().min(s.duration_s),
+            s.duration_s
+        ));
+        sleep_until((Instant::now() + POLL).min(to))?;
+        if Instant::now() < to {
+            session.check_workers()?;
+        }
+    }
+    let after = sample_all(nodes)?;
+    let deadline = first + warmup + duration + END_GRACE;
+    loop {
+        let running = session.check_workers()?;
+        if running == 0 {
+            break;
+        }
+        if Instant::now() > deadline {
+            bail!(
+                "{running} workers of {} still run {} s after their end; see the nodes' logs",
+                point.label(),
+                END_GRACE.as_secs()
+            );
+        }
+        progress.status(&format!("{head}: collecting — ETA {eta}"));
+        sleep_until(Instant::now() + Duration::from_millis(250))?;
+    }
+    let mut runs = Vec::new();
+    for (ni, k, id, volume) in slots {
+        let n = &nodes[ni];
+        let v: Value = http::call(
+            &n.api,
+            "GET",
+            &format!("/v1/fleet/workers/{id}/result"),
+            None,
+        )
+        .with_context(|| format!("fetching the result of worker {id} on node {}", n.id))?;
+        let file = raw.join(format!("node{}-w{k}.json", n.id));
+        std::fs::write(&file, serde_json::to_vec_pretty(&v)?)
+            .with_context(|| format!("writing {}", file.display()))?;
+        let job = fio::from_value(&v)
+            .map_err(|e| anyhow!("worker {k} on node {} ({}): {e}", n.id, file.display()))?;
+        runs.push(WorkerRun {
+            node: n.id.0,
+            worker: k,
+            volume,
+            job,
+        });
+    }
+    session.delete_workers();
+    let pairs: Vec<(FleetSample, FleetSample)> = before.into_iter().zip(after).collect();
+    std::fs::write(
+        raw.join("samples.json"),
+        serde_json::to_vec_pretty(
+            &pairs
+                .iter()
+                .map(|(a, b)| serde_json::json!({"node": a.node, "before": a, "after": b}))
+                .collect::<Vec<_>>(),
+        )?,
+    )?;
+    measure::measure(rep, &runs, &pairs).map_err(|e| anyhow!("{}: {e}", point.label()))
+}
+
+fn report_cmd(dirs: &[PathBuf], out: Option<&Path>, json: bool) -> Result<()> {
+    let mut runs = Vec::new();
+    for d in dirs {
+        let s = report::load(d).map_err(|e| anyhow!("{e}"))?;
+        runs.push((d.display().to_string(), s));
+    }
+    if runs.len() == 1 {
+        let (src, s) = &runs[0];
+        let dir = out
+            .map(Path::to_path_buf)
+            .unwrap_or_else(|| PathBuf::from(src));
+        std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+        report::write_all(&dir, s).with_context(|| format!("writing into {}", dir.display()))?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(s)?);
+        } else {
+            print!("{}", report::headline_text(s));
+            println!(
+                "report: {}/report.html (and report.md, summary.csv)",
+                dir.display()
+            );
+        }
+        return Ok(());
+    }
+    let labels = compare::labels(&runs);
+    let runs: Vec<compare::Run> = runs
+        .into_iter()
+        .zip(labels)
+        .map(|((source, summary), label)| compare::Run {
+            label,
+            source,
+            summary,
+        })
+        .collect();
+    if json {
+        let v: Vec<Value> = runs
+            .iter()
+            .map(
+                |r| serde_json::json!({"label": r.label, "source": r.source, "summary": r.summary}),
+            )
+            .collect();
+        println!("{}", serde_json::to_string_pretty(&v)?);
+    } else {
+        print!("{}", compare::text(&runs));
+    }
+    if let Some(dir) = out {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        report::write_atomic(&dir.join("compare.md"), compare::markdown(&runs).as_bytes())?;
+        report::write_atomic(&dir.join("compare.html"), compare::html(&runs).as_bytes())?;
+        if !json {
+            println!(
+                "comparison: {}/compare.html (and compare.md)",
+                dir.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+fn clean(api: &str) -> Result<()> {
+    let status: Status = http::call(api, "GET", "/v1/status", None)?;
+    let mut stopped = 0;
+    for n in status.nodes.iter().filter(|n| n.live) {
+        let napi = node_api(&n.api_addr);
+        let ws: Vec<WorkerStatus> = match http::call(&napi, "GET", "/v1/fleet/workers", None) {
+            Ok(v) => v,
+            Err(e) => {
+                eprintln!("warning: node {}: {e:#}", n.id);
+                continue;
+            }
+        };
+        for w in ws {
+            if w.state == WorkerState::Running {
+                stopped += 1;
+            }
+            let _ = http::request(
+                &napi,
+                "DELETE",
+                &format!("/v1/fleet/workers/{}", w.id),
+                None,
+            );
+        }
+    }
+    let mut deleted = Vec::new();
+    for v in &status.volumes {
+        let fleet = v
+            .name
+            .strip_prefix(VOLUME_PREFIX)
+            .and_then(|r| r.split_once("-w"))
+            .is_some_and(|(n, k)| {
+                !n.is_empty()
+                    && !k.is_empty()
+                    && n.bytes().all(|b| b.is_ascii_digit())
+                    && k.bytes().all(|b| b.is_ascii_digit())
+            });
+        if fleet {
+            let _: Value = http::call(api, "DELETE", &format!("/v1/volumes/{}", v.name), None)
+                .with_context(|| format!("deleting volume {}", v.name))?;
+            deleted.push(v.name.clone());
+        }
+    }
+    println!(
+        "stopped {stopped} running fleet workers; deleted {} fleet volumes{}",
+        deleted.len(),
+        if deleted.is_empty() {
+            String::new()
+        } else {
+            format!(": {}", deleted.join(", "))
+        }
+    );
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn prefill_block_divides_the_working_set() {
+        assert_eq!(prefill_bs(64 << 20), 1 << 20);
+        assert_eq!(prefill_bs(12 << 10), 4 << 10);
+        assert_eq!(prefill_bs(3 << 19), 512 << 10);
+    }
+
+    #[test]
+    fn volume_names() {
+        assert_eq!(volume_name(NodeId(3), 2), "fleet-n3-w2");
+    }
+}

@@ -1,0 +1,789 @@
+//! A run as data: its full configuration (a report without it is not a result), every
+//! point's raw measurements, and the statistics derived from them — fleet totals, merged
+//! percentiles, CPU cost, per-drive load and queue length, write amplification by tier,
+//! and endurance. `summary.json` is this, serialized; reports are rendered from it.
+
+use crate::endurance::{self, Rating, DUTY_HOURS};
+use crate::hist::{Histogram, PERCENTILES};
+use crate::measure::{per_s, RepeatMeasure};
+use crate::profile::{Point, Settings};
+use converge_types::{DriveId, DriveRole, MediaType};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Version of `summary.json`'s layout.
+pub const FORMAT_VERSION: u32 = 1;
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ClusterConfig {
+    pub name: String,
+    pub id: String,
+    pub slab_size_bytes: u64,
+    /// Health when the run started.
+    pub health: String,
+    /// `none` until converge has a cache tier.
+    pub cache_mode: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct NodeConfig {
+    pub id: u32,
+    pub name: String,
+    pub hostname: String,
+    pub host_id: String,
+    pub kernel: String,
+    pub cpus: u32,
+    pub converged_version: String,
+    pub fio_version: String,
+    /// Whether this node runs fleet workers (all nodes serve replicas either way).
+    pub runs_workers: bool,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DriveConfig {
+    pub id: DriveId,
+    pub node: u32,
+    pub path: String,
+    pub role: DriveRole,
+    pub media: MediaType,
+    pub size_bytes: u64,
+    /// None: the drive does not wear (RAM) and has no rating.
+    pub rating: Option<Rating>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunConfig {
+    pub format_version: u32,
+    /// The command line that made the run.
+    pub command: String,
+    pub cli_version: String,
+    pub started_unix: u64,
+    pub cluster: ClusterConfig,
+    pub nodes: Vec<NodeConfig>,
+    pub drives: Vec<DriveConfig>,
+    pub settings: Settings,
+    /// Volumes the fleet created (one per worker slot per node).
+    pub volumes: Vec<String>,
+}
+
+impl RunConfig {
+    pub fn worker_nodes(&self) -> usize {
+        self.nodes.iter().filter(|n| n.runs_workers).count()
+    }
+
+    pub fn hosts(&self) -> usize {
+        let mut h: Vec<&str> = self.nodes.iter().map(|n| n.host_id.as_str()).collect();
+        h.sort_unstable();
+        h.dedup();
+        h.len()
+    }
+
+    fn drive(&self, id: DriveId) -> Option<&DriveConfig> {
+        self.drives.iter().find(|d| d.id == id)
+    }
+
+    pub fn capacity_drives(&self) -> usize {
+        self.drives
+            .iter()
+            .filter(|d| d.role == DriveRole::Capacity)
+            .count()
+    }
+
+    pub fn fio_version(&self) -> String {
+        let mut v: Vec<&str> = self.nodes.iter().map(|n| n.fio_version.as_str()).collect();
+        v.sort_unstable();
+        v.dedup();
+        v.join(", ")
+    }
+
+    pub fn converged_version(&self) -> String {
+        let mut v: Vec<&str> = self
+            .nodes
+            .iter()
+            .map(|n| n.converged_version.as_str())
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v.join(", ")
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "state", content = "reason")]
+pub enum RunStatus {
+    Running,
+    Complete,
+    /// Stopped by the user (Ctrl-C): the points measured so far are in.
+    Interrupted(String),
+    Failed(String),
+}
+
+/// Write amplification: bytes written to drives per byte the workers wrote, by tier.
+/// The workers' bytes are counted by converge's volumes in the same window as the drives'
+/// (fio's own window cannot coincide with it to the millisecond: at a few seconds per
+/// point that skew alone moves the ratio by percents); fio's figure is kept beside it.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct WriteAmp {
+    /// What the workers wrote, as the volumes counted it (fio's figure if unavailable).
+    pub client_write_mb_per_s: f64,
+    /// What the workers wrote, as fio measured it over its own window.
+    #[serde(default)]
+    pub fio_write_mb_per_s: f64,
+    pub capacity_write_mb_per_s: f64,
+    /// Capacity tier, every byte (data + journal + metadata).
+    pub total: Option<f64>,
+    /// Capacity tier, data region only: the resiliency's share.
+    pub data: Option<f64>,
+    pub journal: Option<f64>,
+    pub metadata: Option<f64>,
+    /// Cache tier; None while the cluster has no cache drives.
+    pub cache: Option<f64>,
+}
+
+/// What the point's write rate does to the drive that wears fastest.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Endurance {
+    pub drive: DriveId,
+    pub node: u32,
+    pub size_bytes: u64,
+    pub tbw_bytes: u64,
+    pub warranty_years: f64,
+    /// The drive's measured write rate while loaded.
+    pub write_mb_per_s: f64,
+    /// Mean over rated drives.
+    pub mean_write_mb_per_s: f64,
+    /// Rate the rating sustains over the warranty at 24, 12 and 8 h of load a day.
+    pub sustainable_mb_per_s: [f64; 3],
+    /// Years until the rating is used up at 24, 12 and 8 h a day (None: no writes).
+    pub years: [Option<f64>; 3],
+    /// Drive writes per day the load needs at 24, 12 and 8 h a day.
+    pub dwpd_needed: [f64; 3],
+}
+
+/// Statistics of a point: the mean of its repeats, with percentiles from the merged
+/// histograms of all repeats.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PointStats {
+    pub repeats: u32,
+    pub iops: f64,
+    pub iops_min: f64,
+    pub iops_max: f64,
+    /// Coefficient of variation of IOPS across repeats, %.
+    pub iops_cv_pct: f64,
+    pub read_iops: f64,
+    pub write_iops: f64,
+    /// MB = 10^6 bytes.
+    pub mb_per_s: f64,
+    pub read_mb_per_s: f64,
+    pub write_mb_per_s: f64,
+    pub lat_mean_us: Option<f64>,
+    pub read_lat_mean_us: Option<f64>,
+    pub write_lat_mean_us: Option<f64>,
+    /// At `hist::PERCENTILES`, µs.
+    pub read_pct_us: Vec<Option<f64>>,
+    pub write_pct_us: Vec<Option<f64>>,
+    pub all_pct_us: Vec<Option<f64>>,
+    /// Mean over hosts of host CPU utilisation.
+    pub host_cpu_pct: Option<f64>,
+    pub hosts: usize,
+    /// CPU of every converged together, in cores.
+    pub converged_cores: f64,
+    pub cpu_us_per_io: Option<f64>,
+    /// CPU of the workers (fio) together, in cores.
+    pub fio_cores: f64,
+    /// Capacity drives.
+    pub drives: usize,
+    pub drive_iops_mean: f64,
+    pub drive_iops_min: f64,
+    pub drive_iops_max: f64,
+    pub drive_write_mb_per_s_mean: f64,
+    pub drive_write_mb_per_s_max: f64,
+    pub drive_ql_mean: f64,
+    pub drive_ql_min: f64,
+    pub drive_ql_max: f64,
+    /// nodes × workers × QD ÷ drives: the queue each drive would have if the drives were
+    /// the only place I/Os wait.
+    pub drive_ql_expected: f64,
+    pub wa: WriteAmp,
+    pub endurance: Option<Endurance>,
+    /// Sum of fio error codes of the workers (0 = none).
+    pub errors: i64,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct PointRecord {
+    pub point: Point,
+    pub repeats: Vec<RepeatMeasure>,
+    pub stats: Option<PointStats>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunSummary {
+    pub config: RunConfig,
+    pub status: RunStatus,
+    pub wall_s: f64,
+    /// Points planned, measured or not.
+    pub points_planned: usize,
+    pub points: Vec<PointRecord>,
+    pub notes: Vec<String>,
+}
+
+impl RunSummary {
+    /// Derive every point's statistics from its measurements again.
+    pub fn restat(&mut self) {
+        let cfg = &self.config;
+        for p in &mut self.points {
+            p.stats = point_stats(cfg, &p.point, &p.repeats);
+        }
+    }
+
+    pub fn measured(&self) -> impl Iterator<Item = (&Point, &PointStats)> {
+        self.points
+            .iter()
+            .filter_map(|p| p.stats.as_ref().map(|s| (&p.point, s)))
+    }
+
+    /// Large blocks are reported in MB/s first, small ones in IOPS.
+    pub fn throughput_first(&self) -> bool {
+        self.config
+            .settings
+            .block_sizes
+            .iter()
+            .all(|&b| b >= 64 << 10)
+    }
+}
+
+/// Per-repeat figures, averaged into `PointStats`.
+#[derive(Default)]
+struct RepeatFigures {
+    iops: f64,
+    read_iops: f64,
+    write_iops: f64,
+    bytes_per_s: f64,
+    read_bytes_per_s: f64,
+    write_bytes_per_s: f64,
+    host_cpu_pct: Option<f64>,
+    hosts: usize,
+    converged_cores: f64,
+    /// Client I/Os and written bytes per second as the volumes counted them.
+    volume_iops: f64,
+    volume_write_bps: f64,
+    fio_cores: f64,
+    drive_iops: Vec<f64>,
+    drive_write_bps: Vec<f64>,
+    drive_ql: Vec<f64>,
+    cap_write_bps: f64,
+    cap_data_bps: f64,
+    cap_journal_bps: f64,
+    cap_meta_bps: f64,
+    cache_write_bps: Option<f64>,
+    /// Per rated drive: (id, write bytes/s).
+    drive_rates: Vec<(DriveId, f64)>,
+}
+
+fn figures(cfg: &RunConfig, r: &RepeatMeasure) -> RepeatFigures {
+    let mut f = RepeatFigures::default();
+    for w in &r.workers {
+        f.read_iops += w.read_iops;
+        f.write_iops += w.write_iops;
+        f.read_bytes_per_s += w.read_bytes_per_s;
+        f.write_bytes_per_s += w.write_bytes_per_s;
+        f.fio_cores += w.cpu_cores;
+    }
+    f.iops = f.read_iops + f.write_iops;
+    f.bytes_per_s = f.read_bytes_per_s + f.write_bytes_per_s;
+    // One CPU figure per host: lab nodes on one machine share it.
+    let mut by_host: BTreeMap<&str, f64> = BTreeMap::new();
+    for n in &r.nodes {
+        if n.host_total_ticks > 0 {
+            by_host
+                .entry(n.host_id.as_str())
+                .or_insert(100.0 * n.host_busy_ticks as f64 / n.host_total_ticks as f64);
+        }
+        if n.window_s > 0.0 {
+            f.converged_cores += n.converged_cpu_s / n.window_s;
+        }
+        f.volume_iops += per_s(n.volume_ops, n.window_s);
+        f.volume_write_bps += per_s(n.volume_write_bytes, n.window_s);
+    }
+    f.hosts = by_host.len();
+    if !by_host.is_empty() {
+        f.host_cpu_pct = Some(by_host.values().sum::<f64>() / by_host.len() as f64);
+    }
+    let mut cache = 0.0;
+    let mut have_cache = false;
+    for d in &r.drives {
+        let Some(dc) = cfg.drive(d.id) else { continue };
+        if dc.rating.is_some() {
+            f.drive_rates.push((d.id, d.write_bytes_per_s()));
+        }
+        match dc.role {
+            DriveRole::Cache => {
+                have_cache = true;
+                cache += d.write_bytes_per_s();
+            }
+            DriveRole::Capacity => {
+                f.drive_iops.push(d.iops());
+                f.drive_write_bps.push(d.write_bytes_per_s());
+                f.drive_ql.push(d.queue_len);
+                f.cap_write_bps += d.write_bytes_per_s();
+                f.cap_data_bps += per_s(d.data_write_bytes, d.window_s);
+                f.cap_journal_bps += per_s(d.journal_write_bytes, d.window_s);
+                f.cap_meta_bps += per_s(d.metadata_write_bytes, d.window_s);
+            }
+        }
+    }
+    f.cache_write_bps = have_cache.then_some(cache);
+    f
+}
+
+fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
+    let (s, n) = v
+        .into_iter()
+        .fold((0.0, 0usize), |(s, n), x| (s + x, n + 1));
+    if n == 0 {
+        0.0
+    } else {
+        s / n as f64
+    }
+}
+
+fn mean_opt(v: impl IntoIterator<Item = Option<f64>>) -> Option<f64> {
+    let xs: Vec<f64> = v.into_iter().flatten().collect();
+    (!xs.is_empty()).then(|| mean(xs))
+}
+
+fn min_max(v: &[f64]) -> (f64, f64) {
+    if v.is_empty() {
+        return (0.0, 0.0);
+    }
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(a, b), &x| {
+            (a.min(x), b.max(x))
+        })
+}
+
+fn ratio(num: f64, den: f64) -> Option<f64> {
+    (den > 0.0 && num.is_finite()).then(|| num / den)
+}
+
+/// A latency mean weighted by I/O count across workers and repeats, µs.
+fn weighted_lat_us(reps: &[RepeatMeasure], read: bool) -> Option<f64> {
+    let (mut sum, mut n) = (0.0, 0u64);
+    for r in reps {
+        for w in &r.workers {
+            let (ios, lat) = if read {
+                (w.read_ios, w.read_lat_mean_ns)
+            } else {
+                (w.write_ios, w.write_lat_mean_ns)
+            };
+            sum += ios as f64 * lat;
+            n += ios;
+        }
+    }
+    (n > 0).then(|| sum / n as f64 / 1000.0)
+}
+
+fn pct_us(h: &Histogram) -> Vec<Option<f64>> {
+    h.percentiles(&PERCENTILES)
+        .into_iter()
+        .map(|v| v.map(|ns| ns as f64 / 1000.0))
+        .collect()
+}
+
+/// Statistics of a point from its repeats; None before any repeat was measured.
+pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Option<PointStats> {
+    if reps.is_empty() {
+        return None;
+    }
+    let figs: Vec<RepeatFigures> = reps.iter().map(|r| figures(cfg, r)).collect();
+    let iops: Vec<f64> = figs.iter().map(|f| f.iops).collect();
+    let (iops_min, iops_max) = min_max(&iops);
+    let iops_mean = mean(iops.iter().copied());
+    let iops_sd = (mean(iops.iter().map(|x| (x - iops_mean).powi(2)))).sqrt();
+    let read_hist = Histogram::merged(reps.iter().map(|r| &r.read_hist));
+    let write_hist = Histogram::merged(reps.iter().map(|r| &r.write_hist));
+    let all_hist = Histogram::merged([&read_hist, &write_hist]);
+    let read_lat = weighted_lat_us(reps, true);
+    let write_lat = weighted_lat_us(reps, false);
+    let (rn, wn) = (read_hist.count() as f64, write_hist.count() as f64);
+    let lat_mean_us = match (read_lat, write_lat) {
+        (Some(r), Some(w)) if rn + wn > 0.0 => Some((r * rn + w * wn) / (rn + wn)),
+        (r, w) => r.or(w),
+    };
+    let converged_cores = mean(figs.iter().map(|f| f.converged_cores));
+    let drives_all: Vec<f64> = figs.iter().flat_map(|f| f.drive_iops.clone()).collect();
+    let (drive_iops_min, drive_iops_max) = min_max(&drives_all);
+    let ql_all: Vec<f64> = figs.iter().flat_map(|f| f.drive_ql.clone()).collect();
+    let (drive_ql_min, drive_ql_max) = min_max(&ql_all);
+    let wbps_all: Vec<f64> = figs
+        .iter()
+        .flat_map(|f| f.drive_write_bps.clone())
+        .collect();
+    let fio_w = mean(figs.iter().map(|f| f.write_bytes_per_s));
+    let vol_w = mean(figs.iter().map(|f| f.volume_write_bps));
+    let client_w = if vol_w > 0.0 { vol_w } else { fio_w };
+    // CPU per I/O over the same window as the CPU time, like WA.
+    let vol_iops = mean(figs.iter().map(|f| f.volume_iops));
+    let io_rate = if vol_iops > 0.0 { vol_iops } else { iops_mean };
+    let cap_w = mean(figs.iter().map(|f| f.cap_write_bps));
+    let capacity_drives = cfg.capacity_drives();
+    let cache_w = mean_opt(figs.iter().map(|f| f.cache_write_bps));
+    let wa = WriteAmp {
+        client_write_mb_per_s: client_w / 1e6,
+        fio_write_mb_per_s: fio_w / 1e6,
+        capacity_write_mb_per_s: cap_w / 1e6,
+        total: ratio(cap_w, client_w),
+        data: ratio(mean(figs.iter().map(|f| f.cap_data_bps)), client_w),
+        journal: ratio(mean(figs.iter().map(|f| f.cap_journal_bps)), client_w),
+        metadata: ratio(mean(figs.iter().map(|f| f.cap_meta_bps)), client_w),
+        cache: cache_w.and_then(|c| ratio(c, client_w)),
+    };
+    Some(PointStats {
+        repeats: reps.len() as u32,
+        iops: iops_mean,
+        iops_min,
+        iops_max,
+        iops_cv_pct: if iops_mean > 0.0 {
+            100.0 * iops_sd / iops_mean
+        } else {
+            0.0
+        },
+        read_iops: mean(figs.iter().map(|f| f.read_iops)),
+        write_iops: mean(figs.iter().map(|f| f.write_iops)),
+        mb_per_s: mean(figs.iter().map(|f| f.bytes_per_s)) / 1e6,
+        read_mb_per_s: mean(figs.iter().map(|f| f.read_bytes_per_s)) / 1e6,
+        write_mb_per_s: fio_w / 1e6,
+        lat_mean_us,
+        read_lat_mean_us: read_lat,
+        write_lat_mean_us: write_lat,
+        read_pct_us: pct_us(&read_hist),
+        write_pct_us: pct_us(&write_hist),
+        all_pct_us: pct_us(&all_hist),
+        host_cpu_pct: mean_opt(figs.iter().map(|f| f.host_cpu_pct)),
+        hosts: figs.iter().map(|f| f.hosts).max().unwrap_or(0),
+        converged_cores,
+        cpu_us_per_io: ratio(converged_cores * 1e6, io_rate),
+        fio_cores: mean(figs.iter().map(|f| f.fio_cores)),
+        drives: capacity_drives,
+        drive_iops_mean: mean(drives_all.iter().copied()),
+        drive_iops_min,
+        drive_iops_max,
+        drive_write_mb_per_s_mean: mean(wbps_all.iter().copied()) / 1e6,
+        drive_write_mb_per_s_max: min_max(&wbps_all).1 / 1e6,
+        drive_ql_mean: mean(ql_all.iter().copied()),
+        drive_ql_min,
+        drive_ql_max,
+        drive_ql_expected: if capacity_drives > 0 {
+            point.outstanding(cfg.worker_nodes()) as f64 / capacity_drives as f64
+        } else {
+            0.0
+        },
+        wa,
+        endurance: endurance_of(cfg, &figs),
+        errors: reps
+            .iter()
+            .flat_map(|r| r.workers.iter().map(|w| w.error))
+            .sum(),
+    })
+}
+
+/// The rated drive that wears fastest (shortest life), averaged over repeats.
+fn endurance_of(cfg: &RunConfig, figs: &[RepeatFigures]) -> Option<Endurance> {
+    let mut rates: BTreeMap<DriveId, Vec<f64>> = BTreeMap::new();
+    for f in figs {
+        for (id, r) in &f.drive_rates {
+            rates.entry(*id).or_default().push(*r);
+        }
+    }
+    let mut best: Option<(f64, &DriveConfig, Rating, f64)> = None;
+    let mut all = Vec::new();
+    for (id, rs) in &rates {
+        let Some(dc) = cfg.drive(*id) else { continue };
+        let Some(rating) = dc.rating else { continue };
+        let rate = mean(rs.iter().copied());
+        all.push(rate);
+        // Wear speed: the share of the rating used per second.
+        let wear = rate / rating.tbw_bytes as f64;
+        if best.as_ref().is_none_or(|b| wear > b.0) {
+            best = Some((wear, dc, rating, rate));
+        }
+    }
+    let (_, dc, rating, rate) = best?;
+    let sustain = rating.sustainable_bytes_per_s();
+    Some(Endurance {
+        drive: dc.id,
+        node: dc.node,
+        size_bytes: dc.size_bytes,
+        tbw_bytes: rating.tbw_bytes,
+        warranty_years: rating.warranty_years,
+        write_mb_per_s: rate / 1e6,
+        mean_write_mb_per_s: mean(all) / 1e6,
+        sustainable_mb_per_s: DUTY_HOURS.map(|h| sustain * 24.0 / f64::from(h) / 1e6),
+        years: DUTY_HOURS.map(|h| {
+            let y = endurance::lifetime_years(&rating, rate, h);
+            y.is_finite().then_some(y)
+        }),
+        dwpd_needed: DUTY_HOURS.map(|h| endurance::dwpd_needed(rate, h, dc.size_bytes)),
+    })
+}
+
+#[cfg(test)]
+pub(crate) mod tests {
+    use super::*;
+    use crate::endurance::RatingSource;
+    use crate::measure::{DriveMeasure, NodeMeasure, WorkerMeasure};
+    use crate::profile::{points, resolve, Overrides};
+
+    /// A 4-node config with 2 capacity drives of 1 GB each per node.
+    pub fn config(write_pcts: Vec<u64>, qds: Vec<u64>) -> RunConfig {
+        let settings = resolve(
+            "small-block",
+            &Overrides {
+                quick: true,
+                write_pct: Some(write_pcts),
+                qd: Some(qds),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut drives = Vec::new();
+        let mut nodes = Vec::new();
+        for n in 1..=4u32 {
+            nodes.push(NodeConfig {
+                id: n,
+                name: format!("node{n}"),
+                hostname: "lab".into(),
+                host_id: "h1".into(),
+                kernel: "6.1".into(),
+                cpus: 2,
+                converged_version: "0.1.0".into(),
+                fio_version: "fio-3.33".into(),
+                runs_workers: true,
+            });
+            for d in 0..2u64 {
+                drives.push(DriveConfig {
+                    id: DriveId(u64::from(n) * 10 + d),
+                    node: n,
+                    path: format!("/lab/node{n}/drive{d}.img"),
+                    role: DriveRole::Capacity,
+                    media: MediaType::Ssd,
+                    size_bytes: 1_000_000_000,
+                    rating: Some(Rating {
+                        tbw_bytes: 1_825_000_000_000,
+                        warranty_years: 5.0,
+                        source: RatingSource::Default,
+                    }),
+                });
+            }
+        }
+        RunConfig {
+            format_version: FORMAT_VERSION,
+            command: "converge fleet run --profile small-block --quick".into(),
+            cli_version: "0.1.0".into(),
+            started_unix: 1_700_000_000,
+            cluster: ClusterConfig {
+                name: "lab".into(),
+                id: "00".into(),
+                slab_size_bytes: 256 << 20,
+                health: "healthy".into(),
+                cache_mode: "none".into(),
+            },
+            nodes,
+            drives,
+            settings,
+            volumes: vec![],
+        }
+    }
+
+    /// A synthetic repeat: 4 workers at `iops` each (`write_pct` of them writes, 4 KiB),
+    /// drives writing `wa_data`× the client bytes as data and `journal`× as journal.
+    pub fn repeat(
+        cfg: &RunConfig,
+        p: &Point,
+        iops: f64,
+        wa_data: f64,
+        journal: f64,
+    ) -> RepeatMeasure {
+        let w_iops = iops * f64::from(p.write_pct) / 100.0;
+        let r_iops = iops - w_iops;
+        let secs = 10.0;
+        let mut m = RepeatMeasure {
+            repeat: 1,
+            ..Default::default()
+        };
+        for n in 1..=4 {
+            let mut h = Histogram::default();
+            h.add(100_000 * n as u64, 100);
+            m.workers.push(WorkerMeasure {
+                node: n,
+                worker: 1,
+                volume: format!("fleet-n{n}-w1"),
+                read_ios: (r_iops * secs) as u64,
+                write_ios: (w_iops * secs) as u64,
+                read_iops: r_iops,
+                write_iops: w_iops,
+                read_bytes_per_s: r_iops * 4096.0,
+                write_bytes_per_s: w_iops * 4096.0,
+                read_lat_mean_ns: 200_000.0,
+                write_lat_mean_ns: 400_000.0,
+                curve_ns: vec![Some(100_000); 14],
+                ..Default::default()
+            });
+            if r_iops > 0.0 {
+                m.read_hist.merge(&h);
+            }
+            if w_iops > 0.0 {
+                m.write_hist.merge(&h);
+            }
+            m.nodes.push(NodeMeasure {
+                node: n,
+                host_id: "h1".into(),
+                window_s: secs,
+                host_busy_ticks: 500,
+                host_total_ticks: 1000,
+                converged_cpu_s: 2.0,
+                ..Default::default()
+            });
+        }
+        let client_bytes = 4.0 * w_iops * 4096.0 * secs;
+        let ndrives = cfg.drives.len() as f64;
+        for d in &cfg.drives {
+            let data = (client_bytes * wa_data / ndrives) as u64;
+            let journal = (client_bytes * journal / ndrives) as u64;
+            m.drives.push(DriveMeasure {
+                node: d.node,
+                id: d.id,
+                window_s: secs,
+                read_ops: (4.0 * r_iops * secs / ndrives) as u64,
+                write_ops: (4.0 * w_iops * 3.0 * secs / ndrives) as u64,
+                read_bytes: 0,
+                write_bytes: data + journal,
+                data_write_bytes: data,
+                journal_write_bytes: journal,
+                metadata_write_bytes: 0,
+                queue_len: 0.5,
+            });
+        }
+        m
+    }
+
+    #[test]
+    fn totals_wa_cpu_and_queue_length() {
+        let cfg = config(vec![0, 100], vec![4]);
+        let ps = points(&cfg.settings);
+        let r = repeat(&cfg, &ps[1], 1000.0, 3.0, 0.75);
+        let s = point_stats(&cfg, &ps[1], &[r]).unwrap();
+        assert!((s.iops - 4000.0).abs() < 1e-9);
+        assert!((s.write_mb_per_s - 4000.0 * 4096.0 / 1e6).abs() < 1e-9);
+        assert!((s.wa.data.unwrap() - 3.0).abs() < 1e-6, "{:?}", s.wa);
+        assert!((s.wa.journal.unwrap() - 0.75).abs() < 1e-6);
+        assert!((s.wa.total.unwrap() - 3.75).abs() < 1e-6);
+        assert_eq!(s.wa.cache, None, "no cache tier");
+        // 4 nodes × 1 worker × QD 4 over 8 drives.
+        assert_eq!(s.drive_ql_expected, 2.0);
+        assert_eq!(s.drive_ql_mean, 0.5);
+        // One host at 50 %; 4 daemons × 0.2 cores for 4000 IOPS = 200 µs per I/O.
+        assert_eq!(s.hosts, 1);
+        assert_eq!(s.host_cpu_pct, Some(50.0));
+        assert!((s.converged_cores - 0.8).abs() < 1e-9);
+        assert!((s.cpu_us_per_io.unwrap() - 200.0).abs() < 1e-6);
+        assert_eq!(s.read_lat_mean_us, None);
+        assert_eq!(s.write_lat_mean_us, Some(400.0));
+        // Read-only point: no WA (nothing written by the workers).
+        let r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.75);
+        let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        assert_eq!(s.wa.total, None);
+        assert_eq!(s.write_lat_mean_us, None);
+        assert_eq!(s.read_pct_us.len(), PERCENTILES.len());
+        // Percentiles merged across workers: 100..400 µs, p50 = 200 µs.
+        assert_eq!(s.read_pct_us[0], Some(200.0));
+        assert_eq!(s.read_pct_us[5], Some(400.0));
+    }
+
+    #[test]
+    fn wa_counts_client_bytes_in_the_drives_window_when_the_volumes_report_them() {
+        let cfg = config(vec![100], vec![1]);
+        let ps = points(&cfg.settings);
+        let mut r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        // fio saw 4000 writes/s over its own window; the volumes counted 2 % more in the
+        // drives' window — the drives wrote 3× what the volumes got, exactly.
+        let fio_bytes_per_s = 4000.0 * 4096.0;
+        let drive_bytes: u64 = r.drives.iter().map(|d| d.data_write_bytes).sum();
+        for n in &mut r.nodes {
+            n.volume_write_bytes = drive_bytes / 3 / 4;
+            n.volume_ops = (1.02 * 1000.0 * n.window_s) as u64;
+        }
+        // Make the fio figure disagree by 2 %.
+        for w in &mut r.workers {
+            w.write_bytes_per_s *= 0.98;
+        }
+        let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        assert!((s.wa.data.unwrap() - 3.0).abs() < 1e-6, "{:?}", s.wa);
+        assert!((s.wa.fio_write_mb_per_s - 0.98 * fio_bytes_per_s / 1e6).abs() < 1e-6);
+        // CPU per I/O uses the volumes' I/O rate too: 0.8 cores / 4080 I/O/s.
+        assert!((s.cpu_us_per_io.unwrap() - 0.8e6 / 4080.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn endurance_of_the_fastest_wearing_drive() {
+        let cfg = config(vec![100], vec![1]);
+        let ps = points(&cfg.settings);
+        let r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        let e = s.endurance.unwrap();
+        // Client writes 4000 × 4096 B/s, ×3 over 8 drives.
+        let rate = 4000.0 * 4096.0 * 3.0 / 8.0;
+        assert!((e.write_mb_per_s - rate / 1e6).abs() < 1e-6);
+        // 1 DWPD-class 1 GB drive over 5 years = 1.825 TB.
+        let years = 1.825e12 / (rate * 86400.0 * 365.0);
+        assert!((e.years[0].unwrap() - years).abs() < 1e-9 * years);
+        assert!((e.years[1].unwrap() - 2.0 * years).abs() < 1e-9 * years);
+        assert!((e.years[2].unwrap() - 3.0 * years).abs() < 1e-9 * years);
+        assert!((e.dwpd_needed[0] - rate * 86400.0 / 1e9).abs() < 1e-6);
+        let sus = 1.825e12 / (5.0 * 365.0 * 86400.0) / 1e6;
+        assert!((e.sustainable_mb_per_s[0] - sus).abs() < 1e-12);
+        assert!((e.sustainable_mb_per_s[2] - 3.0 * sus).abs() < 1e-12);
+    }
+
+    #[test]
+    fn repeats_are_averaged_with_their_spread() {
+        let cfg = config(vec![0], vec![1]);
+        let ps = points(&cfg.settings);
+        let a = repeat(&cfg, &ps[0], 900.0, 3.0, 0.0);
+        let mut b = repeat(&cfg, &ps[0], 1100.0, 3.0, 0.0);
+        b.repeat = 2;
+        let s = point_stats(&cfg, &ps[0], &[a, b]).unwrap();
+        assert_eq!(s.repeats, 2);
+        assert!((s.iops - 4000.0).abs() < 1e-9);
+        assert!((s.iops_min - 3600.0).abs() < 1e-9);
+        assert!((s.iops_max - 4400.0).abs() < 1e-9);
+        assert!((s.iops_cv_pct - 10.0).abs() < 1e-9);
+        assert!(point_stats(&cfg, &ps[0], &[]).is_none());
+    }
+
+    #[test]
+    fn summary_round_trips_through_json() {
+        let cfg = config(vec![0, 100], vec![1, 2]);
+        let ps = points(&cfg.settings);
+        let mut sum = RunSummary {
+            config: cfg.clone(),
+            status: RunStatus::Interrupted("Ctrl-C".into()),
+            wall_s: 12.5,
+            points_planned: ps.len(),
+            points: ps
+                .iter()
+                .map(|p| PointRecord {
+                    point: p.clone(),
+                    repeats: vec![repeat(&cfg, p, 500.0, 3.0, 0.5)],
+                    stats: None,
+                })
+                .collect(),
+            notes: vec![],
+        };
+        sum.restat();
+        let j = serde_json::to_string(&sum).unwrap();
+        let back: RunSummary = serde_json::from_str(&j).unwrap();
+        assert_eq!(back, sum);
+    }
+}
