@@ -144,6 +144,14 @@ pub struct Status {
     pub answered_by: NodeId,
 }
 
+/// Cluster-wide settings (`/v1/settings`), overriding the nodes' knobs.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Settings {
+    /// Seconds a down node's copies wait before they are rebuilt elsewhere.
+    #[serde(default)]
+    pub repair_delay_s: Option<u64>,
+}
+
 /// `POST /v1/volumes/NAME/scrub`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScrubRequest {

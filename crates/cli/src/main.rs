@@ -56,6 +56,9 @@ enum Cmd {
     /// Scrub: read every copy, verify checksums, compare copies, repair what differs.
     #[command(subcommand)]
     Scrub(ScrubCmd),
+    /// Cluster-wide settings (override the nodes' [knobs]).
+    #[command(subcommand)]
+    Cluster(ClusterCmd),
     /// A whole cluster on this machine: etcd plus N converged on 127.0.0.x (or each in
     /// its own network namespace), with faults to rehearse failures.
     #[command(subcommand)]
@@ -65,6 +68,34 @@ enum Cmd {
     /// with a report (tables, charts, CPU, queue length, write amplification, endurance).
     #[command(subcommand)]
     Fleet(fleet::FleetCmd),
+}
+
+#[derive(Subcommand)]
+enum ClusterCmd {
+    /// Show the cluster-wide settings.
+    Settings,
+    /// Change cluster-wide settings.
+    Set {
+        /// How long a down node's copies wait before they are rebuilt elsewhere, e.g.
+        /// 600s, 10m, 1h (vSAN waits 60 minutes; the knob's default is 10 minutes).
+        #[arg(long)]
+        repair_delay: Option<String>,
+    },
+}
+
+/// "90", "90s", "10m", "1h" → seconds.
+fn parse_duration_s(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let (num, mul) = match t.char_indices().last() {
+        Some((i, 's')) => (&t[..i], 1),
+        Some((i, 'm')) => (&t[..i], 60),
+        Some((i, 'h')) => (&t[..i], 3600),
+        _ => (t, 1),
+    };
+    let n: u64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("{s:?} is not a duration like 90s, 10m or 1h"))?;
+    Ok(n * mul)
 }
 
 #[derive(Subcommand)]
@@ -376,6 +407,28 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Volume(v) => run_volume(&cli, v)?,
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
+        Cmd::Cluster(c) => {
+            let base = api_base(&cli)?;
+            let v: converge_api::Settings = match c {
+                ClusterCmd::Settings => http::call(&base, "GET", "/v1/settings", None)?,
+                ClusterCmd::Set { repair_delay } => {
+                    let body = serde_json::to_value(converge_api::Settings {
+                        repair_delay_s: repair_delay
+                            .as_deref()
+                            .map(parse_duration_s)
+                            .transpose()?,
+                    })?;
+                    http::call(&base, "POST", "/v1/settings", Some(&body))?
+                }
+            };
+            if cli.json {
+                return print_json(&v);
+            }
+            match v.repair_delay_s {
+                Some(s) => println!("repair delay  {s} s (cluster setting)"),
+                None => println!("repair delay  each node's repair_delay_s knob (default 600 s)"),
+            }
+        }
     }
     Ok(())
 }

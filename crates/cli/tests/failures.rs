@@ -216,7 +216,12 @@ fn owner_killed_another_node_takes_over() {
 /// A node stays dead past the repair delay: its copies are rebuilt on other nodes.
 #[test]
 fn copies_of_a_node_gone_past_the_repair_delay_are_rebuilt() {
-    let lab = Lab::up(4, &["--repair-delay", "3"]);
+    let lab = Lab::up(4, &[]);
+    // The lab's knob says 60 s; the cluster-wide setting overrides it.
+    let e = lab.fails(&["cluster", "set", "--repair-delay", "3x"]);
+    assert!(e.contains("not a duration"), "{e}");
+    lab.must(&["cluster", "set", "--repair-delay", "3s"]);
+    assert_eq!(lab.json(&["cluster", "settings"])["repair_delay_s"], 3);
     lab.must(&[
         "volume",
         "create",

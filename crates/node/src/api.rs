@@ -128,6 +128,22 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::POST, ["v1", "volumes", name, "open"]) => open_here(node, name).await,
         (&Method::POST, ["v1", "volumes", name, "scrub"]) => scrub(node, name, body).await,
         (&Method::POST, ["v1", "nodes", id, "maintenance"]) => maintenance(node, id, body).await,
+        (&Method::GET, ["v1", "settings"]) => ok(&crate::repair::settings(node).await),
+        (&Method::POST, ["v1", "settings"]) => {
+            let mut cur = crate::repair::settings(node).await;
+            let new: Settings = serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad(format!("bad settings: {e}")))?;
+            if new.repair_delay_s.is_some() {
+                cur.repair_delay_s = new.repair_delay_s;
+            }
+            let b = serde_json::to_vec(&cur).map_err(|e| ApiError::bad(e.to_string()))?;
+            node.cluster
+                .etcd()
+                .put(crate::repair::SETTINGS_KEY, &b, None)
+                .await
+                .map_err(ApiError::unavailable)?;
+            ok(&cur)
+        }
         (&Method::GET, ["v1", "scrub"]) => ok(&crate::scrub::results(node).await),
         // Lab-only debug views (the fault injector); handlers live in lab_api.rs.
         (_, ["v1", "lab", rest @ ..]) => crate::lab_api::route(node, method, rest, body)

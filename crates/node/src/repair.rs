@@ -24,6 +24,15 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 pub const JOBS_PREFIX: &str = "/converge/jobs/";
 pub const LEADER_KEY: &str = "/converge/leader";
+pub const SETTINGS_KEY: &str = "/converge/settings";
+
+/// Cluster-wide settings (defaults when absent or unreadable).
+pub async fn settings(node: &Node) -> converge_api::Settings {
+    match node.cluster.etcd().get(SETTINGS_KEY).await {
+        Ok(Some(kv)) => serde_json::from_slice(&kv.value).unwrap_or_default(),
+        _ => Default::default(),
+    }
+}
 
 pub fn unix_now() -> u64 {
     SystemTime::now()
@@ -195,6 +204,10 @@ pub async fn run(node: Arc<Node>) {
                 tokio::spawn(async move { crate::scrub::scheduled(&n).await });
             }
         }
+        let delay = settings(&node)
+            .await
+            .repair_delay_s
+            .unwrap_or(node.cfg.knobs.repair_delay_s);
         let vols: Vec<Arc<Vol>> = node.volumes.lock().await.values().cloned().collect();
         for v in vols {
             if let Err(e) = v.reconcile_suspect().await {
@@ -240,7 +253,7 @@ pub async fn run(node: Arc<Node>) {
                     .get(&e.node)
                     .map(|t| t.elapsed())
                     .unwrap_or_default();
-                if away >= Duration::from_secs(node.cfg.knobs.repair_delay_s) {
+                if away >= Duration::from_secs(delay) {
                     rebuild(&node, &v, idx, e, &mut warned).await;
                 }
             }
