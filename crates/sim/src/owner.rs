@@ -301,6 +301,7 @@ async fn takeover(w: &Arc<World>, v: usize) {
         match (installed, r) {
             (Some(tick), Some(Ok(rep))) => {
                 w.count("takeovers");
+                crate::check_agree(w, id, epoch);
                 w.trace(|| {
                     format!(
                         "vol{v}: node {node} SERVES at epoch {epoch} (tick {tick}; reconcile compared {} blocks, {} differed, {} rewritten)",
