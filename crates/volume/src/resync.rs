@@ -12,7 +12,8 @@ use crate::{Slab, VolumeError, BS};
 use converge_types::{DriveId, Epoch, ExtentState, SlabIndex, Version};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Blocks whose versions are fetched per request.
 const VERSIONS_CHUNK: u64 = 8192;
