@@ -57,15 +57,6 @@ impl Ctl {
         e.0 += 1;
         *e
     }
-
-    pub(crate) fn not_in_sync_nodes(&self) -> BTreeSet<NodeId> {
-        self.slabs
-            .values()
-            .flat_map(|(e, _)| e.iter())
-            .filter(|e| e.state != ExtentState::InSync)
-            .map(|e| e.node)
-            .collect()
-    }
 }
 
 /// One owner's handle on the control plane (its node, its term).
@@ -114,6 +105,8 @@ impl SlabAllocator for OwnerControl {
         let w = &self.world;
         // Placement sees the nodes whose leases are alive (up and reachable).
         let live: BTreeSet<NodeId> = w.node_ids().into_iter().filter(|&n| w.ready(n)).collect();
+        // Healthy nodes first (as a placement that avoids failing nodes would).
+        let impaired = w.impaired_nodes();
         let tiebreak: u64 = w.rng(|r| r.gen());
         let placed = {
             let mut ctl = lock(&w.ctl);
@@ -127,7 +120,11 @@ impl SlabAllocator for OwnerControl {
                 if !live.contains(&n) || used >= total {
                     continue;
                 }
-                let k = (used, (d.0 ^ tiebreak).rotate_left(17), d);
+                let k = (
+                    u64::from(impaired.contains(&n)) << 40 | used,
+                    (d.0 ^ tiebreak).rotate_left(17),
+                    d,
+                );
                 let slot = best.entry(n).or_insert(k);
                 if k < *slot {
                     *slot = k;

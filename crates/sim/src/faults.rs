@@ -101,9 +101,10 @@ fn inject_one(w: &Arc<World>) {
                 return;
             }
             let mut d = w.ms(w.opts.partition_ms.0, w.opts.partition_ms.1);
-            let owns = lock(&w.vols)
-                .iter()
-                .any(|r| r.current.as_ref().is_some_and(|o| o.node == n));
+            let owns = lock(&w.vols).iter().any(|r| {
+                r.current.as_ref().is_some_and(|o| o.node == n)
+                    || r.pending.as_ref().is_some_and(|o| o.node == n)
+            });
             if owns && !w.opts.short_owner_partitions {
                 // Cut off longer than its lease: the owner is deposed (see
                 // `Options::short_owner_partitions` for why shorter cuts are left out).
@@ -124,18 +125,17 @@ fn inject_one(w: &Arc<World>) {
                 for v in owned {
                     depose_owner(w, v, w.opts.lease_ttl);
                 }
+                // A takeover running there loses its claim with its lease: it is abandoned
+                // (and retried elsewhere) before it can mark copies it cannot reach.
+                if !w.opts.short_owner_partitions {
+                    crate::owner::abandon_pending_on(w, n);
+                }
             }
         }
-        2 => {
-            if !w.may_impair(n) {
-                w.trace(|| format!("nemesis: rot on node {n} skipped (fault budget)"));
-                return;
-            }
-            match w.inject_rot(n) {
-                Some(what) => w.trace(|| what),
-                None => w.trace(|| format!("nemesis: no block to rot on node {n}")),
-            }
-        }
+        2 => match w.inject_rot(n) {
+            Some(what) => w.trace(|| what),
+            None => w.trace(|| format!("nemesis: no block to rot on node {n} (or fault budget)")),
+        },
         3 => {
             crash_owner(w, v);
         }

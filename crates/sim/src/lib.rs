@@ -68,9 +68,10 @@ pub struct Options {
     pub fault_phase: Duration,
     pub fault_interval_ms: (u64, u64),
     pub faults: FaultWeights,
-    /// Nodes that may be impaired at once (down, cut off, with stale copies or rotten
-    /// blocks). The fault model: copies - min_replicas.
-    pub max_impaired_nodes: usize,
+    /// Copies of every slab that faults must leave healthy (in sync, on a node that is up,
+    /// reachable and not just hit, free of rot). 1: up to copies - 1 copies of a slab may
+    /// be impaired at once.
+    pub healthy_copies_min: usize,
     pub rpc_timeout: Duration,
     /// How long after its owner dies a volume is taken over.
     pub lease_ttl: Duration,
@@ -130,7 +131,7 @@ impl Options {
             fault_phase: Duration::from_millis(r.gen_range(1500..=3000)),
             fault_interval_ms: (20, r.gen_range(80..=250)),
             faults: FaultWeights::default(),
-            max_impaired_nodes: 1,
+            healthy_copies_min: 1,
             rpc_timeout: Duration::from_millis(100),
             lease_ttl: Duration::from_millis(r.gen_range(50..=200)),
             downtime_ms: (50, r.gen_range(100..=600)),
@@ -138,7 +139,7 @@ impl Options {
             zombie_life_ms: (50, 400),
             repair_period_ms: (20, 100),
             scrub_every_rounds: r.gen_range(5..=20),
-            degraded_write_wait: Duration::ZERO,
+            degraded_write_wait: Duration::from_millis([0, 50, 200][r.gen_range(0..3)]),
             short_owner_partitions: false,
             control_fences_deposed_owners: true,
         }
@@ -459,6 +460,7 @@ pub(crate) fn check_copies(w: &Arc<World>, when: &str) {
             let now = hist.tick();
             let mut skip = vec![false; blocks as usize];
             for b in bad {
+                w.count("bad blocks seen on in-sync copies");
                 if let Some(s) = skip.get_mut(b as usize) {
                     *s = true;
                 }

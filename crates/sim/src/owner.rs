@@ -161,6 +161,33 @@ pub(crate) fn node_died(w: &Arc<World>, node: NodeId) {
     }
 }
 
+/// Takeovers being run by `node` are abandoned (their owner is killed; the takeover loop
+/// retries on another node).
+pub(crate) fn abandon_pending_on(w: &Arc<World>, node: NodeId) {
+    let pending: Vec<(usize, Arc<Owner>)> = lock(&w.vols)
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(v, r)| r.pending.take_if(|o| o.node == node).map(|o| (v, o)))
+        .collect();
+    for (v, o) in pending {
+        o.kill();
+        w.trace(|| {
+            format!(
+                "vol{v}: takeover at epoch {} on node {node} abandoned (cut off)",
+                o.epoch
+            )
+        });
+    }
+}
+
+/// Is `o` the owner clients are sent to now?
+pub(crate) fn is_current(w: &World, v: usize, o: &Arc<Owner>) -> bool {
+    lock(&w.vols)[v]
+        .current
+        .as_ref()
+        .is_some_and(|c| Arc::ptr_eq(c, o))
+}
+
 /// The current owner's process dies (node stays up).
 pub(crate) fn crash_owner(w: &Arc<World>, v: usize) -> bool {
     let o = lock(&w.vols)[v].current.take();

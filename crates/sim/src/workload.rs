@@ -6,7 +6,7 @@
 //! died under it.
 
 use crate::history::Outcome;
-use crate::owner::{volume_blocks, Owner};
+use crate::owner::{is_current, volume_blocks, Owner};
 use crate::world::{lock, World};
 use converge_types::BLOCK_SIZE;
 use converge_volume::resync::{Progress, Throttle};
@@ -108,6 +108,7 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
                 match &r {
                     Some(Ok(())) => w.count("writes acked"),
                     Some(Err(VolumeError::Fenced { .. })) => w.count("writes fenced"),
+                    Some(Err(VolumeError::Degraded { .. })) => w.count("writes degraded"),
                     Some(Err(_)) => w.count("writes failed"),
                     None => w.count("writes aborted"),
                 }
@@ -178,7 +179,7 @@ pub(crate) async fn repairer(w: Arc<World>) {
         crate::check_copies(&w, "during the run");
         for (v, o) in owners {
             resync_all(&w, v, &o, &throttle).await;
-            if round.is_multiple_of(w.opts.scrub_every_rounds) {
+            if round.is_multiple_of(w.opts.scrub_every_rounds) && is_current(&w, v, &o) {
                 scrub(&w, v, &o, true, &throttle).await;
             }
         }
@@ -188,7 +189,8 @@ pub(crate) async fn repairer(w: Arc<World>) {
 /// Resyncs every stale copy (of this owner's view) whose node is up and reachable.
 pub(crate) async fn resync_all(w: &Arc<World>, v: usize, o: &Arc<Owner>, throttle: &Arc<Throttle>) {
     for (idx, e) in o.vol.stale_extents() {
-        if !w.ready(e.node) || !o.alive() {
+        // The daemon's repair loop only works for volumes it still owns.
+        if !w.ready(e.node) || !is_current(w, v, o) {
             continue;
         }
         let (vol, t) = (o.vol.clone(), throttle.clone());
@@ -234,7 +236,8 @@ pub(crate) async fn scrub(
             // only differ on an unacked write whose failed copies could not be marked stale
             // because etcd was unreachable: a short partition of the owner's node, which
             // the default fault model leaves out.
-            if rep.mismatches > 0 {
+            // A deposed owner's view of which copies are in sync is out of date.
+            if rep.mismatches > 0 && is_current(w, v, o) {
                 if w.opts.short_owner_partitions {
                     w.count("scrub mismatches (unacked writes)");
                 } else {

@@ -4,6 +4,8 @@
 //! * `CONVERGE_SIM_SEEDS=<n>`: how many seeds `many_seeds` runs (default below).
 //! * `CONVERGE_SIM_FIRST_SEED=<n>`: where `many_seeds` starts (default 1).
 //! * `CONVERGE_SIM_SEED=<n>`: the seed `replay` runs, printing every step.
+//! * `CONVERGE_SIM_VARIANT=no-control-fencing,short-owner-partitions`: options the
+//!   `#[ignore]`d known-issue tests turn on, for `replay` of one of their seeds.
 
 use converge_sim::{simulate, Failure, Options, Report};
 use std::time::Instant;
@@ -13,6 +15,23 @@ const DEFAULT_SEEDS: u64 = 40;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|s| s.trim().parse().ok())
+}
+
+/// The options of `seed`, with the variants named in `CONVERGE_SIM_VARIANT`.
+fn options(seed: u64) -> Options {
+    let mut o = Options::for_seed(seed);
+    for v in std::env::var("CONVERGE_SIM_VARIANT")
+        .unwrap_or_default()
+        .split(',')
+    {
+        match v.trim() {
+            "" => {}
+            "no-control-fencing" => o.control_fences_deposed_owners = false,
+            "short-owner-partitions" => o.short_owner_partitions = true,
+            other => panic!("unknown CONVERGE_SIM_VARIANT {other:?}"),
+        }
+    }
+    o
 }
 
 /// One run on a current-thread runtime with virtual time, as the simulation requires.
@@ -32,12 +51,16 @@ fn many_seeds() {
     let start = Instant::now();
     let mut failed = Vec::new();
     let (mut writes, mut acked, mut blocks) = (0, 0, 0);
+    let mut counters = std::collections::BTreeMap::new();
     for seed in first..first + n {
-        match run(Options::for_seed(seed)) {
+        match run(options(seed)) {
             Ok(r) => {
                 writes += r.writes;
                 acked += r.acked;
                 blocks += r.blocks_checked;
+                for (k, v) in r.counters {
+                    *counters.entry(k).or_insert(0u64) += v;
+                }
             }
             Err(f) => {
                 eprintln!("{f}\n");
@@ -49,6 +72,7 @@ fn many_seeds() {
         "{n} seeds from {first} in {:.1?}: {writes} writes ({acked} acked), {blocks} blocks read and checked",
         start.elapsed()
     );
+    eprintln!("totals: {counters:?}");
     assert!(
         failed.is_empty(),
         "seeds {failed:?} failed; replay one with CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
@@ -62,7 +86,7 @@ fn replay() {
         return;
     };
     let _ = env_logger::builder().is_test(true).try_init();
-    let mut opts = Options::for_seed(seed);
+    let mut opts = options(seed);
     opts.verbose = true;
     eprintln!("{opts:#?}");
     match run(opts) {
@@ -85,4 +109,39 @@ fn same_seed_same_run() {
         .map_err(|f| f.to_string())
         .unwrap();
     assert_ne!(a.digest, c.digest, "different seeds should differ");
+}
+
+/// Runs `CONVERGE_SIM_SEEDS` seeds (default 200) of a variant; returns the failing seeds.
+fn sweep(variant: impl Fn(&mut Options)) -> Vec<u64> {
+    let n = env_u64("CONVERGE_SIM_SEEDS").unwrap_or(200);
+    let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
+    let mut failed = Vec::new();
+    for seed in first..first + n {
+        let mut o = options(seed);
+        variant(&mut o);
+        if let Err(f) = run(o) {
+            eprintln!("{f}\n");
+            failed.push(seed);
+        }
+    }
+    failed
+}
+
+/// Known issue: the node's slab allocator (etcd create-if-absent, CAS on the record's
+/// revision) does not check the owner's epoch, so a deposed owner can still place new
+/// slabs and mark copies stale. Run with `--run-ignored only` to see it.
+#[test]
+#[ignore = "known issue: the control plane does not fence deposed owners (docs/SIMULATION.md)"]
+fn control_plane_without_fencing() {
+    let failed = sweep(|o| o.control_fences_deposed_owners = false);
+    assert!(failed.is_empty(), "seeds {failed:?} failed");
+}
+
+/// Known issue: a partition of the owner's node shorter than its lease can leave a slab
+/// with no in-sync copy, which nothing recovers.
+#[test]
+#[ignore = "known issue: a slab whose copies are all stale is never recovered (docs/SIMULATION.md)"]
+fn short_owner_partitions() {
+    let failed = sweep(|o| o.short_owner_partitions = true);
+    assert!(failed.is_empty(), "seeds {failed:?} failed");
 }
