@@ -169,6 +169,8 @@ pub struct Failure {
     /// The last steps before the end of the run.
     pub recent: Vec<String>,
     pub digest: u64,
+    /// `CONVERGE_SIM_VARIANT=...` for the replay command, if the run used one.
+    pub variant: String,
 }
 
 impl std::fmt::Display for Failure {
@@ -183,8 +185,8 @@ impl std::fmt::Display for Failure {
         }
         write!(
             f,
-            "replay: CONVERGE_SIM_SEED={} cargo nextest run --release -p converge-sim replay --no-capture",
-            self.seed
+            "replay: {}CONVERGE_SIM_SEED={} cargo nextest run --release -p converge-sim replay --no-capture",
+            self.variant, self.seed
         )
     }
 }
@@ -200,6 +202,22 @@ pub(crate) fn describe_block(w: &World, v: usize, block: u64) -> String {
     format!("    writes of vol{v} block {block}:\n{}", lines.join("\n"))
 }
 
+/// The replay environment for the non-default options a run used.
+fn variant_env(o: &Options) -> String {
+    let mut v = Vec::new();
+    if !o.control_fences_deposed_owners {
+        v.push("no-control-fencing");
+    }
+    if o.short_owner_partitions {
+        v.push("short-owner-partitions");
+    }
+    if v.is_empty() {
+        String::new()
+    } else {
+        format!("CONVERGE_SIM_VARIANT={} ", v.join(","))
+    }
+}
+
 /// Runs one simulation. Call it on a current-thread runtime with paused time.
 pub async fn simulate(opts: Options) -> Result<Report, Failure> {
     let world = match World::new(opts.clone()) {
@@ -210,6 +228,7 @@ pub async fn simulate(opts: Options) -> Result<Report, Failure> {
                 violations: vec![e],
                 recent: Vec::new(),
                 digest: 0,
+                variant: variant_env(&opts),
             })
         }
     };
@@ -231,6 +250,7 @@ pub async fn simulate(opts: Options) -> Result<Report, Failure> {
             violations: failures,
             recent,
             digest,
+            variant: variant_env(&opts),
         });
     }
     let counters = lock(&w.stats).clone();

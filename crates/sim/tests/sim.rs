@@ -11,7 +11,7 @@ use converge_sim::{simulate, Failure, Options, Report};
 use std::time::Instant;
 
 /// Sized so `many_seeds` takes well under a minute in release on a slow 2-core machine.
-const DEFAULT_SEEDS: u64 = 40;
+const DEFAULT_SEEDS: u64 = 600;
 
 fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().and_then(|s| s.trim().parse().ok())
