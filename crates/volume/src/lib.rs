@@ -19,7 +19,9 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
+// The runtime's clock, not the wall clock: deadlines then follow virtual time in the
+// simulator (and in tests with paused time); in production the two are the same.
+use tokio::time::Instant;
 
 const BS: u64 = BLOCK_SIZE as u64;
 

@@ -12,7 +12,8 @@ use crate::{Slab, VolumeError, BS};
 use converge_types::{DriveId, Epoch, ExtentState, SlabIndex, Version};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+use tokio::time::Instant;
 
 /// Blocks whose versions are fetched per request.
 const VERSIONS_CHUNK: u64 = 8192;
@@ -371,6 +372,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .map_err(|e| self.replica_failed(idx, src, e))?;
         let mut data = bytes::BytesMut::from(&r.data[..]);
         let mut versions = r.versions;
+        let mut expect: Vec<Version> = run.iter().map(|d| d.expect).collect();
         for &b in &r.bad_blocks {
             // Take this block from another in-sync copy.
             let boff = off + u64::from(b) * BS;
@@ -397,15 +399,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 }
             }
             if !fixed {
-                return Err(self.copy_error(
-                    idx,
-                    format!("block at offset {boff} fails its checksum on every in-sync copy"),
-                ));
+                // No good copy of this block exists (e.g. an unacked write torn on every
+                // copy by crashes): leave the target's own block, which reads as its old
+                // data or as bad, and carry on rather than block the copy forever. An
+                // expected version no block can have makes the compare-and-set skip it.
+                log::error!(
+                    "volume {}: slab {idx}: block at offset {boff} fails its checksum on every in-sync copy; left as it is on node {}",
+                    self.cfg.name,
+                    target.node
+                );
+                expect[b as usize] = Version(u64::MAX);
             }
         }
         let data = data.freeze();
         let crcs = block_crcs(&data);
-        let expect: Vec<Version> = run.iter().map(|d| d.expect).collect();
         self.io
             .write_blocks(target, key, epoch, off, crcs, versions, expect, data)
             .await

@@ -571,6 +571,26 @@ async fn below_min_replicas_nothing_is_acked() {
     assert_eq!(v.read(0, 4096).await.unwrap().len(), 4096);
 }
 
+/// The degraded-write wait is measured on the runtime's clock: under paused (virtual) time
+/// it lasts exactly `degraded_write_wait` instead of spinning until the wall clock catches
+/// up, which made simulated runs depend on the machine's speed.
+#[tokio::test(start_paused = true)]
+async fn degraded_write_wait_follows_the_runtime_clock() {
+    let (v, io) = volume(1 << 20, 64 << 10);
+    v.write(0, pattern(4096, 1)).await.unwrap();
+    io.failed.lock().unwrap().extend([NodeId(1), NodeId(2)]);
+    assert!(v.write(0, pattern(4096, 2)).await.is_err());
+    let t0 = tokio::time::Instant::now();
+    let e = v.write(4096, pattern(4096, 3)).await.unwrap_err();
+    assert!(matches!(e, VolumeError::Degraded { .. }), "{e}");
+    let waited = t0.elapsed();
+    let wait = config(0, 4096, 0).degraded_write_wait;
+    assert!(
+        waited >= wait && waited < wait + std::time::Duration::from_millis(100),
+        "waited {waited:?} of virtual time for a {wait:?} wait"
+    );
+}
+
 #[tokio::test]
 async fn resync_copies_only_the_blocks_missed() {
     let (v, io) = volume(1 << 20, 256 << 10);

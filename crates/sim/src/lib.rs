@@ -1,0 +1,628 @@
+//! converge-sim: a deterministic simulation of a converge cluster's replicated data path
+//! (DESIGN.md "Testing"). Real engine `Drive`s on fault-injecting `FaultyFile`s, the real
+//! owner logic (`converge_volume::Volume`) over a simulated network and control plane,
+//! clients with a checked history, and a nemesis that crashes nodes and owners, partitions,
+//! drops and delays messages and rots bits. One seed replays a whole run.
+//!
+//! [`simulate`] must run on a current-thread tokio runtime with paused time (the tests
+//! build one): time is then virtual and every interleaving follows from the seed.
+//! docs/SIMULATION.md describes the fault model and the invariants.
+
+// Tests may unwrap: a panic there is the failure report.
+#![cfg_attr(test, allow(clippy::unwrap_used))]
+
+pub mod content;
+mod control;
+mod faults;
+pub mod history;
+mod owner;
+mod replicas;
+mod workload;
+mod world;
+
+pub use control::OwnerControl;
+pub use faults::FaultWeights;
+pub use owner::SimVolume;
+pub use replicas::SimReplicas;
+
+use converge_types::{Resiliency, VolumeId, BLOCK_SIZE};
+use converge_volume::resync::Throttle;
+use history::Outcome;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::time::Instant;
+use world::{lock, World};
+
+/// One simulated volume.
+#[derive(Clone, Debug)]
+pub struct VolumeSpec {
+    pub resiliency: Resiliency,
+    pub min_replicas: usize,
+    pub slabs: u64,
+}
+
+/// Everything a run depends on besides the seed (and [`Options::for_seed`] derives these
+/// from the seed too).
+#[derive(Clone, Debug)]
+pub struct Options {
+    pub seed: u64,
+    /// Print every step of the run to stderr.
+    pub verbose: bool,
+    pub nodes: usize,
+    pub max_drives_per_node: usize,
+    pub drive_bytes: u64,
+    pub journal_bytes: u64,
+    /// Slab size in 4 KiB blocks (small: copies of a slab collide a lot).
+    pub slab_blocks: u64,
+    pub volumes: Vec<VolumeSpec>,
+    pub clients_per_volume: usize,
+    /// Largest client I/O, in blocks.
+    pub io_blocks_max: u64,
+    /// Client think time between requests, up to this many microseconds.
+    pub think_us: u64,
+    /// How long faults are injected (virtual time); then the cluster heals.
+    pub fault_phase: Duration,
+    pub fault_interval_ms: (u64, u64),
+    pub faults: FaultWeights,
+    /// Copies of every slab that faults must leave healthy (in sync, on a node that is up,
+    /// reachable and not just hit, free of rot). 1: up to copies - 1 copies of a slab may
+    /// be impaired at once.
+    pub healthy_copies_min: usize,
+    pub rpc_timeout: Duration,
+    /// How long after its owner dies a volume is taken over.
+    pub lease_ttl: Duration,
+    pub downtime_ms: (u64, u64),
+    pub partition_ms: (u64, u64),
+    /// How long a deposed owner keeps serving its attached clients.
+    pub zombie_life_ms: (u64, u64),
+    pub repair_period_ms: (u64, u64),
+    /// Scrub (with repair) every this many repair rounds.
+    pub scrub_every_rounds: u64,
+    pub degraded_write_wait: Duration,
+    /// Allow partitions of an owner's node shorter than its lease (no takeover). Off by
+    /// default: the owner then marks every copy it could not reach stale, possibly all of
+    /// them, and no volume operation can bring a slab with no in-sync copy back (a known
+    /// liveness bug, see docs/SIMULATION.md).
+    pub short_owner_partitions: bool,
+    /// The control plane refuses slab allocations and state changes from a deposed owner
+    /// (an etcd transaction comparing the volume's epoch). See docs/SIMULATION.md.
+    pub control_fences_deposed_owners: bool,
+}
+
+impl Options {
+    /// The knobs of a run, randomised from its seed (so many seeds cover many shapes).
+    pub fn for_seed(seed: u64) -> Options {
+        let mut r = StdRng::seed_from_u64(seed ^ 0x5eed_0fc0_4e46_6500);
+        let nodes = r.gen_range(4..=5);
+        let mut volumes = vec![VolumeSpec {
+            resiliency: Resiliency::Mirror3,
+            min_replicas: 2,
+            slabs: r.gen_range(3..=5),
+        }];
+        volumes.push(if r.gen_bool(0.5) {
+            VolumeSpec {
+                resiliency: Resiliency::Mirror2,
+                min_replicas: 1,
+                slabs: r.gen_range(2..=4),
+            }
+        } else {
+            VolumeSpec {
+                resiliency: Resiliency::Mirror3,
+                min_replicas: 2,
+                slabs: r.gen_range(2..=4),
+            }
+        });
+        Options {
+            seed,
+            verbose: false,
+            nodes,
+            max_drives_per_node: 2,
+            drive_bytes: 2 << 20,
+            journal_bytes: 64 << 10,
+            slab_blocks: [8, 16, 32][r.gen_range(0..3)],
+            volumes,
+            clients_per_volume: r.gen_range(2..=4),
+            io_blocks_max: r.gen_range(2..=8),
+            think_us: r.gen_range(200..=3000),
+            fault_phase: Duration::from_millis(r.gen_range(1500..=3000)),
+            fault_interval_ms: (20, r.gen_range(80..=250)),
+            faults: FaultWeights::default(),
+            healthy_copies_min: 1,
+            rpc_timeout: Duration::from_millis(100),
+            lease_ttl: Duration::from_millis(r.gen_range(50..=200)),
+            downtime_ms: (50, r.gen_range(100..=600)),
+            partition_ms: (30, r.gen_range(100..=500)),
+            zombie_life_ms: (50, 400),
+            repair_period_ms: (20, 100),
+            scrub_every_rounds: r.gen_range(5..=20),
+            degraded_write_wait: Duration::from_millis([0, 50, 200][r.gen_range(0..3)]),
+            short_owner_partitions: false,
+            control_fences_deposed_owners: true,
+        }
+    }
+}
+
+/// What a passing run did.
+#[derive(Clone, Debug)]
+pub struct Report {
+    pub seed: u64,
+    /// Digest of every step: equal digests mean identical runs.
+    pub digest: u64,
+    pub steps: u64,
+    pub virtual_time: Duration,
+    pub writes: u64,
+    pub acked: u64,
+    pub reads_checked: u64,
+    pub blocks_checked: u64,
+    pub counters: BTreeMap<&'static str, u64>,
+}
+
+/// A run that broke an invariant (or did not finish).
+#[derive(Clone, Debug)]
+pub struct Failure {
+    pub seed: u64,
+    pub violations: Vec<String>,
+    /// The last steps before the end of the run.
+    pub recent: Vec<String>,
+    pub digest: u64,
+    /// `CONVERGE_SIM_VARIANT=...` for the replay command, if the run used one.
+    pub variant: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        writeln!(f, "simulation seed {} FAILED:", self.seed)?;
+        for v in &self.violations {
+            writeln!(f, "  - {v}")?;
+        }
+        writeln!(f, "last steps:")?;
+        for l in &self.recent {
+            writeln!(f, "  {l}")?;
+        }
+        write!(
+            f,
+            "replay: {}CONVERGE_SIM_SEED={} cargo nextest run --release -p converge-sim replay --no-capture",
+            self.variant, self.seed
+        )
+    }
+}
+
+/// The writes of one block, for failure reports.
+pub(crate) fn describe_block(w: &World, v: usize, block: u64) -> String {
+    let hist = lock(&w.hist);
+    let lines: Vec<String> = hist
+        .block_writes(v, block)
+        .iter()
+        .map(|r| format!("      {r}"))
+        .collect();
+    format!("    writes of vol{v} block {block}:\n{}", lines.join("\n"))
+}
+
+/// The replay environment for the non-default options a run used.
+fn variant_env(o: &Options) -> String {
+    let mut v = Vec::new();
+    if !o.control_fences_deposed_owners {
+        v.push("no-control-fencing");
+    }
+    if o.short_owner_partitions {
+        v.push("short-owner-partitions");
+    }
+    if v.is_empty() {
+        String::new()
+    } else {
+        format!("CONVERGE_SIM_VARIANT={} ", v.join(","))
+    }
+}
+
+/// Runs one simulation. Call it on a current-thread runtime with paused time.
+pub async fn simulate(opts: Options) -> Result<Report, Failure> {
+    let world = match World::new(opts.clone()) {
+        Ok(w) => w,
+        Err(e) => {
+            return Err(Failure {
+                seed: opts.seed,
+                violations: vec![e],
+                recent: Vec::new(),
+                digest: 0,
+                variant: variant_env(&opts),
+            })
+        }
+    };
+    let w = world.clone();
+    // Nothing in a correct run takes anywhere near this long in virtual time.
+    let limit = opts.fault_phase + Duration::from_secs(600);
+    match tokio::time::timeout(limit, run(w.clone())).await {
+        Ok(()) => {}
+        Err(_) => w.fail(format!(
+            "the run did not finish within {limit:?} of virtual time (liveness)"
+        )),
+    }
+    w.stopping.store(true, Ordering::Relaxed);
+    let (steps, digest, recent) = w.trace_summary();
+    let failures = w.failures();
+    if !failures.is_empty() {
+        return Err(Failure {
+            seed: opts.seed,
+            violations: failures,
+            recent,
+            digest,
+            variant: variant_env(&opts),
+        });
+    }
+    let counters = lock(&w.stats).clone();
+    let hist = lock(&w.hist);
+    Ok(Report {
+        seed: opts.seed,
+        digest,
+        steps,
+        virtual_time: w.elapsed(),
+        writes: hist.writes().len() as u64,
+        acked: hist
+            .writes()
+            .iter()
+            .filter(|r| r.outcome == Outcome::Acked)
+            .count() as u64,
+        reads_checked: hist.reads_checked,
+        blocks_checked: hist.blocks_checked,
+        counters,
+    })
+}
+
+async fn run(w: Arc<World>) {
+    let o = &w.opts;
+    w.trace(|| {
+        format!(
+            "seed {}: {} nodes, slab {} blocks, volumes {:?}, {} clients each, faults for {:?}",
+            o.seed, o.nodes, o.slab_blocks, o.volumes, o.clients_per_volume, o.fault_phase
+        )
+    });
+    for (v, spec) in o.volumes.iter().enumerate() {
+        lock(&w.vols).push(owner::VolRt {
+            spec: spec.clone(),
+            id: VolumeId(100 + v as u64),
+            name: format!("vm{v:02}"),
+            current: None,
+            zombies: Vec::new(),
+            pending: None,
+            takeover_running: false,
+            pins: vec![None; o.clients_per_volume],
+        });
+        owner::first_owner(&w, v);
+    }
+    let mut clients = Vec::new();
+    for v in 0..o.volumes.len() {
+        for c in 0..o.clients_per_volume {
+            clients.push(tokio::spawn(workload::client(w.clone(), v, c)));
+        }
+    }
+    let repairer = tokio::spawn(workload::repairer(w.clone()));
+    let until = Instant::now() + o.fault_phase;
+    faults::nemesis(w.clone(), until).await;
+
+    // ---- heal ----------------------------------------------------------------------------
+    w.trace(|| "=== faults stop; clients finish; the cluster heals ===".to_string());
+    w.stopping.store(true, Ordering::Relaxed);
+    for c in clients {
+        let _ = c.await;
+    }
+    let _ = repairer.await;
+    heal(&w).await;
+    if w.has_failed() {
+        return;
+    }
+    final_checks(&w).await;
+}
+
+/// Every fault ends: zombies stop, armed power losses fire, partitions and flaky links
+/// heal, nodes restart, every volume gets an owner, and stale copies are resynced until
+/// none is left.
+async fn heal(w: &Arc<World>) {
+    let zombies: Vec<(usize, Arc<owner::Owner>)> = lock(&w.vols)
+        .iter()
+        .enumerate()
+        .flat_map(|(v, r)| r.zombies.iter().map(move |z| (v, z.clone())))
+        .collect();
+    for (v, z) in zombies {
+        owner::kill_zombie(w, v, &z);
+    }
+    let armed: Vec<_> = lock(&w.nodes)
+        .iter()
+        .filter(|n| n.armed)
+        .map(|n| n.id)
+        .collect();
+    for n in armed {
+        w.crash_node(n, "armed power loss fired at the end of the fault phase");
+    }
+    {
+        let mut net = lock(&w.net);
+        net.flaky_until = None;
+        net.slow.clear();
+    }
+    for n in w.node_ids() {
+        w.isolate(n, Duration::ZERO);
+        w.restart_node(n);
+    }
+    // Let messages still in flight land and takeovers finish.
+    let nvols = lock(&w.vols).len();
+    for v in 0..nvols {
+        let idle = {
+            let vols = lock(&w.vols);
+            vols[v].current.is_none() && !vols[v].takeover_running
+        };
+        if idle {
+            owner::start_takeover(w, v, Duration::ZERO);
+        }
+    }
+    loop {
+        let ready = lock(&w.vols).iter().all(|r| r.current.is_some());
+        if ready {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tokio::time::sleep(w.opts.rpc_timeout * 2).await;
+    let throttle = Arc::new(Throttle::new(u64::MAX));
+    for round in 0..50 {
+        let owners: Vec<(usize, Arc<owner::Owner>)> = lock(&w.vols)
+            .iter()
+            .enumerate()
+            .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
+            .collect();
+        for (v, o) in &owners {
+            workload::resync_all(w, *v, o, &throttle).await;
+        }
+        let left = w.not_in_sync();
+        if left.is_empty() {
+            w.trace(|| format!("healed after {} resync rounds", round + 1));
+            return;
+        }
+        if round == 49 {
+            w.fail(format!(
+                "copies still not in sync after the cluster healed: {}",
+                left.join(", ")
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+async fn final_checks(w: &Arc<World>) {
+    let throttle = Arc::new(Throttle::new(u64::MAX));
+    let owners: Vec<(usize, Arc<owner::Owner>)> = lock(&w.vols)
+        .iter()
+        .enumerate()
+        .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
+        .collect();
+    check_copies(w, "after healing");
+    if !w.opts.short_owner_partitions {
+        let vols: Vec<(VolumeId, converge_types::Epoch)> = owners
+            .iter()
+            .map(|(_, o)| (o.vol.config().id, o.epoch))
+            .collect();
+        for (id, epoch) in vols {
+            check_agree(w, id, epoch);
+        }
+    }
+    // Rot and torn blocks left over, and in-sync copies that still differ on an unacked
+    // write, are repaired by one scrub (the background scrubber's job).
+    for (v, o) in &owners {
+        workload::scrub(w, *v, o, true, &throttle).await;
+    }
+    for (v, o) in &owners {
+        match workload::scrub(w, *v, o, false, &throttle).await {
+            Some(rep) if rep.bad_checksums == 0 && rep.mismatches == 0 => {}
+            Some(rep) => w.fail(format!(
+                "vol{v}: after repair, scrub still finds {} bad checksums and {} mismatches",
+                rep.bad_checksums, rep.mismatches
+            )),
+            None => w.fail(format!("vol{v}: the final scrub could not run")),
+        }
+    }
+    compare_copies(w);
+    for (v, o) in &owners {
+        read_back(w, *v, o, "after healing").await;
+    }
+    // One more owner change, then everything must still read back.
+    for (v, _) in &owners {
+        owner::crash_owner(w, *v);
+    }
+    loop {
+        let ready = lock(&w.vols).iter().all(|r| r.current.is_some());
+        if ready {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let owners: Vec<(usize, Arc<owner::Owner>)> = lock(&w.vols)
+        .iter()
+        .enumerate()
+        .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
+        .collect();
+    for (v, o) in &owners {
+        read_back(w, *v, o, "after a final takeover").await;
+    }
+    compare_copies(w);
+}
+
+/// Every in-sync copy, read alone straight from its drive, must pass the clients' read
+/// check: any of them may serve the next read, so each must hold every acked write (or a
+/// later unacked one) and nothing else. Blocks that fail their checksum are skipped (reads
+/// never return them; scrub repairs them).
+pub(crate) fn check_copies(w: &Arc<World>, when: &str) {
+    let blocks = w.opts.slab_blocks;
+    let records = lock(&w.ctl).all();
+    let tags: BTreeMap<VolumeId, (usize, u64)> = lock(&w.vols)
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.id, (i, r.id.0)))
+        .collect();
+    for ((vol, slab), extents) in records {
+        let Some(&(v, tag)) = tags.get(&vol) else {
+            continue;
+        };
+        for e in extents
+            .iter()
+            .filter(|e| e.state == converge_types::ExtentState::InSync)
+        {
+            let key = world::slab_key(vol, slab.0);
+            let Ok((mut data, _, bad)) = w.read_copy(e.node, e.drive, key, blocks) else {
+                continue; // down: it cannot serve reads either
+            };
+            let first = slab.0 * blocks;
+            // Bad blocks are never served; make them pass as the block's current content
+            // would not be judged at all.
+            let mut hist = lock(&w.hist);
+            let now = hist.tick();
+            let mut skip = vec![false; blocks as usize];
+            for b in bad {
+                w.count("bad blocks seen on in-sync copies");
+                if let Some(s) = skip.get_mut(b as usize) {
+                    *s = true;
+                }
+            }
+            for (i, chunk) in data.chunks_mut(BLOCK_SIZE).enumerate() {
+                if skip[i] {
+                    chunk.fill(0);
+                }
+            }
+            let verdicts = hist.check_read(v, tag, first, &data, now, now, true);
+            drop(hist);
+            w.count("copy checks");
+            for (b, why) in verdicts {
+                if skip[(b - first) as usize] {
+                    continue;
+                }
+                let writes = describe_block(w, v, b);
+                w.fail(format!(
+                    "{when}: in-sync copy of vol {vol} slab {slab} on node {} drive {}: {why}\n{writes}",
+                    e.node, e.drive
+                ));
+            }
+        }
+    }
+}
+
+/// Right after a takeover's reconcile (before the new owner serves anything) and once the
+/// cluster has healed, the in-sync copies of every slab of `volume` must agree block by
+/// block (DESIGN: unacked writes may resolve to old or new, but every copy agrees). Blocks
+/// failing their crc are skipped.
+pub(crate) fn check_agree(w: &Arc<World>, volume: VolumeId, epoch: converge_types::Epoch) {
+    let blocks = w.opts.slab_blocks;
+    let slabs = lock(&w.ctl).slabs_of(volume);
+    for (slab, extents) in slabs {
+        let mut copies = Vec::new();
+        for e in extents
+            .iter()
+            .filter(|e| e.state == converge_types::ExtentState::InSync)
+        {
+            if let Ok(img) = w.read_copy(e.node, e.drive, world::slab_key(volume, slab.0), blocks) {
+                copies.push((e.node, img));
+            }
+        }
+        for b in 0..blocks as usize {
+            let good: Vec<(converge_types::NodeId, converge_types::Version, &[u8])> = copies
+                .iter()
+                .filter(|(_, (_, _, bad))| !bad.contains(&(b as u32)))
+                .map(|(n, (data, vers, _))| {
+                    (*n, vers[b], &data[b * BLOCK_SIZE..(b + 1) * BLOCK_SIZE])
+                })
+                .collect();
+            if let Some((n0, v0, d0)) = good.first() {
+                for (n, v, d) in &good[1..] {
+                    if v != v0 || d != d0 {
+                        w.fail(format!(
+                            "vol {volume} slab {slab} block {b}: at epoch {epoch}, in-sync copies on nodes {n0} (version {v0}, {:?}) and {n} (version {v}, {:?}) disagree",
+                            content::decode(d0),
+                            content::decode(d)
+                        ));
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Every copy of every slab holds the same bytes and versions, with no bad block.
+fn compare_copies(w: &Arc<World>) {
+    let blocks = w.opts.slab_blocks;
+    let records = lock(&w.ctl).all();
+    for ((vol, slab), extents) in records {
+        let mut first: Option<(
+            converge_types::NodeId,
+            Vec<u8>,
+            Vec<converge_types::Version>,
+        )> = None;
+        for e in &extents {
+            let key = world::slab_key(vol, slab.0);
+            match w.read_copy(e.node, e.drive, key, blocks) {
+                Err(err) => w.fail(format!("vol {vol} slab {slab}: copy unreadable: {err}")),
+                Ok((data, versions, bad)) => {
+                    if !bad.is_empty() {
+                        w.fail(format!(
+                            "vol {vol} slab {slab}: copy on node {} has bad blocks {bad:?} after healing",
+                            e.node
+                        ));
+                    }
+                    match &first {
+                        None => first = Some((e.node, data, versions)),
+                        Some((n0, d0, v0)) => {
+                            if *v0 != versions {
+                                w.fail(format!(
+                                    "vol {vol} slab {slab}: versions differ between copies on nodes {n0} and {}: {:?} vs {:?}",
+                                    e.node, v0, versions
+                                ));
+                            } else if *d0 != data {
+                                let b = d0
+                                    .chunks(BLOCK_SIZE)
+                                    .zip(data.chunks(BLOCK_SIZE))
+                                    .position(|(a, b)| a != b)
+                                    .unwrap_or(0);
+                                w.fail(format!(
+                                    "vol {vol} slab {slab}: data differs between copies on nodes {n0} and {} (first at block {b}) with equal versions",
+                                    e.node
+                                ));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Reads the whole volume through `o` and checks every block against the history.
+async fn read_back(w: &Arc<World>, v: usize, o: &Arc<owner::Owner>, when: &str) {
+    let (blocks, tag) = {
+        let vols = lock(&w.vols);
+        (owner::volume_blocks(w, &vols[v].spec), vols[v].id.0)
+    };
+    let issue = lock(&w.hist).tick();
+    let vol = o.vol.clone();
+    let len = blocks * BLOCK_SIZE as u64;
+    let r = match o.spawn(async move { vol.read(0, len).await }) {
+        Some(h) => h.await.ok(),
+        None => None,
+    };
+    let end = lock(&w.hist).tick();
+    match r {
+        Some(Ok(data)) => {
+            let bad = lock(&w.hist).check_read(v, tag, 0, &data, issue, end, true);
+            w.trace(|| {
+                format!(
+                    "vol{v}: read back {blocks} blocks {when}: {} bad",
+                    bad.len()
+                )
+            });
+            for (b, why) in bad {
+                let writes = describe_block(w, v, b);
+                w.fail(format!("read back {when}: {why}\n{writes}"));
+            }
+        }
+        Some(Err(e)) => w.fail(format!("vol{v}: read back {when} failed: {e}")),
+        None => w.fail(format!("vol{v}: read back {when} did not complete")),
+    }
+}

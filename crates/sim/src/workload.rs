@@ -1,0 +1,258 @@
+//! Clients and the background repairer.
+//!
+//! Clients write random block ranges with self-describing content, read random ranges
+//! (every block checked against the history), and zero some ranges. Every write is
+//! recorded before it is issued and its outcome after, including "aborted" when its owner
+//! died under it.
+
+use crate::history::Outcome;
+use crate::owner::{is_current, volume_blocks, Owner};
+use crate::world::{lock, World};
+use converge_types::BLOCK_SIZE;
+use converge_volume::resync::{Progress, Throttle};
+use converge_volume::VolumeError;
+use rand::Rng;
+use std::sync::Arc;
+use std::time::Duration;
+
+const BS: u64 = BLOCK_SIZE as u64;
+
+/// The owner a client sends its next request to: the zombie it is still attached to, or
+/// the current owner.
+fn owner_for(w: &World, v: usize, c: usize) -> Option<Arc<Owner>> {
+    let mut vols = lock(&w.vols);
+    let r = &mut vols[v];
+    if let Some(z) = r.pins[c].clone() {
+        if z.alive() {
+            return Some(z);
+        }
+        r.pins[c] = None;
+    }
+    r.current.clone().filter(|o| o.alive())
+}
+
+enum Op {
+    Write,
+    Zero,
+    Read,
+}
+
+pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
+    let (blocks, tag) = {
+        let vols = lock(&w.vols);
+        (volume_blocks(&w, &vols[v].spec), vols[v].id.0)
+    };
+    while !w.stopping() {
+        tokio::time::sleep(w.us(0, w.opts.think_us)).await;
+        let Some(owner) = owner_for(&w, v, c) else {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+            continue;
+        };
+        let (op, first, n) = w.rng(|r| {
+            let n = r.gen_range(1..=w.opts.io_blocks_max.min(blocks));
+            let first = r.gen_range(0..=blocks - n);
+            let op = match r.gen_range(0..100) {
+                0..=54 => Op::Write,
+                55..=64 => Op::Zero,
+                _ => Op::Read,
+            };
+            (op, first, n)
+        });
+        match op {
+            Op::Write | Op::Zero => {
+                let zero = matches!(op, Op::Zero);
+                let id = lock(&w.hist).issue(v, first, n, zero, owner.epoch);
+                let vol = owner.vol.clone();
+                let h = if zero {
+                    owner.spawn(async move { vol.zero(first * BS, n * BS, false).await })
+                } else {
+                    let mut data = Vec::with_capacity((n * BS) as usize);
+                    for b in first..first + n {
+                        crate::content::push_block(&mut data, tag, b, id);
+                    }
+                    let data = bytes::Bytes::from(data);
+                    owner.spawn(async move { vol.write(first * BS, data).await })
+                };
+                let r = match h {
+                    Some(h) => h.await.ok(),
+                    None => None,
+                };
+                let outcome = match &r {
+                    Some(Ok(())) => Outcome::Acked,
+                    Some(Err(e)) => Outcome::Failed(e.to_string()),
+                    None => Outcome::Aborted,
+                };
+                let issue = lock(&w.hist).get(id).map_or(0, |r| r.issue);
+                w.trace(|| {
+                    format!(
+                        "c{v}.{c} w{id} {} blocks {first}..{} epoch {}: {}",
+                        if zero { "zero" } else { "write" },
+                        first + n,
+                        owner.epoch,
+                        match &r {
+                            Some(Ok(())) => "ACKED".to_string(),
+                            Some(Err(e)) => format!("failed: {e}"),
+                            None => "aborted (owner died)".to_string(),
+                        }
+                    )
+                });
+                if let (Some(Ok(())), Some(t)) = (&r, owner.superseded_at()) {
+                    if issue > t {
+                        w.fail(format!(
+                            "deposed owner (epoch {}) acked w{id} (vol{v} blocks {first}..{}) issued at tick {issue}, after the takeover completed at tick {t}",
+                            owner.epoch,
+                            first + n
+                        ));
+                    }
+                }
+                match &r {
+                    Some(Ok(())) => w.count("writes acked"),
+                    Some(Err(VolumeError::Fenced { .. })) => w.count("writes fenced"),
+                    Some(Err(VolumeError::Degraded { .. })) => w.count("writes degraded"),
+                    Some(Err(_)) => w.count("writes failed"),
+                    None => w.count("writes aborted"),
+                }
+                lock(&w.hist).finish(id, outcome);
+            }
+            Op::Read => {
+                // Reads through a superseded owner are only checked for garbage: a deposed
+                // owner may serve old data from a copy the takeover could not fence.
+                let strict = owner.superseded_at().is_none();
+                let issue = lock(&w.hist).tick();
+                let vol = owner.vol.clone();
+                let r = match owner.spawn(async move { vol.read(first * BS, n * BS).await }) {
+                    Some(h) => h.await.ok(),
+                    None => None,
+                };
+                let end = lock(&w.hist).tick();
+                match r {
+                    Some(Ok(data)) => {
+                        w.count("reads ok");
+                        let bad =
+                            lock(&w.hist).check_read(v, tag, first, &data, issue, end, strict);
+                        w.trace(|| {
+                            format!(
+                                "c{v}.{c} read blocks {first}..{} epoch {}: ok{}",
+                                first + n,
+                                owner.epoch,
+                                if bad.is_empty() { "" } else { " BAD" }
+                            )
+                        });
+                        for (blk, why) in bad {
+                            let writes = crate::describe_block(&w, v, blk);
+                            w.fail(format!(
+                                "read via owner epoch {}: {why}\n{writes}",
+                                owner.epoch
+                            ));
+                        }
+                    }
+                    Some(Err(e)) => {
+                        w.count("reads failed");
+                        w.trace(|| {
+                            format!(
+                                "c{v}.{c} read blocks {first}..{} epoch {}: failed: {e}",
+                                first + n,
+                                owner.epoch
+                            )
+                        });
+                    }
+                    None => w.count("reads aborted"),
+                }
+            }
+        }
+    }
+}
+
+/// What the daemon's repair loop does: resync every stale copy whose node is back, and now
+/// and then scrub (repairing rot) — always through the current owner.
+pub(crate) async fn repairer(w: Arc<World>) {
+    let throttle = Arc::new(Throttle::new(u64::MAX));
+    let mut round = 0u64;
+    while !w.stopping() {
+        tokio::time::sleep(w.ms(w.opts.repair_period_ms.0, w.opts.repair_period_ms.1)).await;
+        round += 1;
+        let owners: Vec<(usize, Arc<Owner>)> = lock(&w.vols)
+            .iter()
+            .enumerate()
+            .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
+            .collect();
+        crate::check_copies(&w, "during the run");
+        for (v, o) in owners {
+            resync_all(&w, v, &o, &throttle).await;
+            if round.is_multiple_of(w.opts.scrub_every_rounds) && is_current(&w, v, &o) {
+                scrub(&w, v, &o, true, &throttle).await;
+            }
+        }
+    }
+}
+
+/// Resyncs every stale copy (of this owner's view) whose node is up and reachable.
+pub(crate) async fn resync_all(w: &Arc<World>, v: usize, o: &Arc<Owner>, throttle: &Arc<Throttle>) {
+    for (idx, e) in o.vol.stale_extents() {
+        // The daemon's repair loop only works for volumes it still owns.
+        if !w.ready(e.node) || !is_current(w, v, o) {
+            continue;
+        }
+        let (vol, t) = (o.vol.clone(), throttle.clone());
+        let drive = e.drive;
+        let r = match o.spawn(async move { vol.resync(idx, drive, &t, &Progress::default()).await })
+        {
+            Some(h) => h.await.ok(),
+            None => None,
+        };
+        w.count("resyncs");
+        w.trace(|| match r {
+            Some(Ok(rep)) => format!(
+                "vol{v} epoch {}: RESYNC slab {idx} node {} drive {drive}: {} differed, {} written",
+                o.epoch, e.node, rep.blocks_differing, rep.blocks_written
+            ),
+            Some(Err(err)) => format!(
+                "vol{v} epoch {}: resync slab {idx} node {} failed: {err}",
+                o.epoch, e.node
+            ),
+            None => format!("vol{v} epoch {}: resync slab {idx} aborted", o.epoch),
+        });
+    }
+}
+
+/// Scrubs the volume through `o`. Copies that are in sync must never disagree (a bad
+/// checksum is rot or a torn write; a mismatch is divergence).
+pub(crate) async fn scrub(
+    w: &Arc<World>,
+    v: usize,
+    o: &Arc<Owner>,
+    repair: bool,
+    throttle: &Arc<Throttle>,
+) -> Option<converge_volume::resync::ScrubReport> {
+    let (vol, t) = (o.vol.clone(), throttle.clone());
+    let r = match o.spawn(async move { vol.scrub(repair, &t, &Progress::default()).await }) {
+        Some(h) => h.await.ok(),
+        None => None,
+    };
+    match r {
+        Some(Ok(rep)) => {
+            w.trace(|| format!("vol{v} epoch {}: SCRUB (repair {repair}): {rep:?}", o.epoch));
+            // Scrub holds the slab's writes back, so in-sync copies must agree. They may
+            // only differ on an unacked write whose failed copies could not be marked stale
+            // because etcd was unreachable: a short partition of the owner's node, which
+            // the default fault model leaves out.
+            // A deposed owner's view of which copies are in sync is out of date.
+            if rep.mismatches > 0 && is_current(w, v, o) {
+                if w.opts.short_owner_partitions {
+                    w.count("scrub mismatches (unacked writes)");
+                } else {
+                    w.fail(format!(
+                        "vol{v}: scrub through epoch {} found {} blocks whose in-sync copies disagree",
+                        o.epoch, rep.mismatches
+                    ));
+                }
+            }
+            Some(rep)
+        }
+        Some(Err(e)) => {
+            w.trace(|| format!("vol{v} epoch {}: scrub failed: {e}", o.epoch));
+            None
+        }
+        None => None,
+    }
+}

@@ -1,0 +1,147 @@
+//! Runs the cluster simulation over many seeds, replays one seed verbosely, and checks that
+//! a seed always replays the same run.
+//!
+//! * `CONVERGE_SIM_SEEDS=<n>`: how many seeds `many_seeds` runs (default below).
+//! * `CONVERGE_SIM_FIRST_SEED=<n>`: where `many_seeds` starts (default 1).
+//! * `CONVERGE_SIM_SEED=<n>`: the seed `replay` runs, printing every step.
+//! * `CONVERGE_SIM_VARIANT=no-control-fencing,short-owner-partitions`: options the
+//!   `#[ignore]`d known-issue tests turn on, for `replay` of one of their seeds.
+
+use converge_sim::{simulate, Failure, Options, Report};
+use std::time::Instant;
+
+/// Sized so `many_seeds` takes well under a minute in release on a slow 2-core machine.
+const DEFAULT_SEEDS: u64 = 600;
+
+fn env_u64(name: &str) -> Option<u64> {
+    std::env::var(name).ok().and_then(|s| s.trim().parse().ok())
+}
+
+/// The options of `seed`, with the variants named in `CONVERGE_SIM_VARIANT`.
+fn options(seed: u64) -> Options {
+    let mut o = Options::for_seed(seed);
+    for v in std::env::var("CONVERGE_SIM_VARIANT")
+        .unwrap_or_default()
+        .split(',')
+    {
+        match v.trim() {
+            "" => {}
+            "no-control-fencing" => o.control_fences_deposed_owners = false,
+            "short-owner-partitions" => o.short_owner_partitions = true,
+            other => panic!("unknown CONVERGE_SIM_VARIANT {other:?}"),
+        }
+    }
+    o
+}
+
+/// One run on a current-thread runtime with virtual time, as the simulation requires.
+fn run(opts: Options) -> Result<Report, Failure> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("tokio runtime");
+    rt.block_on(simulate(opts))
+}
+
+#[test]
+fn many_seeds() {
+    let n = env_u64("CONVERGE_SIM_SEEDS").unwrap_or(DEFAULT_SEEDS);
+    let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
+    let start = Instant::now();
+    let mut failed = Vec::new();
+    let (mut writes, mut acked, mut blocks) = (0, 0, 0);
+    let mut counters = std::collections::BTreeMap::new();
+    for seed in first..first + n {
+        match run(options(seed)) {
+            Ok(r) => {
+                writes += r.writes;
+                acked += r.acked;
+                blocks += r.blocks_checked;
+                for (k, v) in r.counters {
+                    *counters.entry(k).or_insert(0u64) += v;
+                }
+            }
+            Err(f) => {
+                eprintln!("{f}\n");
+                failed.push(seed);
+            }
+        }
+    }
+    eprintln!(
+        "{n} seeds from {first} in {:.1?}: {writes} writes ({acked} acked), {blocks} blocks read and checked",
+        start.elapsed()
+    );
+    eprintln!("totals: {counters:?}");
+    assert!(
+        failed.is_empty(),
+        "seeds {failed:?} failed; replay one with CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
+    );
+}
+
+#[test]
+fn replay() {
+    let Some(seed) = env_u64("CONVERGE_SIM_SEED") else {
+        eprintln!("set CONVERGE_SIM_SEED=<seed> to replay one seed with every step printed");
+        return;
+    };
+    let _ = env_logger::builder().is_test(true).try_init();
+    let mut opts = options(seed);
+    opts.verbose = true;
+    eprintln!("{opts:#?}");
+    match run(opts) {
+        Ok(r) => eprintln!("seed {seed} passed: {r:#?}"),
+        Err(f) => panic!("{f}"),
+    }
+}
+
+#[test]
+fn same_seed_same_run() {
+    let a = run(Options::for_seed(7))
+        .map_err(|f| f.to_string())
+        .unwrap();
+    let b = run(Options::for_seed(7))
+        .map_err(|f| f.to_string())
+        .unwrap();
+    assert_eq!(a.digest, b.digest, "seed 7 did not replay identically");
+    assert_eq!(a.steps, b.steps);
+    let c = run(Options::for_seed(8))
+        .map_err(|f| f.to_string())
+        .unwrap();
+    assert_ne!(a.digest, c.digest, "different seeds should differ");
+}
+
+/// Runs `CONVERGE_SIM_SEEDS` seeds (default 200) of a variant; returns the failing seeds.
+fn sweep(variant: impl Fn(&mut Options)) -> Vec<u64> {
+    let n = env_u64("CONVERGE_SIM_SEEDS").unwrap_or(200);
+    let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
+    let mut failed = Vec::new();
+    for seed in first..first + n {
+        let mut o = options(seed);
+        variant(&mut o);
+        if let Err(f) = run(o) {
+            eprintln!("{f}\n");
+            failed.push(seed);
+        }
+    }
+    failed
+}
+
+/// Known issue: the node's slab allocator (etcd create-if-absent, CAS on the record's
+/// revision) does not check the owner's epoch, so a deposed owner can still place new
+/// slabs and mark copies stale. Run with `--run-ignored only` to see it.
+#[test]
+#[ignore = "known issue: the control plane does not fence deposed owners (docs/SIMULATION.md)"]
+fn control_plane_without_fencing() {
+    let failed = sweep(|o| o.control_fences_deposed_owners = false);
+    assert!(failed.is_empty(), "seeds {failed:?} failed");
+}
+
+/// Known issue: a partition of the owner's node shorter than its lease can leave a slab
+/// with no in-sync copy, which nothing recovers.
+#[test]
+#[ignore = "known issue: a slab whose copies are all stale is never recovered (docs/SIMULATION.md)"]
+fn short_owner_partitions() {
+    let failed = sweep(|o| o.short_owner_partitions = true);
+    assert!(failed.is_empty(), "seeds {failed:?} failed");
+}
