@@ -854,6 +854,38 @@ impl SlabAllocator for Allocator {
         Ok(extents_of(&rec))
     }
 
+    async fn lookup(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        epoch: Epoch,
+    ) -> Result<Option<Vec<ExtentLoc>>, VolumeError> {
+        let ctl = |e: String| VolumeError::Control(e, volume.to_string());
+        let owner = self
+            .cluster
+            .owner(volume)
+            .await
+            .map_err(|e| ctl(e.to_string()))?;
+        if owner
+            != Some(converge_control::model::OwnerRecord {
+                node: self.me,
+                epoch,
+            })
+        {
+            return Err(VolumeError::Fenced {
+                volume: volume.to_string(),
+                epoch,
+                why: format!("the volume's owner record is now {owner:?}"),
+            });
+        }
+        Ok(self
+            .cluster
+            .slab(volume, slab)
+            .await
+            .map_err(|e| ctl(e.to_string()))?
+            .map(|(rec, _)| extents_of(&rec)))
+    }
+
     async fn change(
         &self,
         volume: VolumeId,

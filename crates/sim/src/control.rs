@@ -173,6 +173,20 @@ impl SlabAllocator for OwnerControl {
         Ok(placed)
     }
 
+    async fn lookup(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        _epoch: Epoch,
+    ) -> Result<Option<Vec<ExtentLoc>>, VolumeError> {
+        // Fenced like every other control-plane call of this term (see `round_trip`).
+        self.round_trip(volume).await?;
+        Ok(lock(&self.world.ctl)
+            .slabs
+            .get(&(volume, slab))
+            .map(|(ex, _)| ex.clone()))
+    }
+
     async fn change(
         &self,
         volume: VolumeId,

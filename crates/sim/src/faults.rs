@@ -108,7 +108,9 @@ fn inject_one(w: &Arc<World>) {
             if owns && !w.opts.short_owner_partitions {
                 // Cut off longer than its lease: the owner is deposed (see
                 // `Options::short_owner_partitions` for why shorter cuts are left out).
-                d = d.max(w.opts.lease_ttl + std::time::Duration::from_millis(1));
+                // (with a margin: the new owner must have claimed the volume, bumping the
+                // epoch, before the old one can reach etcd again).
+                d = d.max(w.opts.lease_ttl + w.opts.rpc_timeout);
             }
             w.isolate(n, d);
             w.count("partitions");

@@ -88,6 +88,13 @@ pub struct Options {
     /// them, and no volume operation can bring a slab with no in-sync copy back (a known
     /// liveness bug, see docs/SIMULATION.md).
     pub short_owner_partitions: bool,
+    /// Fail the run when a deposed owner acks a zero of a slab it never allocated (known
+    /// issue 3: acked from its own slab map with no replica I/O). Off: counted, and the zero
+    /// is recorded as failed (it changed nothing).
+    pub check_unallocated_zero_fencing: bool,
+    /// Allow rot on a block whose version no other in-sync copy holds (the only copy of an
+    /// unacked write's block). Off by default: a takeover then fails forever (known issue 4).
+    pub rot_sole_newest: bool,
     /// The control plane refuses slab allocations and state changes from a deposed owner
     /// (an etcd transaction comparing the volume's epoch). See docs/SIMULATION.md.
     pub control_fences_deposed_owners: bool,
@@ -141,6 +148,8 @@ impl Options {
             scrub_every_rounds: r.gen_range(5..=20),
             degraded_write_wait: Duration::from_millis([0, 50, 200][r.gen_range(0..3)]),
             short_owner_partitions: false,
+            check_unallocated_zero_fencing: false,
+            rot_sole_newest: false,
             control_fences_deposed_owners: true,
         }
     }
@@ -211,6 +220,12 @@ fn variant_env(o: &Options) -> String {
     if o.short_owner_partitions {
         v.push("short-owner-partitions");
     }
+    if o.check_unallocated_zero_fencing {
+        v.push("unallocated-zero-fencing");
+    }
+    if o.rot_sole_newest {
+        v.push("rot-sole-newest");
+    }
     if v.is_empty() {
         String::new()
     } else {
@@ -237,11 +252,24 @@ pub async fn simulate(opts: Options) -> Result<Report, Failure> {
     let limit = opts.fault_phase + Duration::from_secs(600);
     match tokio::time::timeout(limit, run(w.clone())).await {
         Ok(()) => {}
-        Err(_) => w.fail(format!(
-            "the run did not finish within {limit:?} of virtual time (liveness)"
-        )),
+        Err(_) => {
+            let stuck: Vec<String> = lock(&w.vols)
+                .iter()
+                .filter_map(|r| {
+                    r.last_takeover_error
+                        .as_ref()
+                        .map(|e| format!("{}: takeovers keep failing: {e}", r.name))
+                })
+                .collect();
+            w.fail(format!(
+                "the run did not finish within {limit:?} of virtual time (liveness){}{}",
+                if stuck.is_empty() { "" } else { "; " },
+                stuck.join("; ")
+            ))
+        }
     }
     w.stopping.store(true, Ordering::Relaxed);
+    w.teardown();
     let (steps, digest, recent) = w.trace_summary();
     let failures = w.failures();
     if !failures.is_empty() {
@@ -289,6 +317,7 @@ async fn run(w: Arc<World>) {
             zombies: Vec::new(),
             pending: None,
             takeover_running: false,
+            last_takeover_error: None,
             pins: vec![None; o.clients_per_volume],
         });
         owner::first_owner(&w, v);
@@ -343,7 +372,7 @@ async fn heal(w: &Arc<World>) {
         net.slow.clear();
     }
     for n in w.node_ids() {
-        w.isolate(n, Duration::ZERO);
+        w.heal_partition(n);
         w.restart_node(n);
     }
     // Let messages still in flight land and takeovers finish.

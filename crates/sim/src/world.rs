@@ -251,6 +251,25 @@ impl World {
         }
     }
 
+    /// Owners (and their in-flight tasks, once the runtime goes) hold the world: drop them
+    /// and the drives, so a finished run frees its memory.
+    pub(crate) fn teardown(&self) {
+        let vols = std::mem::take(&mut *lock(&self.vols));
+        for r in vols {
+            for o in r
+                .current
+                .iter()
+                .chain(r.pending.iter())
+                .chain(r.zombies.iter())
+            {
+                o.kill();
+            }
+        }
+        for n in lock(&self.nodes).iter_mut() {
+            n.drives.clear();
+        }
+    }
+
     pub(crate) fn failures(&self) -> Vec<String> {
         lock(&self.failures).clone()
     }
@@ -405,9 +424,47 @@ impl World {
         if restarted {
             self.hit(id, Instant::now());
             self.trace(|| format!("node {id} restarted, drives reopened"));
+            self.find_torn_blocks(id);
         }
         for e in errors {
             self.fail(e);
+        }
+    }
+
+    /// Blocks that recovery reports bad after a power loss (a torn write) are corruption,
+    /// like rot: they count against the fault budget until repaired or rewritten.
+    fn find_torn_blocks(self: &Arc<Self>, id: NodeId) {
+        let blocks = self.opts.slab_blocks;
+        let drives: Vec<(DriveId, Vec<ExtentKey>)> = self
+            .with_node(id, |n| {
+                n.drives
+                    .iter()
+                    .filter_map(|d| {
+                        d.drive
+                            .as_ref()
+                            .map(|dr| (d.id, dr.extents().into_iter().map(|e| e.key).collect()))
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        for (drive, keys) in drives {
+            for key in keys {
+                let Ok((_, _, bad)) = self.read_copy(id, drive, key, blocks) else {
+                    continue;
+                };
+                for block in bad {
+                    self.count("torn blocks found after power loss");
+                    self.trace(|| {
+                        format!("node {id} drive {drive}: vol {} slab {} block {block} reads bad after recovery (torn)", key.volume, key.slab)
+                    });
+                    lock(&self.rots).push(Rot {
+                        node: id,
+                        drive,
+                        key,
+                        block,
+                    });
+                }
+            }
         }
     }
 
@@ -455,9 +512,23 @@ impl World {
     // ---- network -------------------------------------------------------------------------
 
     pub(crate) fn isolate(&self, id: NodeId, d: Duration) {
-        let until = Instant::now() + d;
-        self.with_node(id, |n| n.isolated_until = Some(until));
+        let now = Instant::now();
+        let until = self
+            .with_node(id, |n| {
+                // A new cut never shortens one in progress.
+                let u = match n.isolated_until {
+                    Some(t) if t > now + d => t,
+                    _ => now + d,
+                };
+                n.isolated_until = Some(u);
+                u
+            })
+            .unwrap_or(now);
         self.hit(id, until);
+    }
+
+    pub(crate) fn heal_partition(&self, id: NodeId) {
+        self.with_node(id, |n| n.isolated_until = None);
     }
 
     /// `node` may have copies marked stale until a while after `t` (requests that failed
@@ -606,13 +677,45 @@ impl World {
         let blk = sample.blocks.first()?.clone();
         // Only a copy the control plane knows, and only if its slab keeps a healthy copy
         // (which then holds this block intact: rot is only counted per slab).
-        let known = lock(&self.ctl)
-            .extents(blk.key.volume, blk.key.slab)?
-            .iter()
-            .any(|e| e.drive == *drive);
+        if !self.opts.rot_sole_newest {
+            // In-sync copies only disagree between an owner's death and the end of the next
+            // reconcile; no rot on that volume meanwhile.
+            let settled = lock(&self.vols).iter().any(|r| {
+                r.id == blk.key.volume
+                    && r.current.is_some()
+                    && r.pending.is_none()
+                    && !r.takeover_running
+            });
+            if !settled {
+                return None;
+            }
+        }
+        let extents = lock(&self.ctl).extents(blk.key.volume, blk.key.slab)?;
+        let known = extents.iter().any(|e| e.drive == *drive);
         let target = (blk.key, *drive);
         if !known || !self.within_budget(|k, e| (k, e.drive) == target) {
             return None;
+        }
+        if !self.opts.rot_sole_newest {
+            // Another healthy in-sync copy must hold this very version of the block (not
+            // just an older one): see `Options::rot_sole_newest`.
+            let off = u64::from(blk.block) * BLOCK_SIZE as u64;
+            let key = blk.key;
+            let bad_nodes = self.impaired_nodes();
+            let shared = extents
+                .iter()
+                .filter(|e| {
+                    e.drive != *drive
+                        && e.state == ExtentState::InSync
+                        && !bad_nodes.contains(&e.node)
+                })
+                .any(|e| {
+                    matches!(self.exec(e.node, e.drive, move |d| d.block_versions(key, off, 1)),
+                        Delivery::Done(Ok(v)) if v.first() == Some(&blk.version))
+                });
+            if !shared {
+                return None;
+            }
         }
         image.rot(blk.offset_bytes + byte, bit);
         lock(&self.rots).push(Rot {

@@ -4,8 +4,9 @@
 //! * `CONVERGE_SIM_SEEDS=<n>`: how many seeds `many_seeds` runs (default below).
 //! * `CONVERGE_SIM_FIRST_SEED=<n>`: where `many_seeds` starts (default 1).
 //! * `CONVERGE_SIM_SEED=<n>`: the seed `replay` runs, printing every step.
-//! * `CONVERGE_SIM_VARIANT=no-control-fencing,short-owner-partitions`: options the
-//!   `#[ignore]`d known-issue tests turn on, for `replay` of one of their seeds.
+//! * `CONVERGE_SIM_VARIANT=no-control-fencing,short-owner-partitions,
+//!   unallocated-zero-fencing,rot-sole-newest`: options the `#[ignore]`d known-issue tests
+//!   turn on, for `replay` of one of their seeds.
 
 use converge_sim::{simulate, Failure, Options, Report};
 use std::time::Instant;
@@ -28,6 +29,8 @@ fn options(seed: u64) -> Options {
             "" => {}
             "no-control-fencing" => o.control_fences_deposed_owners = false,
             "short-owner-partitions" => o.short_owner_partitions = true,
+            "unallocated-zero-fencing" => o.check_unallocated_zero_fencing = true,
+            "rot-sole-newest" => o.rot_sole_newest = true,
             other => panic!("unknown CONVERGE_SIM_VARIANT {other:?}"),
         }
     }
@@ -143,5 +146,22 @@ fn control_plane_without_fencing() {
 #[ignore = "known issue: a slab whose copies are all stale is never recovered (docs/SIMULATION.md)"]
 fn short_owner_partitions() {
     let failed = sweep(|o| o.short_owner_partitions = true);
+    assert!(failed.is_empty(), "seeds {failed:?} failed");
+}
+
+/// Was a bug (seed 2467): `Volume::zero` answered a zero of a slab missing from the
+/// owner's own map from that map, so a deposed owner acked it unfenced. The owner now asks
+/// the control plane (fenced by its epoch) first.
+#[test]
+fn unallocated_zero_fencing() {
+    let failed = sweep(|o| o.check_unallocated_zero_fencing = true);
+    assert!(failed.is_empty(), "seeds {failed:?} failed");
+}
+
+/// Was a bug (seeds 1641, 2318, 3314, 3696 before the fix): when the newest version of a
+/// diverged block was unreadable on the only copy holding it, `reconcile` failed forever.
+#[test]
+fn rot_sole_newest() {
+    let failed = sweep(|o| o.rot_sole_newest = true);
     assert!(failed.is_empty(), "seeds {failed:?} failed");
 }

@@ -172,6 +172,16 @@ pub trait SlabAllocator: Send + Sync + 'static {
     /// Applies `change` to the slab's record (atomically, against concurrent changers) and
     /// returns the record's extents afterwards. A change whose precondition no longer holds
     /// is not an error: the current extents are returned and the caller re-checks.
+    /// The slab's record if it is allocated, asked as the owner at `epoch` (a deposed
+    /// owner gets [`VolumeError::Fenced`]). An owner asks before answering a zero of a
+    /// slab its own map lacks: another term may have allocated it since.
+    fn lookup(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        epoch: Epoch,
+    ) -> impl Future<Output = Result<Option<Vec<ExtentLoc>>, VolumeError>> + Send;
+
     /// Only the owner at `epoch` may change the record: a deposed owner gets
     /// [`VolumeError::Fenced`].
     fn change(
@@ -938,8 +948,29 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     async fn zero_piece(&self, p: Piece) -> Result<(), VolumeError> {
-        let Some(slab) = self.slab(p.slab) else {
-            return Ok(()); // never written: already zero
+        let slab = match self.slab(p.slab) {
+            Some(s) => s,
+            None => {
+                // Not in this owner's map. Unless another term allocated it meanwhile (then
+                // this owner is deposed, and the lookup says so), it was never written and
+                // already reads as zeros.
+                let Some(extents) = self
+                    .alloc
+                    .lookup(self.cfg.id, p.slab, self.cfg.epoch)
+                    .await?
+                else {
+                    return Ok(());
+                };
+                let _g = self.alloc_lock.lock().await;
+                let s = self
+                    .slabs
+                    .write()
+                    .expect("slab map lock poisoned")
+                    .entry(p.slab)
+                    .or_insert_with(|| Arc::new(Slab::new(extents)))
+                    .clone();
+                s
+            }
         };
         self.wait_min_replicas(p.slab, &slab).await?;
         let _gate = slab.gate.read().await;

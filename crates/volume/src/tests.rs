@@ -249,6 +249,15 @@ impl SlabAllocator for FixedAlloc {
         Ok(v)
     }
 
+    async fn lookup(
+        &self,
+        _volume: VolumeId,
+        slab: SlabIndex,
+        _epoch: Epoch,
+    ) -> Result<Option<Vec<ExtentLoc>>, VolumeError> {
+        Ok(self.records.lock().unwrap().get(&slab).cloned())
+    }
+
     async fn change(
         &self,
         _volume: VolumeId,
