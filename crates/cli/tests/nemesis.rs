@@ -72,23 +72,6 @@ fn node_pid(lab: &Lab, id: usize) -> i64 {
         .unwrap()
 }
 
-fn metric_sum(api: &str, name: &str) -> u64 {
-    let hostport = api.trim_start_matches("http://");
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(hostport).expect("connect api");
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out.lines()
-        .filter(|l| l.starts_with(name))
-        .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
-        .sum()
-}
-
 fn write_random(lab: &Lab, volume: &str, len: usize, seed: u64) -> (tempfile::TempDir, Vec<u8>) {
     let tmp = tempfile::tempdir().unwrap();
     let src = random_file(tmp.path(), "src.img", len, seed);
@@ -353,22 +336,17 @@ fn corrupted_blocks_are_met_by_reads_and_repaired() {
     }
 
     // Reads return the good data, and the daemon (O_DIRECT) met exactly those blocks.
-    let api1 = node_api(&lab, 1);
     let repaired = "converge_volume_repaired_blocks_total";
-    assert_eq!(metric_sum(&api1, repaired), 0);
+    assert_eq!(lab.metric(1, repaired), 0);
     assert!(
         read_back(&lab, "rot", &tmp) == data,
         "a read returned damaged data\n{}",
         lab.logs()
     );
-    assert_eq!(
-        metric_sum(&api1, repaired),
-        5,
-        "each flipped block repaired"
-    );
+    assert_eq!(lab.metric(1, repaired), 5, "each flipped block repaired");
     // The repair rewrote them: a second read finds nothing to repair.
     assert!(read_back(&lab, "rot", &tmp) == data);
-    assert_eq!(metric_sum(&api1, repaired), 5);
+    assert_eq!(lab.metric(1, repaired), 5);
 
     // Human output names what was flipped.
     let out = lab.must(&["lab", "fault", "corrupt", "2", "--blocks", "2"]);

@@ -14,7 +14,7 @@
 use crate::node::{drive_loads, Node, Route, Vol};
 use converge_api::JobInfo;
 use converge_control::placement;
-use converge_types::{ExtentKey, ExtentState, NodeId, SlabIndex};
+use converge_types::{ExtentKey, ExtentState, NodeId, SlabIndex, BLOCK_SIZE};
 use converge_volume::resync::Progress;
 use converge_volume::ExtentLoc;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -93,6 +93,36 @@ impl Jobs {
             id,
             progress,
         }
+    }
+
+    /// Starts a job of this node (`kind`: resync, rebuild, scrub) and lists it.
+    pub fn begin(
+        &self,
+        node: NodeId,
+        kind: &str,
+        volume: &str,
+        slab: SlabIndex,
+        detail: String,
+    ) -> JobGuard<'_> {
+        self.start(JobInfo {
+            kind: kind.into(),
+            node,
+            volume: volume.to_string(),
+            slab: slab.0,
+            detail,
+            bytes_done: 0,
+            bytes_total: 0,
+            started_unix: unix_now(),
+            eta_s: None,
+        })
+    }
+
+    /// Counts what a finished resync or rebuild copied.
+    fn copied(&self, r: &converge_volume::resync::CopyReport) {
+        self.bytes_copied
+            .fetch_add(r.blocks_differing * BLOCK_SIZE as u64, Ordering::Relaxed);
+        self.blocks_written
+            .fetch_add(r.blocks_written, Ordering::Relaxed);
     }
 
     /// Running jobs with their progress and ETA.
@@ -263,27 +293,18 @@ pub async fn run(node: Arc<Node>) {
 
 async fn resync(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
     let name = v.config().name.clone();
-    let job = node.jobs.start(JobInfo {
-        kind: "resync".into(),
-        node: node.cfg.node_id,
-        volume: name.clone(),
-        slab: idx.0,
-        detail: format!("copy on node {} drive {}", e.node, e.drive),
-        bytes_done: 0,
-        bytes_total: 0,
-        started_unix: unix_now(),
-        eta_s: None,
-    });
+    let job = node.jobs.begin(
+        node.cfg.node_id,
+        "resync",
+        &name,
+        idx,
+        format!("copy on node {} drive {}", e.node, e.drive),
+    );
     let t = Instant::now();
     match v.resync(idx, e.drive, &node.throttle, &job.progress).await {
         Ok(r) => {
             node.jobs.resync_done.fetch_add(1, Ordering::Relaxed);
-            node.jobs
-                .bytes_copied
-                .fetch_add(r.blocks_differing * 4096, Ordering::Relaxed);
-            node.jobs
-                .blocks_written
-                .fetch_add(r.blocks_written, Ordering::Relaxed);
+            node.jobs.copied(&r);
             log::info!(
                 "resync of volume {name} slab {idx} on node {} done in {:.1}s: {} of {} blocks differed",
                 e.node,
@@ -343,20 +364,16 @@ async fn rebuild(
         drive: target,
         state: ExtentState::Syncing,
     };
-    let job = node.jobs.start(JobInfo {
-        kind: "rebuild".into(),
-        node: node.cfg.node_id,
-        volume: name.clone(),
-        slab: idx.0,
-        detail: format!(
+    let job = node.jobs.begin(
+        node.cfg.node_id,
+        "rebuild",
+        &name,
+        idx,
+        format!(
             "replaces the copy on node {} drive {} (down past the repair delay) with node {} drive {}",
             e.node, e.drive, new_node, target
         ),
-        bytes_done: 0,
-        bytes_total: 0,
-        started_unix: unix_now(),
-        eta_s: None,
-    });
+    );
     let t = Instant::now();
     match v
         .rebuild(idx, e.drive, new, &node.throttle, &job.progress)
@@ -365,12 +382,7 @@ async fn rebuild(
         Ok(r) => {
             warned.remove(&(name.clone(), idx));
             node.jobs.rebuild_done.fetch_add(1, Ordering::Relaxed);
-            node.jobs
-                .bytes_copied
-                .fetch_add(r.blocks_differing * 4096, Ordering::Relaxed);
-            node.jobs
-                .blocks_written
-                .fetch_add(r.blocks_written, Ordering::Relaxed);
+            node.jobs.copied(&r);
             log::info!(
                 "rebuilt volume {name} slab {idx} on node {new_node} in {:.1}s ({} blocks)",
                 t.elapsed().as_secs_f64(),

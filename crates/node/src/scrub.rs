@@ -6,7 +6,7 @@
 
 use crate::node::{Node, OpenError, Route};
 use crate::repair::unix_now;
-use converge_api::{JobInfo, ScrubRequest, ScrubResult};
+use converge_api::{ScrubRequest, ScrubResult};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -29,20 +29,16 @@ pub async fn scrub_volume(
         Route::Remote { owner, .. } => return forward(node, owner, name, repair).await,
     };
     let started = unix_now();
-    let job = node.jobs.start(JobInfo {
-        kind: "scrub".into(),
-        node: node.cfg.node_id,
-        volume: name.to_string(),
-        slab: 0,
-        detail: format!(
+    let job = node.jobs.begin(
+        node.cfg.node_id,
+        "scrub",
+        name,
+        converge_types::SlabIndex(0),
+        format!(
             "reads and compares every copy (repair {})",
             if repair { "on" } else { "off" }
         ),
-        bytes_done: 0,
-        bytes_total: 0,
-        started_unix: started,
-        eta_s: None,
-    });
+    );
     let r = v.scrub(repair, &node.scrub_throttle, &job.progress).await;
     drop(job);
     let (rep, error) = match r {
