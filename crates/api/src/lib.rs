@@ -3,8 +3,10 @@
 //! `{"error": "..."}` with a 4xx/5xx status.
 
 use converge_types::{
-    ClusterId, DriveId, DriveRole, ExtentState, MediaType, NodeId, Resiliency, VolumeId,
+    CacheMode, ClusterId, DriveId, DriveRole, ExtentState, MediaType, NodeId, Resiliency,
+    VolumeId,
 };
+use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 pub mod fleet;
@@ -59,6 +61,9 @@ pub struct DriveInfo {
     /// Why the drive failed (I/O errors), if it did: its copies are rebuilt elsewhere.
     #[serde(default)]
     pub failed: Option<String>,
+    /// For a capacity drive: the cache drive it is bound to (if its node has one).
+    #[serde(default)]
+    pub cache: Option<DriveId>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -140,8 +145,50 @@ pub struct Status {
     /// rebuild).
     #[serde(default)]
     pub warnings: Vec<String>,
+    /// Every cache drive of the cluster, as its node last published it.
+    #[serde(default)]
+    pub caches: Vec<CacheInfo>,
     /// The node that answered.
     pub answered_by: NodeId,
+}
+
+/// One cache drive, as its node publishes it (`/converge/caches/<node>` in etcd, every
+/// second or so).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct CacheInfo {
+    pub node: NodeId,
+    pub drive: DriveId,
+    pub path: String,
+    pub media: MediaType,
+    /// The mode in effect now.
+    pub mode: CacheMode,
+    /// Capacity drives of the same node bound to this cache drive.
+    pub bound: Vec<DriveId>,
+    /// Bytes of the log (the cache drive minus its superblocks).
+    pub log_bytes: u64,
+    /// Bytes of the log in use (dirty, clean read-cache and not yet reclaimed).
+    pub used_bytes: u64,
+    /// Acked writes not yet destaged to capacity.
+    pub dirty_bytes: u64,
+    /// Read-cache blocks held (read-write mode).
+    pub clean_bytes: u64,
+    /// Destage rate over the last publishing interval.
+    pub destage_bytes_per_s: f64,
+    /// Read hits ÷ reads of blocks (since start).
+    pub read_hit_ratio: Option<f64>,
+    /// Why the cache drive failed, if it did.
+    #[serde(default)]
+    pub failed: Option<String>,
+}
+
+/// `POST /v1/cache/mode`: set the cache mode of the pool (`node` absent) or of one node.
+/// `mode` absent clears the setting (back to the media default, or to the pool's).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SetCacheMode {
+    #[serde(default)]
+    pub mode: Option<CacheMode>,
+    #[serde(default)]
+    pub node: Option<NodeId>,
 }
 
 /// Cluster-wide settings (`/v1/settings`), overriding the nodes' knobs.
@@ -150,6 +197,13 @@ pub struct Settings {
     /// Seconds a down node's copies wait before they are rebuilt elsewhere.
     #[serde(default)]
     pub repair_delay_s: Option<u64>,
+    /// Cache mode of the whole pool; absent: by capacity media (write for flash,
+    /// read-write for HDD).
+    #[serde(default)]
+    pub cache_mode: Option<CacheMode>,
+    /// Per-node cache modes, overriding the pool's.
+    #[serde(default)]
+    pub node_cache_modes: BTreeMap<NodeId, CacheMode>,
 }
 
 /// `POST /v1/volumes/NAME/scrub`.

@@ -417,6 +417,7 @@ fn run(cli: Cli) -> Result<()> {
                             .as_deref()
                             .map(parse_duration_s)
                             .transpose()?,
+                        ..Default::default()
                     })?;
                     http::call(&base, "POST", "/v1/settings", Some(&body))?
                 }

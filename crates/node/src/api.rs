@@ -239,6 +239,7 @@ async fn drives(node: &Node) -> Result<Vec<DriveInfo>, ApiError> {
             extents_used: used.get(&d.id).copied().unwrap_or(0),
             slab_size_bytes: d.slab_size_bytes,
             failed: failed.get(&d.id).cloned(),
+            cache: None,
         })
         .collect();
     v.sort_by_key(|d| (d.node, d.path.clone()));
@@ -399,6 +400,7 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     let warnings = rebuild_warnings(node, &ns).await;
     let c = &node.cluster_rec;
     Ok(Status {
+        caches: Vec::new(),
         jobs,
         warnings,
         cluster: ClusterInfo {

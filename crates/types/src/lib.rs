@@ -175,6 +175,53 @@ pub enum MediaType {
     Ram,
 }
 
+/// What a node's cache drives do for the capacity drives bound to them (DESIGN.md).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CacheMode {
+    /// Writes go to the capacity drives; the cache only drains what it still holds.
+    None,
+    /// Writes land on the cache drive, are acked once durable there, and are destaged to
+    /// the capacity drives in the background (the default when capacity is flash).
+    Write,
+    /// `write`, plus hot reads are kept on the cache drive (the default for HDD capacity).
+    ReadWrite,
+}
+
+impl CacheMode {
+    /// S2D's defaults: a write-only cache in front of flash, read+write in front of disks.
+    pub fn default_for(capacity_media: MediaType) -> CacheMode {
+        match capacity_media {
+            MediaType::Hdd => CacheMode::ReadWrite,
+            _ => CacheMode::Write,
+        }
+    }
+}
+
+impl fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            CacheMode::None => "none",
+            CacheMode::Write => "write",
+            CacheMode::ReadWrite => "read-write",
+        })
+    }
+}
+
+impl FromStr for CacheMode {
+    type Err = ParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "none" => Ok(CacheMode::None),
+            "write" => Ok(CacheMode::Write),
+            "read-write" => Ok(CacheMode::ReadWrite),
+            other => Err(ParseError(format!(
+                "unknown cache mode {other:?}: expected none, write or read-write"
+            ))),
+        }
+    }
+}
+
 /// State of an extent (DESIGN.md vocabulary).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -279,6 +326,13 @@ pub struct Knobs {
     /// Scrub every volume this often (hours; 0 turns the schedule off). The leader starts
     /// the scrub of a volume whose last one is older.
     pub scrub_interval_h: u64,
+    /// Destage rate per cache drive while its log is between the watermarks, bytes per
+    /// second; above the high watermark destage runs unthrottled.
+    pub cache_destage_bytes_per_s: u64,
+    /// Destage starts once dirty data fills this % of a cache drive's log.
+    pub cache_low_watermark_pct: u8,
+    /// Above this % of the log in use, destage (and read-cache eviction) runs flat out.
+    pub cache_high_watermark_pct: u8,
 }
 
 impl Default for Knobs {
@@ -296,6 +350,9 @@ impl Default for Knobs {
             repair_delay_s: 600,
             scrub_bytes_per_s: 64 << 20,
             scrub_interval_h: 168,
+            cache_destage_bytes_per_s: 256 << 20,
+            cache_low_watermark_pct: 25,
+            cache_high_watermark_pct: 80,
         }
     }
 }
