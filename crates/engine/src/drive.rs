@@ -44,6 +44,16 @@ pub struct ExtentInfo {
     pub bytes_allocated: u64,
 }
 
+/// One run of consecutive blocks for [`Drive::destage`].
+pub struct DestageRun<'a> {
+    pub key: ExtentKey,
+    /// First block of the run within the extent.
+    pub first: u32,
+    pub data: &'a [u8],
+    pub crcs: &'a [u32],
+    pub versions: &'a [u64],
+}
+
 /// Space of the drive in extents (slabs) and bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Capacity {
@@ -589,6 +599,135 @@ impl Drive {
             self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))?;
             Ok(n)
         })
+    }
+
+    /// Makes sure the extent exists at `epoch` or newer (allocating it, or raising its
+    /// epoch) and that this is durable, without writing data: the cache tier calls it
+    /// before it acks a write that lands in its log, so the epoch fence and the extent's
+    /// allocation are on the capacity drive before the data is.
+    pub fn prepare_write(&self, key: ExtentKey, epoch: Epoch) -> Result<(), EngineError> {
+        self.check_failed()?;
+        let ext = self.extent_for_write(key, epoch)?;
+        self.wait_durable(ext.epoch_seq.load(Ordering::Acquire))
+    }
+
+    /// Refuses `epoch` if the extent has moved past it (nothing else; no allocation).
+    pub fn check_epoch_of(&self, key: ExtentKey, epoch: Epoch) -> Result<(), EngineError> {
+        self.check_failed()?;
+        match self.lookup(key) {
+            Some(ext) => Self::check_epoch(&ext, epoch),
+            None => Ok(()),
+        }
+    }
+
+    /// Writes destaged runs from a cache drive: block `i` of a run gets `versions[i]` if
+    /// that is not older than what the drive holds (a newer direct write wins). Extents
+    /// the drive no longer holds are skipped (freed meanwhile), never allocated. One
+    /// durability wait for all runs; returns the blocks written. Durable on Ok.
+    pub fn destage(&self, runs: &[DestageRun<'_>]) -> Result<u64, EngineError> {
+        self.check_failed()?;
+        let mut seq = 0;
+        let mut written = 0u64;
+        for r in runs {
+            let count = r.crcs.len();
+            if r.versions.len() != count || r.data.len() != count * BLOCK_SIZE {
+                return Err(EngineError::InvalidIo {
+                    key: r.key,
+                    reason: "a destage run needs one crc and one version per 4 KiB block",
+                    offset: u64::from(r.first) * BLOCK,
+                    len: r.data.len() as u64,
+                });
+            }
+            let (first, count) =
+                self.range(r.key, u64::from(r.first) * BLOCK, r.data.len() as u64)?;
+            let Some(ext) = self.lookup(r.key) else {
+                continue;
+            };
+            let t = self.counters.begin();
+            let res = with_scratch(|s| {
+                let (n, need_seq) = self.claim(
+                    &ext,
+                    first,
+                    count,
+                    |i| BlockMeta {
+                        version: r.versions[i],
+                        crc: r.crcs[i],
+                        flags: F_DATA,
+                    },
+                    |_, cur, new| new.version >= cur.version,
+                    &mut s.applied,
+                );
+                self.counters
+                    .skipped_blocks
+                    .fetch_add(u64::from(count - n), Ordering::Relaxed);
+                let mut sq = need_seq;
+                if n > 0 {
+                    let res = self
+                        .write_runs(&ext, first, r.data, &s.applied)
+                        .and_then(|()| {
+                            s.records.clear();
+                            for (i, _) in s.applied.iter().enumerate().filter(|(_, &a)| a) {
+                                Record::Data {
+                                    slot: ext.slot,
+                                    block: first + i as u32,
+                                    crc: r.crcs[i],
+                                    version: r.versions[i],
+                                }
+                                .push(&mut s.records);
+                            }
+                            self.enqueue(&s.records, false)
+                        });
+                    if let Err(e) = &res {
+                        self.fail(e);
+                    }
+                    self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
+                    sq = sq.max(res?);
+                }
+                Ok::<_, EngineError>((u64::from(n), sq))
+            });
+            self.counters.end(OpKind::Write, t);
+            let (n, sq) = res?;
+            written += n;
+            seq = seq.max(sq);
+        }
+        if seq > 0 {
+            self.wait_durable(seq)?;
+        }
+        Ok(written)
+    }
+
+    /// [`Drive::fence_and_digest`] with some blocks' versions replaced (the cache tier's
+    /// newer versions of blocks it still holds): the digest of the version map a client
+    /// of the tier sees.
+    pub fn fence_and_digest_with(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        overrides: &[(u32, u64)],
+    ) -> Result<u64, EngineError> {
+        self.fence(key, epoch)?;
+        let blocks = (self.layout.slab_size_bytes / BLOCK) as u32;
+        match self.lookup(key) {
+            Some(ext) => {
+                let m = lock(&ext.meta);
+                let mut d = m.digest;
+                for &(b, v) in overrides.iter().filter(|(b, _)| *b < blocks) {
+                    d = d
+                        .wrapping_sub(digest_term(b, m.blocks[b as usize].version))
+                        .wrapping_add(digest_term(b, v));
+                }
+                Ok(d)
+            }
+            None => {
+                let mut d = version_digest(std::iter::repeat_n(0, blocks as usize));
+                for &(b, v) in overrides.iter().filter(|(b, _)| *b < blocks) {
+                    d = d
+                        .wrapping_sub(digest_term(b, 0))
+                        .wrapping_add(digest_term(b, v));
+                }
+                Ok(d)
+            }
+        }
     }
 
     /// Issues one pwrite per run of claimed blocks (usually one for the whole request).

@@ -7,6 +7,7 @@
 // Tests may unwrap: a panic there is the failure report.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod cache;
 mod commit;
 mod drive;
 mod error;
@@ -17,7 +18,8 @@ mod recover;
 mod sample;
 mod stats;
 
-pub use drive::{Capacity, Drive, ExtentInfo, FormatOptions, ReadInfo};
+pub use cache::{Cache, CacheStats, Tier};
+pub use drive::{Capacity, DestageRun, Drive, ExtentInfo, FormatOptions, ReadInfo};
 pub use error::EngineError;
 pub use faulty::FaultyFile;
 pub use file::{AlignedBuf, BlockFile, DirectFile};

@@ -1,0 +1,2123 @@
+//! The cache tier (DESIGN.md "Cache tier"; byte layout in docs/FORMAT-cache.md).
+//!
+//! A cache drive is a circular **log** of batches in front of the capacity drives of its
+//! node that are bound to it. In `write` and `read-write` mode a write lands in the log
+//! (data and a 48-byte record per block, one write and one flush per group-commit batch)
+//! and is acked once that batch is durable; the **destage** thread later writes each
+//! block's newest version to its capacity drive, sorted by address and with rewrites
+//! coalesced (a block rewritten while it waited is destaged once), so data reaches the
+//! capacity drive once. `read-write` also keeps hot reads in the log (admission on the
+//! second miss, FIFO eviction with a second chance). `none` writes go straight to
+//! capacity; what the log still holds drains.
+//!
+//! Which version of a block is current is decided by the same rule as everywhere else in
+//! converge: the newest version wins. The in-memory index maps a block to its newest
+//! version in the log; the capacity drive holds the rest. After a crash the log is
+//! replayed from its tail and every block whose logged version is newer than the capacity
+//! drive's is destaged before the node serves I/O, so nothing acked is lost and the index
+//! starts empty (see [`Cache::open`]).
+
+use crate::drive::{lock, Capacity, DestageRun, Drive, ExtentInfo, ReadInfo};
+use crate::error::EngineError;
+use crate::file::{AlignedBuf, BlockFile};
+use crate::layout::DriveIdentity;
+use crate::stats::{Counters, DriveStats, OpKind};
+use converge_types::{
+    CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex,
+    Version, VolumeId, BLOCK_SIZE, MAX_IO_BYTES,
+};
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, AtomicU8, Ordering};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+const MAGIC: [u8; 8] = *b"CVGCACH1";
+pub const CACHE_FORMAT_VERSION: u32 = 1;
+const SB_CRC_BYTES: usize = 256;
+const SB_BLOCK: u64 = 4096;
+/// The log starts after the two superblock copies.
+const LOG_OFF: u64 = 2 * SB_BLOCK;
+const BATCH_MAGIC: u32 = u32::from_le_bytes(*b"CVCB");
+const HDR: usize = 40;
+const REC: usize = 48;
+const BS: u64 = BLOCK_SIZE as u64;
+/// Most data blocks one batch carries (1 MiB): bounds batch latency and wrap waste.
+const BATCH_BLOCKS_MAX: usize = 256;
+/// Smallest cache drive: room for the superblocks and a few dozen batches.
+pub const CACHE_MIN_BYTES: u64 = 16 << 20;
+/// Destage works through the log in chunks of at most this many bytes.
+const DESTAGE_CHUNK_BYTES: u64 = 8 << 20;
+/// Read blocks waiting for admission into the read cache (bounded; more are dropped).
+const ADMIT_QUEUE_MAX: usize = 1024;
+
+const K_DIRTY: u8 = 1;
+const K_CLEAN: u8 = 2;
+const K_DROP: u8 = 3;
+
+fn put_u32(b: &mut [u8], at: usize, v: u32) {
+    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
+}
+fn put_u64(b: &mut [u8], at: usize, v: u64) {
+    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
+}
+fn get_u32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().expect("4-byte slice"))
+}
+fn get_u64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().expect("8-byte slice"))
+}
+
+fn media_code(m: MediaType) -> u8 {
+    match m {
+        MediaType::Ssd => 0,
+        MediaType::Nvme => 1,
+        MediaType::Hdd => 2,
+        MediaType::Ram => 3,
+    }
+}
+fn media_of(c: u8) -> Result<MediaType, EngineError> {
+    Ok(match c {
+        0 => MediaType::Ssd,
+        1 => MediaType::Nvme,
+        2 => MediaType::Hdd,
+        3 => MediaType::Ram,
+        x => return Err(EngineError::Corrupt(format!("unknown media code {x}"))),
+    })
+}
+
+/// The cache drive's superblock (two copies, like the engine's).
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct CacheSb {
+    id: DriveIdentity,
+    len: u64,
+    log_len: u64,
+    sector: u32,
+    generation: u64,
+    log_gen: u64,
+    tail: u64,
+    tail_seq: u64,
+}
+
+impl CacheSb {
+    fn encode(&self, b: &mut [u8]) {
+        b[..SB_BLOCK as usize].fill(0);
+        b[0..8].copy_from_slice(&MAGIC);
+        put_u32(b, 8, CACHE_FORMAT_VERSION);
+        put_u32(b, 12, SB_CRC_BYTES as u32);
+        put_u64(b, 16, self.generation);
+        b[24..40].copy_from_slice(&self.id.cluster.0.to_le_bytes());
+        put_u32(b, 40, self.id.node.0);
+        b[44] = 1;
+        b[45] = media_code(self.id.media);
+        put_u64(b, 48, self.id.drive.0);
+        put_u64(b, 56, self.len);
+        put_u64(b, 64, LOG_OFF);
+        put_u64(b, 72, self.log_len);
+        put_u32(b, 80, self.sector);
+        put_u64(b, 88, self.log_gen);
+        put_u64(b, 96, self.tail);
+        put_u64(b, 104, self.tail_seq);
+        put_u64(b, 112, self.id.slab_size_bytes);
+        let crc = crc32c::crc32c(&b[..SB_CRC_BYTES - 4]);
+        put_u32(b, SB_CRC_BYTES - 4, crc);
+    }
+
+    fn decode(b: &[u8]) -> Result<Option<CacheSb>, EngineError> {
+        if b[0..8] != MAGIC {
+            return Ok(None);
+        }
+        if crc32c::crc32c(&b[..SB_CRC_BYTES - 4]) != get_u32(b, SB_CRC_BYTES - 4) {
+            return Err(EngineError::Corrupt(
+                "cache superblock checksum mismatch".into(),
+            ));
+        }
+        let version = get_u32(b, 8);
+        if version != CACHE_FORMAT_VERSION {
+            return Err(EngineError::UnsupportedVersion {
+                found: version,
+                supported: CACHE_FORMAT_VERSION,
+            });
+        }
+        if get_u64(b, 64) != LOG_OFF {
+            return Err(EngineError::Corrupt("cache log offset is not 8192".into()));
+        }
+        Ok(Some(CacheSb {
+            id: DriveIdentity {
+                cluster: ClusterId(u128::from_le_bytes(
+                    b[24..40].try_into().expect("16-byte slice"),
+                )),
+                node: NodeId(get_u32(b, 40)),
+                drive: DriveId(get_u64(b, 48)),
+                slab_size_bytes: get_u64(b, 112),
+                role: DriveRole::Cache,
+                media: media_of(b[45])?,
+            },
+            generation: get_u64(b, 16),
+            len: get_u64(b, 56),
+            log_len: get_u64(b, 72),
+            sector: get_u32(b, 80),
+            log_gen: get_u64(b, 88),
+            tail: get_u64(b, 96),
+            tail_seq: get_u64(b, 104),
+        }))
+    }
+}
+
+/// One log record: a block's new content (dirty), a read-cached copy (clean), or "forget
+/// every earlier record of this extent" (drop, written before the extent is freed).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Rec {
+    kind: u8,
+    block: u32,
+    drive: DriveId,
+    key: ExtentKey,
+    version: u64,
+    crc: u32,
+}
+
+impl Rec {
+    fn has_data(&self) -> bool {
+        self.kind != K_DROP
+    }
+    fn encode(&self, b: &mut [u8]) {
+        b[..REC].fill(0);
+        b[0] = self.kind;
+        put_u32(b, 4, self.block);
+        put_u64(b, 8, self.drive.0);
+        put_u64(b, 16, self.key.volume.0);
+        put_u64(b, 24, self.key.slab.0);
+        put_u64(b, 32, self.version);
+        put_u32(b, 40, self.crc);
+    }
+    fn decode(b: &[u8]) -> Option<Rec> {
+        let kind = b[0];
+        if !(K_DIRTY..=K_DROP).contains(&kind) {
+            return None;
+        }
+        Some(Rec {
+            kind,
+            block: get_u32(b, 4),
+            drive: DriveId(get_u64(b, 8)),
+            key: ExtentKey {
+                volume: VolumeId(get_u64(b, 16)),
+                slab: SlabIndex(get_u64(b, 24)),
+            },
+            version: get_u64(b, 32),
+            crc: get_u32(b, 40),
+        })
+    }
+}
+
+fn hdr_len(records: usize, sector: u64) -> u64 {
+    ((HDR + records * REC) as u64).div_ceil(sector) * sector
+}
+
+/// What an append does when the log has no room.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Room {
+    /// Wait for destage to free space (writes slow down, never fail).
+    Wait,
+    /// Give up (read-cache admissions).
+    Skip,
+    /// Never wait (a drop record, appended while destage is held off).
+    Force,
+}
+
+/// A batch written to the log and not yet reclaimed.
+struct Batch {
+    seq: u64,
+    off: u64,
+    hdr_len: u64,
+    recs: Vec<Rec>,
+}
+
+/// Where a batch sits; kept from the moment the leader places it until destage reclaims it.
+struct Placed {
+    seq: u64,
+    off: u64,
+    /// Bytes skipped at the end of the log before it (it wrapped to offset 0).
+    waste: u64,
+    len: u64,
+}
+
+struct LogState {
+    recs: Vec<Rec>,
+    data: Vec<u8>,
+    /// Bytes the pending records and data will take (excluding header padding).
+    pending_bytes: u64,
+    open_seq: u64,
+    durable_seq: u64,
+    leader_active: bool,
+    failed: Option<String>,
+    head: u64,
+    used: u64,
+    placed: VecDeque<Placed>,
+}
+
+struct LeaderBufs {
+    recs: Vec<Rec>,
+    data: Vec<u8>,
+    hdr: AlignedBuf,
+    io: AlignedBuf,
+}
+
+/// A block's newest version in the log.
+#[derive(Clone, Copy, Debug)]
+struct Entry {
+    loc: u64,
+    version: u64,
+    crc: u32,
+    dirty: bool,
+    referenced: bool,
+}
+
+#[derive(Default)]
+struct ExtState {
+    entries: HashMap<u32, Entry>,
+    /// Block ranges [first, first+count) with a write in progress through the tier.
+    busy: Vec<(u32, u32)>,
+}
+
+impl ExtState {
+    fn overlaps(&self, first: u32, count: u32) -> bool {
+        self.busy
+            .iter()
+            .any(|&(f, c)| f < first + count && first < f + c)
+    }
+}
+
+#[derive(Default)]
+struct ExtIdx {
+    m: Mutex<ExtState>,
+    cv: Condvar,
+}
+
+type IdxKey = (DriveId, ExtentKey);
+/// A logged block found by replay: (log offset of its data, version, crc).
+type Logged = (u64, u64, u32);
+
+#[derive(Default)]
+struct Ctl {
+    stop: bool,
+    /// Destage everything logged before this batch sequence number.
+    drain_to: u64,
+    admit: Vec<Rec>,
+    admit_data: Vec<u8>,
+}
+
+#[derive(Default)]
+struct Ghost {
+    set: std::collections::HashSet<(DriveId, ExtentKey, u32)>,
+    fifo: VecDeque<(DriveId, ExtentKey, u32)>,
+}
+
+/// Counters of one cache drive beyond the device counters ([`DriveStats`]).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct CacheStats {
+    pub mode: Option<CacheMode>,
+    pub log_bytes: u64,
+    pub used_bytes: u64,
+    pub dirty_bytes: u64,
+    pub clean_bytes: u64,
+    /// Blocks read through the tier that came from the cache / from capacity.
+    pub read_hit_blocks: u64,
+    pub read_miss_blocks: u64,
+    /// Bytes written to capacity drives by destage.
+    pub destaged_bytes: u64,
+    /// Blocks admitted into the read cache, re-admitted (second chance) and evicted.
+    pub admitted_blocks: u64,
+    pub evicted_blocks: u64,
+    /// Writes that waited for log space (the cache was full of dirty data).
+    pub write_stalls: u64,
+    pub failed: Option<String>,
+}
+
+#[derive(Default)]
+struct Extra {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    destaged_bytes: AtomicU64,
+    admitted: AtomicU64,
+    evicted: AtomicU64,
+    stalls: AtomicU64,
+    dirty: AtomicI64,
+    clean: AtomicI64,
+}
+
+/// What [`Cache::open`] found and did.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct OpenReport {
+    pub batches_replayed: u64,
+    /// Blocks whose logged version was newer than the capacity drive's: destaged at open.
+    pub blocks_destaged: u64,
+    /// Logged blocks of capacity drives this node does not have (removed from its config).
+    pub blocks_of_unknown_drives: u64,
+    /// Logged blocks whose data failed its checksum in a batch that had been synced (media
+    /// error): those acked writes are lost on this node's copies.
+    pub blocks_lost: u64,
+    /// The drive had no cache superblock and was formatted.
+    pub formatted: bool,
+}
+
+/// One cache drive. `Send + Sync`; shared by the [`Tier`]s bound to it.
+pub struct Cache {
+    file: Arc<dyn BlockFile>,
+    id: DriveIdentity,
+    len: u64,
+    log_len: u64,
+    sector: u64,
+    log_gen: u64,
+    sb_gen: Mutex<u64>,
+    st: Mutex<LogState>,
+    cv: Condvar,
+    leader: Mutex<LeaderBufs>,
+    batches: Mutex<VecDeque<Batch>>,
+    index: RwLock<HashMap<IdxKey, Arc<ExtIdx>>>,
+    capacity: RwLock<HashMap<DriveId, Arc<Drive>>>,
+    mode: AtomicU8,
+    destage_bps: AtomicU64,
+    low_pct: AtomicU8,
+    high_pct: AtomicU8,
+    counters: Counters,
+    extra: Extra,
+    destage_gate: Mutex<()>,
+    ctl: Mutex<Ctl>,
+    ctl_cv: Condvar,
+    ghost: Mutex<Ghost>,
+    running: AtomicBool,
+}
+
+fn mode_code(m: CacheMode) -> u8 {
+    match m {
+        CacheMode::None => 0,
+        CacheMode::Write => 1,
+        CacheMode::ReadWrite => 2,
+    }
+}
+fn mode_of(c: u8) -> CacheMode {
+    match c {
+        0 => CacheMode::None,
+        1 => CacheMode::Write,
+        _ => CacheMode::ReadWrite,
+    }
+}
+
+fn probe_sector(file: &dyn BlockFile) -> u64 {
+    let mut b = AlignedBuf::new(512);
+    match file.read_at(&mut b[..512], LOG_OFF + 512) {
+        Ok(()) => 512,
+        Err(_) => BS,
+    }
+}
+
+impl Cache {
+    /// Reads the identity of a cache drive; `Ok(None)` if it has no cache superblock.
+    pub fn probe(file: &dyn BlockFile) -> Result<Option<DriveIdentity>, EngineError> {
+        Ok(read_sb(file)?.map(|sb| sb.id))
+    }
+
+    /// Formats `file` as an empty cache drive.
+    pub fn format(file: &dyn BlockFile, id: DriveIdentity) -> Result<(), EngineError> {
+        let len = file.len_bytes();
+        if len < CACHE_MIN_BYTES {
+            return Err(EngineError::TooSmall {
+                len_bytes: len,
+                needed_bytes: CACHE_MIN_BYTES,
+            });
+        }
+        let sector = probe_sector(file);
+        let log_len = (len - LOG_OFF) / BS * BS;
+        let mut sb = CacheSb {
+            id: DriveIdentity {
+                role: DriveRole::Cache,
+                ..id
+            },
+            len,
+            log_len,
+            sector: sector as u32,
+            generation: 1,
+            log_gen: rand_gen(),
+            tail: 0,
+            tail_seq: 1,
+        };
+        let mut b = AlignedBuf::new(SB_BLOCK as usize);
+        for copy in 0..2u64 {
+            sb.generation = copy + 1;
+            sb.encode(&mut b);
+            file.write_at(&b, copy * SB_BLOCK)
+                .map_err(EngineError::io("write"))?;
+        }
+        file.sync().map_err(EngineError::io("sync"))?;
+        Ok(())
+    }
+
+    /// Opens a cache drive: replays its log from the tail, destages every logged block
+    /// that is newer than its capacity drive's copy (`capacity`: this node's capacity
+    /// drives, already open), then starts an empty log with a new generation. Acked
+    /// writes are therefore on capacity before anything else happens, whatever the cache
+    /// binding is now. A blank file is formatted with `blank_id`.
+    pub fn open(
+        file: Arc<dyn BlockFile>,
+        blank_id: DriveIdentity,
+        capacity: &HashMap<DriveId, Arc<Drive>>,
+    ) -> Result<(Arc<Cache>, OpenReport), EngineError> {
+        let mut report = OpenReport::default();
+        let sb = match read_sb(&*file)? {
+            Some(sb) => sb,
+            None => {
+                Cache::format(&*file, blank_id)?;
+                report.formatted = true;
+                read_sb(&*file)?.ok_or_else(|| {
+                    EngineError::Corrupt("cache superblock unreadable after format".into())
+                })?
+            }
+        };
+        if sb.len > file.len_bytes() {
+            return Err(EngineError::Corrupt(format!(
+                "cache drive was formatted with {} bytes but has {}",
+                sb.len,
+                file.len_bytes()
+            )));
+        }
+        let sector = u64::from(sb.sector);
+        let cache = Cache {
+            file: file.clone(),
+            id: sb.id.clone(),
+            len: sb.len,
+            log_len: sb.log_len,
+            sector,
+            log_gen: sb.log_gen,
+            sb_gen: Mutex::new(sb.generation),
+            st: Mutex::new(LogState {
+                recs: Vec::new(),
+                data: Vec::new(),
+                pending_bytes: 0,
+                open_seq: 1,
+                durable_seq: 0,
+                leader_active: false,
+                failed: None,
+                head: 0,
+                used: 0,
+                placed: VecDeque::new(),
+            }),
+            cv: Condvar::new(),
+            leader: Mutex::new(LeaderBufs {
+                recs: Vec::new(),
+                data: Vec::new(),
+                hdr: AlignedBuf::new(hdr_len(BATCH_BLOCKS_MAX * 2, sector) as usize),
+                io: AlignedBuf::new(BATCH_BLOCKS_MAX * BLOCK_SIZE),
+            }),
+            batches: Mutex::new(VecDeque::new()),
+            index: RwLock::new(HashMap::new()),
+            capacity: RwLock::new(HashMap::new()),
+            mode: AtomicU8::new(mode_code(CacheMode::Write)),
+            destage_bps: AtomicU64::new(256 << 20),
+            low_pct: AtomicU8::new(25),
+            high_pct: AtomicU8::new(80),
+            counters: Counters::new(),
+            extra: Extra::default(),
+            destage_gate: Mutex::new(()),
+            ctl: Mutex::new(Ctl::default()),
+            ctl_cv: Condvar::new(),
+            ghost: Mutex::new(Ghost::default()),
+            running: AtomicBool::new(false),
+        };
+        cache.replay_and_drain(&sb, capacity, &mut report)?;
+        // A fresh, empty log: a new generation so no batch of this or an earlier mount
+        // can ever be replayed again.
+        let log_gen = rand_gen();
+        let cache = Cache { log_gen, ..cache };
+        cache.write_sb(0, 1)?;
+        Ok((Arc::new(cache), report))
+    }
+
+    pub fn identity(&self) -> &DriveIdentity {
+        &self.id
+    }
+
+    /// Bytes of the log.
+    pub fn log_bytes(&self) -> u64 {
+        self.log_len
+    }
+
+    pub fn mode(&self) -> CacheMode {
+        mode_of(self.mode.load(Ordering::Acquire))
+    }
+
+    /// Changes the mode; takes effect for the next I/O (nothing stops). Switching to
+    /// `none` drains the log in the background.
+    pub fn set_mode(&self, m: CacheMode) {
+        let old = self.mode.swap(mode_code(m), Ordering::AcqRel);
+        if old != mode_code(m) {
+            log::info!("cache {}: mode {} -> {m}", self.id.drive, mode_of(old));
+            self.ctl_cv.notify_all();
+        }
+    }
+
+    /// Destage rate between the watermarks and the watermarks (percent of the log).
+    pub fn set_destage(&self, bytes_per_s: u64, low_pct: u8, high_pct: u8) {
+        self.destage_bps
+            .store(bytes_per_s.max(1 << 20), Ordering::Relaxed);
+        self.low_pct.store(low_pct.min(100), Ordering::Relaxed);
+        self.high_pct
+            .store(high_pct.clamp(low_pct.min(100), 100), Ordering::Relaxed);
+    }
+
+    /// Capacity drives bound to this cache.
+    pub fn bound(&self) -> Vec<DriveId> {
+        let mut v: Vec<DriveId> = read(&self.capacity).keys().copied().collect();
+        v.sort();
+        v
+    }
+
+    /// Why the cache failed, if it did (then every bound drive's I/O fails too).
+    pub fn failure(&self) -> Option<String> {
+        lock(&self.st).failed.clone()
+    }
+
+    fn check_failed(&self) -> Result<(), EngineError> {
+        match &lock(&self.st).failed {
+            Some(r) => Err(EngineError::Failed {
+                reason: format!("cache drive {}: {r}", self.id.drive),
+            }),
+            None => Ok(()),
+        }
+    }
+
+    fn fail(&self, why: &str) {
+        let mut st = lock(&self.st);
+        if st.failed.is_none() {
+            log::error!("cache drive {} failed: {why}", self.id.drive);
+            st.failed = Some(why.to_string());
+        }
+        drop(st);
+        self.cv.notify_all();
+        self.ctl_cv.notify_all();
+    }
+
+    /// Device counters (bytes written by kind, flushes, queue depth) like a drive's:
+    /// `data_write_bytes` is block data, `journal_write_bytes` batch headers,
+    /// `metadata_write_bytes` superblocks.
+    pub fn drive_stats(&self) -> DriveStats {
+        self.counters.snapshot()
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        let st = lock(&self.st);
+        let used = st.used;
+        let failed = st.failed.clone();
+        drop(st);
+        let e = &self.extra;
+        CacheStats {
+            mode: Some(self.mode()),
+            log_bytes: self.log_len,
+            used_bytes: used,
+            dirty_bytes: e.dirty.load(Ordering::Relaxed).max(0) as u64 * BS,
+            clean_bytes: e.clean.load(Ordering::Relaxed).max(0) as u64 * BS,
+            read_hit_blocks: e.hits.load(Ordering::Relaxed),
+            read_miss_blocks: e.misses.load(Ordering::Relaxed),
+            destaged_bytes: e.destaged_bytes.load(Ordering::Relaxed),
+            admitted_blocks: e.admitted.load(Ordering::Relaxed),
+            evicted_blocks: e.evicted.load(Ordering::Relaxed),
+            write_stalls: e.stalls.load(Ordering::Relaxed),
+            failed,
+        }
+    }
+
+    fn write_sb(&self, tail: u64, tail_seq: u64) -> Result<(), EngineError> {
+        let mut g = lock(&self.sb_gen);
+        *g += 1;
+        let sb = CacheSb {
+            id: self.id.clone(),
+            len: self.len,
+            log_len: self.log_len,
+            sector: self.sector as u32,
+            generation: *g,
+            log_gen: self.log_gen,
+            tail,
+            tail_seq,
+        };
+        let mut b = AlignedBuf::new(SB_BLOCK as usize);
+        sb.encode(&mut b);
+        self.file
+            .write_at(&b, (*g % 2) * SB_BLOCK)
+            .map_err(EngineError::io("write"))?;
+        self.file.sync().map_err(EngineError::io("sync"))?;
+        self.counters
+            .metadata_write_bytes
+            .fetch_add(SB_BLOCK, Ordering::Relaxed);
+        self.counters.flushes.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    // ---- replay ------------------------------------------------------------------
+
+    fn replay_and_drain(
+        &self,
+        sb: &CacheSb,
+        capacity: &HashMap<DriveId, Arc<Drive>>,
+        report: &mut OpenReport,
+    ) -> Result<(), EngineError> {
+        // Read the batches from the tail, in sequence.
+        let mut pos = sb.tail;
+        let mut seq = sb.tail_seq;
+        let mut hdr = AlignedBuf::new(self.sector as usize);
+        let mut found: Vec<(u64, u64, Vec<Rec>)> = Vec::new();
+        let mut scanned = 0u64;
+        loop {
+            let (at, recs, hl) = match self.read_batch(pos, seq, sb.log_gen, &mut hdr)? {
+                Some(x) => (pos, x.0, x.1),
+                None if pos != 0 => match self.read_batch(0, seq, sb.log_gen, &mut hdr)? {
+                    Some(x) => {
+                        scanned += self.log_len - pos;
+                        (0, x.0, x.1)
+                    }
+                    None => break,
+                },
+                None => break,
+            };
+            let len = hl + recs.iter().filter(|r| r.has_data()).count() as u64 * BS;
+            scanned += len;
+            if scanned > self.log_len {
+                return Err(EngineError::Corrupt(
+                    "cache log replay ran past the log's length".into(),
+                ));
+            }
+            found.push((at, hl, recs));
+            report.batches_replayed += 1;
+            seq += 1;
+            pos = at + len;
+        }
+        // Every batch but the newest was followed by a sync. The newest may be torn: its
+        // blocks whose data does not match their crc were never acked and are skipped (the
+        // older logged or capacity version stays).
+        let mut torn: std::collections::HashSet<u64> = Default::default();
+        if let Some((at, hl, recs)) = found.last() {
+            let mut blk = AlignedBuf::new(BLOCK_SIZE);
+            for (di, r) in recs.iter().filter(|r| r.has_data()).enumerate() {
+                let loc = at + hl + di as u64 * BS;
+                self.file
+                    .read_at(&mut blk, LOG_OFF + loc)
+                    .map_err(EngineError::io("read"))?;
+                if crc32c::crc32c(&blk) != r.crc {
+                    torn.insert(loc);
+                }
+            }
+        }
+        // Newest logged version per block, in log order; a drop forgets an extent's past.
+        let mut latest: HashMap<IdxKey, HashMap<u32, Logged>> = HashMap::new();
+        for (at, hl, recs) in &found {
+            let mut di = 0u64;
+            for r in recs {
+                let k = (r.drive, r.key);
+                if r.kind == K_DROP {
+                    latest.remove(&k);
+                    continue;
+                }
+                let loc = at + hl + di * BS;
+                di += 1;
+                if r.kind != K_DIRTY || torn.contains(&loc) {
+                    continue;
+                }
+                let e = latest.entry(k).or_default();
+                if e.get(&r.block).is_none_or(|&(_, v, _)| r.version >= v) {
+                    e.insert(r.block, (loc, r.version, r.crc));
+                }
+            }
+        }
+        // Destage what is newer than capacity, extent by extent, in address order.
+        let mut keys: Vec<_> = latest.keys().copied().collect();
+        keys.sort();
+        for k in keys {
+            let Some(cap) = capacity.get(&k.0) else {
+                report.blocks_of_unknown_drives += latest[&k].len() as u64;
+                continue;
+            };
+            let mut blocks: Vec<(u32, u64, u64, u32)> = latest[&k]
+                .iter()
+                .map(|(&b, &(loc, v, crc))| (b, loc, v, crc))
+                .collect();
+            blocks.sort_unstable();
+            for chunk in blocks.chunks(BATCH_BLOCKS_MAX) {
+                let (lost, n) = self.destage_blocks(cap, k.1, chunk, true)?;
+                report.blocks_lost += lost;
+                report.blocks_destaged += n;
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and checks the batch header at `pos`: its records and header length.
+    fn read_batch(
+        &self,
+        pos: u64,
+        seq: u64,
+        log_gen: u64,
+        hdr: &mut AlignedBuf,
+    ) -> Result<Option<(Vec<Rec>, u64)>, EngineError> {
+        if pos + self.sector > self.log_len {
+            return Ok(None);
+        }
+        let s = self.sector as usize;
+        if hdr.capacity() < s {
+            *hdr = AlignedBuf::new(s);
+        }
+        hdr.set_len(s);
+        self.file
+            .read_at(&mut hdr[..s], LOG_OFF + pos)
+            .map_err(EngineError::io("read"))?;
+        if get_u32(hdr, 0) != BATCH_MAGIC || get_u64(hdr, 8) != log_gen || get_u64(hdr, 16) != seq {
+            return Ok(None);
+        }
+        let len = u64::from(get_u32(hdr, 24));
+        let n = get_u32(hdr, 28) as usize;
+        let hl = hdr_len(n, self.sector);
+        if n == 0 || len < hl || pos + len > self.log_len || u64::from(get_u32(hdr, 32)) != hl {
+            return Ok(None);
+        }
+        if hl as usize > hdr.capacity() {
+            *hdr = AlignedBuf::new(hl as usize);
+        }
+        hdr.set_len(hl as usize);
+        self.file
+            .read_at(&mut hdr[..hl as usize], LOG_OFF + pos)
+            .map_err(EngineError::io("read"))?;
+        if crc32c::crc32c(&hdr[8..HDR + n * REC]) != get_u32(hdr, 4) {
+            return Ok(None);
+        }
+        let mut recs = Vec::with_capacity(n);
+        for i in 0..n {
+            match Rec::decode(&hdr[HDR + i * REC..HDR + (i + 1) * REC]) {
+                Some(r) => recs.push(r),
+                None => return Ok(None),
+            }
+        }
+        let data = recs.iter().filter(|r| r.has_data()).count() as u64;
+        if hl + data * BS != len {
+            return Ok(None);
+        }
+        Ok(Some((recs, hl)))
+    }
+
+    /// Writes logged blocks `(block, loc, version, crc)` of one extent to `cap` (those newer
+    /// than what it holds, if `only_newer`). Returns (blocks whose logged data failed its
+    /// crc, blocks written).
+    fn destage_blocks(
+        &self,
+        cap: &Drive,
+        key: ExtentKey,
+        blocks: &[(u32, u64, u64, u32)],
+        only_newer: bool,
+    ) -> Result<(u64, u64), EngineError> {
+        let mut keep: Vec<(u32, u64, u64, u32)> = Vec::with_capacity(blocks.len());
+        for &b in blocks {
+            if only_newer {
+                let cur = cap.block_versions(key, u64::from(b.0) * BS, 1)?;
+                if cur[0].0 >= b.2 {
+                    continue;
+                }
+            }
+            keep.push(b);
+        }
+        if keep.is_empty() {
+            return Ok((0, 0));
+        }
+        let mut data = AlignedBuf::new(keep.len() * BLOCK_SIZE);
+        let mut lost = 0;
+        self.read_locs(keep.iter().map(|b| b.1), &mut data)?;
+        let mut good: Vec<usize> = Vec::with_capacity(keep.len());
+        for (i, b) in keep.iter().enumerate() {
+            if crc32c::crc32c(&data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]) == b.3 {
+                good.push(i);
+            } else {
+                lost += 1;
+                log::error!(
+                    "cache {}: logged block {} of extent {:?} fails its checksum; this copy lost that write",
+                    self.id.drive,
+                    b.0,
+                    key
+                );
+            }
+        }
+        let crcs: Vec<u32> = keep.iter().map(|b| b.3).collect();
+        let versions: Vec<u64> = keep.iter().map(|b| b.2).collect();
+        let mut runs = Vec::new();
+        let mut i = 0;
+        while i < good.len() {
+            let s = good[i];
+            let mut e = s + 1;
+            i += 1;
+            while i < good.len() && good[i] == e && keep[e].0 == keep[e - 1].0 + 1 {
+                e += 1;
+                i += 1;
+            }
+            runs.push(DestageRun {
+                key,
+                first: keep[s].0,
+                data: &data[s * BLOCK_SIZE..e * BLOCK_SIZE],
+                crcs: &crcs[s..e],
+                versions: &versions[s..e],
+            });
+        }
+        let n = cap.destage(&runs)?;
+        self.extra
+            .destaged_bytes
+            .fetch_add(n * BS, Ordering::Relaxed);
+        Ok((lost, n))
+    }
+
+    /// Reads 4 KiB blocks at log offsets `locs` into consecutive slots of `out`, one
+    /// read per run of adjacent offsets.
+    fn read_locs(
+        &self,
+        locs: impl Iterator<Item = u64>,
+        out: &mut [u8],
+    ) -> Result<(), EngineError> {
+        let locs: Vec<u64> = locs.collect();
+        let mut i = 0;
+        while i < locs.len() {
+            let s = i;
+            i += 1;
+            while i < locs.len() && locs[i] == locs[i - 1] + BS {
+                i += 1;
+            }
+            let t = self.counters.begin();
+            let r = self
+                .file
+                .read_at(&mut out[s * BLOCK_SIZE..i * BLOCK_SIZE], LOG_OFF + locs[s])
+                .map_err(EngineError::io("read"));
+            self.counters.end(OpKind::Read, t);
+            r?;
+            self.counters
+                .read_bytes
+                .fetch_add(((i - s) * BLOCK_SIZE) as u64, Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    // ---- the log: group commit -----------------------------------------------------
+
+    /// Appends records (data: one 4 KiB block per record that carries data, in order).
+    /// Returns the batch sequence holding the last of them, or None if `wait_room` is
+    /// false and the log has no room now.
+    fn append(
+        &self,
+        recs: &[Rec],
+        data: &[u8],
+        room_policy: Room,
+    ) -> Result<Option<u64>, EngineError> {
+        let mut st = lock(&self.st);
+        let mut seq = 0;
+        let mut di = 0usize;
+        let mut ri = 0usize;
+        let mut stalled = false;
+        while ri < recs.len() {
+            // Take as many records as fit in one batch.
+            let mut end = ri;
+            let mut blocks = 0;
+            while end < recs.len() && blocks < BATCH_BLOCKS_MAX {
+                if recs[end].has_data() {
+                    blocks += 1;
+                }
+                end += 1;
+            }
+            let need = ((end - ri) * REC + blocks * BLOCK_SIZE) as u64;
+            let reserve = 2 * (BATCH_BLOCKS_MAX * BLOCK_SIZE) as u64
+                + hdr_len(2 * BATCH_BLOCKS_MAX, self.sector);
+            loop {
+                if let Some(r) = &st.failed {
+                    return Err(EngineError::Failed {
+                        reason: format!("cache drive {}: {r}", self.id.drive),
+                    });
+                }
+                let pending_blocks = st.data.len() / BLOCK_SIZE;
+                let fits_batch = pending_blocks + blocks <= BATCH_BLOCKS_MAX;
+                let room = room_policy == Room::Force
+                    || st.used + st.pending_bytes + need + reserve <= self.log_len;
+                if fits_batch && room {
+                    break;
+                }
+                if !room && room_policy == Room::Skip {
+                    return Ok(None);
+                }
+                if !room && !stalled {
+                    stalled = true;
+                    self.extra.stalls.fetch_add(1, Ordering::Relaxed);
+                    self.ctl_cv.notify_all();
+                }
+                st = if !st.recs.is_empty() && !st.leader_active {
+                    self.lead_one(st)
+                } else {
+                    self.cv
+                        .wait_timeout(st, Duration::from_millis(50))
+                        .expect("cache lock poisoned")
+                        .0
+                };
+            }
+            for r in &recs[ri..end] {
+                st.recs.push(*r);
+                if r.has_data() {
+                    st.data
+                        .extend_from_slice(&data[di * BLOCK_SIZE..(di + 1) * BLOCK_SIZE]);
+                    di += 1;
+                }
+            }
+            st.pending_bytes += need;
+            seq = st.open_seq;
+            ri = end;
+        }
+        Ok(Some(seq))
+    }
+
+    fn wait_durable(&self, seq: u64) -> Result<(), EngineError> {
+        let mut st = lock(&self.st);
+        loop {
+            if let Some(r) = &st.failed {
+                return Err(EngineError::Failed {
+                    reason: format!("cache drive {}: {r}", self.id.drive),
+                });
+            }
+            if st.durable_seq >= seq {
+                return Ok(());
+            }
+            st = if st.leader_active || st.recs.is_empty() {
+                self.cv.wait(st).expect("cache lock poisoned")
+            } else {
+                self.lead_one(st)
+            };
+        }
+    }
+
+    /// Writes the open batch: header and data, one flush; then indexes its records.
+    fn lead_one<'a>(&'a self, mut st: MutexGuard<'a, LogState>) -> MutexGuard<'a, LogState> {
+        st.leader_active = true;
+        let seq = st.open_seq;
+        st.open_seq += 1;
+        let mut ld = lock(&self.leader);
+        std::mem::swap(&mut st.recs, &mut ld.recs);
+        std::mem::swap(&mut st.data, &mut ld.data);
+        let nrec = ld.recs.len();
+        let hl = hdr_len(nrec, self.sector);
+        let len = hl + ld.data.len() as u64;
+        let mut pos = st.head;
+        let mut waste = 0;
+        if pos + len > self.log_len {
+            waste = self.log_len - pos;
+            pos = 0;
+        }
+        st.pending_bytes = st
+            .pending_bytes
+            .saturating_sub((nrec * REC) as u64 + ld.data.len() as u64);
+        st.used += waste + len;
+        st.head = pos + len;
+        st.placed.push_back(Placed {
+            seq,
+            off: pos,
+            waste,
+            len,
+        });
+        drop(st);
+        let res = self.write_batch(&mut ld, seq, pos, hl, len);
+        if res.is_ok() {
+            let LeaderBufs { recs, .. } = &mut *ld;
+            let recs = std::mem::take(recs);
+            self.index_batch(&recs, pos, hl);
+            lock(&self.batches).push_back(Batch {
+                seq,
+                off: pos,
+                hdr_len: hl,
+                recs,
+            });
+        }
+        ld.recs.clear();
+        ld.data.clear();
+        drop(ld);
+        let mut st = lock(&self.st);
+        match res {
+            Ok(()) => st.durable_seq = seq,
+            Err(e) => {
+                log::error!("cache {} failed writing batch {seq}: {e}", self.id.drive);
+                st.failed.get_or_insert_with(|| e.to_string());
+            }
+        }
+        st.leader_active = false;
+        self.cv.notify_all();
+        st
+    }
+
+    fn write_batch(
+        &self,
+        ld: &mut LeaderBufs,
+        seq: u64,
+        pos: u64,
+        hl: u64,
+        len: u64,
+    ) -> Result<(), EngineError> {
+        let n = ld.recs.len();
+        if ld.hdr.capacity() < hl as usize {
+            ld.hdr = AlignedBuf::new(hl as usize);
+        }
+        ld.hdr.set_len(hl as usize);
+        ld.hdr.fill(0);
+        put_u32(&mut ld.hdr, 0, BATCH_MAGIC);
+        put_u64(&mut ld.hdr, 8, self.log_gen);
+        put_u64(&mut ld.hdr, 16, seq);
+        put_u32(&mut ld.hdr, 24, len as u32);
+        put_u32(&mut ld.hdr, 28, n as u32);
+        put_u32(&mut ld.hdr, 32, hl as u32);
+        for (i, r) in ld.recs.iter().enumerate() {
+            r.encode(&mut ld.hdr[HDR + i * REC..HDR + (i + 1) * REC]);
+        }
+        let crc = crc32c::crc32c(&ld.hdr[8..HDR + n * REC]);
+        put_u32(&mut ld.hdr, 4, crc);
+        let t = self.counters.begin();
+        let r = (|| {
+            self.file
+                .write_at(&ld.hdr, LOG_OFF + pos)
+                .map_err(EngineError::io("write"))?;
+            if !ld.data.is_empty() {
+                let dl = ld.data.len();
+                if ld.io.capacity() < dl {
+                    ld.io = AlignedBuf::new(dl);
+                }
+                ld.io.set_len(dl);
+                ld.io.copy_from_slice(&ld.data);
+                self.file
+                    .write_at(&ld.io, LOG_OFF + pos + hl)
+                    .map_err(EngineError::io("write"))?;
+            }
+            self.file.sync().map_err(EngineError::io("sync"))
+        })();
+        self.counters.end(OpKind::Write, t);
+        r?;
+        let c = &self.counters;
+        c.journal_write_bytes.fetch_add(hl, Ordering::Relaxed);
+        c.data_write_bytes
+            .fetch_add(ld.data.len() as u64, Ordering::Relaxed);
+        c.flushes.fetch_add(1, Ordering::Relaxed);
+        c.journal_batches.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Points the index at a durable batch's blocks. Dirty records were admitted under
+    /// the block claim (their version check is done); clean ones only fill a gap.
+    fn index_batch(&self, recs: &[Rec], off: u64, hl: u64) {
+        let mut di = 0u64;
+        for r in recs {
+            if !r.has_data() {
+                continue;
+            }
+            let loc = off + hl + di * BS;
+            di += 1;
+            let idx = self.ext((r.drive, r.key), true).expect("created");
+            let mut m = lock(&idx.m);
+            if r.kind == K_DIRTY {
+                let old = m.entries.insert(
+                    r.block,
+                    Entry {
+                        loc,
+                        version: r.version,
+                        crc: r.crc,
+                        dirty: true,
+                        referenced: false,
+                    },
+                );
+                self.account_replace(old, true);
+            } else {
+                let busy = m.overlaps(r.block, 1);
+                let newest = self.capacity_version(r.drive, r.key, r.block) == Some(r.version);
+                if !busy && newest && !m.entries.contains_key(&r.block) {
+                    m.entries.insert(
+                        r.block,
+                        Entry {
+                            loc,
+                            version: r.version,
+                            crc: r.crc,
+                            dirty: false,
+                            referenced: false,
+                        },
+                    );
+                    self.extra.clean.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+
+    fn account_replace(&self, old: Option<Entry>, new_dirty: bool) {
+        let e = &self.extra;
+        match old {
+            Some(o) if o.dirty => {
+                e.dirty.fetch_sub(1, Ordering::Relaxed);
+            }
+            Some(_) => {
+                e.clean.fetch_sub(1, Ordering::Relaxed);
+            }
+            None => {}
+        }
+        if new_dirty {
+            e.dirty.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn account_remove(&self, old: &Entry) {
+        if old.dirty {
+            self.extra.dirty.fetch_sub(1, Ordering::Relaxed);
+        } else {
+            self.extra.clean.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    fn capacity_version(&self, drive: DriveId, key: ExtentKey, block: u32) -> Option<u64> {
+        let cap = read(&self.capacity).get(&drive).cloned()?;
+        cap.block_versions(key, u64::from(block) * BS, 1)
+            .ok()
+            .map(|v| v[0].0)
+    }
+
+    fn ext(&self, k: IdxKey, create: bool) -> Option<Arc<ExtIdx>> {
+        if let Some(e) = read(&self.index).get(&k) {
+            return Some(e.clone());
+        }
+        if !create {
+            return None;
+        }
+        let mut w = self.index.write().unwrap_or_else(|p| p.into_inner());
+        Some(w.entry(k).or_default().clone())
+    }
+
+    /// Reads one logged block; false if it no longer holds what the entry says (the
+    /// space was reclaimed and reused meanwhile).
+    fn read_entry(&self, e: &Entry, out: &mut [u8]) -> Result<bool, EngineError> {
+        self.read_locs(std::iter::once(e.loc), out)?;
+        Ok(crc32c::crc32c(out) == e.crc)
+    }
+
+    // ---- destage -------------------------------------------------------------------
+
+    /// Starts the destage thread (once).
+    pub fn start(self: &Arc<Self>) {
+        if self.running.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name(format!("destage-{:x}", self.id.drive.0 & 0xffff))
+            .spawn(move || me.destage_loop())
+            .expect("spawning the destage thread");
+    }
+
+    /// Stops the destage thread (dirty data stays in the log; it is replayed at open).
+    pub fn stop(&self) {
+        lock(&self.ctl).stop = true;
+        self.ctl_cv.notify_all();
+    }
+
+    /// Destages everything logged so far (dirty blocks reach capacity); returns when done.
+    pub fn flush(&self) -> Result<(), EngineError> {
+        let target = {
+            let st = lock(&self.st);
+            if let Some(r) = &st.failed {
+                return Err(EngineError::Failed { reason: r.clone() });
+            }
+            st.open_seq
+        };
+        {
+            let mut c = lock(&self.ctl);
+            c.drain_to = c.drain_to.max(target);
+        }
+        self.ctl_cv.notify_all();
+        loop {
+            self.check_failed()?;
+            let done = {
+                let b = lock(&self.batches);
+                let st = lock(&self.st);
+                let first_unreclaimed = b.front().map(|b| b.seq).unwrap_or(st.open_seq);
+                let pending_before = st.placed.front().is_some_and(|p| p.seq < target);
+                first_unreclaimed >= target && !pending_before
+            };
+            if done {
+                return Ok(());
+            }
+            if !self.running.load(Ordering::Acquire) {
+                self.destage_once(true)?;
+                continue;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
+    fn destage_loop(self: Arc<Self>) {
+        let mut last = Instant::now();
+        loop {
+            let (stop, drain) = {
+                let c = lock(&self.ctl);
+                (c.stop, c.drain_to)
+            };
+            if stop || self.failure().is_some() {
+                self.running.store(false, Ordering::Release);
+                return;
+            }
+            self.admit_pending();
+            let s = self.stats();
+            let used_pct = s.used_bytes * 100 / self.log_len.max(1);
+            let dirty_pct = s.dirty_bytes * 100 / self.log_len.max(1);
+            let high = u64::from(self.high_pct.load(Ordering::Relaxed));
+            let low = u64::from(self.low_pct.load(Ordering::Relaxed));
+            let first_seq = lock(&self.batches).front().map(|b| b.seq);
+            let draining = first_seq.is_some_and(|s| s < drain);
+            let stalled = s.write_stalls > 0 && used_pct >= high.saturating_sub(10);
+            let full_speed = draining || used_pct >= high || stalled;
+            let wanted = full_speed
+                || dirty_pct >= low
+                || (self.mode() == CacheMode::None && s.dirty_bytes > 0);
+            if !wanted || first_seq.is_none() {
+                let c = lock(&self.ctl);
+                let _ = self
+                    .ctl_cv
+                    .wait_timeout(c, Duration::from_millis(100))
+                    .expect("ctl lock poisoned");
+                continue;
+            }
+            match self.destage_once(full_speed) {
+                Ok(bytes) => {
+                    if !full_speed && bytes > 0 {
+                        let rate = self.destage_bps.load(Ordering::Relaxed).max(1) as f64;
+                        let want = Duration::from_secs_f64(bytes as f64 / rate);
+                        let spent = last.elapsed();
+                        if want > spent {
+                            let c = lock(&self.ctl);
+                            let _ = self.ctl_cv.wait_timeout(c, want - spent);
+                        }
+                    }
+                }
+                Err(e) => {
+                    self.fail(&format!("destage: {e}"));
+                }
+            }
+            last = Instant::now();
+        }
+    }
+
+    /// Moves read-cache admissions queued by readers into the log (never waits for room).
+    fn admit_pending(&self) {
+        let (recs, data) = {
+            let mut c = lock(&self.ctl);
+            if c.admit.is_empty() {
+                return;
+            }
+            (
+                std::mem::take(&mut c.admit),
+                std::mem::take(&mut c.admit_data),
+            )
+        };
+        if let Ok(Some(seq)) = self.append(&recs, &data, Room::Skip) {
+            if self.wait_durable(seq).is_ok() {
+                self.extra
+                    .admitted
+                    .fetch_add(recs.len() as u64, Ordering::Relaxed);
+            }
+        }
+    }
+
+    /// Reclaims the oldest chunk of the log: destages its live dirty blocks, gives hot
+    /// clean blocks a second chance (read-write mode) and evicts the rest, then moves the
+    /// tail. Returns the bytes destaged.
+    fn destage_once(&self, pressure: bool) -> Result<u64, EngineError> {
+        let _gate = lock(&self.destage_gate);
+        // The chunk: whole batches from the front, up to DESTAGE_CHUNK_BYTES.
+        let mut chunk: Vec<(u64, Vec<Rec>, u64, u64)> = Vec::new();
+        {
+            let b = lock(&self.batches);
+            let mut bytes = 0;
+            for bt in b.iter() {
+                let data = bt.recs.iter().filter(|r| r.has_data()).count() as u64 * BS;
+                if !chunk.is_empty() && bytes + data > DESTAGE_CHUNK_BYTES {
+                    break;
+                }
+                bytes += data;
+                chunk.push((bt.seq, bt.recs.clone(), bt.off, bt.hdr_len));
+            }
+        }
+        if chunk.is_empty() {
+            return Ok(0);
+        }
+        let rw = self.mode() == CacheMode::ReadWrite;
+        // Live records of the chunk.
+        let mut dirty: Vec<(DriveId, ExtentKey, u32, u64, u64, u32)> = Vec::new();
+        let mut readmit: Vec<(Rec, u64)> = Vec::new();
+        for (_, recs, off, hl) in &chunk {
+            let mut di = 0u64;
+            for r in recs {
+                if !r.has_data() {
+                    continue;
+                }
+                let loc = off + hl + di * BS;
+                di += 1;
+                let Some(idx) = self.ext((r.drive, r.key), false) else {
+                    continue;
+                };
+                let mut m = lock(&idx.m);
+                let Some(e) = m.entries.get(&r.block).copied() else {
+                    continue;
+                };
+                if e.loc != loc {
+                    continue;
+                }
+                if e.dirty {
+                    dirty.push((r.drive, r.key, r.block, loc, e.version, e.crc));
+                } else if rw && e.referenced && !pressure {
+                    readmit.push((
+                        Rec {
+                            kind: K_CLEAN,
+                            ..*r
+                        },
+                        loc,
+                    ));
+                    m.entries.remove(&r.block);
+                    self.account_remove(&e);
+                } else {
+                    m.entries.remove(&r.block);
+                    self.account_remove(&e);
+                    self.extra.evicted.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        }
+        // Destage: per drive and extent, in address order.
+        dirty.sort_unstable();
+        let caps = read(&self.capacity).clone();
+        let mut bytes = 0;
+        let mut i = 0;
+        while i < dirty.len() {
+            let (drive, key) = (dirty[i].0, dirty[i].1);
+            let s = i;
+            while i < dirty.len() && (dirty[i].0, dirty[i].1) == (drive, key) {
+                i += 1;
+            }
+            let blocks: Vec<(u32, u64, u64, u32)> =
+                dirty[s..i].iter().map(|d| (d.2, d.3, d.4, d.5)).collect();
+            match caps.get(&drive) {
+                Some(cap) => {
+                    for part in blocks.chunks(BATCH_BLOCKS_MAX) {
+                        let (lost, _) = self.destage_blocks(cap, key, part, false)?;
+                        if lost > 0 {
+                            return Err(EngineError::Corrupt(format!(
+                                "{lost} logged blocks of extent {key:?} fail their checksum"
+                            )));
+                        }
+                        bytes += part.len() as u64 * BS;
+                    }
+                }
+                None => {
+                    log::warn!(
+                        "cache {}: blocks of drive {} which is no longer bound are dropped",
+                        self.id.drive,
+                        drive
+                    );
+                }
+            }
+            // Forget the destaged entries (unless rewritten meanwhile).
+            if let Some(idx) = self.ext((drive, key), false) {
+                let mut m = lock(&idx.m);
+                for d in &dirty[s..i] {
+                    if m.entries.get(&d.2).is_some_and(|e| e.loc == d.3) {
+                        if let Some(e) = m.entries.remove(&d.2) {
+                            self.account_remove(&e);
+                        }
+                    }
+                }
+            }
+        }
+        // Second chance for hot read-cached blocks: read them before their space goes.
+        let mut readmit_data = Vec::new();
+        if !readmit.is_empty() {
+            let mut buf = AlignedBuf::new(readmit.len() * BLOCK_SIZE);
+            self.read_locs(readmit.iter().map(|r| r.1), &mut buf)?;
+            readmit_data.extend_from_slice(&buf);
+        }
+        // Move the tail past the chunk; durable before the space can be reused.
+        let last_seq = chunk.last().map(|c| c.0).unwrap_or(0);
+        let (tail, tail_seq, freed) = {
+            let st = lock(&self.st);
+            let mut freed = 0;
+            let mut next = None;
+            for p in st.placed.iter() {
+                if p.seq <= last_seq {
+                    freed += p.waste + p.len;
+                } else {
+                    next = Some((p.off, p.seq));
+                    break;
+                }
+            }
+            let (t, ts) = next.unwrap_or((st.head, st.open_seq));
+            (t, ts, freed)
+        };
+        self.write_sb(tail, tail_seq)?;
+        {
+            let mut b = lock(&self.batches);
+            while b.front().is_some_and(|x| x.seq <= last_seq) {
+                b.pop_front();
+            }
+        }
+        {
+            let mut st = lock(&self.st);
+            while st.placed.front().is_some_and(|p| p.seq <= last_seq) {
+                st.placed.pop_front();
+            }
+            st.used = st.used.saturating_sub(freed);
+        }
+        self.cv.notify_all();
+        if !readmit.is_empty() {
+            let recs: Vec<Rec> = readmit.iter().map(|r| r.0).collect();
+            // Only still-newest blocks get in (index_batch checks capacity's version).
+            if let Ok(Some(seq)) = self.append(&recs, &readmit_data, Room::Skip) {
+                let _ = self.wait_durable(seq);
+            }
+        }
+        Ok(bytes)
+    }
+
+    // ---- binding ---------------------------------------------------------------------
+
+    fn bind(&self, cap: Arc<Drive>) {
+        let id = cap.identity().drive;
+        self.capacity
+            .write()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id, cap);
+    }
+
+    /// Queues a block that missed twice for admission into the read cache.
+    fn consider_admit(
+        &self,
+        drive: DriveId,
+        key: ExtentKey,
+        block: u32,
+        version: u64,
+        data: &[u8],
+    ) {
+        let k = (drive, key, block);
+        {
+            let mut g = lock(&self.ghost);
+            if !g.set.remove(&k) {
+                let cap = (self.log_len / BS / 4).max(1024) as usize;
+                if g.set.insert(k) {
+                    g.fifo.push_back(k);
+                }
+                while g.fifo.len() > cap {
+                    if let Some(old) = g.fifo.pop_front() {
+                        g.set.remove(&old);
+                    }
+                }
+                return;
+            }
+        }
+        let mut c = lock(&self.ctl);
+        if c.admit.len() >= ADMIT_QUEUE_MAX {
+            return;
+        }
+        c.admit.push(Rec {
+            kind: K_CLEAN,
+            block,
+            drive,
+            key,
+            version,
+            crc: crc32c::crc32c(data),
+        });
+        c.admit_data.extend_from_slice(data);
+        drop(c);
+        self.ctl_cv.notify_all();
+    }
+}
+
+fn read<T>(l: &RwLock<T>) -> std::sync::RwLockReadGuard<'_, T> {
+    l.read().unwrap_or_else(|p| p.into_inner())
+}
+
+fn rand_gen() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish() | 1
+}
+
+fn read_sb(file: &dyn BlockFile) -> Result<Option<CacheSb>, EngineError> {
+    if file.len_bytes() < LOG_OFF {
+        return Ok(None);
+    }
+    let mut b = AlignedBuf::new(SB_BLOCK as usize);
+    let mut best: Option<CacheSb> = None;
+    let mut any_magic = false;
+    let mut err = None;
+    for copy in 0..2u64 {
+        file.read_at(&mut b, copy * SB_BLOCK)
+            .map_err(EngineError::io("read"))?;
+        match CacheSb::decode(&b) {
+            Ok(Some(sb)) => {
+                any_magic = true;
+                if best.as_ref().is_none_or(|x| sb.generation > x.generation) {
+                    best = Some(sb);
+                }
+            }
+            Ok(None) => {}
+            Err(e) => {
+                any_magic = true;
+                err = Some(e);
+            }
+        }
+    }
+    match (best, any_magic) {
+        (Some(sb), _) => Ok(Some(sb)),
+        (None, true) => Err(err.unwrap_or_else(|| EngineError::Corrupt("cache superblock".into()))),
+        (None, false) => Ok(None),
+    }
+}
+
+// ---- the tier: a capacity drive with its cache ------------------------------------------
+
+/// A capacity drive as the node uses it: with a bound cache drive, writes go through the
+/// cache's log (mode `write`/`read-write`) and reads see the newest version of each block
+/// wherever it is. Without one, every call goes straight to the drive. Same contract as
+/// [`Drive`]'s methods of the same names.
+pub struct Tier {
+    cap: Arc<Drive>,
+    cache: RwLock<Option<Arc<Cache>>>,
+}
+
+/// How a write through the tier decides per block (plain write vs. compare-and-set copy).
+enum Accept<'a> {
+    Newer(u64),
+    Expect(&'a [Version], &'a [Version]),
+}
+
+impl Accept<'_> {
+    fn version(&self, i: usize) -> u64 {
+        match self {
+            Accept::Newer(v) => *v,
+            Accept::Expect(vs, _) => vs[i].0,
+        }
+    }
+    fn ok(&self, i: usize, cur: u64) -> bool {
+        match self {
+            Accept::Newer(v) => *v >= cur,
+            Accept::Expect(_, ex) => cur == ex[i].0,
+        }
+    }
+}
+
+impl Tier {
+    pub fn new(cap: Arc<Drive>) -> Tier {
+        Tier {
+            cap,
+            cache: RwLock::new(None),
+        }
+    }
+
+    /// Binds this capacity drive to `cache` (at start-up, before I/O).
+    pub fn bind(&self, cache: Arc<Cache>) {
+        cache.bind(self.cap.clone());
+        *self.cache.write().unwrap_or_else(|p| p.into_inner()) = Some(cache);
+    }
+
+    pub fn drive(&self) -> &Arc<Drive> {
+        &self.cap
+    }
+
+    pub fn cache(&self) -> Option<Arc<Cache>> {
+        read(&self.cache).clone()
+    }
+
+    pub fn identity(&self) -> &DriveIdentity {
+        self.cap.identity()
+    }
+
+    pub fn failure(&self) -> Option<String> {
+        self.cap.failure().or_else(|| {
+            self.cache().and_then(|c| {
+                c.failure()
+                    .map(|r| format!("its cache drive {} failed: {r}", c.id.drive))
+            })
+        })
+    }
+
+    pub fn extents(&self) -> Vec<ExtentInfo> {
+        self.cap.extents()
+    }
+
+    pub fn capacity(&self) -> Capacity {
+        self.cap.capacity()
+    }
+
+    pub fn stats(&self) -> DriveStats {
+        self.cap.stats()
+    }
+
+    fn me(&self) -> DriveId {
+        self.cap.identity().drive
+    }
+
+    fn check(key: ExtentKey, offset: u64, len: u64, slab: u64) -> Result<(u32, u32), EngineError> {
+        let bad = |reason| EngineError::InvalidIo {
+            key,
+            reason,
+            offset,
+            len,
+        };
+        if !offset.is_multiple_of(BS) || !len.is_multiple_of(BS) {
+            return Err(bad("offset and length must be multiples of 4096"));
+        }
+        if len == 0 || len > MAX_IO_BYTES as u64 {
+            return Err(bad("length must be between 4 KiB and 32 MiB"));
+        }
+        if offset.checked_add(len).is_none_or(|end| end > slab) {
+            return Err(bad("range ends beyond the slab"));
+        }
+        Ok(((offset / BS) as u32, (len / BS) as u32))
+    }
+
+    pub fn write(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+    ) -> Result<(), EngineError> {
+        match self.cache() {
+            None => self.cap.write(key, epoch, version, offset, data, crcs),
+            Some(c) => self
+                .through(&c, key, epoch, offset, data, crcs, Accept::Newer(version.0))
+                .map(|_| ()),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_blocks(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+        versions: &[Version],
+        expect: &[Version],
+    ) -> Result<u32, EngineError> {
+        let n = data.len() / BLOCK_SIZE;
+        match self.cache() {
+            Some(c) if versions.len() == n && expect.len() == n => self.through(
+                &c,
+                key,
+                epoch,
+                offset,
+                data,
+                crcs,
+                Accept::Expect(versions, expect),
+            ),
+            _ => self
+                .cap
+                .write_blocks(key, epoch, offset, data, crcs, versions, expect),
+        }
+    }
+
+    /// A write with a cache bound: claims the blocks in the cache's index, decides each
+    /// block against the newest version (logged or on capacity), and logs the accepted
+    /// ones — or, in mode `none` with nothing logged for these blocks, writes capacity.
+    #[allow(clippy::too_many_arguments)]
+    fn through(
+        &self,
+        c: &Cache,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+        accept: Accept<'_>,
+    ) -> Result<u32, EngineError> {
+        let slab = self.cap.layout().slab_size_bytes;
+        let (first, count) = Self::check(key, offset, data.len() as u64, slab)?;
+        if crcs.len() != count as usize {
+            return Err(EngineError::InvalidIo {
+                key,
+                reason: "one crc per 4 KiB block is required",
+                offset,
+                len: data.len() as u64,
+            });
+        }
+        for (i, (blk, &crc)) in data.chunks_exact(BLOCK_SIZE).zip(crcs).enumerate() {
+            if crc32c::crc32c(blk) != crc {
+                return Err(EngineError::ChecksumMismatch {
+                    key,
+                    block: first + i as u32,
+                });
+            }
+        }
+        c.check_failed()?;
+        self.cap.prepare_write(key, epoch)?;
+        let idx = c.ext((self.me(), key), true).expect("created");
+        let mut m = lock(&idx.m);
+        while m.overlaps(first, count) {
+            m = idx.cv.wait(m).expect("cache index lock poisoned");
+        }
+        m.busy.push((first, count));
+        let logged: Vec<Option<u64>> = (first..first + count)
+            .map(|b| m.entries.get(&b).map(|e| e.version))
+            .collect();
+        drop(m);
+        let release = || {
+            let mut m = lock(&idx.m);
+            if let Some(p) = m.busy.iter().position(|&r| r == (first, count)) {
+                m.busy.swap_remove(p);
+            }
+            drop(m);
+            idx.cv.notify_all();
+        };
+        let res = (|| {
+            let direct = c.mode() == CacheMode::None && logged.iter().all(Option::is_none);
+            if direct {
+                return match &accept {
+                    Accept::Newer(v) => self
+                        .cap
+                        .write(key, epoch, Version(*v), offset, data, crcs)
+                        .map(|_| count),
+                    Accept::Expect(vs, ex) => self
+                        .cap
+                        .write_blocks(key, epoch, offset, data, crcs, vs, ex),
+                };
+            }
+            let capv = self.cap.block_versions(key, offset, count as usize)?;
+            let mut recs = Vec::with_capacity(count as usize);
+            let mut buf: Vec<u8> = Vec::new();
+            let mut all = true;
+            for i in 0..count as usize {
+                let cur = logged[i].unwrap_or(0).max(capv[i].0);
+                if accept.ok(i, cur) {
+                    recs.push(Rec {
+                        kind: K_DIRTY,
+                        block: first + i as u32,
+                        drive: self.me(),
+                        key,
+                        version: accept.version(i),
+                        crc: crcs[i],
+                    });
+                    if !all {
+                        buf.extend_from_slice(&data[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE]);
+                    }
+                } else if all {
+                    all = false;
+                    buf.extend_from_slice(&data[..i * BLOCK_SIZE]);
+                }
+            }
+            let n = recs.len() as u32;
+            if n > 0 {
+                let payload: &[u8] = if all { data } else { &buf };
+                let t = c.counters.begin();
+                let r = c
+                    .append(&recs, payload, Room::Wait)
+                    .and_then(|s| c.wait_durable(s.unwrap_or(0)));
+                c.counters.end(OpKind::Write, t);
+                r?;
+            }
+            Ok(n)
+        })();
+        release();
+        res
+    }
+
+    pub fn read(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<ReadInfo, EngineError> {
+        match self.cache() {
+            None => self.cap.read(key, epoch, offset, buf),
+            Some(c) => self.read_through(&c, key, epoch, offset, buf, None),
+        }
+    }
+
+    pub fn read_blocks(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+        versions: &mut Vec<Version>,
+    ) -> Result<ReadInfo, EngineError> {
+        match self.cache() {
+            None => self.cap.read_blocks(key, epoch, offset, buf, versions),
+            Some(c) => self.read_through(&c, key, epoch, offset, buf, Some(versions)),
+        }
+    }
+
+    fn read_through(
+        &self,
+        c: &Cache,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+        mut versions: Option<&mut Vec<Version>>,
+    ) -> Result<ReadInfo, EngineError> {
+        let slab = self.cap.layout().slab_size_bytes;
+        let (first, count) = Self::check(key, offset, buf.len() as u64, slab)?;
+        let rw = c.mode() == CacheMode::ReadWrite;
+        let Some(idx) = c.ext((self.me(), key), false) else {
+            c.extra
+                .misses
+                .fetch_add(u64::from(count), Ordering::Relaxed);
+            return self.read_capacity(c, key, epoch, offset, buf, versions, first, rw);
+        };
+        c.check_failed()?;
+        for _attempt in 0..4 {
+            let hits: Vec<(usize, Entry)> = {
+                let mut m = lock(&idx.m);
+                (0..count as usize)
+                    .filter_map(|i| {
+                        m.entries.get_mut(&(first + i as u32)).map(|e| {
+                            e.referenced = true;
+                            (i, *e)
+                        })
+                    })
+                    .collect()
+            };
+            if hits.is_empty() {
+                c.extra
+                    .misses
+                    .fetch_add(u64::from(count), Ordering::Relaxed);
+                return self.read_capacity(c, key, epoch, offset, buf, versions, first, rw);
+            }
+            let mut info = if hits.len() == count as usize {
+                self.cap.check_epoch_of(key, epoch)?;
+                if let Some(v) = versions.as_deref_mut() {
+                    v.clear();
+                    v.resize(count as usize, Version(0));
+                }
+                ReadInfo::default()
+            } else {
+                match versions.as_deref_mut() {
+                    Some(v) => self.cap.read_blocks(key, epoch, offset, buf, v)?,
+                    None => self.cap.read(key, epoch, offset, buf)?,
+                }
+            };
+            let mut moved = false;
+            let mut bad_cache = Vec::new();
+            for &(i, e) in &hits {
+                let out = &mut buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+                if !c.read_entry(&e, out)? {
+                    let still = lock(&idx.m)
+                        .entries
+                        .get(&(first + i as u32))
+                        .is_some_and(|x| x.loc == e.loc);
+                    if still {
+                        bad_cache.push(i as u32);
+                    } else {
+                        moved = true;
+                        break;
+                    }
+                }
+            }
+            if moved {
+                continue;
+            }
+            let hit_set: std::collections::HashSet<u32> =
+                hits.iter().map(|&(i, _)| i as u32).collect();
+            info.bad_blocks.retain(|b| !hit_set.contains(b));
+            info.bad_blocks.extend(bad_cache);
+            info.bad_blocks.sort_unstable();
+            let hv = hits.iter().map(|h| h.1.version).max().unwrap_or(0);
+            info.versions = Version(info.versions.0.max(hv));
+            if let Some(v) = versions.as_deref_mut() {
+                for &(i, e) in &hits {
+                    v[i] = Version(e.version);
+                }
+            }
+            c.extra.hits.fetch_add(hits.len() as u64, Ordering::Relaxed);
+            c.extra
+                .misses
+                .fetch_add(u64::from(count) - hits.len() as u64, Ordering::Relaxed);
+            return Ok(info);
+        }
+        // The log kept moving under us (heavy destage): read without the cache's help is
+        // not possible for blocks only it holds, so report them as an I/O retry.
+        Err(EngineError::Failed {
+            reason: "cache log reclaimed blocks while they were read; retry".into(),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn read_capacity(
+        &self,
+        c: &Cache,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+        versions: Option<&mut Vec<Version>>,
+        first: u32,
+        rw: bool,
+    ) -> Result<ReadInfo, EngineError> {
+        if !rw {
+            return match versions {
+                Some(v) => self.cap.read_blocks(key, epoch, offset, buf, v),
+                None => self.cap.read(key, epoch, offset, buf),
+            };
+        }
+        let mut local = Vec::new();
+        let v = versions.unwrap_or(&mut local);
+        let info = self.cap.read_blocks(key, epoch, offset, buf, v)?;
+        for (i, ver) in v.iter().enumerate() {
+            if ver.0 > 0 && !info.bad_blocks.contains(&(i as u32)) {
+                c.consider_admit(
+                    self.me(),
+                    key,
+                    first + i as u32,
+                    ver.0,
+                    &buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE],
+                );
+            }
+        }
+        Ok(info)
+    }
+
+    pub fn zero(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    ) -> Result<(), EngineError> {
+        let Some(c) = self.cache() else {
+            return self.cap.zero(key, epoch, version, offset, len);
+        };
+        let slab = self.cap.layout().slab_size_bytes;
+        let (first, count) = Self::check(key, offset, len, slab)?;
+        c.check_failed()?;
+        let idx = c.ext((self.me(), key), true).expect("created");
+        let mut m = lock(&idx.m);
+        while m.overlaps(first, count) {
+            m = idx.cv.wait(m).expect("cache index lock poisoned");
+        }
+        m.busy.push((first, count));
+        drop(m);
+        let r = self.cap.zero(key, epoch, version, offset, len);
+        let mut m = lock(&idx.m);
+        if r.is_ok() {
+            for b in first..first + count {
+                if m.entries.get(&b).is_some_and(|e| e.version <= version.0) {
+                    if let Some(e) = m.entries.remove(&b) {
+                        c.account_remove(&e);
+                    }
+                }
+            }
+        }
+        if let Some(p) = m.busy.iter().position(|&x| x == (first, count)) {
+            m.busy.swap_remove(p);
+        }
+        drop(m);
+        idx.cv.notify_all();
+        r
+    }
+
+    pub fn block_versions(
+        &self,
+        key: ExtentKey,
+        offset: u64,
+        count: usize,
+    ) -> Result<Vec<Version>, EngineError> {
+        let mut v = self.cap.block_versions(key, offset, count)?;
+        if let Some(c) = self.cache() {
+            if let Some(idx) = c.ext((self.me(), key), false) {
+                let first = (offset / BS) as u32;
+                let m = lock(&idx.m);
+                for (i, x) in v.iter_mut().enumerate() {
+                    if let Some(e) = m.entries.get(&(first + i as u32)) {
+                        *x = Version(x.0.max(e.version));
+                    }
+                }
+            }
+        }
+        Ok(v)
+    }
+
+    pub fn fence(&self, key: ExtentKey, epoch: Epoch) -> Result<(), EngineError> {
+        self.cap.fence(key, epoch)?;
+        self.settle(key);
+        Ok(())
+    }
+
+    /// Waits for writes through the tier that passed the epoch check before a fence.
+    fn settle(&self, key: ExtentKey) {
+        if let Some(c) = self.cache() {
+            if let Some(idx) = c.ext((self.me(), key), false) {
+                let mut m = lock(&idx.m);
+                while !m.busy.is_empty() {
+                    m = idx.cv.wait(m).expect("cache index lock poisoned");
+                }
+            }
+        }
+    }
+
+    pub fn fence_and_digest(&self, key: ExtentKey, epoch: Epoch) -> Result<u64, EngineError> {
+        let Some(c) = self.cache() else {
+            return self.cap.fence_and_digest(key, epoch);
+        };
+        self.cap.fence(key, epoch)?;
+        self.settle(key);
+        let overrides: Vec<(u32, u64)> = match c.ext((self.me(), key), false) {
+            Some(idx) => {
+                let m = lock(&idx.m);
+                let blocks: Vec<u32> = m.entries.keys().copied().collect();
+                let mut o = Vec::with_capacity(blocks.len());
+                for b in blocks {
+                    let e = m.entries[&b];
+                    let capv = self.cap.block_versions(key, u64::from(b) * BS, 1)?[0].0;
+                    o.push((b, e.version.max(capv)));
+                }
+                o
+            }
+            None => Vec::new(),
+        };
+        self.cap.fence_and_digest_with(key, epoch, &overrides)
+    }
+
+    /// Frees the extent: its logged blocks are forgotten durably first (a drop record),
+    /// so a crash can never replay them into a later extent of the same key.
+    pub fn free_extent(&self, key: ExtentKey) -> Result<(), EngineError> {
+        if let Some(c) = self.cache() {
+            let _gate = lock(&c.destage_gate);
+            let k = (self.me(), key);
+            let removed = c
+                .index
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&k);
+            if let Some(idx) = removed {
+                for e in lock(&idx.m).entries.values() {
+                    c.account_remove(e);
+                }
+            }
+            let rec = Rec {
+                kind: K_DROP,
+                block: 0,
+                drive: self.me(),
+                key,
+                version: 0,
+                crc: 0,
+            };
+            let seq = c.append(&[rec], &[], Room::Force)?;
+            c.wait_durable(seq.unwrap_or(0))?;
+        }
+        self.cap.free_extent(key)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,441 @@
+//! Cache tier tests on simulated files (power loss, torn writes) and one on real O_DIRECT
+//! files.
+
+use super::*;
+use crate::{FaultyFile, FormatOptions};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+const SLAB: u64 = 1 << 20;
+const NB: u64 = SLAB / BS;
+
+fn ident(drive: u64, role: DriveRole) -> DriveIdentity {
+    DriveIdentity {
+        cluster: ClusterId(0x1234),
+        node: NodeId(2),
+        drive: DriveId(drive),
+        slab_size_bytes: SLAB,
+        role,
+        media: MediaType::Ssd,
+    }
+}
+
+fn key(v: u64, s: u64) -> ExtentKey {
+    ExtentKey {
+        volume: VolumeId(v),
+        slab: SlabIndex(s),
+    }
+}
+
+fn block(seed: u64) -> (Vec<u8>, u32) {
+    let mut d = vec![0u8; BLOCK_SIZE];
+    StdRng::seed_from_u64(seed).fill(&mut d[..]);
+    let c = crc32c::crc32c(&d);
+    (d, c)
+}
+
+struct Rig {
+    capf: FaultyFile,
+    cachef: FaultyFile,
+    cap: Arc<Drive>,
+    cache: Arc<Cache>,
+    tier: Tier,
+}
+
+fn rig_with(capf: FaultyFile, cachef: FaultyFile, fresh: bool) -> (Rig, OpenReport) {
+    let cap = if fresh {
+        Drive::format_with(
+            Arc::new(capf.clone()),
+            ident(7, DriveRole::Capacity),
+            FormatOptions {
+                journal_bytes: Some(1 << 20),
+            },
+        )
+        .expect("format capacity")
+    } else {
+        Drive::open(Arc::new(capf.reattach())).expect("open capacity")
+    };
+    let cap = Arc::new(cap);
+    let mut caps = HashMap::new();
+    caps.insert(DriveId(7), cap.clone());
+    let (cache, report) = Cache::open(
+        Arc::new(cachef.reattach()),
+        ident(9, DriveRole::Cache),
+        &caps,
+    )
+    .expect("open cache");
+    let tier = Tier::new(cap.clone());
+    tier.bind(cache.clone());
+    (
+        Rig {
+            capf,
+            cachef,
+            cap,
+            cache,
+            tier,
+        },
+        report,
+    )
+}
+
+fn rig(cache_bytes: u64) -> Rig {
+    rig_with(
+        FaultyFile::new(16 << 20),
+        FaultyFile::new(cache_bytes),
+        true,
+    )
+    .0
+}
+
+fn reopen(r: Rig, seed: u64) -> (Rig, OpenReport) {
+    r.cache.stop();
+    r.capf.crash(seed);
+    r.cachef.crash(seed + 1);
+    let (capf, cachef) = (r.capf.clone(), r.cachef.clone());
+    drop(r);
+    rig_with(capf, cachef, false)
+}
+
+fn write(t: &Tier, k: ExtentKey, b: u64, version: u64, seed: u64) {
+    let (d, c) = block(seed);
+    t.write(k, Epoch(1), Version(version), b * BS, &d, &[c])
+        .expect("write");
+}
+
+fn read_block(t: &Tier, k: ExtentKey, b: u64) -> (Vec<u8>, ReadInfo) {
+    let mut buf = vec![0u8; BLOCK_SIZE];
+    let info = t.read(k, Epoch(1), b * BS, &mut buf).expect("read");
+    (buf, info)
+}
+
+fn read_cap(d: &Drive, k: ExtentKey, b: u64) -> Vec<u8> {
+    let mut buf = vec![0u8; BLOCK_SIZE];
+    let info = d.read(k, Epoch(1), b * BS, &mut buf).expect("read");
+    assert!(info.bad_blocks.is_empty(), "capacity block {b} is bad");
+    buf
+}
+
+#[test]
+fn writes_land_in_the_log_then_destage_to_capacity_once() {
+    let r = rig(32 << 20);
+    let k = key(1, 0);
+    // 50 rewrites of each of 8 blocks: only the newest of each reaches capacity.
+    for round in 0..50u64 {
+        for b in 0..8u64 {
+            write(&r.tier, k, b, round * 8 + b + 1, round * 100 + b);
+        }
+    }
+    let cap_data_before = r.cap.stats().data_write_bytes;
+    assert_eq!(
+        cap_data_before, 0,
+        "nothing reached capacity before destage"
+    );
+    for b in 0..8u64 {
+        let (d, info) = read_block(&r.tier, k, b);
+        assert_eq!(d, block(49 * 100 + b).0, "block {b} reads its newest write");
+        assert_eq!(info.versions, Version(49 * 8 + b + 1));
+    }
+    assert!(r.cache.stats().dirty_bytes == 8 * BS);
+    r.cache.flush().expect("flush");
+    assert_eq!(r.cache.stats().dirty_bytes, 0);
+    assert_eq!(
+        r.cap.stats().data_write_bytes,
+        8 * BS,
+        "each block reached capacity exactly once"
+    );
+    for b in 0..8u64 {
+        assert_eq!(read_cap(&r.cap, k, b), block(49 * 100 + b).0);
+        assert_eq!(read_block(&r.tier, k, b).0, block(49 * 100 + b).0);
+    }
+    let v = r.tier.block_versions(k, 0, 8).expect("versions");
+    assert_eq!(v[3], Version(49 * 8 + 4));
+}
+
+#[test]
+fn a_crash_loses_no_acked_write_and_replay_destages_them() {
+    for seed in 0..20u64 {
+        let r = rig(16 << 20);
+        let k = key(1, seed % 3);
+        let mut rng = StdRng::seed_from_u64(seed);
+        let mut model: HashMap<u64, (u64, u64)> = HashMap::new();
+        for v in 1..=120u64 {
+            let b = rng.gen_range(0..64u64);
+            write(&r.tier, k, b, v, v * 1000 + seed);
+            model.insert(b, (v, v * 1000 + seed));
+            if v % 40 == 0 {
+                r.cache.flush().expect("flush");
+            }
+        }
+        // An unacked write in flight at the crash: torn or lost, never harmful.
+        let (d, c) = block(99);
+        let b = rng.gen_range(0..64u64);
+        let _ = r.tier.write(k, Epoch(1), Version(500), b * BS, &d, &[c]);
+        let torn_block = b;
+        let (r, report) = reopen(r, seed * 7);
+        assert!(report.blocks_lost == 0);
+        for (&b, &(v, s)) in &model {
+            let got = read_cap(&r.cap, k, b);
+            if b == torn_block {
+                assert!(
+                    got == block(s).0 || got == d,
+                    "seed {seed}: block {b} is neither its old nor its new content"
+                );
+            } else {
+                assert_eq!(
+                    got,
+                    block(s).0,
+                    "seed {seed}: acked version {v} of block {b} lost"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_torn_newest_batch_keeps_the_older_logged_version() {
+    // Crash right after the second write's batch is issued but before it is synced.
+    for seed in 0..16u64 {
+        let r = rig(16 << 20);
+        let k = key(2, 0);
+        write(&r.tier, k, 5, 5, 1);
+        let (d, c) = block(2);
+        // Drop everything not synced: issue a write whose sync we pretend never happened.
+        r.cachef.crash_after_writes(2, seed);
+        let _ = r.tier.write(k, Epoch(1), Version(6), 5 * BS, &d, &[c]);
+        let (r, _) = reopen(r, seed);
+        let got = read_cap(&r.cap, k, 5);
+        assert!(
+            got == block(1).0 || got == d,
+            "seed {seed}: block holds neither v5 nor v6"
+        );
+        assert_eq!(
+            got,
+            block(1).0,
+            "seed {seed}: the v6 batch was never written"
+        );
+    }
+}
+
+#[test]
+fn a_freed_extent_is_not_resurrected_by_replay() {
+    let r = rig(16 << 20);
+    let k = key(3, 0);
+    write(&r.tier, k, 1, 50, 1);
+    r.tier.free_extent(k).expect("free");
+    // Reallocated with older versions (a copy coming back from a replica).
+    let (d, c) = block(2);
+    r.tier
+        .write_blocks(k, Epoch(1), BS, &d, &[c], &[Version(10)], &[Version(0)])
+        .expect("copy in");
+    let (r, _) = reopen(r, 3);
+    assert_eq!(
+        read_cap(&r.cap, k, 1),
+        d,
+        "the freed extent's v50 came back"
+    );
+}
+
+#[test]
+fn zero_and_compare_and_set_copies_see_logged_versions() {
+    let r = rig(16 << 20);
+    let k = key(4, 0);
+    write(&r.tier, k, 0, 7, 1);
+    write(&r.tier, k, 1, 7, 2);
+    // A copy expecting the capacity version (0) is refused: the log holds v7.
+    let (d, c) = block(3);
+    let n = r
+        .tier
+        .write_blocks(k, Epoch(1), 0, &d, &[c], &[Version(9)], &[Version(0)])
+        .expect("copy");
+    assert_eq!(n, 0);
+    let n = r
+        .tier
+        .write_blocks(k, Epoch(1), 0, &d, &[c], &[Version(9)], &[Version(7)])
+        .expect("copy");
+    assert_eq!(n, 1);
+    assert_eq!(read_block(&r.tier, k, 0).0, d);
+    // Zero at v8 hides block 1's v7.
+    r.tier.zero(k, Epoch(1), Version(8), BS, BS).expect("zero");
+    assert_eq!(read_block(&r.tier, k, 1).0, vec![0u8; BLOCK_SIZE]);
+    let v = r.tier.block_versions(k, 0, 2).expect("versions");
+    assert_eq!(v, vec![Version(9), Version(8)]);
+    r.cache.flush().expect("flush");
+    assert_eq!(read_cap(&r.cap, k, 0), d);
+    assert_eq!(read_cap(&r.cap, k, 1), vec![0u8; BLOCK_SIZE]);
+    let (r, _) = reopen(r, 1);
+    assert_eq!(read_cap(&r.cap, k, 1), vec![0u8; BLOCK_SIZE]);
+}
+
+#[test]
+fn the_digest_is_the_same_with_or_without_the_cache() {
+    let r = rig(16 << 20);
+    let plain = Drive::format_with(
+        Arc::new(FaultyFile::new(16 << 20)),
+        ident(8, DriveRole::Capacity),
+        FormatOptions {
+            journal_bytes: Some(1 << 20),
+        },
+    )
+    .expect("format");
+    let k = key(5, 0);
+    for (b, v) in [(0u64, 3u64), (9, 4), (0, 5), (200, 6)] {
+        let (d, c) = block(b * 10 + v);
+        r.tier
+            .write(k, Epoch(1), Version(v), b * BS, &d, &[c])
+            .expect("write");
+        plain
+            .write(k, Epoch(1), Version(v), b * BS, &d, &[c])
+            .expect("write");
+    }
+    let want = plain.fence_and_digest(k, Epoch(2)).expect("digest");
+    assert_eq!(r.tier.fence_and_digest(k, Epoch(2)).expect("digest"), want);
+    r.cache.flush().expect("flush");
+    assert_eq!(r.tier.fence_and_digest(k, Epoch(2)).expect("digest"), want);
+    // The fence holds for the tier: an older epoch is refused.
+    let (d, c) = block(1);
+    assert!(matches!(
+        r.tier.write(k, Epoch(1), Version(9), 0, &d, &[c]),
+        Err(EngineError::StaleEpoch { .. })
+    ));
+}
+
+#[test]
+fn mode_none_writes_capacity_and_drains_the_log() {
+    let r = rig(16 << 20);
+    let k = key(6, 0);
+    write(&r.tier, k, 0, 1, 1);
+    write(&r.tier, k, 1, 2, 2);
+    r.cache.set_mode(CacheMode::None);
+    // Block 1 still has a logged version: written through the log; block 2 goes direct.
+    write(&r.tier, k, 1, 3, 3);
+    write(&r.tier, k, 2, 4, 4);
+    assert_eq!(read_cap(&r.cap, k, 2), block(4).0, "direct write");
+    assert_eq!(read_block(&r.tier, k, 1).0, block(3).0);
+    r.cache.start();
+    r.cache.flush().expect("flush");
+    for (b, s) in [(0, 1), (1, 3), (2, 4)] {
+        assert_eq!(read_cap(&r.cap, k, b), block(s).0);
+    }
+    r.cache.set_mode(CacheMode::Write);
+    write(&r.tier, k, 2, 5, 5);
+    assert_eq!(read_block(&r.tier, k, 2).0, block(5).0);
+    r.cache.stop();
+}
+
+#[test]
+fn read_write_mode_admits_on_the_second_miss_and_hits_after() {
+    let r = rig(16 << 20);
+    let k = key(7, 0);
+    r.cache.set_mode(CacheMode::None);
+    for b in 0..16 {
+        write(&r.tier, k, b, b + 1, b);
+    }
+    r.cache.set_mode(CacheMode::ReadWrite);
+    r.cache.start();
+    for _ in 0..2 {
+        for b in 0..16 {
+            assert_eq!(read_block(&r.tier, k, b).0, block(b).0);
+        }
+    }
+    // Admission happens in the background.
+    for _ in 0..200 {
+        if r.cache.stats().clean_bytes == 16 * BS {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(r.cache.stats().clean_bytes, 16 * BS, "16 blocks admitted");
+    let hits = r.cache.stats().read_hit_blocks;
+    for b in 0..16 {
+        assert_eq!(read_block(&r.tier, k, b).0, block(b).0);
+    }
+    assert_eq!(r.cache.stats().read_hit_blocks, hits + 16);
+    // A write replaces the clean copy; reads see the new data.
+    write(&r.tier, k, 3, 100, 77);
+    assert_eq!(read_block(&r.tier, k, 3).0, block(77).0);
+    r.cache.stop();
+}
+
+#[test]
+fn a_full_log_slows_writes_down_instead_of_failing_them() {
+    let r = rig(CACHE_MIN_BYTES);
+    r.cache.set_destage(64 << 20, 25, 80);
+    r.cache.start();
+    let k = key(8, 0);
+    let mut v = 0;
+    // 4 x the log's size in 64 KiB writes.
+    let (d, c) = block(1);
+    let mut data = Vec::new();
+    let mut crcs = Vec::new();
+    for _ in 0..16 {
+        data.extend_from_slice(&d);
+        crcs.push(c);
+    }
+    for round in 0..(4 * CACHE_MIN_BYTES / (16 * BS)) {
+        v += 1;
+        let off = (round % (NB / 16)) * 16 * BS;
+        r.tier
+            .write(k, Epoch(1), Version(v), off, &data, &crcs)
+            .expect("write waits, never fails");
+    }
+    r.cache.flush().expect("flush");
+    assert_eq!(r.cache.stats().dirty_bytes, 0);
+    assert!(r.cache.stats().write_stalls > 0, "the log did fill up");
+    assert_eq!(read_cap(&r.cap, k, 5), d);
+    r.cache.stop();
+}
+
+#[test]
+fn random_writes_reach_capacity_with_little_amplification() {
+    let r = rig(16 << 20);
+    r.cache.start();
+    let k = key(9, 0);
+    let mut rng = StdRng::seed_from_u64(5);
+    let n = 2000u64;
+    for v in 1..=n {
+        let b = rng.gen_range(0..NB);
+        write(&r.tier, k, b, v, v);
+    }
+    r.cache.flush().expect("flush");
+    let s = r.cap.stats();
+    let client = n * BS;
+    // Rewrites are coalesced, so capacity may see less data than the client sent; what it
+    // does see costs little beyond the data (journal records and checkpoints).
+    assert!(s.data_write_bytes <= client);
+    let wa = s.write_bytes as f64 / s.data_write_bytes as f64;
+    assert!(
+        wa <= 1.02,
+        "capacity write amplification {wa:.3} over its data"
+    );
+    r.cache.stop();
+}
+
+#[test]
+fn real_files_round_trip_with_o_direct() {
+    let dir = std::env::temp_dir().join(format!("cvg-cache-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("dir");
+    let capf = Arc::new(crate::DirectFile::open(&dir.join("cap"), Some(16 << 20)).expect("cap"));
+    let cachef: Arc<dyn BlockFile> =
+        Arc::new(crate::DirectFile::open(&dir.join("cache"), Some(16 << 20)).expect("cache"));
+    let cap = Arc::new(Drive::format(capf, ident(7, DriveRole::Capacity)).expect("format"));
+    let mut caps = HashMap::new();
+    caps.insert(DriveId(7), cap.clone());
+    let (cache, rep) = Cache::open(cachef, ident(9, DriveRole::Cache), &caps).expect("open");
+    assert!(rep.formatted);
+    let tier = Tier::new(cap.clone());
+    tier.bind(cache.clone());
+    let k = key(1, 1);
+    for b in 0..32 {
+        write(&tier, k, b, b + 1, b);
+    }
+    for b in 0..32 {
+        assert_eq!(read_block(&tier, k, b).0, block(b).0);
+    }
+    cache.flush().expect("flush");
+    for b in 0..32 {
+        assert_eq!(read_cap(&cap, k, b), block(b).0);
+    }
+    drop(tier);
+    drop(cache);
+    std::fs::remove_dir_all(&dir).ok();
+}
