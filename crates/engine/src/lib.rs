@@ -18,7 +18,7 @@ mod recover;
 mod sample;
 mod stats;
 
-pub use cache::{Cache, CacheStats, Tier};
+pub use cache::{Cache, CacheStats, OpenReport, Tier, CACHE_MIN_BYTES};
 pub use drive::{Capacity, DestageRun, Drive, ExtentInfo, FormatOptions, ReadInfo};
 pub use error::EngineError;
 pub use faulty::FaultyFile;

@@ -144,6 +144,12 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
                 .map_err(ApiError::unavailable)?;
             ok(&cur)
         }
+        (&Method::POST, ["v1", "cache", "flush"]) => {
+            match crate::tiering::flush_local(node).await {
+                Ok(v) => ok(&v),
+                Err(e) => Err(ApiError::unavailable(e)),
+            }
+        }
         (&Method::GET, ["v1", "scrub"]) => ok(&crate::scrub::results(node).await),
         // Lab-only debug views (the fault injector); handlers live in lab_api.rs.
         (_, ["v1", "lab", rest @ ..]) => crate::lab_api::route(node, method, rest, body)

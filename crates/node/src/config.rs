@@ -182,7 +182,17 @@ impl Config {
                 .map(|s| size(&format!("{name}.size"), s))
                 .transpose()?;
             if let Some(s) = size_bytes {
-                if s < 2 * slab_size_bytes {
+                if d.role == DriveRole::Cache {
+                    if s < converge_engine::CACHE_MIN_BYTES {
+                        return Err(field(
+                            &format!("{name}.size"),
+                            format!(
+                                "{s} bytes is too small for a cache drive (at least {} MiB)",
+                                converge_engine::CACHE_MIN_BYTES >> 20
+                            ),
+                        ));
+                    }
+                } else if s < 2 * slab_size_bytes {
                     return Err(field(
                         &format!("{name}.size"),
                         format!("{s} bytes is smaller than two slabs"),
@@ -207,6 +217,13 @@ impl Config {
                     .transpose()?,
                 warranty_years: d.warranty_years,
             });
+        }
+        if !drives.iter().any(|d| d.role == DriveRole::Capacity) {
+            return Err(field(
+                "drive",
+                "every [[drive]] has role = \"cache\": a node needs at least one capacity drive"
+                    .into(),
+            ));
         }
         if raw.network.nbd_socket.as_os_str().len() > 100 {
             return Err(field(

@@ -230,6 +230,20 @@ async fn sample(node: &Node) -> FleetSample {
                 inflight_time_ns: s.inflight_time_ns,
             }
         })
+        .chain(node.caches.iter().map(|(id, c)| {
+            let s = c.drive_stats();
+            DriveCounters {
+                id: *id,
+                read_ops: s.read_ops,
+                write_ops: s.write_ops + s.zero_ops,
+                read_bytes: s.read_bytes,
+                write_bytes: s.write_bytes,
+                data_write_bytes: s.data_write_bytes,
+                journal_write_bytes: s.journal_write_bytes,
+                metadata_write_bytes: s.metadata_write_bytes,
+                inflight_time_ns: s.inflight_time_ns,
+            }
+        }))
         .collect();
     drives.sort_by_key(|d| d.id);
     FleetSample {
@@ -286,6 +300,20 @@ async fn node_info(node: &Node) -> Result<FleetNode, (StatusCode, String)> {
                 warranty_years: rec.and_then(|r| r.warranty_years),
             }
         })
+        .chain(node.caches.iter().map(|(id, c)| {
+            let ident = c.identity();
+            let rec = recs.iter().find(|r| r.id == *id);
+            FleetDrive {
+                id: *id,
+                node: node.cfg.node_id,
+                path: rec.map(|r| r.path.clone()).unwrap_or_default(),
+                role: ident.role,
+                media: ident.media,
+                size_bytes: c.log_bytes(),
+                tbw_bytes: rec.and_then(|r| r.tbw_bytes),
+                warranty_years: rec.and_then(|r| r.warranty_years),
+            }
+        }))
         .collect();
     drives.sort_by(|a, b| a.path.cmp(&b.path));
     let (fio_version, fio_error) = match fio_version().await {

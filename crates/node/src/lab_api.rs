@@ -65,7 +65,7 @@ async fn sample_blocks(node: &Arc<Node>, req: SampleBlocks) -> Result<SampledBlo
         .drives
         .iter()
         .filter(|(id, _)| req.drive.is_none_or(|d| d == **id))
-        .map(|(id, d)| (*id, d.clone()))
+        .map(|(id, d)| (*id, d.drive().clone()))
         .collect();
     if drives.is_empty() {
         let id = req.drive.map(|d| d.0).unwrap_or_default();

@@ -11,17 +11,15 @@ mod metrics;
 mod node;
 mod repair;
 mod scrub;
+mod tiering;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
 use config::Config;
 use converge_control::etcd::Etcd;
-use converge_control::model::{Cluster, DriveRecord};
-use converge_engine::{DirectFile, Drive, DriveIdentity};
+use converge_control::model::Cluster;
 use converge_rpc::Hello;
-use converge_types::{ClusterId, DriveId};
 use node::{Allocator, LocalDrives, Node, Replicas, RpcHandler};
-use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -64,84 +62,6 @@ fn main() {
     }
 }
 
-/// Open (or format, if blank) every configured drive, refusing drives of another cluster
-/// or node.
-type OpenDrives = (HashMap<DriveId, Arc<Drive>>, Vec<DriveRecord>);
-
-fn open_drives(cfg: &Config, cluster: ClusterId) -> Result<OpenDrives> {
-    let mut drives = HashMap::new();
-    let mut recs = Vec::new();
-    for d in &cfg.drives {
-        let file = DirectFile::open(&d.path, d.size_bytes)
-            .with_context(|| format!("opening drive {}", d.path.display()))?;
-        let file: Arc<dyn converge_engine::BlockFile> = Arc::new(file);
-        let drive = match Drive::probe(file.as_ref())
-            .with_context(|| format!("reading the superblock of {}", d.path.display()))?
-        {
-            None => {
-                let id = DriveIdentity {
-                    cluster,
-                    node: cfg.node_id,
-                    drive: DriveId(rand::random::<u64>() >> 1),
-                    slab_size_bytes: cfg.slab_size_bytes,
-                    role: d.role,
-                    media: d.media,
-                };
-                log::info!(
-                    "formatting new drive {} as {:016x}",
-                    d.path.display(),
-                    id.drive.0
-                );
-                Drive::format(file, id)
-                    .with_context(|| format!("formatting {}", d.path.display()))?
-            }
-            Some(id) => {
-                if id.cluster != cluster {
-                    bail!(
-                        "drive {} belongs to another cluster ({}), not this one ({cluster}); \
-                         it still holds that cluster's data. Use another path, or wipe it \
-                         (e.g. `truncate -s 0`) only if that data is no longer wanted",
-                        d.path.display(),
-                        id.cluster
-                    );
-                }
-                if id.node != cfg.node_id {
-                    bail!(
-                        "drive {} belongs to node {} of this cluster, not to node {}; \
-                         give each node its own drives",
-                        d.path.display(),
-                        id.node,
-                        cfg.node_id
-                    );
-                }
-                Drive::open(file).with_context(|| format!("opening drive {}", d.path.display()))?
-            }
-        };
-        let id = drive.identity().clone();
-        if drives.contains_key(&id.drive) {
-            bail!(
-                "drive {} has the same id as another drive of this node (a copied file?)",
-                d.path.display()
-            );
-        }
-        let cap = drive.capacity();
-        recs.push(DriveRecord {
-            id: id.drive,
-            node: cfg.node_id,
-            path: d.path.display().to_string(),
-            role: id.role,
-            media: id.media,
-            size_bytes: cap.bytes_total,
-            extents_total: cap.extents_total,
-            slab_size_bytes: id.slab_size_bytes,
-            tbw_bytes: d.tbw_bytes,
-            warranty_years: d.warranty_years,
-        });
-        drives.insert(id.drive, Arc::new(drive));
-    }
-    Ok((drives, recs))
-}
-
 async fn run(args: Args) -> Result<()> {
     let cfg = Config::load(&args.config)?;
     let etcd = Etcd::new(cfg.etcd_endpoints.clone()).map_err(|e| anyhow!("{e}"))?;
@@ -164,11 +84,26 @@ async fn run(args: Args) -> Result<()> {
     }
     let mut cfg = cfg;
     cfg.slab_size_bytes = cluster_rec.slab_size_bytes;
-    let (drives, drive_recs) = open_drives(&cfg, cluster_rec.cluster_id)?;
+    let opened = tiering::open_drives(&cfg, cluster_rec.cluster_id)?;
     if args.check {
-        println!("config and {} drives are fine", drives.len());
+        println!(
+            "config and {} drives are fine",
+            opened.tiers.len() + opened.caches.len()
+        );
         return Ok(());
     }
+    let lost = tiering::lost_cache_drives(&cluster, cfg.node_id, &opened).await;
+    if !lost.is_empty() {
+        let limit = Duration::from_secs(cfg.knobs.node_lease_ttl_s * 3 + 60);
+        tiering::fence_out(&cluster, cfg.node_id, &lost, limit).await;
+    }
+    let drive_recs = opened.records.clone();
+    let cache_paths = drive_recs
+        .iter()
+        .filter(|d| opened.caches.contains_key(&d.id))
+        .map(|d| (d.id, d.path.clone()))
+        .collect();
+    let drives = opened.tiers.clone();
 
     // Bind everything before announcing ourselves, so peers never see a node that cannot
     // be reached.
@@ -221,7 +156,9 @@ async fn run(args: Args) -> Result<()> {
         cluster_rec: cluster_rec.clone(),
         lease: Mutex::new(lease),
         drives,
-        volumes: tokio::sync::Mutex::new(HashMap::new()),
+        caches: opened.caches.clone(),
+        cache_paths,
+        volumes: tokio::sync::Mutex::new(Default::default()),
         jobs: repair::Jobs::default(),
         throttle: converge_volume::resync::Throttle::new(cfg.knobs.resync_bytes_per_s),
         scrub_throttle: converge_volume::resync::Throttle::new(cfg.knobs.scrub_bytes_per_s),
@@ -278,21 +215,29 @@ async fn run(args: Args) -> Result<()> {
     let keepalive = tokio::spawn(keep_alive(node.clone()));
     let repairer = tokio::spawn(repair::run(node.clone()));
     let publisher = tokio::spawn(repair::publish(node.clone()));
+    let caches = tokio::spawn(tiering::run(node.clone()));
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let (mut rpc, mut api, mut nbd) = (rpc, api, nbd);
     tokio::select! {
         _ = term.recv() => log::info!("SIGTERM: shutting down"),
         _ = tokio::signal::ctrl_c() => log::info!("SIGINT: shutting down"),
-        r = rpc => bail!("peer RPC server stopped: {r:?}"),
-        r = api => bail!("API server stopped: {r:?}"),
-        r = nbd => bail!("NBD server stopped: {r:?}"),
+        r = &mut rpc => bail!("peer RPC server stopped: {r:?}"),
+        r = &mut api => bail!("API server stopped: {r:?}"),
+        r = &mut nbd => bail!("NBD server stopped: {r:?}"),
     }
     keepalive.abort();
     repairer.abort();
     publisher.abort();
+    caches.abort();
+    nbd.abort();
     if let Some(t) = nbd_tcp {
         t.abort();
     }
+    // No new I/O from here: destage the caches so a removed cache drive costs nothing.
+    rpc.abort();
+    tiering::shutdown(&node, Duration::from_secs(60)).await;
+    api.abort();
     // Every acked write is already durable; leaving the cluster promptly lets others see
     // this node as down now rather than when the lease expires.
     let _ = std::fs::remove_file(&cfg.nbd_socket);

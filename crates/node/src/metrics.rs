@@ -83,7 +83,7 @@ pub async fn render(node: &Node) -> String {
     drives.sort_by_key(|(id, _)| **id);
     for (id, d) in &drives {
         let s = d.stats();
-        let l = format!("node=\"{n}\",drive=\"{:016x}\"", id.0);
+        let l = format!("node=\"{n}\",drive=\"{:016x}\",tier=\"capacity\"", id.0);
         let _ = writeln!(o, "converge_drive_read_ops_total{{{l}}} {}", s.read_ops);
         let _ = writeln!(o, "converge_drive_write_ops_total{{{l}}} {}", s.write_ops);
         let _ = writeln!(o, "converge_drive_read_bytes_total{{{l}}} {}", s.read_bytes);
@@ -129,6 +129,73 @@ pub async fn render(node: &Node) -> String {
         let c = d.capacity();
         let _ = writeln!(o, "converge_drive_extents_total{{{l}}} {}", c.extents_total);
         let _ = writeln!(o, "converge_drive_extents_used{{{l}}} {}", c.extents_used);
+    }
+    let mut caches: Vec<_> = node.caches.iter().collect();
+    caches.sort_by_key(|(id, _)| **id);
+    if !caches.is_empty() {
+        let _ = writeln!(
+            o,
+            "# HELP converge_cache_dirty_bytes Acked writes in a cache drive's log not yet destaged to capacity."
+        );
+        let _ = writeln!(o, "# TYPE converge_cache_dirty_bytes gauge");
+    }
+    for (id, c) in &caches {
+        let s = c.stats();
+        let d = c.drive_stats();
+        let l = format!("node=\"{n}\",drive=\"{:016x}\",tier=\"cache\"", id.0);
+        let _ = writeln!(o, "converge_cache_dirty_bytes{{{l}}} {}", s.dirty_bytes);
+        let _ = writeln!(o, "converge_cache_clean_bytes{{{l}}} {}", s.clean_bytes);
+        let _ = writeln!(o, "converge_cache_used_bytes{{{l}}} {}", s.used_bytes);
+        let _ = writeln!(o, "converge_cache_log_bytes{{{l}}} {}", s.log_bytes);
+        let _ = writeln!(
+            o,
+            "converge_cache_destaged_bytes_total{{{l}}} {}",
+            s.destaged_bytes
+        );
+        let _ = writeln!(
+            o,
+            "converge_cache_read_hit_blocks_total{{{l}}} {}",
+            s.read_hit_blocks
+        );
+        let _ = writeln!(
+            o,
+            "converge_cache_read_miss_blocks_total{{{l}}} {}",
+            s.read_miss_blocks
+        );
+        let _ = writeln!(
+            o,
+            "converge_cache_admitted_blocks_total{{{l}}} {}",
+            s.admitted_blocks
+        );
+        let _ = writeln!(
+            o,
+            "converge_cache_evicted_blocks_total{{{l}}} {}",
+            s.evicted_blocks
+        );
+        let _ = writeln!(
+            o,
+            "converge_cache_write_stalls_total{{{l}}} {}",
+            s.write_stalls
+        );
+        let _ = writeln!(
+            o,
+            "converge_cache_failed{{{l}}} {}",
+            u8::from(s.failed.is_some())
+        );
+        let mode = s.mode.map(|m| m.to_string()).unwrap_or_default();
+        let _ = writeln!(o, "converge_cache_mode{{{l},mode=\"{mode}\"}} 1");
+        let _ = writeln!(
+            o,
+            "converge_drive_written_bytes_total{{{l}}} {}",
+            d.write_bytes
+        );
+        let _ = writeln!(
+            o,
+            "converge_drive_data_written_bytes_total{{{l}}} {}",
+            d.data_write_bytes
+        );
+        let _ = writeln!(o, "converge_drive_read_bytes_total{{{l}}} {}", d.read_bytes);
+        let _ = writeln!(o, "converge_drive_flushes_total{{{l}}} {}", d.flushes);
     }
     let vols = node.volumes.lock().await;
     let mut names: Vec<&String> = vols.keys().collect();

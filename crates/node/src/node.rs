@@ -8,7 +8,7 @@ use converge_control::model::{
     Cluster, ClusterRecord, DriveRecord, NodeRecord, SlabRecord, VolumeRecord,
 };
 use converge_control::placement::{self, DriveLoad};
-use converge_engine::{Drive, EngineError};
+use converge_engine::{Cache, EngineError, Tier};
 use converge_rpc::Handler;
 use converge_rpc::{ErrorCode, Request, Response};
 use converge_rpc::{Hello, RpcClient, RpcError};
@@ -31,7 +31,11 @@ pub struct Node {
     pub cluster: Cluster,
     pub cluster_rec: ClusterRecord,
     pub lease: Mutex<LeaseId>,
-    pub drives: HashMap<DriveId, Arc<Drive>>,
+    /// Capacity drives (with their cache, if bound).
+    pub drives: HashMap<DriveId, Arc<Tier>>,
+    /// Cache drives, and their paths (for status).
+    pub caches: HashMap<DriveId, Arc<Cache>>,
+    pub cache_paths: HashMap<DriveId, String>,
     pub replicas: Arc<Replicas>,
     pub allocator: Arc<Allocator>,
     /// Volumes this node owns and serves, by name.
@@ -305,11 +309,11 @@ async fn blocking<T: Send + 'static>(
 
 /// Local engine operations, shared by the owner's local path and the RPC handler.
 pub struct LocalDrives {
-    pub drives: HashMap<DriveId, Arc<Drive>>,
+    pub drives: HashMap<DriveId, Arc<Tier>>,
 }
 
 impl LocalDrives {
-    fn drive(&self, id: DriveId) -> Result<Arc<Drive>, EngineError> {
+    fn drive(&self, id: DriveId) -> Result<Arc<Tier>, EngineError> {
         self.drives.get(&id).cloned().ok_or_else(|| {
             EngineError::InvalidArgument(format!("drive {id:016x} is not on this node", id = id.0))
         })
