@@ -1299,6 +1299,21 @@ impl Cache {
         }
     }
 
+    /// One step of background work without the destage thread, for deterministic
+    /// simulation: queued read-cache admissions go into the log, then one chunk of the
+    /// log's tail is reclaimed (destaged/evicted) if anything is logged. Returns the
+    /// bytes destaged.
+    pub fn background_step(&self, pressure: bool) -> Result<u64, EngineError> {
+        self.admit_pending();
+        self.destage_once(pressure)
+    }
+
+    /// Percent of the log in use (a simulation calls [`Cache::background_step`] before a
+    /// write when this is high, as the destage thread would).
+    pub fn used_pct(&self) -> u64 {
+        lock(&self.st).used * 100 / self.log_len.max(1)
+    }
+
     /// Moves read-cache admissions queued by readers into the log (never waits for room).
     fn admit_pending(&self) {
         let (recs, data) = {
