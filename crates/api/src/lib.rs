@@ -3,11 +3,10 @@
 //! `{"error": "..."}` with a 4xx/5xx status.
 
 use converge_types::{
-    CacheMode, ClusterId, DriveId, DriveRole, ExtentState, MediaType, NodeId, Resiliency,
-    VolumeId,
+    CacheMode, ClusterId, DriveId, DriveRole, ExtentState, MediaType, NodeId, Resiliency, VolumeId,
 };
-use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 pub mod fleet;
 pub mod lab;
