@@ -3,6 +3,7 @@
 //! Cluster commands talk to any node's HTTP API (`--api` or `CONVERGE_API`; inside a lab
 //! directory the lab's first node is used). Human tables by default, `--json` everywhere.
 
+mod cache;
 mod fleet;
 mod http;
 mod lab;
@@ -13,7 +14,7 @@ mod table;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use converge_api::{CreateVolume, DriveInfo, NodeInfo, ResizeVolume, Status, VolumeInfo};
-use converge_types::{format_size, parse_size, Resiliency};
+use converge_types::{format_size, parse_size, DriveRole, Resiliency};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,6 +60,10 @@ enum Cmd {
     /// Cluster-wide settings (override the nodes' [knobs]).
     #[command(subcommand)]
     Cluster(ClusterCmd),
+    /// The cache tier: cache drives bound to the capacity drives of their node, in mode
+    /// none, write (default for flash capacity) or read-write (default for HDD).
+    #[command(subcommand)]
+    Cache(cache::CacheCmd),
     /// A whole cluster on this machine: etcd plus N converged on 127.0.0.x (or each in
     /// its own network namespace), with faults to rehearse failures.
     #[command(subcommand)]
@@ -406,6 +411,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", drives_table(&v));
         }
         Cmd::Volume(v) => run_volume(&cli, v)?,
+        Cmd::Cache(c) => cache::run(c, cli.json, &api_base(&cli)?)?,
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
         Cmd::Cluster(c) => {
             let base = api_base(&cli)?;
@@ -428,6 +434,9 @@ fn run(cli: Cli) -> Result<()> {
             match v.repair_delay_s {
                 Some(s) => println!("repair delay  {s} s (cluster setting)"),
                 None => println!("repair delay  each node's repair_delay_s knob (default 600 s)"),
+            }
+            for l in cache::settings_lines(&v) {
+                println!("{l}");
             }
         }
     }
@@ -853,6 +862,7 @@ fn drives_table(v: &[DriveInfo]) -> String {
         "MEDIA",
         "SIZE",
         "SLABS USED",
+        "CACHE",
         "PATH",
     ]);
     for d in v {
@@ -862,7 +872,16 @@ fn drives_table(v: &[DriveInfo]) -> String {
             format!("{:?}", d.role).to_lowercase(),
             format!("{:?}", d.media).to_lowercase(),
             format_size(d.size_bytes),
-            format!("{}/{}", d.extents_used, d.extents_total),
+            if d.role == DriveRole::Cache {
+                "-".into()
+            } else {
+                format!("{}/{}", d.extents_used, d.extents_total)
+            },
+            match (d.role, d.cache) {
+                (DriveRole::Cache, _) => "cache".into(),
+                (_, Some(c)) => cache::short_id(c),
+                (_, None) => "-".into(),
+            },
             d.path.clone(),
         ]);
     }
@@ -907,6 +926,9 @@ fn print_status(s: &Status) {
     println!("\nNODES\n{}", nodes_table(&s.nodes));
     println!("DRIVES\n{}", drives_table(&s.drives));
     println!("VOLUMES\n{}", volumes_table(&s.volumes));
+    if !s.caches.is_empty() {
+        println!("CACHES\n{}", cache::status_table(&s.caches));
+    }
     if !s.jobs.is_empty() {
         println!("JOBS\n{}", jobs_table(&s.jobs));
     }
@@ -1020,4 +1042,50 @@ fn jobs_table(v: &[converge_api::JobInfo]) -> String {
         ]);
     }
     t.render()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_types::{DriveId, MediaType, NodeId};
+
+    fn drive(id: u64, role: DriveRole, cache: Option<u64>) -> DriveInfo {
+        DriveInfo {
+            id: DriveId(id),
+            node: NodeId(1),
+            path: format!("/lab/d{id}.img"),
+            role,
+            media: MediaType::Ssd,
+            size_bytes: 2 << 30,
+            extents_total: if role == DriveRole::Cache { 0 } else { 7 },
+            extents_used: 1,
+            slab_size_bytes: 256 << 20,
+            failed: None,
+            cache: cache.map(DriveId),
+        }
+    }
+
+    #[test]
+    fn drive_list_shows_the_bound_cache() {
+        let out = drives_table(&[
+            drive(1, DriveRole::Capacity, Some(0xabcd_ef01_2345_6789)),
+            drive(2, DriveRole::Capacity, None),
+            drive(0xabcd_ef01_2345_6789, DriveRole::Cache, None),
+        ]);
+        let lines: Vec<&str> = out.lines().collect();
+        // The cell of a column starts where its header does (the table aligns them).
+        let cell = |l: &str, h: &str| -> String {
+            let at = lines[0].find(h).expect("column");
+            l[at..].split_whitespace().next().unwrap_or("").to_string()
+        };
+        assert_eq!(cell(lines[1], "CACHE"), "abcdef01");
+        assert_eq!(cell(lines[2], "CACHE"), "-");
+        assert_eq!(cell(lines[3], "CACHE"), "cache");
+        assert_eq!(cell(lines[1], "SLABS USED"), "1/7");
+        assert_eq!(
+            cell(lines[3], "SLABS USED"),
+            "-",
+            "no slabs on a cache drive"
+        );
+    }
 }
