@@ -214,6 +214,26 @@ enum LabCmd {
         /// Put drive files in RAM (/dev/shm) instead of the lab directory.
         #[arg(long)]
         ram: bool,
+        /// Media the nodes are told their capacity drives are (default: ssd, or ram with
+        /// --ram). It picks the default cache mode: read-write for hdd, write otherwise.
+        #[arg(long, value_parser = ["ssd", "hdd", "nvme"])]
+        capacity_media: Option<String>,
+        /// Cache drives per node (0 to 8; default 0: no cache tier). Each node binds its
+        /// capacity drives to them; see `converge cache --help` for the modes.
+        #[arg(long, default_value_t = 0)]
+        cache_drives: u32,
+        /// Size of each cache drive file, at least 64M (default 1G).
+        #[arg(long)]
+        cache_size: Option<String>,
+        /// Put the cache drive files in RAM (/dev/shm/converge-lab-HASH/nodeN/cacheM.img),
+        /// as a fast cache in front of disk-backed capacity drives; media ram unless
+        /// --cache-media says otherwise. `lab down --purge` frees them.
+        #[arg(long)]
+        cache_in_ram: bool,
+        /// Media the nodes are told their cache drives are (default: nvme, or ram with
+        /// --cache-in-ram).
+        #[arg(long, value_parser = ["nvme", "ssd", "ram"])]
+        cache_media: Option<String>,
         /// Slab size of the pool (unit of placement).
         #[arg(long, default_value = "256M")]
         slab_size: String,
@@ -587,6 +607,11 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             drives_per_node,
             drive_size,
             ram,
+            capacity_media,
+            cache_drives,
+            cache_size,
+            cache_in_ram,
+            cache_media,
             slab_size,
             timeout,
             repair_delay,
@@ -599,6 +624,14 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 drives_per_node: *drives_per_node,
                 drive_size: parse_size(drive_size)?,
                 ram: *ram,
+                capacity_media: capacity_media.clone(),
+                cache_drives: *cache_drives,
+                cache_size: cache_size
+                    .as_deref()
+                    .map(|s| parse_size(s).map_err(|e| anyhow::anyhow!("--cache-size: {e}")))
+                    .transpose()?,
+                cache_in_ram: *cache_in_ram,
+                cache_media: cache_media.clone(),
                 slab_size: parse_size(slab_size)?,
                 timeout: Duration::from_secs(*timeout),
                 netns: *netns,
@@ -613,6 +646,26 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 lab.etcd_endpoint,
                 lab.nodes.len()
             );
+            if let Some(d) = &lab.drives {
+                println!("drives per node: {d}");
+            }
+            for n in lab
+                .nodes
+                .iter()
+                .filter(|n| !n.cache_drives.is_empty())
+                .take(1)
+            {
+                println!(
+                    "cache drives: {} on node{} (likewise on every node); `converge cache \
+                     status` shows them",
+                    n.cache_drives
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    n.id
+                );
+            }
             if let Some(net) = &lab.net {
                 println!(
                     "network: bridge {} ({}/24), one namespace per node ({} ...)",
@@ -639,6 +692,13 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 }
                 if !r.removed.is_empty() {
                     println!("removed {}", r.removed.join(", "));
+                }
+                if let Some(d) = &r.ram_kept {
+                    println!(
+                        "the drive files in RAM stay in {} with the lab's data (cache drives may \
+                         hold writes not yet destaged); `converge lab down --purge` frees them",
+                        d.display()
+                    );
                 }
             }
             if !r.left.is_empty() {
@@ -700,6 +760,12 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 ]);
             }
             print!("{}", t.render());
+            if let Some(d) = &l.drives {
+                println!("drives per node: {d}");
+            }
+            if let Some(r) = &l.ram_dir {
+                println!("drive files in RAM: {}", r.display());
+            }
         }
     }
     Ok(())
@@ -1087,5 +1153,54 @@ mod tests {
             "-",
             "no slabs on a cache drive"
         );
+    }
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+
+    fn up(args: &[&str]) -> Result<LabCmd, clap::Error> {
+        let mut v = vec!["converge", "lab", "up"];
+        v.extend_from_slice(args);
+        Cli::try_parse_from(v).map(|c| match c.cmd {
+            Cmd::Lab(l) => l,
+            _ => panic!("not a lab command"),
+        })
+    }
+
+    #[test]
+    fn lab_up_cache_flags() {
+        match up(&[
+            "--cache-drives",
+            "2",
+            "--cache-size",
+            "512M",
+            "--cache-in-ram",
+        ])
+        .unwrap()
+        {
+            LabCmd::Up {
+                cache_drives,
+                cache_size,
+                cache_in_ram,
+                cache_media,
+                capacity_media,
+                ..
+            } => {
+                assert_eq!(cache_drives, 2);
+                assert_eq!(cache_size.as_deref(), Some("512M"));
+                assert!(cache_in_ram);
+                assert_eq!((cache_media, capacity_media), (None, None));
+            }
+            _ => panic!("not lab up"),
+        }
+        assert!(
+            up(&["--cache-media", "hdd"]).is_err(),
+            "hdd is no cache media"
+        );
+        assert!(up(&["--capacity-media", "ram"]).is_err());
+        assert!(up(&["--capacity-media", "hdd", "--cache-media", "nvme"]).is_ok());
+        assert!(up(&["--cache-drives", "-1"]).is_err());
     }
 }
