@@ -222,11 +222,11 @@ async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
 
 async fn drives(node: &Node) -> Result<Vec<DriveInfo>, ApiError> {
     let caches = cache_api::read(node).await?;
-    drives_with(node, &caches.all).await
+    drives_with(node, &caches).await
 }
 
 /// The drives, their bound cache drives filled in from `caches`.
-async fn drives_with(node: &Node, caches: &[CacheInfo]) -> Result<Vec<DriveInfo>, ApiError> {
+async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<DriveInfo>, ApiError> {
     let used = extents_used(&node.cluster)
         .await
         .map_err(ApiError::unavailable)?;
@@ -374,7 +374,7 @@ async fn volume(node: &Node, name: &str) -> Result<VolumeInfo, ApiError> {
 async fn status(node: &Node) -> Result<Status, ApiError> {
     let ns = nodes(node).await?;
     let caches = cache_api::read(node).await?;
-    let ds = drives_with(node, &caches.all).await?;
+    let ds = drives_with(node, &caches).await?;
     let caches = caches.current();
     let vs = volumes(node, false).await?;
     let total: u64 = ds

@@ -83,9 +83,16 @@ pub async fn read(node: &Node) -> Result<Caches, CacheApiError> {
 
 /// Fills `DriveInfo.cache` of capacity drives from the cache drives' bindings, and lists
 /// cache drives that have no drive record (the node may keep them out of the pool's
-/// drive records, which are for placement) from what their node published.
-pub fn annotate_drives(drives: &mut Vec<DriveInfo>, caches: &[CacheInfo]) {
+/// drive records, which are for placement) from what their node published — for nodes
+/// the cluster knows (live, or holding drives), not for leftovers of removed nodes.
+pub fn annotate_drives(drives: &mut Vec<DriveInfo>, caches: &Caches) {
+    let known: BTreeSet<NodeId> = drives
+        .iter()
+        .map(|d| d.node)
+        .chain(caches.live.iter().copied())
+        .collect();
     let bound: BTreeMap<DriveId, DriveId> = caches
+        .all
         .iter()
         .flat_map(|c| c.bound.iter().map(move |cap| (*cap, c.drive)))
         .collect();
@@ -94,8 +101,8 @@ pub fn annotate_drives(drives: &mut Vec<DriveInfo>, caches: &[CacheInfo]) {
             d.cache = bound.get(&d.id).copied();
         }
     }
-    for c in caches {
-        if drives.iter().any(|d| d.id == c.drive) {
+    for c in &caches.all {
+        if !known.contains(&c.node) || drives.iter().any(|d| d.id == c.drive) {
             continue;
         }
         drives.push(DriveInfo {
@@ -328,7 +335,12 @@ mod tests {
             drive(1, 11, "/d2"),
             drive(2, 20, "/d1"),
         ];
-        annotate_drives(&mut ds, &[cache(1, 99, "/c1", &[10, 11])]);
+        let caches = Caches {
+            // Node 9 left the cluster long ago: its entry is a leftover.
+            all: vec![cache(1, 99, "/c1", &[10, 11]), cache(9, 98, "/c1", &[])],
+            live: [NodeId(1), NodeId(2)].into_iter().collect(),
+        };
+        annotate_drives(&mut ds, &caches);
         let by: BTreeMap<u64, Option<DriveId>> = ds.iter().map(|d| (d.id.0, d.cache)).collect();
         assert_eq!(by[&10], Some(DriveId(99)));
         assert_eq!(by[&11], Some(DriveId(99)));
@@ -341,10 +353,23 @@ mod tests {
         assert_eq!(c.extents_total, 0, "a cache drive offers no slabs");
         // Sorted by node then path, the cache drive first on node 1.
         assert_eq!(ds[0].id, DriveId(99));
+        assert!(
+            !ds.iter().any(|d| d.id == DriveId(98)),
+            "no ghost of node 9"
+        );
         // A cache drive with a drive record is not listed twice.
         let before = ds.len();
-        annotate_drives(&mut ds, &[cache(1, 99, "/c1", &[10, 11])]);
+        annotate_drives(&mut ds, &caches);
         assert_eq!(ds.len(), before);
+        // A down node still holding drives keeps its cache drive listed and bound.
+        let mut ds = vec![drive(3, 30, "/d1")];
+        let down = Caches {
+            all: vec![cache(3, 97, "/c1", &[30])],
+            live: BTreeSet::new(),
+        };
+        annotate_drives(&mut ds, &down);
+        assert_eq!(ds.len(), 2);
+        assert_eq!(ds[1].cache, Some(DriveId(97)));
     }
 
     #[test]
