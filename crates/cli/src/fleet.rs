@@ -11,7 +11,7 @@ use clap::{Args, Subcommand};
 use converge_api::fleet::{
     FleetNode, FleetSample, WorkerKind, WorkerSpec, WorkerState, WorkerStatus,
 };
-use converge_api::{CreateVolume, Status};
+use converge_api::{CacheInfo, CreateVolume, SetCacheMode, Status};
 use converge_fleet::compare;
 use converge_fleet::endurance;
 use converge_fleet::fio;
@@ -21,8 +21,9 @@ use converge_fleet::model::{ClusterConfig, DriveConfig, NodeConfig, FORMAT_VERSI
 use converge_fleet::profile::{self, Overrides, Point, Profile, Settings};
 use converge_fleet::report;
 use converge_fleet::{PointRecord, RunConfig, RunStatus, RunSummary};
-use converge_types::{format_size, parse_size, NodeId, Resiliency};
+use converge_types::{format_size, parse_size, CacheMode, NodeId, Resiliency};
 use serde_json::Value;
+use std::collections::BTreeMap;
 use std::io::Write as _;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -34,6 +35,8 @@ const POLL: Duration = Duration::from_millis(500);
 const END_GRACE: Duration = Duration::from_secs(60);
 /// Volumes of the fleet are named `fleet-n<node>-w<k>`.
 const VOLUME_PREFIX: &str = "fleet-n";
+/// How long every cache drive has to report the mode `--cache-mode` set.
+const CACHE_MODE_WAIT: Duration = Duration::from_secs(30);
 
 #[derive(Subcommand)]
 pub enum FleetCmd {
@@ -129,6 +132,16 @@ pub struct RunArgs {
     /// Warranty years of every drive (default: each drive's own setting, else 5).
     #[arg(long)]
     drive_warranty_years: Option<f64>,
+    /// Run in this cache mode (none, write or read-write): set for the whole pool before
+    /// the run, checked on every cache drive, and the pool's previous setting restored at
+    /// the end (also after Ctrl-C or a failure). Needs cache drives. Default: the modes
+    /// in effect, as they are.
+    #[arg(long, value_parser = parse_cache_mode)]
+    cache_mode: Option<CacheMode>,
+}
+
+fn parse_cache_mode(s: &str) -> Result<CacheMode, String> {
+    s.parse::<CacheMode>().map_err(|e| e.to_string())
 }
 
 // ---------------------------------------------------------------------------- Ctrl-C
@@ -415,6 +428,9 @@ fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
             status.health
         );
     }
+    let cache_settings: converge_api::Settings =
+        http::call(api, "GET", "/v1/settings", None).context("reading the cluster's settings")?;
+    check_cache_mode(a.cache_mode, &status.caches, &cache_settings)?;
     let live: Vec<_> = status.nodes.iter().filter(|n| n.live).collect();
     let worker_ids: Vec<NodeId> = match &a.nodes {
         None => live.iter().map(|n| n.id).collect(),
@@ -573,7 +589,8 @@ fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
             id: status.cluster.id.to_string(),
             slab_size_bytes: status.cluster.slab_size_bytes,
             health: status.health.clone(),
-            cache_mode: "none (no cache tier yet)".into(),
+            // Stated again once --cache-mode is in effect (see run_fleet).
+            cache_mode: describe_caches(&status.caches, &drives),
         },
         nodes: nodes
             .iter()
@@ -599,6 +616,190 @@ fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
         nodes,
         config,
     })
+}
+
+// ---------------------------------------------------------------------------- cache mode
+
+/// `--cache-mode` is refused before anything starts when it cannot take effect: no cache
+/// drives, or nodes whose own mode overrides the pool's.
+fn check_cache_mode(
+    want: Option<CacheMode>,
+    caches: &[CacheInfo],
+    settings: &converge_api::Settings,
+) -> Result<()> {
+    let Some(want) = want else { return Ok(()) };
+    if caches.is_empty() {
+        bail!(
+            "--cache-mode needs cache drives (converge lab up --cache-drives N), and this \
+             cluster has none"
+        );
+    }
+    if !settings.node_cache_modes.is_empty() {
+        let nodes: Vec<String> = settings
+            .node_cache_modes
+            .iter()
+            .map(|(n, m)| format!("node {n} ({m})"))
+            .collect();
+        bail!(
+            "--cache-mode {want} sets the pool's mode, but {} ha{} a mode of its own, which \
+             wins: clear it with `converge cache mode auto --node N` first",
+            nodes.join(", "),
+            if nodes.len() == 1 { "s" } else { "ve" }
+        );
+    }
+    Ok(())
+}
+
+/// The cache tier as the report states it: the modes in effect, how many cache drives,
+/// their size and how capacity drives are bound to them.
+fn describe_caches(caches: &[CacheInfo], drives: &[DriveConfig]) -> String {
+    if caches.is_empty() {
+        return "none (no cache drives)".into();
+    }
+    let mut by_mode: BTreeMap<String, Vec<NodeId>> = BTreeMap::new();
+    for c in caches {
+        let nodes = by_mode.entry(c.mode.to_string()).or_default();
+        if !nodes.contains(&c.node) {
+            nodes.push(c.node);
+        }
+    }
+    let modes = if by_mode.len() == 1 {
+        by_mode.keys().next().cloned().unwrap_or_default()
+    } else {
+        let parts: Vec<String> = by_mode
+            .iter()
+            .map(|(m, ns)| {
+                let ids: Vec<String> = ns.iter().map(|n| n.to_string()).collect();
+                format!(
+                    "{m} on node{} {}",
+                    if ids.len() == 1 { "" } else { "s" },
+                    ids.join(", ")
+                )
+            })
+            .collect();
+        format!("mixed: {}", parts.join("; "))
+    };
+    let size_of = |c: &CacheInfo| -> u64 {
+        drives
+            .iter()
+            .find(|d| d.id == c.drive)
+            .map_or(c.log_bytes, |d| d.size_bytes)
+    };
+    let (lo, hi) = caches
+        .iter()
+        .map(size_of)
+        .fold((u64::MAX, 0), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    let size = if lo == hi {
+        format!("{} each", format_size(lo))
+    } else {
+        format!("{} to {}", format_size(lo), format_size(hi))
+    };
+    let (blo, bhi) = caches
+        .iter()
+        .map(|c| c.bound.len())
+        .fold((usize::MAX, 0), |(lo, hi), x| (lo.min(x), hi.max(x)));
+    let bound = if blo == bhi {
+        format!("bound 1:{blo}")
+    } else {
+        format!("bound 1:{blo} to 1:{bhi}")
+    };
+    let failed = caches.iter().filter(|c| c.failed.is_some()).count();
+    format!(
+        "{modes} ({} cache drive{}, {size}, {bound}{})",
+        caches.len(),
+        if caches.len() == 1 { "" } else { "s" },
+        if failed > 0 {
+            format!(", {failed} failed")
+        } else {
+            String::new()
+        }
+    )
+}
+
+fn caches_now(api: &str) -> Result<Vec<CacheInfo>> {
+    http::call(api, "GET", "/v1/caches", None).context("reading the cache drives")
+}
+
+fn set_pool_cache_mode(api: &str, mode: Option<CacheMode>) -> Result<()> {
+    let body = serde_json::to_value(SetCacheMode { mode, node: None })?;
+    let _: converge_api::Settings = http::call(api, "POST", "/v1/cache/mode", Some(&body))?;
+    Ok(())
+}
+
+/// The pool's cache mode as it was before `--cache-mode`, put back on every way out of
+/// the run (also when dropped on an early return).
+struct CacheModeGuard<'a> {
+    api: &'a str,
+    prev: Option<CacheMode>,
+    armed: bool,
+}
+
+impl CacheModeGuard<'_> {
+    /// Restores the pool's setting; says what it did, or why it could not.
+    fn restore(&mut self) -> Option<String> {
+        if !std::mem::take(&mut self.armed) {
+            return None;
+        }
+        let what = self
+            .prev
+            .map_or("auto (no pool setting)".to_string(), |m| m.to_string());
+        Some(match set_pool_cache_mode(self.api, self.prev) {
+            Ok(()) => format!("pool cache mode restored to {what}"),
+            Err(e) => format!(
+                "warning: could not restore the pool cache mode to {what}: {e:#} (set it with \
+                 `converge cache mode {}`)",
+                self.prev.map_or("auto".to_string(), |m| m.to_string())
+            ),
+        })
+    }
+}
+
+impl Drop for CacheModeGuard<'_> {
+    fn drop(&mut self) {
+        if let Some(msg) = self.restore() {
+            eprintln!("{msg}");
+        }
+    }
+}
+
+/// Sets the pool's cache mode and waits until every cache drive reports it.
+fn apply_cache_mode<'a>(
+    api: &'a str,
+    want: CacheMode,
+    progress: &mut Progress,
+) -> Result<(CacheModeGuard<'a>, Vec<CacheInfo>)> {
+    let settings: converge_api::Settings = http::call(api, "GET", "/v1/settings", None)?;
+    set_pool_cache_mode(api, Some(want)).context("setting the pool's cache mode")?;
+    let guard = CacheModeGuard {
+        api,
+        prev: settings.cache_mode,
+        armed: true,
+    };
+    let deadline = Instant::now() + CACHE_MODE_WAIT;
+    loop {
+        let caches = caches_now(api)?;
+        let behind: Vec<String> = caches
+            .iter()
+            .filter(|c| c.mode != want)
+            .map(|c| format!("{} on node {} ({})", c.path, c.node, c.mode))
+            .collect();
+        if behind.is_empty() && !caches.is_empty() {
+            return Ok((guard, caches));
+        }
+        progress.status(&format!(
+            "cache mode {want}: waiting for {} cache drive(s)",
+            behind.len()
+        ));
+        if Instant::now() > deadline {
+            bail!(
+                "cache mode {want} was set but after {} s these cache drives still run \
+                 another mode: {} (see `converge cache status` and the nodes' logs)",
+                CACHE_MODE_WAIT.as_secs(),
+                behind.join(", ")
+            );
+        }
+        sleep_until(Instant::now() + POLL)?;
+    }
 }
 
 /// What the run has started on the cluster, so it can be undone on every way out.
@@ -702,12 +903,27 @@ fn run_fleet(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         settings,
         points,
         nodes,
-        config,
+        mut config,
     } = plan(a, api)?;
     std::fs::create_dir_all(a.out.join("raw"))
         .with_context(|| format!("creating {}", a.out.display()))?;
     install_signal_handlers();
     let mut progress = Progress::new();
+    let mut cache_guard = None;
+    let mut notes = Vec::new();
+    if let Some(want) = a.cache_mode {
+        let (guard, caches) = apply_cache_mode(api, want, &mut progress)?;
+        config.cluster.cache_mode = describe_caches(&caches, &config.drives);
+        notes.push(format!(
+            "cache mode {want} set for the run (--cache-mode); the pool's setting before it \
+             was {}",
+            guard
+                .prev
+                .map_or("auto (no pool setting)".to_string(), |m| m.to_string())
+        ));
+        progress.line(&format!("cache: {}", config.cluster.cache_mode));
+        cache_guard = Some(guard);
+    }
     let total = points.len() * settings.repeat as usize;
     progress.line(&format!(
         "fleet {}: {} points x {} repeat{} on {} nodes ({} workers), {} of {} per worker; \
@@ -729,7 +945,7 @@ fn run_fleet(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         wall_s: 0.0,
         points_planned: points.len(),
         points: Vec::new(),
-        notes: Vec::new(),
+        notes,
     };
     let mut session = Session {
         api,
@@ -749,6 +965,9 @@ fn run_fleet(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         total,
     );
     session.cleanup(&mut progress);
+    if let Some(msg) = cache_guard.as_mut().and_then(|g| g.restore()) {
+        progress.line(&msg);
+    }
     summary.wall_s = t0.elapsed().as_secs_f64();
     summary.status = match &result {
         Ok(()) => RunStatus::Complete,
@@ -1224,5 +1443,111 @@ mod tests {
     #[test]
     fn volume_names() {
         assert_eq!(volume_name(NodeId(3), 2), "fleet-n3-w2");
+    }
+
+    fn cache(node: u32, drive: u64, mode: CacheMode, bound: usize) -> CacheInfo {
+        CacheInfo {
+            node: NodeId(node),
+            drive: converge_types::DriveId(drive),
+            path: format!("/lab/node{node}/cache1.img"),
+            media: converge_types::MediaType::Ram,
+            mode,
+            bound: (0..bound as u64)
+                .map(|i| converge_types::DriveId(1000 + i))
+                .collect(),
+            log_bytes: 250 << 20,
+            used_bytes: 0,
+            dirty_bytes: 0,
+            clean_bytes: 0,
+            destage_bytes_per_s: 0.0,
+            read_hit_ratio: None,
+            failed: None,
+        }
+    }
+
+    #[test]
+    fn cache_mode_refused_without_cache_drives() {
+        let none = converge_api::Settings::default();
+        let e = check_cache_mode(Some(CacheMode::Write), &[], &none)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--cache-mode needs cache drives (converge lab up --cache-drives N)"),
+            "{e}"
+        );
+        // Without the flag a cluster without caches runs as before.
+        check_cache_mode(None, &[], &none).unwrap();
+        check_cache_mode(
+            Some(CacheMode::None),
+            &[cache(1, 1, CacheMode::Write, 1)],
+            &none,
+        )
+        .unwrap();
+    }
+
+    #[test]
+    fn cache_mode_refused_when_a_node_overrides_it() {
+        let s = converge_api::Settings {
+            node_cache_modes: [(NodeId(2), CacheMode::ReadWrite)].into_iter().collect(),
+            ..Default::default()
+        };
+        let e = check_cache_mode(
+            Some(CacheMode::Write),
+            &[cache(2, 1, CacheMode::ReadWrite, 1)],
+            &s,
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("node 2 (read-write)") && e.contains("cache mode auto --node N"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn cache_flag_parses_modes_only() {
+        assert_eq!(parse_cache_mode("read-write"), Ok(CacheMode::ReadWrite));
+        assert!(
+            parse_cache_mode("auto").is_err(),
+            "a run needs a definite mode"
+        );
+    }
+
+    #[test]
+    fn report_states_the_cache_tier() {
+        assert_eq!(describe_caches(&[], &[]), "none (no cache drives)");
+        let four: Vec<CacheInfo> = (1..=4)
+            .map(|n| cache(n, n as u64, CacheMode::Write, 1))
+            .collect();
+        let sized: Vec<DriveConfig> = four
+            .iter()
+            .map(|c| DriveConfig {
+                id: c.drive,
+                node: c.node.0,
+                path: c.path.clone(),
+                role: converge_types::DriveRole::Cache,
+                media: c.media,
+                size_bytes: 256 << 20,
+                rating: None,
+            })
+            .collect();
+        assert_eq!(
+            describe_caches(&four, &sized),
+            "write (4 cache drives, 256 MiB each, bound 1:1)"
+        );
+        // Without the drives' sizes: their logs'.
+        assert_eq!(
+            describe_caches(&four[..1], &[]),
+            "write (1 cache drive, 250 MiB each, bound 1:1)"
+        );
+        let mut mixed = four.clone();
+        mixed[1].mode = CacheMode::ReadWrite;
+        mixed[1].bound.push(converge_types::DriveId(7));
+        mixed[3].failed = Some("gone".into());
+        assert_eq!(
+            describe_caches(&mixed, &[]),
+            "mixed: read-write on node 2; write on nodes 1, 3, 4 (4 cache drives, 250 MiB \
+             each, bound 1:1 to 1:2, 1 failed)"
+        );
     }
 }

@@ -8,6 +8,8 @@ use std::net::{TcpStream, ToSocketAddrs};
 use std::time::Duration;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long an answer may take by default; long operations pass their own.
+const READ_TIMEOUT: Duration = Duration::from_secs(120);
 
 pub struct Response {
     pub status: u16,
@@ -16,6 +18,18 @@ pub struct Response {
 
 /// `base` is like `http://127.0.0.2:7200`.
 pub fn request(base: &str, method: &str, path: &str, body: Option<&[u8]>) -> Result<Response> {
+    request_timeout(base, method, path, body, READ_TIMEOUT)
+}
+
+/// [`request`] waiting up to `read_timeout` for the answer (e.g. a cache flush, which
+/// answers when the node's caches are drained).
+pub fn request_timeout(
+    base: &str,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    read_timeout: Duration,
+) -> Result<Response> {
     let hostport = base
         .strip_prefix("http://")
         .ok_or_else(|| anyhow!("API address {base:?} must start with http://"))?
@@ -26,7 +40,7 @@ pub fn request(base: &str, method: &str, path: &str, body: Option<&[u8]>) -> Res
     // A bounded connect: a node cut off the network (a lab partition) must fail in
     // seconds, not after the kernel's SYN retries.
     let mut s = connect(hostport).with_context(unreachable)?;
-    s.set_read_timeout(Some(Duration::from_secs(120)))?;
+    s.set_read_timeout(Some(read_timeout))?;
     let body = body.unwrap_or(&[]);
     let head = format!(
         "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
@@ -110,8 +124,19 @@ pub fn call<T: serde::de::DeserializeOwned>(
     path: &str,
     body: Option<&serde_json::Value>,
 ) -> Result<T> {
+    call_timeout(base, method, path, body, READ_TIMEOUT)
+}
+
+/// [`call`] waiting up to `read_timeout` for the answer.
+pub fn call_timeout<T: serde::de::DeserializeOwned>(
+    base: &str,
+    method: &str,
+    path: &str,
+    body: Option<&serde_json::Value>,
+    read_timeout: Duration,
+) -> Result<T> {
     let bytes = body.map(serde_json::to_vec).transpose()?;
-    let r = request(base, method, path, bytes.as_deref())?;
+    let r = request_timeout(base, method, path, bytes.as_deref(), read_timeout)?;
     if !(200..300).contains(&r.status) {
         let msg = serde_json::from_slice::<converge_api::ErrorBody>(&r.body)
             .map(|e| e.error)

@@ -41,7 +41,47 @@ pub struct LabNode {
     pub rpc: String,
     pub nbd_socket: PathBuf,
     pub drives: Vec<PathBuf>,
+    /// Cache drive files (`--cache-drives`), in RAM with `--cache-in-ram`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub cache_drives: Vec<PathBuf>,
     pub proc: LabProc,
+}
+
+/// The drives every node of a lab got, as `lab up` was asked for them.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LabDrives {
+    pub capacity_per_node: u32,
+    pub capacity_size_bytes: u64,
+    pub capacity_media: String,
+    pub cache_per_node: u32,
+    pub cache_size_bytes: u64,
+    pub cache_media: String,
+    pub cache_in_ram: bool,
+}
+
+impl std::fmt::Display for LabDrives {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "{} capacity drive{} of {} ({})",
+            self.capacity_per_node,
+            if self.capacity_per_node == 1 { "" } else { "s" },
+            converge_types::format_size(self.capacity_size_bytes),
+            self.capacity_media
+        )?;
+        if self.cache_per_node == 0 {
+            return f.write_str(", no cache drive");
+        }
+        write!(
+            f,
+            ", {} cache drive{} of {} ({}{})",
+            self.cache_per_node,
+            if self.cache_per_node == 1 { "" } else { "s" },
+            converge_types::format_size(self.cache_size_bytes),
+            self.cache_media,
+            if self.cache_in_ram { ", in RAM" } else { "" }
+        )
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -50,8 +90,11 @@ pub struct Lab {
     pub etcd_endpoint: String,
     pub etcd: LabProc,
     pub nodes: Vec<LabNode>,
-    /// Drive files in RAM (`--ram`) live here, outside DIR.
+    /// Drive files in RAM (`--ram`, `--cache-in-ram`) live here, outside DIR.
     pub ram_dir: Option<PathBuf>,
+    /// What drives each node got (absent in labs from before cache drives).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub drives: Option<LabDrives>,
     /// Network namespaces, veths and bridge of a `--netns` lab.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub net: Option<LabNet>,
@@ -63,11 +106,108 @@ pub struct UpOptions {
     pub drives_per_node: u32,
     pub drive_size: u64,
     pub ram: bool,
+    /// Media written into the config for capacity drives (default ssd, ram with --ram).
+    pub capacity_media: Option<String>,
+    /// Cache drives per node (0: no cache tier).
+    pub cache_drives: u32,
+    pub cache_size: Option<u64>,
+    /// Cache drive files in /dev/shm (media ram unless --cache-media says otherwise).
+    pub cache_in_ram: bool,
+    pub cache_media: Option<String>,
     pub slab_size: u64,
     pub timeout: Duration,
     pub repair_delay_s: u64,
     /// Each node in its own network namespace (needed for partitions).
     pub netns: bool,
+}
+
+/// Most cache drives per node the lab makes.
+pub const CACHE_DRIVES_MAX: u32 = 8;
+/// Smallest cache drive the lab makes: room for the log and its superblocks.
+pub const CACHE_SIZE_MIN: u64 = 64 << 20;
+/// Cache drive size when `--cache-drives` is given without `--cache-size`.
+pub const CACHE_SIZE_DEFAULT: u64 = 1 << 30;
+
+impl UpOptions {
+    /// The drives each node gets, with the defaults filled in; refuses flags that do not
+    /// fit together, before anything starts.
+    pub fn lab_drives(&self) -> Result<LabDrives> {
+        let capacity_media = match &self.capacity_media {
+            Some(m) => m.clone(),
+            None if self.ram => "ram".into(),
+            None => "ssd".into(),
+        };
+        if self.cache_drives > CACHE_DRIVES_MAX {
+            bail!(
+                "--cache-drives {}: at most {CACHE_DRIVES_MAX} cache drives per node",
+                self.cache_drives
+            );
+        }
+        if self.cache_drives == 0 {
+            let stray = [
+                (self.cache_size.is_some(), "--cache-size"),
+                (self.cache_in_ram, "--cache-in-ram"),
+                (self.cache_media.is_some(), "--cache-media"),
+            ];
+            if let Some((_, flag)) = stray.iter().find(|(given, _)| *given) {
+                bail!("{flag} needs --cache-drives N (1 to {CACHE_DRIVES_MAX}): the lab has no cache drives without it");
+            }
+        }
+        let cache_size = self.cache_size.unwrap_or(CACHE_SIZE_DEFAULT);
+        if self.cache_drives > 0 {
+            if cache_size < CACHE_SIZE_MIN {
+                bail!(
+                    "--cache-size {} is too small: a cache drive needs at least {}",
+                    converge_types::format_size(cache_size),
+                    converge_types::format_size(CACHE_SIZE_MIN)
+                );
+            }
+            if !cache_size.is_multiple_of(converge_types::BLOCK_SIZE as u64) {
+                bail!(
+                    "--cache-size {cache_size} bytes is not a multiple of {} bytes",
+                    converge_types::BLOCK_SIZE
+                );
+            }
+        }
+        let cache_media = match &self.cache_media {
+            Some(m) => m.clone(),
+            None if self.cache_in_ram => "ram".into(),
+            None => "nvme".into(),
+        };
+        Ok(LabDrives {
+            capacity_per_node: self.drives_per_node,
+            capacity_size_bytes: self.drive_size,
+            capacity_media,
+            cache_per_node: self.cache_drives,
+            cache_size_bytes: if self.cache_drives > 0 { cache_size } else { 0 },
+            cache_media,
+            cache_in_ram: self.cache_in_ram && self.cache_drives > 0,
+        })
+    }
+}
+
+/// Bytes of RAM the lab's drive files in /dev/shm take once written.
+fn ram_needed(d: &LabDrives, nodes: u32, ram: bool) -> u64 {
+    let mut per_node = 0;
+    if ram {
+        per_node += d.capacity_per_node as u64 * d.capacity_size_bytes;
+    }
+    if d.cache_in_ram {
+        per_node += d.cache_per_node as u64 * d.cache_size_bytes;
+    }
+    per_node * nodes as u64
+}
+
+/// Bytes free for unprivileged users on the file system holding `path`.
+fn bytes_available(path: &Path) -> Option<u64> {
+    let c = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statvfs writes into the zeroed struct we own; `c` is a valid C string.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
 pub fn default_dir() -> PathBuf {
@@ -371,10 +511,26 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             converge_types::format_size(o.slab_size)
         );
     }
+    let lab_drives = o.lab_drives()?;
     if o.netns {
         crate::netns::require()?;
     }
     if let Ok(lab) = load(&o.dir) {
+        // Asking for cache drives on an existing lab must not silently give none.
+        if o.cache_drives > 0 && lab.drives.as_ref() != Some(&lab_drives) {
+            bail!(
+                "the lab in {} exists with {}; drives are fixed when a lab is created: \
+                 `converge lab up --dir {}` starts it again as it is, or \
+                 `converge lab down --purge --dir {}` deletes it so it can be made anew",
+                o.dir.display(),
+                lab.drives
+                    .as_ref()
+                    .map_or("no cache drives".to_string(), |d| d.to_string()),
+                o.dir.display(),
+                o.dir.display()
+            );
+        }
+
         if o.netns && lab.net.is_none() {
             bail!(
                 "the lab in {} was started without --netns; bring it down with \
@@ -397,6 +553,27 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     let dir = fs::canonicalize(&o.dir)?;
     let etcd_bin = find_binary("etcd")?;
     let converged = find_binary("converged")?;
+    // Drive files in RAM: refuse before anything starts if /dev/shm cannot hold them.
+    let ram_dir = (o.ram || lab_drives.cache_in_ram).then(|| {
+        PathBuf::from(format!(
+            "/dev/shm/converge-lab-{:x}",
+            crate::netns::fxhash(dir.display().to_string().as_bytes())
+        ))
+    });
+    if ram_dir.is_some() {
+        let need = ram_needed(&lab_drives, o.nodes, o.ram);
+        if let Some(avail) = bytes_available(Path::new("/dev/shm")) {
+            if need > avail {
+                bail!(
+                    "the lab's drive files in RAM need {} but /dev/shm has {} free: use \
+                     smaller or fewer drives, or keep them on disk (without --ram / \
+                     --cache-in-ram)",
+                    converge_types::format_size(need),
+                    converge_types::format_size(avail)
+                );
+            }
+        }
+    }
 
     // With --netns: the bridge, a namespace and a veth pair per node, before anything
     // listens on their addresses.
@@ -457,15 +634,12 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             return Err(e);
         }
     };
-    let ram_dir = if o.ram {
-        let d = PathBuf::from(format!(
-            "/dev/shm/converge-lab-{:x}",
-            crate::netns::fxhash(dir.display().to_string().as_bytes())
-        ));
-        fs::create_dir_all(&d)?;
-        Some(d)
-    } else {
-        None
+    let ram_dir = match &ram_dir {
+        Some(d) => {
+            fs::create_dir_all(d)?;
+            Some(d.clone())
+        }
+        None => None,
     };
     let mut lab = Lab {
         dir: dir.clone(),
@@ -473,6 +647,7 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         etcd,
         nodes: Vec::new(),
         ram_dir: ram_dir.clone(),
+        drives: Some(lab_drives.clone()),
         net: net.clone(),
     };
     save(&lab)?;
@@ -492,16 +667,28 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         };
         let ndir = dir.join(format!("node{id}"));
         fs::create_dir_all(&ndir)?;
-        let ddir = match &ram_dir {
+        let ram_node_dir = match &ram_dir {
             Some(r) => {
                 let d = r.join(format!("node{id}"));
                 fs::create_dir_all(&d)?;
-                d
+                Some(d)
             }
-            None => ndir.clone(),
+            None => None,
+        };
+        let ddir = match (&ram_node_dir, o.ram) {
+            (Some(d), true) => d.clone(),
+            _ => ndir.clone(),
         };
         let drives: Vec<PathBuf> = (1..=o.drives_per_node)
             .map(|j| ddir.join(format!("drive{j}.img")))
+            .collect();
+        // Cache drives sit next to the capacity drives, or in RAM with --cache-in-ram.
+        let cdir = match (&ram_node_dir, lab_drives.cache_in_ram) {
+            (Some(d), true) => d.clone(),
+            _ => ddir.clone(),
+        };
+        let cache_drives: Vec<PathBuf> = (1..=lab_drives.cache_per_node)
+            .map(|j| cdir.join(format!("cache{j}.img")))
             .collect();
         let rpc = format!("{ip}:{}", ports[0]);
         let api = format!("{ip}:{}", ports[1]);
@@ -513,11 +700,19 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             sock.display()
         );
         for d in &drives {
-            toml.push_str(&format!(
-                "\n[[drive]]\npath = \"{}\"\nsize = {}\nrole = \"capacity\"\nmedia = \"{}\"\n",
-                d.display(),
+            toml.push_str(&drive_toml(
+                d,
                 o.drive_size,
-                if o.ram { "ram" } else { "ssd" }
+                "capacity",
+                &lab_drives.capacity_media,
+            ));
+        }
+        for d in &cache_drives {
+            toml.push_str(&drive_toml(
+                d,
+                lab_drives.cache_size_bytes,
+                "cache",
+                &lab_drives.cache_media,
             ));
         }
         // Failure detection tuned for rehearsing failures on one machine: a dead node is
@@ -547,12 +742,21 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             rpc,
             nbd_socket: sock,
             drives,
+            cache_drives,
             proc,
         });
         save(&lab)?;
     }
     wait_healthy(&lab, o.timeout)?;
     Ok(lab)
+}
+
+/// One `[[drive]]` of a node config.
+fn drive_toml(path: &Path, size: u64, role: &str, media: &str) -> String {
+    format!(
+        "\n[[drive]]\npath = \"{}\"\nsize = {size}\nrole = \"{role}\"\nmedia = \"{media}\"\n",
+        path.display()
+    )
 }
 
 fn wait_etcd(lab: &Lab, timeout: Duration) -> Result<()> {
@@ -692,6 +896,9 @@ pub struct DownReport {
     pub removed: Vec<String>,
     /// What could not be removed, and why.
     pub left: Vec<String>,
+    /// Drive files in RAM kept with the data (freed by `lab down --purge`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ram_kept: Option<PathBuf>,
 }
 
 pub fn down(dir: &Path, purge: bool) -> Result<DownReport> {
@@ -720,6 +927,9 @@ pub fn down(dir: &Path, purge: bool) -> Result<DownReport> {
         let (removed, left) = net.teardown();
         report.removed = removed;
         report.left.extend(left);
+    }
+    if !purge {
+        report.ram_kept = lab.ram_dir.clone().filter(|r| r.exists());
     }
     if purge {
         if let Some(r) = &lab.ram_dir {
@@ -820,4 +1030,144 @@ pub fn heal_node(lab: &Lab, id: u32) -> Result<String> {
     }
     net.set_link(id, true)?;
     Ok(net.node(id)?.veth.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn opts() -> UpOptions {
+        UpOptions {
+            dir: PathBuf::from("/nonexistent"),
+            nodes: 4,
+            drives_per_node: 2,
+            drive_size: 2 << 30,
+            ram: false,
+            capacity_media: None,
+            cache_drives: 0,
+            cache_size: None,
+            cache_in_ram: false,
+            cache_media: None,
+            slab_size: 256 << 20,
+            timeout: Duration::from_secs(1),
+            repair_delay_s: 60,
+            netns: false,
+        }
+    }
+
+    #[test]
+    fn no_cache_by_default() {
+        let d = opts().lab_drives().unwrap();
+        assert_eq!(d.cache_per_node, 0);
+        assert_eq!(d.capacity_media, "ssd");
+        assert!(!d.cache_in_ram);
+        assert_eq!(
+            d.to_string(),
+            "2 capacity drives of 2 GiB (ssd), no cache drive"
+        );
+    }
+
+    #[test]
+    fn cache_flags_and_defaults() {
+        let mut o = opts();
+        o.cache_drives = 1;
+        let d = o.lab_drives().unwrap();
+        assert_eq!(
+            (d.cache_size_bytes, d.cache_media.as_str()),
+            (CACHE_SIZE_DEFAULT, "nvme")
+        );
+        o.cache_in_ram = true;
+        o.cache_size = Some(512 << 20);
+        let d = o.lab_drives().unwrap();
+        assert_eq!(d.cache_media, "ram", "in RAM: media ram by default");
+        assert!(d.cache_in_ram);
+        assert_eq!(
+            d.to_string(),
+            "2 capacity drives of 2 GiB (ssd), 1 cache drive of 512 MiB (ram, in RAM)"
+        );
+        o.cache_media = Some("ssd".into());
+        assert_eq!(o.lab_drives().unwrap().cache_media, "ssd");
+        o.capacity_media = Some("hdd".into());
+        assert_eq!(o.lab_drives().unwrap().capacity_media, "hdd");
+        let mut r = opts();
+        r.ram = true;
+        assert_eq!(r.lab_drives().unwrap().capacity_media, "ram");
+    }
+
+    #[test]
+    fn cache_flags_are_validated() {
+        let err = |o: &UpOptions| o.lab_drives().unwrap_err().to_string();
+        let mut o = opts();
+        o.cache_drives = 9;
+        assert!(err(&o).contains("at most 8"), "{}", err(&o));
+        o.cache_drives = 8;
+        o.cache_size = Some(64 << 20);
+        assert!(o.lab_drives().is_ok(), "8 drives of 64 MiB are fine");
+        o.cache_size = Some((64 << 20) - 4096);
+        assert!(err(&o).contains("too small"), "{}", err(&o));
+        o.cache_size = Some((64 << 20) + 1);
+        assert!(err(&o).contains("multiple of 4096"), "{}", err(&o));
+        for (flag, set) in [
+            (
+                "--cache-size",
+                &(|o: &mut UpOptions| o.cache_size = Some(1 << 30)) as &dyn Fn(&mut UpOptions),
+            ),
+            ("--cache-in-ram", &|o: &mut UpOptions| o.cache_in_ram = true),
+            ("--cache-media", &|o: &mut UpOptions| {
+                o.cache_media = Some("ram".into())
+            }),
+        ] {
+            let mut o = opts();
+            set(&mut o);
+            let e = err(&o);
+            assert!(e.starts_with(flag) && e.contains("--cache-drives N"), "{e}");
+        }
+    }
+
+    #[test]
+    fn ram_needed_counts_only_files_in_ram() {
+        let mut o = opts();
+        o.cache_drives = 2;
+        o.cache_size = Some(512 << 20);
+        let d = o.lab_drives().unwrap();
+        assert_eq!(ram_needed(&d, 4, false), 0, "nothing in RAM");
+        o.cache_in_ram = true;
+        let d = o.lab_drives().unwrap();
+        assert_eq!(ram_needed(&d, 4, false), 4 * 2 * (512 << 20));
+        assert_eq!(
+            ram_needed(&d, 4, true),
+            4 * (2 * (512 << 20) + 2 * (2u64 << 30))
+        );
+    }
+
+    #[test]
+    fn cache_drive_config_names_role_and_media() {
+        let t = drive_toml(
+            Path::new("/dev/shm/x/node1/cache1.img"),
+            512 << 20,
+            "cache",
+            "ram",
+        );
+        assert_eq!(
+            t,
+            "\n[[drive]]\npath = \"/dev/shm/x/node1/cache1.img\"\nsize = 536870912\nrole = \"cache\"\nmedia = \"ram\"\n"
+        );
+    }
+
+    #[test]
+    fn old_lab_files_still_load() {
+        let lab: Lab = serde_json::from_value(serde_json::json!({
+            "dir": "/tmp/l", "etcd_endpoint": "http://127.0.0.1:2379",
+            "etcd": {"name": "etcd", "pid": 1, "marker": "x", "log": "/tmp/l/etcd.log",
+                     "addr": "", "argv": []},
+            "nodes": [{"id": 1, "config": "/tmp/l/c", "api": "http://a", "rpc": "r",
+                       "nbd_socket": "/tmp/s", "drives": [],
+                       "proc": {"name": "node1", "pid": 2, "marker": "y", "log": "/tmp/l/n",
+                                "addr": "", "argv": []}}],
+            "ram_dir": null
+        }))
+        .expect("a lab.json from before cache drives");
+        assert!(lab.drives.is_none());
+        assert!(lab.nodes[0].cache_drives.is_empty());
+    }
 }

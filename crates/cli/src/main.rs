@@ -3,6 +3,7 @@
 //! Cluster commands talk to any node's HTTP API (`--api` or `CONVERGE_API`; inside a lab
 //! directory the lab's first node is used). Human tables by default, `--json` everywhere.
 
+mod cache;
 mod fleet;
 mod http;
 mod lab;
@@ -13,7 +14,7 @@ mod table;
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use converge_api::{CreateVolume, DriveInfo, NodeInfo, ResizeVolume, Status, VolumeInfo};
-use converge_types::{format_size, parse_size, Resiliency};
+use converge_types::{format_size, parse_size, DriveRole, Resiliency};
 use serde_json::json;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -59,6 +60,10 @@ enum Cmd {
     /// Cluster-wide settings (override the nodes' [knobs]).
     #[command(subcommand)]
     Cluster(ClusterCmd),
+    /// The cache tier: cache drives bound to the capacity drives of their node, in mode
+    /// none, write (default for flash capacity) or read-write (default for HDD).
+    #[command(subcommand)]
+    Cache(cache::CacheCmd),
     /// A whole cluster on this machine: etcd plus N converged on 127.0.0.x (or each in
     /// its own network namespace), with faults to rehearse failures.
     #[command(subcommand)]
@@ -209,6 +214,26 @@ enum LabCmd {
         /// Put drive files in RAM (/dev/shm) instead of the lab directory.
         #[arg(long)]
         ram: bool,
+        /// Media the nodes are told their capacity drives are (default: ssd, or ram with
+        /// --ram). It picks the default cache mode: read-write for hdd, write otherwise.
+        #[arg(long, value_parser = ["ssd", "hdd", "nvme"])]
+        capacity_media: Option<String>,
+        /// Cache drives per node (0 to 8; default 0: no cache tier). Each node binds its
+        /// capacity drives to them; see `converge cache --help` for the modes.
+        #[arg(long, default_value_t = 0)]
+        cache_drives: u32,
+        /// Size of each cache drive file, at least 64M (default 1G).
+        #[arg(long)]
+        cache_size: Option<String>,
+        /// Put the cache drive files in RAM (/dev/shm/converge-lab-HASH/nodeN/cacheM.img),
+        /// as a fast cache in front of disk-backed capacity drives; media ram unless
+        /// --cache-media says otherwise. `lab down --purge` frees them.
+        #[arg(long)]
+        cache_in_ram: bool,
+        /// Media the nodes are told their cache drives are (default: nvme, or ram with
+        /// --cache-in-ram).
+        #[arg(long, value_parser = ["nvme", "ssd", "ram"])]
+        cache_media: Option<String>,
         /// Slab size of the pool (unit of placement).
         #[arg(long, default_value = "256M")]
         slab_size: String,
@@ -406,6 +431,7 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", drives_table(&v));
         }
         Cmd::Volume(v) => run_volume(&cli, v)?,
+        Cmd::Cache(c) => cache::run(c, cli.json, &api_base(&cli)?)?,
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
         Cmd::Cluster(c) => {
             let base = api_base(&cli)?;
@@ -428,6 +454,9 @@ fn run(cli: Cli) -> Result<()> {
             match v.repair_delay_s {
                 Some(s) => println!("repair delay  {s} s (cluster setting)"),
                 None => println!("repair delay  each node's repair_delay_s knob (default 600 s)"),
+            }
+            for l in cache::settings_lines(&v) {
+                println!("{l}");
             }
         }
     }
@@ -578,6 +607,11 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             drives_per_node,
             drive_size,
             ram,
+            capacity_media,
+            cache_drives,
+            cache_size,
+            cache_in_ram,
+            cache_media,
             slab_size,
             timeout,
             repair_delay,
@@ -590,6 +624,14 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 drives_per_node: *drives_per_node,
                 drive_size: parse_size(drive_size)?,
                 ram: *ram,
+                capacity_media: capacity_media.clone(),
+                cache_drives: *cache_drives,
+                cache_size: cache_size
+                    .as_deref()
+                    .map(|s| parse_size(s).map_err(|e| anyhow::anyhow!("--cache-size: {e}")))
+                    .transpose()?,
+                cache_in_ram: *cache_in_ram,
+                cache_media: cache_media.clone(),
                 slab_size: parse_size(slab_size)?,
                 timeout: Duration::from_secs(*timeout),
                 netns: *netns,
@@ -604,6 +646,26 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 lab.etcd_endpoint,
                 lab.nodes.len()
             );
+            if let Some(d) = &lab.drives {
+                println!("drives per node: {d}");
+            }
+            for n in lab
+                .nodes
+                .iter()
+                .filter(|n| !n.cache_drives.is_empty())
+                .take(1)
+            {
+                println!(
+                    "cache drives: {} on node{} (likewise on every node); `converge cache \
+                     status` shows them",
+                    n.cache_drives
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    n.id
+                );
+            }
             if let Some(net) = &lab.net {
                 println!(
                     "network: bridge {} ({}/24), one namespace per node ({} ...)",
@@ -630,6 +692,13 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 }
                 if !r.removed.is_empty() {
                     println!("removed {}", r.removed.join(", "));
+                }
+                if let Some(d) = &r.ram_kept {
+                    println!(
+                        "the drive files in RAM stay in {} with the lab's data (cache drives may \
+                         hold writes not yet destaged); `converge lab down --purge` frees them",
+                        d.display()
+                    );
                 }
             }
             if !r.left.is_empty() {
@@ -691,6 +760,12 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 ]);
             }
             print!("{}", t.render());
+            if let Some(d) = &l.drives {
+                println!("drives per node: {d}");
+            }
+            if let Some(r) = &l.ram_dir {
+                println!("drive files in RAM: {}", r.display());
+            }
         }
     }
     Ok(())
@@ -853,6 +928,7 @@ fn drives_table(v: &[DriveInfo]) -> String {
         "MEDIA",
         "SIZE",
         "SLABS USED",
+        "CACHE",
         "PATH",
     ]);
     for d in v {
@@ -862,7 +938,16 @@ fn drives_table(v: &[DriveInfo]) -> String {
             format!("{:?}", d.role).to_lowercase(),
             format!("{:?}", d.media).to_lowercase(),
             format_size(d.size_bytes),
-            format!("{}/{}", d.extents_used, d.extents_total),
+            if d.role == DriveRole::Cache {
+                "-".into()
+            } else {
+                format!("{}/{}", d.extents_used, d.extents_total)
+            },
+            match (d.role, d.cache) {
+                (DriveRole::Cache, _) => "cache".into(),
+                (_, Some(c)) => cache::short_id(c),
+                (_, None) => "-".into(),
+            },
             d.path.clone(),
         ]);
     }
@@ -907,6 +992,9 @@ fn print_status(s: &Status) {
     println!("\nNODES\n{}", nodes_table(&s.nodes));
     println!("DRIVES\n{}", drives_table(&s.drives));
     println!("VOLUMES\n{}", volumes_table(&s.volumes));
+    if !s.caches.is_empty() {
+        println!("CACHES\n{}", cache::status_table(&s.caches));
+    }
     if !s.jobs.is_empty() {
         println!("JOBS\n{}", jobs_table(&s.jobs));
     }
@@ -1020,4 +1108,99 @@ fn jobs_table(v: &[converge_api::JobInfo]) -> String {
         ]);
     }
     t.render()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_types::{DriveId, MediaType, NodeId};
+
+    fn drive(id: u64, role: DriveRole, cache: Option<u64>) -> DriveInfo {
+        DriveInfo {
+            id: DriveId(id),
+            node: NodeId(1),
+            path: format!("/lab/d{id}.img"),
+            role,
+            media: MediaType::Ssd,
+            size_bytes: 2 << 30,
+            extents_total: if role == DriveRole::Cache { 0 } else { 7 },
+            extents_used: 1,
+            slab_size_bytes: 256 << 20,
+            failed: None,
+            cache: cache.map(DriveId),
+        }
+    }
+
+    #[test]
+    fn drive_list_shows_the_bound_cache() {
+        let out = drives_table(&[
+            drive(1, DriveRole::Capacity, Some(0xabcd_ef01_2345_6789)),
+            drive(2, DriveRole::Capacity, None),
+            drive(0xabcd_ef01_2345_6789, DriveRole::Cache, None),
+        ]);
+        let lines: Vec<&str> = out.lines().collect();
+        // The cell of a column starts where its header does (the table aligns them).
+        let cell = |l: &str, h: &str| -> String {
+            let at = lines[0].find(h).expect("column");
+            l[at..].split_whitespace().next().unwrap_or("").to_string()
+        };
+        assert_eq!(cell(lines[1], "CACHE"), "abcdef01");
+        assert_eq!(cell(lines[2], "CACHE"), "-");
+        assert_eq!(cell(lines[3], "CACHE"), "cache");
+        assert_eq!(cell(lines[1], "SLABS USED"), "1/7");
+        assert_eq!(
+            cell(lines[3], "SLABS USED"),
+            "-",
+            "no slabs on a cache drive"
+        );
+    }
+}
+
+#[cfg(test)]
+mod parse_tests {
+    use super::*;
+
+    fn up(args: &[&str]) -> Result<LabCmd, clap::Error> {
+        let mut v = vec!["converge", "lab", "up"];
+        v.extend_from_slice(args);
+        Cli::try_parse_from(v).map(|c| match c.cmd {
+            Cmd::Lab(l) => l,
+            _ => panic!("not a lab command"),
+        })
+    }
+
+    #[test]
+    fn lab_up_cache_flags() {
+        match up(&[
+            "--cache-drives",
+            "2",
+            "--cache-size",
+            "512M",
+            "--cache-in-ram",
+        ])
+        .unwrap()
+        {
+            LabCmd::Up {
+                cache_drives,
+                cache_size,
+                cache_in_ram,
+                cache_media,
+                capacity_media,
+                ..
+            } => {
+                assert_eq!(cache_drives, 2);
+                assert_eq!(cache_size.as_deref(), Some("512M"));
+                assert!(cache_in_ram);
+                assert_eq!((cache_media, capacity_media), (None, None));
+            }
+            _ => panic!("not lab up"),
+        }
+        assert!(
+            up(&["--cache-media", "hdd"]).is_err(),
+            "hdd is no cache media"
+        );
+        assert!(up(&["--capacity-media", "ram"]).is_err());
+        assert!(up(&["--capacity-media", "hdd", "--cache-media", "nvme"]).is_ok());
+        assert!(up(&["--cache-drives", "-1"]).is_err());
+    }
 }

@@ -21,7 +21,9 @@ pub struct ClusterConfig {
     pub slab_size_bytes: u64,
     /// Health when the run started.
     pub health: String,
-    /// `none` until converge has a cache tier.
+    /// The cache tier in effect for the run, as `converge fleet run` read it: mode(s),
+    /// cache drives, their size and binding, e.g. `write (4 cache drives, 256 MiB each,
+    /// bound 1:1)`, or `none (no cache drives)`.
     pub cache_mode: String,
 }
 

@@ -781,9 +781,16 @@ fn write_amp(s: &RunSummary) -> Section {
          tier: {}.",
         s.config.settings.resiliency,
         if s.config.drives.iter().any(|d| d.role == DriveRole::Cache) {
-            "cache drives below"
+            format!(
+                "cache drives, bytes written to them per byte the workers wrote, in the last \
+                 column below (cache mode {})",
+                s.config.cluster.cache_mode
+            )
         } else {
-            "none — this cluster has no cache drives (cache mode none)"
+            format!(
+                "none measured — no cache drive is among the run's drives (cache mode {})",
+                s.config.cluster.cache_mode
+            )
         }
     ));
     let wp = write_points(s);
@@ -861,15 +868,42 @@ fn write_amp(s: &RunSummary) -> Section {
         let floor = copies as f64;
         sec.text(format!(
             "Mean over the write points: total {:.2} ({:+.1} % over the {floor:.1} floor), \
-             data only {:.2} ({:+.1} %). The difference is the engine's metadata journal and \
-             checkpoints; with a cache tier the journal will move to the cache drive.",
+             data only {:.2} ({:+.1} %). {}",
             m(&totals),
             100.0 * (m(&totals) - floor) / floor,
             m(&datas),
-            100.0 * (m(&datas) - floor) / floor
+            100.0 * (m(&datas) - floor) / floor,
+            wa_tier_note(s)
         ));
     }
     sec
+}
+
+/// Whether the run's writes went through a cache tier: cache drives in a mode that
+/// absorbs writes (`write`, `read-write`, or a mix of modes).
+fn cache_absorbs_writes(s: &RunSummary) -> bool {
+    let mode = s.config.cluster.cache_mode.as_str();
+    !(mode.is_empty() || mode.starts_with("none"))
+}
+
+/// What the gap between total and data-only capacity WA is, with or without a cache tier.
+fn wa_tier_note(s: &RunSummary) -> String {
+    if cache_absorbs_writes(s) {
+        format!(
+            "With cache drives (cache mode {}), writes are acked once durable in the cache \
+             drive's log and destaged to the capacity drives once, so the capacity tier's WA \
+             sits near the floor; what the cache tier costs is its own WA, shown separately \
+             (last column). Data still in the cache at the end of a window (not yet \
+             destaged) lowers the capacity figure of that point.",
+            s.config.cluster.cache_mode
+        )
+    } else {
+        "The difference is the engine's metadata journal and checkpoints, written to the \
+         capacity drives because no cache drive absorbed the writes; with a cache tier \
+         (cache mode write or read-write), writes are acked from the cache drive's log and \
+         destaged to capacity once, and the cache tier's WA is shown separately."
+            .to_string()
+    }
 }
 
 fn endurance(s: &RunSummary) -> Section {
@@ -1441,6 +1475,26 @@ mod tests {
         );
         assert!(md.contains(crate::table::NOT_MEASURED));
         assert!(headline_text(&s).contains("IOPS"));
+    }
+
+    #[test]
+    fn wa_text_says_what_the_cache_tier_does() {
+        let mut s = summary(vec![100], vec![1]);
+        s.config.cluster.cache_mode = "none (no cache drives)".into();
+        let md = markdown(&s);
+        assert!(md.contains("no cache drive absorbed the writes"), "{md}");
+        assert!(!md.contains("will move"), "{md}");
+        s.config.cluster.cache_mode = "write (4 cache drives, 256 MiB each, bound 1:1)".into();
+        let md = markdown(&s);
+        assert!(
+            md.contains("With cache drives (cache mode write (4 cache drives"),
+            "{md}"
+        );
+        assert!(md.contains("destaged to the capacity drives once"), "{md}");
+        assert!(md.contains("shown separately"), "{md}");
+        // Cache drives in mode none absorb nothing.
+        s.config.cluster.cache_mode = "none (4 cache drives, 256 MiB each, bound 1:1)".into();
+        assert!(markdown(&s).contains("no cache drive absorbed the writes"));
     }
 
     #[test]

@@ -14,6 +14,8 @@ use hyper::{Method, Request, Response, StatusCode};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+use crate::cache_api;
+
 type Resp = Response<Full<Bytes>>;
 
 const BODY_BYTES_MAX: usize = 1 << 20;
@@ -39,6 +41,12 @@ pub async fn serve(listener: tokio::net::TcpListener, node: Arc<Node>) -> std::i
 }
 
 struct ApiError(StatusCode, String);
+
+impl From<cache_api::CacheApiError> for ApiError {
+    fn from((status, msg): cache_api::CacheApiError) -> ApiError {
+        ApiError(status, msg)
+    }
+}
 
 impl ApiError {
     fn bad(msg: impl Into<String>) -> ApiError {
@@ -130,19 +138,13 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::POST, ["v1", "nodes", id, "maintenance"]) => maintenance(node, id, body).await,
         (&Method::GET, ["v1", "settings"]) => ok(&crate::repair::settings(node).await),
         (&Method::POST, ["v1", "settings"]) => {
-            let mut cur = crate::repair::settings(node).await;
             let new: Settings = serde_json::from_slice(body)
                 .map_err(|e| ApiError::bad(format!("bad settings: {e}")))?;
-            if new.repair_delay_s.is_some() {
-                cur.repair_delay_s = new.repair_delay_s;
-            }
-            let b = serde_json::to_vec(&cur).map_err(|e| ApiError::bad(e.to_string()))?;
-            node.cluster
-                .etcd()
-                .put(crate::repair::SETTINGS_KEY, &b, None)
-                .await
-                .map_err(ApiError::unavailable)?;
-            ok(&cur)
+            cache_api::check_nodes(node, new.node_cache_modes.keys().copied()).await?;
+            ok(
+                &cache_api::update_settings(node, |cur| cache_api::merge_settings(cur, &new))
+                    .await?,
+            )
         }
         (&Method::POST, ["v1", "cache", "flush"]) => {
             match crate::tiering::flush_local(node).await {
@@ -150,6 +152,8 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
                 Err(e) => Err(ApiError::unavailable(e)),
             }
         }
+        (&Method::GET, ["v1", "caches"]) => ok(&cache_api::read(node).await?.current()),
+        (&Method::POST, ["v1", "cache", "mode"]) => ok(&cache_api::set_mode(node, body).await?),
         (&Method::GET, ["v1", "scrub"]) => ok(&crate::scrub::results(node).await),
         // Lab-only debug views (the fault injector); handlers live in lab_api.rs.
         (_, ["v1", "lab", rest @ ..]) => crate::lab_api::route(node, method, rest, body)
@@ -220,6 +224,12 @@ async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
 }
 
 async fn drives(node: &Node) -> Result<Vec<DriveInfo>, ApiError> {
+    let caches = cache_api::read(node).await?;
+    drives_with(node, &caches).await
+}
+
+/// The drives, their bound cache drives filled in from `caches`.
+async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<DriveInfo>, ApiError> {
     let used = extents_used(&node.cluster)
         .await
         .map_err(ApiError::unavailable)?;
@@ -248,7 +258,7 @@ async fn drives(node: &Node) -> Result<Vec<DriveInfo>, ApiError> {
             cache: None,
         })
         .collect();
-    v.sort_by_key(|d| (d.node, d.path.clone()));
+    cache_api::annotate_drives(&mut v, caches);
     Ok(v)
 }
 
@@ -366,7 +376,9 @@ async fn volume(node: &Node, name: &str) -> Result<VolumeInfo, ApiError> {
 
 async fn status(node: &Node) -> Result<Status, ApiError> {
     let ns = nodes(node).await?;
-    let ds = drives(node).await?;
+    let caches = cache_api::read(node).await?;
+    let ds = drives_with(node, &caches).await?;
+    let caches = caches.current();
     let vs = volumes(node, false).await?;
     let total: u64 = ds
         .iter()
@@ -387,14 +399,16 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     if !down.is_empty() {
         problems.push(format!("nodes down: {}", down.join(", ")));
     }
+    // Failed cache drives are reported from what their node publishes (below).
     let failed: Vec<String> = ds
         .iter()
-        .filter(|d| d.failed.is_some())
+        .filter(|d| d.failed.is_some() && d.role != converge_types::DriveRole::Cache)
         .map(|d| format!("{} on node {}", d.id, d.node))
         .collect();
     if !failed.is_empty() {
         problems.push(format!("drives failed: {}", failed.join(", ")));
     }
+    problems.extend(cache_api::problems(&caches));
     let degraded: u64 = vs.iter().map(|v| v.degraded_extents).sum();
     if degraded > 0 {
         problems.push(format!("{degraded} extents not in sync"));
@@ -406,7 +420,7 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     let warnings = rebuild_warnings(node, &ns).await;
     let c = &node.cluster_rec;
     Ok(Status {
-        caches: Vec::new(),
+        caches,
         jobs,
         warnings,
         cluster: ClusterInfo {

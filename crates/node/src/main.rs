@@ -2,6 +2,7 @@
 //! through etcd, serves peers (RPC), clients (NBD) and operators (HTTP API + /metrics).
 
 mod api;
+mod cache_api;
 mod config;
 mod export;
 mod fleet;

@@ -13,7 +13,7 @@ use std::collections::{BTreeSet, HashMap};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-pub const CACHES_PREFIX: &str = "/converge/caches/";
+pub use crate::cache_api::CACHES_PREFIX;
 /// Cache drives this node flushed at its last clean shutdown (their loss costs nothing).
 pub const CACHE_CLEAN_PREFIX: &str = "/converge/cache-clean/";
 
