@@ -188,6 +188,23 @@ impl Lab {
             .sum()
     }
 
+    /// Sum of a metric's samples whose labels contain `label` (e.g. `tier="capacity"`).
+    pub fn metric_where(&self, node: u32, name: &str, label: &str) -> f64 {
+        let api = self.lab_json()["nodes"][node as usize - 1]["api"]
+            .as_str()
+            .expect("api")
+            .trim_start_matches("http://")
+            .to_string();
+        http_get(&api, "/metrics")
+            .lines()
+            .filter(|l| {
+                l.strip_prefix(name)
+                    .is_some_and(|r| r.starts_with('{') && r.contains(label))
+            })
+            .map(|l| l.rsplit(' ').next().unwrap().parse::<f64>().unwrap())
+            .sum()
+    }
+
     /// Polls `f` every 500 ms until it is true; panics with `what` and the logs after
     /// `timeout` (a generous bound, not a timing assertion).
     pub fn wait_for(&self, what: &str, timeout: std::time::Duration, mut f: impl FnMut() -> bool) {
