@@ -367,3 +367,89 @@ fn mirror3_random_writes_cost_the_capacity_tier_at_most_3_06() {
         "the writes went through the cache tier: {wa_cache:.4}"
     );
 }
+
+/// A cache drive that fails at run time (its file sits on a full tmpfs, so log writes get
+/// ENOSPC): its node leaves the cluster until the bound drives' copies are stale, drops the
+/// cache, joins again, and the copies are resynced; no acked write is lost.
+#[test]
+fn a_cache_drive_failing_at_run_time_costs_a_resync_not_data() {
+    let lab = cache_lab(4, "128M");
+    lab.must(&[
+        "volume",
+        "create",
+        "f",
+        "--size",
+        "128M",
+        "--resiliency",
+        "mirror-3",
+        "--owner",
+        "1",
+    ]);
+    let uri = lab.uri("f");
+    // Allocate the slabs so the victim is known.
+    let tmp = tempfile::tempdir().unwrap();
+    let img = random_file(tmp.path(), "f.img", 128 << 20, 17);
+    must(Command::new("nbdcopy").arg(&img).arg(&uri));
+    lab.must(&["cache", "flush"]);
+    let victim = lab
+        .extents("f")
+        .iter()
+        .map(|e| e.1 as u32)
+        .find(|&n| n != 1)
+        .unwrap();
+    let cache = lab.lab_json()["nodes"][victim as usize - 1]["cache_drives"][0]
+        .as_str()
+        .unwrap()
+        .to_string();
+    lab.must(&["lab", "fault", "stop", &victim.to_string()]);
+    let mnt = tempfile::tempdir().unwrap();
+    let m = mnt.path().display().to_string();
+    must(Command::new("mount").args(["-t", "tmpfs", "-o", "size=24m", "tmpfs", &m]));
+    struct Unmount(String);
+    impl Drop for Unmount {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").args(["-l", &self.0]).status();
+        }
+    }
+    let _u = Unmount(m.clone());
+    let small = format!("{m}/cache.img");
+    must(Command::new("cp").args(["--sparse=always", &cache, &small]));
+    std::fs::remove_file(&cache).unwrap();
+    std::os::unix::fs::symlink(&small, &cache).unwrap();
+    lab.must(&["lab", "fault", "restart", &victim.to_string()]);
+    lab.wait_for("all in sync before the fault", 2 * MIN, || {
+        all_in_sync(&lab, "f")
+    });
+
+    // 64 MiB of new writes: the victim's log cannot hold them on a 24 MiB tmpfs.
+    let img2 = random_file(tmp.path(), "f2.img", 128 << 20, 19);
+    must(Command::new("nbdcopy").arg(&img2).arg(&uri));
+    lab.wait_for("the failed cache is reported", MIN, || {
+        lab.json(&["status"])["health"]
+            .as_str()
+            .unwrap()
+            .contains("cache drives failed")
+    });
+    let log = lab.path().join(format!("node{victim}/converged.log"));
+    lab.wait_for("the victim joins again without its cache", 2 * MIN, || {
+        std::fs::read_to_string(&log)
+            .unwrap()
+            .contains("joined again without cache drive")
+    });
+    lab.wait_for("resync after the cache failure", 3 * MIN, || {
+        all_in_sync(&lab, "f")
+    });
+    compare(&uri, &img2, "after the cache failure");
+    compare(&lab.uri_on("f", victim), &img2, "read via the victim");
+    assert_copies_agree(&lab, "f");
+    // The capacity drives were not marked failed: they resynced in place.
+    let drives = lab.json(&["drive", "list"]);
+    assert!(
+        drives
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|d| d["role"] == "cache" || d["failed"].is_null()),
+        "{drives}"
+    );
+}

@@ -1651,13 +1651,26 @@ impl Tier {
         self.cap.identity()
     }
 
+    /// Why the capacity drive itself failed, if it did. A failed cache drive is reported
+    /// apart ([`Tier::cache_failure`]): until it is unbound, I/O through the tier fails.
     pub fn failure(&self) -> Option<String> {
-        self.cap.failure().or_else(|| {
-            self.cache().and_then(|c| {
-                c.failure()
-                    .map(|r| format!("its cache drive {} failed: {r}", c.id.drive))
-            })
-        })
+        self.cap.failure()
+    }
+
+    /// Why the bound cache drive failed, if it did.
+    pub fn cache_failure(&self) -> Option<String> {
+        self.cache().and_then(|c| c.failure())
+    }
+
+    /// Drops the cache binding (after the cache drive failed and the copies that may miss
+    /// its writes were marked stale): I/O goes straight to the capacity drive from now on.
+    pub fn unbind(&self) {
+        if let Some(c) = self.cache.write().unwrap_or_else(|p| p.into_inner()).take() {
+            c.capacity
+                .write()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&self.me());
+        }
     }
 
     pub fn extents(&self) -> Vec<ExtentInfo> {

@@ -159,6 +159,7 @@ async fn run(args: Args) -> Result<()> {
         drives,
         caches: opened.caches.clone(),
         cache_paths,
+        fenced: Default::default(),
         volumes: tokio::sync::Mutex::new(Default::default()),
         jobs: repair::Jobs::default(),
         throttle: converge_volume::resync::Throttle::new(cfg.knobs.resync_bytes_per_s),
@@ -256,6 +257,9 @@ async fn keep_alive(node: Arc<Node>) {
     let period = Duration::from_millis(ttl * 1000 / 3);
     loop {
         tokio::time::sleep(period).await;
+        if node.fenced.load(std::sync::atomic::Ordering::Acquire) {
+            continue;
+        }
         let lease = node.lease();
         match node.cluster.etcd().lease_keepalive(lease).await {
             Ok(left) if left > 0 => {}

@@ -36,6 +36,9 @@ pub struct Node {
     /// Cache drives, and their paths (for status).
     pub caches: HashMap<DriveId, Arc<Cache>>,
     pub cache_paths: HashMap<DriveId, String>,
+    /// Out of the cluster on purpose (a cache drive failed; waiting for its copies to be
+    /// marked stale): the keep-alive loop does not register the node again meanwhile.
+    pub fenced: std::sync::atomic::AtomicBool,
     pub replicas: Arc<Replicas>,
     pub allocator: Arc<Allocator>,
     /// Volumes this node owns and serves, by name.

@@ -349,6 +349,19 @@ pub async fn run(node: Arc<Node>) {
     }
     let mut last: HashMap<DriveId, (u64, Instant)> = HashMap::new();
     loop {
+        for (id, c) in &node.caches {
+            if let Some(why) = c.failure() {
+                let bound: Vec<DriveId> = node
+                    .drives
+                    .iter()
+                    .filter(|(_, t)| t.cache().is_some_and(|b| Arc::ptr_eq(&b, c)))
+                    .map(|(d, _)| *d)
+                    .collect();
+                if !bound.is_empty() {
+                    cache_failed(&node, *id, &why, &bound).await;
+                }
+            }
+        }
         let settings = crate::repair::settings(&node).await;
         let infos = infos(&node, &settings, &mut last);
         if let Ok(b) = serde_json::to_vec(&infos) {
@@ -363,6 +376,46 @@ pub async fn run(node: Arc<Node>) {
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
+}
+
+/// A cache drive failed at run time: its bound drives' copies may miss the writes it held.
+/// The node leaves the cluster (its volumes fail over, owners mark its copies stale, as for
+/// any node that is down), unbinds the cache from those drives once the copies are stale,
+/// and joins again: the copies are then delta-resynced from the other copies.
+async fn cache_failed(node: &Node, cache: DriveId, why: &str, bound: &[DriveId]) {
+    use std::sync::atomic::Ordering;
+    log::error!(
+        "cache drive {cache} failed ({why}); leaving the cluster until the copies on drives          {bound:?} are stale, then they run without a cache and are resynced"
+    );
+    node.fenced.store(true, Ordering::Release);
+    node.drop_all_volumes().await;
+    let etcd = node.cluster.etcd();
+    if let Err(e) = etcd.lease_revoke(node.lease()).await {
+        log::warn!("revoking the node lease: {e}; waiting for it to expire");
+    }
+    let limit = Duration::from_secs(node.cfg.knobs.node_lease_ttl_s * 3 + 60);
+    fence_out(&node.cluster, node.cfg.node_id, bound, limit).await;
+    for d in bound {
+        if let Some(t) = node.drives.get(d) {
+            t.unbind();
+        }
+    }
+    let ttl = node.cfg.knobs.node_lease_ttl_s.max(3) as i64;
+    loop {
+        match etcd.lease_grant(ttl).await {
+            Ok(l) => {
+                *node.lease.lock().expect("lease lock poisoned") = l;
+                match node.cluster.register_node(&node.node_record(), l).await {
+                    Ok(()) => break,
+                    Err(e) => log::error!("registering again after the cache failure: {e}"),
+                }
+            }
+            Err(e) => log::error!("etcd lease grant failed: {e}"),
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+    node.fenced.store(false, Ordering::Release);
+    log::info!("joined again without cache drive {cache}; drives {bound:?} resync");
 }
 
 fn infos(
