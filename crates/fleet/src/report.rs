@@ -930,7 +930,10 @@ fn wa_tier_note(s: &RunSummary) -> String {
             "With cache drives (cache mode {}), writes are acked once durable in the cache \
              drive's log and destaged to the capacity drives once; the flush at the end of \
              each point destages what the cache still held, so the capacity tier's WA counts \
-             every byte of it. What the cache tier costs is its own WA, shown separately \
+             every byte of it. It can still sit below the floor: a block written again while \
+             its last write is dirty in the cache is destaged once, so a working set small \
+             next to what a point writes saves capacity writes (a real saving, not a \
+             measurement gap). What the cache tier costs is its own WA, shown separately \
              (last column).",
             s.config.cluster.cache_mode
         )
