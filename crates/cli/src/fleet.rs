@@ -1526,6 +1526,77 @@ mod tests {
         assert_eq!(prefill_bs(3 << 19), 512 << 10);
     }
 
+    /// A node API that answers every request with `status` and `body`, once per accepted
+    /// connection, `n` times.
+    fn fake_node(status: &str, body: &'static str, n: usize) -> String {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let status = status.to_string();
+        std::thread::spawn(move || {
+            for c in l.incoming().take(n) {
+                let mut c = c.unwrap();
+                let mut buf = Vec::new();
+                let mut b = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let k = c.read(&mut b).unwrap();
+                    if k == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&b[..k]);
+                }
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: \
+                     {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    fn node_ctx(id: u32, api: String) -> NodeCtx {
+        NodeCtx {
+            id: NodeId(id),
+            api,
+            info: FleetNode {
+                node: NodeId(id),
+                name: format!("node{id}"),
+                hostname: "lab".into(),
+                host_id: "h1".into(),
+                kernel: "6.1".into(),
+                cpus: 2,
+                converged_version: "0.1.0".into(),
+                fio_version: None,
+                fio_error: None,
+                nbd_socket: String::new(),
+                nbd_inflight_max: 128,
+                drives: vec![],
+            },
+            runs_workers: true,
+        }
+    }
+
+    #[test]
+    fn a_failed_flush_names_the_node_and_why() {
+        let ok = r#"{"node":1,"caches":1,"dirty_bytes_before":4096,"seconds":0.1}"#;
+        let bad = r#"{"error":"cache drive 7: destage failed: I/O error"}"#;
+        let nodes = vec![
+            node_ctx(1, fake_node("200 OK", ok, 2)),
+            node_ctx(2, fake_node("500 Internal Server Error", bad, 1)),
+        ];
+        let e = flush_all(&nodes, "after p02").unwrap_err().to_string();
+        assert!(
+            e.contains("flushing the caches of node 2")
+                && e.contains("after p02 failed")
+                && e.contains("destage failed: I/O error"),
+            "{e}"
+        );
+        let answers = flush_all(&nodes[..1], "before p01").unwrap();
+        assert_eq!(answers[0]["dirty_bytes_before"], 4096);
+    }
+
     #[test]
     fn volume_names() {
         assert_eq!(volume_name(NodeId(3), 2), "fleet-n3-w2");
