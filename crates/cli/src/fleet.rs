@@ -1,9 +1,11 @@
 //! `converge fleet`: runs the fleet methodology (docs/FLEET.md) on a running cluster and
 //! renders its report. Every node's daemon starts the fio workers for the volumes it owns,
 //! so the same command works on the lab and on real servers; this side validates
-//! everything first, creates and pre-fills the volumes, walks the sweep (warm-up, measured
-//! window bracketed by counter samples on every node, cool-down), collects, and writes the
-//! report after every point — so Ctrl-C or a failure still leaves what was measured.
+//! everything first, creates and pre-fills the volumes, walks the sweep (caches flushed and
+//! counters sampled, warm-up, measured window bracketed by counter samples on every node,
+//! workers' end, caches flushed and counters sampled again, cool-down), collects, and
+//! writes the report after every point — so Ctrl-C or a failure still leaves what was
+//! measured.
 
 use crate::http;
 use anyhow::{anyhow, bail, Context, Result};
@@ -37,6 +39,8 @@ const END_GRACE: Duration = Duration::from_secs(60);
 const VOLUME_PREFIX: &str = "fleet-n";
 /// How long every cache drive has to report the mode `--cache-mode` set.
 const CACHE_MODE_WAIT: Duration = Duration::from_secs(30);
+/// How long one node may take to destage everything its caches hold.
+const FLUSH_TIMEOUT: Duration = Duration::from_secs(3600);
 
 #[derive(Subcommand)]
 pub enum FleetCmd {
@@ -262,6 +266,48 @@ fn sample_all(nodes: &[NodeCtx]) -> Result<Vec<FleetSample>> {
                 .with_context(|| format!("sampling node {}", n.id))
         })
         .collect()
+}
+
+/// Destage everything every node's caches hold (`POST /v1/cache/flush`, all nodes at
+/// once; a node without cache drives answers at once) and return each node's answer.
+/// Write amplification is counted between two such flushes, so every byte a point's
+/// writes cost on the drives falls inside it.
+fn flush_all(nodes: &[NodeCtx], when: &str) -> Result<Vec<Value>> {
+    std::thread::scope(|sc| {
+        let calls: Vec<_> = nodes
+            .iter()
+            .map(|n| {
+                sc.spawn(move || {
+                    http::call_timeout::<Value>(
+                        &n.api,
+                        "POST",
+                        "/v1/cache/flush",
+                        None,
+                        FLUSH_TIMEOUT,
+                    )
+                })
+            })
+            .collect();
+        nodes
+            .iter()
+            .zip(calls)
+            .map(|(n, c)| {
+                let r = c
+                    .join()
+                    .map_err(|_| anyhow!("the flush of node {} panicked", n.id))?;
+                r.map_err(|e| {
+                    anyhow!(
+                        "flushing the caches of node {} ({}) {when} failed: {e:#}. Write \
+                         amplification is counted between flushed caches, so the run cannot \
+                         go on; see `converge cache status` and node {}'s log",
+                        n.id,
+                        n.api,
+                        n.id
+                    )
+                })
+            })
+            .collect()
+    })
 }
 
 // ---------------------------------------------------------------------------- entry
@@ -1014,8 +1060,14 @@ fn print_tail(s: &RunSummary, out: &Path) {
                 v.iter().sum::<f64>() / v.len() as f64
             }
         };
+        let cache = if wp.iter().any(|(_, st)| st.wa.cache.is_some()) {
+            format!(", cache tier {:.2}", avg(&|st| st.wa.cache))
+        } else {
+            String::new()
+        };
         println!(
-            "write amplification ({}, mean of write points): total {:.2}, data only {:.2}",
+            "write amplification ({}, mean of write points, bytes over each point with the \
+             caches flushed): capacity total {:.2}, data only {:.2}{cache}",
             s.config.settings.resiliency,
             avg(&|st| st.wa.total),
             avg(&|st| st.wa.data)
@@ -1213,6 +1265,11 @@ fn measure_point(
     std::fs::create_dir_all(&raw).with_context(|| format!("creating {}", raw.display()))?;
     let warmup = Duration::from_secs(s.warmup_s);
     let duration = Duration::from_secs(s.duration_s);
+    // WA start: nothing left in any cache from before (pre-fill, the previous point).
+    progress.status(&format!("{head}: flushing caches — ETA {eta}"));
+    let flush_start = flush_all(nodes, &format!("before {}", point.label()))?;
+    check_interrupt()?;
+    let wa_start = sample_all(nodes)?;
     // Start every worker; the measured window must lie inside every worker's.
     let mut slots = Vec::new();
     let first = Instant::now();
@@ -1280,6 +1337,10 @@ fn measure_point(
         progress.status(&format!("{head}: collecting — ETA {eta}"));
         sleep_until(Instant::now() + Duration::from_millis(250))?;
     }
+    // WA end: every byte the point's writes cost, destage of what the caches hold included.
+    progress.status(&format!("{head}: flushing caches — ETA {eta}"));
+    let flush_end = flush_all(nodes, &format!("after {}", point.label()))?;
+    let wa_end = sample_all(nodes)?;
     let mut runs = Vec::new();
     for (ni, k, id, volume) in slots {
         let n = &nodes[ni];
@@ -1313,7 +1374,32 @@ fn measure_point(
                 .collect::<Vec<_>>(),
         )?,
     )?;
-    measure::measure(rep, &runs, &pairs).map_err(|e| anyhow!("{}: {e}", point.label()))
+    let wa_pairs: Vec<(FleetSample, FleetSample)> = wa_start.into_iter().zip(wa_end).collect();
+    std::fs::write(
+        raw.join("wa-samples.json"),
+        serde_json::to_vec_pretty(
+            &wa_pairs
+                .iter()
+                .zip(flush_start.iter().zip(&flush_end))
+                .map(|((a, b), (fa, fb))| {
+                    serde_json::json!({
+                        "node": a.node,
+                        "flush_start": fa,
+                        "start": a,
+                        "flush_end": fb,
+                        "end": b,
+                    })
+                })
+                .collect::<Vec<_>>(),
+        )?,
+    )?;
+    let mut m =
+        measure::measure(rep, &runs, &pairs).map_err(|e| anyhow!("{}: {e}", point.label()))?;
+    m.point_bytes = Some(
+        measure::point_bytes(&wa_pairs)
+            .map_err(|e| anyhow!("{} (write amplification): {e}", point.label()))?,
+    );
+    Ok(m)
 }
 
 fn report_cmd(dirs: &[PathBuf], out: Option<&Path>, json: bool) -> Result<()> {
@@ -1438,6 +1524,77 @@ mod tests {
         assert_eq!(prefill_bs(64 << 20), 1 << 20);
         assert_eq!(prefill_bs(12 << 10), 4 << 10);
         assert_eq!(prefill_bs(3 << 19), 512 << 10);
+    }
+
+    /// A node API that answers every request with `status` and `body`, once per accepted
+    /// connection, `n` times.
+    fn fake_node(status: &str, body: &'static str, n: usize) -> String {
+        use std::io::{Read, Write};
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        let status = status.to_string();
+        std::thread::spawn(move || {
+            for c in l.incoming().take(n) {
+                let mut c = c.unwrap();
+                let mut buf = Vec::new();
+                let mut b = [0u8; 1024];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    let k = c.read(&mut b).unwrap();
+                    if k == 0 {
+                        break;
+                    }
+                    buf.extend_from_slice(&b[..k]);
+                }
+                let _ = write!(
+                    c,
+                    "HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: \
+                     {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    fn node_ctx(id: u32, api: String) -> NodeCtx {
+        NodeCtx {
+            id: NodeId(id),
+            api,
+            info: FleetNode {
+                node: NodeId(id),
+                name: format!("node{id}"),
+                hostname: "lab".into(),
+                host_id: "h1".into(),
+                kernel: "6.1".into(),
+                cpus: 2,
+                converged_version: "0.1.0".into(),
+                fio_version: None,
+                fio_error: None,
+                nbd_socket: String::new(),
+                nbd_inflight_max: 128,
+                drives: vec![],
+            },
+            runs_workers: true,
+        }
+    }
+
+    #[test]
+    fn a_failed_flush_names_the_node_and_why() {
+        let ok = r#"{"node":1,"caches":1,"dirty_bytes_before":4096,"seconds":0.1}"#;
+        let bad = r#"{"error":"cache drive 7: destage failed: I/O error"}"#;
+        let nodes = vec![
+            node_ctx(1, fake_node("200 OK", ok, 2)),
+            node_ctx(2, fake_node("500 Internal Server Error", bad, 1)),
+        ];
+        let e = flush_all(&nodes, "after p02").unwrap_err().to_string();
+        assert!(
+            e.contains("flushing the caches of node 2")
+                && e.contains("after p02 failed")
+                && e.contains("destage failed: I/O error"),
+            "{e}"
+        );
+        let answers = flush_all(&nodes[..1], "before p01").unwrap();
+        assert_eq!(answers[0]["dirty_bytes_before"], 4096);
     }
 
     #[test]

@@ -1,5 +1,7 @@
 //! One measured window of one point (one repeat), reduced from what was collected: every
-//! worker's fio result and every node's counter samples taken before and after the window.
+//! worker's fio result, every node's counter samples taken before and after the window, and
+//! the samples that bracket the whole point (after flushing the caches before its workers
+//! start and after they all finish) from which write amplification is counted in bytes.
 
 use crate::fio::FioJob;
 use crate::hist::{Histogram, CURVE_PERCENTILES};
@@ -102,6 +104,31 @@ pub(crate) fn per_s(n: u64, s: f64) -> f64 {
     }
 }
 
+/// Bytes one drive wrote over the whole point.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct DriveBytes {
+    pub node: u32,
+    pub id: DriveId,
+    /// Every byte: data + journal + metadata.
+    pub write_bytes: u64,
+    pub data_write_bytes: u64,
+    pub journal_write_bytes: u64,
+    pub metadata_write_bytes: u64,
+}
+
+/// What the whole point wrote, clients and drives, counted between two samples taken with
+/// every cache flushed: before the point's workers start and after they have all finished
+/// (warm-up and window included). A write the cache held is destaged by the second flush,
+/// so each client byte's full cost on the drives falls inside, whatever the cache mode.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct PointBytes {
+    /// Seconds between the two samples (the longest over nodes).
+    pub seconds: f64,
+    /// Client bytes the volumes received, before replication (all nodes).
+    pub volume_write_bytes: u64,
+    pub drives: Vec<DriveBytes>,
+}
+
 /// One repeat of one point.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct RepeatMeasure {
@@ -113,10 +140,63 @@ pub struct RepeatMeasure {
     pub write_hist: Histogram,
     pub nodes: Vec<NodeMeasure>,
     pub drives: Vec<DriveMeasure>,
+    /// Bytes over the whole point, for write amplification. None in runs made before it
+    /// was counted this way (their WA is computed from the window's rates).
+    #[serde(default)]
+    pub point_bytes: Option<PointBytes>,
 }
 
 fn delta(node: u32, a: u64, b: u64) -> Result<u64, MeasureError> {
     b.checked_sub(a).ok_or(MeasureError::CounterReset { node })
+}
+
+/// Client bytes written to the volumes between two samples of one node; a volume first
+/// opened after `a` counts from zero.
+fn volume_write_bytes(node: u32, a: &FleetSample, b: &FleetSample) -> Result<u64, MeasureError> {
+    let mut n = 0;
+    for vb in &b.volumes {
+        let bytes0 = a
+            .volumes
+            .iter()
+            .find(|v| v.name == vb.name)
+            .map_or(0, |v| v.write_bytes);
+        n += delta(node, bytes0, vb.write_bytes)?;
+    }
+    Ok(n)
+}
+
+/// Reduce the samples that bracket a whole point: (start, end) per node, each taken with
+/// that node's caches flushed.
+pub fn point_bytes(samples: &[(FleetSample, FleetSample)]) -> Result<PointBytes, MeasureError> {
+    let mut p = PointBytes::default();
+    for (a, b) in samples {
+        let node = a.node.0;
+        if a.node != b.node || a.host_id != b.host_id {
+            return Err(MeasureError::Mismatch { node });
+        }
+        let ns = delta(node, a.mono_ns, b.mono_ns)?;
+        if ns == 0 {
+            return Err(MeasureError::EmptyWindow { node, ns });
+        }
+        p.seconds = p.seconds.max(ns as f64 / 1e9);
+        p.volume_write_bytes += volume_write_bytes(node, a, b)?;
+        for da in &a.drives {
+            let Some(db) = b.drives.iter().find(|d| d.id == da.id) else {
+                continue;
+            };
+            let d = |x: u64, y: u64| delta(node, x, y);
+            p.drives.push(DriveBytes {
+                node,
+                id: da.id,
+                write_bytes: d(da.write_bytes, db.write_bytes)?,
+                data_write_bytes: d(da.data_write_bytes, db.data_write_bytes)?,
+                journal_write_bytes: d(da.journal_write_bytes, db.journal_write_bytes)?,
+                metadata_write_bytes: d(da.metadata_write_bytes, db.metadata_write_bytes)?,
+            });
+        }
+    }
+    p.drives.sort_by_key(|d| (d.node, d.id));
+    Ok(p)
 }
 
 /// Reduce a repeat. `samples` holds (before, after) per node.
@@ -169,15 +249,16 @@ pub fn measure(
             return Err(MeasureError::CounterReset { node });
         }
         // A volume first opened inside the window counts from zero.
-        let (mut volume_ops, mut volume_write_bytes) = (0u64, 0u64);
+        let mut volume_ops = 0u64;
         for vb in &b.volumes {
-            let va = a.volumes.iter().find(|v| v.name == vb.name);
-            let (ops0, bytes0) = va
-                .map(|v| (v.read_ops + v.write_ops, v.write_bytes))
-                .unwrap_or((0, 0));
+            let ops0 = a
+                .volumes
+                .iter()
+                .find(|v| v.name == vb.name)
+                .map_or(0, |v| v.read_ops + v.write_ops);
             volume_ops += delta(node, ops0, vb.read_ops + vb.write_ops)?;
-            volume_write_bytes += delta(node, bytes0, vb.write_bytes)?;
         }
+        let volume_write_bytes = volume_write_bytes(node, a, b)?;
         m.nodes.push(NodeMeasure {
             node,
             host_id: a.host_id.clone(),
@@ -211,4 +292,98 @@ pub fn measure(
     m.nodes.sort_by_key(|n| n.node);
     m.drives.sort_by_key(|d| (d.node, d.id));
     Ok(m)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_api::fleet::{DriveCounters, VolumeIoCounters};
+    use converge_types::NodeId;
+
+    fn sample(node: u32, ns: u64, vols: &[(&str, u64)], drives: &[(u64, [u64; 3])]) -> FleetSample {
+        FleetSample {
+            node: NodeId(node),
+            host_id: "h1".into(),
+            mono_ns: ns,
+            volumes: vols
+                .iter()
+                .map(|(name, b)| VolumeIoCounters {
+                    name: (*name).into(),
+                    write_bytes: *b,
+                    write_ops: b / 4096,
+                    ..Default::default()
+                })
+                .collect(),
+            drives: drives
+                .iter()
+                .map(|(id, [d, j, m])| DriveCounters {
+                    id: DriveId(*id),
+                    write_bytes: d + j + m,
+                    data_write_bytes: *d,
+                    journal_write_bytes: *j,
+                    metadata_write_bytes: *m,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn point_bytes_are_the_differences_over_every_node() {
+        let pairs = vec![
+            (
+                sample(1, 1_000_000_000, &[("v1", 100)], &[(11, [10, 1, 0])]),
+                sample(1, 9_000_000_000, &[("v1", 1100)], &[(11, [3010, 51, 7])]),
+            ),
+            (
+                // A volume opened after the first sample counts from zero.
+                sample(2, 0, &[], &[(21, [0, 0, 0]), (29, [5, 0, 0])]),
+                sample(
+                    2,
+                    7_500_000_000,
+                    &[("v2", 500)],
+                    &[(21, [1500, 20, 0]), (29, [505, 0, 0])],
+                ),
+            ),
+        ];
+        let p = point_bytes(&pairs).unwrap();
+        assert_eq!(p.volume_write_bytes, 1500);
+        assert_eq!(p.seconds, 8.0, "the longest node's interval");
+        let d: Vec<(u64, u64, u64, u64)> = p
+            .drives
+            .iter()
+            .map(|d| {
+                (
+                    d.id.0,
+                    d.write_bytes,
+                    d.data_write_bytes,
+                    d.journal_write_bytes,
+                )
+            })
+            .collect();
+        assert_eq!(
+            d,
+            vec![
+                (11, 3057, 3000, 50),
+                (21, 1520, 1500, 20),
+                (29, 500, 500, 0)
+            ]
+        );
+        assert_eq!(p.drives[0].metadata_write_bytes, 7);
+    }
+
+    #[test]
+    fn point_bytes_refuse_counters_that_went_backwards() {
+        let pairs = vec![(
+            sample(3, 1, &[("v", 100)], &[(31, [10, 0, 0])]),
+            sample(3, 2, &[("v", 100)], &[(31, [9, 0, 0])]),
+        )];
+        assert_eq!(
+            point_bytes(&pairs),
+            Err(MeasureError::CounterReset { node: 3 })
+        );
+        let pairs = vec![(sample(3, 5, &[], &[]), sample(4, 6, &[], &[]))];
+        assert_eq!(point_bytes(&pairs), Err(MeasureError::Mismatch { node: 3 }));
+    }
 }

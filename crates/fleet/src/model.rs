@@ -120,17 +120,47 @@ pub enum RunStatus {
     Failed(String),
 }
 
+/// How a point's write amplification was counted.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum WaBasis {
+    /// Bytes over the whole point (warm-up + window), between two samples each taken with
+    /// every cache flushed: destage of what the cache held included.
+    PointBytes,
+    /// Rates over the measured window only: runs made before the point's bytes were
+    /// counted. Meaningless for the capacity tier behind a write cache (destage does not
+    /// follow the window).
+    #[default]
+    WindowRates,
+}
+
 /// Write amplification: bytes written to drives per byte the workers wrote, by tier.
-/// The workers' bytes are counted by converge's volumes in the same window as the drives'
-/// (fio's own window cannot coincide with it to the millisecond: at a few seconds per
-/// point that skew alone moves the ratio by percents); fio's figure is kept beside it.
+/// Counted in bytes over the whole point, from a sample taken with every cache flushed
+/// before the workers start to one taken with every cache flushed after they all finish,
+/// so the ratio is the same thing with or without a cache tier. The workers' bytes are
+/// counted by converge's volumes (fio does not count its warm-up); the window's rates are
+/// kept beside it.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct WriteAmp {
-    /// What the workers wrote, as the volumes counted it (fio's figure if unavailable).
+    #[serde(default)]
+    pub basis: WaBasis,
+    /// Over the whole point: what the workers wrote (as the volumes counted it; fio's
+    /// figure extended over the warm-up if the volumes did not count), what the capacity
+    /// drives wrote (every byte), and the cache drives (None: no cache drive). Zero with
+    /// basis `window-rates`.
+    #[serde(default)]
+    pub client_write_bytes: u64,
+    #[serde(default)]
+    pub capacity_write_bytes: u64,
+    #[serde(default)]
+    pub cache_write_bytes: Option<u64>,
+    /// What the workers wrote per second over the measured window, as the volumes counted
+    /// it (fio's figure if unavailable).
     pub client_write_mb_per_s: f64,
     /// What the workers wrote, as fio measured it over its own window.
     #[serde(default)]
     pub fio_write_mb_per_s: f64,
+    /// What the capacity drives wrote per second over the measured window.
     pub capacity_write_mb_per_s: f64,
     /// Capacity tier, every byte (data + journal + metadata).
     pub total: Option<f64>,
@@ -339,6 +369,51 @@ fn figures(cfg: &RunConfig, r: &RepeatMeasure) -> RepeatFigures {
     f
 }
 
+/// Bytes over whole points, summed over repeats.
+#[derive(Default)]
+struct ByteTotals {
+    client: u64,
+    cap: u64,
+    cap_data: u64,
+    cap_journal: u64,
+    cap_meta: u64,
+    cache: Option<u64>,
+}
+
+/// The point's bytes over all its repeats; None unless every repeat counted them.
+fn byte_totals(cfg: &RunConfig, reps: &[RepeatMeasure]) -> Option<ByteTotals> {
+    let s = &cfg.settings;
+    let mut t = ByteTotals::default();
+    for r in reps {
+        let pb = r.point_bytes.as_ref()?;
+        t.client += if pb.volume_write_bytes > 0 {
+            pb.volume_write_bytes
+        } else {
+            // Daemons without volume counters: fio's bytes, which leave out its ramp,
+            // extended over the warm-up at the measured rate.
+            let fio: u64 = r.workers.iter().map(|w| w.write_bytes).sum();
+            if s.duration_s > 0 {
+                (fio as f64 * (s.warmup_s + s.duration_s) as f64 / s.duration_s as f64) as u64
+            } else {
+                fio
+            }
+        };
+        for d in &pb.drives {
+            let Some(dc) = cfg.drive(d.id) else { continue };
+            match dc.role {
+                DriveRole::Cache => *t.cache.get_or_insert(0) += d.write_bytes,
+                DriveRole::Capacity => {
+                    t.cap += d.write_bytes;
+                    t.cap_data += d.data_write_bytes;
+                    t.cap_journal += d.journal_write_bytes;
+                    t.cap_meta += d.metadata_write_bytes;
+                }
+            }
+        }
+    }
+    Some(t)
+}
+
 fn mean(v: impl IntoIterator<Item = f64>) -> f64 {
     let (s, n) = v
         .into_iter()
@@ -430,16 +505,42 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
     let io_rate = if vol_iops > 0.0 { vol_iops } else { iops_mean };
     let cap_w = mean(figs.iter().map(|f| f.cap_write_bps));
     let capacity_drives = cfg.capacity_drives();
-    let cache_w = mean_opt(figs.iter().map(|f| f.cache_write_bps));
-    let wa = WriteAmp {
-        client_write_mb_per_s: client_w / 1e6,
-        fio_write_mb_per_s: fio_w / 1e6,
-        capacity_write_mb_per_s: cap_w / 1e6,
-        total: ratio(cap_w, client_w),
-        data: ratio(mean(figs.iter().map(|f| f.cap_data_bps)), client_w),
-        journal: ratio(mean(figs.iter().map(|f| f.cap_journal_bps)), client_w),
-        metadata: ratio(mean(figs.iter().map(|f| f.cap_meta_bps)), client_w),
-        cache: cache_w.and_then(|c| ratio(c, client_w)),
+    let wa = match byte_totals(cfg, reps) {
+        Some(b) => {
+            let c = b.client as f64;
+            WriteAmp {
+                basis: WaBasis::PointBytes,
+                client_write_bytes: b.client,
+                capacity_write_bytes: b.cap,
+                cache_write_bytes: b.cache,
+                client_write_mb_per_s: client_w / 1e6,
+                fio_write_mb_per_s: fio_w / 1e6,
+                capacity_write_mb_per_s: cap_w / 1e6,
+                total: ratio(b.cap as f64, c),
+                data: ratio(b.cap_data as f64, c),
+                journal: ratio(b.cap_journal as f64, c),
+                metadata: ratio(b.cap_meta as f64, c),
+                cache: b.cache.and_then(|x| ratio(x as f64, c)),
+            }
+        }
+        None => {
+            // Runs from before the point's bytes were counted: the window's rates.
+            let cache_w = mean_opt(figs.iter().map(|f| f.cache_write_bps));
+            WriteAmp {
+                basis: WaBasis::WindowRates,
+                client_write_bytes: 0,
+                capacity_write_bytes: 0,
+                cache_write_bytes: None,
+                client_write_mb_per_s: client_w / 1e6,
+                fio_write_mb_per_s: fio_w / 1e6,
+                capacity_write_mb_per_s: cap_w / 1e6,
+                total: ratio(cap_w, client_w),
+                data: ratio(mean(figs.iter().map(|f| f.cap_data_bps)), client_w),
+                journal: ratio(mean(figs.iter().map(|f| f.cap_journal_bps)), client_w),
+                metadata: ratio(mean(figs.iter().map(|f| f.cap_meta_bps)), client_w),
+                cache: cache_w.and_then(|c| ratio(c, client_w)),
+            }
+        }
     };
     Some(PointStats {
         repeats: reps.len() as u32,
@@ -534,7 +635,7 @@ fn endurance_of(cfg: &RunConfig, figs: &[RepeatFigures]) -> Option<Endurance> {
 pub(crate) mod tests {
     use super::*;
     use crate::endurance::RatingSource;
-    use crate::measure::{DriveMeasure, NodeMeasure, WorkerMeasure};
+    use crate::measure::{DriveBytes, DriveMeasure, NodeMeasure, PointBytes, WorkerMeasure};
     use crate::profile::{points, resolve, Overrides};
 
     /// A 4-node config with 2 capacity drives of 1 GB each per node.
@@ -599,7 +700,8 @@ pub(crate) mod tests {
     }
 
     /// A synthetic repeat: 4 workers at `iops` each (`write_pct` of them writes, 4 KiB),
-    /// drives writing `wa_data`× the client bytes as data and `journal`× as journal.
+    /// capacity drives writing `wa_data`× the client bytes as data and `journal`× as
+    /// journal, cache drives (if any) 1×; the whole point's bytes at the window's rates.
     pub fn repeat(
         cfg: &RunConfig,
         p: &Point,
@@ -625,6 +727,8 @@ pub(crate) mod tests {
                 write_ios: (w_iops * secs) as u64,
                 read_iops: r_iops,
                 write_iops: w_iops,
+                read_bytes: (r_iops * secs) as u64 * 4096,
+                write_bytes: (w_iops * secs) as u64 * 4096,
                 read_bytes_per_s: r_iops * 4096.0,
                 write_bytes_per_s: w_iops * 4096.0,
                 read_lat_mean_ns: 200_000.0,
@@ -649,10 +753,17 @@ pub(crate) mod tests {
             });
         }
         let client_bytes = 4.0 * w_iops * 4096.0 * secs;
-        let ndrives = cfg.drives.len() as f64;
+        let ndrives = cfg.capacity_drives() as f64;
+        let ncaches = cfg.drives.len() as f64 - ndrives;
         for d in &cfg.drives {
-            let data = (client_bytes * wa_data / ndrives) as u64;
-            let journal = (client_bytes * journal / ndrives) as u64;
+            // Cache drives log each client byte once.
+            let (data, journal) = match d.role {
+                DriveRole::Capacity => (
+                    (client_bytes * wa_data / ndrives) as u64,
+                    (client_bytes * journal / ndrives) as u64,
+                ),
+                DriveRole::Cache => ((client_bytes / ncaches) as u64, 0),
+            };
             m.drives.push(DriveMeasure {
                 node: d.node,
                 id: d.id,
@@ -667,6 +778,25 @@ pub(crate) mod tests {
                 queue_len: 0.5,
             });
         }
+        // The whole point (warm-up included) at the window's rates.
+        let point_s = secs + cfg.settings.warmup_s as f64;
+        let scale = point_s / secs;
+        m.point_bytes = Some(PointBytes {
+            seconds: point_s,
+            volume_write_bytes: (client_bytes * scale) as u64,
+            drives: m
+                .drives
+                .iter()
+                .map(|d| DriveBytes {
+                    node: d.node,
+                    id: d.id,
+                    write_bytes: (d.write_bytes as f64 * scale) as u64,
+                    data_write_bytes: (d.data_write_bytes as f64 * scale) as u64,
+                    journal_write_bytes: (d.journal_write_bytes as f64 * scale) as u64,
+                    metadata_write_bytes: 0,
+                })
+                .collect(),
+        });
         m
     }
 
@@ -704,10 +834,12 @@ pub(crate) mod tests {
     }
 
     #[test]
-    fn wa_counts_client_bytes_in_the_drives_window_when_the_volumes_report_them() {
+    fn old_runs_count_wa_from_the_window_rates_of_the_volumes() {
         let cfg = config(vec![100], vec![1]);
         let ps = points(&cfg.settings);
         let mut r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        // A run from before the point's bytes were counted.
+        r.point_bytes = None;
         // fio saw 4000 writes/s over its own window; the volumes counted 2 % more in the
         // drives' window — the drives wrote 3× what the volumes got, exactly.
         let fio_bytes_per_s = 4000.0 * 4096.0;
@@ -721,10 +853,196 @@ pub(crate) mod tests {
             w.write_bytes_per_s *= 0.98;
         }
         let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        assert_eq!(s.wa.basis, WaBasis::WindowRates);
+        assert_eq!(s.wa.client_write_bytes, 0);
         assert!((s.wa.data.unwrap() - 3.0).abs() < 1e-6, "{:?}", s.wa);
         assert!((s.wa.fio_write_mb_per_s - 0.98 * fio_bytes_per_s / 1e6).abs() < 1e-6);
         // CPU per I/O uses the volumes' I/O rate too: 0.8 cores / 4080 I/O/s.
         assert!((s.cpu_us_per_io.unwrap() - 0.8e6 / 4080.0).abs() < 1e-6);
+    }
+
+    /// `config` with one 256 MB RAM cache drive per node in front of the capacity drives.
+    fn config_with_caches(write_pcts: Vec<u64>) -> RunConfig {
+        let mut cfg = config(write_pcts, vec![1]);
+        for n in 1..=4u32 {
+            cfg.drives.push(DriveConfig {
+                id: DriveId(u64::from(n) * 10 + 9),
+                node: n,
+                path: format!("/dev/shm/lab/node{n}/cache1.img"),
+                role: DriveRole::Cache,
+                media: MediaType::Ram,
+                size_bytes: 256_000_000,
+                rating: None,
+            });
+        }
+        cfg.cluster.cache_mode = "write (4 cache drives, 244 MiB each, bound 1:2)".into();
+        cfg
+    }
+
+    /// Bytes of a whole point: the volumes got `client`; each capacity drive wrote its
+    /// share of `data`, `journal` and `metadata`; each cache drive its share of `cache`.
+    fn point_bytes(cfg: &RunConfig, client: u64, cap: [u64; 3], cache: u64) -> PointBytes {
+        let caps = cfg.capacity_drives() as u64;
+        let caches = cfg.drives.len() as u64 - caps;
+        PointBytes {
+            seconds: 7.5,
+            volume_write_bytes: client,
+            drives: cfg
+                .drives
+                .iter()
+                .map(|d| {
+                    let (data, journal, metadata) = match d.role {
+                        DriveRole::Capacity => (cap[0] / caps, cap[1] / caps, cap[2] / caps),
+                        DriveRole::Cache => (cache / caches, 0, 0),
+                    };
+                    DriveBytes {
+                        node: d.node,
+                        id: d.id,
+                        write_bytes: data + journal + metadata,
+                        data_write_bytes: data,
+                        journal_write_bytes: journal,
+                        metadata_write_bytes: metadata,
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn wa_is_counted_in_bytes_over_the_whole_point_whatever_the_window_saw() {
+        let cfg = config_with_caches(vec![100]);
+        let ps = points(&cfg.settings);
+        let mut r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.25);
+        // Inside the window destage did not run: the capacity drives wrote nothing.
+        for d in &mut r.drives {
+            d.write_bytes = 0;
+            d.data_write_bytes = 0;
+            d.journal_write_bytes = 0;
+        }
+        // Over the whole point, flushes included: 80 MB from the workers, 3 copies of it
+        // destaged to capacity with a little journal and metadata, and the cache logs.
+        r.point_bytes = Some(point_bytes(
+            &cfg,
+            80_000_000,
+            [240_000_000, 4_000_000, 800_000],
+            84_000_000,
+        ));
+        let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        let wa = &s.wa;
+        assert_eq!(wa.basis, WaBasis::PointBytes);
+        assert_eq!(wa.client_write_bytes, 80_000_000);
+        assert_eq!(wa.capacity_write_bytes, 244_800_000);
+        assert_eq!(wa.cache_write_bytes, Some(84_000_000));
+        assert!((wa.total.unwrap() - 3.06).abs() < 1e-9, "{wa:?}");
+        assert!((wa.data.unwrap() - 3.0).abs() < 1e-9, "{wa:?}");
+        assert!((wa.journal.unwrap() - 0.05).abs() < 1e-9, "{wa:?}");
+        assert!((wa.metadata.unwrap() - 0.01).abs() < 1e-9, "{wa:?}");
+        assert!((wa.cache.unwrap() - 1.05).abs() < 1e-9, "{wa:?}");
+        // The window's rates stay as they were measured.
+        assert_eq!(wa.capacity_write_mb_per_s, 0.0);
+        assert_eq!(s.drive_write_mb_per_s_mean, 0.0);
+        assert!((wa.client_write_mb_per_s - 4000.0 * 4096.0 / 1e6).abs() < 1e-6);
+    }
+
+    #[test]
+    fn repeats_add_their_bytes_before_dividing() {
+        let cfg = config_with_caches(vec![100]);
+        let ps = points(&cfg.settings);
+        let mut a = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        a.point_bytes = Some(point_bytes(&cfg, 10_000_000, [40_000_000, 0, 0], 0));
+        let mut b = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        b.repeat = 2;
+        b.point_bytes = Some(point_bytes(&cfg, 30_000_000, [80_000_000, 0, 0], 0));
+        let s = point_stats(&cfg, &ps[0], &[a.clone(), b]).unwrap();
+        // (40 + 80) / (10 + 30) = 3.0, not the mean of 4.0 and 2.67.
+        assert!((s.wa.total.unwrap() - 3.0).abs() < 1e-9, "{:?}", s.wa);
+        assert_eq!(
+            s.wa.cache,
+            Some(0.0),
+            "cache drives measured, nothing written"
+        );
+        // One repeat without bytes: the point falls back to the window's rates.
+        let mut c = a.clone();
+        c.repeat = 2;
+        c.point_bytes = None;
+        let s = point_stats(&cfg, &ps[0], &[a, c]).unwrap();
+        assert_eq!(s.wa.basis, WaBasis::WindowRates);
+        assert!((s.wa.total.unwrap() - 3.0).abs() < 1e-6, "{:?}", s.wa);
+    }
+
+    #[test]
+    fn without_volume_counters_wa_counts_fios_bytes_over_the_warm_up_too() {
+        let cfg = config(vec![100], vec![1]);
+        let ps = points(&cfg.settings);
+        let mut r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        let fio: u64 = r.workers.iter().map(|w| w.write_bytes).sum();
+        let mut pb = point_bytes(&cfg, 0, [0, 0, 0], 0);
+        // fio's bytes leave out its warm-up: the point lasted (warm-up + duration).
+        let (w, d) = (cfg.settings.warmup_s as f64, cfg.settings.duration_s as f64);
+        let client = fio as f64 * (w + d) / d;
+        for x in &mut pb.drives {
+            x.data_write_bytes = (3.0 * client / 8.0) as u64;
+            x.write_bytes = x.data_write_bytes;
+        }
+        r.point_bytes = Some(pb);
+        let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        assert_eq!(s.wa.client_write_bytes, client as u64);
+        assert!((s.wa.data.unwrap() - 3.0).abs() < 1e-6, "{:?}", s.wa);
+    }
+
+    #[test]
+    fn summaries_from_before_point_bytes_load_and_fall_back_to_window_rates() {
+        let cfg = config(vec![0, 100], vec![1]);
+        let ps = points(&cfg.settings);
+        let mut sum = RunSummary {
+            config: cfg.clone(),
+            status: RunStatus::Complete,
+            wall_s: 12.5,
+            points_planned: ps.len(),
+            points: ps
+                .iter()
+                .map(|p| {
+                    let mut r = repeat(&cfg, p, 500.0, 3.0, 0.5);
+                    // Bytes that would say 2.0: only a fallback can give 3.5.
+                    r.point_bytes = Some(point_bytes(&cfg, 1_000_000, [2_000_000, 0, 0], 0));
+                    PointRecord {
+                        point: p.clone(),
+                        repeats: vec![r],
+                        stats: None,
+                    }
+                })
+                .collect(),
+            notes: vec![],
+        };
+        sum.restat();
+        // summary.json as a run before this change wrote it: no point bytes, no basis.
+        let mut v = serde_json::to_value(&sum).unwrap();
+        for p in v["points"].as_array_mut().unwrap() {
+            for r in p["repeats"].as_array_mut().unwrap() {
+                r.as_object_mut().unwrap().remove("point_bytes").unwrap();
+            }
+            let wa = p["stats"]["wa"].as_object_mut().unwrap();
+            for k in [
+                "basis",
+                "client_write_bytes",
+                "capacity_write_bytes",
+                "cache_write_bytes",
+            ] {
+                wa.remove(k).unwrap();
+            }
+        }
+        let mut old: RunSummary = serde_json::from_value(v).unwrap();
+        assert!(old.points[1].repeats[0].point_bytes.is_none());
+        old.restat();
+        let (p, st) = old.measured().nth(1).unwrap();
+        assert_eq!(p.write_pct, 100);
+        assert_eq!(st.wa.basis, WaBasis::WindowRates);
+        assert!((st.wa.total.unwrap() - 3.5).abs() < 1e-6, "{:?}", st.wa);
+        assert!((st.wa.data.unwrap() - 3.0).abs() < 1e-6, "{:?}", st.wa);
+        // The same run with its bytes: counted from them.
+        let (_, st) = sum.measured().nth(1).unwrap();
+        assert_eq!(st.wa.basis, WaBasis::PointBytes);
+        assert!((st.wa.total.unwrap() - 2.0).abs() < 1e-9, "{:?}", st.wa);
     }
 
     #[test]

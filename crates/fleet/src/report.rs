@@ -5,7 +5,7 @@
 use crate::endurance::{RatingSource, DUTY_HOURS};
 use crate::format as fmt;
 use crate::hist::{CURVE_PERCENTILES, PERCENTILES};
-use crate::model::{PointStats, RunStatus, RunSummary};
+use crate::model::{PointStats, RunStatus, RunSummary, WaBasis, WriteAmp};
 use crate::profile::Point;
 use crate::svg::{Chart, CurveChart, GroupedChart, Series};
 use crate::table::{blocks, html_escape as esc, ra_tables, Block, Table};
@@ -773,12 +773,11 @@ fn write_amp(s: &RunSummary) -> Section {
     let mut sec = Section::new("wa", "Write amplification");
     let copies = s.config.settings.resiliency.copies();
     sec.text(format!(
-        "Bytes written to drives per byte the workers wrote, by tier. The workers' bytes \
-         are counted by converge's volumes over the same window as the drives' (fio's own \
-         figure, over its slightly different window, is shown beside it). The capacity \
+        "Bytes written to drives per byte the workers wrote, by tier. {} The capacity \
          tier counts every byte (data + journal + metadata); its data share alone is what \
          the resiliency costs: {} ({copies} copies) has a floor of {copies}.0. The cache \
          tier: {}.",
+        wa_basis_text(s),
         s.config.settings.resiliency,
         if s.config.drives.iter().any(|d| d.role == DriveRole::Cache) {
             format!(
@@ -832,8 +831,9 @@ fn write_amp(s: &RunSummary) -> Section {
         "Breakdown per point",
         &[
             "point",
-            "workers write MB/s (volumes / fio)",
-            "drives write MB/s",
+            "written over the point: workers / capacity / cache drives",
+            "window: workers write MB/s (volumes / fio)",
+            "window: drives write MB/s",
             "total",
             "data",
             "journal",
@@ -844,6 +844,7 @@ fn write_amp(s: &RunSummary) -> Section {
     for (p, st) in &wp {
         b.row(vec![
             p.label(),
+            point_bytes_cell(&st.wa),
             format!(
                 "{} / {}",
                 fmt::sig3(st.wa.client_write_mb_per_s),
@@ -886,15 +887,54 @@ fn cache_absorbs_writes(s: &RunSummary) -> bool {
     !(mode.is_empty() || mode.starts_with("none"))
 }
 
+/// How the run's WA was counted: in bytes over whole points (with the caches flushed at
+/// both ends), or — runs from before that — in rates over the measured window.
+fn wa_basis_text(s: &RunSummary) -> &'static str {
+    let old = write_points(s)
+        .iter()
+        .any(|(_, st)| st.wa.basis == WaBasis::WindowRates);
+    if old {
+        "This run predates counting WA over whole points: its figures are rates over the \
+         measured window (drives' bytes/s ÷ workers' bytes/s), which for the capacity tier \
+         behind a write cache follow destage, not the window's writes. Runs made since count \
+         bytes over the whole point, caches flushed at both ends."
+    } else {
+        "WA counts every byte the point's writes cost on the drives, over warm-up + window: \
+         every cache is flushed and the counters sampled before the point's workers start, \
+         and again after they have all finished, so the destage of what the cache held \
+         (flushed at the end of each point) is included and the ratio means the same with \
+         or without a cache tier. The workers' bytes are those converge's volumes received \
+         in that interval (client writes over NBD, before replication). The window's write \
+         rates (volumes, fio, drives) are shown beside it; they are not what WA divides."
+    }
+}
+
+/// Bytes over the whole point, or why there are none.
+fn point_bytes_cell(wa: &WriteAmp) -> String {
+    if wa.basis == WaBasis::WindowRates {
+        return "not counted (older run: window rates)".into();
+    }
+    format!(
+        "{} / {} / {}",
+        format_size(wa.client_write_bytes),
+        format_size(wa.capacity_write_bytes),
+        wa.cache_write_bytes
+            .map_or_else(|| "none".to_string(), format_size)
+    )
+}
+
 /// What the gap between total and data-only capacity WA is, with or without a cache tier.
 fn wa_tier_note(s: &RunSummary) -> String {
     if cache_absorbs_writes(s) {
         format!(
             "With cache drives (cache mode {}), writes are acked once durable in the cache \
-             drive's log and destaged to the capacity drives once, so the capacity tier's WA \
-             sits near the floor; what the cache tier costs is its own WA, shown separately \
-             (last column). Data still in the cache at the end of a window (not yet \
-             destaged) lowers the capacity figure of that point.",
+             drive's log and destaged to the capacity drives once; the flush at the end of \
+             each point destages what the cache still held, so the capacity tier's WA counts \
+             every byte of it. It can still sit below the floor: a block written again while \
+             its last write is dirty in the cache is destaged once, so a working set small \
+             next to what a point writes saves capacity writes (a real saving, not a \
+             measurement gap). What the cache tier costs is its own WA, shown separately \
+             (last column).",
             s.config.cluster.cache_mode
         )
     } else {
@@ -1165,6 +1205,14 @@ pub fn html_page(title: &str, status: &str, alert: bool, secs: &[Section]) -> St
     o
 }
 
+/// A byte count of the whole point; empty for runs that did not count them.
+fn bytes_opt(basis: WaBasis, v: u64) -> String {
+    match basis {
+        WaBasis::PointBytes => v.to_string(),
+        WaBasis::WindowRates => String::new(),
+    }
+}
+
 fn opt(v: Option<f64>) -> String {
     v.map(|x| format!("{x:.3}")).unwrap_or_default()
 }
@@ -1228,6 +1276,10 @@ pub fn csv(s: &RunSummary) -> String {
             "wa_journal",
             "wa_metadata",
             "wa_cache",
+            "wa_basis",
+            "point_client_write_bytes",
+            "point_capacity_write_bytes",
+            "point_cache_write_bytes",
             "endurance_drive",
             "endurance_write_mb_per_s",
             "endurance_years_24h",
@@ -1296,6 +1348,16 @@ pub fn csv(s: &RunSummary) -> String {
             opt(st.wa.journal),
             opt(st.wa.metadata),
             opt(st.wa.cache),
+            match st.wa.basis {
+                WaBasis::PointBytes => "point-bytes".into(),
+                WaBasis::WindowRates => "window-rates".into(),
+            },
+            bytes_opt(st.wa.basis, st.wa.client_write_bytes),
+            bytes_opt(st.wa.basis, st.wa.capacity_write_bytes),
+            st.wa
+                .cache_write_bytes
+                .map(|b| b.to_string())
+                .unwrap_or_default(),
             e.map(|e| format!("{:016x}", e.drive.0)).unwrap_or_default(),
             opt(e.map(|e| e.write_mb_per_s)),
             opt(e.and_then(|e| e.years[0])),
@@ -1492,9 +1554,52 @@ mod tests {
         );
         assert!(md.contains("destaged to the capacity drives once"), "{md}");
         assert!(md.contains("shown separately"), "{md}");
+        assert!(
+            md.contains("the flush at the end of each point destages"),
+            "{md}"
+        );
         // Cache drives in mode none absorb nothing.
         s.config.cluster.cache_mode = "none (4 cache drives, 256 MiB each, bound 1:1)".into();
         assert!(markdown(&s).contains("no cache drive absorbed the writes"));
+    }
+
+    #[test]
+    fn wa_text_says_how_it_was_counted() {
+        let mut s = summary(vec![100], vec![1]);
+        let md = markdown(&s);
+        assert!(
+            md.contains(
+                "WA counts every byte the point's writes cost on the drives, over warm-up + window"
+            ),
+            "{md}"
+        );
+        assert!(md.contains("flushed at the end of each point"), "{md}");
+        assert!(!md.contains("predates"), "{md}");
+        assert!(!md.contains("not counted (older run"), "{md}");
+        // Bytes over the point, per tier, in the breakdown and the CSV.
+        let st = s.points[0].stats.clone().unwrap();
+        assert!(md.contains(&format!(
+            "| {} / {} / none |",
+            format_size(st.wa.client_write_bytes),
+            format_size(st.wa.capacity_write_bytes)
+        )));
+        let c = csv(&s);
+        assert!(c.lines().next().unwrap().contains(",wa_basis,"), "{c}");
+        assert!(c.contains(",point-bytes,"), "{c}");
+        // A run from before: its WA came from the window's rates, and the report says so.
+        for p in &mut s.points {
+            for r in &mut p.repeats {
+                r.point_bytes = None;
+            }
+        }
+        s.restat();
+        let md = markdown(&s);
+        assert!(
+            md.contains("This run predates counting WA over whole points"),
+            "{md}"
+        );
+        assert!(md.contains("not counted (older run: window rates)"), "{md}");
+        assert!(csv(&s).contains(",window-rates,,,"));
     }
 
     #[test]
