@@ -1186,13 +1186,6 @@ impl Cache {
         Some(w.entry(k).or_default().clone())
     }
 
-    /// Reads one logged block; false if it no longer holds what the entry says (the
-    /// space was reclaimed and reused meanwhile).
-    fn read_entry(&self, e: &Entry, out: &mut [u8]) -> Result<bool, EngineError> {
-        self.read_locs(std::iter::once(e.loc), out)?;
-        Ok(crc32c::crc32c(out) == e.crc)
-    }
-
     // ---- destage -------------------------------------------------------------------
 
     /// Starts the destage thread (once).
@@ -1934,11 +1927,29 @@ impl Tier {
                     None => self.cap.read(key, epoch, offset, buf)?,
                 }
             };
+            // One read per run of blocks adjacent both in the request and in the log (a
+            // logged write reads back with one pread), then each block's crc.
+            let mut r = 0;
+            while r < hits.len() {
+                let s = r;
+                r += 1;
+                while r < hits.len()
+                    && hits[r].0 == hits[r - 1].0 + 1
+                    && hits[r].1.loc == hits[r - 1].1.loc + BS
+                {
+                    r += 1;
+                }
+                let (i0, i1) = (hits[s].0, hits[r - 1].0 + 1);
+                c.read_locs(
+                    (0..(i1 - i0) as u64).map(|k| hits[s].1.loc + k * BS),
+                    &mut buf[i0 * BLOCK_SIZE..i1 * BLOCK_SIZE],
+                )?;
+            }
             let mut moved = false;
             let mut bad_cache = Vec::new();
             for &(i, e) in &hits {
-                let out = &mut buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
-                if !c.read_entry(&e, out)? {
+                let out = &buf[i * BLOCK_SIZE..(i + 1) * BLOCK_SIZE];
+                if crc32c::crc32c(out) != e.crc {
                     let still = lock(&idx.m)
                         .entries
                         .get(&(first + i as u32))
@@ -1954,9 +1965,9 @@ impl Tier {
             if moved {
                 continue;
             }
-            let hit_set: std::collections::HashSet<u32> =
-                hits.iter().map(|&(i, _)| i as u32).collect();
-            info.bad_blocks.retain(|b| !hit_set.contains(b));
+            // `hits` is in request order: drop capacity's verdict on the blocks it did not serve.
+            info.bad_blocks
+                .retain(|b| hits.binary_search_by_key(&(*b as usize), |h| h.0).is_err());
             info.bad_blocks.extend(bad_cache);
             info.bad_blocks.sort_unstable();
             let hv = hits.iter().map(|h| h.1.version).max().unwrap_or(0);
