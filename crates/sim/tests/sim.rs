@@ -114,6 +114,13 @@ fn same_seed_same_run() {
         .map_err(|f| f.to_string())
         .unwrap();
     assert_ne!(a.digest, c.digest, "different seeds should differ");
+    let cached = || {
+        let mut o = Options::for_seed(7);
+        o.cache = true;
+        run(o).map_err(|f| f.to_string()).unwrap()
+    };
+    let (d, e) = (cached(), cached());
+    assert_eq!(d.digest, e.digest, "seed 7 with caches did not replay identically");
 }
 
 /// Runs `CONVERGE_SIM_SEEDS` seeds (default 200) of a variant; returns the failing seeds.
