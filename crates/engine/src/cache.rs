@@ -1799,6 +1799,34 @@ impl Tier {
             idx.cv.notify_all();
         };
         let res = (|| {
+            // A compare-and-set copy may roll a block back to an older version (resync and
+            // reconcile replacing a deposed owner's unacked write with the acked one). The
+            // log is reconciled with capacity by "newest version wins" (replay keeps a
+            // block's highest logged version, destage and replay never lower capacity's),
+            // which would bring the rolled-back write back. So such a copy does not go
+            // through the log: everything logged is destaged first (no logged record can
+            // outrank it any more), then capacity is written directly and the blocks'
+            // cached copies are forgotten.
+            if let Accept::Expect(vs, ex) = &accept {
+                let capv = self.cap.block_versions(key, offset, count as usize)?;
+                let lowers = (0..count as usize).any(|i| {
+                    let cur = logged[i].unwrap_or(0).max(capv[i].0);
+                    cur == ex[i].0 && vs[i].0 < cur
+                });
+                if lowers {
+                    c.flush()?;
+                    let n = self
+                        .cap
+                        .write_blocks(key, epoch, offset, data, crcs, vs, ex)?;
+                    let mut m = lock(&idx.m);
+                    for b in first..first + count {
+                        if let Some(e) = m.entries.remove(&b) {
+                            c.account_remove(&e);
+                        }
+                    }
+                    return Ok(n);
+                }
+            }
             let direct = c.mode() == CacheMode::None && logged.iter().all(Option::is_none);
             if direct {
                 return match &accept {

@@ -11,6 +11,7 @@
 // Tests may unwrap: a panic there is the failure report.
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
+mod cache;
 pub mod content;
 mod control;
 mod faults;
@@ -98,6 +99,22 @@ pub struct Options {
     /// The control plane refuses slab allocations and state changes from a deposed owner
     /// (an etcd transaction comparing the volume's epoch). See docs/SIMULATION.md.
     pub control_fences_deposed_owners: bool,
+    /// Give every node a cache drive (`converge_engine::Cache`) bound to its capacity
+    /// drives: every request goes through a `Tier`, the cache's destage runs as random
+    /// steps, modes switch at run time, and power losses also hit the cache drive, inside
+    /// destage steps and during the boot's log replay. Off by default (variant `cache`).
+    pub cache: bool,
+    pub cache_bytes: u64,
+    /// A cache destage step (or mode switch, or power loss inside a step) on a random node
+    /// every this many ms.
+    pub cache_work_ms: (u64, u64),
+    /// Chance that a cache work item switches the node's cache mode instead.
+    pub cache_mode_switch_p: f64,
+    /// Chance that a cache work item arms a power loss inside the destage step.
+    pub cache_destage_crash_p: f64,
+    /// Chance that a reboot of a node with a cache loses power again during recovery
+    /// (drive recovery or the cache log's replay and destage).
+    pub cache_boot_crash_p: f64,
 }
 
 impl Options {
@@ -151,6 +168,12 @@ impl Options {
             check_unallocated_zero_fencing: false,
             rot_sole_newest: false,
             control_fences_deposed_owners: true,
+            cache: false,
+            cache_bytes: converge_engine::CACHE_MIN_BYTES,
+            cache_work_ms: (2, 40),
+            cache_mode_switch_p: 0.1,
+            cache_destage_crash_p: 0.05,
+            cache_boot_crash_p: 0.25,
         }
     }
 }
@@ -225,6 +248,9 @@ fn variant_env(o: &Options) -> String {
     }
     if o.rot_sole_newest {
         v.push("rot-sole-newest");
+    }
+    if o.cache {
+        v.push("cache");
     }
     if v.is_empty() {
         String::new()
@@ -329,6 +355,7 @@ async fn run(w: Arc<World>) {
         }
     }
     let repairer = tokio::spawn(workload::repairer(w.clone()));
+    let cache_worker = o.cache.then(|| tokio::spawn(cache::worker(w.clone())));
     let until = Instant::now() + o.fault_phase;
     faults::nemesis(w.clone(), until).await;
 
@@ -339,6 +366,9 @@ async fn run(w: Arc<World>) {
         let _ = c.await;
     }
     let _ = repairer.await;
+    if let Some(c) = cache_worker {
+        let _ = c.await;
+    }
     heal(&w).await;
     if w.has_failed() {
         return;
@@ -451,7 +481,7 @@ async fn final_checks(w: &Arc<World>) {
             None => w.fail(format!("vol{v}: the final scrub could not run")),
         }
     }
-    compare_copies(w);
+    compare_copies(w, false);
     for (v, o) in &owners {
         read_back(w, *v, o, "after healing").await;
     }
@@ -474,7 +504,63 @@ async fn final_checks(w: &Arc<World>) {
     for (v, o) in &owners {
         read_back(w, *v, o, "after a final takeover").await;
     }
-    compare_copies(w);
+    compare_copies(w, false);
+    if w.opts.cache && !w.has_failed() {
+        cache_final_checks(w).await;
+    }
+}
+
+/// With caches: the whole cluster loses power at once, with dirty blocks in the logs of
+/// about half of the nodes (the others' logs were flushed first). Each node replays its
+/// log at boot, so capacity alone must then hold every acked write: after new takeovers
+/// and one scrub with repair (rot a read-cached copy hid from the first one), the caches
+/// are flushed and the capacity drives, read without their caches, must be identical.
+async fn cache_final_checks(w: &Arc<World>) {
+    let throttle = Arc::new(Throttle::new(u64::MAX));
+    for n in w.node_ids() {
+        if w.chance(0.5) {
+            w.flush_cache(n);
+        }
+    }
+    for n in w.node_ids() {
+        w.crash_node(n, "the whole cluster loses power at the end");
+    }
+    for n in w.node_ids() {
+        w.restart_node(n);
+    }
+    let nvols = lock(&w.vols).len();
+    for v in 0..nvols {
+        let idle = {
+            let vols = lock(&w.vols);
+            vols[v].current.is_none() && !vols[v].takeover_running
+        };
+        if idle {
+            owner::start_takeover(w, v, Duration::ZERO);
+        }
+    }
+    loop {
+        let ready = lock(&w.vols).iter().all(|r| r.current.is_some());
+        if ready {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let owners: Vec<(usize, Arc<owner::Owner>)> = lock(&w.vols)
+        .iter()
+        .enumerate()
+        .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
+        .collect();
+    for (v, o) in &owners {
+        read_back(w, *v, o, "after a whole-cluster power loss").await;
+    }
+    check_copies(w, "after a whole-cluster power loss");
+    for (v, o) in &owners {
+        workload::scrub(w, *v, o, true, &throttle).await;
+    }
+    for n in w.node_ids() {
+        w.flush_cache(n);
+    }
+    compare_copies(w, true);
 }
 
 /// Every in-sync copy, read alone straight from its drive, must pass the clients' read
@@ -575,8 +661,14 @@ pub(crate) fn check_agree(w: &Arc<World>, volume: VolumeId, epoch: converge_type
     }
 }
 
-/// Every copy of every slab holds the same bytes and versions, with no bad block.
-fn compare_copies(w: &Arc<World>) {
+/// Every copy of every slab holds the same bytes and versions, with no bad block. Read
+/// through each node's cache tier, or (`capacity_only`) from the capacity drives alone.
+fn compare_copies(w: &Arc<World>, capacity_only: bool) {
+    let what = if capacity_only {
+        "capacity copy"
+    } else {
+        "copy"
+    };
     let blocks = w.opts.slab_blocks;
     let records = lock(&w.ctl).all();
     for ((vol, slab), extents) in records {
@@ -587,12 +679,12 @@ fn compare_copies(w: &Arc<World>) {
         )> = None;
         for e in &extents {
             let key = world::slab_key(vol, slab.0);
-            match w.read_copy(e.node, e.drive, key, blocks) {
-                Err(err) => w.fail(format!("vol {vol} slab {slab}: copy unreadable: {err}")),
+            match w.read_copy_from(e.node, e.drive, key, blocks, capacity_only) {
+                Err(err) => w.fail(format!("vol {vol} slab {slab}: {what} unreadable: {err}")),
                 Ok((data, versions, bad)) => {
                     if !bad.is_empty() {
                         w.fail(format!(
-                            "vol {vol} slab {slab}: copy on node {} has bad blocks {bad:?} after healing",
+                            "vol {vol} slab {slab}: {what} on node {} has bad blocks {bad:?} after healing",
                             e.node
                         ));
                     }
@@ -601,7 +693,7 @@ fn compare_copies(w: &Arc<World>) {
                         Some((n0, d0, v0)) => {
                             if *v0 != versions {
                                 w.fail(format!(
-                                    "vol {vol} slab {slab}: versions differ between copies on nodes {n0} and {}: {:?} vs {:?}",
+                                    "vol {vol} slab {slab}: versions differ between {what}s on nodes {n0} and {}: {:?} vs {:?}",
                                     e.node, v0, versions
                                 ));
                             } else if *d0 != data {
@@ -611,7 +703,7 @@ fn compare_copies(w: &Arc<World>) {
                                     .position(|(a, b)| a != b)
                                     .unwrap_or(0);
                                 w.fail(format!(
-                                    "vol {vol} slab {slab}: data differs between copies on nodes {n0} and {} (first at block {b}) with equal versions",
+                                    "vol {vol} slab {slab}: data differs between {what}s on nodes {n0} and {} (first at block {b}) with equal versions",
                                     e.node
                                 ));
                             }

@@ -1,15 +1,16 @@
 //! `ReplicaIo` over the simulated network: each request to a peer is a message that is
 //! delayed (so requests reorder), may be lost on the way or on the way back (the write then
 //! applied, but the owner only sees a timeout), and is refused by partitions; it is served
-//! synchronously by the target node's real engine `Drive`. A request to the owner's own
-//! node goes straight to its drive, as in the daemon.
+//! synchronously by the target node's real engine `Drive` (through its cache `Tier` when the
+//! run has caches). A request to the owner's own node goes straight to its drive, as in the
+//! daemon.
 //!
 //! A message in flight does not die with its sender: it is its own task, so a crashed or
 //! deposed owner's last requests can still land afterwards (fencing must refuse them).
 
 use crate::world::{Delivery, World};
 use bytes::{Bytes, BytesMut};
-use converge_engine::{Drive, EngineError};
+use converge_engine::{EngineError, Tier};
 use converge_types::{Epoch, ExtentKey, NodeId, Version};
 use converge_volume::{BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo};
 use std::sync::Arc;
@@ -36,7 +37,7 @@ impl SimReplicas {
         &self,
         at: ExtentLoc,
         what: &'static str,
-        op: impl FnOnce(&Drive) -> Result<T, EngineError> + Send + 'static,
+        op: impl FnOnce(&Tier) -> Result<T, EngineError> + Send + 'static,
     ) -> Result<T, ReplicaError> {
         let w = self.world.clone();
         let timeout = w.opts.rpc_timeout;

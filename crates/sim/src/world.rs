@@ -10,15 +10,18 @@ use crate::control::Ctl;
 use crate::history::History;
 use crate::owner::VolRt;
 use crate::Options;
-use converge_engine::{BlockFile, Drive, DriveIdentity, EngineError, FaultyFile, FormatOptions};
+use converge_engine::{
+    BlockFile, Cache, Drive, DriveIdentity, EngineError, FaultyFile, FormatOptions, OpenReport,
+    Tier,
+};
 use converge_types::{
-    ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentState, MediaType, NodeId, Version,
-    BLOCK_SIZE,
+    CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentState, MediaType, NodeId,
+    Version, BLOCK_SIZE,
 };
 use converge_volume::ExtentLoc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -36,8 +39,23 @@ pub(crate) struct SimDrive {
     pub image: FaultyFile,
     /// The handle the open `Drive` uses; dead after a crash.
     pub live: FaultyFile,
-    /// None while the node is down (or if the drive failed to reopen).
-    pub drive: Option<Arc<Drive>>,
+    /// The drive as the node serves it: through its node's cache drive if the run has one,
+    /// else straight to the drive. None while the node is down (or if the drive failed to
+    /// reopen).
+    pub tier: Option<Arc<Tier>>,
+}
+
+/// A node's cache drive (`Options::cache`), bound to every capacity drive of the node.
+pub(crate) struct SimCache {
+    pub id: DriveId,
+    /// Handle on the cache drive's bytes that outlives crashes.
+    pub image: FaultyFile,
+    /// The handle the open `Cache` uses; dead after a crash.
+    pub live: FaultyFile,
+    /// None while the node is down (or if the cache failed to open).
+    pub cache: Option<Arc<Cache>>,
+    /// The mode in effect (the node's setting: it survives restarts).
+    pub mode: CacheMode,
 }
 
 pub(crate) struct Node {
@@ -51,6 +69,8 @@ pub(crate) struct Node {
     pub isolated_until: Option<Instant>,
     /// A power loss is armed on one of its drives (fires inside an engine write).
     pub armed: bool,
+    /// Its cache drive, if the run has caches.
+    pub cache: Option<SimCache>,
 }
 
 /// The network's current mood.
@@ -88,6 +108,12 @@ struct Trace {
 
 const RECENT_LINES: usize = 400;
 
+/// A node runs a cache destage step before a request when its log is this full (the log
+/// must never fill: a write would then wait for a destage thread the simulation lacks).
+const CACHE_PRESSURE_PCT: u64 = 60;
+/// Still this full after a destage step: the cache is stuck.
+const CACHE_FULL_PCT: u64 = 85;
+
 pub struct World {
     pub(crate) opts: Options,
     rng: Mutex<StdRng>,
@@ -113,6 +139,48 @@ pub(crate) fn slab_key(volume: converge_types::VolumeId, slab: u64) -> ExtentKey
         volume,
         slab: converge_types::SlabIndex(slab),
     }
+}
+
+/// A cache mode drawn at random (each node's, at start and when the mode switches).
+pub(crate) fn random_mode(r: &mut StdRng) -> CacheMode {
+    [CacheMode::None, CacheMode::Write, CacheMode::ReadWrite][r.gen_range(0..3)]
+}
+
+/// An open cache drive, one tier per capacity drive bound to it, and what its replay did.
+pub(crate) type OpenedCache = (Arc<Cache>, Vec<Arc<Tier>>, OpenReport);
+
+/// Opens (formatting it if blank) a node's cache drive on `file` as the node does at boot,
+/// after its capacity drives `caps`: the log is replayed and everything newer than
+/// capacity destaged. Returns the cache and one tier per capacity drive, bound to it, in
+/// the order of `caps`.
+pub(crate) fn open_cache(
+    node: NodeId,
+    id: DriveId,
+    slab_bytes: u64,
+    file: &FaultyFile,
+    caps: &[(DriveId, Arc<Drive>)],
+    mode: CacheMode,
+) -> Result<OpenedCache, EngineError> {
+    let ident = DriveIdentity {
+        cluster: ClusterId(0x5157),
+        node,
+        drive: id,
+        slab_size_bytes: slab_bytes,
+        role: DriveRole::Cache,
+        media: MediaType::Ram,
+    };
+    let map: HashMap<DriveId, Arc<Drive>> = caps.iter().cloned().collect();
+    let (cache, report) = Cache::open(Arc::new(file.clone()), ident, &map)?;
+    cache.set_mode(mode);
+    let tiers = caps
+        .iter()
+        .map(|(_, d)| {
+            let t = Tier::new(d.clone());
+            t.bind(cache.clone());
+            Arc::new(t)
+        })
+        .collect();
+    Ok((cache, tiers, report))
 }
 
 impl World {
@@ -150,9 +218,34 @@ impl World {
                     id,
                     image,
                     live,
-                    drive: Some(Arc::new(drive)),
+                    tier: Some(Arc::new(Tier::new(Arc::new(drive)))),
                 });
             }
+            let cache = if opts.cache {
+                let id = DriveId(u64::from(n) * 10 + 9);
+                let image = FaultyFile::new(opts.cache_bytes);
+                let live = image.reattach();
+                let mode = random_mode(&mut rng);
+                let caps: Vec<(DriveId, Arc<Drive>)> = drives
+                    .iter()
+                    .filter_map(|d| d.tier.as_ref().map(|t| (d.id, t.drive().clone())))
+                    .collect();
+                let (cache, tiers, _) =
+                    open_cache(NodeId(n), id, slab_bytes, &live, &caps, mode)
+                        .map_err(|e| format!("formatting simulated cache drive {id}: {e}"))?;
+                for (d, t) in drives.iter_mut().zip(tiers) {
+                    d.tier = Some(t);
+                }
+                Some(SimCache {
+                    id,
+                    image,
+                    live,
+                    cache: Some(cache),
+                    mode,
+                })
+            } else {
+                None
+            };
             nodes.push(Node {
                 id: NodeId(n),
                 up: true,
@@ -160,6 +253,7 @@ impl World {
                 drives,
                 isolated_until: None,
                 armed: false,
+                cache,
             });
         }
         Ok(Arc::new(World {
@@ -267,6 +361,7 @@ impl World {
         }
         for n in lock(&self.nodes).iter_mut() {
             n.drives.clear();
+            n.cache = None;
         }
     }
 
@@ -312,49 +407,145 @@ impl World {
         from == to || (!self.isolated(from) && !self.isolated(to))
     }
 
-    /// Runs one engine request on a node's drive, as that node's request handler would.
-    /// A power loss armed on the drive may fire inside: the node is then down and no reply
-    /// is ever sent.
+    /// Runs one engine request on a node's drive (through its cache tier, if the run has
+    /// caches), as that node's request handler would. A power loss armed on one of the
+    /// node's files may fire inside: the node is then down and no reply is ever sent.
     pub(crate) fn exec<T>(
         self: &Arc<Self>,
         node: NodeId,
         drive: DriveId,
-        op: impl FnOnce(&Drive) -> Result<T, EngineError>,
+        op: impl FnOnce(&Tier) -> Result<T, EngineError>,
     ) -> Delivery<T> {
         let got = self.with_node(node, |n| {
             if !n.up {
                 return None;
             }
+            let cache = n.cache.as_ref().and_then(|c| c.cache.clone());
             Some(match n.drives.iter().find(|d| d.id == drive) {
                 None => Err(EngineError::InvalidArgument(format!(
                     "node {node} has no drive {drive}"
                 ))),
-                Some(d) => match &d.drive {
-                    Some(dr) => Ok((dr.clone(), d.live.clone())),
+                Some(d) => match &d.tier {
+                    Some(t) => Ok((t.clone(), cache)),
                     None => Err(EngineError::Failed {
                         reason: format!("drive {drive} did not reopen after the last crash"),
                     }),
                 },
             })
         });
-        let (d, live) = match got.flatten() {
+        let (t, cache) = match got.flatten() {
             None => return Delivery::NoReply,
             Some(Err(e)) => return Delivery::Done(Err(e)),
             Some(Ok(x)) => x,
         };
-        let r = op(&d);
-        drop(d);
-        if live.crashed() {
+        if let Some(c) = cache {
+            if c.used_pct() >= CACHE_PRESSURE_PCT {
+                // No destage thread here: do what it would before the log fills up (a write
+                // through a full log waits for destage, which would never come).
+                self.count("cache destage steps under pressure");
+                let r = c.background_step(true);
+                if self.any_file_crashed(node) {
+                    self.crash_node(node, "armed power loss fired inside an engine write");
+                    return Delivery::NoReply;
+                }
+                if let Err(e) = r {
+                    self.fail(format!("node {node}: cache destage failed: {e}"));
+                }
+                if c.used_pct() >= CACHE_FULL_PCT {
+                    self.fail(format!(
+                        "node {node}: the cache log stays {}% full after a destage step",
+                        c.used_pct()
+                    ));
+                    return Delivery::Done(Err(EngineError::Failed {
+                        reason: "cache log full".into(),
+                    }));
+                }
+            }
+        }
+        let r = op(&t);
+        drop(t);
+        if self.any_file_crashed(node) {
             self.crash_node(node, "armed power loss fired inside an engine write");
             return Delivery::NoReply;
         }
         Delivery::Done(r)
     }
 
+    /// Folds a cache's counters into the run's (when it dies with its node).
+    fn cache_totals(&self, c: &Cache) {
+        let s = c.stats();
+        let mut st = lock(&self.stats);
+        if s.dirty_bytes > 0 {
+            *st.entry("power losses with dirty blocks in the cache log")
+                .or_insert(0) += 1;
+        }
+        *st.entry("cache read hit blocks").or_insert(0) += s.read_hit_blocks;
+        *st.entry("cache read-cache admissions").or_insert(0) += s.admitted_blocks;
+        *st.entry("cache writes stalled (log full)").or_insert(0) += s.write_stalls;
+    }
+
+    /// Did an armed power loss fire on one of the node's open files (drives or cache)?
+    fn any_file_crashed(&self, node: NodeId) -> bool {
+        self.with_node(node, |n| {
+            n.up && (n
+                .drives
+                .iter()
+                .any(|d| d.tier.is_some() && d.live.crashed())
+                || n.cache
+                    .as_ref()
+                    .is_some_and(|c| c.cache.is_some() && c.live.crashed()))
+        })
+        .unwrap_or(false)
+    }
+
+    /// One step of a node's cache background work (admissions, then destage and reclaim
+    /// of the log's oldest chunk), as the destage thread would do it at this moment.
+    /// Returns the bytes destaged, or None if the node is down, has no cache, or lost
+    /// power inside the step.
+    pub(crate) fn cache_step(self: &Arc<Self>, node: NodeId, pressure: bool) -> Option<u64> {
+        let c = self
+            .with_node(node, |n| {
+                if !n.up {
+                    return None;
+                }
+                n.cache.as_ref().and_then(|c| c.cache.clone())
+            })
+            .flatten()?;
+        let r = c.background_step(pressure);
+        if self.any_file_crashed(node) {
+            self.count("node crashes inside a cache destage step");
+            self.crash_node(node, "armed power loss fired inside a cache destage step");
+            return None;
+        }
+        match r {
+            Ok(b) => Some(b),
+            Err(e) => {
+                self.fail(format!("node {node}: cache destage failed: {e}"));
+                None
+            }
+        }
+    }
+
     /// Power loss on a whole node: every drive loses or tears its unsynced writes, the
     /// daemon (and any volume owner on it) is gone, and it reboots after a while.
     pub(crate) fn crash_node(self: &Arc<Self>, id: NodeId, why: &str) {
         let seeds: Vec<u64> = (0..4).map(|_| self.rng(|r| r.gen())).collect();
+        let cache_seed = if self.opts.cache {
+            self.rng(|r| r.gen())
+        } else {
+            0
+        };
+        let dying_cache = self
+            .with_node(id, |n| {
+                n.cache
+                    .as_ref()
+                    .and_then(|c| c.cache.clone())
+                    .filter(|_| n.up)
+            })
+            .flatten();
+        if let Some(c) = dying_cache {
+            self.cache_totals(&c);
+        }
         let crashed = self
             .with_node(id, |n| {
                 if !n.up {
@@ -365,7 +556,11 @@ impl World {
                 n.incarnation += 1;
                 for (i, d) in n.drives.iter_mut().enumerate() {
                     d.image.crash(seeds[i % seeds.len()]);
-                    d.drive = None;
+                    d.tier = None;
+                }
+                if let Some(c) = n.cache.as_mut() {
+                    c.image.crash(cache_seed);
+                    c.cache = None;
                 }
                 true
             })
@@ -390,45 +585,200 @@ impl World {
         }
     }
 
-    /// Reboot: every drive is reopened from what survived (journal replay and recovery).
+    /// Reboot: every drive is reopened from what survived (journal replay and recovery),
+    /// then the cache drive, if any: its log is replayed and destaged into the capacity
+    /// drives before they serve. With caches, the power may fail again during that boot
+    /// (armed inside one of its device writes): the node then stays down a while longer.
     pub(crate) fn restart_node(self: &Arc<Self>, id: NodeId) {
+        // (writes, seed, which file, seeds of the crash) of a power loss during the boot.
+        let boot_crash = if self.opts.cache
+            && !self.stopping()
+            && self.is_down(id)
+            && self.chance(self.opts.cache_boot_crash_p)
+        {
+            let writes = self.rng(|r| r.gen_range(1..=12u64));
+            let seed = self.rng(|r| r.gen());
+            let pick = self.rng(|r| r.gen::<usize>());
+            let seeds: Vec<u64> = (0..5).map(|_| self.rng(|r| r.gen())).collect();
+            Some((writes, seed, pick, seeds))
+        } else {
+            None
+        };
+        let slab_bytes = self.opts.slab_blocks * BLOCK_SIZE as u64;
         let mut errors = Vec::new();
-        let restarted = self
+        let mut reports = Vec::new();
+        let outcome = self
             .with_node(id, |n| {
                 if n.up {
-                    return false;
+                    return None;
                 }
                 for d in n.drives.iter_mut() {
-                    let live = d.image.reattach();
-                    let file: Arc<dyn BlockFile> = Arc::new(live.clone());
+                    d.live = d.image.reattach();
+                }
+                if let Some(c) = n.cache.as_mut() {
+                    c.live = c.image.reattach();
+                }
+                let mut armed_on: Option<FaultyFile> = None;
+                if let Some((writes, seed, pick, _)) = &boot_crash {
+                    let i = pick % (n.drives.len() + 1);
+                    let f = match (n.drives.get(i), n.cache.as_ref()) {
+                        (Some(d), _) => d.live.clone(),
+                        (None, Some(c)) => c.live.clone(),
+                        (None, None) => n.drives[0].live.clone(),
+                    };
+                    f.crash_after_writes(*writes, *seed);
+                    armed_on = Some(f);
+                }
+                let mut caps = Vec::new();
+                for d in n.drives.iter_mut() {
+                    let file: Arc<dyn BlockFile> = Arc::new(d.live.clone());
                     match Drive::open(file) {
                         Ok(dr) => {
-                            d.drive = Some(Arc::new(dr));
-                            d.live = live;
+                            let dr = Arc::new(dr);
+                            caps.push((d.id, dr.clone()));
+                            d.tier = Some(Arc::new(Tier::new(dr)));
                         }
                         Err(e) => {
                             errors.push(format!(
                                 "engine could not recover drive {} of node {id} after power loss: {e}",
                                 d.id
                             ));
-                            d.drive = None;
-                            d.live = live;
+                            d.tier = None;
                         }
                     }
                 }
+                let all_open = caps.len() == n.drives.len();
+                if let Some(c) = n.cache.as_mut().filter(|_| all_open) {
+                    // (Never without every capacity drive: the log of a missing one would
+                    // be dropped with the old log.)
+                    match open_cache(id, c.id, slab_bytes, &c.live, &caps, c.mode) {
+                        Ok((cache, tiers, report)) => {
+                            for ((drive, _), t) in caps.iter().zip(tiers) {
+                                if let Some(d) = n.drives.iter_mut().find(|d| d.id == *drive) {
+                                    d.tier = Some(t);
+                                }
+                            }
+                            c.cache = Some(cache);
+                            reports.push(report);
+                        }
+                        Err(e) => {
+                            errors.push(format!(
+                                "engine could not open cache drive {} of node {id} after power loss: {e}",
+                                c.id
+                            ));
+                            c.cache = None;
+                            // Without its log, the capacity drives may miss acked writes:
+                            // they must not serve.
+                            for d in n.drives.iter_mut() {
+                                d.tier = None;
+                            }
+                        }
+                    }
+                }
+                let fired = n.drives.iter().any(|d| d.live.crashed())
+                    || n.cache.as_ref().is_some_and(|c| c.live.crashed());
+                if fired {
+                    // Power failed again during the boot: down again, everything unsynced
+                    // lost or torn once more.
+                    let seeds = boot_crash.as_ref().map(|b| b.3.clone()).unwrap_or_default();
+                    for (i, d) in n.drives.iter_mut().enumerate() {
+                        d.image.crash(seeds.get(i).copied().unwrap_or(0));
+                        d.tier = None;
+                    }
+                    if let Some(c) = n.cache.as_mut() {
+                        c.image.crash(seeds.get(4).copied().unwrap_or(0));
+                        c.cache = None;
+                    }
+                    return Some(false);
+                }
+                if let Some(f) = armed_on {
+                    // Not reached during the boot: disarm (far beyond the run).
+                    f.crash_after_writes(u64::MAX, 0);
+                }
                 n.up = true;
                 n.incarnation += 1;
-                true
+                Some(true)
             })
-            .unwrap_or(false);
-        if restarted {
-            self.hit(id, Instant::now());
-            self.trace(|| format!("node {id} restarted, drives reopened"));
-            self.find_torn_blocks(id);
+            .flatten();
+        match outcome {
+            None => {}
+            Some(false) => {
+                self.count("power losses during a boot (recovery)");
+                self.trace(|| {
+                    format!("node {id} LOST POWER AGAIN while booting (recovery interrupted)")
+                });
+                if !self.stopping() {
+                    let down = self.ms(10, 100);
+                    let w = self.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(down).await;
+                        w.restart_node(id);
+                    });
+                }
+            }
+            Some(true) => {
+                self.hit(id, Instant::now());
+                for r in &reports {
+                    if r.blocks_destaged > 0 {
+                        self.count("cache replays that destaged blocks");
+                    }
+                    *lock(&self.stats)
+                        .entry("cache blocks destaged by replay")
+                        .or_insert(0) += r.blocks_destaged;
+                    if r.blocks_lost > 0 || r.blocks_of_unknown_drives > 0 {
+                        self.fail(format!(
+                            "node {id}: cache replay lost {} logged blocks ({} of unknown drives)",
+                            r.blocks_lost, r.blocks_of_unknown_drives
+                        ));
+                    }
+                }
+                self.trace(|| {
+                    let replay: Vec<String> = reports
+                        .iter()
+                        .map(|r| {
+                            format!(
+                                ", cache log replayed ({} batches, {} blocks destaged)",
+                                r.batches_replayed, r.blocks_destaged
+                            )
+                        })
+                        .collect();
+                    format!("node {id} restarted, drives reopened{}", replay.concat())
+                });
+                self.find_torn_blocks(id);
+                for e in errors {
+                    self.fail(e);
+                }
+            }
         }
-        for e in errors {
-            self.fail(e);
+    }
+
+    /// Destages everything in the node's cache log (`Cache::flush`, which runs the destage
+    /// steps itself when no thread does).
+    pub(crate) fn flush_cache(self: &Arc<Self>, id: NodeId) {
+        let Some(c) = self
+            .with_node(id, |n| {
+                if !n.up {
+                    return None;
+                }
+                n.cache.as_ref().and_then(|c| c.cache.clone())
+            })
+            .flatten()
+        else {
+            return;
+        };
+        let r = c.flush();
+        if self.any_file_crashed(id) {
+            self.crash_node(id, "armed power loss fired inside a cache flush");
+            return;
         }
+        match r {
+            Ok(()) => self.trace(|| format!("node {id}: cache flushed")),
+            Err(e) => self.fail(format!("node {id}: cache flush failed: {e}")),
+        }
+    }
+
+    fn is_down(&self, id: NodeId) -> bool {
+        self.with_node(id, |n| !n.up).unwrap_or(false)
     }
 
     /// Blocks that recovery reports bad after a power loss (a torn write) are corruption,
@@ -440,9 +790,9 @@ impl World {
                 n.drives
                     .iter()
                     .filter_map(|d| {
-                        d.drive
+                        d.tier
                             .as_ref()
-                            .map(|dr| (d.id, dr.extents().into_iter().map(|e| e.key).collect()))
+                            .map(|t| (d.id, t.extents().into_iter().map(|e| e.key).collect()))
                     })
                     .collect()
             })
@@ -469,25 +819,44 @@ impl World {
     }
 
     /// Arms a power loss inside one of the node's next engine writes (mid-write: data
-    /// written, journal not yet synced, or mid-checkpoint), so recovery sees lost and torn
-    /// unsynced writes. Falls back to an immediate power cut if nothing writes there soon.
+    /// written, journal not yet synced, or mid-checkpoint; with caches also mid log batch
+    /// or mid-destage), so recovery sees lost and torn unsynced writes. Falls back to an
+    /// immediate power cut if nothing writes there soon.
     pub(crate) fn arm_crash(self: &Arc<Self>, id: NodeId) -> bool {
         let writes = self.rng(|r| r.gen_range(1..=6u64));
+        self.arm_crash_with(id, writes, None)
+    }
+
+    /// [`World::arm_crash`] within `writes` device writes, on the file `on` picks (an
+    /// index into the node's open capacity drives, then its cache), or a random one.
+    pub(crate) fn arm_crash_with(
+        self: &Arc<Self>,
+        id: NodeId,
+        writes: u64,
+        on: Option<usize>,
+    ) -> bool {
         let seed = self.rng(|r| r.gen());
-        let pick = self.rng(|r| r.gen::<usize>());
+        let pick = on.unwrap_or_else(|| self.rng(|r| r.gen::<usize>()));
         let armed = self
             .with_node(id, |n| {
                 if !n.up || n.armed {
                     return None;
                 }
-                let live: Vec<&SimDrive> = n.drives.iter().filter(|d| d.drive.is_some()).collect();
-                if live.is_empty() {
+                let mut files: Vec<(DriveId, &FaultyFile)> = n
+                    .drives
+                    .iter()
+                    .filter(|d| d.tier.is_some())
+                    .map(|d| (d.id, &d.live))
+                    .collect();
+                if let Some(c) = n.cache.as_ref().filter(|c| c.cache.is_some()) {
+                    files.push((c.id, &c.live));
+                }
+                if files.is_empty() {
                     return None;
                 }
-                let d = live[pick % live.len()];
-                d.live.crash_after_writes(writes, seed);
+                let (drive, f) = files[pick % files.len()];
+                f.crash_after_writes(writes, seed);
                 let inc = n.incarnation;
-                let drive = d.id;
                 n.armed = true;
                 Some((inc, drive))
             })
@@ -640,10 +1009,12 @@ impl World {
     fn still_rotten(self: &Arc<Self>, r: &Rot) -> bool {
         let key = r.key;
         let off = u64::from(r.block) * BLOCK_SIZE as u64;
-        match self.exec(r.node, r.drive, move |d| {
+        // Read from the drive itself: a cache's copy of the block may hide it for a while.
+        match self.exec(r.node, r.drive, move |t| {
             let mut buf = vec![0u8; BLOCK_SIZE];
             let mut v = Vec::new();
-            d.read_blocks(key, Epoch(u64::MAX), off, &mut buf, &mut v)
+            t.drive()
+                .read_blocks(key, Epoch(u64::MAX), off, &mut buf, &mut v)
         }) {
             Delivery::Done(Ok(info)) => !info.bad_blocks.is_empty(),
             // Down or failing: assume still rotten until it can be checked.
@@ -665,7 +1036,11 @@ impl World {
                 }
                 n.drives
                     .iter()
-                    .filter_map(|d| d.drive.clone().map(|dr| (d.id, dr, d.image.clone())))
+                    .filter_map(|d| {
+                        d.tier
+                            .as_ref()
+                            .map(|t| (d.id, t.drive().clone(), d.image.clone()))
+                    })
                     .collect()
             })
             .unwrap_or_default();
@@ -731,7 +1106,35 @@ impl World {
         ))
     }
 
-    /// Reads one whole copy directly from its drive (no network), for the final compare.
+    /// Reads one whole copy directly from its node (no network), as a read through its
+    /// tier sees it, or (`capacity_only`) from the capacity drive alone.
+    pub(crate) fn read_copy_from(
+        self: &Arc<Self>,
+        node: NodeId,
+        drive: DriveId,
+        key: ExtentKey,
+        blocks: u64,
+        capacity_only: bool,
+    ) -> Result<CopyImage, String> {
+        let len = blocks as usize * BLOCK_SIZE;
+        match self.exec(node, drive, move |t| {
+            let mut buf = vec![0u8; len];
+            let mut v = Vec::new();
+            let info = if capacity_only {
+                t.drive()
+                    .read_blocks(key, Epoch(u64::MAX), 0, &mut buf, &mut v)?
+            } else {
+                t.read_blocks(key, Epoch(u64::MAX), 0, &mut buf, &mut v)?
+            };
+            Ok((buf, v, info.bad_blocks))
+        }) {
+            Delivery::Done(Ok(x)) => Ok(x),
+            Delivery::Done(Err(e)) => Err(format!("node {node} drive {drive}: {e}")),
+            Delivery::NoReply => Err(format!("node {node} is down")),
+        }
+    }
+
+    /// Reads one whole copy directly from its node (no network), for the checkers.
     pub(crate) fn read_copy(
         self: &Arc<Self>,
         node: NodeId,
@@ -739,17 +1142,7 @@ impl World {
         key: ExtentKey,
         blocks: u64,
     ) -> Result<CopyImage, String> {
-        let len = blocks as usize * BLOCK_SIZE;
-        match self.exec(node, drive, move |d| {
-            let mut buf = vec![0u8; len];
-            let mut v = Vec::new();
-            let info = d.read_blocks(key, Epoch(u64::MAX), 0, &mut buf, &mut v)?;
-            Ok((buf, v, info.bad_blocks))
-        }) {
-            Delivery::Done(Ok(x)) => Ok(x),
-            Delivery::Done(Err(e)) => Err(format!("node {node} drive {drive}: {e}")),
-            Delivery::NoReply => Err(format!("node {node} is down")),
-        }
+        self.read_copy_from(node, drive, key, blocks, false)
     }
 
     /// States of every copy per slab, from the control plane (the truth).

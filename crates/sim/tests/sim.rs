@@ -5,8 +5,9 @@
 //! * `CONVERGE_SIM_FIRST_SEED=<n>`: where `many_seeds` starts (default 1).
 //! * `CONVERGE_SIM_SEED=<n>`: the seed `replay` runs, printing every step.
 //! * `CONVERGE_SIM_VARIANT=no-control-fencing,short-owner-partitions,
-//!   unallocated-zero-fencing,rot-sole-newest`: options the `#[ignore]`d known-issue tests
-//!   turn on, for `replay` of one of their seeds.
+//!   unallocated-zero-fencing,rot-sole-newest,cache`: options the variant sweeps turn on,
+//!   for `replay` of one of their seeds.
+//! * `CONVERGE_SIM_CACHE_SEEDS=<n>`: how many seeds `cache_tier` runs (default below).
 
 use converge_sim::{simulate, Failure, Options, Report};
 use std::time::Instant;
@@ -31,6 +32,7 @@ fn options(seed: u64) -> Options {
             "short-owner-partitions" => o.short_owner_partitions = true,
             "unallocated-zero-fencing" => o.check_unallocated_zero_fencing = true,
             "rot-sole-newest" => o.rot_sole_newest = true,
+            "cache" => o.cache = true,
             other => panic!("unknown CONVERGE_SIM_VARIANT {other:?}"),
         }
     }
@@ -112,6 +114,13 @@ fn same_seed_same_run() {
         .map_err(|f| f.to_string())
         .unwrap();
     assert_ne!(a.digest, c.digest, "different seeds should differ");
+    let cached = || {
+        let mut o = Options::for_seed(7);
+        o.cache = true;
+        run(o).map_err(|f| f.to_string()).unwrap()
+    };
+    let (d, e) = (cached(), cached());
+    assert_eq!(d.digest, e.digest, "seed 7 with caches did not replay identically");
 }
 
 /// Runs `CONVERGE_SIM_SEEDS` seeds (default 200) of a variant; returns the failing seeds.
@@ -164,4 +173,41 @@ fn unallocated_zero_fencing() {
 fn rot_sole_newest() {
     let failed = sweep(|o| o.rot_sole_newest = true);
     assert!(failed.is_empty(), "seeds {failed:?} failed");
+}
+
+/// Seeds of the cache-tier sweep in CI: sized to add well under 30 s in release on a
+/// 2-core machine.
+const CACHE_SEEDS: u64 = 300;
+
+/// Every node has a cache drive in front of its capacity drives: writes land in the cache
+/// log, destage runs at random moments, modes switch, and power losses hit the cache drive,
+/// destage steps and the boot's log replay (docs/SIMULATION.md, "The cache tier").
+#[test]
+fn cache_tier() {
+    let start = Instant::now();
+    let n = env_u64("CONVERGE_SIM_CACHE_SEEDS").unwrap_or(CACHE_SEEDS);
+    let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
+    let mut failed = Vec::new();
+    let mut counters = std::collections::BTreeMap::new();
+    for seed in first..first + n {
+        let mut o = options(seed);
+        o.cache = true;
+        match run(o) {
+            Ok(r) => {
+                for (k, v) in r.counters {
+                    *counters.entry(k).or_insert(0u64) += v;
+                }
+            }
+            Err(f) => {
+                eprintln!("{f}\n");
+                failed.push(seed);
+            }
+        }
+    }
+    eprintln!("{n} cache seeds from {first} in {:.1?}", start.elapsed());
+    eprintln!("totals: {counters:?}");
+    assert!(
+        failed.is_empty(),
+        "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=cache CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
+    );
 }
