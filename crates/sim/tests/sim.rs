@@ -120,7 +120,10 @@ fn same_seed_same_run() {
         run(o).map_err(|f| f.to_string()).unwrap()
     };
     let (d, e) = (cached(), cached());
-    assert_eq!(d.digest, e.digest, "seed 7 with caches did not replay identically");
+    assert_eq!(
+        d.digest, e.digest,
+        "seed 7 with caches did not replay identically"
+    );
 }
 
 /// Runs `CONVERGE_SIM_SEEDS` seeds (default 200) of a variant; returns the failing seeds.
