@@ -1260,7 +1260,7 @@ impl Cache {
             let first_seq = lock(&self.batches).front().map(|b| b.seq);
             let draining = first_seq.is_some_and(|s| s < drain);
             let stalled = s.write_stalls > 0 && used_pct >= high.saturating_sub(10);
-            let full_speed = draining || used_pct >= high || stalled;
+            let full_speed = draining || used_pct >= high || dirty_pct >= high || stalled;
             let wanted = full_speed
                 || dirty_pct >= low
                 || (self.mode() == CacheMode::None && s.dirty_bytes > 0);

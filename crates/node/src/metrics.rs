@@ -162,6 +162,14 @@ pub async fn render(node: &Node) -> String {
             "converge_cache_read_miss_blocks_total{{{l}}} {}",
             s.read_miss_blocks
         );
+        let reads = s.read_hit_blocks + s.read_miss_blocks;
+        if reads > 0 {
+            let _ = writeln!(
+                o,
+                "converge_cache_read_hit_ratio{{{l}}} {}",
+                s.read_hit_blocks as f64 / reads as f64
+            );
+        }
         let _ = writeln!(
             o,
             "converge_cache_admitted_blocks_total{{{l}}} {}",
