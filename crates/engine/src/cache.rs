@@ -1207,7 +1207,89 @@ impl Cache {
     }
 
     /// Destages everything logged so far (dirty blocks reach capacity); returns when done.
+    /// Destages every dirty block logged so far (capacity then holds every acked write).
+    /// In read-write mode the logged copies stay as clean read-cache blocks, so a flush
+    /// does not empty the read cache; in the other modes they are dropped. Returns when
+    /// done.
     pub fn flush(&self) -> Result<(), EngineError> {
+        self.check_failed()?;
+        let _gate = lock(&self.destage_gate);
+        let mut dirty: Vec<(DriveId, ExtentKey, u32, u64, u64, u32)> = Vec::new();
+        {
+            let b = lock(&self.batches);
+            for bt in b.iter() {
+                let mut di = 0u64;
+                for r in bt.recs.iter().filter(|r| r.has_data()) {
+                    let loc = bt.off + bt.hdr_len + di * BS;
+                    di += 1;
+                    if r.kind != K_DIRTY {
+                        continue;
+                    }
+                    let Some(idx) = self.ext((r.drive, r.key), false) else {
+                        continue;
+                    };
+                    let m = lock(&idx.m);
+                    if let Some(e) = m.entries.get(&r.block) {
+                        if e.loc == loc && e.dirty {
+                            dirty.push((r.drive, r.key, r.block, loc, e.version, e.crc));
+                        }
+                    }
+                }
+            }
+        }
+        dirty.sort_unstable();
+        // Only read-write mode keeps a read cache; the other modes drop the copies.
+        let keep = self.mode() == CacheMode::ReadWrite;
+        let caps = read(&self.capacity).clone();
+        let mut i = 0;
+        while i < dirty.len() {
+            let (drive, key) = (dirty[i].0, dirty[i].1);
+            let s = i;
+            while i < dirty.len() && (dirty[i].0, dirty[i].1) == (drive, key) {
+                i += 1;
+            }
+            let Some(cap) = caps.get(&drive) else {
+                continue;
+            };
+            let blocks: Vec<(u32, u64, u64, u32)> =
+                dirty[s..i].iter().map(|d| (d.2, d.3, d.4, d.5)).collect();
+            for part in blocks.chunks(BATCH_BLOCKS_MAX) {
+                let (lost, _) = self.destage_blocks(cap, key, part, false)?;
+                if lost > 0 {
+                    let e = EngineError::Corrupt(format!(
+                        "{lost} logged blocks of extent {key:?} fail their checksum"
+                    ));
+                    self.fail(&e.to_string());
+                    return Err(e);
+                }
+            }
+            if let Some(idx) = self.ext((drive, key), false) {
+                let mut m = lock(&idx.m);
+                for d in &dirty[s..i] {
+                    let Some(e) = m.entries.get_mut(&d.2) else {
+                        continue;
+                    };
+                    if e.loc != d.3 || !e.dirty {
+                        continue;
+                    }
+                    if keep {
+                        e.dirty = false;
+                        e.referenced = false;
+                        self.extra.dirty.fetch_sub(1, Ordering::Relaxed);
+                        self.extra.clean.fetch_add(1, Ordering::Relaxed);
+                    } else if let Some(e) = m.entries.remove(&d.2) {
+                        self.account_remove(&e);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Destages everything logged so far and reclaims its log space: afterwards no logged
+    /// record older than this call can be replayed (a copy that rolls a block back to an
+    /// older version needs that). Returns when done.
+    pub fn drain(&self) -> Result<(), EngineError> {
         let target = {
             let st = lock(&self.st);
             if let Some(r) = &st.failed {
@@ -1814,7 +1896,7 @@ impl Tier {
                     cur == ex[i].0 && vs[i].0 < cur
                 });
                 if lowers {
-                    c.flush()?;
+                    c.drain()?;
                     let n = self
                         .cap
                         .write_blocks(key, epoch, offset, data, crcs, vs, ex)?;

@@ -487,3 +487,42 @@ fn a_copy_that_rolls_a_block_back_survives_destage_and_replay() {
         }
     }
 }
+
+#[test]
+fn a_flush_keeps_the_logged_copies_as_read_cache_and_replay_is_harmless() {
+    let r = rig(16 << 20);
+    r.cache.set_mode(CacheMode::ReadWrite);
+    let k = key(11, 0);
+    for b in 0..8u64 {
+        write(&r.tier, k, b, b + 1, b);
+    }
+    r.cache.flush().expect("flush");
+    let s = r.cache.stats();
+    assert_eq!(s.dirty_bytes, 0);
+    assert_eq!(s.clean_bytes, 8 * BS, "flushed blocks stay as clean copies");
+    for b in 0..8u64 {
+        assert_eq!(
+            read_cap(&r.cap, k, b),
+            block(b).0,
+            "capacity holds block {b}"
+        );
+    }
+    let hits = r.cache.stats().read_hit_blocks;
+    for b in 0..8u64 {
+        assert_eq!(read_block(&r.tier, k, b).0, block(b).0);
+    }
+    assert_eq!(
+        r.cache.stats().read_hit_blocks,
+        hits + 8,
+        "reads hit the clean copies"
+    );
+    // A newer write after the flush, then power loss: replay keeps the newest version.
+    write(&r.tier, k, 2, 100, 50);
+    let (r, rep) = reopen(r, 4);
+    assert_eq!(
+        rep.blocks_destaged, 1,
+        "only the write after the flush was replayed"
+    );
+    assert_eq!(read_cap(&r.cap, k, 2), block(50).0);
+    assert_eq!(read_cap(&r.cap, k, 3), block(3).0);
+}
