@@ -1218,10 +1218,8 @@ impl Cache {
         {
             let b = lock(&self.batches);
             for bt in b.iter() {
-                let mut di = 0u64;
-                for r in bt.recs.iter().filter(|r| r.has_data()) {
-                    let loc = bt.off + bt.hdr_len + di * BS;
-                    di += 1;
+                for (di, r) in bt.recs.iter().filter(|r| r.has_data()).enumerate() {
+                    let loc = bt.off + bt.hdr_len + di as u64 * BS;
                     if r.kind != K_DIRTY {
                         continue;
                     }
