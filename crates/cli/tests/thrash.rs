@@ -62,7 +62,31 @@ fn healed(lab: &Lab) -> bool {
 fn thrash() {
     let secs = env_u64("CONVERGE_THRASH_SECS", 120);
     let seed = env_u64("CONVERGE_THRASH_SEED", 1);
-    let lab = Lab::up(4, &["--netns", "--repair-delay", "3600"]);
+    thrash_run(secs, seed, false);
+}
+
+/// The same with a RAM cache drive per node (write-back: acked writes sit in the caches
+/// when nodes are killed, paused and partitioned) and the pool's cache mode switched among
+/// none, write and read-write as one more fault.
+#[test]
+fn thrash_with_cache_drives() {
+    let secs = env_u64("CONVERGE_THRASH_CACHE_SECS", 90);
+    let seed = env_u64("CONVERGE_THRASH_SEED", 1) + 1000;
+    thrash_run(secs, seed, true);
+}
+
+fn thrash_run(secs: u64, seed: u64, cache: bool) {
+    let mut args = vec!["--netns", "--repair-delay", "3600"];
+    if cache {
+        args.extend([
+            "--cache-drives",
+            "1",
+            "--cache-size",
+            "128M",
+            "--cache-in-ram",
+        ]);
+    }
+    let lab = Lab::up(4, &args);
     for i in 1..=VOLUMES {
         lab.must(&[
             "volume",
@@ -101,7 +125,18 @@ fn thrash() {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let mut faults: BTreeMap<&str, u64> = BTreeMap::new();
     let start = Instant::now();
-    let kinds = ["kill", "pause", "partition", "corrupt"];
+    let kinds: &[&str] = if cache {
+        &[
+            "kill",
+            "cache-mode",
+            "pause",
+            "partition",
+            "cache-mode",
+            "corrupt",
+        ]
+    } else {
+        &["kill", "pause", "partition", "corrupt"]
+    };
     let mut k = 0;
     std::thread::sleep(Duration::from_secs(3));
     while start.elapsed() < Duration::from_secs(secs) {
@@ -129,6 +164,12 @@ fn thrash() {
                 lab.must(&["lab", "fault", "partition", &node]);
                 std::thread::sleep(hold);
                 lab.must(&["lab", "fault", "heal", &node]);
+            }
+            "cache-mode" => {
+                let mode = ["none", "write", "read-write"][rng.gen_range(0..3usize)];
+                eprintln!("thrash: cache mode {mode}");
+                lab.must(&["cache", "mode", mode]);
+                std::thread::sleep(hold);
             }
             _ => {
                 // A node that holds written blocks (placement decides which do).
@@ -198,7 +239,8 @@ fn thrash() {
         }
     }
     println!(
-        "thrash: {} s of faults, seed {seed}: {faults:?}; clients {totals:?}; scrub repaired {scrubbed:?}",
+        "thrash{}: {} s of faults, seed {seed}: {faults:?}; clients {totals:?}; scrub repaired {scrubbed:?}",
+        if cache { " (cache drives)" } else { "" },
         start.elapsed().as_secs()
     );
     assert_eq!(
