@@ -209,6 +209,13 @@ impl Rec {
     }
 }
 
+/// A batch's block buffer: room for BATCH_BLOCKS_MAX blocks, empty.
+fn empty_batch_buf() -> AlignedBuf {
+    let mut b = AlignedBuf::new(BATCH_BLOCKS_MAX * BLOCK_SIZE);
+    b.set_len(0);
+    b
+}
+
 fn hdr_len(records: usize, sector: u64) -> u64 {
     ((HDR + records * REC) as u64).div_ceil(sector) * sector
 }
@@ -243,7 +250,9 @@ struct Placed {
 
 struct LogState {
     recs: Vec<Rec>,
-    data: Vec<u8>,
+    /// The open batch's blocks, already in an O_DIRECT-aligned buffer (the leader writes
+    /// it as is: no second copy).
+    data: AlignedBuf,
     /// Bytes the pending records and data will take (excluding header padding).
     pending_bytes: u64,
     open_seq: u64,
@@ -257,9 +266,8 @@ struct LogState {
 
 struct LeaderBufs {
     recs: Vec<Rec>,
-    data: Vec<u8>,
+    data: AlignedBuf,
     hdr: AlignedBuf,
-    io: AlignedBuf,
 }
 
 /// A block's newest version in the log.
@@ -491,7 +499,7 @@ impl Cache {
             sb_gen: Mutex::new(sb.generation),
             st: Mutex::new(LogState {
                 recs: Vec::new(),
-                data: Vec::new(),
+                data: empty_batch_buf(),
                 pending_bytes: 0,
                 open_seq: 1,
                 durable_seq: 0,
@@ -504,9 +512,8 @@ impl Cache {
             cv: Condvar::new(),
             leader: Mutex::new(LeaderBufs {
                 recs: Vec::new(),
-                data: Vec::new(),
+                data: empty_batch_buf(),
                 hdr: AlignedBuf::new(hdr_len(BATCH_BLOCKS_MAX * 2, sector) as usize),
-                io: AlignedBuf::new(BATCH_BLOCKS_MAX * BLOCK_SIZE),
             }),
             batches: Mutex::new(VecDeque::new()),
             index: RwLock::new(HashMap::new()),
@@ -958,8 +965,9 @@ impl Cache {
             for r in &recs[ri..end] {
                 st.recs.push(*r);
                 if r.has_data() {
-                    st.data
-                        .extend_from_slice(&data[di * BLOCK_SIZE..(di + 1) * BLOCK_SIZE]);
+                    let at = st.data.len();
+                    st.data.set_len(at + BLOCK_SIZE);
+                    st.data[at..].copy_from_slice(&data[di * BLOCK_SIZE..(di + 1) * BLOCK_SIZE]);
                     di += 1;
                 }
             }
@@ -1031,7 +1039,7 @@ impl Cache {
             });
         }
         ld.recs.clear();
-        ld.data.clear();
+        ld.data.set_len(0);
         drop(ld);
         let mut st = lock(&self.st);
         match res {
@@ -1077,14 +1085,8 @@ impl Cache {
                 .write_at(&ld.hdr, LOG_OFF + pos)
                 .map_err(EngineError::io("write"))?;
             if !ld.data.is_empty() {
-                let dl = ld.data.len();
-                if ld.io.capacity() < dl {
-                    ld.io = AlignedBuf::new(dl);
-                }
-                ld.io.set_len(dl);
-                ld.io.copy_from_slice(&ld.data);
                 self.file
-                    .write_at(&ld.io, LOG_OFF + pos + hl)
+                    .write_at(&ld.data, LOG_OFF + pos + hl)
                     .map_err(EngineError::io("write"))?;
             }
             self.file.sync().map_err(EngineError::io("sync"))
