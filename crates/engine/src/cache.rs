@@ -20,11 +20,11 @@
 use crate::drive::{lock, Capacity, DestageRun, Drive, ExtentInfo, ReadInfo};
 use crate::error::EngineError;
 use crate::file::{AlignedBuf, BlockFile};
-use crate::layout::DriveIdentity;
+use crate::layout::{get_u32, get_u64, media_code, media_of, put_u32, put_u64, DriveIdentity};
 use crate::stats::{Counters, DriveStats, OpKind};
 use converge_types::{
-    CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex,
-    Version, VolumeId, BLOCK_SIZE, MAX_IO_BYTES,
+    CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, NodeId, SlabIndex, Version,
+    VolumeId, BLOCK_SIZE,
 };
 use serde::Serialize;
 use std::collections::{HashMap, VecDeque};
@@ -54,37 +54,6 @@ const ADMIT_QUEUE_MAX: usize = 1024;
 const K_DIRTY: u8 = 1;
 const K_CLEAN: u8 = 2;
 const K_DROP: u8 = 3;
-
-fn put_u32(b: &mut [u8], at: usize, v: u32) {
-    b[at..at + 4].copy_from_slice(&v.to_le_bytes());
-}
-fn put_u64(b: &mut [u8], at: usize, v: u64) {
-    b[at..at + 8].copy_from_slice(&v.to_le_bytes());
-}
-fn get_u32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().expect("4-byte slice"))
-}
-fn get_u64(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().expect("8-byte slice"))
-}
-
-fn media_code(m: MediaType) -> u8 {
-    match m {
-        MediaType::Ssd => 0,
-        MediaType::Nvme => 1,
-        MediaType::Hdd => 2,
-        MediaType::Ram => 3,
-    }
-}
-fn media_of(c: u8) -> Result<MediaType, EngineError> {
-    Ok(match c {
-        0 => MediaType::Ssd,
-        1 => MediaType::Nvme,
-        2 => MediaType::Hdd,
-        3 => MediaType::Ram,
-        x => return Err(EngineError::Corrupt(format!("unknown media code {x}"))),
-    })
-}
 
 /// The cache drive's superblock (two copies, like the engine's).
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -302,6 +271,8 @@ struct ExtIdx {
 }
 
 type IdxKey = (DriveId, ExtentKey);
+/// A live dirty block: (capacity drive, extent, block, log offset, version, crc).
+type LiveBlock = (DriveId, ExtentKey, u32, u64, u64, u32);
 /// A logged block found by replay: (log offset of its data, version, crc).
 type Logged = (u64, u64, u32);
 
@@ -1216,7 +1187,7 @@ impl Cache {
     pub fn flush(&self) -> Result<(), EngineError> {
         self.check_failed()?;
         let _gate = lock(&self.destage_gate);
-        let mut dirty: Vec<(DriveId, ExtentKey, u32, u64, u64, u32)> = Vec::new();
+        let mut dirty: Vec<LiveBlock> = Vec::new();
         {
             let b = lock(&self.batches);
             for bt in b.iter() {
@@ -1237,10 +1208,20 @@ impl Cache {
                 }
             }
         }
-        dirty.sort_unstable();
         // Only read-write mode keeps a read cache; the other modes drop the copies.
-        let keep = self.mode() == CacheMode::ReadWrite;
+        self.destage_live(&mut dirty, self.mode() == CacheMode::ReadWrite)?;
+        Ok(())
+    }
+
+    /// Writes live dirty blocks (capacity drive, extent, block, log offset, version, crc)
+    /// to their capacity drives, per extent in address order, then marks each one not
+    /// rewritten meanwhile clean (`keep_clean`: it stays as a read-cache copy) or forgets
+    /// it. Blocks of a drive no longer bound are dropped. A logged block failing its crc
+    /// fails the cache (that acked write is lost on this node). Returns the bytes written.
+    fn destage_live(&self, dirty: &mut [LiveBlock], keep_clean: bool) -> Result<u64, EngineError> {
+        dirty.sort_unstable();
         let caps = read(&self.capacity).clone();
+        let mut bytes = 0;
         let mut i = 0;
         while i < dirty.len() {
             let (drive, key) = (dirty[i].0, dirty[i].1);
@@ -1248,42 +1229,51 @@ impl Cache {
             while i < dirty.len() && (dirty[i].0, dirty[i].1) == (drive, key) {
                 i += 1;
             }
-            let Some(cap) = caps.get(&drive) else {
-                continue;
-            };
             let blocks: Vec<(u32, u64, u64, u32)> =
                 dirty[s..i].iter().map(|d| (d.2, d.3, d.4, d.5)).collect();
-            for part in blocks.chunks(BATCH_BLOCKS_MAX) {
-                let (lost, _) = self.destage_blocks(cap, key, part, false)?;
-                if lost > 0 {
-                    let e = EngineError::Corrupt(format!(
-                        "{lost} logged blocks of extent {key:?} fail their checksum"
-                    ));
-                    self.fail(&e.to_string());
-                    return Err(e);
+            let cap = caps.get(&drive);
+            match cap {
+                Some(cap) => {
+                    for part in blocks.chunks(BATCH_BLOCKS_MAX) {
+                        let (lost, _) = self.destage_blocks(cap, key, part, false)?;
+                        if lost > 0 {
+                            let e = EngineError::Corrupt(format!(
+                                "{lost} logged blocks of extent {key:?} fail their checksum"
+                            ));
+                            self.fail(&e.to_string());
+                            return Err(e);
+                        }
+                        bytes += part.len() as u64 * BS;
+                    }
                 }
+                None => log::warn!(
+                    "cache {}: blocks of drive {} which is no longer bound are dropped",
+                    self.id.drive,
+                    drive
+                ),
             }
-            if let Some(idx) = self.ext((drive, key), false) {
-                let mut m = lock(&idx.m);
-                for d in &dirty[s..i] {
-                    let Some(e) = m.entries.get_mut(&d.2) else {
-                        continue;
-                    };
-                    if e.loc != d.3 || !e.dirty {
-                        continue;
-                    }
-                    if keep {
-                        e.dirty = false;
-                        e.referenced = false;
-                        self.extra.dirty.fetch_sub(1, Ordering::Relaxed);
-                        self.extra.clean.fetch_add(1, Ordering::Relaxed);
-                    } else if let Some(e) = m.entries.remove(&d.2) {
-                        self.account_remove(&e);
-                    }
+            let Some(idx) = self.ext((drive, key), false) else {
+                continue;
+            };
+            let mut m = lock(&idx.m);
+            for d in &dirty[s..i] {
+                let Some(e) = m.entries.get_mut(&d.2) else {
+                    continue;
+                };
+                if e.loc != d.3 || !e.dirty {
+                    continue;
+                }
+                if keep_clean && cap.is_some() {
+                    e.dirty = false;
+                    e.referenced = false;
+                    self.extra.dirty.fetch_sub(1, Ordering::Relaxed);
+                    self.extra.clean.fetch_add(1, Ordering::Relaxed);
+                } else if let Some(e) = m.entries.remove(&d.2) {
+                    self.account_remove(&e);
                 }
             }
         }
-        Ok(())
+        Ok(bytes)
     }
 
     /// Destages everything logged so far and reclaims its log space: afterwards no logged
@@ -1434,7 +1424,7 @@ impl Cache {
         }
         let rw = self.mode() == CacheMode::ReadWrite;
         // Live records of the chunk.
-        let mut dirty: Vec<(DriveId, ExtentKey, u32, u64, u64, u32)> = Vec::new();
+        let mut dirty: Vec<LiveBlock> = Vec::new();
         let mut readmit: Vec<(Rec, u64)> = Vec::new();
         for (_, recs, off, hl) in &chunk {
             let mut di = 0u64;
@@ -1474,50 +1464,7 @@ impl Cache {
             }
         }
         // Destage: per drive and extent, in address order.
-        dirty.sort_unstable();
-        let caps = read(&self.capacity).clone();
-        let mut bytes = 0;
-        let mut i = 0;
-        while i < dirty.len() {
-            let (drive, key) = (dirty[i].0, dirty[i].1);
-            let s = i;
-            while i < dirty.len() && (dirty[i].0, dirty[i].1) == (drive, key) {
-                i += 1;
-            }
-            let blocks: Vec<(u32, u64, u64, u32)> =
-                dirty[s..i].iter().map(|d| (d.2, d.3, d.4, d.5)).collect();
-            match caps.get(&drive) {
-                Some(cap) => {
-                    for part in blocks.chunks(BATCH_BLOCKS_MAX) {
-                        let (lost, _) = self.destage_blocks(cap, key, part, false)?;
-                        if lost > 0 {
-                            return Err(EngineError::Corrupt(format!(
-                                "{lost} logged blocks of extent {key:?} fail their checksum"
-                            )));
-                        }
-                        bytes += part.len() as u64 * BS;
-                    }
-                }
-                None => {
-                    log::warn!(
-                        "cache {}: blocks of drive {} which is no longer bound are dropped",
-                        self.id.drive,
-                        drive
-                    );
-                }
-            }
-            // Forget the destaged entries (unless rewritten meanwhile).
-            if let Some(idx) = self.ext((drive, key), false) {
-                let mut m = lock(&idx.m);
-                for d in &dirty[s..i] {
-                    if m.entries.get(&d.2).is_some_and(|e| e.loc == d.3) {
-                        if let Some(e) = m.entries.remove(&d.2) {
-                            self.account_remove(&e);
-                        }
-                    }
-                }
-            }
-        }
+        let bytes = self.destage_live(&mut dirty, false)?;
         // Second chance for hot read-cached blocks: read them before their space goes.
         let mut readmit_data = Vec::new();
         if !readmit.is_empty() {
@@ -1764,25 +1711,6 @@ impl Tier {
         self.cap.identity().drive
     }
 
-    fn check(key: ExtentKey, offset: u64, len: u64, slab: u64) -> Result<(u32, u32), EngineError> {
-        let bad = |reason| EngineError::InvalidIo {
-            key,
-            reason,
-            offset,
-            len,
-        };
-        if !offset.is_multiple_of(BS) || !len.is_multiple_of(BS) {
-            return Err(bad("offset and length must be multiples of 4096"));
-        }
-        if len == 0 || len > MAX_IO_BYTES as u64 {
-            return Err(bad("length must be between 4 KiB and 32 MiB"));
-        }
-        if offset.checked_add(len).is_none_or(|end| end > slab) {
-            return Err(bad("range ends beyond the slab"));
-        }
-        Ok(((offset / BS) as u32, (len / BS) as u32))
-    }
-
     pub fn write(
         &self,
         key: ExtentKey,
@@ -1842,24 +1770,7 @@ impl Tier {
         crcs: &[u32],
         accept: Accept<'_>,
     ) -> Result<u32, EngineError> {
-        let slab = self.cap.layout().slab_size_bytes;
-        let (first, count) = Self::check(key, offset, data.len() as u64, slab)?;
-        if crcs.len() != count as usize {
-            return Err(EngineError::InvalidIo {
-                key,
-                reason: "one crc per 4 KiB block is required",
-                offset,
-                len: data.len() as u64,
-            });
-        }
-        for (i, (blk, &crc)) in data.chunks_exact(BLOCK_SIZE).zip(crcs).enumerate() {
-            if crc32c::crc32c(blk) != crc {
-                return Err(EngineError::ChecksumMismatch {
-                    key,
-                    block: first + i as u32,
-                });
-            }
-        }
+        let (first, count) = self.cap.checked_write_range(key, offset, data, crcs)?;
         c.check_failed()?;
         self.cap.prepare_write(key, epoch)?;
         let idx = c.ext((self.me(), key), true).expect("created");
@@ -1996,8 +1907,7 @@ impl Tier {
         buf: &mut [u8],
         mut versions: Option<&mut Vec<Version>>,
     ) -> Result<ReadInfo, EngineError> {
-        let slab = self.cap.layout().slab_size_bytes;
-        let (first, count) = Self::check(key, offset, buf.len() as u64, slab)?;
+        let (first, count) = self.cap.range(key, offset, buf.len() as u64)?;
         let rw = c.mode() == CacheMode::ReadWrite;
         let Some(idx) = c.ext((self.me(), key), false) else {
             c.extra
@@ -2146,8 +2056,7 @@ impl Tier {
         let Some(c) = self.cache() else {
             return self.cap.zero(key, epoch, version, offset, len);
         };
-        let slab = self.cap.layout().slab_size_bytes;
-        let (first, count) = Self::check(key, offset, len, slab)?;
+        let (first, count) = self.cap.range(key, offset, len)?;
         c.check_failed()?;
         let idx = c.ext((self.me(), key), true).expect("created");
         let mut m = lock(&idx.m);

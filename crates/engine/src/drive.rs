@@ -306,8 +306,43 @@ impl Drive {
         Ok(())
     }
 
+    /// Validates a write's range and its per-block crcs against the data (the end-to-end
+    /// check: the owner computed them; a mismatch means corruption in flight). Returns
+    /// (first block, block count).
+    pub(crate) fn checked_write_range(
+        &self,
+        key: ExtentKey,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+    ) -> Result<(u32, u32), EngineError> {
+        let (first, count) = self.range(key, offset, data.len() as u64)?;
+        if crcs.len() != count as usize {
+            return Err(EngineError::InvalidIo {
+                key,
+                reason: "one crc per 4 KiB block is required",
+                offset,
+                len: data.len() as u64,
+            });
+        }
+        for (i, (blk, &crc)) in data.chunks_exact(BLOCK_SIZE).zip(crcs).enumerate() {
+            if crc32c::crc32c(blk) != crc {
+                return Err(EngineError::ChecksumMismatch {
+                    key,
+                    block: first + i as u32,
+                });
+            }
+        }
+        Ok((first, count))
+    }
+
     /// Validates an I/O range and returns (first block, block count).
-    fn range(&self, key: ExtentKey, offset: u64, len: u64) -> Result<(u32, u32), EngineError> {
+    pub(crate) fn range(
+        &self,
+        key: ExtentKey,
+        offset: u64,
+        len: u64,
+    ) -> Result<(u32, u32), EngineError> {
         let bad = |reason| EngineError::InvalidIo {
             key,
             reason,
@@ -536,29 +571,31 @@ impl Drive {
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
     ) -> Result<u32, EngineError> {
-        let (first, count) = self.range(key, offset, data.len() as u64)?;
-        if crcs.len() != count as usize {
-            return Err(EngineError::InvalidIo {
-                key,
-                reason: "one crc per 4 KiB block is required",
-                offset,
-                len: data.len() as u64,
-            });
-        }
-        // End-to-end check: the owner computed these; a mismatch means corruption in flight.
-        for (i, (blk, &crc)) in data.chunks_exact(BLOCK_SIZE).zip(crcs).enumerate() {
-            if crc32c::crc32c(blk) != crc {
-                return Err(EngineError::ChecksumMismatch {
-                    key,
-                    block: first + i as u32,
-                });
-            }
-        }
+        let (first, count) = self.checked_write_range(key, offset, data, crcs)?;
         self.check_failed()?;
         let ext = self.extent_for_write(key, epoch)?;
+        let (n, seq) = self.write_claimed(&ext, first, count, data, crcs, version_of, accept)?;
+        self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))?;
+        Ok(n)
+    }
+
+    /// Claims blocks of an extent under the version rule `accept`, writes the accepted
+    /// ones in place and queues their records. Returns (blocks written, the batch a
+    /// durable ack must wait for); the caller waits.
+    #[allow(clippy::too_many_arguments)]
+    fn write_claimed(
+        &self,
+        ext: &Extent,
+        first: u32,
+        count: u32,
+        data: &[u8],
+        crcs: &[u32],
+        version_of: impl Fn(usize) -> u64,
+        accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
+    ) -> Result<(u32, u64), EngineError> {
         with_scratch(|s| {
             let (n, need_seq) = self.claim(
-                &ext,
+                ext,
                 first,
                 count,
                 |i| BlockMeta {
@@ -575,7 +612,7 @@ impl Drive {
             let mut seq = need_seq.max(ext.epoch_seq.load(Ordering::Acquire));
             if n > 0 {
                 let res = self
-                    .write_runs(&ext, first, data, &s.applied)
+                    .write_runs(ext, first, data, &s.applied)
                     .and_then(|()| {
                         s.records.clear();
                         for (i, _) in s.applied.iter().enumerate().filter(|(_, &a)| a) {
@@ -593,11 +630,10 @@ impl Drive {
                     // The data on disk no longer matches what we know: stop acking.
                     self.fail(e);
                 }
-                self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
+                self.release(ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
                 seq = seq.max(res?);
             }
-            self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))?;
-            Ok(n)
+            Ok((n, seq))
         })
     }
 
@@ -644,50 +680,18 @@ impl Drive {
                 continue;
             };
             let t = self.counters.begin();
-            let res = with_scratch(|s| {
-                let (n, need_seq) = self.claim(
-                    &ext,
-                    first,
-                    count,
-                    |i| BlockMeta {
-                        version: r.versions[i],
-                        crc: r.crcs[i],
-                        flags: F_DATA,
-                    },
-                    |_, cur, new| new.version >= cur.version,
-                    &mut s.applied,
-                );
-                self.counters
-                    .skipped_blocks
-                    .fetch_add(u64::from(count - n), Ordering::Relaxed);
-                let mut sq = need_seq;
-                if n > 0 {
-                    let res = self
-                        .write_runs(&ext, first, r.data, &s.applied)
-                        .and_then(|()| {
-                            s.records.clear();
-                            for (i, _) in s.applied.iter().enumerate().filter(|(_, &a)| a) {
-                                Record::Data {
-                                    slot: ext.slot,
-                                    block: first + i as u32,
-                                    crc: r.crcs[i],
-                                    version: r.versions[i],
-                                }
-                                .push(&mut s.records);
-                            }
-                            self.enqueue(&s.records, false)
-                        });
-                    if let Err(e) = &res {
-                        self.fail(e);
-                    }
-                    self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
-                    sq = sq.max(res?);
-                }
-                Ok::<_, EngineError>((u64::from(n), sq))
-            });
+            let res = self.write_claimed(
+                &ext,
+                first,
+                count,
+                r.data,
+                r.crcs,
+                |i| r.versions[i],
+                |_, cur, new| new.version >= cur.version,
+            );
             self.counters.end(OpKind::Write, t);
             let (n, sq) = res?;
-            written += n;
+            written += u64::from(n);
             seq = seq.max(sq);
         }
         if seq > 0 {

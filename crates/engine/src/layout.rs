@@ -142,10 +142,10 @@ impl Layout {
     }
 }
 
-fn put_u32(b: &mut [u8], at: usize, v: u32) {
+pub(crate) fn put_u32(b: &mut [u8], at: usize, v: u32) {
     b[at..at + 4].copy_from_slice(&v.to_le_bytes());
 }
-fn put_u64(b: &mut [u8], at: usize, v: u64) {
+pub(crate) fn put_u64(b: &mut [u8], at: usize, v: u64) {
     b[at..at + 8].copy_from_slice(&v.to_le_bytes());
 }
 pub(crate) fn get_u32(b: &[u8], at: usize) -> u32 {
@@ -178,13 +178,23 @@ fn role_code(r: DriveRole) -> u8 {
         DriveRole::Cache => 1,
     }
 }
-fn media_code(m: MediaType) -> u8 {
+pub(crate) fn media_code(m: MediaType) -> u8 {
     match m {
         MediaType::Ssd => 0,
         MediaType::Nvme => 1,
         MediaType::Hdd => 2,
         MediaType::Ram => 3,
     }
+}
+
+pub(crate) fn media_of(c: u8) -> Result<MediaType, EngineError> {
+    Ok(match c {
+        0 => MediaType::Ssd,
+        1 => MediaType::Nvme,
+        2 => MediaType::Hdd,
+        3 => MediaType::Ram,
+        x => return Err(EngineError::Corrupt(format!("unknown media code {x}"))),
+    })
 }
 
 impl Superblock {
@@ -241,13 +251,7 @@ impl Superblock {
             1 => DriveRole::Cache,
             x => return Err(EngineError::Corrupt(format!("unknown drive role code {x}"))),
         };
-        let media = match b[45] {
-            0 => MediaType::Ssd,
-            1 => MediaType::Nvme,
-            2 => MediaType::Hdd,
-            3 => MediaType::Ram,
-            x => return Err(EngineError::Corrupt(format!("unknown media code {x}"))),
-        };
+        let media = media_of(b[45])?;
         let identity = DriveIdentity {
             cluster: ClusterId(u128::from_le_bytes(
                 b[24..40].try_into().expect("16-byte slice"),

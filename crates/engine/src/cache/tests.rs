@@ -3,6 +3,7 @@
 
 use super::*;
 use crate::{FaultyFile, FormatOptions};
+use converge_types::MediaType;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
