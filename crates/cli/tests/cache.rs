@@ -27,40 +27,10 @@ fn cache_lab(nodes: u32, size: &str) -> Lab {
     )
 }
 
-fn compare(uri: &str, expected: &std::path::Path, what: &str) {
-    let o = run(Command::new("qemu-img").args([
-        "compare",
-        "-f",
-        "raw",
-        "-F",
-        "raw",
-        &expected.display().to_string(),
-        uri,
-    ]));
-    assert!(
-        o.status.success(),
-        "{what}: data differs: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 fn dirty_bytes(lab: &Lab, nodes: u32) -> u64 {
     (1..=nodes)
         .map(|n| lab.metric(n, "converge_cache_dirty_bytes"))
         .sum()
-}
-
-fn all_in_sync(lab: &Lab, vol: &str) -> bool {
-    lab.extents(vol).iter().all(|(_, _, s)| s == "in-sync")
-}
-
-fn assert_copies_agree(lab: &Lab, vol: &str) {
-    let r = lab.json(&["scrub", "start", vol, "--wait", "--no-repair"]);
-    let r = &r[0];
-    assert!(r["blocks_checked"].as_u64().unwrap() > 0, "{r}");
-    assert_eq!(r["bad_checksums"], 0, "{r}");
-    assert_eq!(r["mismatches"], 0, "copies disagree: {r}\n{}", lab.logs());
 }
 
 fn modes(lab: &Lab) -> Vec<String> {

@@ -22,43 +22,11 @@ fn qemu_io(uri: &str, cmd: &str) -> String {
     out
 }
 
-fn compare(uri: &str, expected: &std::path::Path, what: &str) {
-    let o = run(Command::new("qemu-img").args([
-        "compare",
-        "-f",
-        "raw",
-        "-F",
-        "raw",
-        &expected.display().to_string(),
-        uri,
-    ]));
-    assert!(
-        o.status.success(),
-        "{what}: data differs: {}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    );
-}
-
 /// Applies `pattern` bytes at [off, off+len) of the local expected image.
 fn patch(path: &std::path::Path, off: u64, len: usize, pattern: u8) {
     use std::os::unix::fs::FileExt;
     let f = std::fs::OpenOptions::new().write(true).open(path).unwrap();
     f.write_all_at(&vec![pattern; len], off).unwrap();
-}
-
-fn all_in_sync(lab: &Lab, vol: &str) -> bool {
-    lab.extents(vol).iter().all(|(_, _, s)| s == "in-sync")
-}
-
-/// Scrub with repair off: every copy must agree and have good checksums.
-fn assert_copies_agree(lab: &Lab, vol: &str) {
-    let r = lab.json(&["scrub", "start", vol, "--wait", "--no-repair"]);
-    let r = &r[0];
-    assert!(r["blocks_checked"].as_u64().unwrap() > 0, "{r}");
-    assert_eq!(r["bad_checksums"], 0, "{r}");
-    assert_eq!(r["mismatches"], 0, "copies disagree: {r}\n{}", lab.logs());
-    assert!(r["error"].is_null(), "{r}");
 }
 
 /// Any node serves any volume: I/O on a non-owner is forwarded to the owner; `volume

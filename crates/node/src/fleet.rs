@@ -216,34 +216,12 @@ async fn sample(node: &Node) -> FleetSample {
     let mut drives: Vec<DriveCounters> = node
         .drives
         .iter()
-        .map(|(id, d)| {
-            let s = d.stats();
-            DriveCounters {
-                id: *id,
-                read_ops: s.read_ops,
-                write_ops: s.write_ops + s.zero_ops,
-                read_bytes: s.read_bytes,
-                write_bytes: s.write_bytes,
-                data_write_bytes: s.data_write_bytes,
-                journal_write_bytes: s.journal_write_bytes,
-                metadata_write_bytes: s.metadata_write_bytes,
-                inflight_time_ns: s.inflight_time_ns,
-            }
-        })
-        .chain(node.caches.iter().map(|(id, c)| {
-            let s = c.drive_stats();
-            DriveCounters {
-                id: *id,
-                read_ops: s.read_ops,
-                write_ops: s.write_ops + s.zero_ops,
-                read_bytes: s.read_bytes,
-                write_bytes: s.write_bytes,
-                data_write_bytes: s.data_write_bytes,
-                journal_write_bytes: s.journal_write_bytes,
-                metadata_write_bytes: s.metadata_write_bytes,
-                inflight_time_ns: s.inflight_time_ns,
-            }
-        }))
+        .map(|(id, d)| drive_counters(*id, &d.stats()))
+        .chain(
+            node.caches
+                .iter()
+                .map(|(id, c)| drive_counters(*id, &c.drive_stats())),
+        )
         .collect();
     drives.sort_by_key(|d| d.id);
     FleetSample {
@@ -255,6 +233,20 @@ async fn sample(node: &Node) -> FleetSample {
         converged_cpu_s: crate::metrics::process_cpu_seconds(),
         drives,
         volumes,
+    }
+}
+
+fn drive_counters(id: converge_types::DriveId, s: &converge_engine::DriveStats) -> DriveCounters {
+    DriveCounters {
+        id,
+        read_ops: s.read_ops,
+        write_ops: s.write_ops + s.zero_ops,
+        read_bytes: s.read_bytes,
+        write_bytes: s.write_bytes,
+        data_write_bytes: s.data_write_bytes,
+        journal_write_bytes: s.journal_write_bytes,
+        metadata_write_bytes: s.metadata_write_bytes,
+        inflight_time_ns: s.inflight_time_ns,
     }
 }
 

@@ -345,3 +345,37 @@ pub fn write_marked_and_flip(
     }
     (src, flipped)
 }
+
+/// qemu-img compare of a volume against the image it should hold.
+pub fn compare(uri: &str, expected: &std::path::Path, what: &str) {
+    let o = run(Command::new("qemu-img").args([
+        "compare",
+        "-f",
+        "raw",
+        "-F",
+        "raw",
+        &expected.display().to_string(),
+        uri,
+    ]));
+    assert!(
+        o.status.success(),
+        "{what}: data differs: {}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    );
+}
+
+/// Every copy of `vol` is in sync.
+pub fn all_in_sync(lab: &Lab, vol: &str) -> bool {
+    lab.extents(vol).iter().all(|(_, _, s)| s == "in-sync")
+}
+
+/// Scrub with repair off: every copy must agree and have good checksums.
+pub fn assert_copies_agree(lab: &Lab, vol: &str) {
+    let r = lab.json(&["scrub", "start", vol, "--wait", "--no-repair"]);
+    let r = &r[0];
+    assert!(r["blocks_checked"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["bad_checksums"], 0, "{r}");
+    assert_eq!(r["mismatches"], 0, "copies disagree: {r}\n{}", lab.logs());
+    assert!(r["error"].is_null(), "{r}");
+}
