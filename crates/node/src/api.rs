@@ -839,7 +839,7 @@ async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     }
     let slabs = slab_map(node, rec.id).await?;
     // Stop serving first so no write races the delete, then drop records, then space.
-    node.volumes.lock().await.remove(name);
+    node.drop_volume(name).await;
     node.cluster
         .delete_volume(name)
         .await

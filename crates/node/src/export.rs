@@ -73,7 +73,8 @@ impl Export {
         Instant::now() + Duration::from_secs(self.node.cfg.knobs.node_lease_ttl_s * 3 + 10)
     }
 
-    async fn reresolve(&self, why: &str, failed: &Route) {
+    /// Looks the route up again; false if the volume no longer exists.
+    async fn reresolve(&self, why: &str, failed: &Route) -> bool {
         if let Route::Local(v) = failed {
             self.node.drop_volume(&v.config().name).await;
         }
@@ -86,11 +87,15 @@ impl Export {
                 log::info!("volume {}: re-routed ({why}): {desc}", self.name);
                 *self.route.write().expect("route lock poisoned") = Arc::new(r);
             }
-            Err(OpenError::Unknown) => log::warn!("volume {}: deleted", self.name),
+            Err(OpenError::Unknown) => {
+                log::warn!("volume {}: deleted; failing its clients' I/O", self.name);
+                return false;
+            }
             Err(OpenError::Unavailable(e)) => {
                 log::warn!("volume {}: re-routing ({why}): {e}", self.name)
             }
         }
+        true
     }
 
     async fn forward(&self, owner: NodeId, req: Request) -> Result<Response, Attempt> {
@@ -138,7 +143,12 @@ impl Export {
                             format!("volume {}: no owner could be reached: {why}", self.name),
                         ));
                     }
-                    self.reresolve(&why, &route).await;
+                    if !self.reresolve(&why, &route).await {
+                        return Err(DevError::new(
+                            DevErrorKind::Io,
+                            format!("volume {} was deleted", self.name),
+                        ));
+                    }
                     if Arc::ptr_eq(&route, &self.route()) {
                         tokio::time::sleep(Duration::from_millis(250)).await;
                     }

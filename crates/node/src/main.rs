@@ -132,10 +132,13 @@ async fn run(args: Args) -> Result<()> {
         None => None,
     };
 
+    let lease_sent = tokio::time::Instant::now();
     let lease = etcd
-        .lease_grant(cfg.knobs.node_lease_ttl_s as i64)
+        .lease_grant(cfg.knobs.node_lease_ttl_s.max(3) as i64)
         .await
         .map_err(|e| anyhow!("{e}"))?;
+    let tenure = Arc::new(converge_volume::Tenure::new());
+    tenure.extend(lease_sent + Node::lease_margin(cfg.knobs.node_lease_ttl_s.max(3)));
     let local = Arc::new(LocalDrives {
         drives: drives.clone(),
     });
@@ -156,6 +159,7 @@ async fn run(args: Args) -> Result<()> {
         cluster: cluster.clone(),
         cluster_rec: cluster_rec.clone(),
         lease: Mutex::new(lease),
+        tenure,
         drives,
         caches: opened.caches.clone(),
         cache_paths,
@@ -250,27 +254,35 @@ async fn run(args: Args) -> Result<()> {
     Ok(())
 }
 
-/// Keep the node lease alive; if it expired (etcd unreachable too long), take a new one
-/// and register again.
+/// Keep the node lease alive, and with it this node's tenure (the time it may serve as an
+/// owner). If the lease expired (etcd unreachable too long), take a new one and register
+/// again. The tenure ends by itself when keepalives stop being confirmed, whether or not
+/// etcd can be asked: a partitioned owner stops serving before its lease can expire.
 async fn keep_alive(node: Arc<Node>) {
     let ttl = node.cfg.knobs.node_lease_ttl_s.max(3);
     let period = Duration::from_millis(ttl * 1000 / 3);
+    let mut wait = period;
     loop {
-        tokio::time::sleep(period).await;
+        tokio::time::sleep(wait).await;
+        wait = period;
         if node.fenced.load(std::sync::atomic::Ordering::Acquire) {
             continue;
         }
         let lease = node.lease();
+        let sent = tokio::time::Instant::now();
         match node.cluster.etcd().lease_keepalive(lease).await {
-            Ok(left) if left > 0 => {}
+            Ok(left) if left > 0 => {
+                let left = (left as u64).min(ttl);
+                node.tenure.extend(sent + Node::lease_margin(left));
+            }
             Ok(_) => {
                 // Our ownerships were bound to the lease: other nodes may serve those
                 // volumes now (and have fenced us). Stop serving them; clients re-route.
+                node.tenure.revoke();
                 node.drop_all_volumes().await;
                 log::warn!("node lease expired; registering again");
-                match node.cluster.etcd().lease_grant(ttl as i64).await {
+                match node.grant_lease().await {
                     Ok(l) => {
-                        *node.lease.lock().expect("lease lock poisoned") = l;
                         if let Err(e) = node.cluster.register_node(&node.node_record(), l).await {
                             log::error!("registering again failed: {e}");
                         }
@@ -278,7 +290,14 @@ async fn keep_alive(node: Arc<Node>) {
                     Err(e) => log::error!("etcd lease grant failed: {e}"),
                 }
             }
-            Err(e) => log::warn!("etcd keepalive failed: {e}"),
+            Err(e) => {
+                log::warn!(
+                    "etcd keepalive failed: {e}; this node serves volumes for {:?} more",
+                    node.tenure.left().unwrap_or_default()
+                );
+                // Try again soon: the tenure runs out either way.
+                wait = Duration::from_millis(500).min(period);
+            }
         }
     }
 }

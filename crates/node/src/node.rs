@@ -17,8 +17,8 @@ use converge_types::{
 };
 use converge_volume::resync::Throttle;
 use converge_volume::{
-    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, SlabAllocator, SlabChange, Volume,
-    VolumeConfig, VolumeError,
+    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, SlabAllocator, SlabChange, Tenure,
+    Volume, VolumeConfig, VolumeError,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -31,6 +31,9 @@ pub struct Node {
     pub cluster: Cluster,
     pub cluster_rec: ClusterRecord,
     pub lease: Mutex<LeaseId>,
+    /// Until when this node may serve as an owner: its lease surely lives until then
+    /// (extended by every confirmed keepalive; see `converge_volume::tenure`).
+    pub tenure: Arc<Tenure>,
     /// Capacity drives (with their cache, if bound).
     pub drives: HashMap<DriveId, Arc<Tier>>,
     /// Cache drives, and their paths (for status).
@@ -75,6 +78,26 @@ impl Node {
         *self.lease.lock().expect("lease lock poisoned")
     }
 
+    /// How long a lease confirmed at `sent` surely lives, by this node's clock: its TTL,
+    /// counted by etcd from when it received the request (later than `sent`), less a margin
+    /// for clock-rate drift and the time a new owner takes to notice.
+    pub fn lease_margin(ttl_s: u64) -> std::time::Duration {
+        let ttl = std::time::Duration::from_secs(ttl_s);
+        ttl - (ttl / 10)
+            .max(std::time::Duration::from_millis(500))
+            .min(ttl / 2)
+    }
+
+    /// Grants a new node lease and starts this node's tenure with it.
+    pub async fn grant_lease(&self) -> Result<LeaseId, converge_control::etcd::EtcdError> {
+        let ttl = self.cfg.knobs.node_lease_ttl_s.max(3);
+        let sent = tokio::time::Instant::now();
+        let l = self.cluster.etcd().lease_grant(ttl as i64).await?;
+        *self.lease.lock().expect("lease lock poisoned") = l;
+        self.tenure.extend(sent + Self::lease_margin(ttl));
+        Ok(l)
+    }
+
     pub fn node_record(&self) -> NodeRecord {
         NodeRecord {
             id: self.cfg.node_id,
@@ -98,6 +121,12 @@ impl Node {
         let mut vols = self.volumes.lock().await;
         if let Some(v) = vols.get(name) {
             return Ok(Route::Local(v.clone()));
+        }
+        if !self.tenure.holds() {
+            // Whatever etcd says, this node cannot serve before its lease is confirmed.
+            return Err(OpenError::Unavailable(
+                "this node's lease is not confirmed by etcd (etcd unreachable?)".into(),
+            ));
         }
         let unavailable =
             |e: converge_control::model::ControlError| OpenError::Unavailable(e.to_string());
@@ -161,6 +190,9 @@ impl Node {
                 degraded_write_wait: std::time::Duration::from_millis(
                     self.cfg.knobs.degraded_write_wait_ms,
                 ),
+                read_wait: std::time::Duration::from_millis(self.cfg.knobs.read_wait_ms),
+                read_hedge: std::time::Duration::from_millis(self.cfg.knobs.read_hedge_ms),
+                tenure: self.tenure.clone(),
             },
             slabs,
             self.replicas.clone(),
@@ -193,7 +225,8 @@ impl Node {
 
     /// Stops serving `name` here (deposed, moved or deleted); clients are re-routed.
     pub async fn drop_volume(&self, name: &str) {
-        if self.volumes.lock().await.remove(name).is_some() {
+        if let Some(v) = self.volumes.lock().await.remove(name) {
+            v.retire();
             log::warn!("volume {name}: no longer served by this node");
         }
     }
@@ -203,7 +236,9 @@ impl Node {
         let mut v = self.volumes.lock().await;
         if !v.is_empty() {
             log::warn!("dropping {} volumes after losing the node lease", v.len());
-            v.clear();
+            for (_, vol) in v.drain() {
+                vol.retire();
+            }
         }
     }
 

@@ -388,6 +388,7 @@ async fn cache_failed(node: &Node, cache: DriveId, why: &str, bound: &[DriveId])
         "cache drive {cache} failed ({why}); leaving the cluster until the copies on drives          {bound:?} are stale, then they run without a cache and are resynced"
     );
     node.fenced.store(true, Ordering::Release);
+    node.tenure.revoke();
     node.drop_all_volumes().await;
     let etcd = node.cluster.etcd();
     if let Err(e) = etcd.lease_revoke(node.lease()).await {
@@ -400,16 +401,12 @@ async fn cache_failed(node: &Node, cache: DriveId, why: &str, bound: &[DriveId])
             t.unbind();
         }
     }
-    let ttl = node.cfg.knobs.node_lease_ttl_s.max(3) as i64;
     loop {
-        match etcd.lease_grant(ttl).await {
-            Ok(l) => {
-                *node.lease.lock().expect("lease lock poisoned") = l;
-                match node.cluster.register_node(&node.node_record(), l).await {
-                    Ok(()) => break,
-                    Err(e) => log::error!("registering again after the cache failure: {e}"),
-                }
-            }
+        match node.grant_lease().await {
+            Ok(l) => match node.cluster.register_node(&node.node_record(), l).await {
+                Ok(()) => break,
+                Err(e) => log::error!("registering again after the cache failure: {e}"),
+            },
             Err(e) => log::error!("etcd lease grant failed: {e}"),
         }
         tokio::time::sleep(Duration::from_secs(1)).await;

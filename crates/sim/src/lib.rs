@@ -84,6 +84,10 @@ pub struct Options {
     /// Scrub (with repair) every this many repair rounds.
     pub scrub_every_rounds: u64,
     pub degraded_write_wait: Duration,
+    /// How long a read keeps trying the copies (`VolumeConfig::read_wait`).
+    pub read_wait: Duration,
+    /// When a read also asks the next copy (`VolumeConfig::read_hedge`).
+    pub read_hedge: Duration,
     /// Allow partitions of an owner's node shorter than its lease (no takeover). Off by
     /// default: the owner then marks every copy it could not reach stale, possibly all of
     /// them, and no volume operation can bring a slab with no in-sync copy back (a known
@@ -174,6 +178,9 @@ impl Options {
             cache_mode_switch_p: 0.1,
             cache_destage_crash_p: 0.05,
             cache_boot_crash_p: 0.25,
+            // Drawn last, so the draws above (and the runs of earlier seeds) stay as they were.
+            read_wait: Duration::from_millis([0, 50, 200][r.gen_range(0..3)]),
+            read_hedge: Duration::from_millis([2, 10, 50][r.gen_range(0..3)]),
         }
     }
 }

@@ -104,6 +104,10 @@ fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owne
         local_node: node,
         min_replicas: spec.min_replicas,
         degraded_write_wait: w.opts.degraded_write_wait,
+        read_wait: w.opts.read_wait,
+        read_hedge: w.opts.read_hedge,
+        // Owners here are deposed by the nemesis (zombies), not by time.
+        tenure: Arc::new(converge_volume::Tenure::unbounded()),
     };
     let io = Arc::new(SimReplicas {
         world: w.clone(),

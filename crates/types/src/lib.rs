@@ -316,6 +316,12 @@ pub struct Knobs {
     /// How long a write waits for enough in-sync copies (`min_replicas`) to come back
     /// before it fails; nothing is acked below `min_replicas`.
     pub degraded_write_wait_ms: u64,
+    /// How long a read keeps trying the in-sync copies (each round with the slab's state
+    /// read afresh) before it fails: reads ride through the faults writes wait out.
+    pub read_wait_ms: u64,
+    /// A copy that has not answered a read within this long is joined by the next copy
+    /// (hedged read); the first answer wins.
+    pub read_hedge_ms: u64,
     /// Resync / rebuild copy rate per job, bytes per second (throttle).
     pub resync_bytes_per_s: u64,
     /// How long a stale extent's node or drive may stay away before its extents are
@@ -346,6 +352,8 @@ impl Default for Knobs {
             nbd_inflight_max: 128,
             group_commit_max: 256,
             degraded_write_wait_ms: 30_000,
+            read_wait_ms: 30_000,
+            read_hedge_ms: 100,
             resync_bytes_per_s: 256 << 20,
             repair_delay_s: 600,
             scrub_bytes_per_s: 64 << 20,

@@ -7,6 +7,7 @@
 
 pub mod resync;
 pub mod stats;
+pub mod tenure;
 
 use bytes::{Bytes, BytesMut};
 use converge_types::{
@@ -17,11 +18,13 @@ use serde::{Deserialize, Serialize};
 use stats::{VolumeCounters, VolumeStats};
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, RwLock};
 // The runtime's clock, not the wall clock: deadlines then follow virtual time in the
 // simulator (and in tests with paused time); in production the two are the same.
 use tokio::time::Instant;
+
+pub use tenure::Tenure;
 
 const BS: u64 = BLOCK_SIZE as u64;
 
@@ -256,6 +259,14 @@ pub struct VolumeConfig {
     pub min_replicas: usize,
     /// How long a write waits for `min_replicas` in-sync copies before failing.
     pub degraded_write_wait: std::time::Duration,
+    /// How long a read keeps trying the in-sync copies (with the slab's state read afresh
+    /// each round) before it fails: a read rides through the faults a write waits out.
+    pub read_wait: std::time::Duration,
+    /// A copy that has not answered a read within this long is joined by the next copy
+    /// (a hedged read): the first good answer wins, so one hung node costs this much.
+    pub read_hedge: std::time::Duration,
+    /// This node's right to serve in time (its lease); no I/O is answered past it.
+    pub tenure: Arc<Tenure>,
 }
 
 pub(crate) struct Slab {
@@ -317,6 +328,9 @@ pub struct Volume<R, A> {
     io: Arc<R>,
     alloc: Arc<A>,
     counters: VolumeCounters,
+    /// Set when this node stops serving the volume (deposed, moved, deleted, lease lost):
+    /// handles still held by clients then fail with [`VolumeError::Fenced`] and re-route.
+    retired: AtomicBool,
 }
 
 /// One slab-sized piece of a client request.
@@ -380,7 +394,35 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             io,
             alloc,
             counters: VolumeCounters::default(),
+            retired: AtomicBool::new(false),
         }
+    }
+
+    /// Stops serving: every later request (and every one in flight, before it answers)
+    /// fails with [`VolumeError::Fenced`], so clients look the owner up again.
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
+    }
+
+    /// Whether this owner may answer a client now: not retired, and its tenure (lease)
+    /// holds. Checked before a request starts and again before it answers, so no answer
+    /// leaves after the lease could have expired (a read answered then could be older
+    /// than a write a new owner has acked).
+    fn check_serving(&self) -> Result<(), VolumeError> {
+        if self.is_retired() {
+            return Err(self.fenced("this node no longer serves the volume".into()));
+        }
+        if !self.cfg.tenure.holds() {
+            return Err(self.fenced(
+                "this node's lease is not confirmed by the control plane and may have expired"
+                    .into(),
+            ));
+        }
+        Ok(())
     }
 
     pub fn config(&self) -> &VolumeConfig {
@@ -478,11 +520,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let start = Instant::now();
         let len = data.len() as u64;
         self.check_range(offset, len)?;
+        self.check_serving()?;
         let r = if offset.is_multiple_of(BS) && len.is_multiple_of(BS) {
             self.write_aligned(offset, data).await
         } else {
             self.write_unaligned(offset, data).await
-        };
+        }
+        .and_then(|()| self.check_serving());
         self.account(&r, start, true, len);
         r
     }
@@ -756,7 +800,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, VolumeError> {
         let start = Instant::now();
         self.check_range(offset, len)?;
-        let r = self.read_inner(offset, len).await;
+        self.check_serving()?;
+        let r = match self.read_inner(offset, len).await {
+            Ok(data) => self.check_serving().map(|()| data),
+            Err(e) => Err(e),
+        };
         self.account(&r, start, false, len);
         r
     }
@@ -793,45 +841,130 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         v
     }
 
+    /// Reads one piece from the slab's in-sync copies. Each round takes the copies afresh
+    /// (this node's first) and hedges across them; a round in which no copy could answer
+    /// is tried again, with a growing pause, until `read_wait`. A read fails only when no
+    /// in-sync copy answered within it, or when a block is bad on every copy that has it.
     async fn read_piece(&self, p: Piece) -> Result<Bytes, VolumeError> {
         let Some(slab) = self.slab(p.slab) else {
             // Never written: thin provisioning reads zeros.
             return Ok(Bytes::from(vec![0u8; p.len as usize]));
         };
-        let order = self.read_order(&slab);
-        let key = self.key(p.slab);
-        let mut why = String::from("no in-sync copy");
-        for (i, &at) in order.iter().enumerate() {
-            match self
-                .io
-                .read(at, key, self.cfg.epoch, p.offset, p.len as u32)
-                .await
-            {
-                Ok(reply) if reply.bad_blocks.is_empty() => return Ok(reply.data),
-                Ok(reply) => {
-                    let others: Vec<ExtentLoc> = order
-                        .iter()
-                        .enumerate()
-                        .filter(|(j, _)| *j != i)
-                        .map(|(_, e)| *e)
-                        .collect();
-                    return self.repair(p, at, reply, &others).await;
+        let started = Instant::now();
+        let deadline = started + self.cfg.read_wait;
+        let mut pause = std::time::Duration::from_millis(20);
+        loop {
+            let order = self.read_order(&slab);
+            let why = if order.is_empty() {
+                String::from("no in-sync copy")
+            } else {
+                match self.read_hedged(p, &order).await {
+                    Ok((_, reply)) if reply.bad_blocks.is_empty() => return Ok(reply.data),
+                    Ok((i, reply)) => {
+                        let others: Vec<ExtentLoc> = order
+                            .iter()
+                            .enumerate()
+                            .filter(|(j, _)| *j != i)
+                            .map(|(_, e)| *e)
+                            .collect();
+                        match self.repair(p, order[i], reply, &others).await {
+                            Ok(data) => return Ok(data),
+                            Err(RepairFailed::Lost(e)) => return Err(e),
+                            Err(RepairFailed::Unavailable(why)) => why,
+                        }
+                    }
+                    Err(ReadFailed::Fenced(why)) => return Err(self.fenced(why)),
+                    Err(ReadFailed::All(why)) => why,
                 }
-                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
-                Err(e) => {
+            };
+            let now = Instant::now();
+            if now >= deadline || self.is_retired() {
+                return Err(VolumeError::Unreadable {
+                    volume: self.cfg.name.clone(),
+                    slab: p.slab,
+                    why: format!(
+                        "{why} (kept trying for {} ms)",
+                        now.duration_since(started).as_millis()
+                    ),
+                });
+            }
+            tokio::time::sleep(pause.min(deadline - now)).await;
+            pause = (pause * 2).min(std::time::Duration::from_millis(500));
+            // A lost lease ends the retries here: the client re-routes to the new owner.
+            self.check_serving()?;
+        }
+    }
+
+    /// One round of a read over `order` (best first): asks the first copy; when it fails,
+    /// or has not answered within `read_hedge`, asks the next one too. The first answer
+    /// wins (the others are abandoned: reads change nothing).
+    async fn read_hedged(
+        &self,
+        p: Piece,
+        order: &[ExtentLoc],
+    ) -> Result<(usize, ReadReply), ReadFailed> {
+        use std::task::Poll;
+        enum Event {
+            Answer(usize, Result<ReadReply, ReplicaError>),
+            Hedge,
+        }
+        let key = self.key(p.slab);
+        let epoch = self.cfg.epoch;
+        let read = |at: ExtentLoc| self.io.read(at, key, epoch, p.offset, p.len as u32);
+        // The usual case — the first copy answers — needs no allocation.
+        let mut first = Some(std::pin::pin!(read(order[0])));
+        let mut more = hedge_set(&read);
+        let mut next = 1;
+        let mut errors: Vec<String> = Vec::new();
+        let mut hedge = std::pin::pin!(tokio::time::sleep(self.cfg.read_hedge));
+        loop {
+            let event = std::future::poll_fn(|cx| {
+                if let Some(f) = first.as_mut() {
+                    if let Poll::Ready(r) = f.as_mut().poll(cx) {
+                        return Poll::Ready(Event::Answer(0, r));
+                    }
+                }
+                for (k, (i, f)) in more.iter_mut().enumerate() {
+                    if let Poll::Ready(r) = f.as_mut().poll(cx) {
+                        let i = *i;
+                        drop(more.swap_remove(k));
+                        return Poll::Ready(Event::Answer(i, r));
+                    }
+                }
+                if next < order.len() && hedge.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Event::Hedge);
+                }
+                Poll::Pending
+            })
+            .await;
+            let launch = match event {
+                Event::Answer(i, Ok(reply)) => return Ok((i, reply)),
+                Event::Answer(_, Err(ReplicaError::StaleEpoch(why))) => {
+                    return Err(ReadFailed::Fenced(why))
+                }
+                Event::Answer(i, Err(e)) => {
+                    if i == 0 {
+                        first = None;
+                    }
+                    let at = order[i];
                     log::warn!(
                         "volume {}: read of slab {} from node {} drive {} failed: {e}; trying another copy",
                         self.cfg.name, p.slab, at.node, at.drive
                     );
-                    why = e.to_string();
+                    errors.push(format!("node {} drive {}: {e}", at.node, at.drive));
+                    true
                 }
+                Event::Hedge => true,
+            };
+            if launch && next < order.len() {
+                more.push((next, Box::pin(read(order[next]))));
+                next += 1;
+                hedge.as_mut().reset(Instant::now() + self.cfg.read_hedge);
+            }
+            if first.is_none() && more.is_empty() && next >= order.len() {
+                return Err(ReadFailed::All(errors.join("; ")));
             }
         }
-        Err(VolumeError::Unreadable {
-            volume: self.cfg.name.clone(),
-            slab: p.slab,
-            why,
-        })
     }
 
     /// Replace each bad block of `reply` with a good copy's, and rewrite it on `bad_at`.
@@ -841,19 +974,27 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         bad_at: ExtentLoc,
         reply: ReadReply,
         others: &[ExtentLoc],
-    ) -> Result<Bytes, VolumeError> {
+    ) -> Result<Bytes, RepairFailed> {
         let key = self.key(p.slab);
         let mut buf = BytesMut::from(&reply.data[..]);
         for &b in &reply.bad_blocks {
             let boff = p.offset + b as u64 * BS;
             let mut fixed = false;
+            let mut unanswered = Vec::new();
             for &src in others {
-                let Ok(good) = self
+                let good = match self
                     .io
                     .read(src, key, self.cfg.epoch, boff, BLOCK_SIZE as u32)
                     .await
-                else {
-                    continue;
+                {
+                    Ok(good) => good,
+                    Err(ReplicaError::StaleEpoch(why)) => {
+                        return Err(RepairFailed::Lost(self.fenced(why)))
+                    }
+                    Err(e) => {
+                        unanswered.push(format!("node {}: {e}", src.node));
+                        continue;
+                    }
                 };
                 if !good.bad_blocks.is_empty() {
                     continue;
@@ -896,14 +1037,22 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 break;
             }
             if !fixed {
-                return Err(VolumeError::Unreadable {
-                    volume: self.cfg.name.clone(),
-                    slab: p.slab,
-                    why: format!(
-                        "block at offset {boff} fails its checksum on node {} and no other copy has it intact",
-                        bad_at.node
-                    ),
-                });
+                let why = format!(
+                    "block at offset {boff} fails its checksum on node {}",
+                    bad_at.node
+                );
+                if unanswered.is_empty() {
+                    // Every other in-sync copy answered, and none has the block intact.
+                    return Err(RepairFailed::Lost(VolumeError::Unreadable {
+                        volume: self.cfg.name.clone(),
+                        slab: p.slab,
+                        why: format!("{why} and no other copy has it intact"),
+                    }));
+                }
+                return Err(RepairFailed::Unavailable(format!(
+                    "{why}; the other copies did not answer ({})",
+                    unanswered.join("; ")
+                )));
             }
         }
         Ok(buf.freeze())
@@ -914,7 +1063,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// for TRIM (a hint).
     pub async fn zero(&self, offset: u64, len: u64, trim: bool) -> Result<(), VolumeError> {
         self.check_range(offset, len)?;
-        let r = self.zero_inner(offset, len, trim).await;
+        self.check_serving()?;
+        let r = self
+            .zero_inner(offset, len, trim)
+            .await
+            .and_then(|()| self.check_serving());
         self.counters.zero_ops.fetch_add(1, Ordering::Relaxed);
         if r.is_err() {
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
@@ -989,6 +1142,28 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         })
         .await
     }
+}
+
+/// An empty set of further reads of a hedged read, typed after the read it repeats.
+type Hedged<F> = Vec<(usize, std::pin::Pin<Box<F>>)>;
+fn hedge_set<F: Future>(_read: &impl Fn(ExtentLoc) -> F) -> Hedged<F> {
+    Vec::new()
+}
+
+/// Why a round of a hedged read got no answer.
+enum ReadFailed {
+    /// A copy refused this owner's epoch: another node owns the volume now.
+    Fenced(String),
+    /// Every copy asked failed (each one's error).
+    All(String),
+}
+
+/// Why a bad block could not be repaired.
+enum RepairFailed {
+    /// For good: no copy has it intact (or this owner is deposed).
+    Lost(VolumeError),
+    /// Some copy did not answer: try again.
+    Unavailable(String),
 }
 
 /// Run futures concurrently; the first error wins, but all are driven to completion so no

@@ -18,6 +18,8 @@ struct MemReplicas {
     digests: AtomicU64,
     /// Highest epoch seen per copy (fencing).
     epochs: Mutex<HashMap<(DriveId, ExtentKey), Epoch>>,
+    /// Nodes that take reads and never answer (a paused process, a cut link).
+    hung: Mutex<Vec<NodeId>>,
 }
 
 impl MemReplicas {
@@ -98,6 +100,9 @@ impl ReplicaIo for MemReplicas {
         offset: u64,
         len: u32,
     ) -> Result<ReadReply, ReplicaError> {
+        if self.hung.lock().unwrap().contains(&at.node) {
+            std::future::pending::<()>().await;
+        }
         self.check(at, key, _epoch)?;
         let m = self.blocks.lock().unwrap();
         let mut data = Vec::with_capacity(len as usize);
@@ -300,6 +305,9 @@ fn config(size: u64, slab: u64, epoch: u64) -> VolumeConfig {
         local_node: NodeId(2),
         min_replicas: 2,
         degraded_write_wait: std::time::Duration::from_millis(200),
+        read_wait: std::time::Duration::from_millis(200),
+        read_hedge: std::time::Duration::from_millis(20),
+        tenure: Arc::new(crate::Tenure::unbounded()),
     }
 }
 
@@ -806,4 +814,103 @@ async fn a_write_failing_everywhere_stales_nothing_and_is_reconciled() {
     assert_copies_identical(&v, &io);
     assert_eq!(v.read(0, 4096).await.unwrap(), late);
     assert_eq!(v.reconcile_suspect().await.unwrap(), 0);
+}
+
+/// A copy that never answers (a paused node) costs a read `read_hedge`, not an error or a
+/// replica timeout: the next copy is asked meanwhile.
+#[tokio::test(start_paused = true)]
+async fn a_read_is_hedged_past_a_copy_that_does_not_answer() {
+    let (v, io) = volume(1 << 20, 1 << 20);
+    let data = pattern(8192, 1);
+    v.write(0, data.clone()).await.unwrap();
+    // Node 2 is this owner's node: its copy is asked first.
+    io.hung.lock().unwrap().push(NodeId(2));
+    let t0 = Instant::now();
+    let got = tokio::time::timeout(std::time::Duration::from_secs(5), v.read(0, 8192))
+        .await
+        .expect("the read must not wait for the hung copy")
+        .unwrap();
+    assert_eq!(got, data);
+    assert!(t0.elapsed() < std::time::Duration::from_secs(1));
+    // Every copy but one hung: still answered.
+    io.hung.lock().unwrap().push(NodeId(1));
+    let got = tokio::time::timeout(std::time::Duration::from_secs(5), v.read(0, 8192))
+        .await
+        .expect("one copy answers")
+        .unwrap();
+    assert_eq!(got, data);
+}
+
+/// Reads wait out a fault the way writes do: with every copy unreachable for a while, a
+/// read keeps trying (fresh slab state each round) and answers once one comes back.
+#[tokio::test(start_paused = true)]
+async fn a_read_rides_through_every_copy_being_away_for_a_while() {
+    let (v, io) = volume(1 << 20, 1 << 20);
+    let data = pattern(4096, 2);
+    v.write(4096, data.clone()).await.unwrap();
+    let copies: Vec<NodeId> = v.slab_map()[&SlabIndex(0)].iter().map(|e| e.node).collect();
+    *io.failed.lock().unwrap() = copies.clone();
+    let io2 = io.clone();
+    let back = copies[2];
+    tokio::spawn(async move {
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        io2.failed.lock().unwrap().retain(|n| *n != back);
+    });
+    assert_eq!(v.read(4096, 4096).await.unwrap(), data);
+}
+
+/// ... and fails, naming every copy's error, only when none answered within `read_wait`.
+#[tokio::test(start_paused = true)]
+async fn a_read_fails_once_no_copy_answered_within_read_wait() {
+    let (v, io) = volume(1 << 20, 1 << 20);
+    v.write(0, pattern(4096, 3)).await.unwrap();
+    *io.failed.lock().unwrap() = vec![NodeId(1), NodeId(2), NodeId(3), NodeId(4)];
+    let t0 = Instant::now();
+    let e = v.read(0, 4096).await.unwrap_err();
+    assert!(t0.elapsed() >= v.config().read_wait, "gave up early");
+    match e {
+        VolumeError::Unreadable { why, .. } => {
+            assert!(why.contains("down") && why.contains("kept trying"), "{why}")
+        }
+        other => panic!("{other}"),
+    }
+}
+
+/// An owner answers nothing once its tenure (lease) may have ended or it was retired:
+/// a partitioned owner must not serve reads from its own copy after a new owner could
+/// have taken over.
+#[tokio::test(start_paused = true)]
+async fn an_owner_past_its_tenure_or_retired_answers_nothing() {
+    let io = Arc::new(MemReplicas::default());
+    let alloc = Arc::new(FixedAlloc::default());
+    let mut cfg = config(1 << 20, 1 << 20, 3);
+    let tenure = Arc::new(crate::Tenure::new());
+    tenure.extend(Instant::now() + std::time::Duration::from_secs(2));
+    cfg.tenure = tenure.clone();
+    let v: TestVol = Volume::new(cfg, BTreeMap::new(), io, alloc);
+    let data = pattern(4096, 4);
+    v.write(0, data.clone()).await.unwrap();
+    assert_eq!(v.read(0, 4096).await.unwrap(), data);
+    tokio::time::advance(std::time::Duration::from_secs(3)).await;
+    assert!(matches!(
+        v.read(0, 4096).await,
+        Err(VolumeError::Fenced { .. })
+    ));
+    assert!(matches!(
+        v.write(0, data.clone()).await,
+        Err(VolumeError::Fenced { .. })
+    ));
+    assert!(matches!(
+        v.zero(0, 4096, false).await,
+        Err(VolumeError::Fenced { .. })
+    ));
+    // A confirmed keepalive extends it again...
+    tenure.extend(Instant::now() + std::time::Duration::from_secs(2));
+    assert_eq!(v.read(0, 4096).await.unwrap(), data);
+    // ... but a retired volume stays retired.
+    v.retire();
+    assert!(matches!(
+        v.read(0, 4096).await,
+        Err(VolumeError::Fenced { .. })
+    ));
 }
