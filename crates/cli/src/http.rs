@@ -1,6 +1,13 @@
 //! A minimal blocking HTTP/1.1 client for the node API: the CLI makes a handful of
 //! requests to loopback or LAN addresses, so a runtime and a client stack would be dead
 //! weight. One request per connection (`Connection: close`).
+//!
+//! Any node answers for the cluster, so the CLI is given a list of API endpoints
+//! (`--api`/`$CONVERGE_API`, comma-separated) and tries them in turn: a node that cannot be
+//! reached (refused, unreachable, connect timeout) is skipped. An HTTP answer, error or
+//! not, is the cluster's answer and is not asked again elsewhere. A request that was sent
+//! but got no answer (the node died or hung mid-way) moves on only if it is a `GET`, which
+//! changes nothing; a `POST`/`DELETE` might have been applied, so it is not sent twice.
 
 use anyhow::{anyhow, bail, Context, Result};
 use std::io::{Read, Write};
@@ -10,48 +17,127 @@ use std::time::Duration;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// How long an answer may take by default; long operations pass their own.
 const READ_TIMEOUT: Duration = Duration::from_secs(120);
+/// Bound on the endpoints of one list.
+pub const ENDPOINTS_MAX: usize = 64;
 
+/// Splits a comma-separated list of API addresses (`http://HOST:PORT` or `HOST:PORT`) into
+/// base URLs, in the order given.
+pub fn endpoints(list: &str) -> Result<Vec<String>> {
+    let out: Vec<String> = list
+        .split(',')
+        .map(str::trim)
+        .filter(|e| !e.is_empty())
+        .map(|e| {
+            let e = e.trim_end_matches('/');
+            if e.starts_with("http://") {
+                e.to_string()
+            } else {
+                format!("http://{e}")
+            }
+        })
+        .collect();
+    if out.is_empty() {
+        bail!("no API address in {list:?}: give http://HOST:PORT, or several separated by commas");
+    }
+    if out.len() > ENDPOINTS_MAX {
+        bail!(
+            "{} API addresses given; at most {ENDPOINTS_MAX} are tried",
+            out.len()
+        );
+    }
+    Ok(out)
+}
+
+#[derive(Debug)]
 pub struct Response {
     pub status: u16,
     pub body: Vec<u8>,
 }
 
-/// `base` is like `http://127.0.0.2:7200`.
-pub fn request(base: &str, method: &str, path: &str, body: Option<&[u8]>) -> Result<Response> {
-    request_timeout(base, method, path, body, READ_TIMEOUT)
+/// `api` is one node's API (`http://127.0.0.2:7200`) or several, comma-separated, tried in
+/// turn (module doc).
+pub fn request(api: &str, method: &str, path: &str, body: Option<&[u8]>) -> Result<Response> {
+    request_timeout(api, method, path, body, READ_TIMEOUT)
+}
+
+/// Why one endpoint gave no answer.
+enum Failure {
+    /// Nothing was sent: the next endpoint may be asked.
+    NotSent(anyhow::Error),
+    /// The request went out, but no (complete) answer came back.
+    NoAnswer(anyhow::Error),
 }
 
 /// [`request`] waiting up to `read_timeout` for the answer (e.g. a cache flush, which
 /// answers when the node's caches are drained).
 pub fn request_timeout(
-    base: &str,
+    api: &str,
     method: &str,
     path: &str,
     body: Option<&[u8]>,
     read_timeout: Duration,
 ) -> Result<Response> {
+    let list = endpoints(api)?;
+    let mut tried = Vec::new();
+    for base in &list {
+        match request_one(base, method, path, body, read_timeout) {
+            Ok(r) => return Ok(r),
+            Err(Failure::NotSent(e)) => tried.push(format!("{base}: {e:#}")),
+            Err(Failure::NoAnswer(e)) if method == "GET" => {
+                tried.push(format!("{base}: sent, no answer: {e:#}"))
+            }
+            Err(Failure::NoAnswer(e)) => {
+                return Err(e.context(format!(
+                    "{method} {path} was sent to {base} but no answer came back; it may or \
+                     may not have been applied: check (e.g. `converge status`) before retrying"
+                )))
+            }
+        }
+    }
+    bail!(
+        "cannot reach the converge API at {} (tried {} endpoint{} in turn):\n  {}\nis \
+         converged running there? Give live nodes with --api or CONVERGE_API \
+         (comma-separated), or run `eval \"$(converge lab env)\"` for the lab",
+        list.join(", "),
+        list.len(),
+        if list.len() == 1 { "" } else { "s" },
+        tried.join("\n  ")
+    )
+}
+
+fn request_one(
+    base: &str,
+    method: &str,
+    path: &str,
+    body: Option<&[u8]>,
+    read_timeout: Duration,
+) -> Result<Response, Failure> {
     let hostport = base
         .strip_prefix("http://")
-        .ok_or_else(|| anyhow!("API address {base:?} must start with http://"))?
-        .trim_end_matches('/');
-    let unreachable = || {
-        format!("cannot reach the converge API at {base}: is converged running there? (set --api or CONVERGE_API)")
-    };
+        .ok_or_else(|| Failure::NotSent(anyhow!("API address {base:?} must start with http://")))?;
     // A bounded connect: a node cut off the network (a lab partition) must fail in
     // seconds, not after the kernel's SYN retries.
-    let mut s = connect(hostport).with_context(unreachable)?;
-    s.set_read_timeout(Some(read_timeout))?;
-    let body = body.unwrap_or(&[]);
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
-        body.len()
-    );
-    s.write_all(head.as_bytes())?;
-    s.write_all(body)?;
+    let mut s = connect(hostport).map_err(|e| Failure::NotSent(e.into()))?;
+    let sent = (|| -> Result<()> {
+        s.set_read_timeout(Some(read_timeout))?;
+        let body = body.unwrap_or(&[]);
+        let head = format!(
+            "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            body.len()
+        );
+        s.write_all(head.as_bytes())?;
+        s.write_all(body)?;
+        Ok(())
+    })();
+    // A write that fails may still have delivered the request.
+    sent.map_err(Failure::NoAnswer)?;
     let mut raw = Vec::new();
     s.read_to_end(&mut raw)
-        .with_context(|| format!("reading the answer from {base}{path}"))?;
-    parse(&raw).with_context(|| format!("bad HTTP answer from {base}{path}"))
+        .with_context(|| format!("reading the answer from {base}{path}"))
+        .map_err(Failure::NoAnswer)?;
+    parse(&raw)
+        .with_context(|| format!("bad HTTP answer from {base}{path}"))
+        .map_err(Failure::NoAnswer)
 }
 
 fn connect(hostport: &str) -> std::io::Result<TcpStream> {
@@ -117,7 +203,8 @@ fn dechunk(mut b: &[u8]) -> Result<Vec<u8>> {
     }
 }
 
-/// Call the API and decode JSON; a non-2xx answer becomes the server's error message.
+/// Call the API (one endpoint or several, as [`request`]) and decode JSON; a non-2xx answer
+/// becomes the server's error message.
 pub fn call<T: serde::de::DeserializeOwned>(
     base: &str,
     method: &str,
@@ -157,5 +244,75 @@ mod tests {
         let r = parse(b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap();
         assert_eq!((r.status, &r.body[..]), (404, &b"abcde"[..]));
         assert!(parse(b"garbage").is_err());
+    }
+
+    #[test]
+    fn endpoint_lists() {
+        assert_eq!(
+            endpoints("http://a:1, b:2/ ,,http://c:3/").unwrap(),
+            ["http://a:1", "http://b:2", "http://c:3"]
+        );
+        assert!(endpoints(" , ").is_err());
+        let many = vec!["a:1"; ENDPOINTS_MAX + 1].join(",");
+        assert!(endpoints(&many).is_err());
+    }
+
+    /// A listener that answers every connection with `answer`, on a free port.
+    fn server(answer: &'static [u8]) -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = l.local_addr().unwrap();
+        std::thread::spawn(move || {
+            for s in l.incoming() {
+                let mut s = s.unwrap();
+                let mut buf = [0u8; 4096];
+                let _ = s.read(&mut buf);
+                let _ = s.write_all(answer);
+            }
+        });
+        format!("http://{addr}")
+    }
+
+    /// A port where nothing listens (bound, then closed).
+    fn dead() -> String {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    }
+
+    #[test]
+    fn tries_endpoints_in_turn_until_one_answers() {
+        let ok = server(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}");
+        let (d1, d2) = (dead(), dead());
+        let r = request(&format!("{d1},{d2},{ok}"), "POST", "/x", None).unwrap();
+        assert_eq!(r.status, 200);
+        // An HTTP error is an answer: the next endpoint is not asked.
+        let err =
+            server(b"HTTP/1.1 404 Not Found\r\nContent-Length: 20\r\n\r\n{\"error\":\"no such\"}");
+        let e = call::<serde_json::Value>(&format!("{err},{ok}"), "GET", "/x", None).unwrap_err();
+        assert_eq!(e.to_string(), "no such");
+        // None answers: every endpoint is named.
+        let e = request(&format!("{d1},{d2}"), "GET", "/x", None).unwrap_err();
+        let msg = format!("{e:#}");
+        assert!(
+            msg.contains("tried 2 endpoints") && msg.contains(&d1) && msg.contains(&d2),
+            "{msg}"
+        );
+    }
+
+    #[test]
+    fn a_sent_request_without_answer_is_not_sent_again_unless_it_is_a_get() {
+        // Closes the connection after reading the request: sent, never answered.
+        let mute = server(b"");
+        let ok = server(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}");
+        let e = request(&format!("{mute},{ok}"), "POST", "/v1/volumes", None).unwrap_err();
+        assert!(
+            format!("{e:#}").contains("may or may not have been applied"),
+            "{e:#}"
+        );
+        assert_eq!(
+            request(&format!("{mute},{ok}"), "GET", "/x", None)
+                .unwrap()
+                .status,
+            200
+        );
     }
 }

@@ -1,7 +1,8 @@
 //! `converge`: the command-line interface to a converge cluster and its lab.
 //!
-//! Cluster commands talk to any node's HTTP API (`--api` or `CONVERGE_API`; inside a lab
-//! directory the lab's first node is used). Human tables by default, `--json` everywhere.
+//! Cluster commands talk to any node's HTTP API: `--api` or `CONVERGE_API` give one or more
+//! (comma-separated, tried in turn until one can be reached); without them, every node of
+//! the lab directory. Human tables by default, `--json` everywhere.
 
 mod cache;
 mod fleet;
@@ -30,9 +31,12 @@ served over NBD.\n\nStart a cluster on this machine with `converge lab up`, then
 `eval $(converge lab env)` and use `converge status` and `converge volume ...`."
 )]
 struct Cli {
-    /// Node API to talk to, e.g. http://127.0.0.2:7200 (default: the lab in
-    /// $CONVERGE_LAB_DIR or ./converge-lab).
-    #[arg(long, global = true, env = "CONVERGE_API")]
+    /// Node APIs to talk to, comma-separated, e.g.
+    /// http://127.0.0.2:7200,http://127.0.0.3:7200: any node answers for the cluster, and
+    /// the next is tried when one cannot be reached (refused, unreachable, timed out; an
+    /// HTTP error is an answer). Default: every node of the lab in $CONVERGE_LAB_DIR or
+    /// ./converge-lab.
+    #[arg(long, global = true, env = "CONVERGE_API", value_name = "URL[,URL...]")]
     api: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
@@ -260,6 +264,7 @@ enum LabCmd {
         purge: bool,
     },
     /// Print shell lines that point later commands at this lab: eval "$(converge lab env)".
+    /// CONVERGE_API lists every node's API, so commands still work while a node is down.
     Env {
         #[command(flatten)]
         dir: LabDir,
@@ -360,30 +365,34 @@ fn main() {
     }
 }
 
+/// The API endpoints to try, in order, as a comma-separated list (what `http` takes).
 fn api_base(cli: &Cli) -> Result<String> {
     if let Some(a) = &cli.api {
-        return Ok(if a.starts_with("http://") {
-            a.clone()
-        } else {
-            format!("http://{a}")
-        });
+        return Ok(http::endpoints(a)?.join(","));
     }
     let dir = lab::default_dir();
     let lab = lab::load(&dir).context(
-        "no API address given: use --api http://HOST:PORT, set CONVERGE_API, or start a lab",
+        "no API address given: use --api http://HOST:PORT[,http://HOST:PORT...], set \
+         CONVERGE_API, or start a lab",
     )?;
-    // A paused node accepts connections but never answers, a partitioned one cannot be
-    // reached: use a node that serves.
-    lab.nodes
+    // Every node, those that serve first: a paused node accepts connections but never
+    // answers, a partitioned one cannot be reached, so they are tried last.
+    let (serving, rest): (Vec<&lab::LabNode>, Vec<&lab::LabNode>) = lab
+        .nodes
         .iter()
-        .find(|n| lab::node_state(&lab, n).serves())
-        .map(|n| n.api.clone())
-        .ok_or_else(|| {
-            anyhow::anyhow!(
-                "no node of the lab in {} is running and reachable (see `converge lab ps`)",
-                dir.display()
-            )
-        })
+        .partition(|n| lab::node_state(&lab, n).serves());
+    if serving.is_empty() {
+        bail!(
+            "no node of the lab in {} is running and reachable (see `converge lab ps`)",
+            dir.display()
+        );
+    }
+    Ok(serving
+        .iter()
+        .chain(rest.iter())
+        .map(|n| n.api.as_str())
+        .collect::<Vec<_>>()
+        .join(","))
 }
 
 fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
@@ -710,7 +719,13 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
         }
         LabCmd::Env { dir } => {
             let l = lab::load(&dir.path())?;
-            let api = l.nodes.first().map(|n| n.api.clone()).unwrap_or_default();
+            // Every node: the CLI moves on to the next when one is down.
+            let api = l
+                .nodes
+                .iter()
+                .map(|n| n.api.as_str())
+                .collect::<Vec<_>>()
+                .join(",");
             if json_out {
                 return print_json(&json!({
                     "CONVERGE_API": api, "CONVERGE_LAB_DIR": l.dir, "CONVERGE_ETCD": l.etcd_endpoint
@@ -881,18 +896,22 @@ fn run_fault(dir: &std::path::Path, fault: &FaultCmd, json_out: bool) -> Result<
         return print_json(&json!({ "node": id, "result": what }));
     }
     println!("node{id} {what}");
-    // A CLI pinned to this node's API would now hang or fail: say so.
+    // A CLI pinned to this node's API alone would now hang or fail: say so.
     if matches!(
         fault,
         FaultCmd::Pause { .. }
             | FaultCmd::Partition { .. }
             | FaultCmd::Kill { .. }
             | FaultCmd::Stop { .. }
-    ) && std::env::var("CONVERGE_API").is_ok_and(|a| a.trim_end_matches('/') == n.api)
+    ) && std::env::var("CONVERGE_API")
+        .ok()
+        .and_then(|a| http::endpoints(&a).ok())
+        .is_some_and(|a| a == [n.api.trim_end_matches('/')])
     {
         eprintln!(
-            "note: CONVERGE_API points at node{id} ({}); `unset CONVERGE_API` so commands \
-             use a node of the lab that answers",
+            "note: CONVERGE_API points at node{id} ({}) only; run `eval \"$(converge lab \
+             env)\"` (every node's API) or `unset CONVERGE_API` so commands use a node of \
+             the lab that answers",
             n.api
         );
     }

@@ -467,3 +467,81 @@ print("ok")
     assert!(out.trim_end().ends_with("ok"), "{out}");
     assert_eq!(out.matches("errno").count(), 6, "{out}");
 }
+
+/// The CLI is a cluster client: `lab env` gives it every node's API, and with node 1 killed
+/// (kill -9) `status`, `volume list` and even a `volume create` still work through the
+/// others. Pinned to node 1 alone it fails, naming what it tried.
+#[test]
+fn cli_works_through_lab_env_with_node_1_killed() {
+    let lab = Lab::up(3, &[]);
+    lab.create_volume("before", "64M", "mirror-2");
+    let env = lab.json(&["lab", "env"]);
+    let list = env["CONVERGE_API"].as_str().unwrap().to_string();
+    let apis: Vec<String> = lab.lab_json()["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["api"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(list, apis.join(","), "lab env exports every node's API");
+    // As a user's shell after `eval "$(converge lab env)"`, with no lab directory to fall
+    // back on: only CONVERGE_API leads to the cluster.
+    let no_lab = tempfile::tempdir().unwrap();
+    let cli = |api: &str, args: &[&str]| {
+        let mut c = Command::new(converge_bin());
+        c.args(args)
+            .env("CONVERGE_API", api)
+            .env("CONVERGE_LAB_DIR", no_lab.path().join("none"));
+        run(&mut c)
+    };
+    let json = |args: &[&str]| {
+        let mut a = args.to_vec();
+        a.push("--json");
+        let o = cli(&list, &a);
+        assert!(
+            o.status.success(),
+            "converge {args:?} through {list} failed:\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        serde_json::from_slice::<serde_json::Value>(&o.stdout).unwrap()
+    };
+    assert_eq!(json(&["status"])["nodes"].as_array().unwrap().len(), 3);
+
+    lab.must(&["lab", "fault", "kill", "1"]);
+    // Node 1 alone: every endpoint tried is named.
+    let o = cli(&apis[0], &["status"]);
+    assert!(!o.status.success(), "node 1 is dead");
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(
+        e.contains("cannot reach the converge API") && e.contains(&apis[0]),
+        "{e}"
+    );
+    let st = json(&["status"]);
+    assert_eq!(st["nodes"].as_array().unwrap().len(), 3, "{st}");
+    let names = |v: serde_json::Value| -> Vec<String> {
+        v.as_array()
+            .unwrap()
+            .iter()
+            .map(|v| v["name"].as_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(names(json(&["volume", "list"])), ["before"]);
+    // A POST to the dead node was never sent: the next node takes it, once.
+    json(&[
+        "volume",
+        "create",
+        "after",
+        "--size",
+        "64M",
+        "--resiliency",
+        "mirror-2",
+        "--owner",
+        "2",
+    ]);
+    assert_eq!(names(json(&["volume", "list"])), ["after", "before"]);
+    // An HTTP error is the cluster's answer, not a reason to ask another node.
+    let o = cli(&list, &["volume", "show", "nosuch"]);
+    assert!(!o.status.success());
+    let e = String::from_utf8_lossy(&o.stderr);
+    assert!(!e.contains("cannot reach"), "{e}");
+}

@@ -13,11 +13,13 @@
 //! | `/converge/slabs/<volume id>/<slab index, 20-digit zero-padded>` | [`SlabRecord`] | created on first write; padding makes key order = slab order |
 //! | `/converge/owners/<volume id>` | [`OwnerRecord`] | bound to the owner's lease |
 //! | `/converge/epochs/<volume id>` | JSON number | highest epoch ever granted; survives the owner's lease so epochs never repeat |
+//! | `/converge/placement-seq` | empty | rewritten by every slab allocation; its mod revision orders allocations ([`Cluster::allocate_slab`]) |
 //!
 //! Ids are decimal. Read-modify-write of shared records goes through etcd transactions
 //! compared on mod revision, so concurrent writers never lose each other's updates.
 
 use crate::etcd::{Compare, Etcd, EtcdError, KeyValue, LeaseId, Op, Txn};
+use crate::placement::{self, DriveLoad, PlacementError};
 use converge_types::{
     ClusterId, DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency, SlabIndex,
     VolumeId,
@@ -31,6 +33,12 @@ use std::time::{SystemTime, UNIX_EPOCH};
 pub const ROOT: &str = "/converge/";
 /// Bound on optimistic-transaction retries when other writers keep winning.
 pub const TXN_RETRIES_MAX: usize = 32;
+/// Bound on a slab allocation's attempts when other allocations keep committing first.
+/// Every round of contenders commits one, so with a node's allocations serialised (the
+/// node's allocator does) the chance that one loses this many rounds in a row is nil for
+/// any cluster size converge runs at; even then it still places the slab (see
+/// [`Cluster::allocate_slab`]).
+pub const ALLOC_RETRIES_MAX: usize = 256;
 /// Longest volume name accepted.
 pub const VOLUME_NAME_BYTES_MAX: usize = 128;
 
@@ -49,6 +57,9 @@ pub mod keys {
     pub const MAINTENANCE: &str = "/converge/maintenance/";
     /// Drives that failed (I/O errors): `/converge/failed-drives/<drive id>` = reason.
     pub const FAILED_DRIVES: &str = "/converge/failed-drives/";
+    /// Rewritten by every slab allocation, in the same transaction as the slab record: an
+    /// allocation commits only if no other committed since it read the drives' use.
+    pub const PLACEMENT_SEQ: &str = "/converge/placement-seq";
 
     pub fn node(id: NodeId) -> String {
         format!("{NODES}{}", id.0)
@@ -163,6 +174,9 @@ pub struct OwnerRecord {
 pub enum ControlError {
     #[error(transparent)]
     Etcd(#[from] EtcdError),
+    /// Boxed: placement's messages are large, and every model call returns this error.
+    #[error(transparent)]
+    Placement(Box<PlacementError>),
     #[error(
         "the record at {key} in etcd is not a valid {what}: {reason}; was it written by an \
          incompatible converge version? Inspect it with `etcdctl get {key}`"
@@ -225,6 +239,26 @@ fn decode<T: DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Result<T, C
         what,
         reason: e.to_string(),
     })
+}
+
+/// A new slab's record: `copies` in-sync extents where placement puts them.
+fn place_slab(copies: usize, loads: &[DriveLoad]) -> Result<SlabRecord, PlacementError> {
+    let chosen = placement::place(copies, loads, &[])?;
+    let extents = chosen
+        .iter()
+        .map(|d| {
+            let load = loads
+                .iter()
+                .find(|l| l.drive == *d)
+                .expect("placement returns candidate drives");
+            ExtentRecord {
+                drive: load.drive,
+                node: load.node,
+                state: ExtentState::InSync,
+            }
+        })
+        .collect();
+    Ok(SlabRecord { extents })
 }
 
 /// Whether a volume name is safe as an etcd key segment and an NBD export name.
@@ -548,6 +582,107 @@ impl Cluster {
         Err(ControlError::Contended {
             what: format!("allocating slab {slab} of volume {volume}"),
         })
+    }
+
+    /// Extents placed on each drive, counted from all slab records.
+    pub async fn extents_used(&self) -> Result<HashMap<DriveId, u64>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::SLABS).await?;
+        let mut used: HashMap<DriveId, u64> = HashMap::new();
+        for kv in kvs {
+            if let Ok(s) = serde_json::from_slice::<SlabRecord>(&kv.value) {
+                for e in s.extents {
+                    *used.entry(e.drive).or_default() += 1;
+                }
+            }
+        }
+        Ok(used)
+    }
+
+    /// Every drive as placement sees it: its use, and whether it may take copies (its node
+    /// live and not in maintenance, the drive not failed).
+    pub async fn drive_loads(&self) -> Result<Vec<DriveLoad>, ControlError> {
+        let drives = self.drives().await?;
+        let maint = self.maintenance_nodes().await?;
+        let live: Vec<NodeId> = self
+            .live_nodes()
+            .await?
+            .iter()
+            .map(|n| n.id)
+            .filter(|n| !maint.contains(n))
+            .collect();
+        let failed = self.failed_drives().await?;
+        let used = self.extents_used().await?;
+        Ok(drives
+            .iter()
+            .map(|d| DriveLoad {
+                drive: d.id,
+                node: d.node,
+                extents_total: d.extents_total,
+                extents_used: used.get(&d.id).copied().unwrap_or(0),
+                live: live.contains(&d.node) && !failed.contains_key(&d.id),
+                role: d.role,
+            })
+            .collect())
+    }
+
+    /// Places a slab's `copies` (placement::place over [`Cluster::drive_loads`]) and records
+    /// it if it has no record yet; if another node allocated it first, returns that record.
+    /// Either way the result is what etcd holds, with its mod revision.
+    ///
+    /// Allocations are serialised through [`keys::PLACEMENT_SEQ`]: each reads its mod
+    /// revision *before* the drives' use, and commits only if it is unchanged, rewriting it.
+    /// So an allocation that commits saw every allocation committed before it, and two
+    /// owners allocating at once cannot both pick the same "least used" drives; the loser
+    /// places again on fresh counts. Only allocations contend here (state changes of slab
+    /// records do not touch the key). If other allocations win [`ALLOC_RETRIES_MAX`] times in
+    /// a row, the slab is recorded on the placement last computed: still valid (one copy
+    /// per node, drives with space), only balance may suffer, and later allocations, which
+    /// prefer the least used, even it out. A write never fails for the sake of balance.
+    pub async fn allocate_slab(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        copies: usize,
+    ) -> Result<(SlabRecord, i64), ControlError> {
+        let key = keys::slab(volume, slab);
+        let mut last = None;
+        for _ in 0..ALLOC_RETRIES_MAX {
+            let seq = self
+                .etcd
+                .get(keys::PLACEMENT_SEQ)
+                .await?
+                .map_or(0, |kv| kv.mod_revision);
+            let rec = place_slab(copies, &self.drive_loads().await?)
+                .map_err(|e| ControlError::Placement(Box::new(e)))?;
+            let value = encode(&key, "slab record", &rec)?;
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![
+                        Compare::CreateRevision(key.clone(), 0),
+                        Compare::ModRevision(keys::PLACEMENT_SEQ.to_string(), seq),
+                    ],
+                    success: vec![
+                        Op::Put(key.clone(), value, None),
+                        Op::Put(keys::PLACEMENT_SEQ.to_string(), Vec::new(), None),
+                    ],
+                    failure: vec![Op::Get(key.clone())],
+                })
+                .await?;
+            if r.succeeded {
+                return Ok((rec, r.revision));
+            }
+            if let Some(Some(kv)) = r.gets.into_iter().next() {
+                return Ok((decode(&kv, "slab record")?, kv.mod_revision));
+            }
+            last = Some(rec);
+        }
+        let rec = last.expect("ALLOC_RETRIES_MAX > 0 attempts were made");
+        log::warn!(
+            "slab {slab} of volume {volume}: other allocations won {ALLOC_RETRIES_MAX} times in \
+             a row; recording it on the placement last computed"
+        );
+        self.create_slab(volume, slab, &rec).await
     }
 
     /// Replaces a slab record if unchanged since `expected_mod_revision` *and* `owner` still

@@ -2,8 +2,16 @@
 //! create-time check and the simulation all decide the same way.
 //!
 //! Rules (DESIGN.md, control plane): the copies of a slab go to capacity drives on distinct
-//! live nodes (a node is the fault domain), preferring the least-used drives so used
-//! capacity stays balanced. Ties break on drive id, so a placement is reproducible.
+//! live nodes (a node is the fault domain). Balance is kept at both levels the copies land
+//! on: the least-used *nodes* (used fraction of their capacity drives) take the copies, each
+//! on its least-used drive. Ranking nodes, not drives, matters because a node takes at most
+//! one copy of a slab: ranking drives alone lets a node whose drives all lag behind fall
+//! further back whenever its drives lose ties, so it ends with unequal drives. Ties break on
+//! the best drive's use, then drive id, so a placement is reproducible.
+//!
+//! The guarantee (tested below): on equal capacity drives, the same number per node, placing
+//! slab after slab keeps every drive's used extents within one of every other's, so when
+//! the copies divide evenly every drive holds the same number.
 
 use converge_types::{format_size, DriveId, DriveRole, NodeId};
 use std::cmp::Ordering;
@@ -126,15 +134,38 @@ fn describe(nodes: &BTreeMap<NodeId, NodeSummary>) -> String {
 
 /// Orders drives by used fraction (least used first), then by drive id.
 fn by_load(a: &DriveLoad, b: &DriveLoad) -> Ordering {
-    // used_a / total_a vs used_b / total_b, exactly, in integers.
-    let lhs = u128::from(a.extents_used) * u128::from(b.extents_total);
-    let rhs = u128::from(b.extents_used) * u128::from(a.extents_total);
-    lhs.cmp(&rhs).then(a.drive.cmp(&b.drive))
+    by_fraction(
+        a.extents_used,
+        a.extents_total,
+        b.extents_used,
+        b.extents_total,
+    )
+    .then(a.drive.cmp(&b.drive))
+}
+
+/// used_a / total_a vs used_b / total_b, exactly, in integers.
+fn by_fraction(used_a: u64, total_a: u64, used_b: u64, total_b: u64) -> Ordering {
+    let lhs = u128::from(used_a) * u128::from(total_b);
+    let rhs = u128::from(used_b) * u128::from(total_a);
+    lhs.cmp(&rhs)
+}
+
+/// A node as a placement candidate: its use over all its live capacity drives, and its
+/// least-used drive with free space.
+struct NodeCandidate {
+    used: u64,
+    total: u64,
+    best: DriveLoad,
+}
+
+/// Orders nodes by used fraction, then by their best drive (its use, then its id).
+fn by_node_load(a: &NodeCandidate, b: &NodeCandidate) -> Ordering {
+    by_fraction(a.used, a.total, b.used, b.total).then(by_load(&a.best, &b.best))
 }
 
 /// Picks `copies` capacity drives on distinct live nodes not in `exclude_nodes` (e.g. nodes
-/// that already hold a copy of the slab), least-used first. The result is in the order
-/// chosen: the least-used drive first.
+/// that already hold a copy of the slab): the least-used nodes, each's least-used drive.
+/// The result is in the order chosen: the least-used node's drive first.
 pub fn place(
     copies: usize,
     candidates: &[DriveLoad],
@@ -143,7 +174,7 @@ pub fn place(
     if copies == 0 {
         return Err(PlacementError::NoCopies { copies });
     }
-    // Best drive per node, then best nodes.
+    // Best drive per node.
     let mut best: BTreeMap<NodeId, DriveLoad> = BTreeMap::new();
     for d in candidates
         .iter()
@@ -164,9 +195,26 @@ pub fn place(
             detail: describe(&summarize(candidates, exclude_nodes)),
         });
     }
-    let mut picks: Vec<DriveLoad> = best.into_values().collect();
-    picks.sort_by(by_load);
-    Ok(picks.into_iter().take(copies).map(|d| d.drive).collect())
+    // A node's use counts all its live capacity drives, full ones too: they are its share.
+    let mut picks: Vec<NodeCandidate> = best
+        .into_iter()
+        .map(|(node, best)| {
+            let (used, total) = candidates
+                .iter()
+                .filter(|d| d.node == node && d.live && d.role == DriveRole::Capacity)
+                .fold((0, 0), |(u, t), d| {
+                    (u + d.extents_used, t + d.extents_total)
+                });
+            debug_assert!(total > 0, "a node with a usable drive has capacity");
+            NodeCandidate { used, total, best }
+        })
+        .collect();
+    picks.sort_by(by_node_load);
+    Ok(picks
+        .into_iter()
+        .take(copies)
+        .map(|n| n.best.drive)
+        .collect())
 }
 
 /// Create-time check: could a volume of `size_bytes` with `copies` copies be fully written
@@ -252,13 +300,48 @@ mod tests {
         ];
         assert_eq!(
             place(2, &c, &[]).unwrap(),
-            vec![DriveId(2), DriveId(4)],
-            "node 1's emptier drive, then node 3; node 2 is the fullest"
+            vec![DriveId(4), DriveId(2)],
+            "node 3 (1 of 10 used), then node 1 (5 of 20) on its emptier drive; node 2 is \
+             the fullest"
         );
         assert_eq!(
             place(3, &c, &[]).unwrap(),
-            vec![DriveId(2), DriveId(4), DriveId(3)]
+            vec![DriveId(4), DriveId(2), DriveId(3)]
         );
+    }
+
+    #[test]
+    fn nodes_rank_before_drives() {
+        // Node 1's drive 1 is the emptiest drive, but node 1 as a whole (13 of 20) is
+        // fuller than node 2 (5 of 10) and node 3 (6 of 10).
+        let c = [
+            drive(1, 1, 10, 3),
+            drive(2, 1, 10, 10),
+            drive(3, 2, 10, 5),
+            drive(4, 3, 10, 6),
+        ];
+        assert_eq!(place(2, &c, &[]).unwrap(), vec![DriveId(3), DriveId(4)]);
+    }
+
+    /// The lab's layout (4 nodes × 2 drives, random drive ids) with a mirror-3 volume of 8
+    /// slabs: 24 copies, 3 per drive, whatever the ids. Ranking drives alone (the old rule)
+    /// ended with e.g. [3, 4, 3, 3, 3, 3, 2, 3] for some ids: a node whose two drives lost
+    /// the id ties early could not catch up, since it takes one copy per slab.
+    #[test]
+    fn lab_layout_ends_exactly_balanced_for_any_drive_ids() {
+        let mut rng = StdRng::seed_from_u64(12);
+        for case in 0..2_000 {
+            let mut c: Vec<DriveLoad> = (0..8u32)
+                .map(|i| drive(rng.gen::<u64>() >> 1, i / 2 + 1, 15, 0))
+                .collect();
+            for _ in 0..8 {
+                for p in place(3, &c, &[]).unwrap() {
+                    c.iter_mut().find(|d| d.drive == p).unwrap().extents_used += 1;
+                }
+            }
+            let used: Vec<u64> = c.iter().map(|d| d.extents_used).collect();
+            assert_eq!(used, vec![3; 8], "case {case}: {c:?}");
+        }
     }
 
     #[test]
@@ -379,9 +462,9 @@ mod tests {
         }
     }
 
-    /// Property: placing slab after slab keeps used capacity balanced: with equal drives on
-    /// every node, used extents never differ by more than two between drives (one is not
-    /// always possible: when the only empty drives share a node, a copy must go elsewhere).
+    /// Property (the documented guarantee): placing slab after slab on equal drives, the same
+    /// number on every node, keeps every drive's used extents within one of every other's,
+    /// whatever the drive ids.
     #[test]
     fn property_repeated_placement_balances() {
         let mut rng = StdRng::seed_from_u64(7);
@@ -390,7 +473,8 @@ mod tests {
             let per_node = rng.gen_range(1..4u64);
             let total = 64;
             let mut c: Vec<DriveLoad> = (0..nodes)
-                .flat_map(|n| (0..per_node).map(move |k| drive(u64::from(n) * 10 + k, n, total, 0)))
+                .flat_map(|n| (0..per_node).map(move |_| n))
+                .map(|n| drive(rng.gen::<u64>() >> 1, n, total, 0))
                 .collect();
             let copies = rng.gen_range(1..=3usize);
             let slabs = rng.gen_range(1..200);
@@ -405,7 +489,7 @@ mod tests {
                 let used: Vec<u64> = c.iter().map(|d| d.extents_used).collect();
                 let (lo, hi) = (used.iter().min().unwrap(), used.iter().max().unwrap());
                 assert!(
-                    hi - lo <= 2,
+                    hi - lo <= 1,
                     "unbalanced: {used:?} nodes {nodes} per node {per_node} copies {copies}"
                 );
             }

@@ -392,3 +392,84 @@ async fn model_errors_when_etcd_is_down() {
     assert!(matches!(e, ControlError::Etcd(_)), "{e}");
     assert!(e.to_string().contains("is etcd running?"), "{e}");
 }
+
+/// Owners of different volumes allocate at the same time (as a fleet's prefill does): each
+/// allocation still sees every one committed before it, so the drives end up exactly
+/// balanced, as when slabs are placed one after another. Without the ordering through
+/// `placement-seq`, concurrent allocators read the same counts and pile onto the same
+/// "least used" drives.
+#[tokio::test]
+async fn concurrent_allocations_of_many_owners_still_balance() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let lease = etcd.lease_grant(600).await.unwrap();
+    let mut drive_ids = Vec::new();
+    for n in 1..=4u32 {
+        c.register_node(&node(n, &format!("10.0.0.{n}:7000")), lease)
+            .await
+            .unwrap();
+        for _ in 0..2 {
+            let id = DriveId(rand::random::<u64>() >> 1);
+            drive_ids.push(id);
+            c.put_drive(&DriveRecord {
+                id,
+                node: NodeId(n),
+                path: format!("/dev/n{n}-{}", id.0),
+                role: DriveRole::Capacity,
+                media: MediaType::Nvme,
+                size_bytes: 64 << 30,
+                extents_total: 64,
+                slab_size_bytes: 1 << 30,
+                tbw_bytes: None,
+                warranty_years: None,
+            })
+            .await
+            .unwrap();
+        }
+    }
+    // 4 owners (one allocation at a time each, as a node's allocator does), 2 volumes each,
+    // 6 slabs per volume, mirror-3: 144 copies over 8 drives.
+    let mut tasks = Vec::new();
+    for owner in 0..4u64 {
+        let c = c.clone();
+        tasks.push(tokio::spawn(async move {
+            for slab in 0..6 {
+                for vol in [owner * 2, owner * 2 + 1] {
+                    let (rec, _) = c
+                        .allocate_slab(VolumeId(vol), SlabIndex(slab), 3)
+                        .await
+                        .unwrap();
+                    let nodes: std::collections::BTreeSet<NodeId> =
+                        rec.extents.iter().map(|e| e.node).collect();
+                    assert_eq!(nodes.len(), 3, "copies on distinct nodes: {rec:?}");
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    let used = c.extents_used().await.unwrap();
+    let per_drive: Vec<u64> = drive_ids
+        .iter()
+        .map(|d| used.get(d).copied().unwrap_or(0))
+        .collect();
+    assert_eq!(per_drive, vec![18; 8], "drives' used extents");
+
+    // An allocation of a slab that exists returns the record etcd holds.
+    let held = c.slab(VolumeId(0), SlabIndex(0)).await.unwrap().unwrap();
+    assert_eq!(
+        c.allocate_slab(VolumeId(0), SlabIndex(0), 3).await.unwrap(),
+        held
+    );
+    // No room on enough nodes: a placement error, in the user's terms.
+    let e = c
+        .allocate_slab(VolumeId(99), SlabIndex(0), 5)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(e, ControlError::Placement(_)) && e.to_string().contains("needs 5 nodes"),
+        "{e}"
+    );
+}

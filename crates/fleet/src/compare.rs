@@ -111,7 +111,7 @@ type Metric = (
     fn(f64) -> String,
 );
 
-const METRICS: [Metric; 9] = [
+const METRICS: [Metric; 10] = [
     ("IOPS", |s| Some(s.iops), fmt::iops),
     ("MB/s", |s| Some(s.mb_per_s), fmt::sig3),
     ("Mean latency", |s| s.lat_mean_us, fmt::lat_us),
@@ -123,6 +123,7 @@ const METRICS: [Metric; 9] = [
     ("Host CPU %", |s| s.host_cpu_pct, fmt::sig3),
     ("converged CPU µs per I/O", |s| s.cpu_us_per_io, fmt::sig3),
     ("Drive queue length", |s| Some(s.drive_ql_mean), fmt::sig3),
+    ("Cache drive queue length", |s| s.cache_ql_mean, fmt::sig3),
     (
         "Write amplification (total)",
         |s| s.wa.total,

@@ -236,6 +236,19 @@ pub struct PointStats {
     /// nodes × workers × QD ÷ drives: the queue each drive would have if the drives were
     /// the only place I/Os wait.
     pub drive_ql_expected: f64,
+    /// Cache drives' queue length over the window (min / mean / max); None when the run has
+    /// no cache drives. With a write cache this is where writes wait at the drives: they are
+    /// acked from the cache drive's log and reach the capacity drives at destage, which may
+    /// fall after the window (so the capacity drives' queue can be 0 at a write point).
+    #[serde(default)]
+    pub cache_ql_mean: Option<f64>,
+    #[serde(default)]
+    pub cache_ql_min: Option<f64>,
+    #[serde(default)]
+    pub cache_ql_max: Option<f64>,
+    /// Cache drives.
+    #[serde(default)]
+    pub cache_drives: usize,
     pub wa: WriteAmp,
     pub endurance: Option<Endurance>,
     /// Sum of fio error codes of the workers (0 = none).
@@ -304,6 +317,7 @@ struct RepeatFigures {
     drive_iops: Vec<f64>,
     drive_write_bps: Vec<f64>,
     drive_ql: Vec<f64>,
+    cache_ql: Vec<f64>,
     cap_write_bps: f64,
     cap_data_bps: f64,
     cap_journal_bps: f64,
@@ -353,6 +367,7 @@ fn figures(cfg: &RunConfig, r: &RepeatMeasure) -> RepeatFigures {
             DriveRole::Cache => {
                 have_cache = true;
                 cache += d.write_bytes_per_s();
+                f.cache_ql.push(d.queue_len);
             }
             DriveRole::Capacity => {
                 f.drive_iops.push(d.iops());
@@ -493,6 +508,9 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
     let (drive_iops_min, drive_iops_max) = min_max(&drives_all);
     let ql_all: Vec<f64> = figs.iter().flat_map(|f| f.drive_ql.clone()).collect();
     let (drive_ql_min, drive_ql_max) = min_max(&ql_all);
+    let cache_ql_all: Vec<f64> = figs.iter().flat_map(|f| f.cache_ql.clone()).collect();
+    let have_cache_ql = !cache_ql_all.is_empty();
+    let (cache_ql_min, cache_ql_max) = min_max(&cache_ql_all);
     let wbps_all: Vec<f64> = figs
         .iter()
         .flat_map(|f| f.drive_write_bps.clone())
@@ -582,6 +600,14 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
         } else {
             0.0
         },
+        cache_ql_mean: have_cache_ql.then(|| mean(cache_ql_all.iter().copied())),
+        cache_ql_min: have_cache_ql.then_some(cache_ql_min),
+        cache_ql_max: have_cache_ql.then_some(cache_ql_max),
+        cache_drives: cfg
+            .drives
+            .iter()
+            .filter(|d| d.role == DriveRole::Cache)
+            .count(),
         wa,
         endurance: endurance_of(cfg, &figs),
         errors: reps
@@ -942,6 +968,32 @@ pub(crate) mod tests {
         assert_eq!(wa.capacity_write_mb_per_s, 0.0);
         assert_eq!(s.drive_write_mb_per_s_mean, 0.0);
         assert!((wa.client_write_mb_per_s - 4000.0 * 4096.0 / 1e6).abs() < 1e-6);
+    }
+
+    /// A write point with a write cache: inside the window the writes wait in the cache
+    /// drives' queues and the capacity drives see nothing (destage comes after). Each tier's
+    /// queue is reported on its own, so the cache tier's is not lost.
+    #[test]
+    fn queue_length_is_reported_per_tier() {
+        let cfg = config_with_caches(vec![100]);
+        let ps = points(&cfg.settings);
+        let mut r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        for d in &mut r.drives {
+            d.queue_len = match cfg.drive(d.id).unwrap().role {
+                DriveRole::Capacity => 0.0,
+                DriveRole::Cache => 0.25 * f64::from(d.node),
+            };
+        }
+        let s = point_stats(&cfg, &ps[0], &[r.clone()]).unwrap();
+        assert_eq!(s.drive_ql_mean, 0.0);
+        assert_eq!(s.cache_drives, 4);
+        assert_eq!(s.cache_ql_mean, Some(0.625));
+        assert_eq!((s.cache_ql_min, s.cache_ql_max), (Some(0.25), Some(1.0)));
+        // Without cache drives there is no cache queue, not a queue of 0.
+        let plain = config(vec![100], vec![1]);
+        r.drives.retain(|d| plain.drive(d.id).is_some());
+        let s = point_stats(&plain, &ps[0], &[r]).unwrap();
+        assert_eq!((s.cache_ql_mean, s.cache_drives), (None, 0));
     }
 
     #[test]

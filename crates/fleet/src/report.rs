@@ -584,6 +584,32 @@ fn cpu(s: &RunSummary) -> Section {
     sec
 }
 
+/// Outstanding drive operations per capacity drive, both tiers together: with a write
+/// cache, writes wait in the cache drives' queues (acked from the log) and reach the
+/// capacity drives only at destage, which may fall after the window.
+fn drive_queue_all_tiers(st: &PointStats) -> f64 {
+    let cache = st.cache_ql_mean.unwrap_or(0.0) * st.cache_drives as f64;
+    if st.drives > 0 {
+        st.drive_ql_mean + cache / st.drives as f64
+    } else {
+        st.drive_ql_mean
+    }
+}
+
+/// "capacity X + cache Y" when the run has cache drives, else the capacity queue alone.
+fn queue_split(st: &PointStats) -> String {
+    match st.cache_ql_mean {
+        Some(c) => format!(
+            "{} (capacity drives {} each, plus {} cache drives at {} each)",
+            fmt::sig3(drive_queue_all_tiers(st)),
+            fmt::sig3(st.drive_ql_mean),
+            st.cache_drives,
+            fmt::sig3(c)
+        ),
+        None => fmt::sig3(st.drive_ql_mean),
+    }
+}
+
 /// What the queue lengths say about where I/Os wait.
 pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
     let pts: Vec<(&Point, &PointStats)> = s
@@ -599,7 +625,7 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
     };
     let ratios: Vec<f64> = pts
         .iter()
-        .map(|(_, st)| st.drive_ql_mean / st.drive_ql_expected)
+        .map(|(_, st)| drive_queue_all_tiers(st) / st.drive_ql_expected)
         .collect();
     let lo = ratios.iter().copied().fold(f64::INFINITY, f64::min);
     let hi = ratios.iter().copied().fold(0.0, f64::max);
@@ -612,7 +638,7 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
         pts.len(),
         below
     )];
-    let r = st.drive_ql_mean / st.drive_ql_expected;
+    let r = drive_queue_all_tiers(st) / st.drive_ql_expected;
     let verdict = if r < 0.5 {
         "most outstanding I/Os are not in drive queues: they wait above the drives — in \
          the client and NBD, the volume layer (versioning, checksums, replication) and the \
@@ -625,13 +651,13 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
     };
     out.push(format!(
         "At the heaviest point ({}: {} I/Os outstanding in the fleet, {} per drive expected \
-         over {} capacity drives), the drives averaged {} outstanding I/Os (busiest drive \
-         {}): {verdict}",
+         over {} capacity drives), the drives averaged {} outstanding I/Os per capacity \
+         drive (busiest capacity drive {}): {verdict}",
         p.label(),
         p.outstanding(s.config.worker_nodes()),
         fmt::sig3(st.drive_ql_expected),
         st.drives,
-        fmt::sig3(st.drive_ql_mean),
+        queue_split(st),
         fmt::sig3(st.drive_ql_max),
     ));
     // Writes: the formula counts client I/Os, the drives see one operation per copy.
@@ -644,17 +670,18 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
     if let Some((p, st)) = heaviest_write.filter(|_| copies > 1.0) {
         let w = f64::from(p.write_pct) / 100.0;
         let fanned = st.drive_ql_expected * ((1.0 - w) + w * copies);
+        let held = drive_queue_all_tiers(st);
         out.push(format!(
             "Writes fan out: each client write is one operation on each of {copies} copies' \
              drives. At the heaviest write point ({}), the drives held {} outstanding \
-             operations against {} expected by the formula, or {} once each write counts \
-             {copies} times ({} of that): {}.",
+             operations per capacity drive against {} expected by the formula, or {} once \
+             each write counts {copies} times ({} of that): {}.",
             p.label(),
-            fmt::sig3(st.drive_ql_mean),
+            queue_split(st),
             fmt::sig3(st.drive_ql_expected),
             fmt::sig3(fanned),
-            fmt::pct(100.0 * st.drive_ql_mean / fanned),
-            if st.drive_ql_mean < 0.5 * fanned {
+            fmt::pct(100.0 * held / fanned),
+            if held < 0.5 * fanned {
                 "writes too spend most of their time above the drives"
             } else {
                 "the drives are a large part of a write's wait"
@@ -684,6 +711,16 @@ fn queues(s: &RunSummary) -> Section {
          wait. Measured below expected means the software stack is where I/Os wait. (A \
          mirrored write is one operation on each copy's drive.)",
     );
+    let cached = s.measured().any(|(_, st)| st.cache_ql_mean.is_some());
+    if cached {
+        sec.text(
+            "With cache drives, writes in mode write or read-write are acked from the cache \
+             drive's log and reach the capacity drives later, at destage — often after the \
+             window, so a write point's capacity queue can be 0 while its writes waited on \
+             the cache drives. The cache drives' queue is shown beside it, and the reading \
+             below counts both tiers' outstanding operations per capacity drive.",
+        );
+    }
     for line in wait_analysis(s) {
         sec.text(line);
     }
@@ -728,18 +765,22 @@ fn queues(s: &RunSummary) -> Section {
         }
         sec.chart(c);
     }
+    let mut header = vec![
+        "point",
+        "drive IOPS",
+        "drive write MB/s (mean / max)",
+        "queue length",
+        "expected",
+    ];
+    if cached {
+        header.push("cache drive queue length");
+    }
     let mut t = Table::new(
         "Per-drive load over the capacity drives (min / mean / max)",
-        &[
-            "point",
-            "drive IOPS",
-            "drive write MB/s (mean / max)",
-            "queue length",
-            "expected",
-        ],
+        &header,
     );
     for (p, st) in s.measured() {
-        t.row(vec![
+        let mut row = vec![
             p.label(),
             format!(
                 "{} / {} / {}",
@@ -759,7 +800,16 @@ fn queues(s: &RunSummary) -> Section {
                 fmt::sig3(st.drive_ql_max)
             ),
             fmt::sig3(st.drive_ql_expected),
-        ]);
+        ];
+        if cached {
+            row.push(match (st.cache_ql_min, st.cache_ql_mean, st.cache_ql_max) {
+                (Some(lo), Some(m), Some(hi)) => {
+                    format!("{} / {} / {}", fmt::sig3(lo), fmt::sig3(m), fmt::sig3(hi))
+                }
+                _ => crate::table::NOT_MEASURED.into(),
+            });
+        }
+        t.row(row);
     }
     sec.table(t);
     sec
@@ -1268,6 +1318,7 @@ pub fn csv(s: &RunSummary) -> String {
             "drive_ql_min",
             "drive_ql_max",
             "drive_ql_expected",
+            "cache_ql_mean",
             "client_write_mb_per_s",
             "fio_write_mb_per_s",
             "capacity_write_mb_per_s",
@@ -1340,6 +1391,9 @@ pub fn csv(s: &RunSummary) -> String {
             format!("{:.4}", st.drive_ql_min),
             format!("{:.4}", st.drive_ql_max),
             format!("{:.4}", st.drive_ql_expected),
+            st.cache_ql_mean
+                .map(|q| format!("{q:.4}"))
+                .unwrap_or_default(),
             format!("{:.4}", st.wa.client_write_mb_per_s),
             format!("{:.4}", st.wa.fio_write_mb_per_s),
             format!("{:.4}", st.wa.capacity_write_mb_per_s),

@@ -154,6 +154,7 @@ async fn run(args: Args) -> Result<()> {
         allocator: Arc::new(Allocator {
             cluster: cluster.clone(),
             me: cfg.node_id,
+            serial: tokio::sync::Mutex::new(()),
         }),
         cfg: cfg.clone(),
         cluster: cluster.clone(),

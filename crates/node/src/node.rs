@@ -5,15 +5,15 @@ use crate::config::Config;
 use bytes::{Bytes, BytesMut};
 use converge_control::etcd::LeaseId;
 use converge_control::model::{
-    Cluster, ClusterRecord, DriveRecord, NodeRecord, SlabRecord, VolumeRecord,
+    Cluster, ClusterRecord, ControlError, NodeRecord, SlabRecord, VolumeRecord,
 };
-use converge_control::placement::{self, DriveLoad};
+use converge_control::placement::DriveLoad;
 use converge_engine::{Cache, EngineError, Tier};
 use converge_rpc::Handler;
 use converge_rpc::{ErrorCode, Request, Response};
 use converge_rpc::{Hello, RpcClient, RpcError};
 use converge_types::{
-    DriveId, Epoch, ExtentKey, ExtentState, Knobs, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
+    DriveId, Epoch, ExtentKey, Knobs, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
 };
 use converge_volume::resync::Throttle;
 use converge_volume::{
@@ -803,59 +803,24 @@ impl ReplicaIo for Replicas {
     }
 }
 
-/// Places new slabs: reads drives, live nodes and every slab's extents from etcd,
-/// picks drives on distinct nodes balancing use, and records the slab (create-if-absent).
+/// Places new slabs through etcd (`Cluster::allocate_slab`: drives on distinct nodes,
+/// balancing use, recorded create-if-absent).
 pub struct Allocator {
     pub cluster: Cluster,
     /// This node: slab changes are made as this node's ownership.
     pub me: NodeId,
+    /// One allocation at a time from this node: its volumes would only contend with each
+    /// other in etcd (each allocation re-reads every slab record when it loses).
+    pub serial: tokio::sync::Mutex<()>,
 }
 
 /// Extents placed on each drive, counted from all slab records.
 pub async fn extents_used(cluster: &Cluster) -> Result<HashMap<DriveId, u64>, String> {
-    let (kvs, _) = cluster
-        .etcd()
-        .get_prefix(converge_control::model::keys::SLABS)
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut used: HashMap<DriveId, u64> = HashMap::new();
-    for kv in kvs {
-        if let Ok(s) = serde_json::from_slice::<SlabRecord>(&kv.value) {
-            for e in s.extents {
-                *used.entry(e.drive).or_default() += 1;
-            }
-        }
-    }
-    Ok(used)
+    cluster.extents_used().await.map_err(|e| e.to_string())
 }
 
 pub async fn drive_loads(cluster: &Cluster) -> Result<Vec<DriveLoad>, String> {
-    let drives: Vec<DriveRecord> = cluster.drives().await.map_err(|e| e.to_string())?;
-    let live: Vec<NodeId> = cluster
-        .live_nodes()
-        .await
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(|n| n.id)
-        .collect();
-    let maint = cluster
-        .maintenance_nodes()
-        .await
-        .map_err(|e| e.to_string())?;
-    let live: Vec<NodeId> = live.into_iter().filter(|n| !maint.contains(n)).collect();
-    let failed = cluster.failed_drives().await.map_err(|e| e.to_string())?;
-    let used = extents_used(cluster).await?;
-    Ok(drives
-        .iter()
-        .map(|d| DriveLoad {
-            drive: d.id,
-            node: d.node,
-            extents_total: d.extents_total,
-            extents_used: used.get(&d.id).copied().unwrap_or(0),
-            live: live.contains(&d.node) && !failed.contains_key(&d.id),
-            role: d.role,
-        })
-        .collect())
+    cluster.drive_loads().await.map_err(|e| e.to_string())
 }
 
 impl SlabAllocator for Allocator {
@@ -865,35 +830,15 @@ impl SlabAllocator for Allocator {
         slab: SlabIndex,
         copies: usize,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
-        let ctl = |e: String| VolumeError::Control(e, volume.to_string());
-        let loads = drive_loads(&self.cluster).await.map_err(ctl)?;
-        let chosen = placement::place(copies, &loads, &[]).map_err(|e| VolumeError::NoSpace {
-            volume: volume.to_string(),
-            why: e.to_string(),
-        })?;
-        let rec = SlabRecord {
-            extents: chosen
-                .iter()
-                .map(|d| {
-                    let node = loads
-                        .iter()
-                        .find(|l| l.drive == *d)
-                        .map(|l| l.node)
-                        .expect("placement returns candidate drives");
-                    converge_control::model::ExtentRecord {
-                        drive: *d,
-                        node,
-                        state: ExtentState::InSync,
-                    }
-                })
-                .collect(),
-        };
-        let (rec, _) = self
-            .cluster
-            .create_slab(volume, slab, &rec)
-            .await
-            .map_err(|e| ctl(e.to_string()))?;
-        Ok(extents_of(&rec))
+        let _serial = self.serial.lock().await;
+        match self.cluster.allocate_slab(volume, slab, copies).await {
+            Ok((rec, _)) => Ok(extents_of(&rec)),
+            Err(ControlError::Placement(e)) => Err(VolumeError::NoSpace {
+                volume: volume.to_string(),
+                why: e.to_string(),
+            }),
+            Err(e) => Err(VolumeError::Control(e.to_string(), volume.to_string())),
+        }
     }
 
     async fn lookup(
