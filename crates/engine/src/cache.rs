@@ -1699,6 +1699,11 @@ impl Tier {
         self.cap.extents()
     }
 
+    /// Whether the capacity drive holds the extent.
+    pub fn has_extent(&self, key: ExtentKey) -> bool {
+        self.cap.has_extent(key)
+    }
+
     pub fn capacity(&self) -> Capacity {
         self.cap.capacity()
     }

@@ -974,6 +974,11 @@ impl Drive {
         }
     }
 
+    /// Whether this drive holds the extent (a write to a missing one allocates it).
+    pub fn has_extent(&self, key: ExtentKey) -> bool {
+        self.lookup(key).is_some()
+    }
+
     /// Extents on this drive with their epochs.
     pub fn extents(&self) -> Vec<ExtentInfo> {
         let t = lock(&self.table);

@@ -10,6 +10,7 @@ mod http_client;
 mod lab_api;
 mod metrics;
 mod node;
+mod orphans;
 mod repair;
 mod scrub;
 mod tiering;
@@ -139,9 +140,7 @@ async fn run(args: Args) -> Result<()> {
         .map_err(|e| anyhow!("{e}"))?;
     let tenure = Arc::new(converge_volume::Tenure::new());
     tenure.extend(lease_sent + Node::lease_margin(cfg.knobs.node_lease_ttl_s.max(3)));
-    let local = Arc::new(LocalDrives {
-        drives: drives.clone(),
-    });
+    let local = Arc::new(LocalDrives::new(drives.clone(), cluster.clone()));
     let hello = Hello::new(cluster_rec.cluster_id, cfg.node_id);
     let node = Arc::new(Node {
         replicas: Arc::new(Replicas::new(
@@ -171,6 +170,7 @@ async fn run(args: Args) -> Result<()> {
         scrub_throttle: converge_volume::resync::Throttle::new(cfg.knobs.scrub_bytes_per_s),
         scrub_stats: Default::default(),
         failed_reported: Mutex::new(Default::default()),
+        orphans_freed: Default::default(),
     });
     for d in &drive_recs {
         cluster.put_drive(d).await.map_err(|e| anyhow!("{e}"))?;
@@ -223,6 +223,11 @@ async fn run(args: Args) -> Result<()> {
     let repairer = tokio::spawn(repair::run(node.clone()));
     let publisher = tokio::spawn(repair::publish(node.clone()));
     let caches = tokio::spawn(tiering::run(node.clone()));
+    // Copies deleted or moved away while this node was down are freed now.
+    let sweep = {
+        let node = node.clone();
+        tokio::spawn(async move { orphans::reclaim_logged(&node, "start-up").await })
+    };
 
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let (mut rpc, mut api, mut nbd) = (rpc, api, nbd);
@@ -234,6 +239,7 @@ async fn run(args: Args) -> Result<()> {
         r = &mut nbd => bail!("NBD server stopped: {r:?}"),
     }
     keepalive.abort();
+    sweep.abort();
     repairer.abort();
     publisher.abort();
     caches.abort();

@@ -271,6 +271,10 @@ pub async fn render(node: &Node) -> String {
         ("converge_scrub_mismatches_total", ld(&sc.mismatches)),
         ("converge_scrub_repaired_blocks_total", ld(&sc.repaired)),
         ("converge_jobs_running", j.list().len() as u64),
+        (
+            "converge_orphan_extents_freed_total",
+            ld(&node.orphans_freed),
+        ),
     ] {
         let _ = writeln!(o, "{name} {val}");
     }

@@ -52,6 +52,8 @@ pub struct Node {
     pub throttle: Throttle,
     pub scrub_throttle: Throttle,
     pub scrub_stats: ScrubStats,
+    /// Orphan extents freed by this node (`orphans.rs`).
+    pub orphans_freed: std::sync::atomic::AtomicU64,
     /// Local drives whose failure is recorded in etcd.
     pub failed_reported: Mutex<std::collections::HashSet<DriveId>>,
 }
@@ -348,13 +350,59 @@ async fn blocking<T: Send + 'static>(
 /// Local engine operations, shared by the owner's local path and the RPC handler.
 pub struct LocalDrives {
     pub drives: HashMap<DriveId, Arc<Tier>>,
+    /// To check that a write creating an extent is backed by a slab record.
+    pub cluster: Cluster,
+    /// Extents being freed as orphans: writes to them are refused meanwhile.
+    pub condemned: Mutex<std::collections::HashSet<(DriveId, ExtentKey)>>,
 }
 
 impl LocalDrives {
+    pub fn new(drives: HashMap<DriveId, Arc<Tier>>, cluster: Cluster) -> LocalDrives {
+        LocalDrives {
+            drives,
+            cluster,
+            condemned: Default::default(),
+        }
+    }
+
     fn drive(&self, id: DriveId) -> Result<Arc<Tier>, EngineError> {
         self.drives.get(&id).cloned().ok_or_else(|| {
             EngineError::InvalidArgument(format!("drive {id:016x} is not on this node", id = id.0))
         })
+    }
+
+    /// A write may only create an extent that a slab record places on this drive: a late
+    /// write of a deleted volume, or of a copy rebuilt elsewhere, must not bring its
+    /// extent back (it would hold space that nothing accounts for). Checked once per new
+    /// extent; writes to an extent the drive holds go straight on (the epoch fences them).
+    async fn admit(&self, d: &Tier, drive: DriveId, key: ExtentKey) -> Result<(), EngineError> {
+        if self
+            .condemned
+            .lock()
+            .expect("condemned lock poisoned")
+            .contains(&(drive, key))
+        {
+            return Err(EngineError::InvalidArgument(format!(
+                "slab {} of volume {} on drive {:016x} is being freed as an orphan",
+                key.slab, key.volume, drive.0
+            )));
+        }
+        if d.has_extent(key) {
+            return Ok(());
+        }
+        match self.cluster.slab(key.volume, key.slab).await {
+            Ok(Some((rec, _))) if rec.extents.iter().any(|e| e.drive == drive) => Ok(()),
+            Ok(_) => Err(EngineError::InvalidArgument(format!(
+                "no slab record places slab {} of volume {} on drive {:016x} (volume deleted, or the copy moved): refused",
+                key.slab, key.volume, drive.0
+            ))),
+            Err(e) => Err(EngineError::Failed {
+                reason: format!(
+                    "cannot check the slab record of a new extent (slab {} of volume {}): {e}",
+                    key.slab, key.volume
+                ),
+            }),
+        }
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -369,6 +417,7 @@ impl LocalDrives {
         data: Bytes,
     ) -> Result<(), EngineError> {
         let d = self.drive(drive)?;
+        self.admit(&d, drive, key).await?;
         blocking(move || d.write(key, epoch, version, offset, &data, &crcs)).await
     }
 
@@ -403,6 +452,7 @@ impl LocalDrives {
         len: u64,
     ) -> Result<(), EngineError> {
         let d = self.drive(drive)?;
+        self.admit(&d, drive, key).await?;
         blocking(move || d.zero(key, epoch, version, offset, len)).await
     }
 
@@ -446,6 +496,7 @@ impl LocalDrives {
         data: Bytes,
     ) -> Result<u32, EngineError> {
         let d = self.drive(drive)?;
+        self.admit(&d, drive, key).await?;
         blocking(move || d.write_blocks(key, epoch, offset, &data, &crcs, &versions, &expect)).await
     }
 

@@ -91,6 +91,7 @@ pub async fn scrub_volume(
             log::warn!("recording the scrub result of {name}: {e}");
         }
     }
+    crate::orphans::reclaim_logged(node, "after the scrub").await;
     Ok(result)
 }
 
