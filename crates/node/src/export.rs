@@ -76,7 +76,7 @@ impl Export {
     /// Looks the route up again; false if the volume no longer exists.
     async fn reresolve(&self, why: &str, failed: &Route) -> bool {
         if let Route::Local(v) = failed {
-            self.node.drop_volume(&v.config().name).await;
+            self.node.drop_instance(v).await;
         }
         match self.node.open_volume(&self.name).await {
             Ok(r) => {

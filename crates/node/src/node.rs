@@ -225,6 +225,19 @@ impl Node {
         Ok(Route::Local(v))
     }
 
+    /// Stops serving `v` if it is still the instance this node serves under its name: a
+    /// client holding an older instance must not drop the one another connection has just
+    /// opened (each would take the volume back from the other, epoch after epoch).
+    pub async fn drop_instance(&self, v: &Arc<Vol>) {
+        v.retire();
+        let mut vols = self.volumes.lock().await;
+        let name = &v.config().name;
+        if vols.get(name).is_some_and(|cur| Arc::ptr_eq(cur, v)) {
+            vols.remove(name);
+            log::warn!("volume {name}: no longer served by this node");
+        }
+    }
+
     /// Stops serving `name` here (deposed, moved or deleted); clients are re-routed.
     pub async fn drop_volume(&self, name: &str) {
         if let Some(v) = self.volumes.lock().await.remove(name) {
@@ -1073,7 +1086,7 @@ impl RpcHandler {
             Ok(resp) => resp,
             Err(e) => {
                 if matches!(e, VolumeError::Fenced { .. }) {
-                    self.node.drop_volume(&v.config().name).await;
+                    self.node.drop_instance(&v).await;
                 }
                 volume_to_response(e)
             }
