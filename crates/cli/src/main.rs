@@ -1209,6 +1209,31 @@ mod parse_tests {
         })
     }
 
+    fn fault(args: &[&str]) -> FaultCmd {
+        let mut v = vec!["converge", "lab", "fault"];
+        v.extend_from_slice(args);
+        match Cli::try_parse_from(v).expect("parses").cmd {
+            Cmd::Lab(LabCmd::Fault { fault, .. }) => fault,
+            _ => panic!("not a lab fault command"),
+        }
+    }
+
+    #[test]
+    fn partition_from_takes_one_or_more_nodes() {
+        match fault(&["partition", "1"]) {
+            FaultCmd::Partition { node: 1, from } => assert!(from.is_empty()),
+            _ => panic!("not a partition"),
+        }
+        match fault(&["partition", "1", "--from", "2,4"]) {
+            FaultCmd::Partition { node: 1, from } => assert_eq!(from, vec![2, 4]),
+            _ => panic!("not a partition"),
+        }
+        match fault(&["heal", "3", "--from", "1"]) {
+            FaultCmd::Heal { node: 3, from } => assert_eq!(from, vec![1]),
+            _ => panic!("not a heal"),
+        }
+    }
+
     #[test]
     fn lab_up_cache_flags() {
         match up(&[
