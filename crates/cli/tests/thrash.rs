@@ -169,7 +169,9 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
             rng.gen_range(1..=nodes)
         };
         killed_node1 |= kind == "kill" && node == 1;
-        *nodes_faulted.entry(node).or_default() += 1;
+        if kind != "cache-mode" {
+            *nodes_faulted.entry(node).or_default() += 1;
+        }
         let node = node.to_string();
         // Sometimes shorter than the replica timeout, sometimes past the lease TTL.
         let hold = Duration::from_millis(rng.gen_range(1000..12000));
