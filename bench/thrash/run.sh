@@ -20,7 +20,7 @@ seed="${2:-$(date +%s)}"
 out="${CONVERGE_THRASH_OUT:-/tmp/converge-thrash-${seed}}"
 mkdir -p "$out"
 echo "thrash: ${secs}s of faults per test, seed ${seed} (replay with: bench/thrash/run.sh ${secs} ${seed}); log in ${out}/thrash.log"
-cargo build --release --bins >/dev/null
+cargo build --release --bins --quiet
 # cargo test, not nextest: nextest's slow-test timeout would end a long run. One test at a
 # time: each runs a whole lab.
 set +e
