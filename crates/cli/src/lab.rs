@@ -290,11 +290,15 @@ pub fn proc_state(p: &LabProc) -> ProcState {
     }
 }
 
-/// A node's state: its process, and whether its link is cut (`--netns` labs).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+/// A node's state: its process, whether its link is cut, and which peers it is cut from
+/// (`--netns` labs).
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct NodeState {
     pub proc: ProcState,
     pub partitioned: bool,
+    /// Nodes whose link with this one is cut (`lab fault partition N --from M`); both
+    /// still reach etcd, the CLI and everyone else.
+    pub cut_from: Vec<u32>,
 }
 
 impl NodeState {
@@ -312,10 +316,15 @@ impl std::fmt::Display for NodeState {
             ProcState::Dead => "dead",
         };
         match (self.proc, self.partitioned) {
-            (ProcState::Running, true) => write!(f, "partitioned"),
-            (_, true) => write!(f, "{p}, partitioned"),
-            (_, false) => write!(f, "{p}"),
+            (ProcState::Running, true) => write!(f, "partitioned")?,
+            (_, true) => write!(f, "{p}, partitioned")?,
+            (_, false) => write!(f, "{p}")?,
         }
+        if !self.cut_from.is_empty() {
+            let ids: Vec<String> = self.cut_from.iter().map(u32::to_string).collect();
+            write!(f, ", cut from {}", ids.join(","))?;
+        }
+        Ok(())
     }
 }
 
@@ -323,6 +332,11 @@ pub fn node_state(lab: &Lab, n: &LabNode) -> NodeState {
     NodeState {
         proc: proc_state(&n.proc),
         partitioned: lab.net.as_ref().is_some_and(|net| net.partitioned(n.id)),
+        cut_from: lab
+            .net
+            .as_ref()
+            .map(|net| net.cut_from(n.id))
+            .unwrap_or_default(),
     }
 }
 
@@ -913,6 +927,11 @@ pub fn down(dir: &Path, purge: bool) -> Result<DownReport> {
                 }
             }
         }
+        for (a, b) in net.cuts() {
+            if let Err(e) = net.set_cut(a, b, false) {
+                report.left.push(format!("{e:#}"));
+            }
+        }
     }
     let stopped = &mut report.stopped;
     for n in &lab.nodes {
@@ -1022,14 +1041,64 @@ pub fn partition_node(lab: &Lab, id: u32) -> Result<String> {
     Ok(net.node(id)?.veth.clone())
 }
 
-/// Reconnect a partitioned node.
-pub fn heal_node(lab: &Lab, id: u32) -> Result<String> {
+/// Cut the links between node `id` and each of `from`, both ways, while all of them keep
+/// reaching etcd, the CLI and the other nodes. Returns the nodes newly cut from `id`.
+pub fn cut_node(lab: &Lab, id: u32, from: &[u32]) -> Result<Vec<u32>> {
     let net = lab_net(lab, id)?;
-    if !net.partitioned(id) {
+    for &b in from {
+        find_node(lab, b)?;
+        if b == id {
+            bail!("node{id} cannot be cut from itself: --from names the other end of the link");
+        }
+    }
+    let already = net.cut_from(id);
+    if let Some(b) = from.iter().find(|b| already.contains(b)) {
+        bail!(
+            "node{id} is already cut from node{b}; `converge lab fault heal {id} --from {b}` \
+             restores their link"
+        );
+    }
+    for &b in from {
+        net.set_cut(id, b, true)?;
+    }
+    Ok(from.to_vec())
+}
+
+/// Restore the links between node `id` and each of `from`.
+pub fn uncut_node(lab: &Lab, id: u32, from: &[u32]) -> Result<Vec<u32>> {
+    let net = lab_net(lab, id)?;
+    for &b in from {
+        find_node(lab, b)?;
+    }
+    let cut = net.cut_from(id);
+    if let Some(b) = from.iter().find(|b| !cut.contains(b)) {
+        bail!("node{id}'s link with node{b} is not cut");
+    }
+    for &b in from {
+        net.set_cut(id, b, false)?;
+    }
+    Ok(from.to_vec())
+}
+
+/// Everything that cuts node `id` off: its link, if down, and its links with other nodes.
+/// Returns the veth set up again (if it was down) and the nodes whose links were restored.
+pub fn heal_node(lab: &Lab, id: u32) -> Result<(Option<String>, Vec<u32>)> {
+    let net = lab_net(lab, id)?;
+    let cut = net.cut_from(id);
+    let partitioned = net.partitioned(id);
+    if !partitioned && cut.is_empty() {
         bail!("node{id} is not partitioned");
     }
-    net.set_link(id, true)?;
-    Ok(net.node(id)?.veth.clone())
+    let veth = if partitioned {
+        net.set_link(id, true)?;
+        Some(net.node(id)?.veth.clone())
+    } else {
+        None
+    };
+    for &b in &cut {
+        net.set_cut(id, b, false)?;
+    }
+    Ok((veth, cut))
 }
 
 #[cfg(test)]
@@ -1053,6 +1122,32 @@ mod tests {
             repair_delay_s: 60,
             netns: false,
         }
+    }
+
+    #[test]
+    fn node_state_names_the_peers_a_node_is_cut_from() {
+        let st = |proc, partitioned, cut_from: &[u32]| {
+            NodeState {
+                proc,
+                partitioned,
+                cut_from: cut_from.to_vec(),
+            }
+            .to_string()
+        };
+        assert_eq!(st(ProcState::Running, false, &[]), "running");
+        assert_eq!(st(ProcState::Running, true, &[]), "partitioned");
+        assert_eq!(st(ProcState::Paused, true, &[]), "paused, partitioned");
+        assert_eq!(st(ProcState::Running, false, &[3]), "running, cut from 3");
+        assert_eq!(
+            st(ProcState::Running, true, &[2, 4]),
+            "partitioned, cut from 2,4"
+        );
+        let cut = NodeState {
+            proc: ProcState::Running,
+            partitioned: false,
+            cut_from: vec![2],
+        };
+        assert!(cut.serves(), "a node cut from a peer still answers the CLI");
     }
 
     #[test]

@@ -314,15 +314,25 @@ enum FaultCmd {
         node: u32,
     },
     /// Cut the node's network link (needs `lab up --netns`): the kernel drops every packet
-    /// between it and peers, etcd and the CLI, while the process keeps running.
+    /// between it and peers, etcd and the CLI, while the process keeps running. With
+    /// --from, cut only its links with those nodes (both ways), while all of them still
+    /// reach etcd, the CLI and the other nodes: a partial, non-transitive partition.
     Partition {
         /// Node id (1, 2, ...; see `converge lab ps`).
         node: u32,
+        /// Cut only the links between the node and these nodes (e.g. `--from 3` or
+        /// `--from 2,4`), with an unreachable route to each end in the other's namespace.
+        #[arg(long, value_delimiter = ',')]
+        from: Vec<u32>,
     },
-    /// Reconnect a partitioned node's link.
+    /// Reconnect a partitioned node: its link and every link cut between it and other
+    /// nodes, or with --from only the links with those nodes.
     Heal {
         /// Node id (1, 2, ...; see `converge lab ps`).
         node: u32,
+        /// Restore only the links between the node and these nodes.
+        #[arg(long, value_delimiter = ',')]
+        from: Vec<u32>,
     },
     /// Flip one bit in each of --blocks random written data blocks of the node's drive files,
     /// as a failing disk would; reads of those blocks then fail their checksum and are
@@ -350,8 +360,8 @@ impl FaultCmd {
             | FaultCmd::Restart { node }
             | FaultCmd::Pause { node }
             | FaultCmd::Resume { node }
-            | FaultCmd::Partition { node }
-            | FaultCmd::Heal { node }
+            | FaultCmd::Partition { node, .. }
+            | FaultCmd::Heal { node, .. }
             | FaultCmd::Corrupt { node, .. } => *node,
         }
     }
@@ -738,33 +748,32 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
         LabCmd::Fault { dir, fault } => return run_fault(&dir.path(), fault, json_out),
         LabCmd::Ps { dir } => {
             let l = lab::load(&dir.path())?;
-            // (process, state, namespace)
-            let mut rows: Vec<(&lab::LabProc, String, Option<String>)> = vec![(
+            // (process, state, namespace, nodes its link is cut from)
+            let mut rows: Vec<(&lab::LabProc, String, Option<String>, Vec<u32>)> = vec![(
                 &l.etcd,
                 node_state_word(lab::proc_state(&l.etcd)).to_string(),
                 None,
+                Vec::new(),
             )];
             for n in &l.nodes {
-                rows.push((
-                    &n.proc,
-                    lab::node_state(&l, n).to_string(),
-                    n.proc.netns.clone(),
-                ));
+                let st = lab::node_state(&l, n);
+                rows.push((&n.proc, st.to_string(), n.proc.netns.clone(), st.cut_from));
             }
             if json_out {
                 let v: Vec<_> = rows
                     .iter()
-                    .map(|(p, state, ns)| {
+                    .map(|(p, state, ns, cut)| {
                         json!({
                             "name": p.name, "pid": p.pid, "running": lab::is_ours(p),
-                            "state": state, "netns": ns, "addr": p.addr, "log": p.log,
+                            "state": state, "cut_from": cut, "netns": ns, "addr": p.addr,
+                            "log": p.log,
                         })
                     })
                     .collect();
                 return print_json(&v);
             }
             let mut t = Table::new(&["NAME", "PID", "STATE", "NETNS", "ADDRESS", "LOG"]);
-            for (p, state, ns) in rows {
+            for (p, state, ns, _) in rows {
                 t.row(vec![
                     p.name.clone(),
                     p.pid.to_string(),
@@ -784,6 +793,14 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// "node2" or "node2, node4".
+fn node_list(ids: &[u32]) -> String {
+    ids.iter()
+        .map(|i| format!("node{i}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn node_state_word(s: lab::ProcState) -> &'static str {
@@ -841,16 +858,39 @@ fn run_fault(dir: &std::path::Path, fault: &FaultCmd, json_out: bool) -> Result<
             let pid = lab::resume_node(&l, id)?;
             format!("resumed (SIGCONT to pid {pid})")
         }
-        FaultCmd::Partition { .. } => {
+        FaultCmd::Partition { from, .. } if from.is_empty() => {
             let veth = lab::partition_node(&l, id)?;
             format!(
                 "partitioned (link {veth} down): packets to and from it are dropped; \
                  `converge lab fault heal {id}` reconnects it"
             )
         }
-        FaultCmd::Heal { .. } => {
-            let veth = lab::heal_node(&l, id)?;
-            format!("healed (link {veth} up)")
+        FaultCmd::Partition { from, .. } => {
+            let cut = node_list(&lab::cut_node(&l, id, from)?);
+            format!(
+                "cut from {cut} (unreachable routes both ways): they cannot reach each other, \
+                 while both still reach etcd and the other nodes; \
+                 `converge lab fault heal {id} --from {}` restores the links",
+                from.iter()
+                    .map(u32::to_string)
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )
+        }
+        FaultCmd::Heal { from, .. } if from.is_empty() => {
+            let (veth, cut) = lab::heal_node(&l, id)?;
+            let mut done = Vec::new();
+            if let Some(v) = veth {
+                done.push(format!("link {v} up"));
+            }
+            if !cut.is_empty() {
+                done.push(format!("links with {} restored", node_list(&cut)));
+            }
+            format!("healed ({})", done.join("; "))
+        }
+        FaultCmd::Heal { from, .. } => {
+            let healed = node_list(&lab::uncut_node(&l, id, from)?);
+            format!("healed (links with {healed} restored)")
         }
         FaultCmd::Corrupt {
             blocks,
@@ -897,16 +937,16 @@ fn run_fault(dir: &std::path::Path, fault: &FaultCmd, json_out: bool) -> Result<
     }
     println!("node{id} {what}");
     // A CLI pinned to this node's API alone would now hang or fail: say so.
-    if matches!(
-        fault,
-        FaultCmd::Pause { .. }
-            | FaultCmd::Partition { .. }
-            | FaultCmd::Kill { .. }
-            | FaultCmd::Stop { .. }
-    ) && std::env::var("CONVERGE_API")
-        .ok()
-        .and_then(|a| http::endpoints(&a).ok())
-        .is_some_and(|a| a == [n.api.trim_end_matches('/')])
+    let cut_off = matches!(fault, FaultCmd::Partition { from, .. } if from.is_empty());
+    if (cut_off
+        || matches!(
+            fault,
+            FaultCmd::Pause { .. } | FaultCmd::Kill { .. } | FaultCmd::Stop { .. }
+        ))
+        && std::env::var("CONVERGE_API")
+            .ok()
+            .and_then(|a| http::endpoints(&a).ok())
+            .is_some_and(|a| a == [n.api.trim_end_matches('/')])
     {
         eprintln!(
             "note: CONVERGE_API points at node{id} ({}) only; run `eval \"$(converge lab \
@@ -1186,6 +1226,31 @@ mod parse_tests {
             Cmd::Lab(l) => l,
             _ => panic!("not a lab command"),
         })
+    }
+
+    fn fault(args: &[&str]) -> FaultCmd {
+        let mut v = vec!["converge", "lab", "fault"];
+        v.extend_from_slice(args);
+        match Cli::try_parse_from(v).expect("parses").cmd {
+            Cmd::Lab(LabCmd::Fault { fault, .. }) => fault,
+            _ => panic!("not a lab fault command"),
+        }
+    }
+
+    #[test]
+    fn partition_from_takes_one_or_more_nodes() {
+        match fault(&["partition", "1"]) {
+            FaultCmd::Partition { node: 1, from } => assert!(from.is_empty()),
+            _ => panic!("not a partition"),
+        }
+        match fault(&["partition", "1", "--from", "2,4"]) {
+            FaultCmd::Partition { node: 1, from } => assert_eq!(from, vec![2, 4]),
+            _ => panic!("not a partition"),
+        }
+        match fault(&["heal", "3", "--from", "1"]) {
+            FaultCmd::Heal { node: 3, from } => assert_eq!(from, vec![1]),
+            _ => panic!("not a heal"),
+        }
     }
 
     #[test]

@@ -11,7 +11,14 @@
 //! `lab fault partition N` sets the root-side end of node N's veth down: the kernel drops
 //! every packet to and from the node (the node sees its link lose carrier), so peers, etcd
 //! and the API cannot reach it and it cannot reach them, as when a cable is pulled. `heal`
-//! sets it up again. TAG and X.Y derive from the lab directory, so labs do not collide;
+//! sets it up again.
+//!
+//! `lab fault partition A --from B` cuts only the link between two nodes, as a broken path
+//! between two racks does while both still reach etcd and everyone else: an `unreachable`
+//! route to B's address in A's namespace and one to A's in B's. Each kernel then refuses to
+//! send to the other (new connections fail with "no route to host"; established ones stop
+//! getting their segments through and time out). The routes carry protocol number
+//! [`CUT_PROTO`], so they are found and removed without touching any other route. TAG and X.Y derive from the lab directory, so labs do not collide;
 //! every link we create carries an alias naming the lab, checked before anything is
 //! deleted, in the same spirit as checking a PID's command line before signalling it.
 
@@ -24,6 +31,11 @@ use std::process::Command;
 
 /// Name of the node's end of its veth pair, inside its namespace.
 pub const NODE_IFACE: &str = "eth0";
+
+/// Routing protocol number (`ip route ... proto 199`) marking the routes that cut the link
+/// between two nodes; any number the kernel and routing daemons leave unused (they use
+/// 0-4, 8-20, 42, 99, 168, 186-192) would do.
+pub const CUT_PROTO: &str = "199";
 
 /// The lab's network: bridge, subnet and one namespace + veth per node.
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -273,6 +285,8 @@ impl LabNet {
                 NODE_IFACE,
             ])?;
             ip(&["-n", &n.netns, "link", "set", "dev", NODE_IFACE, "up"])?;
+            // Cuts between nodes left by a lab that crashed while they were in place.
+            ip(&["-n", &n.netns, "route", "flush", "proto", CUT_PROTO])?;
         }
         Ok(())
     }
@@ -405,6 +419,97 @@ impl LabNet {
             if up { "up" } else { "down" },
         ])?;
         Ok(())
+    }
+
+    /// Cuts (`cut = true`) or restores the link between nodes `a` and `b`, both ways: an
+    /// `unreachable` route to the other's address in each one's namespace. Idempotent per
+    /// direction, so a half-done change (one route in place) is completed by the next call.
+    pub fn set_cut(&self, a: u32, b: u32, cut: bool) -> Result<()> {
+        if a == b {
+            bail!("node{a} cannot be cut from itself: name another node with --from");
+        }
+        let (na, nb) = (self.node(a)?, self.node(b)?);
+        for (from, to) in [(na, nb), (nb, na)] {
+            if !netns_exists(&from.netns) {
+                bail!(
+                    "node{}'s network namespace {} does not exist (was the lab brought down?); \
+                     `converge lab up` creates the lab network again",
+                    from.id,
+                    from.netns
+                );
+            }
+            let present = self.cut_addrs(from).contains(&to.addr);
+            if present == cut {
+                continue;
+            }
+            ip(&[
+                "-n",
+                &from.netns,
+                "route",
+                if cut { "add" } else { "del" },
+                "unreachable",
+                &format!("{}/32", to.addr),
+                "proto",
+                CUT_PROTO,
+            ])?;
+        }
+        Ok(())
+    }
+
+    /// Addresses node `n`'s namespace has a cut route to.
+    fn cut_addrs(&self, n: &NodeNet) -> Vec<Ipv4Addr> {
+        if !netns_exists(&n.netns) {
+            return Vec::new();
+        }
+        ip(&[
+            "-n",
+            &n.netns,
+            "-4",
+            "-o",
+            "route",
+            "show",
+            "type",
+            "unreachable",
+            "proto",
+            CUT_PROTO,
+        ])
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            l.split_whitespace()
+                .find_map(|w| w.trim_end_matches("/32").parse::<Ipv4Addr>().ok())
+        })
+        .collect()
+    }
+
+    /// Every cut route as (node whose namespace holds it, node it cuts off).
+    pub fn cuts(&self) -> Vec<(u32, u32)> {
+        self.nodes
+            .iter()
+            .flat_map(|n| {
+                let addrs = self.cut_addrs(n);
+                self.nodes
+                    .iter()
+                    .filter(move |o| o.id != n.id && addrs.contains(&o.addr))
+                    .map(move |o| (n.id, o.id))
+            })
+            .collect()
+    }
+
+    /// The nodes whose link with node `id` is cut (a route in either namespace).
+    pub fn cut_from(&self, id: u32) -> Vec<u32> {
+        let mut v: Vec<u32> = self
+            .cuts()
+            .into_iter()
+            .filter_map(|(a, b)| match (a == id, b == id) {
+                (true, _) => Some(b),
+                (_, true) => Some(a),
+                _ => None,
+            })
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 
     /// Whether node `id` is cut off: its link is down or missing.

@@ -1,7 +1,8 @@
 //! End-to-end: the lab's fault injector does what it says, with real mechanisms — a paused
 //! daemon (SIGSTOP) loses its lease and comes back; a node whose link is cut (network
 //! namespace + veth down) is unreachable and comes back when healed while the others keep
-//! serving; flipped bits in a node's drive files are met by reads and repaired.
+//! serving; two nodes cut from each other only (routes) stay live while the owner stales
+//! and later resyncs the copy it cannot reach; flipped bits in a node's drive files are met by reads and repaired.
 //! No assertion is on a timing: state changes are polled with generous deadlines.
 
 #![allow(clippy::unwrap_used)]
@@ -244,6 +245,34 @@ fn partitioned_node_is_cut_off_while_others_serve_and_rejoins_when_healed() {
     });
     lab.must(&["node", "list", "--api", &api3]);
     assert_eq!(node_pid(&lab, 3), pid3, "the same process rejoined");
+
+    // Cut only the link between the owner (node 1) and node 3: both still reach etcd, so
+    // node 3 stays live, yet a write cannot reach node 3's copy and the owner marks it
+    // stale; healing the link lets the owner resync it.
+    let out = lab.must(&["lab", "fault", "partition", "1", "--from", "3"]);
+    assert!(out.contains("cut from node3"), "{out}");
+    assert_eq!(state(&lab, "node1"), "running, cut from 3");
+    assert_eq!(state(&lab, "node3"), "running, cut from 1");
+    assert_eq!(state(&lab, "node2"), "running");
+    let ps = lab.json(&["lab", "ps"]);
+    assert_eq!(ps[1]["cut_from"], serde_json::json!([3]), "{ps}");
+    let e = lab.fails(&["lab", "fault", "partition", "3", "--from", "1"]);
+    assert!(e.contains("already cut from node1"), "{e}");
+    let (tmp, data) = write_random(&lab, "part", 128 << 20, 12);
+    eventually(&lab, "node3's copy is stale while node3 is live", || {
+        lab.extents("part")
+            .iter()
+            .any(|(_, node, st)| *node == 3 && st == "stale")
+            && live(&lab, 3) == Some(true)
+    });
+    let out = lab.must(&["lab", "fault", "heal", "3", "--from", "1"]);
+    assert!(out.contains("links with node1 restored"), "{out}");
+    assert_eq!(state(&lab, "node1"), "running");
+    eventually(&lab, "node3's copy is resynced after the cut heals", || {
+        all_in_sync(&lab, "part")
+    });
+    assert!(read_back(&lab, "part", &tmp) == data);
+    assert_copies_agree(&lab, "part");
 
     // kill -9 and restart keep working inside namespaces.
     lab.must(&["lab", "fault", "kill", "2"]);

@@ -1,10 +1,19 @@
 //! The thrash test: a 4-node lab (each node in its own network namespace), several
-//! mirror-3 volumes owned by nodes 2-4, a checker client per volume writing and verifying
-//! every acked write through node 1, and a nemesis that kills -9 and restarts nodes
-//! (owners included), pauses them, cuts their network link and flips bits in their
-//! drives, one fault at a time, letting the cluster heal in between.
+//! mirror-3 volumes owned by nodes 2-4, and a checker client per volume writing and
+//! verifying every acked write, while a nemesis hits every node, node 1 included: kill -9
+//! and restart (owners and the nodes the checkers go through), pause, a cut network link,
+//! a cut link between two nodes only (both still reach etcd), and flipped bits in the
+//! drives; one fault at a time, letting the cluster heal in between.
 //!
-//! Pass: zero verify failures; zero client-visible I/O errors (only one node is ever
+//! The checkers are clients of the cluster, not of one node: each knows every node's NBD
+//! socket (any node serves any volume) and starts on node 1 (checker 2 on its volume's
+//! owner, so local I/O is checked too). When its node is killed it reconnects through the
+//! next live node and carries on; the write in flight then is unacked, and reads accept
+//! the old or the new content of that block until it is written again. Every acked write
+//! is verified exactly.
+//!
+//! Pass: zero verify failures; zero client-visible I/O errors (an error reply on a live
+//! connection, or a connection closed by a node that still runs: only one node is ever
 //! faulted, so min_replicas copies stay reachable); afterwards every copy is in sync and
 //! a scrub finds nothing to repair.
 //!
@@ -105,11 +114,17 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
         .canonicalize()
         .unwrap();
     let stop = lab.path().join("thrash.stop");
+    let nodes = 4u32;
     let clients: Vec<_> = (1..=VOLUMES)
         .map(|i| {
-            Command::new("/usr/bin/python3")
-                .arg(&checker)
-                .args(["--uri", &lab.uri_on(&format!("t{i}"), 1)])
+            // Checker 2 starts on its volume's owner (node 3), the others on node 1.
+            let first = if i == 2 { i + 1 } else { 1 };
+            let mut c = Command::new("/usr/bin/python3");
+            c.arg(&checker);
+            for n in 1..=nodes {
+                c.args(["--uri", &lab.uri_on(&format!("t{i}"), n)]);
+            }
+            c.args(["--first", &(first - 1).to_string()])
                 .args(["--tag", &i.to_string()])
                 .args(["--blocks", &BLOCKS.to_string()])
                 .args(["--seed", &(seed + u64::from(i)).to_string()])
@@ -131,54 +146,80 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
             "cache-mode",
             "pause",
             "partition",
+            "cut",
             "cache-mode",
             "corrupt",
         ]
     } else {
-        &["kill", "pause", "partition", "corrupt"]
+        &["kill", "pause", "partition", "cut", "corrupt"]
     };
     let mut k = 0;
+    let mut killed_node1 = false;
+    // Faults per node ("cut" counts the first end, "corrupt" the node asked first).
+    let mut nodes_faulted: BTreeMap<u32, u64> = BTreeMap::new();
     std::thread::sleep(Duration::from_secs(3));
     while start.elapsed() < Duration::from_secs(secs) {
         let kind = kinds[k % kinds.len()];
         k += 1;
-        let node = rng.gen_range(2..=4u32).to_string();
+        // The first kill hits node 1, which the checkers go through, so every run
+        // exercises their reconnecting; after that any node.
+        let node = if kind == "kill" && !killed_node1 {
+            1
+        } else {
+            rng.gen_range(1..=nodes)
+        };
+        killed_node1 |= kind == "kill" && node == 1;
+        if kind != "cache-mode" {
+            *nodes_faulted.entry(node).or_default() += 1;
+        }
+        let node = node.to_string();
         // Sometimes shorter than the replica timeout, sometimes past the lease TTL.
         let hold = Duration::from_millis(rng.gen_range(1000..12000));
-        eprintln!(
-            "thrash {:>4}s: {kind} node {node} for {hold:?}",
-            start.elapsed().as_secs()
-        );
+        let elapsed = start.elapsed().as_secs();
         match kind {
             "kill" => {
+                eprintln!("thrash {elapsed:>4}s: kill node {node} for {hold:?}");
                 lab.must(&["lab", "fault", "kill", &node]);
                 std::thread::sleep(hold);
                 lab.must(&["lab", "fault", "restart", &node]);
             }
             "pause" => {
+                eprintln!("thrash {elapsed:>4}s: pause node {node} for {hold:?}");
                 lab.must(&["lab", "fault", "pause", &node]);
                 std::thread::sleep(hold);
                 lab.must(&["lab", "fault", "resume", &node]);
             }
             "partition" => {
+                eprintln!("thrash {elapsed:>4}s: partition node {node} for {hold:?}");
                 lab.must(&["lab", "fault", "partition", &node]);
                 std::thread::sleep(hold);
                 lab.must(&["lab", "fault", "heal", &node]);
             }
+            "cut" => {
+                // Only the link between two nodes: both still reach etcd and the others.
+                let other = ((node.parse::<u32>().unwrap() - 1 + rng.gen_range(1..nodes)) % nodes
+                    + 1)
+                .to_string();
+                eprintln!("thrash {elapsed:>4}s: cut node {node} from node {other} for {hold:?}");
+                lab.must(&["lab", "fault", "partition", &node, "--from", &other]);
+                std::thread::sleep(hold);
+                lab.must(&["lab", "fault", "heal", &node, "--from", &other]);
+            }
             "cache-mode" => {
                 let mode = ["none", "write", "read-write"][rng.gen_range(0..3usize)];
-                eprintln!("thrash: cache mode {mode}");
+                eprintln!("thrash {elapsed:>4}s: cache mode {mode} for {hold:?}");
                 lab.must(&["cache", "mode", mode]);
                 std::thread::sleep(hold);
             }
             _ => {
                 // A node that holds written blocks (placement decides which do).
-                let first = rng.gen_range(0..4u32);
-                let hit = (0..4u32).map(|i| (first + i) % 4 + 1).find(|n| {
+                let first = node.parse::<u32>().unwrap() - 1;
+                let hit = (0..nodes).map(|i| (first + i) % nodes + 1).find(|n| {
                     run(&mut lab.cmd(&["lab", "fault", "corrupt", &n.to_string(), "--blocks", "4"]))
                         .status
                         .success()
                 });
+                eprintln!("thrash {elapsed:>4}s: corrupt 4 blocks on node {hit:?}");
                 assert!(hit.is_some(), "no node has written blocks to corrupt");
             }
         }
@@ -239,22 +280,29 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
         }
     }
     println!(
-        "thrash{}: {} s of faults, seed {seed}: {faults:?}; clients {totals:?}; scrub repaired {scrubbed:?}",
+        "thrash{}: {} s of faults, seed {seed}: {faults:?}, per node {nodes_faulted:?}; \
+         clients {totals:?}; scrub repaired {scrubbed:?}",
         if cache { " (cache drives)" } else { "" },
         start.elapsed().as_secs()
     );
     assert_eq!(
         totals.get("verify_failures").copied().unwrap_or(0),
         0,
-        "verify failures: {errors:#?}\n{}",
+        "verify failures (seed {seed}): {errors:#?}\n{}",
         lab.logs()
     );
     assert_eq!(
         totals.get("io_errors").copied().unwrap_or(0),
         0,
-        "client-visible I/O errors with one node faulted at a time: {errors:#?}\n{}",
+        "client-visible I/O errors with one node faulted at a time (seed {seed}): {errors:#?}\n{}",
         lab.logs()
     );
     assert!(totals["writes"] > 0 && totals["reads"] > 0);
+    if killed_node1 {
+        assert!(
+            totals["lost_connections"] > 0 && totals["reconnects"] > 0,
+            "node 1 was killed under the checkers, yet none lost its connection: {totals:?}"
+        );
+    }
     assert!(healed(&lab));
 }

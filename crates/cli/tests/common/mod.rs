@@ -249,6 +249,26 @@ pub fn http_get(hostport: &str, path: &str) -> String {
 
 impl Drop for Lab {
     fn drop(&mut self) {
+        // A failed test keeps the lab's logs (not its drives) for the post-mortem.
+        if std::thread::panicking() {
+            let name = self
+                .path()
+                .file_name()
+                .unwrap()
+                .to_string_lossy()
+                .into_owned();
+            let keep = Path::new("/tmp/converge-failed").join(name);
+            let _ = std::fs::create_dir_all(&keep);
+            let _ = std::fs::copy(self.path().join("lab.json"), keep.join("lab.json"));
+            let _ = std::fs::copy(self.path().join("etcd.log"), keep.join("etcd.log"));
+            for i in 1..=8 {
+                let _ = std::fs::copy(
+                    self.path().join(format!("node{i}/converged.log")),
+                    keep.join(format!("node{i}.log")),
+                );
+            }
+            eprintln!("the lab's logs are kept in {}", keep.display());
+        }
         let _ = run(&mut self.cmd(&["lab", "down", "--purge"]));
     }
 }
