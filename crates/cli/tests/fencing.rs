@@ -73,30 +73,11 @@ fn python(script: &str, args: &[&str]) -> Command {
     c
 }
 
-fn require_root() {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    assert!(
-        root,
-        "this test creates network namespaces and must run as root (as CI does)"
-    );
-}
-
 #[test]
 fn a_partitioned_owner_never_serves_data_older_than_an_acked_write() {
     require_root();
     let lab = Lab::up(3, &["--netns"]);
-    lab.must(&[
-        "volume",
-        "create",
-        "fence",
-        "--size",
-        "64M",
-        "--resiliency",
-        "mirror-3",
-        "--owner",
-        "2",
-    ]);
+    lab.create_owned("fence", "64M", "mirror-3", 2);
     let old_uri = lab.uri_on("fence", 2);
     let new_uri = lab.uri_on("fence", 1);
     // Block 0 holds 0xaa everywhere, acked by the owner (node 2).

@@ -40,17 +40,7 @@ fn extents_used(lab: &Lab, nodes: u32) -> Vec<u64> {
 #[test]
 fn a_deleted_volume_fails_its_attached_clients_and_leaves_no_extent_behind() {
     let lab = Lab::up(3, &[]);
-    lab.must(&[
-        "volume",
-        "create",
-        "gone",
-        "--size",
-        "256M",
-        "--resiliency",
-        "mirror-3",
-        "--owner",
-        "1",
-    ]);
+    lab.create_owned("gone", "256M", "mirror-3", 1);
     // One client on the owner, one forwarded through node 2.
     let mut clients = Vec::new();
     for node in [1, 2] {

@@ -151,15 +151,6 @@ fn netns_inode(name: &str) -> u64 {
         .ino()
 }
 
-fn require_root() {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    assert!(
-        root,
-        "this test creates network namespaces and must run as root (as CI does)"
-    );
-}
-
 #[test]
 fn partitioned_node_is_cut_off_while_others_serve_and_rejoins_when_healed() {
     require_root();

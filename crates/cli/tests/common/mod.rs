@@ -46,6 +46,16 @@ pub fn require_tools() {
     }
 }
 
+/// Tests that create network namespaces run as root (as CI does).
+pub fn require_root() {
+    // SAFETY: geteuid has no preconditions.
+    let root = unsafe { libc::geteuid() } == 0;
+    assert!(
+        root,
+        "this test creates network namespaces and must run as root (as CI does)"
+    );
+}
+
 pub struct Lab {
     pub dir: tempfile::TempDir,
 }
@@ -121,6 +131,22 @@ impl Lab {
             resiliency,
         ]);
         self.uri(name)
+    }
+
+    /// Creates a volume whose preferred owner is node `owner`.
+    pub fn create_owned(&self, name: &str, size: &str, resiliency: &str, owner: u32) {
+        let owner = owner.to_string();
+        self.must(&[
+            "volume",
+            "create",
+            name,
+            "--size",
+            size,
+            "--resiliency",
+            resiliency,
+            "--owner",
+            &owner,
+        ]);
     }
 
     pub fn uri(&self, name: &str) -> String {
