@@ -550,6 +550,62 @@ impl Cluster {
         })
     }
 
+    /// Allocates a slab as the volume's owner: creates the record if it has none *and*
+    /// `owner` still owns the volume at its epoch, in one transaction, so a deposed owner
+    /// (paused, partitioned) can no longer place slabs (control-plane fencing, like
+    /// [`Cluster::cas_slab_as_owner`]). If the owner allocated it first (a concurrent
+    /// allocation of the same term), returns that record instead; either way the result is
+    /// what etcd holds, with its mod revision. `Err(OwnedElsewhere)`: `owner` lost the
+    /// volume, and nothing was written.
+    pub async fn create_slab_as_owner(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        rec: &SlabRecord,
+        owner: OwnerRecord,
+    ) -> Result<(SlabRecord, i64), ControlError> {
+        let key = keys::slab(volume, slab);
+        let value = encode(&key, "slab record", rec)?;
+        let okey = keys::owner(volume);
+        let ovalue = encode(&okey, "owner record", &owner)?;
+        for _ in 0..TXN_RETRIES_MAX {
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![
+                        Compare::CreateRevision(key.clone(), 0),
+                        Compare::Value(okey.clone(), ovalue.clone()),
+                    ],
+                    success: vec![Op::Put(key.clone(), value.clone(), None)],
+                    failure: vec![Op::Get(okey.clone()), Op::Get(key.clone())],
+                })
+                .await?;
+            if r.succeeded {
+                return Ok((rec.clone(), r.revision));
+            }
+            let mut gets = r.gets.into_iter();
+            let now: Option<OwnerRecord> = match gets.next().flatten() {
+                Some(kv) => Some(decode(&kv, "owner record")?),
+                None => None,
+            };
+            if now != Some(owner) {
+                let (node, epoch) = now.map_or((NodeId(0), owner.epoch), |o| (o.node, o.epoch));
+                return Err(ControlError::OwnedElsewhere {
+                    volume,
+                    node,
+                    epoch,
+                });
+            }
+            if let Some(kv) = gets.next().flatten() {
+                return Ok((decode(&kv, "slab record")?, kv.mod_revision));
+            }
+            // The record was deleted between the compare and the read: try again.
+        }
+        Err(ControlError::Contended {
+            what: format!("allocating slab {slab} of volume {volume}"),
+        })
+    }
+
     /// Replaces a slab record if unchanged since `expected_mod_revision` *and* `owner` still
     /// owns the volume at its epoch: a deposed owner (paused, partitioned) cannot change
     /// slab states any more (control-plane fencing). `Ok(None)` means the record changed

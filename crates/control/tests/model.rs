@@ -392,3 +392,95 @@ async fn model_errors_when_etcd_is_down() {
     assert!(matches!(e, ControlError::Etcd(_)), "{e}");
     assert!(e.to_string().contains("is etcd running?"), "{e}");
 }
+
+/// Allocation is fenced like record changes: only the volume's current owner at its epoch
+/// creates a slab record; a deposed owner's transaction fails and writes nothing.
+#[tokio::test]
+async fn slab_allocation_is_fenced_by_the_owner_epoch() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let vol = VolumeId(11);
+    let l1 = etcd.lease_grant(60).await.unwrap();
+    let l2 = etcd.lease_grant(60).await.unwrap();
+    let e1 = c.claim_ownership(vol, NodeId(1), l1).await.unwrap();
+    let old = OwnerRecord {
+        node: NodeId(1),
+        epoch: e1,
+    };
+
+    // No owner record at all (not claimed): refused.
+    let other = VolumeId(12);
+    let r = c
+        .create_slab_as_owner(other, SlabIndex(0), &slab(&[(1, 1)]), old)
+        .await;
+    assert!(
+        matches!(r, Err(ControlError::OwnedElsewhere { .. })),
+        "{r:?}"
+    );
+
+    // The owner allocates; a second allocation of the same term gets the first record.
+    let (a, rev) = c
+        .create_slab_as_owner(vol, SlabIndex(0), &slab(&[(1, 1), (2, 2)]), old)
+        .await
+        .unwrap();
+    assert_eq!(a, slab(&[(1, 1), (2, 2)]));
+    let again = c
+        .create_slab_as_owner(vol, SlabIndex(0), &slab(&[(3, 3), (4, 4)]), old)
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        (a.clone(), rev),
+        "create-if-absent keeps the first record"
+    );
+
+    // A new term (same node claiming again, or another node after the lease): the old
+    // term can no longer allocate, and nothing is written.
+    let e2 = c.claim_ownership(vol, NodeId(1), l1).await.unwrap();
+    assert!(e2 > e1);
+    let r = c
+        .create_slab_as_owner(vol, SlabIndex(1), &slab(&[(1, 1)]), old)
+        .await;
+    match r {
+        Err(ControlError::OwnedElsewhere { node, epoch, .. }) => {
+            assert_eq!((node, epoch), (NodeId(1), e2));
+        }
+        other => panic!("a deposed owner allocated: {other:?}"),
+    }
+    etcd.lease_revoke(l1).await.unwrap();
+    let e3 = c.claim_ownership(vol, NodeId(2), l2).await.unwrap();
+    let r = c
+        .create_slab_as_owner(vol, SlabIndex(1), &slab(&[(1, 1)]), old)
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(ControlError::OwnedElsewhere {
+                node: NodeId(2),
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // Also for a slab that exists: the deposed owner does not get the record either.
+    let r = c
+        .create_slab_as_owner(vol, SlabIndex(0), &slab(&[(1, 1)]), old)
+        .await;
+    assert!(
+        matches!(r, Err(ControlError::OwnedElsewhere { .. })),
+        "{r:?}"
+    );
+    let map = c.slabs(vol).await.unwrap();
+    assert_eq!(map.len(), 1, "only the owner's slab exists: {map:?}");
+    let new = OwnerRecord {
+        node: NodeId(2),
+        epoch: e3,
+    };
+    let (b, _) = c
+        .create_slab_as_owner(vol, SlabIndex(1), &slab(&[(5, 2)]), new)
+        .await
+        .unwrap();
+    assert_eq!(b, slab(&[(5, 2)]));
+    assert!(c.slab(other, SlabIndex(0)).await.unwrap().is_none());
+}

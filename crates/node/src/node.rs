@@ -828,6 +828,7 @@ impl SlabAllocator for Allocator {
         &self,
         volume: VolumeId,
         slab: SlabIndex,
+        epoch: Epoch,
         copies: usize,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         let ctl = |e: String| VolumeError::Control(e, volume.to_string());
@@ -853,12 +854,27 @@ impl SlabAllocator for Allocator {
                 })
                 .collect(),
         };
-        let (rec, _) = self
+        let owner = converge_control::model::OwnerRecord {
+            node: self.me,
+            epoch,
+        };
+        match self
             .cluster
-            .create_slab(volume, slab, &rec)
+            .create_slab_as_owner(volume, slab, &rec, owner)
             .await
-            .map_err(|e| ctl(e.to_string()))?;
-        Ok(extents_of(&rec))
+        {
+            Ok((rec, _)) => Ok(extents_of(&rec)),
+            Err(converge_control::model::ControlError::OwnedElsewhere { node, epoch: e, .. }) => {
+                Err(VolumeError::Fenced {
+                    volume: volume.to_string(),
+                    epoch,
+                    why: format!(
+                        "the volume's owner record is now node {node} epoch {e}; this node may not allocate its slabs"
+                    ),
+                })
+            }
+            Err(e) => Err(ctl(e.to_string())),
+        }
     }
 
     async fn lookup(

@@ -99,6 +99,7 @@ impl SlabAllocator for OwnerControl {
         &self,
         volume: VolumeId,
         slab: SlabIndex,
+        _epoch: Epoch,
         copies: usize,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         self.round_trip(volume).await?;

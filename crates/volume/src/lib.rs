@@ -162,16 +162,17 @@ pub enum SlabChange {
 /// Places the extents of a slab on first write (thin provisioning). Implemented over etcd
 /// by the node; must return the same placement to concurrent callers for the same slab.
 pub trait SlabAllocator: Send + Sync + 'static {
+    /// Places a new slab's `copies` and records it if it has no record yet (else returns
+    /// the record another allocation made). Only the owner at `epoch` may allocate: a
+    /// deposed owner gets [`VolumeError::Fenced`].
     fn allocate(
         &self,
         volume: VolumeId,
         slab: SlabIndex,
+        epoch: Epoch,
         copies: usize,
     ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
 
-    /// Applies `change` to the slab's record (atomically, against concurrent changers) and
-    /// returns the record's extents afterwards. A change whose precondition no longer holds
-    /// is not an error: the current extents are returned and the caller re-checks.
     /// The slab's record if it is allocated, asked as the owner at `epoch` (a deposed
     /// owner gets [`VolumeError::Fenced`]). An owner asks before answering a zero of a
     /// slab its own map lacks: another term may have allocated it since.
@@ -182,6 +183,9 @@ pub trait SlabAllocator: Send + Sync + 'static {
         epoch: Epoch,
     ) -> impl Future<Output = Result<Option<Vec<ExtentLoc>>, VolumeError>> + Send;
 
+    /// Applies `change` to the slab's record (atomically, against concurrent changers) and
+    /// returns the record's extents afterwards. A change whose precondition no longer holds
+    /// is not an error: the current extents are returned and the caller re-checks.
     /// Only the owner at `epoch` may change the record: a deposed owner gets
     /// [`VolumeError::Fenced`].
     fn change(
@@ -450,7 +454,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let extents = self
             .alloc
-            .allocate(self.cfg.id, idx, self.cfg.resiliency.copies())
+            .allocate(
+                self.cfg.id,
+                idx,
+                self.cfg.epoch,
+                self.cfg.resiliency.copies(),
+            )
             .await?;
         let slab = Arc::new(Slab::new(extents));
         self.slabs

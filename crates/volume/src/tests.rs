@@ -235,6 +235,7 @@ impl SlabAllocator for FixedAlloc {
         &self,
         _volume: VolumeId,
         _slab: SlabIndex,
+        _epoch: Epoch,
         copies: usize,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
