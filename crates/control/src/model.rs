@@ -18,6 +18,7 @@
 //! compared on mod revision, so concurrent writers never lose each other's updates.
 
 use crate::etcd::{Compare, Etcd, EtcdError, KeyValue, LeaseId, Op, Txn};
+use crate::kv::Kv;
 use converge_types::{
     ClusterId, DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency, SlabIndex,
     VolumeId,
@@ -237,19 +238,27 @@ pub fn valid_volume_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
-/// Typed access to the cluster's records in etcd. Cheap to clone.
+/// Typed access to the cluster's records in etcd (or, in the simulator, in any [`Kv`]).
+/// Cheap to clone.
 #[derive(Clone, Debug)]
-pub struct Cluster {
-    etcd: Etcd,
+pub struct Cluster<K = Etcd> {
+    etcd: K,
 }
 
-impl Cluster {
-    pub fn new(etcd: Etcd) -> Cluster {
+impl Cluster<Etcd> {
+    /// The underlying client, for leases and watches.
+    pub fn etcd(&self) -> &Etcd {
+        &self.etcd
+    }
+}
+
+impl<K: Kv> Cluster<K> {
+    pub fn new(etcd: K) -> Cluster<K> {
         Cluster { etcd }
     }
 
-    /// The underlying client, for leases and watches.
-    pub fn etcd(&self) -> &Etcd {
+    /// The underlying key-value store.
+    pub fn kv(&self) -> &K {
         &self.etcd
     }
 

@@ -4,21 +4,17 @@
 use crate::config::Config;
 use bytes::{Bytes, BytesMut};
 use converge_control::etcd::LeaseId;
-use converge_control::model::{
-    Cluster, ClusterRecord, DriveRecord, NodeRecord, SlabRecord, VolumeRecord,
-};
-use converge_control::placement::{self, DriveLoad};
+use converge_control::model::{Cluster, ClusterRecord, NodeRecord, SlabRecord, VolumeRecord};
 use converge_engine::{Cache, EngineError, Tier};
 use converge_rpc::Handler;
 use converge_rpc::{ErrorCode, Request, Response};
 use converge_rpc::{Hello, RpcClient, RpcError};
 use converge_types::{
-    DriveId, Epoch, ExtentKey, ExtentState, Knobs, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
+    DriveId, Epoch, ExtentKey, Knobs, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
 };
 use converge_volume::resync::Throttle;
 use converge_volume::{
-    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, SlabAllocator, SlabChange, Volume,
-    VolumeConfig, VolumeError,
+    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, Volume, VolumeConfig, VolumeError,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -248,17 +244,6 @@ impl Node {
             }
         }
     }
-}
-
-pub fn extents_of(s: &SlabRecord) -> Vec<ExtentLoc> {
-    s.extents
-        .iter()
-        .map(|e| ExtentLoc {
-            node: e.node,
-            drive: e.drive,
-            state: e.state,
-        })
-        .collect()
 }
 
 pub enum OpenError {
@@ -768,218 +753,9 @@ impl ReplicaIo for Replicas {
     }
 }
 
-/// Places new slabs: reads drives, live nodes and every slab's extents from etcd,
-/// picks drives on distinct nodes balancing use, and records the slab (create-if-absent).
-pub struct Allocator {
-    pub cluster: Cluster,
-    /// This node: slab changes are made as this node's ownership.
-    pub me: NodeId,
-}
-
-/// Extents placed on each drive, counted from all slab records.
-pub async fn extents_used(cluster: &Cluster) -> Result<HashMap<DriveId, u64>, String> {
-    let (kvs, _) = cluster
-        .etcd()
-        .get_prefix(converge_control::model::keys::SLABS)
-        .await
-        .map_err(|e| e.to_string())?;
-    let mut used: HashMap<DriveId, u64> = HashMap::new();
-    for kv in kvs {
-        if let Ok(s) = serde_json::from_slice::<SlabRecord>(&kv.value) {
-            for e in s.extents {
-                *used.entry(e.drive).or_default() += 1;
-            }
-        }
-    }
-    Ok(used)
-}
-
-pub async fn drive_loads(cluster: &Cluster) -> Result<Vec<DriveLoad>, String> {
-    let drives: Vec<DriveRecord> = cluster.drives().await.map_err(|e| e.to_string())?;
-    let live: Vec<NodeId> = cluster
-        .live_nodes()
-        .await
-        .map_err(|e| e.to_string())?
-        .iter()
-        .map(|n| n.id)
-        .collect();
-    let maint = cluster
-        .maintenance_nodes()
-        .await
-        .map_err(|e| e.to_string())?;
-    let live: Vec<NodeId> = live.into_iter().filter(|n| !maint.contains(n)).collect();
-    let failed = cluster.failed_drives().await.map_err(|e| e.to_string())?;
-    let used = extents_used(cluster).await?;
-    Ok(drives
-        .iter()
-        .map(|d| DriveLoad {
-            drive: d.id,
-            node: d.node,
-            extents_total: d.extents_total,
-            extents_used: used.get(&d.id).copied().unwrap_or(0),
-            live: live.contains(&d.node) && !failed.contains_key(&d.id),
-            role: d.role,
-        })
-        .collect())
-}
-
-impl SlabAllocator for Allocator {
-    async fn allocate(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        epoch: Epoch,
-        copies: usize,
-    ) -> Result<Vec<ExtentLoc>, VolumeError> {
-        let ctl = |e: String| VolumeError::Control(e, volume.to_string());
-        let loads = drive_loads(&self.cluster).await.map_err(ctl)?;
-        let chosen = placement::place(copies, &loads, &[]).map_err(|e| VolumeError::NoSpace {
-            volume: volume.to_string(),
-            why: e.to_string(),
-        })?;
-        let rec = SlabRecord {
-            extents: chosen
-                .iter()
-                .map(|d| {
-                    let node = loads
-                        .iter()
-                        .find(|l| l.drive == *d)
-                        .map(|l| l.node)
-                        .expect("placement returns candidate drives");
-                    converge_control::model::ExtentRecord {
-                        drive: *d,
-                        node,
-                        state: ExtentState::InSync,
-                    }
-                })
-                .collect(),
-        };
-        let owner = converge_control::model::OwnerRecord {
-            node: self.me,
-            epoch,
-        };
-        match self
-            .cluster
-            .create_slab_as_owner(volume, slab, &rec, owner)
-            .await
-        {
-            Ok((rec, _)) => Ok(extents_of(&rec)),
-            Err(converge_control::model::ControlError::OwnedElsewhere { node, epoch: e, .. }) => {
-                Err(VolumeError::Fenced {
-                    volume: volume.to_string(),
-                    epoch,
-                    why: format!(
-                        "the volume's owner record is now node {node} epoch {e}; this node may not allocate its slabs"
-                    ),
-                })
-            }
-            Err(e) => Err(ctl(e.to_string())),
-        }
-    }
-
-    async fn lookup(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        epoch: Epoch,
-    ) -> Result<Option<Vec<ExtentLoc>>, VolumeError> {
-        let ctl = |e: String| VolumeError::Control(e, volume.to_string());
-        let owner = self
-            .cluster
-            .owner(volume)
-            .await
-            .map_err(|e| ctl(e.to_string()))?;
-        if owner
-            != Some(converge_control::model::OwnerRecord {
-                node: self.me,
-                epoch,
-            })
-        {
-            return Err(VolumeError::Fenced {
-                volume: volume.to_string(),
-                epoch,
-                why: format!("the volume's owner record is now {owner:?}"),
-            });
-        }
-        Ok(self
-            .cluster
-            .slab(volume, slab)
-            .await
-            .map_err(|e| ctl(e.to_string()))?
-            .map(|(rec, _)| extents_of(&rec)))
-    }
-
-    async fn change(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        epoch: Epoch,
-        change: SlabChange,
-    ) -> Result<Vec<ExtentLoc>, VolumeError> {
-        let ctl = |e: String| VolumeError::Control(e, volume.to_string());
-        for _ in 0..converge_control::model::TXN_RETRIES_MAX {
-            let Some((mut rec, rev)) = self
-                .cluster
-                .slab(volume, slab)
-                .await
-                .map_err(|e| ctl(e.to_string()))?
-            else {
-                return Err(ctl(format!("slab {slab} has no record")));
-            };
-            let mut changed = false;
-            match &change {
-                SlabChange::State { drive, from, to } => {
-                    for e in rec.extents.iter_mut() {
-                        if e.drive == *drive && from.contains(&e.state) && e.state != *to {
-                            e.state = *to;
-                            changed = true;
-                        }
-                    }
-                }
-                SlabChange::Replace { old, new } => {
-                    for e in rec.extents.iter_mut() {
-                        if e.drive == *old {
-                            *e = converge_control::model::ExtentRecord {
-                                drive: new.drive,
-                                node: new.node,
-                                state: new.state,
-                            };
-                            changed = true;
-                        }
-                    }
-                }
-            }
-            if !changed {
-                return Ok(extents_of(&rec));
-            }
-            let owner = converge_control::model::OwnerRecord {
-                node: self.me,
-                epoch,
-            };
-            match self
-                .cluster
-                .cas_slab_as_owner(volume, slab, &rec, rev, owner)
-                .await
-            {
-                Ok(Some(())) => return Ok(extents_of(&rec)),
-                Ok(None) => {}
-                Err(converge_control::model::ControlError::OwnedElsewhere { node, epoch: e, .. }) => {
-                    return Err(VolumeError::Fenced {
-                        volume: volume.to_string(),
-                        epoch,
-                        why: format!(
-                            "the volume's owner record is now node {node} epoch {e}; this node may not change its slabs"
-                        ),
-                    })
-                }
-                Err(e) => return Err(ctl(e.to_string())),
-            }
-        }
-        Err(ctl(format!(
-            "slab {slab}: too many concurrent changes of its record"
-        )))
-    }
-}
+/// The owner's control-plane glue (placement, fenced allocation and record changes,
+/// lookup) lives in `converge-allocator`, so the simulator runs the same code.
+pub use converge_allocator::{drive_loads, extents_of, extents_used, Allocator};
 
 /// Serves peers' requests: extent I/O against this node's drives, and redirected volume
 /// I/O for the volumes this node owns.

@@ -1,0 +1,247 @@
+//! The owner's control-plane glue: how a volume's owner places, allocates, looks up and
+//! changes slab records (`converge_volume::SlabAllocator`). It lives in its own crate so
+//! that `converged` and the simulator run the very same code (docs/SIMULATION.md: "the
+//! simulator runs what ships"): it is generic over the key-value store ([`Kv`]), which
+//! the daemon fills with its etcd client and the simulator with an in-memory etcd that
+//! has latency and partitions.
+//!
+//! It sits above both `control` (records, placement, transactions) and `volume` (the
+//! trait it implements), which know nothing of each other: `volume` uses no I/O crate,
+//! and `control` stays below the owner logic.
+//!
+//! Every call that changes a record is fenced: the transaction also compares the volume's
+//! owner record with the caller's node and epoch, so a deposed owner (paused or cut off
+//! past its lease) gets [`VolumeError::Fenced`] and changes nothing (docs/CONSISTENCY.md).
+
+use converge_control::etcd::Etcd;
+use converge_control::kv::Kv;
+use converge_control::model::{
+    keys, Cluster, ControlError, DriveRecord, ExtentRecord, OwnerRecord, SlabRecord,
+    TXN_RETRIES_MAX,
+};
+use converge_control::placement::{self, DriveLoad};
+use converge_types::{DriveId, Epoch, ExtentState, NodeId, SlabIndex, VolumeId};
+use converge_volume::{ExtentLoc, SlabAllocator, SlabChange, VolumeError};
+use std::collections::HashMap;
+
+/// Places new slabs: reads drives, live nodes and every slab's extents from the store,
+/// picks drives on distinct nodes balancing use, and records the slab (create-if-absent,
+/// fenced by the owner's epoch). Changes and lookups are fenced the same way.
+pub struct Allocator<K = Etcd> {
+    pub cluster: Cluster<K>,
+    /// This node: slabs are allocated and changed as this node's ownership.
+    pub me: NodeId,
+}
+
+/// The copies of a slab record, as the volume layer sees them.
+pub fn extents_of(s: &SlabRecord) -> Vec<ExtentLoc> {
+    s.extents
+        .iter()
+        .map(|e| ExtentLoc {
+            node: e.node,
+            drive: e.drive,
+            state: e.state,
+        })
+        .collect()
+}
+
+/// Extents placed on each drive, counted from all slab records.
+pub async fn extents_used<K: Kv>(cluster: &Cluster<K>) -> Result<HashMap<DriveId, u64>, String> {
+    let (kvs, _) = cluster
+        .kv()
+        .get_prefix(keys::SLABS)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut used: HashMap<DriveId, u64> = HashMap::new();
+    for kv in kvs {
+        if let Ok(s) = serde_json::from_slice::<SlabRecord>(&kv.value) {
+            for e in s.extents {
+                *used.entry(e.drive).or_default() += 1;
+            }
+        }
+    }
+    Ok(used)
+}
+
+/// Every drive as placement sees it: live means its node's lease is alive, the node is
+/// not in maintenance, and the drive has not failed.
+pub async fn drive_loads<K: Kv>(cluster: &Cluster<K>) -> Result<Vec<DriveLoad>, String> {
+    let drives: Vec<DriveRecord> = cluster.drives().await.map_err(|e| e.to_string())?;
+    let live: Vec<NodeId> = cluster
+        .live_nodes()
+        .await
+        .map_err(|e| e.to_string())?
+        .iter()
+        .map(|n| n.id)
+        .collect();
+    let maint = cluster
+        .maintenance_nodes()
+        .await
+        .map_err(|e| e.to_string())?;
+    let live: Vec<NodeId> = live.into_iter().filter(|n| !maint.contains(n)).collect();
+    let failed = cluster.failed_drives().await.map_err(|e| e.to_string())?;
+    let used = extents_used(cluster).await?;
+    Ok(drives
+        .iter()
+        .map(|d| DriveLoad {
+            drive: d.id,
+            node: d.node,
+            extents_total: d.extents_total,
+            extents_used: used.get(&d.id).copied().unwrap_or(0),
+            live: live.contains(&d.node) && !failed.contains_key(&d.id),
+            role: d.role,
+        })
+        .collect())
+}
+
+impl<K: Kv> Allocator<K> {
+    fn owner(&self, epoch: Epoch) -> OwnerRecord {
+        OwnerRecord {
+            node: self.me,
+            epoch,
+        }
+    }
+}
+
+fn control(volume: VolumeId, e: impl ToString) -> VolumeError {
+    VolumeError::Control(e.to_string(), volume.to_string())
+}
+
+/// `OwnedElsewhere` from a fenced transaction, in the volume layer's terms.
+fn fenced(volume: VolumeId, epoch: Epoch, e: ControlError, what: &str) -> VolumeError {
+    match e {
+        ControlError::OwnedElsewhere { node, epoch: e, .. } => VolumeError::Fenced {
+            volume: volume.to_string(),
+            epoch,
+            why: format!(
+                "the volume's owner record is now node {node} epoch {e}; this node may not {what}"
+            ),
+        },
+        e => control(volume, e),
+    }
+}
+
+impl<K: Kv> SlabAllocator for Allocator<K> {
+    async fn allocate(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        epoch: Epoch,
+        copies: usize,
+    ) -> Result<Vec<ExtentLoc>, VolumeError> {
+        let loads = drive_loads(&self.cluster)
+            .await
+            .map_err(|e| control(volume, e))?;
+        let chosen = placement::place(copies, &loads, &[]).map_err(|e| VolumeError::NoSpace {
+            volume: volume.to_string(),
+            why: e.to_string(),
+        })?;
+        let rec = SlabRecord {
+            extents: chosen
+                .iter()
+                .map(|d| {
+                    let node = loads
+                        .iter()
+                        .find(|l| l.drive == *d)
+                        .map(|l| l.node)
+                        .expect("placement returns candidate drives");
+                    ExtentRecord {
+                        drive: *d,
+                        node,
+                        state: ExtentState::InSync,
+                    }
+                })
+                .collect(),
+        };
+        let (rec, _) = self
+            .cluster
+            .create_slab_as_owner(volume, slab, &rec, self.owner(epoch))
+            .await
+            .map_err(|e| fenced(volume, epoch, e, "allocate its slabs"))?;
+        Ok(extents_of(&rec))
+    }
+
+    async fn lookup(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        epoch: Epoch,
+    ) -> Result<Option<Vec<ExtentLoc>>, VolumeError> {
+        let owner = self
+            .cluster
+            .owner(volume)
+            .await
+            .map_err(|e| control(volume, e))?;
+        if owner != Some(self.owner(epoch)) {
+            return Err(VolumeError::Fenced {
+                volume: volume.to_string(),
+                epoch,
+                why: format!("the volume's owner record is now {owner:?}"),
+            });
+        }
+        Ok(self
+            .cluster
+            .slab(volume, slab)
+            .await
+            .map_err(|e| control(volume, e))?
+            .map(|(rec, _)| extents_of(&rec)))
+    }
+
+    async fn change(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        epoch: Epoch,
+        change: SlabChange,
+    ) -> Result<Vec<ExtentLoc>, VolumeError> {
+        for _ in 0..TXN_RETRIES_MAX {
+            let Some((mut rec, rev)) = self
+                .cluster
+                .slab(volume, slab)
+                .await
+                .map_err(|e| control(volume, e))?
+            else {
+                return Err(control(volume, format!("slab {slab} has no record")));
+            };
+            let mut changed = false;
+            match &change {
+                SlabChange::State { drive, from, to } => {
+                    for e in rec.extents.iter_mut() {
+                        if e.drive == *drive && from.contains(&e.state) && e.state != *to {
+                            e.state = *to;
+                            changed = true;
+                        }
+                    }
+                }
+                SlabChange::Replace { old, new } => {
+                    for e in rec.extents.iter_mut() {
+                        if e.drive == *old {
+                            *e = ExtentRecord {
+                                drive: new.drive,
+                                node: new.node,
+                                state: new.state,
+                            };
+                            changed = true;
+                        }
+                    }
+                }
+            }
+            if !changed {
+                return Ok(extents_of(&rec));
+            }
+            match self
+                .cluster
+                .cas_slab_as_owner(volume, slab, &rec, rev, self.owner(epoch))
+                .await
+            {
+                Ok(Some(())) => return Ok(extents_of(&rec)),
+                Ok(None) => {}
+                Err(e) => return Err(fenced(volume, epoch, e, "change its slabs")),
+            }
+        }
+        Err(control(
+            volume,
+            format!("slab {slab}: too many concurrent changes of its record"),
+        ))
+    }
+}
