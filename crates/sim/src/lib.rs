@@ -21,7 +21,7 @@ mod replicas;
 mod workload;
 mod world;
 
-pub use control::OwnerControl;
+pub use control::SimKv;
 pub use faults::FaultWeights;
 pub use owner::SimVolume;
 pub use replicas::SimReplicas;
@@ -96,9 +96,6 @@ pub struct Options {
     /// Allow rot on a block whose version no other in-sync copy holds (the only copy of an
     /// unacked write's block). Off by default: a takeover then fails forever (known issue 4).
     pub rot_sole_newest: bool,
-    /// The control plane refuses slab allocations and state changes from a deposed owner
-    /// (an etcd transaction comparing the volume's epoch). See docs/SIMULATION.md.
-    pub control_fences_deposed_owners: bool,
     /// Give every node a cache drive (`converge_engine::Cache`) bound to its capacity
     /// drives: every request goes through a `Tier`, the cache's destage runs as random
     /// steps, modes switch at run time, and power losses also hit the cache drive, inside
@@ -167,7 +164,6 @@ impl Options {
             short_owner_partitions: false,
             check_unallocated_zero_fencing: false,
             rot_sole_newest: false,
-            control_fences_deposed_owners: true,
             cache: false,
             cache_bytes: converge_engine::CACHE_MIN_BYTES,
             cache_work_ms: (2, 40),
@@ -237,9 +233,6 @@ pub(crate) fn describe_block(w: &World, v: usize, block: u64) -> String {
 /// The replay environment for the non-default options a run used.
 fn variant_env(o: &Options) -> String {
     let mut v = Vec::new();
-    if !o.control_fences_deposed_owners {
-        v.push("no-control-fencing");
-    }
     if o.short_owner_partitions {
         v.push("short-owner-partitions");
     }

@@ -213,7 +213,7 @@ impl World {
                 )
                 .map_err(|e| format!("formatting simulated drive {id}: {e}"))?;
                 let extents_total = drive.capacity().extents_total;
-                ctl.add_drive(NodeId(n), id, extents_total);
+                ctl.add_drive(NodeId(n), id, extents_total, slab_bytes);
                 drives.push(SimDrive {
                     id,
                     image,
@@ -246,6 +246,7 @@ impl World {
             } else {
                 None
             };
+            ctl.add_node(NodeId(n));
             nodes.push(Node {
                 id: NodeId(n),
                 up: true,
@@ -397,6 +398,16 @@ impl World {
     /// Up and reachable: a node a new owner may run on, or a stale copy may be resynced on.
     pub(crate) fn ready(&self, id: NodeId) -> bool {
         self.is_up(id) && !self.isolated(id)
+    }
+
+    /// The simulated etcd's live leases: one per node that is up and reachable.
+    pub(crate) fn live_leases(&self) -> crate::control::Leases {
+        let now = Instant::now();
+        lock(&self.nodes)
+            .iter()
+            .filter(|n| n.up && !n.isolated_until.is_some_and(|t| now < t))
+            .map(|n| crate::control::lease_of(n.id).0)
+            .collect()
     }
 
     pub(crate) fn incarnation(&self, id: NodeId) -> u64 {
