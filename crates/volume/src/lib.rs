@@ -277,6 +277,9 @@ pub(crate) struct Slab {
     /// A write failed on every in-sync copy, so they may disagree on its blocks and none
     /// could be marked stale; the slab is reconciled (like at a takeover) when they answer.
     pub(crate) suspect: std::sync::atomic::AtomicBool,
+    /// Copies left `syncing` by a copy job that failed and could not mark them stale (the
+    /// control plane was unreachable): no job fills them, so resync takes them up again.
+    pub(crate) abandoned: std::sync::Mutex<std::collections::BTreeSet<DriveId>>,
 }
 
 impl Slab {
@@ -287,6 +290,7 @@ impl Slab {
             gate: tokio::sync::RwLock::new(()),
             change: tokio::sync::Mutex::new(()),
             suspect: std::sync::atomic::AtomicBool::new(false),
+            abandoned: std::sync::Mutex::new(std::collections::BTreeSet::new()),
         }
     }
 

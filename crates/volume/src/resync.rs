@@ -86,6 +86,13 @@ struct Diff {
     expect: Version,
 }
 
+/// The slab's abandoned `syncing` copies (see `Slab::abandoned`).
+fn abandoned(slab: &Slab) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<DriveId>> {
+    slab.abandoned
+        .lock()
+        .expect("abandoned-copies lock poisoned")
+}
+
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Reconciles slabs where a write failed on every in-sync copy (see `settle`), once
     /// their copies answer. Writes to the slab wait meanwhile.
@@ -105,14 +112,29 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(n)
     }
 
-    /// Copies that missed writes, per slab: the resync candidates.
+    /// Copies that missed writes, per slab: the resync candidates. Besides the stale ones,
+    /// copies a failed copy job left `syncing` (it could not reach the control plane to
+    /// mark them stale): nothing else would ever fill them.
     pub fn stale_extents(&self) -> Vec<(SlabIndex, ExtentLoc)> {
-        self.slab_map()
+        let slabs: Vec<(SlabIndex, std::sync::Arc<Slab>)> = self
+            .slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .iter()
+            .map(|(i, s)| (*i, s.clone()))
+            .collect();
+        slabs
             .into_iter()
-            .flat_map(|(i, ex)| {
-                ex.into_iter()
-                    .filter(|e| e.state == ExtentState::Stale)
-                    .map(move |e| (i, e))
+            .flat_map(|(i, slab)| {
+                let abandoned = abandoned(&slab).clone();
+                slab.extents()
+                    .iter()
+                    .filter(|e| {
+                        e.state == ExtentState::Stale
+                            || (e.state == ExtentState::Syncing && abandoned.contains(&e.drive))
+                    })
+                    .map(|e| (i, *e))
+                    .collect::<Vec<_>>()
             })
             .collect()
     }
@@ -147,7 +169,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     /// Delta resync of the stale copy on `drive`: it becomes `syncing` (receives new
     /// writes), only the blocks that differ from an in-sync copy are copied, and it becomes
-    /// `in-sync`. On failure it is left (or marked) stale; running it again is safe.
+    /// `in-sync`. On failure it is left (or marked) stale, or, if the control plane cannot
+    /// be reached to say so, left `syncing` and abandoned; running it again is safe, and
+    /// takes an abandoned copy up again.
     pub async fn resync(
         &self,
         idx: SlabIndex,
@@ -160,14 +184,23 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             // No write with a snapshot that skips this copy may be in flight once it is
             // `syncing`: such a write would be missed by both the copy and the writer.
             let _g = slab.gate.write().await;
-            self.change_state(
-                idx,
-                &slab,
-                drive,
-                &[ExtentState::Stale],
-                ExtentState::Syncing,
-            )
-            .await?;
+            // An abandoned copy is `syncing` already (every write reaches it); this job
+            // takes it over.
+            let resume = abandoned(&slab).remove(&drive);
+            let from: &[ExtentState] = if resume {
+                &[ExtentState::Stale, ExtentState::Syncing]
+            } else {
+                &[ExtentState::Stale]
+            };
+            if let Err(e) = self
+                .change_state(idx, &slab, drive, from, ExtentState::Syncing)
+                .await
+            {
+                if resume {
+                    abandoned(&slab).insert(drive);
+                }
+                return Err(e);
+            }
         }
         self.fill_and_promote(idx, &slab, drive, throttle, progress)
             .await
@@ -229,19 +262,28 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     )
                     .await
                 {
-                    log::warn!("volume {}: slab {idx}: {e2}", self.cfg.name);
+                    log::warn!(
+                        "volume {}: slab {idx}: the copy on drive {drive} stays syncing with no job filling it, until resync takes it up again: {e2}",
+                        self.cfg.name
+                    );
+                    abandoned(slab).insert(drive);
                 }
                 return Err(e);
             }
         };
-        self.change_state(
-            idx,
-            slab,
-            drive,
-            &[ExtentState::Syncing],
-            ExtentState::InSync,
-        )
-        .await?;
+        if let Err(e) = self
+            .change_state(
+                idx,
+                slab,
+                drive,
+                &[ExtentState::Syncing],
+                ExtentState::InSync,
+            )
+            .await
+        {
+            abandoned(slab).insert(drive);
+            return Err(e);
+        }
         let now = slab.extents();
         if !now
             .iter()

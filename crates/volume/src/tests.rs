@@ -228,6 +228,9 @@ impl ReplicaIo for MemReplicas {
 struct FixedAlloc {
     calls: AtomicU64,
     records: Mutex<HashMap<SlabIndex, Vec<ExtentLoc>>>,
+    /// How many more record changes reach the control plane (None: all of them); the
+    /// others fail as if it were unreachable.
+    changes_left: Mutex<Option<u64>>,
 }
 
 impl SlabAllocator for FixedAlloc {
@@ -266,6 +269,15 @@ impl SlabAllocator for FixedAlloc {
         _epoch: Epoch,
         change: SlabChange,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
+        if let Some(left) = self.changes_left.lock().unwrap().as_mut() {
+            if *left == 0 {
+                return Err(VolumeError::Control(
+                    "etcd unreachable".into(),
+                    "vm01".into(),
+                ));
+            }
+            *left -= 1;
+        }
         let mut r = self.records.lock().unwrap();
         let ex = r.get_mut(&slab).expect("slab recorded");
         match change {
@@ -633,6 +645,49 @@ async fn resync_copies_only_the_blocks_missed() {
     assert_copies_identical(&v, &io);
     // Nothing to do a second time.
     assert!(v.stale_extents().is_empty());
+}
+
+/// A resync whose copy fails while the control plane is unreachable cannot mark the copy
+/// stale again: it stays `syncing` with no job filling it. Resync must take it up again
+/// (it once stayed `syncing` until the next takeover: simulation seed 238, variant
+/// short-owner-partitions).
+#[tokio::test]
+async fn a_copy_left_syncing_by_a_failed_resync_is_resynced_again() {
+    let (v, io, alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    v.write(0, pattern(256 << 10, 1)).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(3));
+    v.write(4 * 4096, pattern(4096, 2)).await.unwrap();
+    assert_eq!(state_of(&v, 0, 3), ExtentState::Stale);
+    io.failed.lock().unwrap().clear();
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let (idx, e) = v.stale_extents()[0];
+    // stale -> syncing reaches etcd; then every source fails, and so does etcd.
+    *alloc.changes_left.lock().unwrap() = Some(1);
+    io.failed.lock().unwrap().extend([NodeId(1), NodeId(2)]);
+    assert!(v.resync(idx, e.drive, &t, &p).await.is_err());
+    assert_eq!(state_of(&v, 0, 3), ExtentState::Syncing);
+    assert_eq!(
+        v.stale_extents(),
+        vec![(
+            idx,
+            ExtentLoc {
+                state: ExtentState::Syncing,
+                ..e
+            }
+        )],
+        "the abandoned copy is a resync candidate"
+    );
+    // While etcd is still away, a retry fails and keeps it a candidate.
+    io.failed.lock().unwrap().clear();
+    assert!(v.resync(idx, e.drive, &t, &p).await.is_err());
+    assert_eq!(v.stale_extents().len(), 1);
+    *alloc.changes_left.lock().unwrap() = None;
+    let r = v.resync(idx, e.drive, &t, &p).await.unwrap();
+    assert_eq!(r.blocks_written, 1);
+    assert_eq!(state_of(&v, 0, 3), ExtentState::InSync);
+    assert!(v.stale_extents().is_empty());
+    assert_copies_identical(&v, &io);
 }
 
 #[tokio::test]
