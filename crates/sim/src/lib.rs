@@ -84,10 +84,12 @@ pub struct Options {
     /// Scrub (with repair) every this many repair rounds.
     pub scrub_every_rounds: u64,
     pub degraded_write_wait: Duration,
-    /// Allow partitions of an owner's node shorter than its lease (no takeover). Off by
-    /// default: the owner then marks every copy it could not reach stale, possibly all of
-    /// them, and no volume operation can bring a slab with no in-sync copy back (a known
-    /// liveness bug, see docs/SIMULATION.md).
+    /// Allow partitions of an owner's node (or of a node running a takeover) shorter than
+    /// its lease: the owner keeps its term but cannot reach etcd or its peers for a while.
+    /// A variant with its own sweep (`short_owner_partitions`), not the default, because
+    /// it relaxes two checks: in-sync copies may then legitimately differ on an unacked
+    /// write whose failed copies could not be marked stale (scrub mismatches are counted,
+    /// and the copies are not compared right after healing, only after the final scrub).
     pub short_owner_partitions: bool,
     /// Fail the run when a deposed owner acks a zero of a slab it never allocated (known
     /// issue 3: acked from its own slab map with no replica I/O). Off: counted, and the zero

@@ -280,6 +280,9 @@ pub(crate) struct Slab {
     /// Copies left `syncing` by a copy job that failed and could not mark them stale (the
     /// control plane was unreachable): no job fills them, so resync takes them up again.
     pub(crate) abandoned: std::sync::Mutex<std::collections::BTreeSet<DriveId>>,
+    /// A change of the slab's record failed with no answer from the control plane, so it
+    /// may have been applied: `extents` may lag the record until it is read again.
+    pub(crate) unsure: std::sync::atomic::AtomicBool,
 }
 
 impl Slab {
@@ -291,6 +294,7 @@ impl Slab {
             change: tokio::sync::Mutex::new(()),
             suspect: std::sync::atomic::AtomicBool::new(false),
             abandoned: std::sync::Mutex::new(std::collections::BTreeSet::new()),
+            unsure: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -299,6 +303,14 @@ impl Slab {
             .read()
             .expect("slab extents lock poisoned")
             .clone()
+    }
+
+    /// A record change failed: unless the control plane refused it (fenced), it may have
+    /// been applied with the answer lost, so the record is read again (`reconcile_suspect`).
+    pub(crate) fn note_failed_change(&self, e: &VolumeError) {
+        if !matches!(e, VolumeError::Fenced { .. }) {
+            self.unsure.store(true, Ordering::Release);
+        }
     }
 
     fn set_extents(&self, v: Vec<ExtentLoc>) {
@@ -748,7 +760,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     to,
                 },
             )
-            .await?;
+            .await
+            .inspect_err(|e| slab.note_failed_change(e))?;
         slab.set_extents(extents);
         Ok(())
     }

@@ -95,12 +95,20 @@ fn abandoned(slab: &Slab) -> std::sync::MutexGuard<'_, std::collections::BTreeSe
 
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Reconciles slabs where a write failed on every in-sync copy (see `settle`), once
-    /// their copies answer. Writes to the slab wait meanwhile.
+    /// their copies answer. Writes to the slab wait meanwhile. First, re-reads the record
+    /// of every slab whose last change got no answer from the control plane (it may have
+    /// been applied: a copy etcd has as stale must not stay in sync here, unresynced).
     pub async fn reconcile_suspect(&self) -> Result<u64, VolumeError> {
         let mut n = 0;
         let slabs: Vec<SlabIndex> = self.slab_map().keys().copied().collect();
         for idx in slabs {
             let slab = self.slab_or_err(idx)?;
+            if slab.unsure.swap(false, Ordering::AcqRel) {
+                if let Err(e) = self.reload_record(idx, &slab).await {
+                    slab.note_failed_change(&e);
+                    return Err(e);
+                }
+            }
             if !slab.suspect.load(Ordering::Acquire) {
                 continue;
             }
@@ -110,6 +118,34 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             n += r.blocks_written;
         }
         Ok(n)
+    }
+
+    /// Adopts the slab's record as the control plane holds it. A copy that is `syncing`
+    /// there but was not here had its copy job end before it learnt the outcome: it is
+    /// abandoned (resync takes it up).
+    async fn reload_record(&self, idx: SlabIndex, slab: &Slab) -> Result<(), VolumeError> {
+        let _c = slab.change.lock().await;
+        let Some(record) = self.alloc.lookup(self.cfg.id, idx, self.cfg.epoch).await? else {
+            return Ok(());
+        };
+        let before = slab.extents();
+        for e in &record {
+            if e.state == ExtentState::Syncing
+                && !before
+                    .iter()
+                    .any(|b| b.drive == e.drive && b.state == ExtentState::Syncing)
+            {
+                abandoned(slab).insert(e.drive);
+            }
+        }
+        if record.as_slice() != &before[..] {
+            log::warn!(
+                "volume {}: slab {idx}: adopted the control plane's record after a change with no answer: {record:?}",
+                self.cfg.name
+            );
+        }
+        slab.set_extents(record);
+        Ok(())
     }
 
     /// Copies that missed writes, per slab: the resync candidates. Besides the stale ones,
@@ -233,7 +269,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     self.cfg.epoch,
                     SlabChange::Replace { old, new },
                 )
-                .await?;
+                .await
+                .inspect_err(|e| slab.note_failed_change(e))?;
             slab.set_extents(extents);
         }
         self.fill_and_promote(idx, &slab, new.drive, throttle, progress)

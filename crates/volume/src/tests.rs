@@ -231,6 +231,8 @@ struct FixedAlloc {
     /// How many more record changes reach the control plane (None: all of them); the
     /// others fail as if it were unreachable.
     changes_left: Mutex<Option<u64>>,
+    /// Record changes are applied but their answer is lost (the caller sees an error).
+    lose_answers: std::sync::atomic::AtomicBool,
 }
 
 impl SlabAllocator for FixedAlloc {
@@ -295,6 +297,12 @@ impl SlabAllocator for FixedAlloc {
                     }
                 }
             }
+        }
+        if self.lose_answers.load(Ordering::Relaxed) {
+            return Err(VolumeError::Control(
+                "etcd did not answer".into(),
+                "vm01".into(),
+            ));
         }
         Ok(ex.clone())
     }
@@ -687,6 +695,36 @@ async fn a_copy_left_syncing_by_a_failed_resync_is_resynced_again() {
     assert_eq!(r.blocks_written, 1);
     assert_eq!(state_of(&v, 0, 3), ExtentState::InSync);
     assert!(v.stale_extents().is_empty());
+    assert_copies_identical(&v, &io);
+}
+
+/// A stale mark that reached etcd but whose answer was lost: the write fails, etcd has
+/// the copy stale, and the owner's map still has it in sync. The owner must re-read the
+/// record, or it never resyncs that copy (simulation seed 2478, variant
+/// short-owner-partitions: the copy stayed stale in etcd for the rest of the run).
+#[tokio::test]
+async fn a_change_with_a_lost_answer_is_read_back() {
+    let (v, io, alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    v.write(0, pattern(256 << 10, 1)).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(3));
+    alloc.lose_answers.store(true, Ordering::Relaxed);
+    assert!(v.write(4 * 4096, pattern(4096, 2)).await.is_err());
+    alloc.lose_answers.store(false, Ordering::Relaxed);
+    io.failed.lock().unwrap().clear();
+    assert_eq!(
+        alloc.records.lock().unwrap()[&SlabIndex(0)][2].state,
+        ExtentState::Stale
+    );
+    assert_eq!(state_of(&v, 0, 3), ExtentState::InSync, "the map lags");
+    assert!(v.stale_extents().is_empty());
+    v.reconcile_suspect().await.unwrap();
+    assert_eq!(state_of(&v, 0, 3), ExtentState::Stale);
+    let (idx, e) = v.stale_extents()[0];
+    let t = resync::Throttle::new(1 << 30);
+    v.resync(idx, e.drive, &t, &resync::Progress::default())
+        .await
+        .unwrap();
+    assert_eq!(state_of(&v, 0, 3), ExtentState::InSync);
     assert_copies_identical(&v, &io);
 }
 
