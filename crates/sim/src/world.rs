@@ -411,7 +411,7 @@ impl World {
         let now = Instant::now();
         lock(&self.nodes)
             .iter()
-            .filter(|n| n.up && !n.isolated_until.is_some_and(|t| now < t))
+            .filter(|n| n.up && n.isolated_until.is_none_or(|t| now >= t))
             .map(|n| crate::control::lease_of(n.id).0)
             .collect()
     }
