@@ -528,41 +528,11 @@ impl<K: Kv> Cluster<K> {
         }
     }
 
-    /// Allocates a slab if it has no record yet. If another node allocated it first, returns
-    /// that record instead; either way the result is what etcd holds, with its mod revision.
-    pub async fn create_slab(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        rec: &SlabRecord,
-    ) -> Result<(SlabRecord, i64), ControlError> {
-        let key = keys::slab(volume, slab);
-        let value = encode(&key, "slab record", rec)?;
-        for _ in 0..TXN_RETRIES_MAX {
-            let r = self
-                .etcd
-                .txn(Txn {
-                    compare: vec![Compare::CreateRevision(key.clone(), 0)],
-                    success: vec![Op::Put(key.clone(), value.clone(), None)],
-                    failure: vec![Op::Get(key.clone())],
-                })
-                .await?;
-            if r.succeeded {
-                return Ok((rec.clone(), r.revision));
-            }
-            if let Some(Some(kv)) = r.gets.into_iter().next() {
-                return Ok((decode(&kv, "slab record")?, kv.mod_revision));
-            }
-        }
-        Err(ControlError::Contended {
-            what: format!("allocating slab {slab} of volume {volume}"),
-        })
-    }
-
     /// Allocates a slab as the volume's owner: creates the record if it has none *and*
     /// `owner` still owns the volume at its epoch, in one transaction, so a deposed owner
     /// (paused, partitioned) can no longer place slabs (control-plane fencing, like
-    /// [`Cluster::cas_slab_as_owner`]). If the owner allocated it first (a concurrent
+    /// [`Cluster::cas_slab_as_owner`]; there is no unfenced way to allocate or change a
+    /// slab record). If the owner allocated it first (a concurrent
     /// allocation of the same term), returns that record instead; either way the result is
     /// what etcd holds, with its mod revision. `Err(OwnedElsewhere)`: `owner` lost the
     /// volume, and nothing was written.
@@ -627,6 +597,11 @@ impl<K: Kv> Cluster<K> {
         expected_mod_revision: i64,
         owner: OwnerRecord,
     ) -> Result<Option<()>, ControlError> {
+        if expected_mod_revision <= 0 {
+            // 0 would mean "absent" to etcd: a change must never create (allocation is
+            // `create_slab_as_owner`).
+            return Ok(None);
+        }
         let key = keys::slab(volume, slab);
         let value = encode(&key, "slab record", rec)?;
         let okey = keys::owner(volume);
@@ -662,22 +637,6 @@ impl<K: Kv> Cluster<K> {
                 epoch: owner.epoch,
             }),
         }
-    }
-
-    /// Replaces a slab record if unchanged since `expected_mod_revision`.
-    pub async fn cas_slab(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        rec: &SlabRecord,
-        expected_mod_revision: i64,
-    ) -> Result<bool, ControlError> {
-        let key = keys::slab(volume, slab);
-        let value = encode(&key, "slab record", rec)?;
-        if expected_mod_revision <= 0 {
-            return Ok(false);
-        }
-        Ok(self.etcd.cas(&key, &value, expected_mod_revision).await?)
     }
 
     /// Makes `node` the owner of `volume` under `lease` with a new epoch, higher than every

@@ -199,13 +199,19 @@ async fn volumes_create_update_and_refuse_duplicates() {
 #[tokio::test]
 async fn concurrent_slab_allocation_agrees_on_one_record() {
     let srv = EtcdServer::start();
-    let c = Cluster::new(srv.client());
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
     let vol = VolumeId(5);
+    let lease = etcd.lease_grant(60).await.unwrap();
+    let owner = OwnerRecord {
+        node: NodeId(1),
+        epoch: c.claim_ownership(vol, NodeId(1), lease).await.unwrap(),
+    };
     let mut tasks = Vec::new();
     for i in 0..16u64 {
         let c = c.clone();
         tasks.push(tokio::spawn(async move {
-            c.create_slab(vol, SlabIndex(3), &slab(&[(i, 1), (100 + i, 2)]))
+            c.create_slab_as_owner(vol, SlabIndex(3), &slab(&[(i, 1), (100 + i, 2)]), owner)
                 .await
                 .unwrap()
         }));
@@ -225,13 +231,23 @@ async fn concurrent_slab_allocation_agrees_on_one_record() {
     // CAS: mark an extent stale with the right revision; a stale revision loses.
     let (mut rec, rev) = results[0].clone();
     rec.extents[1].state = ExtentState::Stale;
-    assert!(c.cas_slab(vol, SlabIndex(3), &rec, rev).await.unwrap());
-    assert!(!c
-        .cas_slab(vol, SlabIndex(3), &results[0].0, rev)
-        .await
-        .unwrap());
-    assert!(
-        !c.cas_slab(vol, SlabIndex(4), &rec, 0).await.unwrap(),
+    assert_eq!(
+        c.cas_slab_as_owner(vol, SlabIndex(3), &rec, rev, owner)
+            .await
+            .unwrap(),
+        Some(())
+    );
+    assert_eq!(
+        c.cas_slab_as_owner(vol, SlabIndex(3), &results[0].0, rev, owner)
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        c.cas_slab_as_owner(vol, SlabIndex(4), &rec, 0, owner)
+            .await
+            .unwrap(),
+        None,
         "cas never creates"
     );
     let map = c.slabs(vol).await.unwrap();
@@ -239,7 +255,7 @@ async fn concurrent_slab_allocation_agrees_on_one_record() {
 
     // Slab order follows the index, not the text.
     for i in [10u64, 2, 100] {
-        c.create_slab(vol, SlabIndex(i), &slab(&[(1, 1)]))
+        c.create_slab_as_owner(vol, SlabIndex(i), &slab(&[(1, 1)]), owner)
             .await
             .unwrap();
     }
@@ -345,17 +361,21 @@ async fn delete_volume_removes_its_slabs_owner_and_epoch() {
     let keep = volume(12, "kept"); // id 12 shares the text prefix "1" with volume 1
     c.create_volume(&v).await.unwrap();
     c.create_volume(&keep).await.unwrap();
+    let lease = etcd.lease_grant(60).await.unwrap();
+    let owner = |epoch| OwnerRecord {
+        node: NodeId(1),
+        epoch,
+    };
+    let ev = owner(c.claim_ownership(v.id, NodeId(1), lease).await.unwrap());
+    let ek = owner(c.claim_ownership(keep.id, NodeId(1), lease).await.unwrap());
     for i in 0..5 {
-        c.create_slab(v.id, SlabIndex(i), &slab(&[(1, 1)]))
+        c.create_slab_as_owner(v.id, SlabIndex(i), &slab(&[(1, 1)]), ev)
             .await
             .unwrap();
     }
-    c.create_slab(keep.id, SlabIndex(0), &slab(&[(1, 1)]))
+    c.create_slab_as_owner(keep.id, SlabIndex(0), &slab(&[(1, 1)]), ek)
         .await
         .unwrap();
-    let lease = etcd.lease_grant(60).await.unwrap();
-    c.claim_ownership(v.id, NodeId(1), lease).await.unwrap();
-    c.claim_ownership(keep.id, NodeId(1), lease).await.unwrap();
 
     let deleted = c.delete_volume("gone").await.unwrap();
     assert_eq!(deleted, Some(v.clone()));
