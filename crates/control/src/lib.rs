@@ -2,11 +2,14 @@
 //! "Control plane").
 //!
 //! * [`etcd`]: a small async etcd v3 client over the JSON gateway.
+//! * [`kv`]: the key-value operations the model needs, as a trait ([`Etcd`] and the
+//!   simulator's store implement it).
 //! * [`model`]: typed records under `/converge/` and the transactions that change them.
 //! * [`placement`]: pure placement of slab copies on drives of distinct nodes.
 //! * `testing` (feature `testing`): a throwaway real etcd for integration tests.
 
 pub mod etcd;
+pub mod kv;
 pub mod model;
 pub mod placement;
 #[cfg(feature = "testing")]
@@ -15,6 +18,7 @@ pub mod testing;
 pub use etcd::{
     Compare, Etcd, EtcdError, EventKind, KeyValue, LeaseId, Op, Txn, TxnResponse, Watch, WatchEvent,
 };
+pub use kv::Kv;
 pub use model::{
     Cluster, ClusterRecord, ControlError, DriveRecord, ExtentRecord, NodeRecord, OwnerRecord,
     SlabRecord, VolumeRecord,

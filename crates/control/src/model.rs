@@ -19,6 +19,7 @@
 //! compared on mod revision, so concurrent writers never lose each other's updates.
 
 use crate::etcd::{Compare, Etcd, EtcdError, KeyValue, LeaseId, Op, Txn};
+use crate::kv::Kv;
 use crate::placement::{self, DriveLoad, PlacementError};
 use converge_types::{
     ClusterId, DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency, SlabIndex,
@@ -271,19 +272,27 @@ pub fn valid_volume_name(name: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
 }
 
-/// Typed access to the cluster's records in etcd. Cheap to clone.
+/// Typed access to the cluster's records in etcd (or, in the simulator, in any [`Kv`]).
+/// Cheap to clone.
 #[derive(Clone, Debug)]
-pub struct Cluster {
-    etcd: Etcd,
+pub struct Cluster<K = Etcd> {
+    etcd: K,
 }
 
-impl Cluster {
-    pub fn new(etcd: Etcd) -> Cluster {
+impl Cluster<Etcd> {
+    /// The underlying client, for leases and watches.
+    pub fn etcd(&self) -> &Etcd {
+        &self.etcd
+    }
+}
+
+impl<K: Kv> Cluster<K> {
+    pub fn new(etcd: K) -> Cluster<K> {
         Cluster { etcd }
     }
 
-    /// The underlying client, for leases and watches.
-    pub fn etcd(&self) -> &Etcd {
+    /// The underlying key-value store.
+    pub fn kv(&self) -> &K {
         &self.etcd
     }
 
@@ -553,31 +562,57 @@ impl Cluster {
         }
     }
 
-    /// Allocates a slab if it has no record yet. If another node allocated it first, returns
-    /// that record instead; either way the result is what etcd holds, with its mod revision.
-    pub async fn create_slab(
+    /// Allocates a slab as the volume's owner: creates the record if it has none *and*
+    /// `owner` still owns the volume at its epoch, in one transaction, so a deposed owner
+    /// (paused, partitioned) can no longer place slabs (control-plane fencing, like
+    /// [`Cluster::cas_slab_as_owner`]; there is no unfenced way to allocate or change a
+    /// slab record). If the owner allocated it first (a concurrent
+    /// allocation of the same term), returns that record instead; either way the result is
+    /// what etcd holds, with its mod revision. `Err(OwnedElsewhere)`: `owner` lost the
+    /// volume, and nothing was written.
+    pub async fn create_slab_as_owner(
         &self,
         volume: VolumeId,
         slab: SlabIndex,
         rec: &SlabRecord,
+        owner: OwnerRecord,
     ) -> Result<(SlabRecord, i64), ControlError> {
         let key = keys::slab(volume, slab);
         let value = encode(&key, "slab record", rec)?;
+        let okey = keys::owner(volume);
+        let ovalue = encode(&okey, "owner record", &owner)?;
         for _ in 0..TXN_RETRIES_MAX {
             let r = self
                 .etcd
                 .txn(Txn {
-                    compare: vec![Compare::CreateRevision(key.clone(), 0)],
+                    compare: vec![
+                        Compare::CreateRevision(key.clone(), 0),
+                        Compare::Value(okey.clone(), ovalue.clone()),
+                    ],
                     success: vec![Op::Put(key.clone(), value.clone(), None)],
-                    failure: vec![Op::Get(key.clone())],
+                    failure: vec![Op::Get(okey.clone()), Op::Get(key.clone())],
                 })
                 .await?;
             if r.succeeded {
                 return Ok((rec.clone(), r.revision));
             }
-            if let Some(Some(kv)) = r.gets.into_iter().next() {
+            let mut gets = r.gets.into_iter();
+            let now: Option<OwnerRecord> = match gets.next().flatten() {
+                Some(kv) => Some(decode(&kv, "owner record")?),
+                None => None,
+            };
+            if now != Some(owner) {
+                let (node, epoch) = now.map_or((NodeId(0), owner.epoch), |o| (o.node, o.epoch));
+                return Err(ControlError::OwnedElsewhere {
+                    volume,
+                    node,
+                    epoch,
+                });
+            }
+            if let Some(kv) = gets.next().flatten() {
                 return Ok((decode(&kv, "slab record")?, kv.mod_revision));
             }
+            // The record was deleted between the compare and the read: try again.
         }
         Err(ControlError::Contended {
             what: format!("allocating slab {slab} of volume {volume}"),
@@ -643,8 +678,11 @@ impl Cluster {
         volume: VolumeId,
         slab: SlabIndex,
         copies: usize,
+        owner: OwnerRecord,
     ) -> Result<(SlabRecord, i64), ControlError> {
         let key = keys::slab(volume, slab);
+        let okey = keys::owner(volume);
+        let ovalue = encode(&okey, "owner record", &owner)?;
         let mut last = None;
         for _ in 0..ALLOC_RETRIES_MAX {
             let seq = self
@@ -661,18 +699,33 @@ impl Cluster {
                     compare: vec![
                         Compare::CreateRevision(key.clone(), 0),
                         Compare::ModRevision(keys::PLACEMENT_SEQ.to_string(), seq),
+                        // Fenced: only the owner at its epoch allocates.
+                        Compare::Value(okey.clone(), ovalue.clone()),
                     ],
                     success: vec![
                         Op::Put(key.clone(), value, None),
                         Op::Put(keys::PLACEMENT_SEQ.to_string(), Vec::new(), None),
                     ],
-                    failure: vec![Op::Get(key.clone())],
+                    failure: vec![Op::Get(okey.clone()), Op::Get(key.clone())],
                 })
                 .await?;
             if r.succeeded {
                 return Ok((rec, r.revision));
             }
-            if let Some(Some(kv)) = r.gets.into_iter().next() {
+            let mut gets = r.gets.into_iter();
+            let now: Option<OwnerRecord> = match gets.next().flatten() {
+                Some(kv) => Some(decode(&kv, "owner record")?),
+                None => None,
+            };
+            if now != Some(owner) {
+                let (node, epoch) = now.map_or((NodeId(0), owner.epoch), |o| (o.node, o.epoch));
+                return Err(ControlError::OwnedElsewhere {
+                    volume,
+                    node,
+                    epoch,
+                });
+            }
+            if let Some(kv) = gets.next().flatten() {
                 return Ok((decode(&kv, "slab record")?, kv.mod_revision));
             }
             last = Some(rec);
@@ -682,7 +735,7 @@ impl Cluster {
             "slab {slab} of volume {volume}: other allocations won {ALLOC_RETRIES_MAX} times in \
              a row; recording it on the placement last computed"
         );
-        self.create_slab(volume, slab, &rec).await
+        self.create_slab_as_owner(volume, slab, &rec, owner).await
     }
 
     /// Replaces a slab record if unchanged since `expected_mod_revision` *and* `owner` still
@@ -697,6 +750,11 @@ impl Cluster {
         expected_mod_revision: i64,
         owner: OwnerRecord,
     ) -> Result<Option<()>, ControlError> {
+        if expected_mod_revision <= 0 {
+            // 0 would mean "absent" to etcd: a change must never create (allocation is
+            // `create_slab_as_owner`).
+            return Ok(None);
+        }
         let key = keys::slab(volume, slab);
         let value = encode(&key, "slab record", rec)?;
         let okey = keys::owner(volume);
@@ -732,22 +790,6 @@ impl Cluster {
                 epoch: owner.epoch,
             }),
         }
-    }
-
-    /// Replaces a slab record if unchanged since `expected_mod_revision`.
-    pub async fn cas_slab(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        rec: &SlabRecord,
-        expected_mod_revision: i64,
-    ) -> Result<bool, ControlError> {
-        let key = keys::slab(volume, slab);
-        let value = encode(&key, "slab record", rec)?;
-        if expected_mod_revision <= 0 {
-            return Ok(false);
-        }
-        Ok(self.etcd.cas(&key, &value, expected_mod_revision).await?)
     }
 
     /// Makes `node` the owner of `volume` under `lease` with a new epoch, higher than every

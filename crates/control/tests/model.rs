@@ -199,13 +199,19 @@ async fn volumes_create_update_and_refuse_duplicates() {
 #[tokio::test]
 async fn concurrent_slab_allocation_agrees_on_one_record() {
     let srv = EtcdServer::start();
-    let c = Cluster::new(srv.client());
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
     let vol = VolumeId(5);
+    let lease = etcd.lease_grant(60).await.unwrap();
+    let owner = OwnerRecord {
+        node: NodeId(1),
+        epoch: c.claim_ownership(vol, NodeId(1), lease).await.unwrap(),
+    };
     let mut tasks = Vec::new();
     for i in 0..16u64 {
         let c = c.clone();
         tasks.push(tokio::spawn(async move {
-            c.create_slab(vol, SlabIndex(3), &slab(&[(i, 1), (100 + i, 2)]))
+            c.create_slab_as_owner(vol, SlabIndex(3), &slab(&[(i, 1), (100 + i, 2)]), owner)
                 .await
                 .unwrap()
         }));
@@ -225,13 +231,23 @@ async fn concurrent_slab_allocation_agrees_on_one_record() {
     // CAS: mark an extent stale with the right revision; a stale revision loses.
     let (mut rec, rev) = results[0].clone();
     rec.extents[1].state = ExtentState::Stale;
-    assert!(c.cas_slab(vol, SlabIndex(3), &rec, rev).await.unwrap());
-    assert!(!c
-        .cas_slab(vol, SlabIndex(3), &results[0].0, rev)
-        .await
-        .unwrap());
-    assert!(
-        !c.cas_slab(vol, SlabIndex(4), &rec, 0).await.unwrap(),
+    assert_eq!(
+        c.cas_slab_as_owner(vol, SlabIndex(3), &rec, rev, owner)
+            .await
+            .unwrap(),
+        Some(())
+    );
+    assert_eq!(
+        c.cas_slab_as_owner(vol, SlabIndex(3), &results[0].0, rev, owner)
+            .await
+            .unwrap(),
+        None
+    );
+    assert_eq!(
+        c.cas_slab_as_owner(vol, SlabIndex(4), &rec, 0, owner)
+            .await
+            .unwrap(),
+        None,
         "cas never creates"
     );
     let map = c.slabs(vol).await.unwrap();
@@ -239,7 +255,7 @@ async fn concurrent_slab_allocation_agrees_on_one_record() {
 
     // Slab order follows the index, not the text.
     for i in [10u64, 2, 100] {
-        c.create_slab(vol, SlabIndex(i), &slab(&[(1, 1)]))
+        c.create_slab_as_owner(vol, SlabIndex(i), &slab(&[(1, 1)]), owner)
             .await
             .unwrap();
     }
@@ -345,17 +361,21 @@ async fn delete_volume_removes_its_slabs_owner_and_epoch() {
     let keep = volume(12, "kept"); // id 12 shares the text prefix "1" with volume 1
     c.create_volume(&v).await.unwrap();
     c.create_volume(&keep).await.unwrap();
+    let lease = etcd.lease_grant(60).await.unwrap();
+    let owner = |epoch| OwnerRecord {
+        node: NodeId(1),
+        epoch,
+    };
+    let ev = owner(c.claim_ownership(v.id, NodeId(1), lease).await.unwrap());
+    let ek = owner(c.claim_ownership(keep.id, NodeId(1), lease).await.unwrap());
     for i in 0..5 {
-        c.create_slab(v.id, SlabIndex(i), &slab(&[(1, 1)]))
+        c.create_slab_as_owner(v.id, SlabIndex(i), &slab(&[(1, 1)]), ev)
             .await
             .unwrap();
     }
-    c.create_slab(keep.id, SlabIndex(0), &slab(&[(1, 1)]))
+    c.create_slab_as_owner(keep.id, SlabIndex(0), &slab(&[(1, 1)]), ek)
         .await
         .unwrap();
-    let lease = etcd.lease_grant(60).await.unwrap();
-    c.claim_ownership(v.id, NodeId(1), lease).await.unwrap();
-    c.claim_ownership(keep.id, NodeId(1), lease).await.unwrap();
 
     let deleted = c.delete_volume("gone").await.unwrap();
     assert_eq!(deleted, Some(v.clone()));
@@ -434,10 +454,16 @@ async fn concurrent_allocations_of_many_owners_still_balance() {
     for owner in 0..4u64 {
         let c = c.clone();
         tasks.push(tokio::spawn(async move {
+            let me = NodeId(owner as u32 + 1);
+            let mut terms = Vec::new();
+            for vol in [owner * 2, owner * 2 + 1] {
+                let epoch = c.claim_ownership(VolumeId(vol), me, lease).await.unwrap();
+                terms.push(converge_control::model::OwnerRecord { node: me, epoch });
+            }
             for slab in 0..6 {
-                for vol in [owner * 2, owner * 2 + 1] {
+                for (i, vol) in [owner * 2, owner * 2 + 1].into_iter().enumerate() {
                     let (rec, _) = c
-                        .allocate_slab(VolumeId(vol), SlabIndex(slab), 3)
+                        .allocate_slab(VolumeId(vol), SlabIndex(slab), 3, terms[i])
                         .await
                         .unwrap();
                     let nodes: std::collections::BTreeSet<NodeId> =
@@ -459,17 +485,127 @@ async fn concurrent_allocations_of_many_owners_still_balance() {
 
     // An allocation of a slab that exists returns the record etcd holds.
     let held = c.slab(VolumeId(0), SlabIndex(0)).await.unwrap().unwrap();
+    let term0 = converge_control::model::OwnerRecord {
+        node: NodeId(1),
+        epoch: c.owner(VolumeId(0)).await.unwrap().unwrap().epoch,
+    };
     assert_eq!(
-        c.allocate_slab(VolumeId(0), SlabIndex(0), 3).await.unwrap(),
+        c.allocate_slab(VolumeId(0), SlabIndex(0), 3, term0)
+            .await
+            .unwrap(),
         held
     );
     // No room on enough nodes: a placement error, in the user's terms.
+    let e99 = c
+        .claim_ownership(VolumeId(99), NodeId(1), lease)
+        .await
+        .unwrap();
     let e = c
-        .allocate_slab(VolumeId(99), SlabIndex(0), 5)
+        .allocate_slab(
+            VolumeId(99),
+            SlabIndex(0),
+            5,
+            converge_control::model::OwnerRecord {
+                node: NodeId(1),
+                epoch: e99,
+            },
+        )
         .await
         .unwrap_err();
     assert!(
         matches!(e, ControlError::Placement(_)) && e.to_string().contains("needs 5 nodes"),
         "{e}"
     );
+}
+
+/// Allocation is fenced like record changes: only the volume's current owner at its epoch
+/// creates a slab record; a deposed owner's transaction fails and writes nothing.
+#[tokio::test]
+async fn slab_allocation_is_fenced_by_the_owner_epoch() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let vol = VolumeId(11);
+    let l1 = etcd.lease_grant(60).await.unwrap();
+    let l2 = etcd.lease_grant(60).await.unwrap();
+    let e1 = c.claim_ownership(vol, NodeId(1), l1).await.unwrap();
+    let old = OwnerRecord {
+        node: NodeId(1),
+        epoch: e1,
+    };
+
+    // No owner record at all (not claimed): refused.
+    let other = VolumeId(12);
+    let r = c
+        .create_slab_as_owner(other, SlabIndex(0), &slab(&[(1, 1)]), old)
+        .await;
+    assert!(
+        matches!(r, Err(ControlError::OwnedElsewhere { .. })),
+        "{r:?}"
+    );
+
+    // The owner allocates; a second allocation of the same term gets the first record.
+    let (a, rev) = c
+        .create_slab_as_owner(vol, SlabIndex(0), &slab(&[(1, 1), (2, 2)]), old)
+        .await
+        .unwrap();
+    assert_eq!(a, slab(&[(1, 1), (2, 2)]));
+    let again = c
+        .create_slab_as_owner(vol, SlabIndex(0), &slab(&[(3, 3), (4, 4)]), old)
+        .await
+        .unwrap();
+    assert_eq!(
+        again,
+        (a.clone(), rev),
+        "create-if-absent keeps the first record"
+    );
+
+    // A new term (same node claiming again, or another node after the lease): the old
+    // term can no longer allocate, and nothing is written.
+    let e2 = c.claim_ownership(vol, NodeId(1), l1).await.unwrap();
+    assert!(e2 > e1);
+    let r = c
+        .create_slab_as_owner(vol, SlabIndex(1), &slab(&[(1, 1)]), old)
+        .await;
+    match r {
+        Err(ControlError::OwnedElsewhere { node, epoch, .. }) => {
+            assert_eq!((node, epoch), (NodeId(1), e2));
+        }
+        other => panic!("a deposed owner allocated: {other:?}"),
+    }
+    etcd.lease_revoke(l1).await.unwrap();
+    let e3 = c.claim_ownership(vol, NodeId(2), l2).await.unwrap();
+    let r = c
+        .create_slab_as_owner(vol, SlabIndex(1), &slab(&[(1, 1)]), old)
+        .await;
+    assert!(
+        matches!(
+            r,
+            Err(ControlError::OwnedElsewhere {
+                node: NodeId(2),
+                ..
+            })
+        ),
+        "{r:?}"
+    );
+    // Also for a slab that exists: the deposed owner does not get the record either.
+    let r = c
+        .create_slab_as_owner(vol, SlabIndex(0), &slab(&[(1, 1)]), old)
+        .await;
+    assert!(
+        matches!(r, Err(ControlError::OwnedElsewhere { .. })),
+        "{r:?}"
+    );
+    let map = c.slabs(vol).await.unwrap();
+    assert_eq!(map.len(), 1, "only the owner's slab exists: {map:?}");
+    let new = OwnerRecord {
+        node: NodeId(2),
+        epoch: e3,
+    };
+    let (b, _) = c
+        .create_slab_as_owner(vol, SlabIndex(1), &slab(&[(5, 2)]), new)
+        .await
+        .unwrap();
+    assert_eq!(b, slab(&[(5, 2)]));
+    assert!(c.slab(other, SlabIndex(0)).await.unwrap().is_none());
 }

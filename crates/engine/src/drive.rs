@@ -947,13 +947,13 @@ impl Drive {
     }
 
     /// Raises the extent's epoch to `epoch` (durably) so that requests of older owners are
-    /// refused from now on; a new owner calls it on every copy before serving. An extent
-    /// this drive does not hold needs no fence (it is created at the writer's epoch).
+    /// refused from now on; a new owner calls it on every copy before serving.
     pub fn fence(&self, key: ExtentKey, epoch: Epoch) -> Result<(), EngineError> {
         self.check_failed()?;
-        if self.lookup(key).is_none() {
-            return Ok(());
-        }
+        // An extent this drive does not hold yet is allocated here, fenced: a new owner
+        // fences every copy its slab record names, and a deposed owner's write still in
+        // flight must not create the extent afterwards at its older epoch (simulation
+        // seed 2796: a copy whose node lost power before the slab's first write landed).
         let ext = self.extent_for_write(key, epoch)?;
         self.wait_durable(ext.epoch_seq.load(Ordering::Acquire))
     }

@@ -657,12 +657,19 @@ fn fence_raises_the_epoch_durably() {
         d.fence(k, Epoch(2)),
         Err(EngineError::StaleEpoch { .. })
     ));
+    // An extent the drive does not hold yet is created fenced: a deposed owner's write
+    // arriving later must not create it at its older epoch.
     d.fence(key(5, 5), Epoch(9)).unwrap();
-    assert_eq!(d.extents().len(), 1);
+    assert_eq!(d.extents().len(), 2);
+    assert!(matches!(
+        d.write(key(5, 5), Epoch(8), Version(1), 0, &x, &xc),
+        Err(EngineError::StaleEpoch { .. })
+    ));
     drop(d);
     f.crash(2);
     let d = Drive::open(Arc::new(f.reattach())).unwrap();
-    assert_eq!(d.extents()[0].epoch, Epoch(4));
+    let epochs: Vec<(ExtentKey, Epoch)> = d.extents().iter().map(|e| (e.key, e.epoch)).collect();
+    assert_eq!(epochs, vec![(k, Epoch(4)), (key(5, 5), Epoch(9))]);
 }
 
 /// The version digest follows every durable change and survives a reopen; copies with the

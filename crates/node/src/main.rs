@@ -150,11 +150,7 @@ async fn run(args: Args) -> Result<()> {
             hello,
             cfg.knobs.clone(),
         )),
-        allocator: Arc::new(Allocator {
-            cluster: cluster.clone(),
-            me: cfg.node_id,
-            serial: tokio::sync::Mutex::new(()),
-        }),
+        allocator: Arc::new(Allocator::new(cluster.clone(), cfg.node_id)),
         cfg: cfg.clone(),
         cluster: cluster.clone(),
         cluster_rec: cluster_rec.clone(),

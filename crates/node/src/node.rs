@@ -4,10 +4,7 @@
 use crate::config::Config;
 use bytes::{Bytes, BytesMut};
 use converge_control::etcd::LeaseId;
-use converge_control::model::{
-    Cluster, ClusterRecord, ControlError, NodeRecord, SlabRecord, VolumeRecord,
-};
-use converge_control::placement::DriveLoad;
+use converge_control::model::{Cluster, ClusterRecord, NodeRecord, SlabRecord, VolumeRecord};
 use converge_engine::{Cache, EngineError, Tier};
 use converge_rpc::Handler;
 use converge_rpc::{ErrorCode, Request, Response};
@@ -17,8 +14,8 @@ use converge_types::{
 };
 use converge_volume::resync::Throttle;
 use converge_volume::{
-    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, SlabAllocator, SlabChange, Tenure,
-    Volume, VolumeConfig, VolumeError,
+    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, Tenure, Volume, VolumeConfig,
+    VolumeError,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -298,17 +295,6 @@ impl Node {
             }
         }
     }
-}
-
-pub fn extents_of(s: &SlabRecord) -> Vec<ExtentLoc> {
-    s.extents
-        .iter()
-        .map(|e| ExtentLoc {
-            node: e.node,
-            drive: e.drive,
-            state: e.state,
-        })
-        .collect()
 }
 
 pub enum OpenError {
@@ -867,147 +853,9 @@ impl ReplicaIo for Replicas {
     }
 }
 
-/// Places new slabs through etcd (`Cluster::allocate_slab`: drives on distinct nodes,
-/// balancing use, recorded create-if-absent).
-pub struct Allocator {
-    pub cluster: Cluster,
-    /// This node: slab changes are made as this node's ownership.
-    pub me: NodeId,
-    /// One allocation at a time from this node: its volumes would only contend with each
-    /// other in etcd (each allocation re-reads every slab record when it loses).
-    pub serial: tokio::sync::Mutex<()>,
-}
-
-/// Extents placed on each drive, counted from all slab records.
-pub async fn extents_used(cluster: &Cluster) -> Result<HashMap<DriveId, u64>, String> {
-    cluster.extents_used().await.map_err(|e| e.to_string())
-}
-
-pub async fn drive_loads(cluster: &Cluster) -> Result<Vec<DriveLoad>, String> {
-    cluster.drive_loads().await.map_err(|e| e.to_string())
-}
-
-impl SlabAllocator for Allocator {
-    async fn allocate(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        copies: usize,
-    ) -> Result<Vec<ExtentLoc>, VolumeError> {
-        let _serial = self.serial.lock().await;
-        match self.cluster.allocate_slab(volume, slab, copies).await {
-            Ok((rec, _)) => Ok(extents_of(&rec)),
-            Err(ControlError::Placement(e)) => Err(VolumeError::NoSpace {
-                volume: volume.to_string(),
-                why: e.to_string(),
-            }),
-            Err(e) => Err(VolumeError::Control(e.to_string(), volume.to_string())),
-        }
-    }
-
-    async fn lookup(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        epoch: Epoch,
-    ) -> Result<Option<Vec<ExtentLoc>>, VolumeError> {
-        let ctl = |e: String| VolumeError::Control(e, volume.to_string());
-        let owner = self
-            .cluster
-            .owner(volume)
-            .await
-            .map_err(|e| ctl(e.to_string()))?;
-        if owner
-            != Some(converge_control::model::OwnerRecord {
-                node: self.me,
-                epoch,
-            })
-        {
-            return Err(VolumeError::Fenced {
-                volume: volume.to_string(),
-                epoch,
-                why: format!("the volume's owner record is now {owner:?}"),
-            });
-        }
-        Ok(self
-            .cluster
-            .slab(volume, slab)
-            .await
-            .map_err(|e| ctl(e.to_string()))?
-            .map(|(rec, _)| extents_of(&rec)))
-    }
-
-    async fn change(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        epoch: Epoch,
-        change: SlabChange,
-    ) -> Result<Vec<ExtentLoc>, VolumeError> {
-        let ctl = |e: String| VolumeError::Control(e, volume.to_string());
-        for _ in 0..converge_control::model::TXN_RETRIES_MAX {
-            let Some((mut rec, rev)) = self
-                .cluster
-                .slab(volume, slab)
-                .await
-                .map_err(|e| ctl(e.to_string()))?
-            else {
-                return Err(ctl(format!("slab {slab} has no record")));
-            };
-            let mut changed = false;
-            match &change {
-                SlabChange::State { drive, from, to } => {
-                    for e in rec.extents.iter_mut() {
-                        if e.drive == *drive && from.contains(&e.state) && e.state != *to {
-                            e.state = *to;
-                            changed = true;
-                        }
-                    }
-                }
-                SlabChange::Replace { old, new } => {
-                    for e in rec.extents.iter_mut() {
-                        if e.drive == *old {
-                            *e = converge_control::model::ExtentRecord {
-                                drive: new.drive,
-                                node: new.node,
-                                state: new.state,
-                            };
-                            changed = true;
-                        }
-                    }
-                }
-            }
-            if !changed {
-                return Ok(extents_of(&rec));
-            }
-            let owner = converge_control::model::OwnerRecord {
-                node: self.me,
-                epoch,
-            };
-            match self
-                .cluster
-                .cas_slab_as_owner(volume, slab, &rec, rev, owner)
-                .await
-            {
-                Ok(Some(())) => return Ok(extents_of(&rec)),
-                Ok(None) => {}
-                Err(converge_control::model::ControlError::OwnedElsewhere { node, epoch: e, .. }) => {
-                    return Err(VolumeError::Fenced {
-                        volume: volume.to_string(),
-                        epoch,
-                        why: format!(
-                            "the volume's owner record is now node {node} epoch {e}; this node may not change its slabs"
-                        ),
-                    })
-                }
-                Err(e) => return Err(ctl(e.to_string())),
-            }
-        }
-        Err(ctl(format!(
-            "slab {slab}: too many concurrent changes of its record"
-        )))
-    }
-}
+/// The owner's control-plane glue (placement, fenced allocation and record changes,
+/// lookup) lives in `converge-allocator`, so the simulator runs the same code.
+pub use converge_allocator::{drive_loads, extents_of, extents_used, Allocator};
 
 /// Serves peers' requests: extent I/O against this node's drives, and redirected volume
 /// I/O for the volumes this node owns.

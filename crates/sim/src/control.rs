@@ -1,260 +1,360 @@
-//! The simulated control plane: an in-memory "etcd" holding each slab's record (its copies
-//! and their states, with a revision), each volume's ownership epoch, and drive usage for
-//! placement. Owners reach it through [`OwnerControl`], their `SlabAllocator`: every call
-//! is a round trip with latency, fails when the owner's node is partitioned, and changes a
-//! record only by compare-and-swap on its revision.
+//! The simulated control plane: an in-memory etcd ([`Ctl`]: keys with create and mod
+//! revisions, leases, atomic transactions) that owners reach through [`SimKv`], the
+//! simulator's implementation of `converge_control::Kv`. Owners run the production glue
+//! (`converge_allocator::Allocator` over `converge_control::Cluster`): placement,
+//! epoch-fenced allocation and record changes, lookup. Only the store is simulated: every
+//! call is a round trip with latency, fails when the caller's node is cut off (before the
+//! store sees it, or after, with the reply lost), and the records are the daemon's own
+//! (`converge_control::model`, JSON under `/converge/`).
+//!
+//! Leases: a node's lease id is its node id. A key bound to a lease (node records, owner
+//! records) is visible only while that node is up and reachable, as if its lease expired
+//! the moment it was cut off and it registered again when it came back.
 
 use crate::world::{lock, World};
-use converge_types::{DriveId, Epoch, ExtentState, NodeId, SlabIndex, VolumeId};
-use converge_volume::{ExtentLoc, SlabAllocator, SlabChange, VolumeError};
-use rand::Rng;
+use converge_control::etcd::{Compare, EtcdError, KeyValue, LeaseId, Op, Txn, TxnResponse};
+use converge_control::kv::Kv;
+use converge_control::model::{keys, DriveRecord, NodeRecord, OwnerRecord, SlabRecord};
+use converge_types::{DriveId, DriveRole, Epoch, MediaType, NodeId, SlabIndex, VolumeId};
+use converge_volume::ExtentLoc;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
-/// How many times a compare-and-swap is retried against concurrent changers.
-const CAS_RETRIES_MAX: usize = 16;
+struct Stored {
+    value: Vec<u8>,
+    create_revision: i64,
+    mod_revision: i64,
+    lease: i64,
+}
 
+/// Leases alive now (node ids of nodes that are up and reachable).
+pub(crate) type Leases = BTreeSet<i64>;
+
+/// The store. The world reads it directly (no latency) for its checkers and fault budget.
 #[derive(Default)]
 pub(crate) struct Ctl {
-    /// (volume, slab) -> (copies, revision).
-    slabs: BTreeMap<(VolumeId, SlabIndex), (Vec<ExtentLoc>, u64)>,
-    epochs: BTreeMap<VolumeId, Epoch>,
-    /// drive -> (node, extents total, extents placed).
-    drives: BTreeMap<DriveId, (NodeId, u64, u64)>,
+    kvs: BTreeMap<String, Stored>,
+    revision: i64,
+    /// The slab records decoded, kept in step with `kvs` (the checkers read them often).
+    slabs: BTreeMap<(VolumeId, SlabIndex), Vec<ExtentLoc>>,
+}
+
+fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
+    serde_json::to_vec(v).expect("records always encode")
 }
 
 impl Ctl {
-    pub(crate) fn add_drive(&mut self, node: NodeId, drive: DriveId, extents_total: u64) {
-        self.drives.insert(drive, (node, extents_total, 0));
+    fn visible(&self, key: &str, alive: &Leases) -> Option<KeyValue> {
+        let s = self.kvs.get(key)?;
+        if s.lease != 0 && !alive.contains(&s.lease) {
+            return None;
+        }
+        Some(KeyValue {
+            key: key.to_string(),
+            value: s.value.clone(),
+            create_revision: s.create_revision,
+            mod_revision: s.mod_revision,
+            lease: s.lease,
+        })
+    }
+
+    fn range(&self, prefix: &str, alive: &Leases) -> Vec<KeyValue> {
+        self.kvs
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .filter_map(|(k, _)| self.visible(k, alive))
+            .collect()
+    }
+
+    fn holds(&self, c: &Compare, alive: &Leases) -> bool {
+        match c {
+            Compare::ModRevision(k, r) => {
+                self.visible(k, alive).map_or(0, |kv| kv.mod_revision) == *r
+            }
+            Compare::CreateRevision(k, r) => {
+                self.visible(k, alive).map_or(0, |kv| kv.create_revision) == *r
+            }
+            Compare::Value(k, v) => self.visible(k, alive).is_some_and(|kv| kv.value == *v),
+        }
+    }
+
+    /// Runs a transaction atomically, as etcd does: one new revision if it writes.
+    fn txn(&mut self, txn: &Txn, alive: &Leases) -> TxnResponse {
+        let succeeded = txn.compare.iter().all(|c| self.holds(c, alive));
+        let ops = if succeeded {
+            &txn.success
+        } else {
+            &txn.failure
+        };
+        let rev = self.revision + 1;
+        let mut wrote = false;
+        let mut gets = Vec::new();
+        for op in ops {
+            match op {
+                Op::Get(k) => gets.push(self.visible(k, alive)),
+                Op::Put(k, v, lease) => {
+                    let create_revision =
+                        self.visible(k, alive).map_or(rev, |kv| kv.create_revision);
+                    self.kvs.insert(
+                        k.clone(),
+                        Stored {
+                            value: v.clone(),
+                            create_revision,
+                            mod_revision: rev,
+                            lease: lease.map_or(0, |l| l.0),
+                        },
+                    );
+                    wrote = true;
+                    if let Some(at) = keys::parse_slab(k) {
+                        match serde_json::from_slice::<SlabRecord>(v) {
+                            Ok(rec) => {
+                                self.slabs.insert(at, converge_allocator::extents_of(&rec));
+                            }
+                            Err(_) => {
+                                self.slabs.remove(&at);
+                            }
+                        }
+                    }
+                }
+                Op::Delete(k) => {
+                    wrote |= self.kvs.remove(k).is_some();
+                    if let Some(at) = keys::parse_slab(k) {
+                        self.slabs.remove(&at);
+                    }
+                }
+                Op::DeletePrefix(p) => {
+                    let before = self.kvs.len();
+                    self.kvs.retain(|k, _| !k.starts_with(p.as_str()));
+                    wrote |= self.kvs.len() != before;
+                    let kvs = &self.kvs;
+                    self.slabs
+                        .retain(|(v, s), _| kvs.contains_key(&keys::slab(*v, *s)));
+                }
+            }
+        }
+        if wrote {
+            self.revision = rev;
+        }
+        TxnResponse {
+            succeeded,
+            revision: self.revision,
+            gets,
+        }
+    }
+
+    fn put_direct(&mut self, key: &str, value: Vec<u8>, lease: Option<LeaseId>) {
+        let txn = Txn {
+            compare: vec![],
+            success: vec![Op::Put(key.to_string(), value, lease)],
+            failure: vec![],
+        };
+        self.txn(&txn, &Leases::new());
+    }
+
+    /// A capacity drive, as the node publishes it at start-up.
+    pub(crate) fn add_drive(
+        &mut self,
+        node: NodeId,
+        drive: DriveId,
+        extents_total: u64,
+        slab_size_bytes: u64,
+    ) {
+        let rec = DriveRecord {
+            id: drive,
+            node,
+            path: format!("sim://n{node}/d{drive}"),
+            role: DriveRole::Capacity,
+            media: MediaType::Ram,
+            size_bytes: extents_total * slab_size_bytes,
+            extents_total,
+            slab_size_bytes,
+            tbw_bytes: None,
+            warranty_years: None,
+        };
+        self.put_direct(&keys::drive(drive), json(&rec), None);
+    }
+
+    /// A node's record, bound to its lease (present = live).
+    pub(crate) fn add_node(&mut self, node: NodeId) {
+        let rec = NodeRecord {
+            id: node,
+            name: format!("n{node}"),
+            rpc_addr: format!("sim:{node}"),
+            api_addr: String::new(),
+            nbd_socket: String::new(),
+            nbd_tcp: None,
+            version: String::new(),
+            started_unix: 0,
+        };
+        self.put_direct(&keys::node(node), json(&rec), Some(lease_of(node)));
     }
 
     pub(crate) fn extents(&self, v: VolumeId, s: SlabIndex) -> Option<Vec<ExtentLoc>> {
-        self.slabs.get(&(v, s)).map(|(e, _)| e.clone())
+        self.slabs.get(&(v, s)).cloned()
     }
 
     pub(crate) fn slabs_of(&self, v: VolumeId) -> BTreeMap<SlabIndex, Vec<ExtentLoc>> {
         self.slabs
             .iter()
             .filter(|((vv, _), _)| *vv == v)
-            .map(|((_, s), (e, _))| (*s, e.clone()))
+            .map(|((_, s), e)| (*s, e.clone()))
             .collect()
     }
 
     pub(crate) fn all(&self) -> Vec<((VolumeId, SlabIndex), Vec<ExtentLoc>)> {
-        self.slabs
-            .iter()
-            .map(|(k, (e, _))| (*k, e.clone()))
-            .collect()
+        self.slabs.iter().map(|(k, e)| (*k, e.clone())).collect()
     }
 
-    pub(crate) fn epoch(&self, v: VolumeId) -> Epoch {
-        self.epochs.get(&v).copied().unwrap_or(Epoch(0))
+    /// The previous owner's lease is gone (the nemesis decided it: crash, deposition, or a
+    /// takeover attempt that is given up): its owner record disappears, as etcd deletes a
+    /// lease's keys when it expires.
+    pub(crate) fn expire_owner(&mut self, v: VolumeId) {
+        self.kvs.remove(&keys::owner(v));
+        self.revision += 1;
     }
 
-    /// A new ownership term (the etcd transaction a claiming node runs).
-    pub(crate) fn bump_epoch(&mut self, v: VolumeId) -> Epoch {
-        let e = self.epochs.entry(v).or_insert(Epoch(0));
-        e.0 += 1;
-        *e
+    /// The first owner of a fresh volume, before the run starts (no latency).
+    pub(crate) fn first_claim(&mut self, v: VolumeId, node: NodeId) -> Epoch {
+        let epoch = Epoch(1);
+        self.put_direct(&keys::epoch(v), json(&epoch), None);
+        self.put_direct(
+            &keys::owner(v),
+            json(&OwnerRecord { node, epoch }),
+            Some(lease_of(node)),
+        );
+        epoch
     }
 }
 
-/// One owner's handle on the control plane (its node, its term).
-pub struct OwnerControl {
+/// The lease of a node in the simulated store.
+pub(crate) fn lease_of(node: NodeId) -> LeaseId {
+    LeaseId(i64::from(node.0))
+}
+
+/// One node's connection to the simulated etcd.
+#[derive(Clone)]
+pub struct SimKv {
     pub(crate) world: Arc<World>,
     pub(crate) node: NodeId,
-    pub(crate) epoch: Epoch,
-    pub(crate) name: String,
 }
 
-impl OwnerControl {
-    /// One round trip to etcd: latency, and failure if this node is cut off (or, when the
-    /// control plane fences deposed owners, if a newer term exists).
-    async fn round_trip(&self, volume: VolumeId) -> Result<(), VolumeError> {
+impl SimKv {
+    fn unreachable(&self, path: &str) -> EtcdError {
+        EtcdError::Timeout {
+            endpoint: format!("simulated etcd (from node {}, cut off)", self.node),
+            path: path.to_string(),
+            timeout_ms: self.world.opts.rpc_timeout.as_millis() as u64,
+        }
+    }
+
+    /// One round trip: the request travels, the store applies `f` atomically, the answer
+    /// travels back. A node that is cut off loses the request or, if cut off meanwhile,
+    /// the answer (the store did apply it), and sees a timeout.
+    async fn call<T>(
+        &self,
+        path: &str,
+        f: impl FnOnce(&mut Ctl, &Leases) -> T,
+    ) -> Result<T, EtcdError> {
         let w = &self.world;
-        tokio::time::sleep(w.us(50, 800)).await;
+        tokio::time::sleep(w.us(25, 400)).await;
         if w.isolated(self.node) {
             tokio::time::sleep(w.opts.rpc_timeout).await;
-            return Err(VolumeError::Control(
-                format!("etcd unreachable from node {} (partitioned)", self.node),
-                self.name.clone(),
-            ));
+            return Err(self.unreachable(path));
         }
-        if w.opts.control_fences_deposed_owners {
-            let current = lock(&w.ctl).epoch(volume);
-            if current != self.epoch {
-                return Err(VolumeError::Fenced {
-                    volume: self.name.clone(),
-                    epoch: self.epoch,
-                    why: format!("the control plane is at epoch {current}"),
-                });
-            }
+        let alive = w.live_leases();
+        let out = f(&mut lock(&w.ctl), &alive);
+        tokio::time::sleep(w.us(25, 400)).await;
+        if w.isolated(self.node) {
+            tokio::time::sleep(w.opts.rpc_timeout).await;
+            return Err(self.unreachable(path));
         }
-        Ok(())
+        Ok(out)
     }
 }
 
-impl SlabAllocator for OwnerControl {
-    async fn allocate(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        copies: usize,
-    ) -> Result<Vec<ExtentLoc>, VolumeError> {
-        self.round_trip(volume).await?;
-        let w = &self.world;
-        // Placement sees the nodes whose leases are alive (up and reachable).
-        let live: BTreeSet<NodeId> = w.node_ids().into_iter().filter(|&n| w.ready(n)).collect();
-        // Healthy nodes first (as a placement that avoids failing nodes would).
-        let impaired = w.impaired_nodes();
-        let tiebreak: u64 = w.rng(|r| r.gen());
-        let placed = {
-            let mut ctl = lock(&w.ctl);
-            if let Some((e, _)) = ctl.slabs.get(&(volume, slab)) {
-                return Ok(e.clone()); // create-if-absent: a concurrent allocator won
-            }
-            // Least-used drive per node, then the least-used nodes, ties broken by the run's
-            // randomness.
-            let mut best: BTreeMap<NodeId, (u64, u64, DriveId)> = BTreeMap::new();
-            for (&d, &(n, total, used)) in &ctl.drives {
-                if !live.contains(&n) || used >= total {
-                    continue;
-                }
-                let k = (
-                    u64::from(impaired.contains(&n)) << 40 | used,
-                    (d.0 ^ tiebreak).rotate_left(17),
-                    d,
-                );
-                let slot = best.entry(n).or_insert(k);
-                if k < *slot {
-                    *slot = k;
-                }
-            }
-            let mut nodes: Vec<(u64, u64, DriveId, NodeId)> = best
-                .into_iter()
-                .map(|(n, (u, t, d))| (u, (u64::from(n.0) ^ tiebreak).rotate_left(5) ^ t, d, n))
-                .collect();
-            nodes.sort();
-            if nodes.len() < copies {
-                return Err(VolumeError::NoSpace {
-                    volume: self.name.clone(),
-                    why: format!(
-                        "{copies} copies need distinct live nodes with room, {} have",
-                        nodes.len()
-                    ),
-                });
-            }
-            let ex: Vec<ExtentLoc> = nodes[..copies]
-                .iter()
-                .map(|&(_, _, drive, node)| ExtentLoc {
-                    node,
-                    drive,
-                    state: ExtentState::InSync,
-                })
-                .collect();
-            for e in &ex {
-                if let Some(d) = ctl.drives.get_mut(&e.drive) {
-                    d.2 += 1;
-                }
-            }
-            ctl.slabs.insert((volume, slab), (ex.clone(), 1));
-            ex
+/// The owner compare of a fenced transaction, if it has one.
+fn owner_compare(txn: &Txn) -> Option<&Compare> {
+    txn.compare
+        .iter()
+        .find(|c| matches!(c, Compare::Value(k, _) if k.starts_with(keys::OWNERS)))
+}
+
+impl Kv for SimKv {
+    async fn get(&self, key: &str) -> Result<Option<KeyValue>, EtcdError> {
+        self.call("get", |c, alive| c.visible(key, alive)).await
+    }
+
+    async fn get_prefix(&self, prefix: &str) -> Result<(Vec<KeyValue>, i64), EtcdError> {
+        self.call("get_prefix", |c, alive| {
+            (c.range(prefix, alive), c.revision)
+        })
+        .await
+    }
+
+    async fn put(&self, key: &str, value: &[u8], lease: Option<LeaseId>) -> Result<i64, EtcdError> {
+        let txn = Txn {
+            compare: vec![],
+            success: vec![Op::Put(key.to_string(), value.to_vec(), lease)],
+            failure: vec![],
         };
-        w.trace(|| {
-            let where_: Vec<String> = placed
-                .iter()
-                .map(|e| format!("n{}/d{}", e.node, e.drive))
-                .collect();
-            format!(
-                "ctl: vol {volume} slab {slab} placed on {}",
-                where_.join(" ")
-            )
-        });
-        Ok(placed)
+        Ok(self.txn(txn).await?.revision)
     }
 
-    async fn lookup(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        _epoch: Epoch,
-    ) -> Result<Option<Vec<ExtentLoc>>, VolumeError> {
-        // Fenced like every other control-plane call of this term (see `round_trip`).
-        self.round_trip(volume).await?;
-        Ok(lock(&self.world.ctl)
-            .slabs
-            .get(&(volume, slab))
-            .map(|(ex, _)| ex.clone()))
-    }
-
-    async fn change(
-        &self,
-        volume: VolumeId,
-        slab: SlabIndex,
-        // This handle already carries its owner's term (`self.epoch`).
-        _epoch: Epoch,
-        change: SlabChange,
-    ) -> Result<Vec<ExtentLoc>, VolumeError> {
-        let w = &self.world;
-        for _ in 0..CAS_RETRIES_MAX {
-            self.round_trip(volume).await?;
-            let Some((mut ex, rev)) = lock(&w.ctl).slabs.get(&(volume, slab)).cloned() else {
-                return Err(VolumeError::Control(
-                    format!("slab {slab} has no record"),
-                    self.name.clone(),
-                ));
+    async fn delete(&self, key: &str) -> Result<u64, EtcdError> {
+        self.call("delete", |c, alive| {
+            let present = c.visible(key, alive).is_some();
+            let txn = Txn {
+                compare: vec![],
+                success: vec![Op::Delete(key.to_string())],
+                failure: vec![],
             };
-            let mut changed = false;
-            match &change {
-                SlabChange::State { drive, from, to } => {
-                    for e in ex.iter_mut() {
-                        if e.drive == *drive && from.contains(&e.state) && e.state != *to {
-                            e.state = *to;
-                            changed = true;
-                        }
-                    }
-                }
-                SlabChange::Replace { old, new } => {
-                    for e in ex.iter_mut() {
-                        if e.drive == *old {
-                            *e = *new;
-                            changed = true;
+            c.txn(&txn, alive);
+            u64::from(present)
+        })
+        .await
+    }
+
+    async fn txn(&self, txn: Txn) -> Result<TxnResponse, EtcdError> {
+        let w = self.world.clone();
+        let node = self.node;
+        self.call("txn", |c, alive| {
+            let fenced = owner_compare(&txn).is_some_and(|oc| !c.holds(oc, alive));
+            let r = c.txn(&txn, alive);
+            if fenced {
+                let what = if txn
+                    .compare
+                    .iter()
+                    .any(|c| matches!(c, Compare::CreateRevision(..)))
+                {
+                    "control plane refused a deposed owner's allocation"
+                } else {
+                    "control plane refused a deposed owner's record change"
+                };
+                w.count(what);
+                w.trace(|| format!("ctl: node {node}: {what}"));
+            }
+            if r.succeeded {
+                for op in &txn.success {
+                    if let Op::Put(k, v, _) = op {
+                        if let (Some((vol, slab)), Ok(rec)) =
+                            (keys::parse_slab(k), serde_json::from_slice::<SlabRecord>(v))
+                        {
+                            w.trace(|| {
+                                format!(
+                                    "ctl: node {node}: vol {vol} slab {slab} -> {}",
+                                    rec.extents
+                                        .iter()
+                                        .map(|e| format!("n{}/d{}:{}", e.node, e.drive, e.state))
+                                        .collect::<Vec<_>>()
+                                        .join(" ")
+                                )
+                            });
                         }
                     }
                 }
             }
-            if !changed {
-                return Ok(ex);
-            }
-            // The compare-and-swap is a second round trip; others may change it meanwhile.
-            self.round_trip(volume).await?;
-            let done = {
-                let mut ctl = lock(&w.ctl);
-                match ctl.slabs.get_mut(&(volume, slab)) {
-                    Some(cur) if cur.1 == rev => {
-                        *cur = (ex.clone(), rev + 1);
-                        true
-                    }
-                    _ => false,
-                }
-            };
-            if done {
-                w.trace(|| {
-                    format!(
-                        "ctl: vol {volume} slab {slab} by epoch {}: {change:?} -> {}",
-                        self.epoch,
-                        ex.iter()
-                            .map(|e| format!("n{}/d{}:{}", e.node, e.drive, e.state))
-                            .collect::<Vec<_>>()
-                            .join(" ")
-                    )
-                });
-                return Ok(ex);
-            }
-        }
-        Err(VolumeError::Control(
-            format!("slab {slab}: too many concurrent changes of its record"),
-            self.name.clone(),
-        ))
+            r
+        })
+        .await
     }
 }

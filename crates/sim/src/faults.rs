@@ -3,8 +3,9 @@
 
 use crate::owner::{crash_owner, depose_owner};
 use crate::world::{lock, World};
-use converge_types::NodeId;
+use converge_types::{NodeId, VolumeId};
 use rand::Rng;
+use std::collections::BTreeSet;
 use std::sync::Arc;
 use tokio::time::Instant;
 
@@ -96,23 +97,51 @@ fn inject_one(w: &Arc<World>) {
             }
         }
         1 => {
-            if !w.may_impair(n) {
+            // Volumes with an owner (or a takeover) on `n`. When it may outlive a short cut
+            // (variant short-owner-partitions), the cut hits their copies on every *other*
+            // node: they all fail for that owner, which marks them stale once it reaches
+            // etcd again, while its own node's copies stay in sync.
+            let owned: BTreeSet<VolumeId> = lock(&w.vols)
+                .iter()
+                .filter(|r| {
+                    r.current.as_ref().is_some_and(|o| o.node == n)
+                        || r.pending.as_ref().is_some_and(|o| o.node == n)
+                })
+                .map(|r| r.id)
+                .collect();
+            let owns = !owned.is_empty();
+            let short = w.opts.short_owner_partitions;
+            let within = if short && owns {
+                w.within_budget(|key, e| (e.node == n) != owned.contains(&key.volume))
+            } else {
+                w.may_impair(n)
+            };
+            if !within {
                 w.trace(|| format!("nemesis: partition of node {n} skipped (fault budget)"));
                 return;
             }
             let mut d = w.ms(w.opts.partition_ms.0, w.opts.partition_ms.1);
-            let owns = lock(&w.vols).iter().any(|r| {
-                r.current.as_ref().is_some_and(|o| o.node == n)
-                    || r.pending.as_ref().is_some_and(|o| o.node == n)
-            });
             if owns && !w.opts.short_owner_partitions {
-                // Cut off longer than its lease: the owner is deposed (see
-                // `Options::short_owner_partitions` for why shorter cuts are left out).
+                // Cut off longer than its lease: the owner is deposed (shorter cuts are
+                // the variant `Options::short_owner_partitions`).
                 // (with a margin: the new owner must have claimed the volume, bumping the
                 // epoch, before the old one can reach etcd again).
                 d = d.max(w.opts.lease_ttl + w.opts.rpc_timeout);
             }
             w.isolate(n, d);
+            if short {
+                let end = Instant::now() + d;
+                let copies: Vec<(VolumeId, NodeId)> = lock(&w.ctl)
+                    .all()
+                    .into_iter()
+                    .filter(|((v, _), _)| owned.contains(v))
+                    .flat_map(|((v, _), ex)| ex.into_iter().map(move |e| (v, e.node)))
+                    .filter(|(_, node)| *node != n)
+                    .collect();
+                for (v, node) in copies {
+                    w.hit_copies(v, node, end);
+                }
+            }
             w.count("partitions");
             w.trace(|| format!("node {n} PARTITIONED for {d:?}"));
             // An owner cut off longer than its lease loses it: another node takes over

@@ -21,7 +21,7 @@ mod replicas;
 mod workload;
 mod world;
 
-pub use control::OwnerControl;
+pub use control::SimKv;
 pub use faults::FaultWeights;
 pub use owner::SimVolume;
 pub use replicas::SimReplicas;
@@ -88,10 +88,12 @@ pub struct Options {
     pub read_wait: Duration,
     /// When a read also asks the next copy (`VolumeConfig::read_hedge`).
     pub read_hedge: Duration,
-    /// Allow partitions of an owner's node shorter than its lease (no takeover). Off by
-    /// default: the owner then marks every copy it could not reach stale, possibly all of
-    /// them, and no volume operation can bring a slab with no in-sync copy back (a known
-    /// liveness bug, see docs/SIMULATION.md).
+    /// Allow partitions of an owner's node (or of a node running a takeover) shorter than
+    /// its lease: the owner keeps its term but cannot reach etcd or its peers for a while.
+    /// A variant with its own sweep (`short_owner_partitions`), not the default, because
+    /// it relaxes two checks: in-sync copies may then legitimately differ on an unacked
+    /// write whose failed copies could not be marked stale (scrub mismatches are counted,
+    /// and the copies are not compared right after healing, only after the final scrub).
     pub short_owner_partitions: bool,
     /// Fail the run when a deposed owner acks a zero of a slab it never allocated (known
     /// issue 3: acked from its own slab map with no replica I/O). Off: counted, and the zero
@@ -100,9 +102,6 @@ pub struct Options {
     /// Allow rot on a block whose version no other in-sync copy holds (the only copy of an
     /// unacked write's block). Off by default: a takeover then fails forever (known issue 4).
     pub rot_sole_newest: bool,
-    /// The control plane refuses slab allocations and state changes from a deposed owner
-    /// (an etcd transaction comparing the volume's epoch). See docs/SIMULATION.md.
-    pub control_fences_deposed_owners: bool,
     /// Give every node a cache drive (`converge_engine::Cache`) bound to its capacity
     /// drives: every request goes through a `Tier`, the cache's destage runs as random
     /// steps, modes switch at run time, and power losses also hit the cache drive, inside
@@ -171,7 +170,6 @@ impl Options {
             short_owner_partitions: false,
             check_unallocated_zero_fencing: false,
             rot_sole_newest: false,
-            control_fences_deposed_owners: true,
             cache: false,
             cache_bytes: converge_engine::CACHE_MIN_BYTES,
             cache_work_ms: (2, 40),
@@ -244,9 +242,6 @@ pub(crate) fn describe_block(w: &World, v: usize, block: u64) -> String {
 /// The replay environment for the non-default options a run used.
 fn variant_env(o: &Options) -> String {
     let mut v = Vec::new();
-    if !o.control_fences_deposed_owners {
-        v.push("no-control-fencing");
-    }
     if o.short_owner_partitions {
         v.push("short-owner-partitions");
     }

@@ -3,10 +3,12 @@
 //! (it keeps running as a zombie that fencing must stop), and takeover by a new owner at a
 //! higher epoch that reconciles the copies before serving.
 
-use crate::control::OwnerControl;
+use crate::control::SimKv;
 use crate::replicas::SimReplicas;
 use crate::world::{lock, World};
 use crate::VolumeSpec;
+use converge_allocator::Allocator;
+use converge_control::Cluster;
 use converge_types::{Epoch, NodeId, VolumeId, BLOCK_SIZE};
 use converge_volume::{Volume, VolumeConfig};
 use rand::Rng;
@@ -16,7 +18,9 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::task::{AbortHandle, JoinHandle};
 
-pub type SimVolume = Volume<SimReplicas, OwnerControl>;
+/// An owner in the simulation: the production owner logic and control-plane glue, over
+/// the simulated network and etcd.
+pub type SimVolume = Volume<SimReplicas, Allocator<SimKv>>;
 
 pub(crate) struct Owner {
     pub vol: Arc<SimVolume>,
@@ -113,12 +117,13 @@ fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owne
         world: w.clone(),
         from: node,
     });
-    let ctl = Arc::new(OwnerControl {
-        world: w.clone(),
+    let ctl = Arc::new(Allocator::new(
+        Cluster::new(SimKv {
+            world: w.clone(),
+            node,
+        }),
         node,
-        epoch,
-        name,
-    });
+    ));
     Arc::new(Owner {
         vol: Arc::new(Volume::new(cfg, slabs, io, ctl)),
         node,
@@ -134,7 +139,7 @@ pub(crate) fn first_owner(w: &Arc<World>, v: usize) {
     let nodes = w.node_ids();
     let node = nodes[w.rng(|r| r.gen_range(0..nodes.len()))];
     let id = lock(&w.vols)[v].id;
-    let epoch = lock(&w.ctl).bump_epoch(id);
+    let epoch = lock(&w.ctl).first_claim(id, node);
     let o = build_owner(w, v, node, epoch);
     w.trace(|| format!("vol{v}: owner on node {node} at epoch {epoch}"));
     lock(&w.vols)[v].current = Some(o);
@@ -293,12 +298,28 @@ async fn takeover(w: &Arc<World>, v: usize) {
             continue;
         }
         let node = ready[w.rng(|r| r.gen_range(0..ready.len()))];
-        tokio::time::sleep(w.us(100, 1000)).await; // the claim transaction
+        let id = lock(&w.vols)[v].id;
+        // The previous term's lease is gone (that is why there is a takeover), and so is
+        // its owner record; the node claims the volume with the daemon's own transaction.
+        lock(&w.ctl).expire_owner(id);
+        let cluster = Cluster::new(SimKv {
+            world: w.clone(),
+            node,
+        });
+        let epoch = match cluster
+            .claim_ownership(id, node, crate::control::lease_of(node))
+            .await
+        {
+            Ok(e) => e,
+            Err(e) => {
+                w.trace(|| format!("vol{v}: claim by node {node} failed: {e}"));
+                tokio::time::sleep(w.ms(10, 60)).await;
+                continue;
+            }
+        };
         if !w.ready(node) {
             continue;
         }
-        let id = lock(&w.vols)[v].id;
-        let epoch = lock(&w.ctl).bump_epoch(id);
         let o = build_owner(w, v, node, epoch);
         lock(&w.vols)[v].pending = Some(o.clone());
         w.trace(|| {

@@ -179,8 +179,9 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
     }
 }
 
-/// What the daemon's repair loop does: resync every stale copy whose node is back, and now
-/// and then scrub (repairing rot) — always through the current owner.
+/// What the daemon's repair loop does: reconcile slabs flagged after failed writes or
+/// failed record changes (`Volume::reconcile_suspect`), resync every stale copy whose node
+/// is back, and now and then scrub (repairing rot) — always through the current owner.
 pub(crate) async fn repairer(w: Arc<World>) {
     let throttle = Arc::new(Throttle::new(u64::MAX));
     let mut round = 0u64;
@@ -194,6 +195,26 @@ pub(crate) async fn repairer(w: Arc<World>) {
             .collect();
         crate::check_copies(&w, "during the run");
         for (v, o) in owners {
+            if is_current(&w, v, &o) {
+                let vol = o.vol.clone();
+                if let Some(h) = o.spawn(async move { vol.reconcile_suspect().await }) {
+                    match h.await {
+                        Ok(Ok(0)) | Err(_) => {}
+                        Ok(Ok(n)) => w.trace(|| {
+                            format!(
+                                "vol{v} epoch {}: reconciled suspect slabs: {n} blocks written",
+                                o.epoch
+                            )
+                        }),
+                        Ok(Err(e)) => w.trace(|| {
+                            format!(
+                                "vol{v} epoch {}: reconciling suspect slabs failed: {e}",
+                                o.epoch
+                            )
+                        }),
+                    }
+                }
+            }
             resync_all(&w, v, &o, &throttle).await;
             if round.is_multiple_of(w.opts.scrub_every_rounds) && is_current(&w, v, &o) {
                 scrub(&w, v, &o, true, &throttle).await;

@@ -16,7 +16,7 @@ use converge_engine::{
 };
 use converge_types::{
     CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentState, MediaType, NodeId,
-    Version, BLOCK_SIZE,
+    Version, VolumeId, BLOCK_SIZE,
 };
 use converge_volume::ExtentLoc;
 use rand::rngs::StdRng;
@@ -132,6 +132,11 @@ pub struct World {
     /// Nodes a recent fault may still make stale (a lost message, an ended partition or
     /// outage whose timeouts have not all been noticed yet), and until when.
     recently_hit: Mutex<BTreeMap<NodeId, Instant>>,
+    /// Copies of one volume on one node that may be marked stale until a while after the
+    /// given time: while an owner's node is cut off for less than its lease (variant
+    /// short-owner-partitions), every copy of its volumes on *other* nodes fails for it,
+    /// and it marks them stale once it reaches etcd again.
+    recently_hit_copies: Mutex<BTreeMap<(VolumeId, NodeId), Instant>>,
 }
 
 pub(crate) fn slab_key(volume: converge_types::VolumeId, slab: u64) -> ExtentKey {
@@ -213,7 +218,7 @@ impl World {
                 )
                 .map_err(|e| format!("formatting simulated drive {id}: {e}"))?;
                 let extents_total = drive.capacity().extents_total;
-                ctl.add_drive(NodeId(n), id, extents_total);
+                ctl.add_drive(NodeId(n), id, extents_total, slab_bytes);
                 drives.push(SimDrive {
                     id,
                     image,
@@ -246,6 +251,7 @@ impl World {
             } else {
                 None
             };
+            ctl.add_node(NodeId(n));
             nodes.push(Node {
                 id: NodeId(n),
                 up: true,
@@ -275,6 +281,7 @@ impl World {
             stopping: AtomicBool::new(false),
             stats: Mutex::new(BTreeMap::new()),
             recently_hit: Mutex::new(BTreeMap::new()),
+            recently_hit_copies: Mutex::new(BTreeMap::new()),
         }))
     }
 
@@ -397,6 +404,16 @@ impl World {
     /// Up and reachable: a node a new owner may run on, or a stale copy may be resynced on.
     pub(crate) fn ready(&self, id: NodeId) -> bool {
         self.is_up(id) && !self.isolated(id)
+    }
+
+    /// The simulated etcd's live leases: one per node that is up and reachable.
+    pub(crate) fn live_leases(&self) -> crate::control::Leases {
+        let now = Instant::now();
+        lock(&self.nodes)
+            .iter()
+            .filter(|n| n.up && n.isolated_until.is_none_or(|t| now >= t))
+            .map(|n| crate::control::lease_of(n.id).0)
+            .collect()
     }
 
     pub(crate) fn incarnation(&self, id: NodeId) -> u64 {
@@ -909,6 +926,15 @@ impl World {
         *e = (*e).max(until);
     }
 
+    /// `volume`'s copies on `node` may be marked stale until a while after `t` (as for
+    /// [`World::hit`], plus the time a write may retry failed copies before failing).
+    pub(crate) fn hit_copies(&self, volume: VolumeId, node: NodeId, t: Instant) {
+        let until = t + self.opts.rpc_timeout * 3 + self.opts.degraded_write_wait;
+        let mut h = lock(&self.recently_hit_copies);
+        let e = h.entry((volume, node)).or_insert(until);
+        *e = (*e).max(until);
+    }
+
     /// Random one-way delay of a message to or from `node`: usually sub-millisecond,
     /// sometimes a spike, more when the node is slow. Always below the RPC timeout, so
     /// only drops and partitions cause timeouts.
@@ -976,8 +1002,17 @@ impl World {
     /// Every slab must keep at least one copy that is in sync, on a healthy node and free
     /// of rot: with none, no copy could ever be brought back in sync (the volume has no
     /// way out of that; see docs/SIMULATION.md), so the fault model stops short of it.
-    fn within_budget(self: &Arc<Self>, hit: impl Fn(ExtentKey, &ExtentLoc) -> bool) -> bool {
+    pub(crate) fn within_budget(
+        self: &Arc<Self>,
+        hit: impl Fn(ExtentKey, &ExtentLoc) -> bool,
+    ) -> bool {
         let bad_nodes = self.impaired_nodes();
+        let now = Instant::now();
+        let bad_copies: BTreeSet<(VolumeId, NodeId)> = lock(&self.recently_hit_copies)
+            .iter()
+            .filter(|(_, &t)| now < t)
+            .map(|(k, _)| *k)
+            .collect();
         let rots = self.live_rots();
         let records = lock(&self.ctl).all();
         records.iter().all(|((v, s), extents)| {
@@ -994,6 +1029,7 @@ impl World {
                     !hit(key, e)
                         && e.state == ExtentState::InSync
                         && !bad_nodes.contains(&e.node)
+                        && !bad_copies.contains(&(key.volume, e.node))
                         && !rots.iter().any(|r| r.drive == e.drive && r.key == key)
                 })
                 .count();

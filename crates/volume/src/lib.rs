@@ -165,16 +165,17 @@ pub enum SlabChange {
 /// Places the extents of a slab on first write (thin provisioning). Implemented over etcd
 /// by the node; must return the same placement to concurrent callers for the same slab.
 pub trait SlabAllocator: Send + Sync + 'static {
+    /// Places a new slab's `copies` and records it if it has no record yet (else returns
+    /// the record another allocation made). Only the owner at `epoch` may allocate: a
+    /// deposed owner gets [`VolumeError::Fenced`].
     fn allocate(
         &self,
         volume: VolumeId,
         slab: SlabIndex,
+        epoch: Epoch,
         copies: usize,
     ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
 
-    /// Applies `change` to the slab's record (atomically, against concurrent changers) and
-    /// returns the record's extents afterwards. A change whose precondition no longer holds
-    /// is not an error: the current extents are returned and the caller re-checks.
     /// The slab's record if it is allocated, asked as the owner at `epoch` (a deposed
     /// owner gets [`VolumeError::Fenced`]). An owner asks before answering a zero of a
     /// slab its own map lacks: another term may have allocated it since.
@@ -185,6 +186,9 @@ pub trait SlabAllocator: Send + Sync + 'static {
         epoch: Epoch,
     ) -> impl Future<Output = Result<Option<Vec<ExtentLoc>>, VolumeError>> + Send;
 
+    /// Applies `change` to the slab's record (atomically, against concurrent changers) and
+    /// returns the record's extents afterwards. A change whose precondition no longer holds
+    /// is not an error: the current extents are returned and the caller re-checks.
     /// Only the owner at `epoch` may change the record: a deposed owner gets
     /// [`VolumeError::Fenced`].
     fn change(
@@ -284,6 +288,12 @@ pub(crate) struct Slab {
     /// A write failed on every in-sync copy, so they may disagree on its blocks and none
     /// could be marked stale; the slab is reconciled (like at a takeover) when they answer.
     pub(crate) suspect: std::sync::atomic::AtomicBool,
+    /// Copies left `syncing` by a copy job that failed and could not mark them stale (the
+    /// control plane was unreachable): no job fills them, so resync takes them up again.
+    pub(crate) abandoned: std::sync::Mutex<std::collections::BTreeSet<DriveId>>,
+    /// A change of the slab's record failed with no answer from the control plane, so it
+    /// may have been applied: `extents` may lag the record until it is read again.
+    pub(crate) unsure: std::sync::atomic::AtomicBool,
 }
 
 impl Slab {
@@ -294,6 +304,8 @@ impl Slab {
             gate: tokio::sync::RwLock::new(()),
             change: tokio::sync::Mutex::new(()),
             suspect: std::sync::atomic::AtomicBool::new(false),
+            abandoned: std::sync::Mutex::new(std::collections::BTreeSet::new()),
+            unsure: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -302,6 +314,14 @@ impl Slab {
             .read()
             .expect("slab extents lock poisoned")
             .clone()
+    }
+
+    /// A record change failed: unless the control plane refused it (fenced), it may have
+    /// been applied with the answer lost, so the record is read again (`reconcile_suspect`).
+    pub(crate) fn note_failed_change(&self, e: &VolumeError) {
+        if !matches!(e, VolumeError::Fenced { .. }) {
+            self.unsure.store(true, Ordering::Release);
+        }
     }
 
     fn set_extents(&self, v: Vec<ExtentLoc>) {
@@ -492,7 +512,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let extents = self
             .alloc
-            .allocate(self.cfg.id, idx, self.cfg.resiliency.copies())
+            .allocate(
+                self.cfg.id,
+                idx,
+                self.cfg.epoch,
+                self.cfg.resiliency.copies(),
+            )
             .await?;
         let slab = Arc::new(Slab::new(extents));
         self.slabs
@@ -779,7 +804,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     to,
                 },
             )
-            .await?;
+            .await
+            .inspect_err(|e| slab.note_failed_change(e))?;
         slab.set_extents(extents);
         Ok(())
     }

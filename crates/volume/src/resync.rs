@@ -86,14 +86,29 @@ struct Diff {
     expect: Version,
 }
 
+/// The slab's abandoned `syncing` copies (see `Slab::abandoned`).
+fn abandoned(slab: &Slab) -> std::sync::MutexGuard<'_, std::collections::BTreeSet<DriveId>> {
+    slab.abandoned
+        .lock()
+        .expect("abandoned-copies lock poisoned")
+}
+
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Reconciles slabs where a write failed on every in-sync copy (see `settle`), once
-    /// their copies answer. Writes to the slab wait meanwhile.
+    /// their copies answer. Writes to the slab wait meanwhile. First, re-reads the record
+    /// of every slab whose last change got no answer from the control plane (it may have
+    /// been applied: a copy etcd has as stale must not stay in sync here, unresynced).
     pub async fn reconcile_suspect(&self) -> Result<u64, VolumeError> {
         let mut n = 0;
         let slabs: Vec<SlabIndex> = self.slab_map().keys().copied().collect();
         for idx in slabs {
             let slab = self.slab_or_err(idx)?;
+            if slab.unsure.swap(false, Ordering::AcqRel) {
+                if let Err(e) = self.reload_record(idx, &slab).await {
+                    slab.note_failed_change(&e);
+                    return Err(e);
+                }
+            }
             if !slab.suspect.load(Ordering::Acquire) {
                 continue;
             }
@@ -105,14 +120,57 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(n)
     }
 
-    /// Copies that missed writes, per slab: the resync candidates.
+    /// Adopts the slab's record as the control plane holds it. A copy that is `syncing`
+    /// there but was not here had its copy job end before it learnt the outcome: it is
+    /// abandoned (resync takes it up).
+    async fn reload_record(&self, idx: SlabIndex, slab: &Slab) -> Result<(), VolumeError> {
+        let _c = slab.change.lock().await;
+        let Some(record) = self.alloc.lookup(self.cfg.id, idx, self.cfg.epoch).await? else {
+            return Ok(());
+        };
+        let before = slab.extents();
+        for e in &record {
+            if e.state == ExtentState::Syncing
+                && !before
+                    .iter()
+                    .any(|b| b.drive == e.drive && b.state == ExtentState::Syncing)
+            {
+                abandoned(slab).insert(e.drive);
+            }
+        }
+        if record.as_slice() != &before[..] {
+            log::warn!(
+                "volume {}: slab {idx}: adopted the control plane's record after a change with no answer: {record:?}",
+                self.cfg.name
+            );
+        }
+        slab.set_extents(record);
+        Ok(())
+    }
+
+    /// Copies that missed writes, per slab: the resync candidates. Besides the stale ones,
+    /// copies a failed copy job left `syncing` (it could not reach the control plane to
+    /// mark them stale): nothing else would ever fill them.
     pub fn stale_extents(&self) -> Vec<(SlabIndex, ExtentLoc)> {
-        self.slab_map()
+        let slabs: Vec<(SlabIndex, std::sync::Arc<Slab>)> = self
+            .slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .iter()
+            .map(|(i, s)| (*i, s.clone()))
+            .collect();
+        slabs
             .into_iter()
-            .flat_map(|(i, ex)| {
-                ex.into_iter()
-                    .filter(|e| e.state == ExtentState::Stale)
-                    .map(move |e| (i, e))
+            .flat_map(|(i, slab)| {
+                let abandoned = abandoned(&slab).clone();
+                slab.extents()
+                    .iter()
+                    .filter(|e| {
+                        e.state == ExtentState::Stale
+                            || (e.state == ExtentState::Syncing && abandoned.contains(&e.drive))
+                    })
+                    .map(|e| (i, *e))
+                    .collect::<Vec<_>>()
             })
             .collect()
     }
@@ -147,7 +205,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     /// Delta resync of the stale copy on `drive`: it becomes `syncing` (receives new
     /// writes), only the blocks that differ from an in-sync copy are copied, and it becomes
-    /// `in-sync`. On failure it is left (or marked) stale; running it again is safe.
+    /// `in-sync`. On failure it is left (or marked) stale, or, if the control plane cannot
+    /// be reached to say so, left `syncing` and abandoned; running it again is safe, and
+    /// takes an abandoned copy up again.
     pub async fn resync(
         &self,
         idx: SlabIndex,
@@ -160,14 +220,23 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             // No write with a snapshot that skips this copy may be in flight once it is
             // `syncing`: such a write would be missed by both the copy and the writer.
             let _g = slab.gate.write().await;
-            self.change_state(
-                idx,
-                &slab,
-                drive,
-                &[ExtentState::Stale],
-                ExtentState::Syncing,
-            )
-            .await?;
+            // An abandoned copy is `syncing` already (every write reaches it); this job
+            // takes it over.
+            let resume = abandoned(&slab).remove(&drive);
+            let from: &[ExtentState] = if resume {
+                &[ExtentState::Stale, ExtentState::Syncing]
+            } else {
+                &[ExtentState::Stale]
+            };
+            if let Err(e) = self
+                .change_state(idx, &slab, drive, from, ExtentState::Syncing)
+                .await
+            {
+                if resume {
+                    abandoned(&slab).insert(drive);
+                }
+                return Err(e);
+            }
         }
         self.fill_and_promote(idx, &slab, drive, throttle, progress)
             .await
@@ -200,7 +269,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     self.cfg.epoch,
                     SlabChange::Replace { old, new },
                 )
-                .await?;
+                .await
+                .inspect_err(|e| slab.note_failed_change(e))?;
             slab.set_extents(extents);
         }
         self.fill_and_promote(idx, &slab, new.drive, throttle, progress)
@@ -229,19 +299,28 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     )
                     .await
                 {
-                    log::warn!("volume {}: slab {idx}: {e2}", self.cfg.name);
+                    log::warn!(
+                        "volume {}: slab {idx}: the copy on drive {drive} stays syncing with no job filling it, until resync takes it up again: {e2}",
+                        self.cfg.name
+                    );
+                    abandoned(slab).insert(drive);
                 }
                 return Err(e);
             }
         };
-        self.change_state(
-            idx,
-            slab,
-            drive,
-            &[ExtentState::Syncing],
-            ExtentState::InSync,
-        )
-        .await?;
+        if let Err(e) = self
+            .change_state(
+                idx,
+                slab,
+                drive,
+                &[ExtentState::Syncing],
+                ExtentState::InSync,
+            )
+            .await
+        {
+            abandoned(slab).insert(drive);
+            return Err(e);
+        }
         let now = slab.extents();
         if !now
             .iter()

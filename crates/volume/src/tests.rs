@@ -233,6 +233,11 @@ impl ReplicaIo for MemReplicas {
 struct FixedAlloc {
     calls: AtomicU64,
     records: Mutex<HashMap<SlabIndex, Vec<ExtentLoc>>>,
+    /// How many more record changes reach the control plane (None: all of them); the
+    /// others fail as if it were unreachable.
+    changes_left: Mutex<Option<u64>>,
+    /// Record changes are applied but their answer is lost (the caller sees an error).
+    lose_answers: std::sync::atomic::AtomicBool,
 }
 
 impl SlabAllocator for FixedAlloc {
@@ -240,6 +245,7 @@ impl SlabAllocator for FixedAlloc {
         &self,
         _volume: VolumeId,
         _slab: SlabIndex,
+        _epoch: Epoch,
         copies: usize,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
@@ -270,6 +276,15 @@ impl SlabAllocator for FixedAlloc {
         _epoch: Epoch,
         change: SlabChange,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
+        if let Some(left) = self.changes_left.lock().unwrap().as_mut() {
+            if *left == 0 {
+                return Err(VolumeError::Control(
+                    "etcd unreachable".into(),
+                    "vm01".into(),
+                ));
+            }
+            *left -= 1;
+        }
         let mut r = self.records.lock().unwrap();
         let ex = r.get_mut(&slab).expect("slab recorded");
         match change {
@@ -287,6 +302,12 @@ impl SlabAllocator for FixedAlloc {
                     }
                 }
             }
+        }
+        if self.lose_answers.load(Ordering::Relaxed) {
+            return Err(VolumeError::Control(
+                "etcd did not answer".into(),
+                "vm01".into(),
+            ));
         }
         Ok(ex.clone())
     }
@@ -640,6 +661,79 @@ async fn resync_copies_only_the_blocks_missed() {
     assert_copies_identical(&v, &io);
     // Nothing to do a second time.
     assert!(v.stale_extents().is_empty());
+}
+
+/// A resync whose copy fails while the control plane is unreachable cannot mark the copy
+/// stale again: it stays `syncing` with no job filling it. Resync must take it up again
+/// (it once stayed `syncing` until the next takeover: simulation seed 238, variant
+/// short-owner-partitions).
+#[tokio::test]
+async fn a_copy_left_syncing_by_a_failed_resync_is_resynced_again() {
+    let (v, io, alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    v.write(0, pattern(256 << 10, 1)).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(3));
+    v.write(4 * 4096, pattern(4096, 2)).await.unwrap();
+    assert_eq!(state_of(&v, 0, 3), ExtentState::Stale);
+    io.failed.lock().unwrap().clear();
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let (idx, e) = v.stale_extents()[0];
+    // stale -> syncing reaches etcd; then every source fails, and so does etcd.
+    *alloc.changes_left.lock().unwrap() = Some(1);
+    io.failed.lock().unwrap().extend([NodeId(1), NodeId(2)]);
+    assert!(v.resync(idx, e.drive, &t, &p).await.is_err());
+    assert_eq!(state_of(&v, 0, 3), ExtentState::Syncing);
+    assert_eq!(
+        v.stale_extents(),
+        vec![(
+            idx,
+            ExtentLoc {
+                state: ExtentState::Syncing,
+                ..e
+            }
+        )],
+        "the abandoned copy is a resync candidate"
+    );
+    // While etcd is still away, a retry fails and keeps it a candidate.
+    io.failed.lock().unwrap().clear();
+    assert!(v.resync(idx, e.drive, &t, &p).await.is_err());
+    assert_eq!(v.stale_extents().len(), 1);
+    *alloc.changes_left.lock().unwrap() = None;
+    let r = v.resync(idx, e.drive, &t, &p).await.unwrap();
+    assert_eq!(r.blocks_written, 1);
+    assert_eq!(state_of(&v, 0, 3), ExtentState::InSync);
+    assert!(v.stale_extents().is_empty());
+    assert_copies_identical(&v, &io);
+}
+
+/// A stale mark that reached etcd but whose answer was lost: the write fails, etcd has
+/// the copy stale, and the owner's map still has it in sync. The owner must re-read the
+/// record, or it never resyncs that copy (simulation seed 2478, variant
+/// short-owner-partitions: the copy stayed stale in etcd for the rest of the run).
+#[tokio::test]
+async fn a_change_with_a_lost_answer_is_read_back() {
+    let (v, io, alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    v.write(0, pattern(256 << 10, 1)).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(3));
+    alloc.lose_answers.store(true, Ordering::Relaxed);
+    assert!(v.write(4 * 4096, pattern(4096, 2)).await.is_err());
+    alloc.lose_answers.store(false, Ordering::Relaxed);
+    io.failed.lock().unwrap().clear();
+    assert_eq!(
+        alloc.records.lock().unwrap()[&SlabIndex(0)][2].state,
+        ExtentState::Stale
+    );
+    assert_eq!(state_of(&v, 0, 3), ExtentState::InSync, "the map lags");
+    assert!(v.stale_extents().is_empty());
+    v.reconcile_suspect().await.unwrap();
+    assert_eq!(state_of(&v, 0, 3), ExtentState::Stale);
+    let (idx, e) = v.stale_extents()[0];
+    let t = resync::Throttle::new(1 << 30);
+    v.resync(idx, e.drive, &t, &resync::Progress::default())
+        .await
+        .unwrap();
+    assert_eq!(state_of(&v, 0, 3), ExtentState::InSync);
+    assert_copies_identical(&v, &io);
 }
 
 #[tokio::test]

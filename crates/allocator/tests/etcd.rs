@@ -1,0 +1,116 @@
+//! The owner's control-plane glue against a real etcd: placement on distinct live nodes,
+//! and fencing of a deposed owner's allocation, record change and lookup.
+#![allow(clippy::unwrap_used)] // tests: a failed step is the failure we want to see
+
+use converge_allocator::Allocator;
+use converge_control::testing::EtcdServer;
+use converge_control::{Cluster, DriveRecord, NodeRecord};
+use converge_types::{
+    DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, SlabIndex, VolumeId,
+};
+use converge_volume::{SlabAllocator, SlabChange, VolumeError};
+
+async fn cluster_of(c: &Cluster, nodes: u32, lease: converge_control::LeaseId) {
+    for n in 1..=nodes {
+        let rec = NodeRecord {
+            id: NodeId(n),
+            name: format!("n{n}"),
+            rpc_addr: format!("127.0.0.1:{}", 7000 + n),
+            api_addr: "127.0.0.1:8080".into(),
+            nbd_socket: "/run/converge/nbd.sock".into(),
+            nbd_tcp: None,
+            version: "0.1.0".into(),
+            started_unix: 1,
+        };
+        c.register_node(&rec, lease).await.unwrap();
+        c.put_drive(&DriveRecord {
+            id: DriveId(u64::from(n) * 10),
+            node: NodeId(n),
+            path: format!("/dev/n{n}"),
+            role: DriveRole::Capacity,
+            media: MediaType::Ssd,
+            size_bytes: 1 << 30,
+            extents_total: 4,
+            slab_size_bytes: 256 << 20,
+            tbw_bytes: None,
+            warranty_years: None,
+        })
+        .await
+        .unwrap();
+    }
+}
+
+fn fenced(r: Result<impl std::fmt::Debug, VolumeError>, epoch: Epoch) {
+    match r {
+        Err(VolumeError::Fenced { epoch: e, .. }) => assert_eq!(e, epoch),
+        other => panic!("a deposed owner was not fenced: {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let lease = etcd.lease_grant(60).await.unwrap();
+    cluster_of(&c, 4, lease).await;
+    let vol = VolumeId(3);
+    let e1 = c.claim_ownership(vol, NodeId(1), lease).await.unwrap();
+    let old = Allocator::new(c.clone(), NodeId(1));
+
+    // The owner places copies on distinct live nodes, least-used first.
+    let a = old.allocate(vol, SlabIndex(0), e1, 3).await.unwrap();
+    let mut nodes: Vec<NodeId> = a.iter().map(|e| e.node).collect();
+    nodes.sort();
+    nodes.dedup();
+    assert_eq!(nodes.len(), 3, "copies on distinct nodes: {a:?}");
+    let b = old.allocate(vol, SlabIndex(1), e1, 3).await.unwrap();
+    let unused = (1..=4)
+        .map(NodeId)
+        .find(|n| !a.iter().any(|e| e.node == *n))
+        .unwrap();
+    assert!(
+        b.iter().any(|e| e.node == unused),
+        "the node left out of slab 0 is least used: {b:?}"
+    );
+    // Create-if-absent: allocating again returns the record.
+    assert_eq!(old.allocate(vol, SlabIndex(0), e1, 3).await.unwrap(), a);
+    // Asking with another epoch than the one the node holds is refused too.
+    fenced(
+        old.allocate(vol, SlabIndex(5), Epoch(e1.0 + 7), 3).await,
+        Epoch(e1.0 + 7),
+    );
+
+    // Node 1 loses the volume to node 2 (its lease expired).
+    c.release_ownership(vol, NodeId(1)).await.unwrap();
+    let e2 = c.claim_ownership(vol, NodeId(2), lease).await.unwrap();
+    assert!(e2 > e1);
+
+    fenced(old.allocate(vol, SlabIndex(2), e1, 3).await, e1);
+    let stale = SlabChange::State {
+        drive: a[0].drive,
+        from: vec![ExtentState::InSync],
+        to: ExtentState::Stale,
+    };
+    fenced(old.change(vol, SlabIndex(0), e1, stale.clone()).await, e1);
+    fenced(old.lookup(vol, SlabIndex(0), e1).await, e1);
+    let slabs = c.slabs(vol).await.unwrap();
+    assert_eq!(slabs.len(), 2, "the deposed owner allocated nothing");
+    assert!(slabs[&SlabIndex(0)]
+        .0
+        .extents
+        .iter()
+        .all(|e| e.state == ExtentState::InSync));
+
+    // The new owner can do all three.
+    let new = Allocator::new(c.clone(), NodeId(2));
+    let after = new.change(vol, SlabIndex(0), e2, stale).await.unwrap();
+    assert_eq!(after[0].state, ExtentState::Stale);
+    assert_eq!(
+        new.lookup(vol, SlabIndex(0), e2).await.unwrap(),
+        Some(after)
+    );
+    assert_eq!(new.lookup(vol, SlabIndex(2), e2).await.unwrap(), None);
+    new.allocate(vol, SlabIndex(2), e2, 2).await.unwrap();
+    assert_eq!(c.slabs(vol).await.unwrap().len(), 3);
+}
