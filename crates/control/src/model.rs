@@ -596,21 +596,8 @@ impl<K: Kv> Cluster<K> {
             if r.succeeded {
                 return Ok((rec.clone(), r.revision));
             }
-            let mut gets = r.gets.into_iter();
-            let now: Option<OwnerRecord> = match gets.next().flatten() {
-                Some(kv) => Some(decode(&kv, "owner record")?),
-                None => None,
-            };
-            if now != Some(owner) {
-                let (node, epoch) = now.map_or((NodeId(0), owner.epoch), |o| (o.node, o.epoch));
-                return Err(ControlError::OwnedElsewhere {
-                    volume,
-                    node,
-                    epoch,
-                });
-            }
-            if let Some(kv) = gets.next().flatten() {
-                return Ok((decode(&kv, "slab record")?, kv.mod_revision));
+            if let Some(held) = lost_fenced_create(volume, owner, r.gets)? {
+                return Ok(held);
             }
             // The record was deleted between the compare and the read: try again.
         }
@@ -712,21 +699,8 @@ impl<K: Kv> Cluster<K> {
             if r.succeeded {
                 return Ok((rec, r.revision));
             }
-            let mut gets = r.gets.into_iter();
-            let now: Option<OwnerRecord> = match gets.next().flatten() {
-                Some(kv) => Some(decode(&kv, "owner record")?),
-                None => None,
-            };
-            if now != Some(owner) {
-                let (node, epoch) = now.map_or((NodeId(0), owner.epoch), |o| (o.node, o.epoch));
-                return Err(ControlError::OwnedElsewhere {
-                    volume,
-                    node,
-                    epoch,
-                });
-            }
-            if let Some(kv) = gets.next().flatten() {
-                return Ok((decode(&kv, "slab record")?, kv.mod_revision));
+            if let Some(held) = lost_fenced_create(volume, owner, r.gets)? {
+                return Ok(held);
             }
             last = Some(rec);
         }
@@ -902,6 +876,33 @@ impl<K: Kv> Cluster<K> {
         Err(ControlError::Contended {
             what: format!("releasing volume {volume}"),
         })
+    }
+}
+
+/// Why a fenced create-if-absent of a slab record (whose failure branch read the owner
+/// record, then the slab record) did not commit: another owner (`OwnedElsewhere`), or the
+/// record exists (returned with its mod revision); `None` when neither, so try again.
+fn lost_fenced_create(
+    volume: VolumeId,
+    owner: OwnerRecord,
+    gets: Vec<Option<KeyValue>>,
+) -> Result<Option<(SlabRecord, i64)>, ControlError> {
+    let mut gets = gets.into_iter();
+    let now: Option<OwnerRecord> = match gets.next().flatten() {
+        Some(kv) => Some(decode(&kv, "owner record")?),
+        None => None,
+    };
+    if now != Some(owner) {
+        let (node, epoch) = now.map_or((NodeId(0), owner.epoch), |o| (o.node, o.epoch));
+        return Err(ControlError::OwnedElsewhere {
+            volume,
+            node,
+            epoch,
+        });
+    }
+    match gets.next().flatten() {
+        Some(kv) => Ok(Some((decode(&kv, "slab record")?, kv.mod_revision))),
+        None => Ok(None),
     }
 }
 

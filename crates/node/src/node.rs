@@ -353,6 +353,8 @@ pub struct LocalDrives {
     pub cluster: Cluster,
     /// Extents being freed as orphans: writes to them are refused meanwhile.
     pub condemned: Mutex<std::collections::HashSet<(DriveId, ExtentKey)>>,
+    /// How many are condemned (kept with the set, under its lock).
+    pub condemned_count: std::sync::atomic::AtomicUsize,
 }
 
 impl LocalDrives {
@@ -361,6 +363,7 @@ impl LocalDrives {
             drives,
             cluster,
             condemned: Default::default(),
+            condemned_count: Default::default(),
         }
     }
 
@@ -375,11 +378,16 @@ impl LocalDrives {
     /// extent back (it would hold space that nothing accounts for). Checked once per new
     /// extent; writes to an extent the drive holds go straight on (the epoch fences them).
     async fn admit(&self, d: &Tier, drive: DriveId, key: ExtentKey) -> Result<(), EngineError> {
+        // The set is almost always empty: skip its lock on the write path then.
         if self
-            .condemned
-            .lock()
-            .expect("condemned lock poisoned")
-            .contains(&(drive, key))
+            .condemned_count
+            .load(std::sync::atomic::Ordering::Acquire)
+            > 0
+            && self
+                .condemned
+                .lock()
+                .expect("condemned lock poisoned")
+                .contains(&(drive, key))
         {
             return Err(EngineError::InvalidArgument(format!(
                 "slab {} of volume {} on drive {:016x} is being freed as an orphan",

@@ -47,6 +47,7 @@ pub async fn reclaim(node: &Node) -> Result<u64, String> {
             } else {
                 c.remove(&(drive, key));
             }
+            local.condemned_count.store(c.len(), Ordering::Release);
         };
         condemn(true);
         let fresh = node.cluster.slab(key.volume, key.slab).await;
