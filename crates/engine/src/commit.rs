@@ -13,6 +13,9 @@ use crate::layout::{
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
+/// Intent records one replay window holds at most: recovery reads each one's block.
+const MAX_INTENTS_PER_WINDOW: u64 = 1 << 16;
+
 impl Drive {
     /// Why the drive failed (a device write or sync error), if it did; it acks nothing
     /// after that.
@@ -67,6 +70,125 @@ impl Drive {
             seq = st.open_seq;
         }
         Ok(seq)
+    }
+
+    /// Queues an overwrite's records (all in one batch: the caller keeps them below the
+    /// batch bound) and registers them as unsettled until [`Drive::settle`]: their data is
+    /// written only once they are durable, and a checkpoint must not pass them before.
+    pub(crate) fn enqueue_intent(&self, records: &[u8]) -> Result<u64, EngineError> {
+        debug_assert!(records.len() <= self.batch_records_max);
+        let mut st = lock(&self.commit);
+        loop {
+            if let Some(reason) = &st.failed {
+                return Err(EngineError::Failed {
+                    reason: reason.clone(),
+                });
+            }
+            if st.pending.len() + records.len() <= self.batch_records_max {
+                break;
+            }
+            st = if st.leader_active {
+                self.commit_cv.wait(st).expect("commit lock poisoned")
+            } else {
+                self.lead_one(st)
+            };
+        }
+        st.pending.extend_from_slice(records);
+        let seq = st.open_seq;
+        match st.unsettled.iter_mut().find(|(s, _)| *s == seq) {
+            Some(e) => e.1 += 1,
+            None => st.unsettled.push((seq, 1)),
+        }
+        Ok(seq)
+    }
+
+    /// The data of an intent queued in batch `seq` is written (or will never be).
+    pub(crate) fn settle(&self, seq: u64) {
+        let mut st = lock(&self.commit);
+        if let Some(i) = st.unsettled.iter().position(|(s, _)| *s == seq) {
+            st.unsettled[i].1 -= 1;
+            if st.unsettled[i].1 == 0 {
+                st.unsettled.swap_remove(i);
+                drop(st);
+                self.commit_cv.notify_all();
+            }
+        }
+    }
+
+    /// Waits until every intent in a batch before `seq` has its data written, so that a
+    /// checkpoint taken now records only metadata whose data is on the device (its sync
+    /// covers those writes) and recovery never needs an intent the tail has passed. The
+    /// writers of those batches need no leader to get there, so this cannot deadlock.
+    fn wait_settled(&self, seq: u64) -> Result<(), EngineError> {
+        let mut st = lock(&self.commit);
+        loop {
+            if let Some(reason) = &st.failed {
+                return Err(EngineError::Failed {
+                    reason: reason.clone(),
+                });
+            }
+            if st.unsettled.iter().all(|(s, _)| *s >= seq) {
+                return Ok(());
+            }
+            st = self.commit_cv.wait(st).expect("commit lock poisoned");
+        }
+    }
+
+    /// Makes every data write that completed before this call durable: waits for a device
+    /// sync that starts after now, leading one if none is running, so concurrent writers
+    /// share syncs (a journal batch's sync counts too).
+    pub(crate) fn flush_data(&self) -> Result<(), EngineError> {
+        self.check_failed()?;
+        let mut f = lock(&self.flush);
+        let target = f.begun + 1;
+        loop {
+            if f.done >= target {
+                return Ok(());
+            }
+            if f.active {
+                f = self.flush_cv.wait(f).expect("flush lock poisoned");
+                continue;
+            }
+            f.active = true;
+            f.begun += 1;
+            let g = f.begun;
+            drop(f);
+            let res = self.dev_sync();
+            f = lock(&self.flush);
+            f.active = false;
+            if res.is_ok() {
+                f.done = f.done.max(g);
+            }
+            self.flush_cv.notify_all();
+            if let Err(e) = res {
+                drop(f);
+                self.fail(&e);
+                return Err(e);
+            }
+        }
+    }
+
+    /// The journal batch's sync; if no data flush is running it also serves as one.
+    fn sync_journal(&self) -> Result<(), EngineError> {
+        let g = {
+            let mut f = lock(&self.flush);
+            (!f.active).then(|| {
+                f.active = true;
+                f.begun += 1;
+                f.begun
+            })
+        };
+        let res = self.dev_sync();
+        if let Some(g) = g {
+            let mut f = lock(&self.flush);
+            f.active = false;
+            if res.is_ok() {
+                f.done = f.done.max(g);
+            }
+            drop(f);
+            self.flush_cv.notify_all();
+        }
+        res
     }
 
     /// Returns once batch `seq` (and all before it) is durable; leads a batch if nobody is.
@@ -134,8 +256,9 @@ impl Drive {
         // Checkpoint before the replay window passes half the journal: keeps room for the
         // batch and its wrap-around waste, and bounds recovery time.
         let waste = |head: u64| if head + len > jlen { jlen - head } else { 0 };
-        if ld.used + waste(ld.head) + len > jlen / 2 {
-            self.checkpoint_locked(ld)?;
+        // Also bound the intents recovery must check (one block read each).
+        if ld.used + waste(ld.head) + len > jlen / 2 || ld.intents >= MAX_INTENTS_PER_WINDOW {
+            self.checkpoint_locked(ld, seq)?;
         }
         let mut pos = ld.head;
         if pos + len > jlen {
@@ -162,7 +285,7 @@ impl Drive {
             self.layout.journal_off + pos,
             IoKind::Journal,
         )?;
-        self.dev_sync()?;
+        self.sync_journal()?;
         self.counters
             .journal_batches
             .fetch_add(1, Ordering::Relaxed);
@@ -196,7 +319,9 @@ impl Drive {
                     block,
                     crc,
                     version,
+                    intent,
                 } => {
+                    ld.intents += u64::from(intent);
                     let meta = BlockMeta {
                         version,
                         crc,
@@ -284,8 +409,14 @@ impl Drive {
     }
 
     /// Makes the durable in-memory metadata durable in place, then moves the journal tail
-    /// to the head. Only the commit leader calls this, between batches.
-    pub(crate) fn checkpoint_locked(&self, ld: &mut LeaderState) -> Result<(), EngineError> {
+    /// to the head. Only the commit leader calls this, between batches; `next` is the
+    /// batch it writes next (every earlier one is durable and applied).
+    pub(crate) fn checkpoint_locked(
+        &self,
+        ld: &mut LeaderState,
+        next: u64,
+    ) -> Result<(), EngineError> {
+        self.wait_settled(next)?;
         let table_pages = std::mem::take(&mut ld.dirty_table);
         let meta_pages = std::mem::take(&mut ld.dirty_meta);
         let mut buf = std::mem::replace(&mut ld.page_buf, AlignedBuf::new(0));
@@ -304,6 +435,7 @@ impl Drive {
         self.dev_write(&sbuf, (ld.sb.generation % 2) * BLOCK, IoKind::Meta)?;
         self.dev_sync()?;
         ld.used = 0;
+        ld.intents = 0;
         self.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -399,7 +531,8 @@ impl Drive {
         drop(st);
         let res = {
             let mut ld = lock(&self.leader);
-            self.checkpoint_locked(&mut ld)
+            let next = ld.next_seq;
+            self.checkpoint_locked(&mut ld, next)
         };
         let mut st = lock(&self.commit);
         if let Err(e) = &res {

@@ -193,6 +193,19 @@ pub(crate) struct CommitState {
     /// Sticky: after a failed device write or sync nothing more is acked (fsync errors
     /// cannot be retried safely), until the drive is reopened.
     pub failed: Option<String>,
+    /// (batch, writers) of intents whose data is not written yet: a checkpoint must not
+    /// move the journal tail past them (see [`Drive::wait_settled`]). Bounded by the
+    /// writes in flight.
+    pub unsettled: Vec<(u64, u32)>,
+}
+
+/// Group flush of data writes: `begun` counts syncs started, `done` the latest one that
+/// finished (syncs run one at a time).
+#[derive(Default)]
+pub(crate) struct FlushState {
+    pub begun: u64,
+    pub done: u64,
+    pub active: bool,
 }
 
 /// State only the current commit leader touches.
@@ -210,6 +223,8 @@ pub(crate) struct LeaderState {
     /// (slot, page) metadata pages changed since the last checkpoint.
     pub dirty_meta: BTreeSet<(u32, u32)>,
     pub dirty_table: BTreeSet<u32>,
+    /// Intent records applied since the last checkpoint.
+    pub intents: u64,
 }
 
 #[derive(Clone, Copy)]
@@ -235,6 +250,8 @@ pub struct Drive {
     pub(crate) journal_sector: usize,
     /// Bytes of records one batch carries at most (bounds batch size and latency).
     pub(crate) batch_records_max: usize,
+    pub(crate) flush: Mutex<FlushState>,
+    pub(crate) flush_cv: Condvar,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -245,7 +262,10 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Default)]
 struct Scratch {
     applied: Vec<bool>,
+    /// Per claimed block: it held data (or was bad) when claimed, so it is overwritten.
+    prior_data: Vec<bool>,
     records: Vec<u8>,
+    records2: Vec<u8>,
     metas: Vec<BlockMeta>,
     metas2: Vec<BlockMeta>,
 }
@@ -423,7 +443,9 @@ impl Drive {
 
     /// Claims blocks for a write: waits for in-progress writes of the same blocks (so data
     /// and metadata land in one order), applies the version rule, marks claimed blocks busy.
-    /// Returns (blocks claimed, batch a skipped block's newer claim must reach first).
+    /// Returns (blocks claimed, batch a skipped block's newer claim must reach first,
+    /// whether a claimed block holds data now: an overwrite in place); `prior_data` says
+    /// that per block.
     fn claim(
         &self,
         ext: &Extent,
@@ -432,18 +454,46 @@ impl Drive {
         new: impl Fn(usize) -> BlockMeta,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
         applied: &mut Vec<bool>,
-    ) -> (u32, u64) {
+        prior_data: &mut Vec<bool>,
+        data_write: bool,
+    ) -> Result<(u32, u64, bool), EngineError> {
         let mut m = lock(&ext.meta);
-        while m.any_busy(first, count) {
-            m = ext.cv.wait(m).expect("extent lock poisoned");
+        loop {
+            while m.any_busy(first, count) {
+                m = ext.cv.wait(m).expect("extent lock poisoned");
+            }
+            // A data write over a zero whose record is not durable yet waits for it: until
+            // then a crash may bring back the data under it, which a first write (data
+            // before record) would destroy, and which an intent could not be proven
+            // against once a checkpoint has passed the zero. After the wait the block's
+            // state is durable, so "holds data" decides the order alone.
+            let zero_seq = if data_write && !m.overlay.is_empty() {
+                (first..first + count)
+                    .filter_map(|b| m.overlay.get(&b))
+                    .filter(|o| o.pending > 0 && !o.meta.has_data())
+                    .map(|o| o.seq)
+                    .max()
+            } else {
+                None
+            };
+            let Some(zs) = zero_seq else { break };
+            drop(m);
+            self.wait_durable(zs)?;
+            m = lock(&ext.meta);
         }
         applied.clear();
+        prior_data.clear();
         let mut n = 0;
         let mut need_seq = 0;
+        let mut overwrite = false;
         for i in 0..count as usize {
             let b = first + i as u32;
             let nm = new(i);
-            if accept(i, &m.current(b), &nm) {
+            let cur = m.current(b);
+            let had = cur.has_data() || cur.is_bad();
+            prior_data.push(had);
+            if accept(i, &cur, &nm) {
+                overwrite |= had;
                 let ExtentMeta {
                     blocks, overlay, ..
                 } = &mut *m;
@@ -466,7 +516,7 @@ impl Drive {
                 applied.push(false);
             }
         }
-        (n, need_seq)
+        Ok((n, need_seq, overwrite))
     }
 
     fn release(&self, ext: &Extent, first: u32, applied: &[bool], seq: u64) {
@@ -574,14 +624,19 @@ impl Drive {
         let (first, count) = self.checked_write_range(key, offset, data, crcs)?;
         self.check_failed()?;
         let ext = self.extent_for_write(key, epoch)?;
-        let (n, seq) = self.write_claimed(&ext, first, count, data, crcs, version_of, accept)?;
+        let (n, seq, flush) =
+            self.write_claimed(&ext, first, count, data, crcs, version_of, accept)?;
         self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))?;
+        if flush {
+            self.flush_data()?;
+        }
         Ok(n)
     }
 
     /// Claims blocks of an extent under the version rule `accept`, writes the accepted
-    /// ones in place and queues their records. Returns (blocks written, the batch a
-    /// durable ack must wait for); the caller waits.
+    /// ones in place and queues their records, in pieces whose records fit one journal
+    /// batch. Returns (blocks written, the batch a durable ack must wait for, whether the
+    /// ack must also wait for [`Drive::flush_data`]); the caller waits.
     #[allow(clippy::too_many_arguments)]
     fn write_claimed(
         &self,
@@ -592,9 +647,55 @@ impl Drive {
         crcs: &[u32],
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
-    ) -> Result<(u32, u64), EngineError> {
+    ) -> Result<(u32, u64, bool), EngineError> {
+        let piece = ((self.batch_records_max / RECORD) / 2).max(1) as u32;
+        let (mut n, mut seq, mut flush) = (0, 0, false);
+        let mut at = 0u32;
+        while at < count {
+            let len = piece.min(count - at);
+            let (i0, b0) = (at as usize, at as usize * BLOCK_SIZE);
+            let (pn, ps, pf) = self.write_piece(
+                ext,
+                first + at,
+                len,
+                &data[b0..b0 + len as usize * BLOCK_SIZE],
+                &crcs[i0..i0 + len as usize],
+                |i| version_of(i0 + i),
+                |i, cur, new| accept(i0 + i, cur, new),
+            )?;
+            n += pn;
+            seq = seq.max(ps);
+            flush |= pf;
+            at += len;
+        }
+        Ok((n, seq, flush))
+    }
+
+    /// One piece of [`Drive::write_claimed`] (its records go into one batch).
+    ///
+    /// A block that holds no data yet is written first and recorded after: if the record
+    /// never becomes durable the block still reads as unwritten, whatever its data region
+    /// holds. A block that holds data is overwritten in place, so its record (an *intent*)
+    /// goes first: once that is durable the data is written and then flushed (a piece
+    /// with both kinds does the intents first, then writes all its data, then queues the
+    /// first writes' records). Recovery
+    /// checks every intent's block against the crcs of its states (the old data still on
+    /// disk proves the write did not land), so a crash between the two never leaves a
+    /// block whose data and metadata disagree. A checkpoint waits until the data of every
+    /// durable intent is written ([`Drive::wait_settled`]).
+    #[allow(clippy::too_many_arguments)]
+    fn write_piece(
+        &self,
+        ext: &Extent,
+        first: u32,
+        count: u32,
+        data: &[u8],
+        crcs: &[u32],
+        version_of: impl Fn(usize) -> u64,
+        accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
+    ) -> Result<(u32, u64, bool), EngineError> {
         with_scratch(|s| {
-            let (n, need_seq) = self.claim(
+            let (n, need_seq, overwrite) = self.claim(
                 ext,
                 first,
                 count,
@@ -605,35 +706,66 @@ impl Drive {
                 },
                 accept,
                 &mut s.applied,
-            );
+                &mut s.prior_data,
+                true,
+            )?;
+            let skipped = count - n;
             self.counters
                 .skipped_blocks
-                .fetch_add(u64::from(count - n), Ordering::Relaxed);
+                .fetch_add(u64::from(skipped), Ordering::Relaxed);
+            // A skipped block holds a newer write already in place: its ack also needs
+            // that write's data flushed, not only its record.
+            let flush = skipped > 0 || overwrite;
             let mut seq = need_seq.max(ext.epoch_seq.load(Ordering::Acquire));
-            if n > 0 {
-                let res = self
-                    .write_runs(ext, first, data, &s.applied)
-                    .and_then(|()| {
-                        s.records.clear();
-                        for (i, _) in s.applied.iter().enumerate().filter(|(_, &a)| a) {
-                            Record::Data {
-                                slot: ext.slot,
-                                block: first + i as u32,
-                                crc: crcs[i],
-                                version: version_of(i),
-                            }
-                            .push(&mut s.records);
-                        }
-                        self.enqueue(&s.records, false)
-                    });
-                if let Err(e) = &res {
-                    // The data on disk no longer matches what we know: stop acking.
-                    self.fail(e);
-                }
-                self.release(ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
-                seq = seq.max(res?);
+            if n == 0 {
+                return Ok((0, seq, flush));
             }
-            Ok((n, seq))
+            // Intents for blocks holding data, plain records for the others (an intent
+            // over an unwritten block could not be told from one whose data rotted).
+            s.records.clear();
+            s.records2.clear();
+            for (i, _) in s.applied.iter().enumerate().filter(|(_, &a)| a) {
+                let intent = s.prior_data[i];
+                Record::Data {
+                    slot: ext.slot,
+                    block: first + i as u32,
+                    crc: crcs[i],
+                    version: version_of(i),
+                    intent,
+                }
+                .push(if intent {
+                    &mut s.records
+                } else {
+                    &mut s.records2
+                });
+            }
+            let res = if overwrite {
+                self.enqueue_intent(&s.records)
+                    .and_then(|rec_seq| {
+                        // Only `rec_seq`: the records that set the extent's state this
+                        // write saw were queued before it. Waiting for a later epoch raise
+                        // here could wait for a checkpoint that waits for this write.
+                        let res = self
+                            .wait_durable(rec_seq)
+                            .and_then(|()| self.write_runs(ext, first, data, &s.applied));
+                        self.settle(rec_seq);
+                        res.map(|()| rec_seq)
+                    })
+                    .and_then(|rec_seq| match s.records2.is_empty() {
+                        true => Ok(rec_seq),
+                        false => self.enqueue(&s.records2, false).map(|q| q.max(rec_seq)),
+                    })
+            } else {
+                self.write_runs(ext, first, data, &s.applied)
+                    .and_then(|()| self.enqueue(&s.records2, false))
+            };
+            if let Err(e) = &res {
+                // The data on disk may no longer match what we know: stop acking.
+                self.fail(e);
+            }
+            self.release(ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
+            seq = seq.max(res?);
+            Ok((n, seq, flush))
         })
     }
 
@@ -663,6 +795,7 @@ impl Drive {
     pub fn destage(&self, runs: &[DestageRun<'_>]) -> Result<u64, EngineError> {
         self.check_failed()?;
         let mut seq = 0;
+        let mut flush = false;
         let mut written = 0u64;
         for r in runs {
             let count = r.crcs.len();
@@ -690,12 +823,16 @@ impl Drive {
                 |_, cur, new| new.version >= cur.version,
             );
             self.counters.end(OpKind::Write, t);
-            let (n, sq) = res?;
+            let (n, sq, f) = res?;
             written += u64::from(n);
             seq = seq.max(sq);
+            flush |= f;
         }
         if seq > 0 {
             self.wait_durable(seq)?;
+        }
+        if flush {
+            self.flush_data()?;
         }
         Ok(written)
     }
@@ -886,14 +1023,16 @@ impl Drive {
                 crc: 0,
                 flags: 0,
             };
-            let (n, need_seq) = self.claim(
+            let (n, need_seq, _) = self.claim(
                 &ext,
                 first,
                 count,
                 |_| new,
                 |_, cur, new| new.version >= cur.version,
                 &mut s.applied,
-            );
+                &mut s.prior_data,
+                false,
+            )?;
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - n), Ordering::Relaxed);

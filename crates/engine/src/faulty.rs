@@ -10,7 +10,18 @@ use std::sync::{Arc, Mutex, MutexGuard};
 /// Unit in which a write can tear: a torn write persists a random subset of these.
 pub const TORN_SECTOR_BYTES: usize = 512;
 
+/// What a crash does to writes not yet covered by a sync.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CrashMode {
+    /// Power loss: each is dropped, kept whole, or torn into a random subset of its
+    /// `tear_bytes` units (512: sector atomicity; 4096: a device with atomic 4 KiB writes).
+    PowerLoss { tear_bytes: usize },
+    /// The process dies (kill -9) and the machine stays up: every write it issued persists.
+    ProcessKill,
+}
+
 struct State {
+    mode: CrashMode,
     /// What reads see: the durable image plus every write since the last sync.
     current: Vec<u8>,
     /// What survives power loss.
@@ -48,6 +59,9 @@ impl FaultyFile {
         let len = usize::try_from(len_bytes).expect("simulated drive must fit in memory");
         FaultyFile {
             state: Arc::new(Mutex::new(State {
+                mode: CrashMode::PowerLoss {
+                    tear_bytes: TORN_SECTOR_BYTES,
+                },
                 current: vec![0; len],
                 durable: vec![0; len],
                 pending: Vec::new(),
@@ -78,8 +92,14 @@ impl FaultyFile {
         }
     }
 
-    /// Power loss: each unsynced write is dropped, kept whole, or torn (a random subset of
-    /// its 512-byte sectors persists), in issue order. Deterministic given `rng_seed`.
+    /// What later crashes do (default: power loss with 512-byte sector atomicity).
+    pub fn set_crash_mode(&self, mode: CrashMode) {
+        self.lock().mode = mode;
+    }
+
+    /// A crash in the current mode; by default power loss: each unsynced write is dropped,
+    /// kept whole, or torn (a random subset of its 512-byte sectors persists), in issue
+    /// order. Deterministic given `rng_seed`.
     pub fn crash(&self, rng_seed: u64) {
         let mut st = self.lock();
         Self::crash_locked(&mut st, rng_seed);
@@ -88,15 +108,20 @@ impl FaultyFile {
     fn crash_locked(st: &mut State, rng_seed: u64) {
         let mut rng = StdRng::seed_from_u64(rng_seed);
         let pending = std::mem::take(&mut st.pending);
+        let tear = match st.mode {
+            CrashMode::PowerLoss { tear_bytes } => tear_bytes.max(1),
+            CrashMode::ProcessKill => 0,
+        };
         for (off, data) in pending {
             let off = off as usize;
-            match rng.gen_range(0..3u8) {
+            let fate = if tear == 0 { 1 } else { rng.gen_range(0..3u8) };
+            match fate {
                 0 => {}
                 1 => st.durable[off..off + data.len()].copy_from_slice(&data),
                 _ => {
-                    for (i, sector) in data.chunks(TORN_SECTOR_BYTES).enumerate() {
+                    for (i, sector) in data.chunks(tear).enumerate() {
                         if rng.gen_bool(0.5) {
-                            let o = off + i * TORN_SECTOR_BYTES;
+                            let o = off + i * tear;
                             st.durable[o..o + sector.len()].copy_from_slice(sector);
                         }
                     }

@@ -419,11 +419,14 @@ pub fn decode_table_sector(b: &[u8], sector: u32, entries: &mut [ExtentEntry]) -
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Record {
     /// Block `block` of extent `slot` now holds data with this crc, at this version.
+    /// `intent`: the record was made durable *before* the data write (an overwrite of a
+    /// block holding data), so recovery must check the block whatever batch holds it.
     Data {
         slot: u32,
         block: u32,
         crc: u32,
         version: u64,
+        intent: bool,
     },
     /// Blocks [block, block+count) read as zeros at this version (TRIM / WRITE_ZEROES).
     Zero {
@@ -453,8 +456,10 @@ impl Record {
                 block,
                 crc,
                 version,
+                intent,
             } => {
                 out[0] = 1;
+                out[1] = u8::from(intent);
                 put_u32(out, 4, slot);
                 put_u32(out, 8, block);
                 put_u32(out, 12, crc);
@@ -509,6 +514,7 @@ impl Record {
                 block: get_u32(b, 8),
                 crc: get_u32(b, 12),
                 version: get_u64(b, 16),
+                intent: b[1] & 1 != 0,
             },
             2 => Record::Zero {
                 slot,
@@ -645,6 +651,14 @@ mod tests {
                 block: 2,
                 crc: 3,
                 version: 4,
+                intent: false,
+            },
+            Record::Data {
+                slot: 1,
+                block: 2,
+                crc: 3,
+                version: 4,
+                intent: true,
             },
             Record::Zero {
                 slot: 1,

@@ -21,7 +21,7 @@ mod stats;
 pub use cache::{Cache, CacheStats, OpenReport, Tier, CACHE_MIN_BYTES};
 pub use drive::{Capacity, DestageRun, Drive, ExtentInfo, FormatOptions, ReadInfo};
 pub use error::EngineError;
-pub use faulty::FaultyFile;
+pub use faulty::{CrashMode, FaultyFile};
 pub use file::{AlignedBuf, BlockFile, DirectFile};
 pub use layout::{DriveIdentity, FORMAT_VERSION};
 pub use sample::{DataBlock, DataBlockSample};

@@ -63,7 +63,8 @@ struct RExtent {
 /// checkpointed one, then one per journal record. Data candidates are proven by their crc
 /// matching what is on disk; a metadata-only state (zero) is proven when the data it was
 /// applied over is still on disk (no later write reached the block). If nothing is proven,
-/// the latest state is kept and its crc mismatch reports the block as bad on read.
+/// the latest state is kept and its crc mismatch reports the block as bad on read (a torn
+/// write, or rot: never silently an older state, which could be an acked write's loss).
 pub(crate) fn choose(cands: &[BlockMeta], disk_crc: u32) -> BlockMeta {
     let last = *cands.last().expect("a touched block has candidates");
     if !last.has_data() {
@@ -235,6 +236,10 @@ impl Drive {
         let mut jbuf = AlignedBuf::new(js as usize);
         let mut cands: HashMap<(u32, u32), Vec<BlockMeta>> = HashMap::new();
         let mut last_batch: HashSet<(u32, u32)> = HashSet::new();
+        // Blocks an intent touched anywhere in the window (their data went after the
+        // record, maybe batches later).
+        let mut intent_touched: HashSet<(u32, u32)> = HashSet::new();
+
         let mut reset_slots: BTreeSet<u32> = BTreeSet::new();
         let mut batches = 0u64;
         let read_batch =
@@ -280,7 +285,7 @@ impl Drive {
                         raw[0]
                     ))
                 })?;
-                let mut touch = |slot: u32, block: u32, meta: BlockMeta| {
+                let mut touch = |slot: u32, block: u32, meta: BlockMeta, intent: bool| {
                     let Some(Some(e)) = exts.get_mut(slot as usize) else {
                         return;
                     };
@@ -293,6 +298,9 @@ impl Drive {
                         .push(meta);
                     *cur = meta;
                     last_batch.insert((slot, block));
+                    if intent {
+                        intent_touched.insert((slot, block));
+                    }
                 };
                 match rec {
                     Record::Data {
@@ -300,6 +308,7 @@ impl Drive {
                         block,
                         crc,
                         version,
+                        intent,
                     } => touch(
                         slot,
                         block,
@@ -308,6 +317,7 @@ impl Drive {
                             crc,
                             flags: crate::layout::F_DATA,
                         },
+                        intent,
                     ),
                     Record::Zero {
                         slot,
@@ -324,6 +334,7 @@ impl Drive {
                                     crc: 0,
                                     flags: 0,
                                 },
+                                false,
                             );
                         }
                     }
@@ -336,6 +347,7 @@ impl Drive {
                             });
                             cands.retain(|k, _| k.0 != slot);
                             last_batch.retain(|k| k.0 != slot);
+                            intent_touched.retain(|k| k.0 != slot);
                             reset_slots.insert(slot);
                         }
                     }
@@ -349,6 +361,7 @@ impl Drive {
                             exts[slot as usize] = None;
                             cands.retain(|k, _| k.0 != slot);
                             last_batch.retain(|k| k.0 != slot);
+                            intent_touched.retain(|k| k.0 != slot);
                         }
                     }
                 }
@@ -363,11 +376,15 @@ impl Drive {
             }
         }
 
-        // Only the last batch can be unsynced: every earlier batch was followed by a
-        // successful sync, which also covered the data writes its records describe. So only
-        // blocks the last batch touched need their data checked against their candidates.
+        // Which blocks may hold data other than their newest record says: those the last
+        // batch touched (it may be unsynced; every earlier batch was followed by a sync that
+        // also covered the first writes its records describe), and those any intent touched
+        // (an overwrite's data is written after its record, possibly batches later). Read
+        // them in disk order and keep, per block, the newest state the disk proves.
+        let mut check: Vec<(u32, u32)> = last_batch.union(&intent_touched).copied().collect();
+        check.sort_unstable();
         let mut dbuf = AlignedBuf::new(BLOCK as usize);
-        for key in &last_batch {
+        for key in &check {
             let Some(list) = cands.get(key) else { continue };
             let Some(Some(e)) = exts.get_mut(key.0 as usize) else {
                 continue;
@@ -449,6 +466,7 @@ impl Drive {
                 durable_seq: seq - 1,
                 leader_active: false,
                 failed: None,
+                unsettled: Vec::new(),
             }),
             commit_cv: Condvar::new(),
             leader: Mutex::new(LeaderState {
@@ -461,24 +479,28 @@ impl Drive {
                 page_buf: AlignedBuf::new(PAGE_BUF_BYTES),
                 dirty_meta,
                 dirty_table,
+                intents: 0,
             }),
             counters,
             journal_sector: js_now,
             batch_records_max,
+            flush: Mutex::new(Default::default()),
+            flush_cv: Condvar::new(),
         };
         if batches > 0 {
             log::info!(
                 "drive {}: replayed {batches} journal batches ({} blocks touched, {} checked)",
                 drive.id.drive,
                 cands.len(),
-                last_batch.len()
+                check.len()
             );
         }
         // Persist the recovery decisions before any new write can change the data they
         // were based on; this also starts the new journal generation.
         {
             let mut ld = crate::drive::lock(&drive.leader);
-            drive.checkpoint_locked(&mut ld)?;
+            let next = ld.next_seq;
+            drive.checkpoint_locked(&mut ld, next)?;
         }
         Ok(drive)
     }
@@ -522,5 +544,9 @@ mod tests {
         assert_eq!(choose(&[d(1, 1), z(2)], 7), z(2));
         // Bad base stops the search.
         assert_eq!(choose(&[BlockMeta::BAD, d(3, 3)], 5), d(3, 3));
+        // An intent whose data did not land (the old data is there) / did land / tore.
+        assert_eq!(choose(&[d(1, 1), d(2, 2), d(4, 4)], 2), d(2, 2));
+        assert_eq!(choose(&[d(1, 1), d(2, 2), d(4, 4)], 4), d(4, 4));
+        assert_eq!(choose(&[d(1, 1), d(2, 2), d(4, 4)], 7), d(4, 4));
     }
 }

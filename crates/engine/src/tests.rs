@@ -571,7 +571,10 @@ fn skipped_write_is_not_acked_before_the_newer_claim_is_durable() {
     let mut rng = StdRng::seed_from_u64(12);
     let k = key(1, 0);
     let (x, xc) = blocks(&mut rng, 1);
-    d.write(k, Epoch(1), Version(1), 0, &x, &xc).unwrap();
+    // A first write of the block: its data goes before its record, so the block is free
+    // for the older write to be skipped against while the record waits for its sync. (An
+    // overwrite keeps its blocks claimed until its record is durable and its data written:
+    // an older write then waits in its claim.)
     *gate.hold_sync.lock().unwrap() = true;
     let (d2, x2, xc2) = (d.clone(), x.clone(), xc.clone());
     let newer = std::thread::spawn(move || d2.write(k, Epoch(1), Version(12), 0, &x2, &xc2));
