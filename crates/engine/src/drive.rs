@@ -446,6 +446,7 @@ impl Drive {
     /// Returns (blocks claimed, batch a skipped block's newer claim must reach first,
     /// whether a claimed block holds data now: an overwrite in place); `prior_data` says
     /// that per block.
+    #[allow(clippy::too_many_arguments)]
     fn claim(
         &self,
         ext: &Extent,
