@@ -13,9 +13,6 @@ use crate::layout::{
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
 
-/// Intent records one replay window holds at most: recovery reads each one's block.
-const MAX_INTENTS_PER_WINDOW: u64 = 1 << 16;
-
 impl Drive {
     /// Why the drive failed (a device write or sync error), if it did; it acks nothing
     /// after that.
@@ -63,7 +60,7 @@ impl Drive {
                 st = if st.leader_active {
                     self.commit_cv.wait(st).expect("commit lock poisoned")
                 } else {
-                    self.lead_one(st)
+                    self.lead_one(st, None)
                 };
             }
             st.pending.extend_from_slice(chunk);
@@ -72,9 +69,11 @@ impl Drive {
         Ok(seq)
     }
 
-    /// Queues an overwrite's records (all in one batch: the caller keeps them below the
-    /// batch bound) and registers them as unsettled until [`Drive::settle`]: their data is
-    /// written only once they are durable, and a checkpoint must not pass them before.
+    /// Queues a write's records (all in one batch: the caller keeps them below the batch
+    /// bound) when some of its blocks are overwritten in place. Their data is written only
+    /// once the batch is *written* ([`Drive::wait_written`]), and the batch is not synced
+    /// before the writer calls [`Drive::settle`]: so the record always reaches the device
+    /// before the data, and one sync makes both durable.
     pub(crate) fn enqueue_intent(&self, records: &[u8]) -> Result<u64, EngineError> {
         debug_assert!(records.len() <= self.batch_records_max);
         let mut st = lock(&self.commit);
@@ -90,7 +89,7 @@ impl Drive {
             st = if st.leader_active {
                 self.commit_cv.wait(st).expect("commit lock poisoned")
             } else {
-                self.lead_one(st)
+                self.lead_one(st, None)
             };
         }
         st.pending.extend_from_slice(records);
@@ -102,7 +101,7 @@ impl Drive {
         Ok(seq)
     }
 
-    /// The data of an intent queued in batch `seq` is written (or will never be).
+    /// The overwrite data of an intent queued in batch `seq` is written (or never will be).
     pub(crate) fn settle(&self, seq: u64) {
         let mut st = lock(&self.commit);
         if let Some(i) = st.unsettled.iter().position(|(s, _)| *s == seq) {
@@ -115,10 +114,42 @@ impl Drive {
         }
     }
 
-    /// Waits until every intent in a batch before `seq` has its data written, so that a
-    /// checkpoint taken now records only metadata whose data is on the device (its sync
-    /// covers those writes) and recovery never needs an intent the tail has passed. The
-    /// writers of those batches need no leader to get there, so this cannot deadlock.
+    /// Runs `own` (the caller's overwrite data write, which settles) once batch `seq` is
+    /// written to the journal, leading it if nobody is. Err without running `own` only
+    /// when the drive failed first.
+    pub(crate) fn wait_written(
+        &self,
+        seq: u64,
+        own: &mut dyn FnMut() -> Result<(), EngineError>,
+    ) -> Result<(), EngineError> {
+        let mut st = lock(&self.commit);
+        loop {
+            if let Some(reason) = &st.failed {
+                return Err(EngineError::Failed {
+                    reason: reason.clone(),
+                });
+            }
+            if st.written_seq >= seq {
+                drop(st);
+                return own();
+            }
+            if st.leader_active {
+                st = self.commit_cv.wait(st).expect("commit lock poisoned");
+            } else {
+                // The open batch holds our records: lead it, writing our data between
+                // its journal write and its sync.
+                let mut res = None;
+                let mut between = || res = Some(own());
+                st = self.lead_one(st, Some(&mut between));
+                if let Some(r) = res {
+                    return r;
+                }
+            }
+        }
+    }
+
+    /// Waits until every intent of batch `seq` (and earlier) has its data written.
+    /// Those writers need no leader to get there, so the leader cannot deadlock here.
     fn wait_settled(&self, seq: u64) -> Result<(), EngineError> {
         let mut st = lock(&self.commit);
         loop {
@@ -127,68 +158,11 @@ impl Drive {
                     reason: reason.clone(),
                 });
             }
-            if st.unsettled.iter().all(|(s, _)| *s >= seq) {
+            if st.unsettled.iter().all(|(s, _)| *s > seq) {
                 return Ok(());
             }
             st = self.commit_cv.wait(st).expect("commit lock poisoned");
         }
-    }
-
-    /// Makes every data write that completed before this call durable: waits for a device
-    /// sync that starts after now, leading one if none is running, so concurrent writers
-    /// share syncs (a journal batch's sync counts too).
-    pub(crate) fn flush_data(&self) -> Result<(), EngineError> {
-        self.check_failed()?;
-        let mut f = lock(&self.flush);
-        let target = f.begun + 1;
-        loop {
-            if f.done >= target {
-                return Ok(());
-            }
-            if f.active {
-                f = self.flush_cv.wait(f).expect("flush lock poisoned");
-                continue;
-            }
-            f.active = true;
-            f.begun += 1;
-            let g = f.begun;
-            drop(f);
-            let res = self.dev_sync();
-            f = lock(&self.flush);
-            f.active = false;
-            if res.is_ok() {
-                f.done = f.done.max(g);
-            }
-            self.flush_cv.notify_all();
-            if let Err(e) = res {
-                drop(f);
-                self.fail(&e);
-                return Err(e);
-            }
-        }
-    }
-
-    /// The journal batch's sync; if no data flush is running it also serves as one.
-    fn sync_journal(&self) -> Result<(), EngineError> {
-        let g = {
-            let mut f = lock(&self.flush);
-            (!f.active).then(|| {
-                f.active = true;
-                f.begun += 1;
-                f.begun
-            })
-        };
-        let res = self.dev_sync();
-        if let Some(g) = g {
-            let mut f = lock(&self.flush);
-            f.active = false;
-            if res.is_ok() {
-                f.done = f.done.max(g);
-            }
-            drop(f);
-            self.flush_cv.notify_all();
-        }
-        res
     }
 
     /// Returns once batch `seq` (and all before it) is durable; leads a batch if nobody is.
@@ -210,13 +184,19 @@ impl Drive {
             st = if st.leader_active {
                 self.commit_cv.wait(st).expect("commit lock poisoned")
             } else {
-                self.lead_one(st)
+                self.lead_one(st, None)
             };
         }
     }
 
     /// Writes the open batch as leader: one journal write, one sync for every waiter.
-    fn lead_one<'a>(&'a self, mut st: MutexGuard<'a, CommitState>) -> MutexGuard<'a, CommitState> {
+    /// `between` (the leader's own overwrite data, if it is an intent writer of this batch)
+    /// runs after the journal write and before the sync.
+    fn lead_one<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, CommitState>,
+        between: Option<&mut dyn FnMut()>,
+    ) -> MutexGuard<'a, CommitState> {
         assert!(
             !st.pending.is_empty(),
             "a waiter leads only when its records are in the open batch"
@@ -228,7 +208,7 @@ impl Drive {
         let mut ld = lock(&self.leader);
         std::mem::swap(&mut st.pending, &mut ld.spare);
         drop(st);
-        let res = self.write_batch(&mut ld, seq);
+        let res = self.write_batch(&mut ld, seq, between);
         drop(ld);
         let mut st = lock(&self.commit);
         match res {
@@ -246,7 +226,12 @@ impl Drive {
         st
     }
 
-    fn write_batch(&self, ld: &mut LeaderState, seq: u64) -> Result<(), EngineError> {
+    fn write_batch(
+        &self,
+        ld: &mut LeaderState,
+        seq: u64,
+        between: Option<&mut dyn FnMut()>,
+    ) -> Result<(), EngineError> {
         assert_eq!(seq, ld.next_seq, "journal batches are written in sequence");
         let records = std::mem::take(&mut ld.spare);
         let js = self.journal_sector as u64;
@@ -256,9 +241,9 @@ impl Drive {
         // Checkpoint before the replay window passes half the journal: keeps room for the
         // batch and its wrap-around waste, and bounds recovery time.
         let waste = |head: u64| if head + len > jlen { jlen - head } else { 0 };
-        // Also bound the intents recovery must check (one block read each).
-        if ld.used + waste(ld.head) + len > jlen / 2 || ld.intents >= MAX_INTENTS_PER_WINDOW {
-            self.checkpoint_locked(ld, seq)?;
+        if ld.used + waste(ld.head) + len > jlen / 2 {
+            // Every earlier batch is synced and its overwrites settled.
+            self.checkpoint_locked(ld)?;
         }
         let mut pos = ld.head;
         if pos + len > jlen {
@@ -285,7 +270,19 @@ impl Drive {
             self.layout.journal_off + pos,
             IoKind::Journal,
         )?;
-        self.sync_journal()?;
+        // Overwrites of this batch may write their data now (their records are on the
+        // device's queue ahead of it); the sync waits until they have.
+        {
+            let mut st = lock(&self.commit);
+            st.written_seq = seq;
+            drop(st);
+            self.commit_cv.notify_all();
+        }
+        if let Some(own) = between {
+            own();
+        }
+        self.wait_settled(seq)?;
+        self.dev_sync()?;
         self.counters
             .journal_batches
             .fetch_add(1, Ordering::Relaxed);
@@ -319,9 +316,8 @@ impl Drive {
                     block,
                     crc,
                     version,
-                    intent,
+                    intent: _,
                 } => {
-                    ld.intents += u64::from(intent);
                     let meta = BlockMeta {
                         version,
                         crc,
@@ -409,14 +405,9 @@ impl Drive {
     }
 
     /// Makes the durable in-memory metadata durable in place, then moves the journal tail
-    /// to the head. Only the commit leader calls this, between batches; `next` is the
-    /// batch it writes next (every earlier one is durable and applied).
-    pub(crate) fn checkpoint_locked(
-        &self,
-        ld: &mut LeaderState,
-        next: u64,
-    ) -> Result<(), EngineError> {
-        self.wait_settled(next)?;
+    /// to the head. Only the commit leader calls this, between batches (every earlier one
+    /// is synced, its overwrites settled, and applied).
+    pub(crate) fn checkpoint_locked(&self, ld: &mut LeaderState) -> Result<(), EngineError> {
         let table_pages = std::mem::take(&mut ld.dirty_table);
         let meta_pages = std::mem::take(&mut ld.dirty_meta);
         let mut buf = std::mem::replace(&mut ld.page_buf, AlignedBuf::new(0));
@@ -435,7 +426,6 @@ impl Drive {
         self.dev_write(&sbuf, (ld.sb.generation % 2) * BLOCK, IoKind::Meta)?;
         self.dev_sync()?;
         ld.used = 0;
-        ld.intents = 0;
         self.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
@@ -531,8 +521,7 @@ impl Drive {
         drop(st);
         let res = {
             let mut ld = lock(&self.leader);
-            let next = ld.next_seq;
-            self.checkpoint_locked(&mut ld, next)
+            self.checkpoint_locked(&mut ld)
         };
         let mut st = lock(&self.commit);
         if let Err(e) = &res {

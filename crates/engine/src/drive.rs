@@ -193,19 +193,11 @@ pub(crate) struct CommitState {
     /// Sticky: after a failed device write or sync nothing more is acked (fsync errors
     /// cannot be retried safely), until the drive is reopened.
     pub failed: Option<String>,
-    /// (batch, writers) of intents whose data is not written yet: a checkpoint must not
-    /// move the journal tail past them (see [`Drive::wait_settled`]). Bounded by the
-    /// writes in flight.
+    /// Every batch up to this one is written to the journal (maybe not yet synced).
+    pub written_seq: u64,
+    /// (batch, writers) of overwrites whose data is not written yet: the leader syncs a
+    /// batch only once none of its own is left. Bounded by the writes in flight.
     pub unsettled: Vec<(u64, u32)>,
-}
-
-/// Group flush of data writes: `begun` counts syncs started, `done` the latest one that
-/// finished (syncs run one at a time).
-#[derive(Default)]
-pub(crate) struct FlushState {
-    pub begun: u64,
-    pub done: u64,
-    pub active: bool,
 }
 
 /// State only the current commit leader touches.
@@ -223,8 +215,6 @@ pub(crate) struct LeaderState {
     /// (slot, page) metadata pages changed since the last checkpoint.
     pub dirty_meta: BTreeSet<(u32, u32)>,
     pub dirty_table: BTreeSet<u32>,
-    /// Intent records applied since the last checkpoint.
-    pub intents: u64,
 }
 
 #[derive(Clone, Copy)]
@@ -250,8 +240,6 @@ pub struct Drive {
     pub(crate) journal_sector: usize,
     /// Bytes of records one batch carries at most (bounds batch size and latency).
     pub(crate) batch_records_max: usize,
-    pub(crate) flush: Mutex<FlushState>,
-    pub(crate) flush_cv: Condvar,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -265,7 +253,9 @@ struct Scratch {
     /// Per claimed block: it held data (or was bad) when claimed, so it is overwritten.
     prior_data: Vec<bool>,
     records: Vec<u8>,
-    records2: Vec<u8>,
+    /// Per block of a piece: claimed and unwritten before / claimed and overwritten.
+    fresh: Vec<bool>,
+    over: Vec<bool>,
     metas: Vec<BlockMeta>,
     metas2: Vec<BlockMeta>,
 }
@@ -625,19 +615,15 @@ impl Drive {
         let (first, count) = self.checked_write_range(key, offset, data, crcs)?;
         self.check_failed()?;
         let ext = self.extent_for_write(key, epoch)?;
-        let (n, seq, flush) =
-            self.write_claimed(&ext, first, count, data, crcs, version_of, accept)?;
+        let (n, seq) = self.write_claimed(&ext, first, count, data, crcs, version_of, accept)?;
         self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))?;
-        if flush {
-            self.flush_data()?;
-        }
         Ok(n)
     }
 
     /// Claims blocks of an extent under the version rule `accept`, writes the accepted
     /// ones in place and queues their records, in pieces whose records fit one journal
-    /// batch. Returns (blocks written, the batch a durable ack must wait for, whether the
-    /// ack must also wait for [`Drive::flush_data`]); the caller waits.
+    /// batch. Returns (blocks written, the batch a durable ack must wait for); the caller
+    /// waits.
     #[allow(clippy::too_many_arguments)]
     fn write_claimed(
         &self,
@@ -648,14 +634,14 @@ impl Drive {
         crcs: &[u32],
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
-    ) -> Result<(u32, u64, bool), EngineError> {
+    ) -> Result<(u32, u64), EngineError> {
         let piece = ((self.batch_records_max / RECORD) / 2).max(1) as u32;
-        let (mut n, mut seq, mut flush) = (0, 0, false);
+        let (mut n, mut seq) = (0, 0);
         let mut at = 0u32;
         while at < count {
             let len = piece.min(count - at);
             let (i0, b0) = (at as usize, at as usize * BLOCK_SIZE);
-            let (pn, ps, pf) = self.write_piece(
+            let (pn, ps) = self.write_piece(
                 ext,
                 first + at,
                 len,
@@ -666,24 +652,21 @@ impl Drive {
             )?;
             n += pn;
             seq = seq.max(ps);
-            flush |= pf;
             at += len;
         }
-        Ok((n, seq, flush))
+        Ok((n, seq))
     }
 
     /// One piece of [`Drive::write_claimed`] (its records go into one batch).
     ///
-    /// A block that holds no data yet is written first and recorded after: if the record
-    /// never becomes durable the block still reads as unwritten, whatever its data region
-    /// holds. A block that holds data is overwritten in place, so its record (an *intent*)
-    /// goes first: once that is durable the data is written and then flushed (a piece
-    /// with both kinds does the intents first, then writes all its data, then queues the
-    /// first writes' records). Recovery
-    /// checks every intent's block against the crcs of its states (the old data still on
-    /// disk proves the write did not land), so a crash between the two never leaves a
-    /// block whose data and metadata disagree. A checkpoint waits until the data of every
-    /// durable intent is written ([`Drive::wait_settled`]).
+    /// The order of data and record keeps a crash (of the process: everything it wrote
+    /// reaches the device) from separating a block's data from its crc:
+    /// * a block that holds no data is written first and recorded after: if the record
+    ///   is lost the block still reads as unwritten, whatever its data region holds;
+    /// * a block that holds data is overwritten in place, so its record goes first: the
+    ///   data is written once the record's batch is written to the journal, and that
+    ///   batch is synced only after the data (one sync for both). If the data is lost,
+    ///   recovery finds the old data still matching the old crc.
     #[allow(clippy::too_many_arguments)]
     fn write_piece(
         &self,
@@ -694,7 +677,7 @@ impl Drive {
         crcs: &[u32],
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
-    ) -> Result<(u32, u64, bool), EngineError> {
+    ) -> Result<(u32, u64), EngineError> {
         with_scratch(|s| {
             let (n, need_seq, overwrite) = self.claim(
                 ext,
@@ -710,63 +693,69 @@ impl Drive {
                 &mut s.prior_data,
                 true,
             )?;
-            let skipped = count - n;
             self.counters
                 .skipped_blocks
-                .fetch_add(u64::from(skipped), Ordering::Relaxed);
-            // A skipped block holds a newer write already in place: its ack also needs
-            // that write's data flushed, not only its record.
-            let flush = skipped > 0 || overwrite;
+                .fetch_add(u64::from(count - n), Ordering::Relaxed);
             let mut seq = need_seq.max(ext.epoch_seq.load(Ordering::Acquire));
             if n == 0 {
-                return Ok((0, seq, flush));
+                return Ok((0, seq));
             }
-            // Intents for blocks holding data, plain records for the others (an intent
-            // over an unwritten block could not be told from one whose data rotted).
-            s.records.clear();
-            s.records2.clear();
-            for (i, _) in s.applied.iter().enumerate().filter(|(_, &a)| a) {
-                let intent = s.prior_data[i];
-                Record::Data {
-                    slot: ext.slot,
-                    block: first + i as u32,
-                    crc: crcs[i],
-                    version: version_of(i),
-                    intent,
+            let Scratch {
+                applied,
+                prior_data,
+                records,
+                fresh,
+                over,
+                ..
+            } = s;
+            records.clear();
+            fresh.clear();
+            over.clear();
+            for i in 0..applied.len() {
+                fresh.push(applied[i] && !prior_data[i]);
+                over.push(applied[i] && prior_data[i]);
+                if applied[i] {
+                    Record::Data {
+                        slot: ext.slot,
+                        block: first + i as u32,
+                        crc: crcs[i],
+                        version: version_of(i),
+                        intent: prior_data[i],
+                    }
+                    .push(records);
                 }
-                .push(if intent {
-                    &mut s.records
-                } else {
-                    &mut s.records2
-                });
             }
             let res = if overwrite {
-                self.enqueue_intent(&s.records)
+                self.write_runs(ext, first, data, fresh)
+                    .and_then(|()| self.enqueue_intent(records))
                     .and_then(|rec_seq| {
-                        // Only `rec_seq`: the records that set the extent's state this
-                        // write saw were queued before it. Waiting for a later epoch raise
-                        // here could wait for a checkpoint that waits for this write.
-                        let res = self
-                            .wait_durable(rec_seq)
-                            .and_then(|()| self.write_runs(ext, first, data, &s.applied));
-                        self.settle(rec_seq);
-                        res.map(|()| rec_seq)
-                    })
-                    .and_then(|rec_seq| match s.records2.is_empty() {
-                        true => Ok(rec_seq),
-                        false => self.enqueue(&s.records2, false).map(|q| q.max(rec_seq)),
+                        let mut ran = false;
+                        let mut own = || {
+                            ran = true;
+                            let r = self.write_runs(ext, first, data, over);
+                            if let Err(e) = &r {
+                                self.fail(e);
+                            }
+                            self.settle(rec_seq);
+                            r
+                        };
+                        let r = self.wait_written(rec_seq, &mut own);
+                        if !ran {
+                            self.settle(rec_seq);
+                        }
+                        r.map(|()| rec_seq)
                     })
             } else {
-                self.write_runs(ext, first, data, &s.applied)
-                    .and_then(|()| self.enqueue(&s.records2, false))
+                self.write_runs(ext, first, data, applied)
+                    .and_then(|()| self.enqueue(records, false))
             };
             if let Err(e) = &res {
                 // The data on disk may no longer match what we know: stop acking.
                 self.fail(e);
             }
-            self.release(ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
+            self.release(ext, first, applied, *res.as_ref().unwrap_or(&0));
             seq = seq.max(res?);
-            Ok((n, seq, flush))
+            Ok((n, seq))
         })
     }
 
@@ -796,7 +785,6 @@ impl Drive {
     pub fn destage(&self, runs: &[DestageRun<'_>]) -> Result<u64, EngineError> {
         self.check_failed()?;
         let mut seq = 0;
-        let mut flush = false;
         let mut written = 0u64;
         for r in runs {
             let count = r.crcs.len();
@@ -824,16 +812,12 @@ impl Drive {
                 |_, cur, new| new.version >= cur.version,
             );
             self.counters.end(OpKind::Write, t);
-            let (n, sq, f) = res?;
+            let (n, sq) = res?;
             written += u64::from(n);
             seq = seq.max(sq);
-            flush |= f;
         }
         if seq > 0 {
             self.wait_durable(seq)?;
-        }
-        if flush {
-            self.flush_data()?;
         }
         Ok(written)
     }

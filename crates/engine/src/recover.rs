@@ -236,9 +236,6 @@ impl Drive {
         let mut jbuf = AlignedBuf::new(js as usize);
         let mut cands: HashMap<(u32, u32), Vec<BlockMeta>> = HashMap::new();
         let mut last_batch: HashSet<(u32, u32)> = HashSet::new();
-        // Blocks an intent touched anywhere in the window (their data went after the
-        // record, maybe batches later).
-        let mut intent_touched: HashSet<(u32, u32)> = HashSet::new();
 
         let mut reset_slots: BTreeSet<u32> = BTreeSet::new();
         let mut batches = 0u64;
@@ -285,7 +282,7 @@ impl Drive {
                         raw[0]
                     ))
                 })?;
-                let mut touch = |slot: u32, block: u32, meta: BlockMeta, intent: bool| {
+                let mut touch = |slot: u32, block: u32, meta: BlockMeta| {
                     let Some(Some(e)) = exts.get_mut(slot as usize) else {
                         return;
                     };
@@ -298,9 +295,6 @@ impl Drive {
                         .push(meta);
                     *cur = meta;
                     last_batch.insert((slot, block));
-                    if intent {
-                        intent_touched.insert((slot, block));
-                    }
                 };
                 match rec {
                     Record::Data {
@@ -308,7 +302,7 @@ impl Drive {
                         block,
                         crc,
                         version,
-                        intent,
+                        intent: _,
                     } => touch(
                         slot,
                         block,
@@ -317,7 +311,6 @@ impl Drive {
                             crc,
                             flags: crate::layout::F_DATA,
                         },
-                        intent,
                     ),
                     Record::Zero {
                         slot,
@@ -334,7 +327,6 @@ impl Drive {
                                     crc: 0,
                                     flags: 0,
                                 },
-                                false,
                             );
                         }
                     }
@@ -347,7 +339,6 @@ impl Drive {
                             });
                             cands.retain(|k, _| k.0 != slot);
                             last_batch.retain(|k| k.0 != slot);
-                            intent_touched.retain(|k| k.0 != slot);
                             reset_slots.insert(slot);
                         }
                     }
@@ -361,7 +352,6 @@ impl Drive {
                             exts[slot as usize] = None;
                             cands.retain(|k, _| k.0 != slot);
                             last_batch.retain(|k| k.0 != slot);
-                            intent_touched.retain(|k| k.0 != slot);
                         }
                     }
                 }
@@ -376,12 +366,11 @@ impl Drive {
             }
         }
 
-        // Which blocks may hold data other than their newest record says: those the last
-        // batch touched (it may be unsynced; every earlier batch was followed by a sync that
-        // also covered the first writes its records describe), and those any intent touched
-        // (an overwrite's data is written after its record, possibly batches later). Read
-        // them in disk order and keep, per block, the newest state the disk proves.
-        let mut check: Vec<(u32, u32)> = last_batch.union(&intent_touched).copied().collect();
+        // Only the last batch can be unsynced: every earlier one was synced after the data
+        // of its first writes (written before their records) and of its overwrites (written
+        // after the batch, before its sync). So only blocks the last batch touched need
+        // their data checked against their states; read them in disk order.
+        let mut check: Vec<(u32, u32)> = last_batch.iter().copied().collect();
         check.sort_unstable();
         let mut dbuf = AlignedBuf::new(BLOCK as usize);
         for key in &check {
@@ -466,6 +455,7 @@ impl Drive {
                 durable_seq: seq - 1,
                 leader_active: false,
                 failed: None,
+                written_seq: seq - 1,
                 unsettled: Vec::new(),
             }),
             commit_cv: Condvar::new(),
@@ -479,13 +469,10 @@ impl Drive {
                 page_buf: AlignedBuf::new(PAGE_BUF_BYTES),
                 dirty_meta,
                 dirty_table,
-                intents: 0,
             }),
             counters,
             journal_sector: js_now,
             batch_records_max,
-            flush: Mutex::new(Default::default()),
-            flush_cv: Condvar::new(),
         };
         if batches > 0 {
             log::info!(
@@ -499,8 +486,7 @@ impl Drive {
         // were based on; this also starts the new journal generation.
         {
             let mut ld = crate::drive::lock(&drive.leader);
-            let next = ld.next_seq;
-            drive.checkpoint_locked(&mut ld, next)?;
+            drive.checkpoint_locked(&mut ld)?;
         }
         Ok(drive)
     }
