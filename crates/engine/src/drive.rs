@@ -780,12 +780,13 @@ impl Drive {
 
     /// Writes destaged runs from a cache drive: block `i` of a run gets `versions[i]` if
     /// that is not older than what the drive holds (a newer direct write wins). Extents
-    /// the drive no longer holds are skipped (freed meanwhile), never allocated. One
-    /// durability wait for all runs; returns the blocks written. Durable on Ok.
+    /// the drive no longer holds are skipped (freed meanwhile), never allocated. Runs are
+    /// written in groups whose records share one journal batch (the same batching as
+    /// before the record-first overwrite order); one durability wait for all runs;
+    /// returns the blocks written. Durable on Ok.
     pub fn destage(&self, runs: &[DestageRun<'_>]) -> Result<u64, EngineError> {
         self.check_failed()?;
-        let mut seq = 0;
-        let mut written = 0u64;
+        let mut ranges = Vec::with_capacity(runs.len());
         for r in runs {
             let count = r.crcs.len();
             if r.versions.len() != count || r.data.len() != count * BLOCK_SIZE {
@@ -796,30 +797,185 @@ impl Drive {
                     len: r.data.len() as u64,
                 });
             }
-            let (first, count) =
-                self.range(r.key, u64::from(r.first) * BLOCK, r.data.len() as u64)?;
-            let Some(ext) = self.lookup(r.key) else {
-                continue;
-            };
-            let t = self.counters.begin();
-            let res = self.write_claimed(
-                &ext,
-                first,
-                count,
-                r.data,
-                r.crcs,
-                |i| r.versions[i],
-                |_, cur, new| new.version >= cur.version,
-            );
-            self.counters.end(OpKind::Write, t);
-            let (n, sq) = res?;
-            written += u64::from(n);
-            seq = seq.max(sq);
+            ranges.push(self.range(r.key, u64::from(r.first) * BLOCK, r.data.len() as u64)?);
+        }
+        let cap = ((self.batch_records_max / RECORD) / 2).max(1) as u32;
+        let mut seq = 0;
+        let mut written = 0u64;
+        let mut i = 0;
+        while i < runs.len() {
+            // A group: runs whose records fit half a batch and whose blocks do not overlap
+            // (a claim would wait for the group's own earlier claim).
+            let mut end = i;
+            let mut blocks = 0u32;
+            while end < runs.len() {
+                let (f, c) = ranges[end];
+                let overlaps = (i..end).any(|j| {
+                    runs[j].key == runs[end].key
+                        && ranges[j].0 < f + c
+                        && f < ranges[j].0 + ranges[j].1
+                });
+                if end > i && (blocks + c > cap || overlaps) {
+                    break;
+                }
+                blocks += c;
+                end += 1;
+            }
+            if end == i + 1 && blocks > cap {
+                // One run too big for a batch: write it in pieces.
+                let r = &runs[i];
+                if let Some(ext) = self.lookup(r.key) {
+                    let t = self.counters.begin();
+                    let res = self.write_claimed(
+                        &ext,
+                        ranges[i].0,
+                        ranges[i].1,
+                        r.data,
+                        r.crcs,
+                        |k| r.versions[k],
+                        |_, cur, new| new.version >= cur.version,
+                    );
+                    self.counters.end(OpKind::Write, t);
+                    let (n, sq) = res?;
+                    written += u64::from(n);
+                    seq = seq.max(sq);
+                }
+            } else {
+                let (n, sq) = self.destage_group(&runs[i..end], &ranges[i..end])?;
+                written += n;
+                seq = seq.max(sq);
+            }
+            i = end;
         }
         if seq > 0 {
             self.wait_durable(seq)?;
         }
         Ok(written)
+    }
+
+    /// Claims every run of a group, writes the first writes' data, queues all records in
+    /// one batch, writes the overwrites' data once that batch is written, and releases.
+    /// Returns (blocks written, the batch to wait for).
+    fn destage_group(
+        &self,
+        runs: &[DestageRun<'_>],
+        ranges: &[(u32, u32)],
+    ) -> Result<(u64, u64), EngineError> {
+        struct Claimed {
+            ext: Arc<Extent>,
+            run: usize,
+            applied: Vec<bool>,
+            fresh: Vec<bool>,
+            over: Vec<bool>,
+        }
+        let t = self.counters.begin();
+        let mut claimed: Vec<Claimed> = Vec::with_capacity(runs.len());
+        let mut records = Vec::new();
+        let mut seq = 0;
+        let mut n = 0u64;
+        let mut overwrite = false;
+        let release_all = |claimed: &[Claimed], seq: u64| {
+            for c in claimed {
+                self.release(&c.ext, ranges[c.run].0, &c.applied, seq);
+            }
+        };
+        let mut res: Result<u64, EngineError> = Ok(0);
+        for (k, r) in runs.iter().enumerate() {
+            let Some(ext) = self.lookup(r.key) else {
+                continue;
+            };
+            let (first, count) = ranges[k];
+            let (mut applied, mut prior) = (Vec::new(), Vec::new());
+            let claim = self.claim(
+                &ext,
+                first,
+                count,
+                |i| BlockMeta {
+                    version: r.versions[i],
+                    crc: r.crcs[i],
+                    flags: F_DATA,
+                },
+                |_, cur, new| new.version >= cur.version,
+                &mut applied,
+                &mut prior,
+                true,
+            );
+            let (cn, need_seq, ow) = match claim {
+                Ok(x) => x,
+                Err(e) => {
+                    res = Err(e);
+                    break;
+                }
+            };
+            self.counters
+                .skipped_blocks
+                .fetch_add(u64::from(count - cn), Ordering::Relaxed);
+            seq = seq.max(need_seq).max(ext.epoch_seq.load(Ordering::Acquire));
+            n += u64::from(cn);
+            overwrite |= ow;
+            let fresh: Vec<bool> = applied.iter().zip(&prior).map(|(a, p)| *a && !p).collect();
+            let over: Vec<bool> = applied.iter().zip(&prior).map(|(a, p)| *a && *p).collect();
+            for (i, _) in applied.iter().enumerate().filter(|(_, &a)| a) {
+                Record::Data {
+                    slot: ext.slot,
+                    block: first + i as u32,
+                    crc: r.crcs[i],
+                    version: r.versions[i],
+                    intent: prior[i],
+                }
+                .push(&mut records);
+            }
+            let c = Claimed {
+                ext,
+                run: k,
+                applied,
+                fresh,
+                over,
+            };
+            let w = self.write_runs(&c.ext, first, r.data, &c.fresh);
+            claimed.push(c);
+            if let Err(e) = w {
+                res = Err(e);
+                break;
+            }
+        }
+        if res.is_ok() && !records.is_empty() {
+            res = if overwrite {
+                self.enqueue_intent(&records).and_then(|rec_seq| {
+                    let mut ran = false;
+                    let mut own = || {
+                        ran = true;
+                        let r = claimed.iter().try_for_each(|c| {
+                            self.write_runs(&c.ext, ranges[c.run].0, runs[c.run].data, &c.over)
+                        });
+                        if let Err(e) = &r {
+                            self.fail(e);
+                        }
+                        self.settle(rec_seq);
+                        r
+                    };
+                    let r = self.wait_written(rec_seq, &mut own);
+                    if !ran {
+                        self.settle(rec_seq);
+                    }
+                    r.map(|()| rec_seq)
+                })
+            } else {
+                self.enqueue(&records, false)
+            };
+        }
+        if let Err(e) = &res {
+            self.fail(e);
+        }
+        release_all(&claimed, *res.as_ref().unwrap_or(&0));
+        // One write op per run (the group's latency for each).
+        for k in 0..claimed.len().max(1) {
+            if k > 0 {
+                self.counters.begin();
+            }
+            self.counters.end(OpKind::Write, t);
+        }
+        Ok((n, seq.max(res?)))
     }
 
     /// [`Drive::fence_and_digest`] with some blocks' versions replaced (the cache tier's
