@@ -74,7 +74,7 @@ impl Drive {
     /// once the batch is *written* ([`Drive::wait_written`]), and the batch is not synced
     /// before the writer calls [`Drive::settle`]: so the record always reaches the device
     /// before the data, and one sync makes both durable.
-    pub(crate) fn enqueue_intent(&self, records: &[u8]) -> Result<u64, EngineError> {
+    fn enqueue_intent(&self, records: &[u8]) -> Result<u64, EngineError> {
         debug_assert!(records.len() <= self.batch_records_max);
         let mut st = lock(&self.commit);
         loop {
@@ -102,7 +102,7 @@ impl Drive {
     }
 
     /// The overwrite data of an intent queued in batch `seq` is written (or never will be).
-    pub(crate) fn settle(&self, seq: u64) {
+    fn settle(&self, seq: u64) {
         let mut st = lock(&self.commit);
         if let Some(i) = st.unsettled.iter().position(|(s, _)| *s == seq) {
             st.unsettled[i].1 -= 1;
@@ -117,7 +117,7 @@ impl Drive {
     /// Runs `own` (the caller's overwrite data write, which settles) once batch `seq` is
     /// written to the journal, leading it if nobody is. Err without running `own` only
     /// when the drive failed first.
-    pub(crate) fn wait_written(
+    fn wait_written(
         &self,
         seq: u64,
         own: &mut dyn FnMut() -> Result<(), EngineError>,
@@ -146,6 +146,32 @@ impl Drive {
                 }
             }
         }
+    }
+
+    /// Queues the records of a write that overwrites blocks in place, runs `write_data`
+    /// (the overwrite data) once their batch is written to the journal and before its
+    /// sync, and returns the batch to wait for. A failed data write fails the drive.
+    pub(crate) fn journal_then_write(
+        &self,
+        records: &[u8],
+        write_data: impl FnOnce() -> Result<(), EngineError>,
+    ) -> Result<u64, EngineError> {
+        let seq = self.enqueue_intent(records)?;
+        let mut write_data = Some(write_data);
+        let mut own = || {
+            let r = write_data.take().map_or(Ok(()), |f| f());
+            if let Err(e) = &r {
+                self.fail(e);
+            }
+            self.settle(seq);
+            r
+        };
+        let res = self.wait_written(seq, &mut own);
+        if write_data.is_some() {
+            // Never ran (the drive failed first): nothing of ours is left to wait for.
+            self.settle(seq);
+        }
+        res.map(|()| seq)
     }
 
     /// Waits until every intent of batch `seq` (and earlier) has its data written.

@@ -620,6 +620,12 @@ impl Drive {
         Ok(n)
     }
 
+    /// Blocks of one write whose records go into one journal batch (half a batch's bound,
+    /// so other writers' records fit beside them).
+    fn piece_blocks(&self) -> u32 {
+        ((self.batch_records_max / RECORD) / 2).max(1) as u32
+    }
+
     /// Claims blocks of an extent under the version rule `accept`, writes the accepted
     /// ones in place and queues their records, in pieces whose records fit one journal
     /// batch. Returns (blocks written, the batch a durable ack must wait for); the caller
@@ -635,7 +641,7 @@ impl Drive {
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
     ) -> Result<(u32, u64), EngineError> {
-        let piece = ((self.batch_records_max / RECORD) / 2).max(1) as u32;
+        let piece = self.piece_blocks();
         let (mut n, mut seq) = (0, 0);
         let mut at = 0u32;
         while at < count {
@@ -726,25 +732,9 @@ impl Drive {
                 }
             }
             let res = if overwrite {
-                self.write_runs(ext, first, data, fresh)
-                    .and_then(|()| self.enqueue_intent(records))
-                    .and_then(|rec_seq| {
-                        let mut ran = false;
-                        let mut own = || {
-                            ran = true;
-                            let r = self.write_runs(ext, first, data, over);
-                            if let Err(e) = &r {
-                                self.fail(e);
-                            }
-                            self.settle(rec_seq);
-                            r
-                        };
-                        let r = self.wait_written(rec_seq, &mut own);
-                        if !ran {
-                            self.settle(rec_seq);
-                        }
-                        r.map(|()| rec_seq)
-                    })
+                self.write_runs(ext, first, data, fresh).and_then(|()| {
+                    self.journal_then_write(records, || self.write_runs(ext, first, data, over))
+                })
             } else {
                 self.write_runs(ext, first, data, applied)
                     .and_then(|()| self.enqueue(records, false))
@@ -799,7 +789,7 @@ impl Drive {
             }
             ranges.push(self.range(r.key, u64::from(r.first) * BLOCK, r.data.len() as u64)?);
         }
-        let cap = ((self.batch_records_max / RECORD) / 2).max(1) as u32;
+        let cap = self.piece_blocks();
         let mut seq = 0;
         let mut written = 0u64;
         let mut i = 0;
@@ -941,24 +931,10 @@ impl Drive {
         }
         if res.is_ok() && !records.is_empty() {
             res = if overwrite {
-                self.enqueue_intent(&records).and_then(|rec_seq| {
-                    let mut ran = false;
-                    let mut own = || {
-                        ran = true;
-                        let r = claimed.iter().try_for_each(|c| {
-                            self.write_runs(&c.ext, ranges[c.run].0, runs[c.run].data, &c.over)
-                        });
-                        if let Err(e) = &r {
-                            self.fail(e);
-                        }
-                        self.settle(rec_seq);
-                        r
-                    };
-                    let r = self.wait_written(rec_seq, &mut own);
-                    if !ran {
-                        self.settle(rec_seq);
-                    }
-                    r.map(|()| rec_seq)
+                self.journal_then_write(&records, || {
+                    claimed.iter().try_for_each(|c| {
+                        self.write_runs(&c.ext, ranges[c.run].0, runs[c.run].data, &c.over)
+                    })
                 })
             } else {
                 self.enqueue(&records, false)
