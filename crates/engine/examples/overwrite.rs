@@ -5,7 +5,10 @@
 //!
 //!   cargo run --release -p converge-engine --example overwrite -- /var/tmp/d.img 1 5000
 //!
-//! Arguments: PATH THREADS OPS. The file is created (256 MiB) and left behind.
+//! Arguments: PATH THREADS OPS [PASSES]. The file is created (256 MiB) and left behind.
+//! PASSES (default 1) repeats the overwrites, printing each pass: the first pass over a
+//! fresh (sparse) drive file also pays the file system's allocation of the blocks that
+//! out-of-place writes touch for the first time; later passes show the steady state.
 
 use converge_engine::{DirectFile, Drive, DriveIdentity};
 use converge_types::{
@@ -24,6 +27,7 @@ fn main() {
     let path = args.get(1).expect("usage: overwrite PATH THREADS OPS");
     let threads: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1);
     let ops: u64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5000);
+    let passes: u64 = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(1);
     let _ = std::fs::remove_file(path);
     let file = DirectFile::open(std::path::Path::new(path), Some(256 << 20)).expect("open");
     let id = DriveIdentity {
@@ -47,6 +51,20 @@ fn main() {
             .expect("fill");
     }
     let version = Arc::new(AtomicU64::new(2));
+    for pass in 1..=passes {
+        overwrite_pass(&d, key, threads, ops, &version, pass);
+    }
+}
+
+fn overwrite_pass(
+    d: &Arc<Drive>,
+    key: ExtentKey,
+    threads: u64,
+    ops: u64,
+    version: &Arc<AtomicU64>,
+    pass: u64,
+) {
+    let blocks = SLAB / B as u64;
     let left = Arc::new(AtomicU64::new(ops));
     let flushes0 = d.stats().flushes;
     let t0 = Instant::now();
@@ -84,7 +102,7 @@ fn main() {
     let secs = t0.elapsed().as_secs_f64();
     let flushes = d.stats().flushes - flushes0;
     println!(
-        "{threads} threads, {ops} overwrites: {:.0} IOPS, {:.2} flushes per write",
+        "pass {pass}: {threads} threads, {ops} overwrites: {:.0} IOPS, {:.2} flushes per write",
         ops as f64 / secs,
         flushes as f64 / ops as f64
     );

@@ -60,135 +60,17 @@ impl Drive {
                 st = if st.leader_active {
                     self.commit_cv.wait(st).expect("commit lock poisoned")
                 } else {
-                    self.lead_one(st, None)
+                    self.lead_one(st)
                 };
             }
             st.pending.extend_from_slice(chunk);
             seq = st.open_seq;
         }
-        Ok(seq)
-    }
-
-    /// Queues a write's records (all in one batch: the caller keeps them below the batch
-    /// bound) when some of its blocks are overwritten in place. Their data is written only
-    /// once the batch is *written* ([`Drive::wait_written`]), and the batch is not synced
-    /// before the writer calls [`Drive::settle`]: so the record always reaches the device
-    /// before the data, and one sync makes both durable.
-    fn enqueue_intent(&self, records: &[u8]) -> Result<u64, EngineError> {
-        debug_assert!(records.len() <= self.batch_records_max);
-        let mut st = lock(&self.commit);
-        loop {
-            if let Some(reason) = &st.failed {
-                return Err(EngineError::Failed {
-                    reason: reason.clone(),
-                });
-            }
-            if st.pending.len() + records.len() <= self.batch_records_max {
-                break;
-            }
-            st = if st.leader_active {
-                self.commit_cv.wait(st).expect("commit lock poisoned")
-            } else {
-                self.lead_one(st, None)
-            };
-        }
-        st.pending.extend_from_slice(records);
-        let seq = st.open_seq;
-        match st.unsettled.iter_mut().find(|(s, _)| *s == seq) {
-            Some(e) => e.1 += 1,
-            None => st.unsettled.push((seq, 1)),
+        if st.pool_waiters > 0 {
+            // Writers wait for physical blocks that this batch will give back.
+            self.commit_cv.notify_all();
         }
         Ok(seq)
-    }
-
-    /// The overwrite data of an intent queued in batch `seq` is written (or never will be).
-    fn settle(&self, seq: u64) {
-        let mut st = lock(&self.commit);
-        if let Some(i) = st.unsettled.iter().position(|(s, _)| *s == seq) {
-            st.unsettled[i].1 -= 1;
-            if st.unsettled[i].1 == 0 {
-                st.unsettled.swap_remove(i);
-                drop(st);
-                self.commit_cv.notify_all();
-            }
-        }
-    }
-
-    /// Runs `own` (the caller's overwrite data write, which settles) once batch `seq` is
-    /// written to the journal, leading it if nobody is. Err without running `own` only
-    /// when the drive failed first.
-    fn wait_written(
-        &self,
-        seq: u64,
-        own: &mut dyn FnMut() -> Result<(), EngineError>,
-    ) -> Result<(), EngineError> {
-        let mut st = lock(&self.commit);
-        loop {
-            if let Some(reason) = &st.failed {
-                return Err(EngineError::Failed {
-                    reason: reason.clone(),
-                });
-            }
-            if st.written_seq >= seq {
-                drop(st);
-                return own();
-            }
-            if st.leader_active {
-                st = self.commit_cv.wait(st).expect("commit lock poisoned");
-            } else {
-                // The open batch holds our records: lead it, writing our data between
-                // its journal write and its sync.
-                let mut res = None;
-                let mut between = || res = Some(own());
-                st = self.lead_one(st, Some(&mut between));
-                if let Some(r) = res {
-                    return r;
-                }
-            }
-        }
-    }
-
-    /// Queues the records of a write that overwrites blocks in place, runs `write_data`
-    /// (the overwrite data) once their batch is written to the journal and before its
-    /// sync, and returns the batch to wait for. A failed data write fails the drive.
-    pub(crate) fn journal_then_write(
-        &self,
-        records: &[u8],
-        write_data: impl FnOnce() -> Result<(), EngineError>,
-    ) -> Result<u64, EngineError> {
-        let seq = self.enqueue_intent(records)?;
-        let mut write_data = Some(write_data);
-        let mut own = || {
-            let r = write_data.take().map_or(Ok(()), |f| f());
-            if let Err(e) = &r {
-                self.fail(e);
-            }
-            self.settle(seq);
-            r
-        };
-        let res = self.wait_written(seq, &mut own);
-        if write_data.is_some() {
-            // Never ran (the drive failed first): nothing of ours is left to wait for.
-            self.settle(seq);
-        }
-        res.map(|()| seq)
-    }
-
-    /// Waits until every intent of batch `seq` (and earlier) has its data written.
-    /// Those writers need no leader to get there, so the leader cannot deadlock here.
-    fn wait_settled(&self, seq: u64) -> Result<(), EngineError> {
-        let mut st = lock(&self.commit);
-        loop {
-            if let Some(reason) = &st.failed {
-                return Err(EngineError::Failed {
-                    reason: reason.clone(),
-                });
-            }
-            if st.unsettled.iter().all(|(s, _)| *s > seq) {
-                return Ok(());
-            }
-            st = self.commit_cv.wait(st).expect("commit lock poisoned");
-        }
     }
 
     /// Returns once batch `seq` (and all before it) is durable; leads a batch if nobody is.
@@ -210,18 +92,15 @@ impl Drive {
             st = if st.leader_active {
                 self.commit_cv.wait(st).expect("commit lock poisoned")
             } else {
-                self.lead_one(st, None)
+                self.lead_one(st)
             };
         }
     }
 
     /// Writes the open batch as leader: one journal write, one sync for every waiter.
-    /// `between` (the leader's own overwrite data, if it is an intent writer of this batch)
-    /// runs after the journal write and before the sync.
-    fn lead_one<'a>(
+    pub(crate) fn lead_one<'a>(
         &'a self,
         mut st: MutexGuard<'a, CommitState>,
-        between: Option<&mut dyn FnMut()>,
     ) -> MutexGuard<'a, CommitState> {
         assert!(
             !st.pending.is_empty(),
@@ -234,7 +113,7 @@ impl Drive {
         let mut ld = lock(&self.leader);
         std::mem::swap(&mut st.pending, &mut ld.spare);
         drop(st);
-        let res = self.write_batch(&mut ld, seq, between);
+        let res = self.write_batch(&mut ld, seq);
         drop(ld);
         let mut st = lock(&self.commit);
         match res {
@@ -252,12 +131,7 @@ impl Drive {
         st
     }
 
-    fn write_batch(
-        &self,
-        ld: &mut LeaderState,
-        seq: u64,
-        between: Option<&mut dyn FnMut()>,
-    ) -> Result<(), EngineError> {
+    fn write_batch(&self, ld: &mut LeaderState, seq: u64) -> Result<(), EngineError> {
         assert_eq!(seq, ld.next_seq, "journal batches are written in sequence");
         let records = std::mem::take(&mut ld.spare);
         let js = self.journal_sector as u64;
@@ -268,7 +142,7 @@ impl Drive {
         // batch and its wrap-around waste, and bounds recovery time.
         let waste = |head: u64| if head + len > jlen { jlen - head } else { 0 };
         if ld.used + waste(ld.head) + len > jlen / 2 {
-            // Every earlier batch is synced and its overwrites settled.
+            // Every earlier batch is synced and applied.
             self.checkpoint_locked(ld)?;
         }
         let mut pos = ld.head;
@@ -296,18 +170,6 @@ impl Drive {
             self.layout.journal_off + pos,
             IoKind::Journal,
         )?;
-        // Overwrites of this batch may write their data now (their records are on the
-        // device's queue ahead of it); the sync waits until they have.
-        {
-            let mut st = lock(&self.commit);
-            st.written_seq = seq;
-            drop(st);
-            self.commit_cv.notify_all();
-        }
-        if let Some(own) = between {
-            own();
-        }
-        self.wait_settled(seq)?;
         self.dev_sync()?;
         self.counters
             .journal_batches
@@ -331,9 +193,11 @@ impl Drive {
             .and_then(|s| s.durable.clone())
     }
 
-    /// Applies a durable batch to the in-memory durable state, in journal order.
+    /// Applies a durable batch to the in-memory durable state, in journal order, and
+    /// gives back the physical blocks it made unused.
     fn apply_records(&self, ld: &mut LeaderState, records: &[u8]) {
         let mut cache: Option<(u32, Option<Arc<Extent>>)> = None;
+        let mut gone = std::mem::take(&mut ld.gone);
         for raw in records.chunks_exact(RECORD) {
             let rec = Record::decode(raw).expect("records in a batch were encoded by this drive");
             match rec {
@@ -342,14 +206,10 @@ impl Drive {
                     block,
                     crc,
                     version,
-                    intent: _,
+                    phys,
                 } => {
-                    let meta = BlockMeta {
-                        version,
-                        crc,
-                        flags: crate::layout::F_DATA,
-                    };
-                    self.apply_blocks(ld, &mut cache, slot, block, 1, meta);
+                    let meta = BlockMeta::data(version, crc, phys);
+                    self.apply_blocks(ld, &mut cache, slot, block, 1, meta, &mut gone);
                 }
                 Record::Zero {
                     slot,
@@ -357,12 +217,8 @@ impl Drive {
                     count,
                     version,
                 } => {
-                    let meta = BlockMeta {
-                        version,
-                        crc: 0,
-                        flags: 0,
-                    };
-                    self.apply_blocks(ld, &mut cache, slot, block, count, meta);
+                    let meta = BlockMeta::zero(version);
+                    self.apply_blocks(ld, &mut cache, slot, block, count, meta, &mut gone);
                 }
                 Record::Alloc { slot, key, epoch } => {
                     cache = None;
@@ -390,7 +246,10 @@ impl Drive {
                     cache = None;
                     let mut t = lock(&self.table);
                     let s = &mut t.slots[slot as usize];
-                    s.durable = None;
+                    if let Some(ext) = s.durable.take() {
+                        let m = lock(&ext.meta);
+                        gone.extend(m.blocks.iter().filter(|b| b.has_data()).map(|b| b.phys));
+                    }
                     s.entry = ExtentEntry::default();
                     if s.live.is_none() {
                         t.free.push(slot);
@@ -399,8 +258,17 @@ impl Drive {
                 }
             }
         }
+        if !gone.is_empty() {
+            let mut pool = lock(&self.pool);
+            for &p in &gone {
+                pool.release(p);
+            }
+        }
+        gone.clear();
+        ld.gone = gone;
     }
 
+    #[allow(clippy::too_many_arguments)]
     fn apply_blocks(
         &self,
         ld: &mut LeaderState,
@@ -409,6 +277,7 @@ impl Drive {
         block: u32,
         count: u32,
         meta: BlockMeta,
+        gone: &mut Vec<u32>,
     ) {
         let ext = match cache {
             Some((s, e)) if *s == slot => e.clone(),
@@ -418,10 +287,16 @@ impl Drive {
                 e
             }
         };
-        let Some(ext) = ext else { return };
+        let Some(ext) = ext else {
+            // The extent was freed meanwhile: nothing names this block's new data.
+            if meta.has_data() {
+                gone.push(meta.phys);
+            }
+            return;
+        };
         let mut m = lock(&ext.meta);
         for b in block..block.saturating_add(count) {
-            m.apply(b, meta);
+            gone.extend(m.apply(b, meta));
         }
         drop(m);
         let last = block.saturating_add(count.max(1) - 1);
@@ -432,7 +307,7 @@ impl Drive {
 
     /// Makes the durable in-memory metadata durable in place, then moves the journal tail
     /// to the head. Only the commit leader calls this, between batches (every earlier one
-    /// is synced, its overwrites settled, and applied).
+    /// is synced and applied).
     pub(crate) fn checkpoint_locked(&self, ld: &mut LeaderState) -> Result<(), EngineError> {
         let table_pages = std::mem::take(&mut ld.dirty_table);
         let meta_pages = std::mem::take(&mut ld.dirty_meta);

@@ -4,8 +4,9 @@
 use crate::error::EngineError;
 use crate::file::{AlignedBuf, BlockFile};
 use crate::layout::{
-    BlockMeta, DriveIdentity, ExtentEntry, Layout, Record, Superblock, BLOCK, F_DATA, RECORD,
+    BlockMeta, DriveIdentity, ExtentEntry, Layout, Record, Superblock, BLOCK, RECORD,
 };
+use crate::pool::Pool;
 use crate::stats::{Counters, DriveStats, OpKind};
 use converge_types::{Epoch, ExtentKey, Version, BLOCK_SIZE, MAX_IO_BYTES};
 use serde::Serialize;
@@ -117,13 +118,18 @@ impl ExtentMeta {
             && (first..first + count).any(|b| self.overlay.get(&b).is_some_and(|o| o.busy))
     }
 
-    /// Applies a durable record's effect (called in journal order).
-    pub fn apply(&mut self, b: u32, meta: BlockMeta) {
+    /// Applies a durable record's effect (called in journal order). Returns the physical
+    /// block the block no longer uses (free from now on), if any.
+    pub fn apply(&mut self, b: u32, meta: BlockMeta) -> Option<u32> {
+        let mut gone = None;
         if let Some(slot) = self.blocks.get_mut(b as usize) {
             self.digest = self
                 .digest
                 .wrapping_sub(digest_term(b, slot.version))
                 .wrapping_add(digest_term(b, meta.version));
+            if slot.has_data() && !(meta.has_data() && meta.phys == slot.phys) {
+                gone = Some(slot.phys);
+            }
             *slot = meta;
         }
         if let Entry::Occupied(mut o) = self.overlay.entry(b) {
@@ -133,6 +139,7 @@ impl ExtentMeta {
                 o.remove();
             }
         }
+        gone
     }
 }
 
@@ -193,11 +200,9 @@ pub(crate) struct CommitState {
     /// Sticky: after a failed device write or sync nothing more is acked (fsync errors
     /// cannot be retried safely), until the drive is reopened.
     pub failed: Option<String>,
-    /// Every batch up to this one is written to the journal (maybe not yet synced).
-    pub written_seq: u64,
-    /// (batch, writers) of overwrites whose data is not written yet: the leader syncs a
-    /// batch only once none of its own is left. Bounded by the writes in flight.
-    pub unsettled: Vec<(u64, u32)>,
+    /// Writers waiting for free physical blocks while no batch is queued: the next
+    /// enqueue wakes them (its batch will free the blocks they wait for).
+    pub pool_waiters: u32,
 }
 
 /// State only the current commit leader touches.
@@ -215,6 +220,8 @@ pub(crate) struct LeaderState {
     /// (slot, page) metadata pages changed since the last checkpoint.
     pub dirty_meta: BTreeSet<(u32, u32)>,
     pub dirty_table: BTreeSet<u32>,
+    /// Physical blocks a batch being applied makes unused (reused buffer).
+    pub gone: Vec<u32>,
 }
 
 #[derive(Clone, Copy)]
@@ -232,6 +239,8 @@ pub struct Drive {
     pub(crate) id: DriveIdentity,
     pub(crate) layout: Layout,
     pub(crate) table: Mutex<Table>,
+    /// Free physical data blocks (lock order: an extent's meta, then this).
+    pub(crate) pool: Mutex<Pool>,
     pub(crate) commit: Mutex<CommitState>,
     pub(crate) commit_cv: Condvar,
     pub(crate) leader: Mutex<LeaderState>,
@@ -250,12 +259,9 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[derive(Default)]
 struct Scratch {
     applied: Vec<bool>,
-    /// Per claimed block: it held data (or was bad) when claimed, so it is overwritten.
-    prior_data: Vec<bool>,
     records: Vec<u8>,
-    /// Per block of a piece: claimed and unwritten before / claimed and overwritten.
-    fresh: Vec<bool>,
-    over: Vec<bool>,
+    /// Physical blocks taken for the applied blocks of a piece, in order.
+    phys: Vec<u32>,
     metas: Vec<BlockMeta>,
     metas2: Vec<BlockMeta>,
 }
@@ -264,6 +270,35 @@ thread_local! {
     // Per-thread buffers reused across I/Os, so the hot path does not allocate per request.
     static SCRATCH: RefCell<Scratch> = RefCell::new(Scratch::default());
 }
+
+/// Indexes of the blocks a claim applied.
+fn applied_indexes(applied: &[bool]) -> impl Iterator<Item = usize> + Clone + '_ {
+    applied
+        .iter()
+        .enumerate()
+        .filter(|(_, &a)| a)
+        .map(|(i, _)| i)
+}
+
+/// An iterator whose length is known in advance (a filtered one is not `ExactSizeIterator`).
+#[derive(Clone)]
+struct ExactLen<I>(I, usize);
+
+impl<I: Iterator> Iterator for ExactLen<I> {
+    type Item = I::Item;
+    fn next(&mut self) -> Option<I::Item> {
+        let x = self.0.next();
+        if x.is_some() {
+            self.1 -= 1;
+        }
+        x
+    }
+    fn size_hint(&self) -> (usize, Option<usize>) {
+        (self.1, Some(self.1))
+    }
+}
+
+impl<I: Iterator> ExactSizeIterator for ExactLen<I> {}
 
 fn with_scratch<R>(f: impl FnOnce(&mut Scratch) -> R) -> R {
     SCRATCH.with(|c| match c.try_borrow_mut() {
@@ -433,10 +468,7 @@ impl Drive {
 
     /// Claims blocks for a write: waits for in-progress writes of the same blocks (so data
     /// and metadata land in one order), applies the version rule, marks claimed blocks busy.
-    /// Returns (blocks claimed, batch a skipped block's newer claim must reach first,
-    /// whether a claimed block holds data now: an overwrite in place); `prior_data` says
-    /// that per block.
-    #[allow(clippy::too_many_arguments)]
+    /// Returns (blocks claimed, batch a skipped block's newer claim must reach first).
     fn claim(
         &self,
         ext: &Extent,
@@ -445,46 +477,19 @@ impl Drive {
         new: impl Fn(usize) -> BlockMeta,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
         applied: &mut Vec<bool>,
-        prior_data: &mut Vec<bool>,
-        data_write: bool,
-    ) -> Result<(u32, u64, bool), EngineError> {
+    ) -> (u32, u64) {
         let mut m = lock(&ext.meta);
-        loop {
-            while m.any_busy(first, count) {
-                m = ext.cv.wait(m).expect("extent lock poisoned");
-            }
-            // A data write over a zero whose record is not durable yet waits for it: until
-            // then a crash may bring back the data under it, which a first write (data
-            // before record) would destroy, and which an intent could not be proven
-            // against once a checkpoint has passed the zero. After the wait the block's
-            // state is durable, so "holds data" decides the order alone.
-            let zero_seq = if data_write && !m.overlay.is_empty() {
-                (first..first + count)
-                    .filter_map(|b| m.overlay.get(&b))
-                    .filter(|o| o.pending > 0 && !o.meta.has_data())
-                    .map(|o| o.seq)
-                    .max()
-            } else {
-                None
-            };
-            let Some(zs) = zero_seq else { break };
-            drop(m);
-            self.wait_durable(zs)?;
-            m = lock(&ext.meta);
+        while m.any_busy(first, count) {
+            m = ext.cv.wait(m).expect("extent lock poisoned");
         }
         applied.clear();
-        prior_data.clear();
         let mut n = 0;
         let mut need_seq = 0;
-        let mut overwrite = false;
         for i in 0..count as usize {
             let b = first + i as u32;
             let nm = new(i);
             let cur = m.current(b);
-            let had = cur.has_data() || cur.is_bad();
-            prior_data.push(had);
             if accept(i, &cur, &nm) {
-                overwrite |= had;
                 let ExtentMeta {
                     blocks, overlay, ..
                 } = &mut *m;
@@ -507,22 +512,66 @@ impl Drive {
                 applied.push(false);
             }
         }
-        Ok((n, need_seq, overwrite))
+        (n, need_seq)
     }
 
-    fn release(&self, ext: &Extent, first: u32, applied: &[bool], seq: u64) {
+    /// Ends a claim: the blocks' records are queued in batch `seq` (0: nothing queued),
+    /// and `phys` (if given) names, in order, the physical block of each applied block.
+    fn release(&self, ext: &Extent, first: u32, applied: &[bool], seq: u64, phys: &[u32]) {
         let mut m = lock(&ext.meta);
-        for (i, _) in applied.iter().enumerate().filter(|(_, &a)| a) {
+        for (k, i) in applied_indexes(applied).enumerate() {
             if let Entry::Occupied(mut o) = m.overlay.entry(first + i as u32) {
-                o.get_mut().busy = false;
-                o.get_mut().seq = o.get().seq.max(seq);
-                if o.get().pending == 0 {
+                let ov = o.get_mut();
+                ov.busy = false;
+                ov.seq = ov.seq.max(seq);
+                if let Some(&p) = phys.get(k) {
+                    ov.meta.phys = p;
+                }
+                if ov.pending == 0 {
                     o.remove();
                 }
             }
         }
         drop(m);
         ext.cv.notify_all();
+    }
+
+    /// Takes one free physical block per entry of `homes` (see [`Pool::take`]) onto
+    /// `out`. When too few are free, the blocks are held by writes in flight whose new
+    /// blocks are not durable yet: commit them (or wait for the leader, or for a writer
+    /// that is about to queue its records), which gives the old blocks back. The caller
+    /// must hold no taken-but-unqueued blocks (pieces are at most a quarter of the spare
+    /// blocks), so this always ends.
+    pub(crate) fn take_blocks(
+        &self,
+        homes: impl ExactSizeIterator<Item = u32> + Clone,
+        out: &mut Vec<u32>,
+    ) -> Result<(), EngineError> {
+        let n = homes.len() as u64;
+        loop {
+            if lock(&self.pool).take(homes.clone(), out) {
+                return Ok(());
+            }
+            let mut st = lock(&self.commit);
+            if let Some(reason) = &st.failed {
+                return Err(EngineError::Failed {
+                    reason: reason.clone(),
+                });
+            }
+            // Blocks are given back by the leader before it takes this lock again.
+            if lock(&self.pool).free() >= n {
+                continue;
+            }
+            if st.leader_active {
+                drop(self.commit_cv.wait(st).expect("commit lock poisoned"));
+            } else if !st.pending.is_empty() {
+                drop(self.lead_one(st));
+            } else {
+                st.pool_waiters += 1;
+                let mut st = self.commit_cv.wait(st).expect("commit lock poisoned");
+                st.pool_waiters -= 1;
+            }
+        }
     }
 
     /// Copies the current metadata of a range, waiting for in-progress writes to finish.
@@ -621,15 +670,20 @@ impl Drive {
     }
 
     /// Blocks of one write whose records go into one journal batch (half a batch's bound,
-    /// so other writers' records fit beside them).
+    /// so other writers' records fit beside them) and whose new physical blocks stay well
+    /// within the spare ones (see [`Drive::take_blocks`]).
     fn piece_blocks(&self) -> u32 {
-        ((self.batch_records_max / RECORD) / 2).max(1) as u32
+        let spare = self.layout.data_blocks
+            - u64::from(self.layout.extents_total) * u64::from(self.layout.blocks_per_extent);
+        ((self.batch_records_max / RECORD) / 2)
+            .min((spare / 4) as usize)
+            .max(1) as u32
     }
 
     /// Claims blocks of an extent under the version rule `accept`, writes the accepted
-    /// ones in place and queues their records, in pieces whose records fit one journal
-    /// batch. Returns (blocks written, the batch a durable ack must wait for); the caller
-    /// waits.
+    /// ones to free physical blocks and queues their records, in pieces whose records fit
+    /// one journal batch. Returns (blocks written, the batch a durable ack must wait for);
+    /// the caller waits.
     #[allow(clippy::too_many_arguments)]
     fn write_claimed(
         &self,
@@ -665,14 +719,13 @@ impl Drive {
 
     /// One piece of [`Drive::write_claimed`] (its records go into one batch).
     ///
-    /// The order of data and record keeps a crash (of the process: everything it wrote
-    /// reaches the device) from separating a block's data from its crc:
-    /// * a block that holds no data is written first and recorded after: if the record
-    ///   is lost the block still reads as unwritten, whatever its data region holds;
-    /// * a block that holds data is overwritten in place, so its record goes first: the
-    ///   data is written once the record's batch is written to the journal, and that
-    ///   batch is synced only after the data (one sync for both). If the data is lost,
-    ///   recovery finds the old data still matching the old crc.
+    /// Out of place: each accepted block is written to a free physical block first and its
+    /// record (naming that block) queued after. Until the record is durable the block's
+    /// durable metadata still names its previous physical block, which nothing writes
+    /// before it is given back (when the record is applied). So a crash at any point,
+    /// process kill or power loss, tearing or dropping any unsynced write, leaves the
+    /// previous content intact and provable by its crc; recovery picks the newest state
+    /// whose data is on disk.
     #[allow(clippy::too_many_arguments)]
     fn write_piece(
         &self,
@@ -685,20 +738,14 @@ impl Drive {
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
     ) -> Result<(u32, u64), EngineError> {
         with_scratch(|s| {
-            let (n, need_seq, overwrite) = self.claim(
+            let (n, need_seq) = self.claim(
                 ext,
                 first,
                 count,
-                |i| BlockMeta {
-                    version: version_of(i),
-                    crc: crcs[i],
-                    flags: F_DATA,
-                },
+                |i| BlockMeta::data(version_of(i), crcs[i], 0),
                 accept,
                 &mut s.applied,
-                &mut s.prior_data,
-                true,
-            )?;
+            );
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - n), Ordering::Relaxed);
@@ -708,45 +755,49 @@ impl Drive {
             }
             let Scratch {
                 applied,
-                prior_data,
                 records,
-                fresh,
-                over,
+                phys,
                 ..
             } = s;
-            records.clear();
-            fresh.clear();
-            over.clear();
-            for i in 0..applied.len() {
-                fresh.push(applied[i] && !prior_data[i]);
-                over.push(applied[i] && prior_data[i]);
-                if applied[i] {
-                    Record::Data {
-                        slot: ext.slot,
-                        block: first + i as u32,
-                        crc: crcs[i],
-                        version: version_of(i),
-                        intent: prior_data[i],
+            phys.clear();
+            let res = self
+                .take_blocks(self.homes(ext, first, applied), phys)
+                .and_then(|()| self.write_runs(data, applied, phys))
+                .and_then(|()| {
+                    records.clear();
+                    for (i, &p) in applied_indexes(applied).zip(phys.iter()) {
+                        Record::Data {
+                            slot: ext.slot,
+                            block: first + i as u32,
+                            crc: crcs[i],
+                            version: version_of(i),
+                            phys: p,
+                        }
+                        .push(records);
                     }
-                    .push(records);
-                }
-            }
-            let res = if overwrite {
-                self.write_runs(ext, first, data, fresh).and_then(|()| {
-                    self.journal_then_write(records, || self.write_runs(ext, first, data, over))
-                })
-            } else {
-                self.write_runs(ext, first, data, applied)
-                    .and_then(|()| self.enqueue(records, false))
-            };
+                    self.enqueue(records, false)
+                });
             if let Err(e) = &res {
                 // The data on disk may no longer match what we know: stop acking.
                 self.fail(e);
             }
-            self.release(ext, first, applied, *res.as_ref().unwrap_or(&0));
+            self.release(ext, first, applied, *res.as_ref().unwrap_or(&0), phys);
             seq = seq.max(res?);
             Ok((n, seq))
         })
+    }
+
+    /// The home physical block of each applied block of a claim (where it goes if free).
+    fn homes<'a>(
+        &'a self,
+        ext: &'a Extent,
+        first: u32,
+        applied: &'a [bool],
+    ) -> impl ExactSizeIterator<Item = u32> + Clone + 'a {
+        let n = applied.iter().filter(|&&a| a).count();
+        let it = applied_indexes(applied)
+            .map(move |i| self.layout.home_block(ext.slot, first + i as u32));
+        ExactLen(it, n)
     }
 
     /// Makes sure the extent exists at `epoch` or newer (allocating it, or raising its
@@ -843,9 +894,10 @@ impl Drive {
         Ok(written)
     }
 
-    /// Claims every run of a group, writes the first writes' data, queues all records in
-    /// one batch, writes the overwrites' data once that batch is written, and releases.
-    /// Returns (blocks written, the batch to wait for).
+    /// Claims every run of a group, then takes physical blocks for all of them, writes
+    /// their data, queues all records in one batch and releases. Returns (blocks written,
+    /// the batch to wait for). No blocks are taken before every claim is held (a claim may
+    /// wait for a writer that waits for blocks).
     fn destage_group(
         &self,
         runs: &[DestageRun<'_>],
@@ -855,95 +907,82 @@ impl Drive {
             ext: Arc<Extent>,
             run: usize,
             applied: Vec<bool>,
-            fresh: Vec<bool>,
-            over: Vec<bool>,
+            /// Index of this run's first block in `phys`.
+            at: usize,
         }
         let t = self.counters.begin();
         let mut claimed: Vec<Claimed> = Vec::with_capacity(runs.len());
-        let mut records = Vec::new();
         let mut seq = 0;
         let mut n = 0u64;
-        let mut overwrite = false;
-        let release_all = |claimed: &[Claimed], seq: u64| {
-            for c in claimed {
-                self.release(&c.ext, ranges[c.run].0, &c.applied, seq);
-            }
-        };
-        let mut res: Result<u64, EngineError> = Ok(0);
         for (k, r) in runs.iter().enumerate() {
             let Some(ext) = self.lookup(r.key) else {
                 continue;
             };
             let (first, count) = ranges[k];
-            let (mut applied, mut prior) = (Vec::new(), Vec::new());
-            let claim = self.claim(
+            let mut applied = Vec::new();
+            let (cn, need_seq) = self.claim(
                 &ext,
                 first,
                 count,
-                |i| BlockMeta {
-                    version: r.versions[i],
-                    crc: r.crcs[i],
-                    flags: F_DATA,
-                },
+                |i| BlockMeta::data(r.versions[i], r.crcs[i], 0),
                 |_, cur, new| new.version >= cur.version,
                 &mut applied,
-                &mut prior,
-                true,
             );
-            let (cn, need_seq, ow) = match claim {
-                Ok(x) => x,
-                Err(e) => {
-                    res = Err(e);
-                    break;
-                }
-            };
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - cn), Ordering::Relaxed);
             seq = seq.max(need_seq).max(ext.epoch_seq.load(Ordering::Acquire));
             n += u64::from(cn);
-            overwrite |= ow;
-            let fresh: Vec<bool> = applied.iter().zip(&prior).map(|(a, p)| *a && !p).collect();
-            let over: Vec<bool> = applied.iter().zip(&prior).map(|(a, p)| *a && *p).collect();
-            for (i, _) in applied.iter().enumerate().filter(|(_, &a)| a) {
-                Record::Data {
-                    slot: ext.slot,
-                    block: first + i as u32,
-                    crc: r.crcs[i],
-                    version: r.versions[i],
-                    intent: prior[i],
-                }
-                .push(&mut records);
-            }
-            let c = Claimed {
+            claimed.push(Claimed {
                 ext,
                 run: k,
                 applied,
-                fresh,
-                over,
-            };
-            let w = self.write_runs(&c.ext, first, r.data, &c.fresh);
-            claimed.push(c);
-            if let Err(e) = w {
-                res = Err(e);
-                break;
-            }
+                at: 0,
+            });
         }
-        if res.is_ok() && !records.is_empty() {
-            res = if overwrite {
-                self.journal_then_write(&records, || {
-                    claimed.iter().try_for_each(|c| {
-                        self.write_runs(&c.ext, ranges[c.run].0, runs[c.run].data, &c.over)
-                    })
-                })
-            } else {
-                self.enqueue(&records, false)
-            };
+        let mut phys = Vec::with_capacity(n as usize);
+        let mut records = Vec::with_capacity(n as usize * RECORD);
+        let mut res: Result<u64, EngineError> = Ok(0);
+        if n > 0 {
+            let mut homes = Vec::with_capacity(n as usize);
+            for c in &mut claimed {
+                c.at = homes.len();
+                let first = ranges[c.run].0;
+                homes.extend(
+                    applied_indexes(&c.applied)
+                        .map(|i| self.layout.home_block(c.ext.slot, first + i as u32)),
+                );
+            }
+            res = self
+                .take_blocks(homes.iter().copied(), &mut phys)
+                .and_then(|()| {
+                    for c in &claimed {
+                        let r = &runs[c.run];
+                        let first = ranges[c.run].0;
+                        let mine = &phys[c.at..];
+                        self.write_runs(r.data, &c.applied, mine)?;
+                        for (i, &p) in applied_indexes(&c.applied).zip(mine) {
+                            Record::Data {
+                                slot: c.ext.slot,
+                                block: first + i as u32,
+                                crc: r.crcs[i],
+                                version: r.versions[i],
+                                phys: p,
+                            }
+                            .push(&mut records);
+                        }
+                    }
+                    self.enqueue(&records, false)
+                });
         }
         if let Err(e) = &res {
             self.fail(e);
         }
-        release_all(&claimed, *res.as_ref().unwrap_or(&0));
+        let done = *res.as_ref().unwrap_or(&0);
+        for c in &claimed {
+            let mine = phys.get(c.at..).unwrap_or(&[]);
+            self.release(&c.ext, ranges[c.run].0, &c.applied, done, mine);
+        }
         // One write op per run (the group's latency for each).
         for k in 0..claimed.len().max(1) {
             if k > 0 {
@@ -988,27 +1027,27 @@ impl Drive {
         }
     }
 
-    /// Issues one pwrite per run of claimed blocks (usually one for the whole request).
-    fn write_runs(
-        &self,
-        ext: &Extent,
-        first: u32,
-        data: &[u8],
-        applied: &[bool],
-    ) -> Result<(), EngineError> {
+    /// Writes the applied blocks of a claim to their physical blocks `phys` (one per
+    /// applied block, in order): one pwrite per run that is consecutive both in the
+    /// request and on the device (usually one for the whole request).
+    fn write_runs(&self, data: &[u8], applied: &[bool], phys: &[u32]) -> Result<(), EngineError> {
+        let mut k = 0;
         let mut i = 0;
         while i < applied.len() {
             if !applied[i] {
                 i += 1;
                 continue;
             }
-            let start = i;
-            while i < applied.len() && applied[i] {
+            let (start, p0) = (i, phys[k]);
+            i += 1;
+            k += 1;
+            while i < applied.len() && applied[i] && phys[k] == p0 + (i - start) as u32 {
                 i += 1;
+                k += 1;
             }
             self.dev_write(
                 &data[start * BLOCK_SIZE..i * BLOCK_SIZE],
-                self.layout.data_block_off(ext.slot, first + start as u32),
+                self.layout.phys_off(p0),
                 IoKind::Data,
             )?;
         }
@@ -1068,9 +1107,7 @@ impl Drive {
             let mut bad = Vec::new();
             for attempt in 0..READ_RETRIES {
                 Self::snapshot(&ext, first, count, &mut s.metas);
-                if s.metas.iter().any(|m| m.has_data() || m.is_bad()) {
-                    self.dev_read(buf, self.layout.data_block_off(ext.slot, first))?;
-                }
+                self.read_runs(&s.metas, buf)?;
                 bad.clear();
                 for (i, (m, blk)) in s
                     .metas
@@ -1108,6 +1145,29 @@ impl Drive {
         })
     }
 
+    /// Reads the blocks of `metas` that hold data into their places in `buf`: one pread
+    /// per run that is consecutive both in `buf` and on the device.
+    fn read_runs(&self, metas: &[BlockMeta], buf: &mut [u8]) -> Result<(), EngineError> {
+        let held = |m: &BlockMeta| m.has_data() && !m.is_bad();
+        let mut i = 0;
+        while i < metas.len() {
+            if !held(&metas[i]) {
+                i += 1;
+                continue;
+            }
+            let (start, p0) = (i, metas[i].phys);
+            i += 1;
+            while i < metas.len() && held(&metas[i]) && metas[i].phys == p0 + (i - start) as u32 {
+                i += 1;
+            }
+            self.dev_read(
+                &mut buf[start * BLOCK_SIZE..i * BLOCK_SIZE],
+                self.layout.phys_off(p0),
+            )?;
+        }
+        Ok(())
+    }
+
     /// TRIM / WRITE_ZEROES: the blocks read as zeros at `version`; metadata only.
     pub fn zero(
         &self,
@@ -1135,21 +1195,15 @@ impl Drive {
         self.check_failed()?;
         let ext = self.extent_for_write(key, epoch)?;
         with_scratch(|s| {
-            let new = BlockMeta {
-                version: version.0,
-                crc: 0,
-                flags: 0,
-            };
-            let (n, need_seq, _) = self.claim(
+            let new = BlockMeta::zero(version.0);
+            let (n, need_seq) = self.claim(
                 &ext,
                 first,
                 count,
                 |_| new,
                 |_, cur, new| new.version >= cur.version,
                 &mut s.applied,
-                &mut s.prior_data,
-                false,
-            )?;
+            );
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - n), Ordering::Relaxed);
@@ -1178,7 +1232,7 @@ impl Drive {
                 if let Err(e) = &res {
                     self.fail(e);
                 }
-                self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0));
+                self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0), &[]);
                 seq = seq.max(res?);
             }
             self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))
@@ -1228,6 +1282,16 @@ impl Drive {
                 (self.layout.slab_size_bytes / BLOCK) as usize,
             ))),
         }
+    }
+
+    /// Device offset of the data of block `block` of an extent, if it holds data (for
+    /// tools and fault-injection tests; the block may move at its next write).
+    pub fn block_offset(&self, key: ExtentKey, block: u32) -> Option<u64> {
+        let ext = self.lookup(key)?;
+        let m = lock(&ext.meta);
+        let meta = m.current(block);
+        (block < self.layout.blocks_per_extent && meta.has_data() && !meta.is_bad())
+            .then(|| self.layout.phys_off(meta.phys))
     }
 
     /// Whether this drive holds the extent (a write to a missing one allocates it).

@@ -40,7 +40,7 @@ pub enum EngineError {
     TooSmall { len_bytes: u64, needed_bytes: u64 },
     #[error("no converge superblock on this drive; format it first")]
     NotFormatted,
-    #[error("drive has engine format version {found}, this build supports {supported}; upgrade converge")]
+    #[error("drive has engine format version {found}, this build supports {supported}: a newer drive needs a newer converge; an older one (version 1 wrote data in place) has no in-place upgrade: remove the drive, wipe it, add it again and let the cluster rebuild its copies")]
     UnsupportedVersion { found: u32, supported: u32 },
     #[error("drive metadata is corrupt: {0}")]
     Corrupt(String),

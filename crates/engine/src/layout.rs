@@ -9,14 +9,16 @@ use converge_types::{
 use serde::{Deserialize, Serialize};
 
 /// Engine on-disk format version; bumped on any incompatible change.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 pub const SB_MAGIC: [u8; 8] = *b"CVGDRIV1";
 /// Bytes of the superblock covered by its crc (the rest of block 0/1 is zero).
 pub const SB_BYTES: usize = 256;
 pub const SECTOR: usize = 512;
 pub const BLOCK: u64 = BLOCK_SIZE as u64;
-/// Per-block metadata entries in one 512-byte sector (31 x 16 B + 16 B trailer).
-pub const META_PER_SECTOR: u32 = 31;
+/// Per-block metadata entries in one 512-byte sector (24 x 20 B, then a trailer at 496).
+pub const META_PER_SECTOR: u32 = 24;
+/// Bytes of one per-block metadata entry.
+pub const META_ENTRY: usize = 20;
 /// Extent-table entries per 512-byte sector (15 x 32 B + 32 B trailer).
 pub const EXT_PER_SECTOR: u32 = 15;
 pub const SECTORS_PER_PAGE: u32 = (BLOCK_SIZE / SECTOR) as u32;
@@ -28,6 +30,11 @@ pub const BATCH_HEADER: usize = 32;
 pub const RECORD: usize = 32;
 /// Smallest journal we accept: room for a few batches of one big write's records.
 pub const JOURNAL_MIN_BYTES: u64 = 64 << 10;
+/// Bounds of the spare data blocks (beyond one per block of every extent slot): the room
+/// out-of-place writes need while the old copy of a block they replace is still the durable
+/// one. 1/128 of the device, at least 1 MiB and at most 1 GiB.
+pub const SPARE_MIN_BLOCKS: u64 = 256;
+pub const SPARE_MAX_BLOCKS: u64 = 1 << 18;
 
 /// Block metadata flag: the data region holds this block's content (else it reads as zeros).
 pub const F_DATA: u32 = 1;
@@ -60,6 +67,14 @@ pub struct Layout {
     /// 512-byte metadata sectors reserved per extent slot (a multiple of 8: whole pages).
     pub meta_sectors_per_extent: u32,
     pub data_off: u64,
+    /// Physical 4 KiB blocks of the data region: one per block of every extent slot plus
+    /// the spare ones. Any block of any extent may live in any of them.
+    pub data_blocks: u64,
+}
+
+/// Spare data blocks for a device of `len` bytes (see [`SPARE_MIN_BLOCKS`]).
+pub fn spare_blocks(len: u64) -> u64 {
+    (len / 128 / BLOCK).clamp(SPARE_MIN_BLOCKS, SPARE_MAX_BLOCKS)
 }
 
 impl Layout {
@@ -79,7 +94,8 @@ impl Layout {
             .div_ceil(META_PER_SECTOR)
             .div_ceil(SECTORS_PER_PAGE)
             .saturating_mul(SECTORS_PER_PAGE);
-        let fixed = 2 * BLOCK + journal_len;
+        let spare = spare_blocks(len_bytes);
+        let fixed = 2 * BLOCK + journal_len + spare * BLOCK;
         let per_extent = slab + u64::from(spe) * SECTOR as u64;
         let needed = fixed + BLOCK + per_extent;
         if len_bytes < needed {
@@ -88,7 +104,11 @@ impl Layout {
                 needed_bytes: needed,
             });
         }
-        let mut e = ((len_bytes - fixed) / per_extent).min(u64::from(u32::MAX / 2));
+        // Physical data blocks are numbered with a u32 (16 TiB of data per drive).
+        let max_e = (u64::from(u32::MAX) - spare) / u64::from(bpe);
+        let mut e = ((len_bytes - fixed) / per_extent)
+            .min(u64::from(u32::MAX / 2))
+            .min(max_e);
         loop {
             let table_len = e.div_ceil(u64::from(EXT_PER_PAGE)) * BLOCK;
             if fixed + table_len + e * per_extent <= len_bytes || e == 0 {
@@ -119,6 +139,7 @@ impl Layout {
             meta_off,
             meta_sectors_per_extent: spe,
             data_off,
+            data_blocks: e * u64::from(bpe) + spare,
         })
     }
 
@@ -137,8 +158,15 @@ impl Layout {
         self.table_off + u64::from(page) * BLOCK
     }
 
-    pub fn data_block_off(&self, slot: u32, block: u32) -> u64 {
-        self.data_off + u64::from(slot) * self.slab_size_bytes + u64::from(block) * BLOCK
+    /// Where a block of an extent slot is placed when it can be (its first write, if
+    /// that physical block is free): extents then start out laid out sequentially.
+    pub fn home_block(&self, slot: u32, block: u32) -> u32 {
+        slot * self.blocks_per_extent + block
+    }
+
+    /// Device offset of physical data block `phys`.
+    pub fn phys_off(&self, phys: u32) -> u64 {
+        self.data_off + u64::from(phys) * BLOCK
     }
 }
 
@@ -227,6 +255,7 @@ impl Superblock {
         put_u64(b, 136, self.journal_gen);
         put_u64(b, 144, self.journal_tail);
         put_u64(b, 152, self.journal_tail_seq);
+        put_u64(b, 160, l.data_blocks);
         let crc = crc32c::crc32c(&b[..SB_BYTES - 4]);
         put_u32(b, SB_BYTES - 4, crc);
     }
@@ -274,6 +303,7 @@ impl Superblock {
             meta_off: get_u64(b, 112),
             meta_sectors_per_extent: get_u32(b, 120),
             data_off: get_u64(b, 128),
+            data_blocks: get_u64(b, 160),
         };
         // The layout is a pure function of three numbers: recomputing it validates every
         // offset at once, so later code can trust them.
@@ -306,12 +336,14 @@ impl Superblock {
     }
 }
 
-/// Metadata of one 4 KiB data block: crc32c of its content, version, flags.
+/// Metadata of one 4 KiB block of an extent: crc32c of its content, version, flags, and
+/// the physical data block holding it (meaningful with [`F_DATA`] only).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockMeta {
     pub version: u64,
     pub crc: u32,
     pub flags: u32,
+    pub phys: u32,
 }
 
 impl BlockMeta {
@@ -319,7 +351,24 @@ impl BlockMeta {
         version: 0,
         crc: 0,
         flags: F_BAD,
+        phys: 0,
     };
+    /// The block holds `crc`'s content at `version` in physical block `phys`.
+    pub fn data(version: u64, crc: u32, phys: u32) -> BlockMeta {
+        BlockMeta {
+            version,
+            crc,
+            flags: F_DATA,
+            phys,
+        }
+    }
+    /// The block reads as zeros at `version`.
+    pub fn zero(version: u64) -> BlockMeta {
+        BlockMeta {
+            version,
+            ..BlockMeta::default()
+        }
+    }
     pub fn has_data(&self) -> bool {
         self.flags & F_DATA != 0
     }
@@ -328,14 +377,15 @@ impl BlockMeta {
     }
 }
 
-/// Encodes one metadata sector: entries for blocks [sector*31, sector*31+31) of `slot`.
+/// Encodes one metadata sector: entries for blocks [sector*24, sector*24+24) of `slot`.
 pub fn encode_meta_sector(out: &mut [u8], slot: u32, sector: u32, metas: &[BlockMeta]) {
     out[..SECTOR].fill(0);
     for (i, m) in metas.iter().take(META_PER_SECTOR as usize).enumerate() {
-        let at = i * 16;
+        let at = i * META_ENTRY;
         put_u64(out, at, m.version);
         put_u32(out, at + 8, m.crc);
         put_u32(out, at + 12, m.flags);
+        put_u32(out, at + 16, if m.has_data() { m.phys } else { 0 });
     }
     put_u32(out, 496, slot);
     put_u32(out, 500, sector);
@@ -343,7 +393,7 @@ pub fn encode_meta_sector(out: &mut [u8], slot: u32, sector: u32, metas: &[Block
     put_u32(out, 508, crc);
 }
 
-/// Decodes one metadata sector into `metas` (31 entries). An all-zero sector is a fresh
+/// Decodes one metadata sector into `metas` (24 entries). An all-zero sector is a fresh
 /// one (never written). Returns false if the sector is damaged or belongs elsewhere.
 pub fn decode_meta_sector(b: &[u8], slot: u32, sector: u32, metas: &mut [BlockMeta]) -> bool {
     if b[..SECTOR].iter().all(|&x| x == 0) {
@@ -357,11 +407,12 @@ pub fn decode_meta_sector(b: &[u8], slot: u32, sector: u32, metas: &mut [BlockMe
         return false;
     }
     for (i, m) in metas.iter_mut().take(META_PER_SECTOR as usize).enumerate() {
-        let at = i * 16;
+        let at = i * META_ENTRY;
         *m = BlockMeta {
             version: get_u64(b, at),
             crc: get_u32(b, at + 8),
             flags: get_u32(b, at + 12) & (F_DATA | F_BAD),
+            phys: get_u32(b, at + 16),
         };
     }
     true
@@ -418,15 +469,15 @@ pub fn decode_table_sector(b: &[u8], sector: u32, entries: &mut [ExtentEntry]) -
 /// A journal record: one metadata change, 32 bytes on disk.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Record {
-    /// Block `block` of extent `slot` now holds data with this crc, at this version.
-    /// `intent`: the record was made durable *before* the data write (an overwrite of a
-    /// block holding data), so recovery must check the block whatever batch holds it.
+    /// Block `block` of extent `slot` now holds data with this crc, at this version, in
+    /// physical data block `phys` (written before the record was queued; the block it
+    /// held before is free once this record is durable).
     Data {
         slot: u32,
         block: u32,
         crc: u32,
         version: u64,
-        intent: bool,
+        phys: u32,
     },
     /// Blocks [block, block+count) read as zeros at this version (TRIM / WRITE_ZEROES).
     Zero {
@@ -456,14 +507,14 @@ impl Record {
                 block,
                 crc,
                 version,
-                intent,
+                phys,
             } => {
                 out[0] = 1;
-                out[1] = u8::from(intent);
                 put_u32(out, 4, slot);
                 put_u32(out, 8, block);
                 put_u32(out, 12, crc);
                 put_u64(out, 16, version);
+                put_u32(out, 24, phys);
             }
             Record::Zero {
                 slot,
@@ -514,7 +565,7 @@ impl Record {
                 block: get_u32(b, 8),
                 crc: get_u32(b, 12),
                 version: get_u64(b, 16),
-                intent: b[1] & 1 != 0,
+                phys: get_u32(b, 24),
             },
             2 => Record::Zero {
                 slot,
@@ -612,7 +663,8 @@ mod tests {
                     + u64::from(l.extents_total) * u64::from(l.meta_sectors_per_extent) * 512
                     <= l.data_off
             );
-            assert!(l.data_off + u64::from(l.extents_total) * slab <= len);
+            assert!(l.data_off + l.data_blocks * BLOCK <= len);
+            assert!(l.data_blocks >= u64::from(l.extents_total) * slab / BLOCK + SPARE_MIN_BLOCKS);
             assert_eq!(l.data_off % 4096, 0);
             assert!(
                 u64::from(l.meta_sectors_per_extent) * u64::from(META_PER_SECTOR)
@@ -651,14 +703,14 @@ mod tests {
                 block: 2,
                 crc: 3,
                 version: 4,
-                intent: false,
+                phys: 0,
             },
             Record::Data {
                 slot: 1,
                 block: 2,
                 crc: 3,
                 version: 4,
-                intent: true,
+                phys: 0x8765_4321,
             },
             Record::Zero {
                 slot: 1,
@@ -687,16 +739,12 @@ mod tests {
 
     #[test]
     fn meta_sector_round_trip_and_damage() {
-        let metas: Vec<BlockMeta> = (0..31)
-            .map(|i| BlockMeta {
-                version: i,
-                crc: i as u32 * 7,
-                flags: F_DATA,
-            })
+        let metas: Vec<BlockMeta> = (0..24)
+            .map(|i| BlockMeta::data(i, i as u32 * 7, 1000 + i as u32))
             .collect();
         let mut b = [0u8; 512];
         encode_meta_sector(&mut b, 4, 2, &metas);
-        let mut back = vec![BlockMeta::default(); 31];
+        let mut back = vec![BlockMeta::default(); 24];
         assert!(decode_meta_sector(&b, 4, 2, &mut back));
         assert_eq!(back, metas);
         assert!(!decode_meta_sector(&b, 5, 2, &mut back), "misdirected");

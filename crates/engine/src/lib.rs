@@ -14,6 +14,7 @@ mod error;
 pub mod faulty;
 pub mod file;
 pub mod layout;
+mod pool;
 mod recover;
 mod sample;
 mod stats;

@@ -10,9 +10,10 @@ use crate::layout::{
     ExtentEntry, Layout, Record, Superblock, BATCH_HEADER, BLOCK, BLOCKS_PER_META_PAGE,
     EXT_PER_PAGE, EXT_PER_SECTOR, META_PER_SECTOR, RECORD, SECTOR,
 };
+use crate::pool::Pool;
 use crate::stats::Counters;
 use converge_types::ExtentKey;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// Upper bound of records per journal batch (bytes), whatever the journal size.
@@ -59,34 +60,33 @@ struct RExtent {
     blocks: Vec<BlockMeta>,
 }
 
-/// Picks the metadata a block gets after a crash. `cands` are its states in order: the
-/// checkpointed one, then one per journal record. Data candidates are proven by their crc
-/// matching what is on disk; a metadata-only state (zero) is proven when the data it was
-/// applied over is still on disk (no later write reached the block). If nothing is proven,
-/// the latest state is kept and its crc mismatch reports the block as bad on read (a torn
-/// write, or rot: never silently an older state, which could be an acked write's loss).
-pub(crate) fn choose(cands: &[BlockMeta], disk_crc: u32) -> BlockMeta {
+/// Picks the metadata a block gets after a crash. `cands` are its states in order: the one
+/// before the last journal batch (durable: every earlier batch was synced), then one per
+/// record of the last batch, which may not have been synced. `crc_at(phys)` is the crc of
+/// what physical block `phys` holds now (None: out of range).
+///
+/// Writes go out of place and a block's previous physical block is not reused before the
+/// record replacing it is durable, so every state's data is still where it names unless
+/// its own write was lost or torn. The newest proven state wins: a zero (metadata only,
+/// in a batch that is on the device), a data state whose crc matches its block; if no
+/// state of the last batch is proven, the state before it, when proven. If none is (rot
+/// on top of a lost write), the newest is kept and reads report the block as bad, never
+/// silently an older state.
+pub(crate) fn choose(
+    cands: &[BlockMeta],
+    crc_at: &mut dyn FnMut(u32) -> Result<Option<u32>, EngineError>,
+) -> Result<BlockMeta, EngineError> {
     let last = *cands.last().expect("a touched block has candidates");
-    if !last.has_data() {
-        return last;
-    }
-    for i in (0..cands.len()).rev() {
-        let c = cands[i];
-        if c.is_bad() {
-            break;
-        }
-        if c.has_data() {
-            if c.crc == disk_crc {
-                return c;
-            }
-            continue;
-        }
-        let before = cands[..i].iter().rev().find(|p| p.has_data() || p.is_bad());
-        if before.is_some_and(|p| p.has_data() && p.crc == disk_crc) {
-            return c;
+    let (pre, batch) = cands.split_first().expect("non-empty");
+    for c in batch.iter().rev() {
+        if !c.has_data() || crc_at(c.phys)? == Some(c.crc) {
+            return Ok(*c);
         }
     }
-    last
+    if !pre.has_data() || crc_at(pre.phys)? == Some(pre.crc) {
+        return Ok(*pre);
+    }
+    Ok(last)
 }
 
 impl Drive {
@@ -234,8 +234,10 @@ impl Drive {
         let mut pos = sb.journal_tail;
         let mut seq = sb.journal_tail_seq;
         let mut jbuf = AlignedBuf::new(js as usize);
+        // States of the blocks the current (finally: the last) batch touched, each list
+        // starting with the block's state before that batch.
         let mut cands: HashMap<(u32, u32), Vec<BlockMeta>> = HashMap::new();
-        let mut last_batch: HashSet<(u32, u32)> = HashSet::new();
+        let mut dirty_meta: BTreeSet<(u32, u32)> = BTreeSet::new();
 
         let mut reset_slots: BTreeSet<u32> = BTreeSet::new();
         let mut batches = 0u64;
@@ -273,7 +275,7 @@ impl Drive {
                 },
                 None => break,
             };
-            last_batch.clear();
+            cands.clear();
             let recs = &jbuf[BATCH_HEADER..BATCH_HEADER + nrec as usize * RECORD];
             for raw in recs.chunks_exact(RECORD) {
                 let rec = Record::decode(raw).ok_or_else(|| {
@@ -294,7 +296,7 @@ impl Drive {
                         .or_insert_with(|| vec![*cur])
                         .push(meta);
                     *cur = meta;
-                    last_batch.insert((slot, block));
+                    dirty_meta.insert((slot, block / BLOCKS_PER_META_PAGE));
                 };
                 match rec {
                     Record::Data {
@@ -302,16 +304,8 @@ impl Drive {
                         block,
                         crc,
                         version,
-                        intent: _,
-                    } => touch(
-                        slot,
-                        block,
-                        BlockMeta {
-                            version,
-                            crc,
-                            flags: crate::layout::F_DATA,
-                        },
-                    ),
+                        phys,
+                    } => touch(slot, block, BlockMeta::data(version, crc, phys)),
                     Record::Zero {
                         slot,
                         block,
@@ -319,15 +313,7 @@ impl Drive {
                         version,
                     } => {
                         for b in block..block.saturating_add(count) {
-                            touch(
-                                slot,
-                                b,
-                                BlockMeta {
-                                    version,
-                                    crc: 0,
-                                    flags: 0,
-                                },
-                            );
+                            touch(slot, b, BlockMeta::zero(version));
                         }
                     }
                     Record::Alloc { slot, key, epoch } => {
@@ -338,7 +324,6 @@ impl Drive {
                                 blocks: vec![BlockMeta::default(); bpe],
                             });
                             cands.retain(|k, _| k.0 != slot);
-                            last_batch.retain(|k| k.0 != slot);
                             reset_slots.insert(slot);
                         }
                     }
@@ -351,7 +336,6 @@ impl Drive {
                         if (slot as usize) < e_total {
                             exts[slot as usize] = None;
                             cands.retain(|k, _| k.0 != slot);
-                            last_batch.retain(|k| k.0 != slot);
                         }
                     }
                 }
@@ -366,32 +350,54 @@ impl Drive {
             }
         }
 
-        // Only the last batch can be unsynced: every earlier one was synced after the data
-        // of its first writes (written before their records) and of its overwrites (written
-        // after the batch, before its sync). So only blocks the last batch touched need
-        // their data checked against their states; read them in disk order.
-        let mut check: Vec<(u32, u32)> = last_batch.iter().copied().collect();
+        // Only the last batch can be unsynced: each earlier one was synced after the data
+        // its records name (written before they were queued). So only blocks the last
+        // batch touched need their data checked against their states.
+        let mut check: Vec<(u32, u32)> = cands.keys().copied().collect();
         check.sort_unstable();
         let mut dbuf = AlignedBuf::new(BLOCK as usize);
+        let mut crc_at = |phys: u32| -> Result<Option<u32>, EngineError> {
+            if u64::from(phys) >= layout.data_blocks {
+                return Ok(None);
+            }
+            read(&mut dbuf, layout.phys_off(phys))?;
+            Ok(Some(crc32c::crc32c(&dbuf)))
+        };
         for key in &check {
             let Some(list) = cands.get(key) else { continue };
             let Some(Some(e)) = exts.get_mut(key.0 as usize) else {
                 continue;
             };
-            let chosen = if list.last().is_some_and(|m| m.has_data()) {
-                read(&mut dbuf, layout.data_block_off(key.0, key.1))?;
-                choose(list, crc32c::crc32c(&dbuf))
-            } else {
-                *list.last().expect("non-empty")
-            };
-            e.blocks[key.1 as usize] = chosen;
+            e.blocks[key.1 as usize] = choose(list, &mut crc_at)?;
+        }
+
+        // The free-block map, from the metadata. A block naming a physical block that is
+        // out of range or already named by another has lost its metadata: bad (resync
+        // rewrites it).
+        let mut pool = Pool::new(
+            layout.data_blocks as u32,
+            layout.extents_total * layout.blocks_per_extent,
+        );
+        let mut lost = 0u64;
+        for (slot, e) in exts.iter_mut().enumerate() {
+            let Some(e) = e else { continue };
+            for (b, m) in e.blocks.iter_mut().enumerate() {
+                if m.has_data() && !pool.mark(m.phys) {
+                    *m = BlockMeta::BAD;
+                    lost += 1;
+                    dirty_meta.insert((slot as u32, b as u32 / BLOCKS_PER_META_PAGE));
+                }
+            }
+        }
+        if lost > 0 {
+            log::warn!(
+                "drive {}: {lost} blocks name a physical block out of range or named twice; \
+                 they will read as bad",
+                sb.identity.drive
+            );
         }
 
         // Build the live state.
-        let mut dirty_meta: BTreeSet<(u32, u32)> = BTreeSet::new();
-        for &(slot, block) in cands.keys() {
-            dirty_meta.insert((slot, block / BLOCKS_PER_META_PAGE));
-        }
         for &slot in &reset_slots {
             for p in 0..layout.meta_pages_per_extent() {
                 dirty_meta.insert((slot, p));
@@ -449,14 +455,14 @@ impl Drive {
                 by_key,
                 free,
             }),
+            pool: Mutex::new(pool),
             commit: Mutex::new(CommitState {
                 pending: Vec::with_capacity(batch_records_max),
                 open_seq: seq,
                 durable_seq: seq - 1,
                 leader_active: false,
                 failed: None,
-                written_seq: seq - 1,
-                unsettled: Vec::new(),
+                pool_waiters: 0,
             }),
             commit_cv: Condvar::new(),
             leader: Mutex::new(LeaderState {
@@ -469,6 +475,7 @@ impl Drive {
                 page_buf: AlignedBuf::new(PAGE_BUF_BYTES),
                 dirty_meta,
                 dirty_table,
+                gone: Vec::new(),
             }),
             counters,
             journal_sector: js_now,
@@ -476,9 +483,8 @@ impl Drive {
         };
         if batches > 0 {
             log::info!(
-                "drive {}: replayed {batches} journal batches ({} blocks touched, {} checked)",
+                "drive {}: replayed {batches} journal batches ({} blocks of the last checked)",
                 drive.id.drive,
-                cands.len(),
                 check.len()
             );
         }
@@ -495,44 +501,47 @@ impl Drive {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::F_DATA;
 
+    /// Data at version `v` with crc `crc`, in physical block `crc` (so a test's disk is a
+    /// map from physical block to the crc it holds).
     fn d(crc: u32, v: u64) -> BlockMeta {
-        BlockMeta {
-            version: v,
-            crc,
-            flags: F_DATA,
-        }
+        BlockMeta::data(v, crc, crc)
     }
     fn z(v: u64) -> BlockMeta {
-        BlockMeta {
-            version: v,
-            crc: 0,
-            flags: 0,
-        }
+        BlockMeta::zero(v)
+    }
+    /// Picks with a disk on which exactly the physical blocks `landed` hold their data.
+    fn pick(cands: &[BlockMeta], landed: &[u32]) -> BlockMeta {
+        choose(cands, &mut |p| {
+            Ok(Some(if landed.contains(&p) { p } else { 0xdead }))
+        })
+        .unwrap()
     }
 
     #[test]
     fn choose_prefers_newest_proven_state() {
         // New data landed.
-        assert_eq!(choose(&[d(1, 1), d(2, 2)], 2), d(2, 2));
-        // New data did not land: keep old.
-        assert_eq!(choose(&[d(1, 1), d(2, 2)], 1), d(1, 1));
-        // Torn: nothing proven, keep newest so the read reports it bad.
-        assert_eq!(choose(&[d(1, 1), d(2, 2)], 9), d(2, 2));
-        // A zero over d1, then an unlanded write: the zero is proven by d1 still on disk.
-        assert_eq!(choose(&[d(1, 1), z(2), d(3, 3)], 1), z(2));
-        // Zero over d1, then d3 acked and torn by a later write: zero is NOT proven.
-        assert_eq!(choose(&[d(1, 1), z(2), d(3, 3)], 9), d(3, 3));
-        // Unwritten base with nothing before it cannot be proven.
-        assert_eq!(choose(&[z(0), d(3, 3)], 0), d(3, 3));
+        assert_eq!(pick(&[d(1, 1), d(2, 2)], &[1, 2]), d(2, 2));
+        // New data did not land or tore: the old is still in its own block.
+        assert_eq!(pick(&[d(1, 1), d(2, 2)], &[1]), d(1, 1));
+        // A first write that did not land: the block stays unwritten.
+        assert_eq!(pick(&[z(0), d(3, 3)], &[]), z(0));
+        // A zero, then a write that did not land: the zero.
+        assert_eq!(pick(&[d(1, 1), z(2), d(3, 3)], &[1]), z(2));
         // Latest is metadata-only: nothing to check.
-        assert_eq!(choose(&[d(1, 1), z(2)], 7), z(2));
-        // Bad base stops the search.
-        assert_eq!(choose(&[BlockMeta::BAD, d(3, 3)], 5), d(3, 3));
-        // An intent whose data did not land (the old data is there) / did land / tore.
-        assert_eq!(choose(&[d(1, 1), d(2, 2), d(4, 4)], 2), d(2, 2));
-        assert_eq!(choose(&[d(1, 1), d(2, 2), d(4, 4)], 4), d(4, 4));
-        assert_eq!(choose(&[d(1, 1), d(2, 2), d(4, 4)], 7), d(4, 4));
+        assert_eq!(pick(&[d(1, 1), z(2)], &[]), z(2));
+        // Two writes in the batch: the newest that landed.
+        assert_eq!(pick(&[d(1, 1), d(2, 2), d(4, 4)], &[1, 2]), d(2, 2));
+        assert_eq!(pick(&[d(1, 1), d(2, 2), d(4, 4)], &[1, 2, 4]), d(4, 4));
+        // Nothing proven (rot under a lost write): keep the newest, reads report it bad.
+        assert_eq!(pick(&[d(1, 1), d(2, 2)], &[]), d(2, 2));
+        // A bad block before the batch and a write that did not land: still bad.
+        assert_eq!(pick(&[BlockMeta::BAD, d(3, 3)], &[]), BlockMeta::BAD);
+        assert_eq!(pick(&[BlockMeta::BAD, d(3, 3)], &[3]), d(3, 3));
+        // An out-of-range block proves nothing.
+        assert_eq!(
+            choose(&[d(1, 1), d(2, 2)], &mut |p| Ok((p == 1).then_some(1))).unwrap(),
+            d(1, 1)
+        );
     }
 }

@@ -55,7 +55,7 @@ impl Drive {
                 let item = DataBlock {
                     key: ext.key,
                     block: b,
-                    offset_bytes: self.layout.data_block_off(ext.slot, b),
+                    offset_bytes: self.layout.phys_off(meta.phys),
                     version: Version(meta.version),
                 };
                 if out.len() < count {

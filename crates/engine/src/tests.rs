@@ -335,8 +335,7 @@ fn bit_rot_in_data_is_reported() {
     let k = key(3, 0);
     let (x, xc) = blocks(&mut rng, 4);
     d.write(k, Epoch(1), Version(1), 0, &x, &xc).unwrap();
-    let slot = 0; // first allocation takes slot 0
-    f.rot(d.layout().data_block_off(slot, 2) + 100, 5);
+    f.rot(d.block_offset(k, 2).unwrap() + 100, 5);
     let (buf, info) = read_all(&d, k, 0, 4 * B);
     assert_eq!(info.bad_blocks, vec![2]);
     assert_eq!(&buf[..2 * B], &x[..2 * B]);
@@ -367,10 +366,10 @@ fn bit_rot_in_metadata_marks_blocks_bad() {
     d.checkpoint().unwrap();
     let meta = d.layout().meta_page_off(0, 0);
     drop(d);
-    f.rot(meta + 16 * 3, 0); // entry of block 3, first sector (blocks 0..31)
+    f.rot(meta + 20 * 3, 0); // entry of block 3, first sector (blocks 0..24)
     let d = Drive::open(Arc::new(f.reattach())).unwrap();
     let (_, info) = read_all(&d, k, 0, 40 * B);
-    assert_eq!(info.bad_blocks, (0..31).collect::<Vec<u32>>());
+    assert_eq!(info.bad_blocks, (0..24).collect::<Vec<u32>>());
     let _ = SECTOR;
 }
 

@@ -798,8 +798,9 @@ impl World {
         self.with_node(id, |n| !n.up).unwrap_or(false)
     }
 
-    /// Blocks that recovery reports bad after a power loss (a torn write) are corruption,
-    /// like rot: they count against the fault budget until repaired or rewritten.
+    /// After a power loss every block must read whole (the engine writes out of place, so
+    /// a lost or torn unsynced write leaves the previous content provable): a block that
+    /// reads bad and is not a known rot fails the run.
     fn find_torn_blocks(self: &Arc<Self>, id: NodeId) {
         let blocks = self.opts.slab_blocks;
         let drives: Vec<(DriveId, Vec<ExtentKey>)> = self
@@ -820,16 +821,15 @@ impl World {
                     continue;
                 };
                 for block in bad {
-                    self.count("torn blocks found after power loss");
-                    self.trace(|| {
-                        format!("node {id} drive {drive}: vol {} slab {} block {block} reads bad after recovery (torn)", key.volume, key.slab)
+                    let known = lock(&self.rots).iter().any(|r| {
+                        r.node == id && r.drive == drive && r.key == key && r.block == block
                     });
-                    lock(&self.rots).push(Rot {
-                        node: id,
-                        drive,
-                        key,
-                        block,
-                    });
+                    if !known {
+                        self.fail(format!(
+                            "node {id} drive {drive}: vol {} slab {} block {block} reads bad after recovery from a power loss (torn)",
+                            key.volume, key.slab
+                        ));
+                    }
                 }
             }
         }
