@@ -43,7 +43,6 @@ fn main() {
         volume: VolumeId(1),
         slab: SlabIndex(0),
     };
-    let blocks = SLAB / B as u64;
     let fill = vec![7u8; 1 << 20];
     let fill_crcs: Vec<u32> = fill.chunks(B).map(crc32c::crc32c).collect();
     for off in (0..SLAB).step_by(fill.len()) {
