@@ -22,6 +22,11 @@ pub trait BlockFile: Send + Sync {
     fn sync(&self) -> io::Result<()>;
     /// Size of the device in bytes.
     fn len_bytes(&self) -> u64;
+    /// A regular file (not a block device): blocks written for the first time may cost the
+    /// file system an allocation, so `format` writes the spare data blocks once up front.
+    fn is_regular_file(&self) -> bool {
+        false
+    }
 }
 
 /// A heap buffer aligned to [`IO_ALIGN`], zero-initialised, as O_DIRECT requires.
@@ -113,6 +118,7 @@ pub struct DirectFile {
     file: File,
     len: u64,
     path: PathBuf,
+    regular: bool,
 }
 
 impl DirectFile {
@@ -130,6 +136,7 @@ impl DirectFile {
         }
         let mut file = opts.open(path).map_err(ctx)?;
         let meta = file.metadata().map_err(ctx)?;
+        let regular = meta.file_type().is_file();
         let len = if meta.file_type().is_block_device() {
             file.seek(SeekFrom::End(0)).map_err(ctx)?
         } else {
@@ -155,6 +162,7 @@ impl DirectFile {
             file,
             len,
             path: path.to_path_buf(),
+            regular,
         })
     }
 
@@ -191,6 +199,9 @@ impl BlockFile for DirectFile {
 
     fn len_bytes(&self) -> u64 {
         self.len
+    }
+    fn is_regular_file(&self) -> bool {
+        self.regular
     }
 }
 

@@ -108,6 +108,23 @@ impl Drive {
             .unwrap_or_else(|| default_journal_bytes(len));
         let layout = Layout::compute(len, id.slab_size_bytes, jlen)?;
         let js = probe_journal_sector(&*file, layout.journal_off);
+        if file.is_regular_file() {
+            // Overwrites go to the spare blocks first: allocate them in the file now, so
+            // the file system does not on the data path (on a sparse file the first write
+            // of a block costs an allocation and a file-system journal commit at the sync).
+            let spare = layout.data_blocks
+                - u64::from(layout.extents_total) * u64::from(layout.blocks_per_extent);
+            let start = layout.phys_off((layout.data_blocks - spare) as u32);
+            let zero = AlignedBuf::new(1 << 20);
+            let end = start + spare * BLOCK;
+            let mut off = start;
+            while off < end {
+                let n = (end - off).min(zero.len() as u64) as usize;
+                file.write_at(&zero[..n], off)
+                    .map_err(EngineError::io("format: write the spare blocks"))?;
+                off += n as u64;
+            }
+        }
         // A reused device may hold an old extent table: zero ours.
         let zero = AlignedBuf::new((layout.table_len as usize).min(1 << 20));
         let mut off = 0;
