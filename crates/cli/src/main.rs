@@ -350,6 +350,17 @@ enum FaultCmd {
         #[arg(long)]
         drive: Option<String>,
     },
+    /// Fail one of the node's capacity drives as an I/O error would: the drive refuses
+    /// every request until the node restarts, the node reports it failed, and its copies
+    /// are rebuilt on other drives at once.
+    FailDrive {
+        /// Node id (1, 2, ...; see `converge lab ps`).
+        node: u32,
+        /// This drive (id from `converge drive list`); default: the node's drive holding
+        /// the most copies.
+        #[arg(long)]
+        drive: Option<String>,
+    },
 }
 
 impl FaultCmd {
@@ -362,7 +373,8 @@ impl FaultCmd {
             | FaultCmd::Resume { node }
             | FaultCmd::Partition { node, .. }
             | FaultCmd::Heal { node, .. }
-            | FaultCmd::Corrupt { node, .. } => *node,
+            | FaultCmd::Corrupt { node, .. }
+            | FaultCmd::FailDrive { node, .. } => *node,
         }
     }
 }
@@ -891,6 +903,13 @@ fn run_fault(dir: &std::path::Path, fault: &FaultCmd, json_out: bool) -> Result<
         FaultCmd::Heal { from, .. } => {
             let healed = node_list(&lab::uncut_node(&l, id, from)?);
             format!("healed (links with {healed} restored)")
+        }
+        FaultCmd::FailDrive { drive, .. } => {
+            let failed = nemesis::fail_drive(&l, id, drive.as_deref())?;
+            if json_out {
+                return print_json(&serde_json::json!({ "node": id, "drive": failed }));
+            }
+            format!("drive {failed} failed; its copies will be rebuilt on other drives")
         }
         FaultCmd::Corrupt {
             blocks,

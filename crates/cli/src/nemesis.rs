@@ -55,6 +55,37 @@ impl SplitMix {
     }
 }
 
+/// `converge lab fault fail-drive`: the node fails one of its capacity drives (the one
+/// named, or the one holding the most copies). Returns the drive's id.
+pub fn fail_drive(l: &Lab, id: u32, drive: Option<&str>) -> Result<DriveId> {
+    let n = l
+        .nodes
+        .iter()
+        .find(|n| n.id == id)
+        .ok_or_else(|| anyhow!("the lab has no node {id}"))?;
+    let st = lab::node_state(l, n);
+    if !st.serves() {
+        bail!("node{id} is {st}: its API must answer (`converge lab fault resume|heal|restart {id}` first)");
+    }
+    let drive = drive.map(parse_drive).transpose()?;
+    let req = serde_json::json!({ "drive": drive });
+    #[derive(serde::Deserialize)]
+    struct Failed {
+        drive: DriveId,
+    }
+    let f: Failed = crate::http::call(&n.api, "POST", "/v1/lab/drives/fail", Some(&req))
+        .with_context(|| format!("asking node{id} to fail a drive"))?;
+    Ok(f.drive)
+}
+
+fn parse_drive(d: &str) -> Result<DriveId> {
+    u64::from_str_radix(d.trim_start_matches("0x"), 16)
+        .map(DriveId)
+        .map_err(|_| {
+            anyhow!("--drive {d:?} is not a drive id (16 hex digits, see `converge drive list`)")
+        })
+}
+
 pub fn corrupt(
     l: &Lab,
     id: u32,
@@ -74,15 +105,7 @@ pub fn corrupt(
              (`converge lab fault resume|heal|restart {id}` first)"
         );
     }
-    let drive = drive
-        .map(|d| {
-            u64::from_str_radix(d.trim_start_matches("0x"), 16)
-                .map(DriveId)
-                .map_err(|_| {
-                    anyhow!("--drive {d:?} is not a drive id (16 hex digits, see `converge drive list`)")
-                })
-        })
-        .transpose()?;
+    let drive = drive.map(parse_drive).transpose()?;
     let req = serde_json::to_value(SampleBlocks {
         count: blocks,
         seed,

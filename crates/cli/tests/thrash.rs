@@ -2,8 +2,9 @@
 //! mirror-3 volumes owned by nodes 2-4, and a checker client per volume writing and
 //! verifying every acked write, while a nemesis hits every node, node 1 included: kill -9
 //! and restart (owners and the nodes the checkers go through), pause, a cut network link,
-//! a cut link between two nodes only (both still reach etcd), and flipped bits in the
-//! drives; one fault at a time, letting the cluster heal in between.
+//! a cut link between two nodes only (both still reach etcd), flipped bits in the drives,
+//! and once per run a failed drive (its copies are rebuilt on other drives); one fault at
+//! a time, letting the cluster heal in between.
 //!
 //! The checkers are clients of the cluster, not of one node: each knows every node's NBD
 //! socket (any node serves any volume) and starts on node 1 (checker 2 on its volume's
@@ -155,11 +156,19 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
     };
     let mut k = 0;
     let mut killed_node1 = false;
+    // The fourth fault fails a drive (once: the lab has two per node, and a failed drive
+    // stays out until its node restarts).
+    let mut drive_failed = false;
     // Faults per node ("cut" counts the first end, "corrupt" the node asked first).
     let mut nodes_faulted: BTreeMap<u32, u64> = BTreeMap::new();
     std::thread::sleep(Duration::from_secs(3));
     while start.elapsed() < Duration::from_secs(secs) {
-        let kind = kinds[k % kinds.len()];
+        let kind = if k == 3 && !drive_failed {
+            drive_failed = true;
+            "fail-drive"
+        } else {
+            kinds[k % kinds.len()]
+        };
         k += 1;
         // The first kill hits node 1, which the checkers go through, so every run
         // exercises their reconnecting; after that any node.
@@ -204,6 +213,47 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
                 lab.must(&["lab", "fault", "partition", &node, "--from", &other]);
                 std::thread::sleep(hold);
                 lab.must(&["lab", "fault", "heal", &node, "--from", &other]);
+            }
+            "fail-drive" => {
+                let out = lab.json(&["lab", "fault", "fail-drive", &node]);
+                let drive = out["drive"].clone();
+                eprintln!("thrash {elapsed:>4}s: fail drive {drive} of node {node}");
+                // Healed means more here: the drive is marked failed and no copy is left
+                // on it.
+                lab.wait_for(
+                    "the failed drive's copies to be rebuilt",
+                    Duration::from_secs(240),
+                    || {
+                        let failed = run(&mut lab.cmd(&["drive", "list", "--json"]));
+                        let marked = failed.status.success()
+                            && serde_json::from_slice::<serde_json::Value>(&failed.stdout)
+                                .ok()
+                                .and_then(|v| v.as_array().cloned())
+                                .is_some_and(|a| {
+                                    a.iter().any(|d| d["id"] == drive && !d["failed"].is_null())
+                                });
+                        marked
+                            && (1..=VOLUMES).all(|i| {
+                                let o = run(&mut lab.cmd(&[
+                                    "volume",
+                                    "show",
+                                    &format!("t{i}"),
+                                    "--json",
+                                ]));
+                                o.status.success()
+                                    && serde_json::from_slice::<serde_json::Value>(&o.stdout)
+                                        .is_ok_and(|v| {
+                                            v["slabs"].as_array().is_some_and(|s| {
+                                                s.iter().all(|s| {
+                                                    s["extents"].as_array().is_some_and(|e| {
+                                                        e.iter().all(|e| e["drive"] != drive)
+                                                    })
+                                                })
+                                            })
+                                        })
+                            })
+                    },
+                );
             }
             "cache-mode" => {
                 let mode = ["none", "write", "read-write"][rng.gen_range(0..3usize)];

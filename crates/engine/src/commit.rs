@@ -20,6 +20,15 @@ impl Drive {
         lock(&self.commit).failed.clone()
     }
 
+    /// Takes the drive out of service as a failed device write or sync would: every later
+    /// call fails, and nothing more is acked, until the drive is reopened. For fault
+    /// injection (`converge lab fault fail-drive`) and for retiring a misbehaving drive.
+    pub fn fail_now(&self, reason: &str) {
+        self.fail(&EngineError::Failed {
+            reason: format!("taken out of service: {reason}"),
+        });
+    }
+
     pub(crate) fn check_failed(&self) -> Result<(), EngineError> {
         match &lock(&self.commit).failed {
             Some(reason) => Err(EngineError::Failed {

@@ -41,14 +41,66 @@ pub async fn route(
                 .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
             Ok((StatusCode::OK, v))
         }
+        (&Method::POST, ["drives", "fail"]) => {
+            let req: FailDrive = if body.is_empty() {
+                FailDrive::default()
+            } else {
+                serde_json::from_slice(body).map_err(|e| {
+                    (
+                        StatusCode::BAD_REQUEST,
+                        format!("bad fail request: {e}; send {{}} or {{\"drive\": ID}}"),
+                    )
+                })?
+            };
+            let id = fail_drive(node, req.drive)?;
+            Ok((StatusCode::OK, serde_json::json!({ "drive": id })))
+        }
         _ => Err((
             StatusCode::NOT_FOUND,
             format!(
-                "no such lab API: {method} /v1/lab/{}; there is POST /v1/lab/blocks/sample",
+                "no such lab API: {method} /v1/lab/{}; there are POST /v1/lab/blocks/sample \
+                 and POST /v1/lab/drives/fail",
                 rest.join("/")
             ),
         )),
     }
+}
+
+/// Body of `POST /v1/lab/drives/fail`: which drive (default: the node's capacity drive
+/// holding the most extents among those not failed yet).
+#[derive(Debug, Default, serde::Deserialize)]
+struct FailDrive {
+    #[serde(default)]
+    drive: Option<DriveId>,
+}
+
+/// Fails one of the node's capacity drives as an I/O error would (sticky until the
+/// daemon restarts): the node reports it, and its copies are rebuilt elsewhere.
+fn fail_drive(node: &Arc<Node>, drive: Option<DriveId>) -> Result<DriveId, LabError> {
+    let id = match drive {
+        Some(id) => {
+            if !node.drives.contains_key(&id) {
+                return Err((
+                    StatusCode::NOT_FOUND,
+                    format!("this node has no drive {id}; see `converge drive list`"),
+                ));
+            }
+            id
+        }
+        None => node
+            .drives
+            .iter()
+            .filter(|(_, t)| t.failure().is_none())
+            .max_by_key(|(id, t)| (t.extents().len(), std::cmp::Reverse(**id)))
+            .map(|(id, _)| *id)
+            .ok_or((
+                StatusCode::CONFLICT,
+                "every drive of this node has failed already".to_string(),
+            ))?,
+    };
+    log::warn!("lab fault: drive {id} taken out of service");
+    node.drives[&id].drive().fail_now("lab fault fail-drive");
+    Ok(id)
 }
 
 async fn sample_blocks(node: &Arc<Node>, req: SampleBlocks) -> Result<SampledBlocks, LabError> {
