@@ -15,8 +15,7 @@ use converge_types::{
 };
 use converge_volume::resync::Throttle;
 use converge_volume::{
-    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, Tenure, Volume, VolumeConfig,
-    VolumeError,
+    ExtentLoc, ReadReply, ReplicaError, ReplicaIo, Tenure, Volume, VolumeConfig, VolumeError,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -484,10 +483,10 @@ impl Replicas {
         if node == self.me {
             return Ok(());
         }
-        self.call(node, Request::Ping).await.map(|_| ())
+        self.request(node, Request::Ping).await.map(|_| ())
     }
 
-    async fn call(&self, node: NodeId, req: Request) -> Result<Response, ReplicaError> {
+    async fn request(&self, node: NodeId, req: Request) -> Result<Response, ReplicaError> {
         let c = self.peer(node).await?;
         match c.call(req).await.map_err(rpc_to_replica)? {
             Response::Err { code, message } => {
@@ -507,8 +506,12 @@ impl Replicas {
         if node == self.me {
             return self.local.call(drive, op).await.map_err(replica_error);
         }
-        let resp = self.call(node, extent_request(drive, op)).await?;
-        extent_reply(resp)
+        match self.request(node, Request::Extent { drive, op }).await? {
+            Response::Extent(r) => Ok(r),
+            other => Err(ReplicaError::Io(format!(
+                "node {node} answered an extent operation with {other:?}"
+            ))),
+        }
     }
 
     pub async fn free(
@@ -526,144 +529,6 @@ impl Replicas {
 impl ReplicaIo for Replicas {
     async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
         self.run(at.node, at.drive, op).await
-    }
-}
-
-fn extent_request(drive: DriveId, op: ExtentOp) -> Request {
-    match op {
-        ExtentOp::Write {
-            key,
-            epoch,
-            version,
-            offset,
-            crcs,
-            data,
-        } => Request::Write {
-            drive,
-            key,
-            epoch,
-            version,
-            offset,
-            crcs: crcs.to_vec(),
-            data,
-        },
-        ExtentOp::Read {
-            key,
-            epoch,
-            offset,
-            len,
-        } => Request::Read {
-            drive,
-            key,
-            epoch,
-            offset,
-            len,
-        },
-        ExtentOp::Zero {
-            key,
-            epoch,
-            version,
-            offset,
-            len,
-        } => Request::Zero {
-            drive,
-            key,
-            epoch,
-            version,
-            offset,
-            len,
-        },
-        ExtentOp::ReadBlocks {
-            key,
-            epoch,
-            offset,
-            len,
-        } => Request::ReadBlocks {
-            drive,
-            key,
-            epoch,
-            offset,
-            len,
-        },
-        ExtentOp::WriteBlocks {
-            key,
-            epoch,
-            offset,
-            crcs,
-            versions,
-            expect,
-            data,
-        } => Request::WriteBlocks {
-            drive,
-            key,
-            epoch,
-            offset,
-            crcs: crcs.to_vec(),
-            versions,
-            expect,
-            data,
-        },
-        ExtentOp::Versions {
-            key,
-            epoch,
-            offset,
-            count,
-        } => Request::Versions {
-            drive,
-            key,
-            epoch,
-            offset,
-            count,
-        },
-        ExtentOp::Digest { key, epoch } => Request::Digest { drive, key, epoch },
-        ExtentOp::Free { key } => Request::FreeExtent { drive, key },
-    }
-}
-
-fn extent_reply(resp: Response) -> Result<ExtentReply, ReplicaError> {
-    Ok(match resp {
-        Response::Ok => ExtentReply::Ok,
-        Response::ReadOk {
-            data,
-            bad_blocks,
-            version,
-        } => ExtentReply::Read(ReadReply {
-            data,
-            bad_blocks,
-            version,
-        }),
-        Response::BlocksOk {
-            data,
-            bad_blocks,
-            versions,
-        } => ExtentReply::Blocks(BlocksReply {
-            data,
-            bad_blocks,
-            versions,
-        }),
-        Response::VersionsOk { versions } => ExtentReply::Versions(versions),
-        Response::Written { blocks } => ExtentReply::Written(blocks),
-        Response::DigestOk { digest } => ExtentReply::Digest(digest),
-        other => return Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
-    })
-}
-
-fn extent_response(r: ExtentReply) -> Response {
-    match r {
-        ExtentReply::Ok => Response::Ok,
-        ExtentReply::Read(r) => Response::ReadOk {
-            data: r.data,
-            bad_blocks: r.bad_blocks,
-            version: r.version,
-        },
-        ExtentReply::Blocks(r) => Response::BlocksOk {
-            data: r.data,
-            bad_blocks: r.bad_blocks,
-            versions: r.versions,
-        },
-        ExtentReply::Written(blocks) => Response::Written { blocks },
-        ExtentReply::Digest(digest) => Response::DigestOk { digest },
-        ExtentReply::Versions(versions) => Response::VersionsOk { versions },
     }
 }
 
@@ -732,17 +597,15 @@ impl RpcHandler {
             Err(resp) => return resp,
         };
         let r = match r {
-            VolIo::Read(off, len) => {
-                v.read(off, u64::from(len))
-                    .await
-                    .map(|data| Response::ReadOk {
-                        data,
-                        bad_blocks: Vec::new(),
-                        version: Version(0),
-                    })
-            }
-            VolIo::Write(off, data) => v.write(off, data).await.map(|_| Response::Ok),
-            VolIo::Zero(off, len, trim) => v.zero(off, len, trim).await.map(|_| Response::Ok),
+            VolIo::Read(off, len) => v.read(off, u64::from(len)).await.map(|data| {
+                Response::Extent(ExtentReply::Read(ReadReply {
+                    data,
+                    bad_blocks: Vec::new(),
+                    version: Version(0),
+                }))
+            }),
+            VolIo::Write(off, data) => v.write(off, data).await.map(|_| Response::ok()),
+            VolIo::Zero(off, len, trim) => v.zero(off, len, trim).await.map(|_| Response::ok()),
         };
         match r {
             Ok(resp) => resp,
@@ -764,121 +627,17 @@ enum VolIo {
 
 impl Handler for RpcHandler {
     async fn handle(&self, _peer: NodeId, req: Request) -> Response {
-        let (drive, op) = match req {
-            Request::Write {
-                drive,
-                key,
-                epoch,
-                version,
-                offset,
-                crcs,
-                data,
-            } => (
-                drive,
-                ExtentOp::Write {
-                    key,
-                    epoch,
-                    version,
-                    offset,
-                    crcs: crcs.into(),
-                    data,
-                },
-            ),
-            Request::Read {
-                drive,
-                key,
-                epoch,
-                offset,
-                len,
-            } => (
-                drive,
-                ExtentOp::Read {
-                    key,
-                    epoch,
-                    offset,
-                    len,
-                },
-            ),
-            Request::Zero {
-                drive,
-                key,
-                epoch,
-                version,
-                offset,
-                len,
-            } => (
-                drive,
-                ExtentOp::Zero {
-                    key,
-                    epoch,
-                    version,
-                    offset,
-                    len,
-                },
-            ),
-            Request::FreeExtent { drive, key } => (drive, ExtentOp::Free { key }),
-            Request::ReadBlocks {
-                drive,
-                key,
-                epoch,
-                offset,
-                len,
-            } => (
-                drive,
-                ExtentOp::ReadBlocks {
-                    key,
-                    epoch,
-                    offset,
-                    len,
-                },
-            ),
-            Request::WriteBlocks {
-                drive,
-                key,
-                epoch,
-                offset,
-                crcs,
-                versions,
-                expect,
-                data,
-            } => (
-                drive,
-                ExtentOp::WriteBlocks {
-                    key,
-                    epoch,
-                    offset,
-                    crcs: crcs.into(),
-                    versions,
-                    expect,
-                    data,
-                },
-            ),
-            Request::Digest { drive, key, epoch } => (drive, ExtentOp::Digest { key, epoch }),
-            Request::Versions {
-                drive,
-                key,
-                epoch,
-                offset,
-                count,
-            } => (
-                drive,
-                ExtentOp::Versions {
-                    key,
-                    epoch,
-                    offset,
-                    count,
-                },
-            ),
+        match req {
+            Request::Extent { drive, op } => match self.local.call(drive, op).await {
+                Ok(r) => Response::Extent(r),
+                Err(e) => engine_to_response(e),
+            },
             req
             @ (Request::VolRead { .. } | Request::VolWrite { .. } | Request::VolZero { .. }) => {
-                return self.volume_io(req).await
+                self.volume_io(req).await
             }
-            Request::Ping => return Response::Pong,
-            Request::Hello(_) => return Response::err(ErrorCode::Invalid, "hello after handshake"),
-        };
-        match self.local.call(drive, op).await {
-            Ok(r) => extent_response(r),
-            Err(e) => engine_to_response(e),
+            Request::Ping => Response::Pong,
+            Request::Hello(_) => Response::err(ErrorCode::Invalid, "hello after handshake"),
         }
     }
 }
