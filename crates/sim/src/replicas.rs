@@ -23,22 +23,20 @@ pub struct SimReplicas {
     pub(crate) from: NodeId,
 }
 
-impl SimReplicas {
-    /// Delivers `op` to the node of `at` (or runs it here, for the owner's own node) and
-    /// brings its answer back, with the network's delays, losses and partitions.
-    async fn send<T: Send + 'static>(
-        &self,
-        at: ExtentLoc,
-        what: &'static str,
-        op: impl FnOnce(&Tier) -> Result<T, EngineError> + Send + 'static,
-    ) -> Result<T, ReplicaError> {
+impl ReplicaIo for SimReplicas {
+    /// Delivers `op` to the node of `at` (or runs it here, for the owner's own node), where
+    /// the replica service runs it, and brings its answer back, with the network's delays,
+    /// losses and partitions.
+    async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
+        let what = op.name();
+        let serve = move |t: &Tier| converge_replica::execute(t, op);
         let w = self.world.clone();
         let timeout = w.opts.rpc_timeout;
         let from = self.from;
         let r = if at.node == from {
             // Local drive: a little device latency, no network.
             tokio::time::sleep(w.us(5, 100)).await;
-            match w.exec(at.node, at.drive, op) {
+            match w.exec(at.node, at.drive, serve) {
                 Delivery::Done(r) => Some(r),
                 Delivery::NoReply => {
                     // This very node lost power: the owner is dead too and is being
@@ -63,7 +61,7 @@ impl SimReplicas {
                     return;
                 }
                 let inc = w2.incarnation(to);
-                let r = match w2.exec(to, at.drive, op) {
+                let r = match w2.exec(to, at.drive, serve) {
                     Delivery::Done(r) => r,
                     Delivery::NoReply => return,
                 };
@@ -108,13 +106,5 @@ impl SimReplicas {
                 at.node, timeout
             ))),
         }
-    }
-}
-
-impl ReplicaIo for SimReplicas {
-    async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
-        let what = op.name();
-        self.send(at, what, move |t| converge_replica::execute(t, op))
-            .await
     }
 }
