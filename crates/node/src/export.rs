@@ -8,7 +8,7 @@ use crate::node::{Node, OpenError, Route};
 use bytes::Bytes;
 use converge_nbd::{BlockDev, DevError, DevErrorKind, ResolveError, Resolver};
 use converge_rpc::{ErrorCode, Request, Response, RpcError};
-use converge_types::{NodeId, VolumeId};
+use converge_types::{ExtentReply, NodeId, VolumeId};
 use converge_volume::{ReplicaError, VolumeError};
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
@@ -182,7 +182,9 @@ impl BlockDev for Export {
                 len,
             },
             |r| match r {
-                Response::ReadOk { data, .. } if data.len() == len as usize => Ok(data),
+                Response::Extent(ExtentReply::Read(r)) if r.data.len() == len as usize => {
+                    Ok(r.data)
+                }
                 other => unexpected(other),
             },
         )
@@ -202,7 +204,7 @@ impl BlockDev for Export {
                 data: data.clone(),
             },
             |r| match r {
-                Response::Ok => Ok(()),
+                Response::Extent(ExtentReply::Ok) => Ok(()),
                 other => unexpected(other),
             },
         )
@@ -252,7 +254,7 @@ impl Export {
                 trim,
             },
             |r| match r {
-                Response::Ok => Ok(()),
+                Response::Extent(ExtentReply::Ok) => Ok(()),
                 other => unexpected(other),
             },
         )

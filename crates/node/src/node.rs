@@ -2,20 +2,20 @@
 //! the volume layer reach any extent — through the local engine or a peer over RPC.
 
 use crate::config::Config;
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use converge_control::etcd::LeaseId;
 use converge_control::model::{Cluster, ClusterRecord, NodeRecord, SlabRecord, VolumeRecord};
 use converge_engine::{Cache, EngineError, Tier};
+use converge_replica::replica_error;
 use converge_rpc::Handler;
 use converge_rpc::{ErrorCode, Request, Response};
 use converge_rpc::{Hello, RpcClient, RpcError};
 use converge_types::{
-    DriveId, Epoch, ExtentKey, Knobs, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
+    DriveId, ExtentKey, ExtentOp, ExtentReply, Knobs, NodeId, SlabIndex, Version, VolumeId,
 };
 use converge_volume::resync::Throttle;
 use converge_volume::{
-    BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo, Tenure, Volume, VolumeConfig,
-    VolumeError,
+    ExtentLoc, ReadReply, ReplicaError, ReplicaIo, Tenure, Volume, VolumeConfig, VolumeError,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, RwLock};
@@ -302,15 +302,6 @@ pub enum OpenError {
     Unavailable(String),
 }
 
-fn engine_to_replica(e: EngineError) -> ReplicaError {
-    match e {
-        EngineError::StaleEpoch { .. } => ReplicaError::StaleEpoch(e.to_string()),
-        EngineError::ChecksumMismatch { .. } => ReplicaError::Checksum(e.to_string()),
-        EngineError::NoSpace { .. } => ReplicaError::NoSpace(e.to_string()),
-        other => ReplicaError::Io(other.to_string()),
-    }
-}
-
 fn engine_to_response(e: EngineError) -> Response {
     let code = match &e {
         EngineError::StaleEpoch { .. } => ErrorCode::StaleEpoch,
@@ -412,125 +403,14 @@ impl LocalDrives {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
-    pub async fn write(
-        &self,
-        drive: DriveId,
-        key: ExtentKey,
-        epoch: Epoch,
-        version: Version,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        data: Bytes,
-    ) -> Result<(), EngineError> {
+    /// Runs `op` on one of this node's drives (the replica service, on a blocking thread),
+    /// after admitting an extent it would create.
+    pub async fn call(&self, drive: DriveId, op: ExtentOp) -> Result<ExtentReply, EngineError> {
         let d = self.drive(drive)?;
-        self.admit(&d, drive, key).await?;
-        blocking(move || d.write(key, epoch, version, offset, &data, &crcs)).await
-    }
-
-    pub async fn read(
-        &self,
-        drive: DriveId,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> Result<ReadReply, EngineError> {
-        let d = self.drive(drive)?;
-        blocking(move || {
-            let mut buf = BytesMut::zeroed(len as usize);
-            let info = d.read(key, epoch, offset, &mut buf)?;
-            Ok(ReadReply {
-                data: buf.freeze(),
-                bad_blocks: info.bad_blocks,
-                version: info.versions,
-            })
-        })
-        .await
-    }
-
-    pub async fn zero(
-        &self,
-        drive: DriveId,
-        key: ExtentKey,
-        epoch: Epoch,
-        version: Version,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), EngineError> {
-        let d = self.drive(drive)?;
-        self.admit(&d, drive, key).await?;
-        blocking(move || d.zero(key, epoch, version, offset, len)).await
-    }
-
-    pub async fn free(&self, drive: DriveId, key: ExtentKey) -> Result<(), EngineError> {
-        let d = self.drive(drive)?;
-        blocking(move || d.free_extent(key)).await
-    }
-
-    pub async fn read_blocks(
-        &self,
-        drive: DriveId,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> Result<BlocksReply, EngineError> {
-        let d = self.drive(drive)?;
-        blocking(move || {
-            let mut buf = BytesMut::zeroed(len as usize);
-            let mut versions = Vec::new();
-            let info = d.read_blocks(key, epoch, offset, &mut buf, &mut versions)?;
-            Ok(BlocksReply {
-                data: buf.freeze(),
-                bad_blocks: info.bad_blocks,
-                versions,
-            })
-        })
-        .await
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    pub async fn write_blocks(
-        &self,
-        drive: DriveId,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        versions: Vec<Version>,
-        expect: Vec<Version>,
-        data: Bytes,
-    ) -> Result<u32, EngineError> {
-        let d = self.drive(drive)?;
-        self.admit(&d, drive, key).await?;
-        blocking(move || d.write_blocks(key, epoch, offset, &data, &crcs, &versions, &expect)).await
-    }
-
-    pub async fn digest(
-        &self,
-        drive: DriveId,
-        key: ExtentKey,
-        epoch: Epoch,
-    ) -> Result<u64, EngineError> {
-        let d = self.drive(drive)?;
-        blocking(move || d.fence_and_digest(key, epoch)).await
-    }
-
-    pub async fn versions(
-        &self,
-        drive: DriveId,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        count: u32,
-    ) -> Result<Vec<Version>, EngineError> {
-        let d = self.drive(drive)?;
-        blocking(move || {
-            d.fence(key, epoch)?;
-            d.block_versions(key, offset, count as usize)
-        })
-        .await
+        if op.stores_blocks() {
+            self.admit(&d, drive, op.key()).await?;
+        }
+        blocking(move || converge_replica::execute(&d, op)).await
     }
 }
 
@@ -603,10 +483,10 @@ impl Replicas {
         if node == self.me {
             return Ok(());
         }
-        self.call(node, Request::Ping).await.map(|_| ())
+        self.request(node, Request::Ping).await.map(|_| ())
     }
 
-    async fn call(&self, node: NodeId, req: Request) -> Result<Response, ReplicaError> {
+    async fn request(&self, node: NodeId, req: Request) -> Result<Response, ReplicaError> {
         let c = self.peer(node).await?;
         match c.call(req).await.map_err(rpc_to_replica)? {
             Response::Err { code, message } => {
@@ -616,248 +496,39 @@ impl Replicas {
         }
     }
 
+    /// Runs `op` on `drive` of `node`: this node's drives directly, a peer's over RPC.
+    pub async fn run(
+        &self,
+        node: NodeId,
+        drive: DriveId,
+        op: ExtentOp,
+    ) -> Result<ExtentReply, ReplicaError> {
+        if node == self.me {
+            return self.local.call(drive, op).await.map_err(replica_error);
+        }
+        match self.request(node, Request::Extent { drive, op }).await? {
+            Response::Extent(r) => Ok(r),
+            other => Err(ReplicaError::Io(format!(
+                "node {node} answered an extent operation with {other:?}"
+            ))),
+        }
+    }
+
     pub async fn free(
         &self,
         node: NodeId,
         drive: DriveId,
         key: ExtentKey,
     ) -> Result<(), ReplicaError> {
-        if node == self.me {
-            return self.local.free(drive, key).await.map_err(engine_to_replica);
-        }
-        self.call(node, Request::FreeExtent { drive, key })
+        self.run(node, drive, ExtentOp::Free { key })
             .await
             .map(|_| ())
     }
 }
 
 impl ReplicaIo for Replicas {
-    async fn write(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        version: Version,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        data: Bytes,
-    ) -> Result<(), ReplicaError> {
-        if at.node == self.me {
-            return self
-                .local
-                .write(at.drive, key, epoch, version, offset, crcs, data)
-                .await
-                .map_err(engine_to_replica);
-        }
-        let req = Request::Write {
-            drive: at.drive,
-            key,
-            epoch,
-            version,
-            offset,
-            crcs: crcs.to_vec(),
-            data,
-        };
-        self.call(at.node, req).await.map(|_| ())
-    }
-
-    async fn read(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> Result<ReadReply, ReplicaError> {
-        if at.node == self.me {
-            return self
-                .local
-                .read(at.drive, key, epoch, offset, len)
-                .await
-                .map_err(engine_to_replica);
-        }
-        let req = Request::Read {
-            drive: at.drive,
-            key,
-            epoch,
-            offset,
-            len,
-        };
-        match self.call(at.node, req).await? {
-            Response::ReadOk {
-                data,
-                bad_blocks,
-                version,
-            } => {
-                if data.len() != len as usize {
-                    return Err(ReplicaError::Io(format!(
-                        "node {} answered {} bytes for a {len}-byte read",
-                        at.node,
-                        data.len()
-                    )));
-                }
-                Ok(ReadReply {
-                    data,
-                    bad_blocks,
-                    version,
-                })
-            }
-            other => Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
-        }
-    }
-
-    async fn zero(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        version: Version,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), ReplicaError> {
-        if at.node == self.me {
-            return self
-                .local
-                .zero(at.drive, key, epoch, version, offset, len)
-                .await
-                .map_err(engine_to_replica);
-        }
-        let req = Request::Zero {
-            drive: at.drive,
-            key,
-            epoch,
-            version,
-            offset,
-            len,
-        };
-        self.call(at.node, req).await.map(|_| ())
-    }
-
-    async fn read_blocks(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> Result<BlocksReply, ReplicaError> {
-        if at.node == self.me {
-            return self
-                .local
-                .read_blocks(at.drive, key, epoch, offset, len)
-                .await
-                .map_err(engine_to_replica);
-        }
-        let req = Request::ReadBlocks {
-            drive: at.drive,
-            key,
-            epoch,
-            offset,
-            len,
-        };
-        match self.call(at.node, req).await? {
-            Response::BlocksOk {
-                data,
-                bad_blocks,
-                versions,
-            } if data.len() == len as usize && versions.len() * BLOCK_SIZE == data.len() => {
-                Ok(BlocksReply {
-                    data,
-                    bad_blocks,
-                    versions,
-                })
-            }
-            other => Err(ReplicaError::Io(format!(
-                "node {} answered a {len}-byte block read with {other:?}",
-                at.node
-            ))),
-        }
-    }
-
-    async fn write_blocks(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        versions: Vec<Version>,
-        expect: Vec<Version>,
-        data: Bytes,
-    ) -> Result<u32, ReplicaError> {
-        if at.node == self.me {
-            return self
-                .local
-                .write_blocks(at.drive, key, epoch, offset, crcs, versions, expect, data)
-                .await
-                .map_err(engine_to_replica);
-        }
-        let req = Request::WriteBlocks {
-            drive: at.drive,
-            key,
-            epoch,
-            offset,
-            crcs: crcs.to_vec(),
-            versions,
-            expect,
-            data,
-        };
-        match self.call(at.node, req).await? {
-            Response::Written { blocks } => Ok(blocks),
-            other => Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
-        }
-    }
-
-    async fn digest(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-    ) -> Result<u64, ReplicaError> {
-        if at.node == self.me {
-            return self
-                .local
-                .digest(at.drive, key, epoch)
-                .await
-                .map_err(engine_to_replica);
-        }
-        let req = Request::Digest {
-            drive: at.drive,
-            key,
-            epoch,
-        };
-        match self.call(at.node, req).await? {
-            Response::DigestOk { digest } => Ok(digest),
-            other => Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
-        }
-    }
-
-    async fn versions(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        count: u32,
-    ) -> Result<Vec<Version>, ReplicaError> {
-        if at.node == self.me {
-            return self
-                .local
-                .versions(at.drive, key, epoch, offset, count)
-                .await
-                .map_err(engine_to_replica);
-        }
-        let req = Request::Versions {
-            drive: at.drive,
-            key,
-            epoch,
-            offset,
-            count,
-        };
-        match self.call(at.node, req).await? {
-            Response::VersionsOk { versions } if versions.len() == count as usize => Ok(versions),
-            other => Err(ReplicaError::Io(format!("unexpected answer {other:?}"))),
-        }
+    async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
+        self.run(at.node, at.drive, op).await
     }
 }
 
@@ -926,17 +597,15 @@ impl RpcHandler {
             Err(resp) => return resp,
         };
         let r = match r {
-            VolIo::Read(off, len) => {
-                v.read(off, u64::from(len))
-                    .await
-                    .map(|data| Response::ReadOk {
-                        data,
-                        bad_blocks: Vec::new(),
-                        version: Version(0),
-                    })
-            }
-            VolIo::Write(off, data) => v.write(off, data).await.map(|_| Response::Ok),
-            VolIo::Zero(off, len, trim) => v.zero(off, len, trim).await.map(|_| Response::Ok),
+            VolIo::Read(off, len) => v.read(off, u64::from(len)).await.map(|data| {
+                Response::Extent(ExtentReply::Read(ReadReply {
+                    data,
+                    bad_blocks: Vec::new(),
+                    version: Version(0),
+                }))
+            }),
+            VolIo::Write(off, data) => v.write(off, data).await.map(|_| Response::ok()),
+            VolIo::Zero(off, len, trim) => v.zero(off, len, trim).await.map(|_| Response::ok()),
         };
         match r {
             Ok(resp) => resp,
@@ -958,111 +627,17 @@ enum VolIo {
 
 impl Handler for RpcHandler {
     async fn handle(&self, _peer: NodeId, req: Request) -> Response {
-        let r = match req {
-            Request::Write {
-                drive,
-                key,
-                epoch,
-                version,
-                offset,
-                crcs,
-                data,
-            } => self
-                .local
-                .write(drive, key, epoch, version, offset, crcs.into(), data)
-                .await
-                .map(|_| Response::Ok),
-            Request::Read {
-                drive,
-                key,
-                epoch,
-                offset,
-                len,
-            } => self
-                .local
-                .read(drive, key, epoch, offset, len)
-                .await
-                .map(|r| Response::ReadOk {
-                    data: r.data,
-                    bad_blocks: r.bad_blocks,
-                    version: r.version,
-                }),
-            Request::Zero {
-                drive,
-                key,
-                epoch,
-                version,
-                offset,
-                len,
-            } => self
-                .local
-                .zero(drive, key, epoch, version, offset, len)
-                .await
-                .map(|_| Response::Ok),
-            Request::FreeExtent { drive, key } => {
-                self.local.free(drive, key).await.map(|_| Response::Ok)
-            }
-            Request::ReadBlocks {
-                drive,
-                key,
-                epoch,
-                offset,
-                len,
-            } => self
-                .local
-                .read_blocks(drive, key, epoch, offset, len)
-                .await
-                .map(|r| Response::BlocksOk {
-                    data: r.data,
-                    bad_blocks: r.bad_blocks,
-                    versions: r.versions,
-                }),
-            Request::WriteBlocks {
-                drive,
-                key,
-                epoch,
-                offset,
-                crcs,
-                versions,
-                expect,
-                data,
-            } => self
-                .local
-                .write_blocks(
-                    drive,
-                    key,
-                    epoch,
-                    offset,
-                    crcs.into(),
-                    versions,
-                    expect,
-                    data,
-                )
-                .await
-                .map(|blocks| Response::Written { blocks }),
-            Request::Digest { drive, key, epoch } => self
-                .local
-                .digest(drive, key, epoch)
-                .await
-                .map(|digest| Response::DigestOk { digest }),
-            Request::Versions {
-                drive,
-                key,
-                epoch,
-                offset,
-                count,
-            } => self
-                .local
-                .versions(drive, key, epoch, offset, count)
-                .await
-                .map(|versions| Response::VersionsOk { versions }),
+        match req {
+            Request::Extent { drive, op } => match self.local.call(drive, op).await {
+                Ok(r) => Response::Extent(r),
+                Err(e) => engine_to_response(e),
+            },
             req
             @ (Request::VolRead { .. } | Request::VolWrite { .. } | Request::VolZero { .. }) => {
-                return self.volume_io(req).await
+                self.volume_io(req).await
             }
-            Request::Ping => Ok(Response::Pong),
-            Request::Hello(_) => Ok(Response::err(ErrorCode::Invalid, "hello after handshake")),
-        };
-        r.unwrap_or_else(engine_to_response)
+            Request::Ping => Response::Pong,
+            Request::Hello(_) => Response::err(ErrorCode::Invalid, "hello after handshake"),
+        }
     }
 }

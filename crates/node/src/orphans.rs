@@ -10,7 +10,7 @@
 //! in the fresh read.
 
 use crate::node::Node;
-use converge_types::{DriveId, ExtentKey};
+use converge_types::{DriveId, ExtentKey, ExtentOp};
 use std::collections::HashSet;
 use std::sync::atomic::Ordering;
 
@@ -54,9 +54,9 @@ pub async fn reclaim(node: &Node) -> Result<u64, String> {
         let r = match fresh {
             Ok(Some((rec, _))) if rec.extents.iter().any(|e| e.drive == drive) => Ok(false),
             Ok(_) => local
-                .free(drive, key)
+                .call(drive, ExtentOp::Free { key })
                 .await
-                .map(|()| true)
+                .map(|_| true)
                 .map_err(|e| e.to_string()),
             Err(e) => Err(e.to_string()),
         };

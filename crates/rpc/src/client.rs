@@ -239,7 +239,7 @@ impl RpcClient {
     /// an in-flight slot and connecting included).
     ///
     /// A `Response::Err` from the peer is returned as `Err(RpcError::Remote { code, message })`,
-    /// so `Ok` always holds a success variant (`Ok`, `ReadOk`, `Pong`, ...).
+    /// so `Ok` always holds a success variant (`Extent`, `Pong`, `HelloOk`).
     /// `Hello` is sent by the client itself on connect and is refused here.
     pub async fn call(&self, req: Request) -> Result<Response, RpcError> {
         self.call_within(req, self.inner.timeout).await

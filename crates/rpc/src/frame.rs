@@ -153,6 +153,7 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
 mod tests {
     use super::*;
     use crate::wire::{self, Request, Response};
+    use converge_types::{ExtentReply, ReadReply};
 
     /// Accepts a few bytes per write, to exercise partial vectored writes.
     struct Trickle {
@@ -210,11 +211,11 @@ mod tests {
         let (tx, rx) = mpsc::channel(64);
         let mut expect = Vec::new();
         for i in 0..50u64 {
-            let resp = Response::ReadOk {
+            let resp = Response::Extent(ExtentReply::Read(ReadReply {
                 data: Bytes::from(vec![i as u8; 100]),
                 bad_blocks: vec![i as u32],
                 version: converge_types::Version(i),
-            };
+            }));
             let f = wire::encode_response(i, &resp);
             expect.extend_from_slice(&f.to_vec());
             tx.send(Outgoing::Frame(f)).await.expect("queue");
@@ -242,7 +243,7 @@ mod tests {
             assert_eq!(h.request_id, i);
             wire::check_payload(&h, &p).expect("crc");
             let resp = wire::decode_response(h.msg_type, p).expect("decodes");
-            assert!(matches!(resp, Response::ReadOk { .. }));
+            assert!(matches!(resp, Response::Extent(ExtentReply::Read(_))));
         }
         assert!(read_frame(&mut r, 1 << 20).await.expect("eof").is_none());
     }
@@ -260,11 +261,11 @@ mod tests {
     async fn oversized_announcement_is_refused_before_reading_the_payload() {
         let f = wire::encode_response(
             3,
-            &Response::ReadOk {
+            &Response::Extent(ExtentReply::Read(ReadReply {
                 data: Bytes::from(vec![0u8; 4096]),
                 bad_blocks: vec![],
                 version: converge_types::Version(0),
-            },
+            })),
         )
         .to_vec();
         let mut r = &f[..HEADER_LEN];

@@ -6,7 +6,8 @@ use converge_rpc::{
     serve, ErrorCode, Handler, Hello, Request, Response, RpcClient, RpcError, PROTOCOL_VERSION,
 };
 use converge_types::{
-    ClusterId, DriveId, Epoch, ExtentKey, Knobs, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
+    ClusterId, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, Knobs, NodeId, ReadReply,
+    SlabIndex, Version, VolumeId, BLOCK_SIZE,
 };
 use rand::Rng;
 use std::collections::HashMap;
@@ -42,22 +43,22 @@ impl Handler for Store {
         let arrival = self.arrivals.fetch_add(1, Ordering::SeqCst);
         let pause = rand::thread_rng().gen_range(0..3000u64);
         tokio::time::sleep(Duration::from_micros(pause)).await;
-        let resp = match req {
-            Request::Read { drive, .. } | Request::Zero { drive, .. }
-                if drive == DRIVE_BLACK_HOLE =>
-            {
+        let Request::Extent { drive, op } = req else {
+            return Response::ok();
+        };
+        let resp = match op {
+            ExtentOp::Read { .. } | ExtentOp::Zero { .. } if drive == DRIVE_BLACK_HOLE => {
                 std::future::pending::<()>().await;
-                Response::Ok
+                Response::ok()
             }
-            Request::Read { drive, .. } if drive == DRIVE_SLOW => {
+            ExtentOp::Read { .. } if drive == DRIVE_SLOW => {
                 tokio::time::sleep(Duration::from_secs(10)).await;
-                Response::Ok
+                Response::ok()
             }
-            Request::Read { drive, .. } if drive == DRIVE_FENCED => {
+            ExtentOp::Read { .. } if drive == DRIVE_FENCED => {
                 Response::err(ErrorCode::StaleEpoch, "epoch 1 < 2")
             }
-            Request::Write {
-                drive,
+            ExtentOp::Write {
                 key,
                 offset,
                 crcs,
@@ -66,7 +67,7 @@ impl Handler for Store {
             } => {
                 let ok = data
                     .chunks(BLOCK_SIZE)
-                    .zip(&crcs)
+                    .zip(crcs.iter())
                     .all(|(b, c)| crc32c::crc32c(b) == *c);
                 if !ok {
                     Response::err(ErrorCode::ChecksumMismatch, "block crc mismatch")
@@ -75,28 +76,24 @@ impl Handler for Store {
                         .lock()
                         .expect("lock")
                         .insert((drive, key, offset), data);
-                    Response::Ok
+                    Response::ok()
                 }
             }
-            Request::Read {
-                drive,
-                key,
-                offset,
-                len,
-                ..
-            } => match self.blocks.lock().expect("lock").get(&(drive, key, offset)) {
-                Some(d) => Response::ReadOk {
-                    data: d.clone(),
+            ExtentOp::Read {
+                key, offset, len, ..
+            } => {
+                let (data, version) =
+                    match self.blocks.lock().expect("lock").get(&(drive, key, offset)) {
+                        Some(d) => (d.clone(), Version(1)),
+                        None => (Bytes::from(vec![0u8; len as usize]), Version(0)),
+                    };
+                Response::Extent(ExtentReply::Read(ReadReply {
+                    data,
                     bad_blocks: vec![],
-                    version: converge_types::Version(1),
-                },
-                None => Response::ReadOk {
-                    data: Bytes::from(vec![0u8; len as usize]),
-                    bad_blocks: vec![],
-                    version: converge_types::Version(0),
-                },
-            },
-            _ => Response::Ok,
+                    version,
+                }))
+            }
+            _ => Response::ok(),
         };
         self.order.lock().expect("lock").push(arrival);
         resp
@@ -142,25 +139,30 @@ fn key(slab: u64) -> ExtentKey {
 
 fn write(drive: DriveId, offset: u64, blocks: usize, fill: u8) -> Request {
     let data = Bytes::from(vec![fill; blocks * BLOCK_SIZE]);
-    Request::Write {
-        drive,
+    let crcs: Vec<u32> = data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect();
+    write_with_crcs(drive, offset, data, crcs)
+}
+
+fn write_with_crcs(drive: DriveId, offset: u64, data: Bytes, crcs: Vec<u32>) -> Request {
+    let op = ExtentOp::Write {
         key: key(0),
         epoch: Epoch(1),
         version: Version(offset),
         offset,
-        crcs: data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect(),
+        crcs: crcs.into(),
         data,
-    }
+    };
+    Request::Extent { drive, op }
 }
 
 fn read(drive: DriveId, offset: u64, len: u32) -> Request {
-    Request::Read {
-        drive,
+    let op = ExtentOp::Read {
         key: key(0),
         epoch: Epoch(1),
         offset,
         len,
-    }
+    };
+    Request::Extent { drive, op }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -175,15 +177,15 @@ async fn pipelined_calls_on_one_connection_get_their_own_answers() {
         tasks.push(tokio::spawn(async move {
             let blocks = 1 + (i % 3) as usize;
             let resp = c.call(write(DriveId(1), i * 65536, blocks, i as u8)).await;
-            assert_eq!(resp.expect("write"), Response::Ok);
+            assert_eq!(resp.expect("write"), Response::ok());
             let resp = c
                 .call(read(DriveId(1), i * 65536, (blocks * BLOCK_SIZE) as u32))
                 .await
                 .expect("read");
             match resp {
-                Response::ReadOk {
+                Response::Extent(ExtentReply::Read(ReadReply {
                     data, bad_blocks, ..
-                } => {
+                })) => {
                     assert!(bad_blocks.is_empty());
                     assert_eq!(data.len(), blocks * BLOCK_SIZE, "request {i}");
                     assert!(
@@ -227,10 +229,10 @@ async fn remote_errors_are_mapped_with_their_code() {
         other => panic!("{other:?}"),
     }
     // A corrupted block reaches the handler (the rpc layer only checks counts) and is refused.
-    let mut w = write(DriveId(1), 0, 2, 9);
-    if let Request::Write { crcs, .. } = &mut w {
-        crcs[1] ^= 1;
-    }
+    let data = Bytes::from(vec![9; 2 * BLOCK_SIZE]);
+    let mut crcs: Vec<u32> = data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect();
+    crcs[1] ^= 1;
+    let w = write_with_crcs(DriveId(1), 0, data.clone(), crcs.clone());
     assert!(matches!(
         c.call(w).await,
         Err(RpcError::Remote {
@@ -239,10 +241,8 @@ async fn remote_errors_are_mapped_with_their_code() {
         })
     ));
     // Wrong crc count: refused locally, never sent.
-    let mut w = write(DriveId(1), 0, 2, 9);
-    if let Request::Write { crcs, .. } = &mut w {
-        crcs.pop();
-    }
+    crcs.pop();
+    let w = write_with_crcs(DriveId(1), 0, data, crcs);
     assert!(matches!(c.call(w).await, Err(RpcError::Invalid(_))));
     assert!(matches!(
         c.call(Request::Hello(Hello::new(CLUSTER, NodeId(1)))).await,
@@ -376,7 +376,7 @@ async fn oversized_request_is_refused_before_sending() {
     assert_eq!(c.connections_made(), 0, "nothing was sent");
     assert_eq!(
         c.call(write(DriveId(1), 0, 15, 1)).await.expect("fits"),
-        Response::Ok
+        Response::ok()
     );
     // An answer that would not fit is replaced by an error instead of a huge frame.
     match c.call(read(DriveId(2), 0, 128 << 10)).await {

@@ -1,18 +1,18 @@
 //! `ReplicaIo` over the simulated network: each request to a peer is a message that is
 //! delayed (so requests reorder), may be lost on the way or on the way back (the write then
 //! applied, but the owner only sees a timeout), and is refused by partitions; it is served
-//! synchronously by the target node's real engine `Drive` (through its cache `Tier` when the
-//! run has caches). A request to the owner's own node goes straight to its drive, as in the
-//! daemon.
+//! synchronously by the daemon's replica service (`converge_replica::execute`) on the target
+//! node's real engine `Drive` (through its cache `Tier` when the run has caches). A request
+//! to the owner's own node goes straight to its drive, as in the daemon.
 //!
 //! A message in flight does not die with its sender: it is its own task, so a crashed or
 //! deposed owner's last requests can still land afterwards (fencing must refuse them).
 
 use crate::world::{Delivery, World};
-use bytes::{Bytes, BytesMut};
 use converge_engine::{EngineError, Tier};
-use converge_types::{Epoch, ExtentKey, NodeId, Version};
-use converge_volume::{BlocksReply, ExtentLoc, ReadReply, ReplicaError, ReplicaIo};
+use converge_replica::replica_error;
+use converge_types::{ExtentOp, ExtentReply, NodeId};
+use converge_volume::{ExtentLoc, ReplicaError, ReplicaIo};
 use std::sync::Arc;
 use tokio::time::Instant;
 
@@ -23,29 +23,20 @@ pub struct SimReplicas {
     pub(crate) from: NodeId,
 }
 
-fn engine_to_replica(e: EngineError) -> ReplicaError {
-    match e {
-        EngineError::StaleEpoch { .. } => ReplicaError::StaleEpoch(e.to_string()),
-        EngineError::ChecksumMismatch { .. } => ReplicaError::Checksum(e.to_string()),
-        EngineError::NoSpace { .. } => ReplicaError::NoSpace(e.to_string()),
-        other => ReplicaError::Io(other.to_string()),
-    }
-}
-
-impl SimReplicas {
-    async fn call<T: Send + 'static>(
-        &self,
-        at: ExtentLoc,
-        what: &'static str,
-        op: impl FnOnce(&Tier) -> Result<T, EngineError> + Send + 'static,
-    ) -> Result<T, ReplicaError> {
+impl ReplicaIo for SimReplicas {
+    /// Delivers `op` to the node of `at` (or runs it here, for the owner's own node), where
+    /// the replica service runs it, and brings its answer back, with the network's delays,
+    /// losses and partitions.
+    async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
+        let what = op.name();
+        let serve = move |t: &Tier| converge_replica::execute(t, op);
         let w = self.world.clone();
         let timeout = w.opts.rpc_timeout;
         let from = self.from;
         let r = if at.node == from {
             // Local drive: a little device latency, no network.
             tokio::time::sleep(w.us(5, 100)).await;
-            match w.exec(at.node, at.drive, op) {
+            match w.exec(at.node, at.drive, serve) {
                 Delivery::Done(r) => Some(r),
                 Delivery::NoReply => {
                     // This very node lost power: the owner is dead too and is being
@@ -70,7 +61,7 @@ impl SimReplicas {
                     return;
                 }
                 let inc = w2.incarnation(to);
-                let r = match w2.exec(to, at.drive, op) {
+                let r = match w2.exec(to, at.drive, serve) {
                     Delivery::Done(r) => r,
                     Delivery::NoReply => return,
                 };
@@ -108,130 +99,12 @@ impl SimReplicas {
                         at.node, at.drive
                     ));
                 }
-                Err(engine_to_replica(e))
+                Err(replica_error(e))
             }
             None => Err(ReplicaError::Unreachable(format!(
                 "node {} did not answer a {what} within {:?}",
                 at.node, timeout
             ))),
         }
-    }
-}
-
-impl ReplicaIo for SimReplicas {
-    async fn write(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        version: Version,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        data: Bytes,
-    ) -> Result<(), ReplicaError> {
-        self.call(at, "write", move |d| {
-            d.write(key, epoch, version, offset, &data, &crcs)
-        })
-        .await
-    }
-
-    async fn read(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> Result<ReadReply, ReplicaError> {
-        self.call(at, "read", move |d| {
-            let mut buf = BytesMut::zeroed(len as usize);
-            let info = d.read(key, epoch, offset, &mut buf)?;
-            Ok(ReadReply {
-                data: buf.freeze(),
-                bad_blocks: info.bad_blocks,
-                version: info.versions,
-            })
-        })
-        .await
-    }
-
-    async fn zero(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        version: Version,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), ReplicaError> {
-        self.call(at, "zero", move |d| {
-            d.zero(key, epoch, version, offset, len)
-        })
-        .await
-    }
-
-    async fn read_blocks(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> Result<BlocksReply, ReplicaError> {
-        self.call(at, "read_blocks", move |d| {
-            let mut buf = BytesMut::zeroed(len as usize);
-            let mut versions = Vec::new();
-            let info = d.read_blocks(key, epoch, offset, &mut buf, &mut versions)?;
-            Ok(BlocksReply {
-                data: buf.freeze(),
-                bad_blocks: info.bad_blocks,
-                versions,
-            })
-        })
-        .await
-    }
-
-    async fn write_blocks(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        versions: Vec<Version>,
-        expect: Vec<Version>,
-        data: Bytes,
-    ) -> Result<u32, ReplicaError> {
-        self.call(at, "write_blocks", move |d| {
-            d.write_blocks(key, epoch, offset, &data, &crcs, &versions, &expect)
-        })
-        .await
-    }
-
-    async fn digest(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-    ) -> Result<u64, ReplicaError> {
-        // As the daemon's handler: fence, then answer the version-map digest.
-        self.call(at, "digest", move |d| d.fence_and_digest(key, epoch))
-            .await
-    }
-
-    async fn versions(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        count: u32,
-    ) -> Result<Vec<Version>, ReplicaError> {
-        // As the daemon's handler: fence, then answer the versions.
-        self.call(at, "versions", move |d| {
-            d.fence(key, epoch)?;
-            d.block_versions(key, offset, count as usize)
-        })
-        .await
     }
 }

@@ -6,6 +6,9 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
 
+pub mod extent;
+pub use extent::{BadReply, BlocksReply, ExtentOp, ExtentReply, ReadReply, ReplyShape};
+
 /// Every internal I/O is in units of this many bytes (DESIGN.md: local engine).
 pub const BLOCK_SIZE: usize = 4096;
 /// Default slab size: the unit of placement.

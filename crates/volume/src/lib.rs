@@ -10,6 +10,7 @@ pub mod stats;
 pub mod tenure;
 
 use bytes::{Bytes, BytesMut};
+pub use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply};
 use converge_types::{
     DriveId, Epoch, ExtentKey, ExtentState, NodeId, Resiliency, SlabIndex, Version, VolumeId,
     BLOCK_SIZE,
@@ -36,16 +37,6 @@ pub struct ExtentLoc {
     pub state: ExtentState,
 }
 
-/// A replica's answer to a read.
-#[derive(Clone, Debug)]
-pub struct ReadReply {
-    pub data: Bytes,
-    /// Indexes (within this read) of blocks whose checksum did not match.
-    pub bad_blocks: Vec<u32>,
-    /// Highest block version among the blocks read.
-    pub version: Version,
-}
-
 /// Why a replica could not do what was asked.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ReplicaError {
@@ -61,92 +52,16 @@ pub enum ReplicaError {
     Io(String),
 }
 
-/// The path from the owner to one extent (its own node's drive or a peer's).
+/// The path from the owner to one extent (its own node's drive or a peer's). One method:
+/// every operation is an [`ExtentOp`], and the owner checks every answer against its
+/// operation ([`converge_types::ReplyShape`]), whichever implementation gave it.
 pub trait ReplicaIo: Send + Sync + 'static {
-    #[allow(clippy::too_many_arguments)]
-    fn write(
+    /// Runs `op` on the copy at `at`. An [`ExtentOp::Free`] is never sent by the owner.
+    fn call(
         &self,
         at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        version: Version,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        data: Bytes,
-    ) -> impl Future<Output = Result<(), ReplicaError>> + Send;
-
-    fn read(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> impl Future<Output = Result<ReadReply, ReplicaError>> + Send;
-
-    #[allow(clippy::too_many_arguments)]
-    fn zero(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        version: Version,
-        offset: u64,
-        len: u64,
-    ) -> impl Future<Output = Result<(), ReplicaError>> + Send;
-
-    /// A read answering every block's version (for copying between replicas).
-    fn read_blocks(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> impl Future<Output = Result<BlocksReply, ReplicaError>> + Send;
-
-    /// Copy blocks in: block `i` gets `versions[i]` only if its version is still
-    /// `expect[i]`. Returns how many blocks were written.
-    #[allow(clippy::too_many_arguments)]
-    fn write_blocks(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        versions: Vec<Version>,
-        expect: Vec<Version>,
-        data: Bytes,
-    ) -> impl Future<Output = Result<u32, ReplicaError>> + Send;
-
-    /// Fence the extent at `epoch` and answer the digest of its version map (equal digests:
-    /// equal versions).
-    fn digest(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-    ) -> impl Future<Output = Result<u64, ReplicaError>> + Send;
-
-    /// Fence the extent at `epoch` (older owners are refused from then on) and answer the
-    /// versions of `count` blocks from `offset`.
-    fn versions(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        count: u32,
-    ) -> impl Future<Output = Result<Vec<Version>, ReplicaError>> + Send;
-}
-
-/// A replica's answer to [`ReplicaIo::read_blocks`].
-#[derive(Clone, Debug)]
-pub struct BlocksReply {
-    pub data: Bytes,
-    pub bad_blocks: Vec<u32>,
-    pub versions: Vec<Version>,
+        op: ExtentOp,
+    ) -> impl Future<Output = Result<ExtentReply, ReplicaError>> + Send;
 }
 
 /// A change to one slab's record in the control plane (a compare-and-swap there).
@@ -603,15 +518,38 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .copied()
             .collect();
         self.replicate(p.slab, &slab, targets, |at| {
-            let crcs = crcs.clone();
-            let data = data.clone();
-            async move {
-                self.io
-                    .write(at, key, epoch, version, p.offset, crcs, data)
-                    .await
-            }
+            let op = ExtentOp::Write {
+                key,
+                epoch,
+                version,
+                offset: p.offset,
+                crcs: crcs.clone(),
+                data: data.clone(),
+            };
+            self.ask(at, op, ExtentReply::into_ok)
         })
         .await
+    }
+
+    /// Runs `op` on the copy at `at` and unpacks the answer with `unpack` (the
+    /// `ExtentReply::into_*` of the kind of answer `op` gets). The answer is checked against
+    /// the operation first, whichever path it took, so the owner may index what it got.
+    pub(crate) async fn ask<T>(
+        &self,
+        at: ExtentLoc,
+        op: ExtentOp,
+        unpack: fn(ExtentReply) -> Option<T>,
+    ) -> Result<T, ReplicaError> {
+        let shape = op.reply_shape();
+        let what = op.name();
+        let reply = self.io.call(at, op).await?;
+        if let Err(e) = shape.check(&reply) {
+            return Err(ReplicaError::Io(format!(
+                "node {} drive {}: {what} {e}",
+                at.node, at.drive
+            )));
+        }
+        Ok(unpack(reply).expect("the answer fits its operation (checked), so unpacks as its kind"))
     }
 
     /// Runs `op` on every target copy in parallel and settles the outcome. While fewer
@@ -936,7 +874,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let key = self.key(p.slab);
         let epoch = self.cfg.epoch;
-        let read = |at: ExtentLoc| self.io.read(at, key, epoch, p.offset, p.len as u32);
+        let read = |at: ExtentLoc| {
+            let op = ExtentOp::Read {
+                key,
+                epoch,
+                offset: p.offset,
+                len: p.len as u32,
+            };
+            self.ask(at, op, ExtentReply::into_read)
+        };
         // The usual case — the first copy answers — needs no allocation.
         let mut first = Some(std::pin::pin!(read(order[0])));
         let mut more = hedge_set(&read);
@@ -1008,11 +954,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let mut fixed = false;
             let mut unanswered = Vec::new();
             for &src in others {
-                let good = match self
-                    .io
-                    .read(src, key, self.cfg.epoch, boff, BLOCK_SIZE as u32)
-                    .await
-                {
+                let op = ExtentOp::Read {
+                    key,
+                    epoch: self.cfg.epoch,
+                    offset: boff,
+                    len: BLOCK_SIZE as u32,
+                };
+                let good = match self.ask(src, op, ExtentReply::into_read).await {
                     Ok(good) => good,
                     Err(ReplicaError::StaleEpoch(why)) => {
                         return Err(RepairFailed::Lost(self.fenced(why)))
@@ -1029,20 +977,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 buf[at..at + BLOCK_SIZE].copy_from_slice(&good.data);
                 // Rewrite with the good copy's version so the repaired block is not newer
                 // than the write it holds.
-                let crcs = block_crcs(&good.data);
-                match self
-                    .io
-                    .write(
-                        bad_at,
-                        key,
-                        self.cfg.epoch,
-                        good.version,
-                        boff,
-                        crcs,
-                        good.data,
-                    )
-                    .await
-                {
+                let op = ExtentOp::Write {
+                    key,
+                    epoch: self.cfg.epoch,
+                    version: good.version,
+                    offset: boff,
+                    crcs: block_crcs(&good.data),
+                    data: good.data,
+                };
+                match self.ask(bad_at, op, ExtentReply::into_ok).await {
                     Ok(()) => {
                         self.counters
                             .repaired_blocks
@@ -1161,10 +1104,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .filter(|e| e.state != ExtentState::Stale)
             .copied()
             .collect();
-        self.replicate(p.slab, &slab, targets, |at| async move {
-            self.io
-                .zero(at, key, self.cfg.epoch, version, p.offset, p.len)
-                .await
+        self.replicate(p.slab, &slab, targets, |at| {
+            let op = ExtentOp::Zero {
+                key,
+                epoch: self.cfg.epoch,
+                version,
+                offset: p.offset,
+                len: p.len,
+            };
+            self.ask(at, op, ExtentReply::into_ok)
         })
         .await
     }

@@ -7,7 +7,10 @@
 //! owner write — which always reaches `syncing` copies too — is never overwritten by older
 //! data. The rules are written down in docs/CONSISTENCY.md.
 
-use crate::{block_crcs, ExtentLoc, ReplicaError, ReplicaIo, SlabAllocator, SlabChange, Volume};
+use crate::{
+    block_crcs, ExtentLoc, ExtentOp, ExtentReply, ReplicaError, ReplicaIo, SlabAllocator,
+    SlabChange, Volume,
+};
 use crate::{Slab, VolumeError, BS};
 use converge_types::{DriveId, Epoch, ExtentState, SlabIndex, Version};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -368,14 +371,18 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let mut start = 0;
         while start < blocks {
             let n = VERSIONS_CHUNK.min(blocks - start);
+            let op = ExtentOp::Versions {
+                key,
+                epoch,
+                offset: start * BS,
+                count: n as u32,
+            };
             let sv = self
-                .io
-                .versions(src, key, epoch, start * BS, n as u32)
+                .ask(src, op.clone(), ExtentReply::into_versions)
                 .await
                 .map_err(|e| self.replica_failed(idx, src, e))?;
             let tv = self
-                .io
-                .versions(target, key, epoch, start * BS, n as u32)
+                .ask(target, op, ExtentReply::into_versions)
                 .await
                 .map_err(|e| self.replica_failed(idx, target, e))?;
             for (i, (s, t)) in sv.iter().zip(&tv).enumerate() {
@@ -444,9 +451,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let epoch = self.cfg.epoch;
         let off = run[0].block * BS;
         let len = run.len() as u64 * BS;
+        let op = ExtentOp::ReadBlocks {
+            key,
+            epoch,
+            offset: off,
+            len: len as u32,
+        };
         let r = self
-            .io
-            .read_blocks(src, key, epoch, off, len as u32)
+            .ask(src, op, ExtentReply::into_blocks)
             .await
             .map_err(|e| self.replica_failed(idx, src, e))?;
         let mut data = bytes::BytesMut::from(&r.data[..]);
@@ -463,11 +475,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 {
                     continue;
                 }
-                if let Ok(g) = self
-                    .io
-                    .read_blocks(*other, key, epoch, boff, BS as u32)
-                    .await
-                {
+                let op = ExtentOp::ReadBlocks {
+                    key,
+                    epoch,
+                    offset: boff,
+                    len: BS as u32,
+                };
+                if let Ok(g) = self.ask(*other, op, ExtentReply::into_blocks).await {
                     if g.bad_blocks.is_empty() {
                         let at = b as usize * BS as usize;
                         data[at..at + BS as usize].copy_from_slice(&g.data);
@@ -491,9 +505,16 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
         }
         let data = data.freeze();
-        let crcs = block_crcs(&data);
-        self.io
-            .write_blocks(target, key, epoch, off, crcs, versions, expect, data)
+        let op = ExtentOp::WriteBlocks {
+            key,
+            epoch,
+            offset: off,
+            crcs: block_crcs(&data),
+            versions,
+            expect,
+            data,
+        };
+        self.ask(target, op, ExtentReply::into_written)
             .await
             .map_err(|e| self.replica_failed(idx, target, e))
     }
@@ -538,7 +559,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let mut digests = Vec::new();
         let mut unreachable = Vec::new();
         for e in slab.extents().iter() {
-            match self.io.digest(*e, key, epoch).await {
+            match self
+                .ask(
+                    *e,
+                    ExtentOp::Digest { key, epoch },
+                    ExtentReply::into_digest,
+                )
+                .await
+            {
                 Ok(d) if e.state == ExtentState::InSync => digests.push(d),
                 Ok(_) => {}
                 Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
@@ -576,7 +604,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let ex = slab.extents();
             let mut copies: Vec<(ExtentLoc, Vec<Version>)> = Vec::new();
             for e in ex.iter() {
-                match self.io.versions(*e, key, epoch, start * BS, n as u32).await {
+                let op = ExtentOp::Versions {
+                    key,
+                    epoch,
+                    offset: start * BS,
+                    count: n as u32,
+                };
+                match self.ask(*e, op, ExtentReply::into_versions).await {
                     Ok(v) if e.state == ExtentState::InSync => copies.push((*e, v)),
                     Ok(_) => {}
                     Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
@@ -754,11 +788,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             if e.state != ExtentState::InSync {
                 continue;
             }
-            match self
-                .io
-                .read_blocks(*e, key, epoch, start * BS, (n * BS) as u32)
-                .await
-            {
+            let op = ExtentOp::ReadBlocks {
+                key,
+                epoch,
+                offset: start * BS,
+                len: (n * BS) as u32,
+            };
+            match self.ask(*e, op, ExtentReply::into_blocks).await {
                 Ok(r) => {
                     rep.bytes_read += n * BS;
                     copies.push((*e, r));
@@ -817,18 +853,17 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 }
                 if repair {
                     let data = sr.data.slice(b * bsz..(b + 1) * bsz);
+                    let op = ExtentOp::WriteBlocks {
+                        key,
+                        epoch,
+                        offset: (start + b as u64) * BS,
+                        crcs: block_crcs(&data),
+                        versions: vec![sr.versions[b]],
+                        expect: vec![r.versions[b]],
+                        data,
+                    };
                     let w = self
-                        .io
-                        .write_blocks(
-                            *e,
-                            key,
-                            epoch,
-                            (start + b as u64) * BS,
-                            block_crcs(&data),
-                            vec![sr.versions[b]],
-                            vec![r.versions[b]],
-                            data,
-                        )
+                        .ask(*e, op, ExtentReply::into_written)
                         .await
                         .map_err(|err| self.replica_failed(idx, *e, err))?;
                     rep.repaired += u64::from(w);

@@ -20,6 +20,9 @@ struct MemReplicas {
     epochs: Mutex<HashMap<(DriveId, ExtentKey), Epoch>>,
     /// Nodes that take reads and never answer (a paused process, a cut link).
     hung: Mutex<Vec<NodeId>>,
+    /// Nodes whose read answers name a bad block past the end of the read (a broken or
+    /// hostile peer).
+    garbled: Mutex<Vec<NodeId>>,
 }
 
 impl MemReplicas {
@@ -60,50 +63,9 @@ impl MemReplicas {
     }
 }
 
-impl ReplicaIo for MemReplicas {
-    async fn write(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        _epoch: Epoch,
-        version: Version,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        data: Bytes,
-    ) -> Result<(), ReplicaError> {
-        self.check(at, key, _epoch)?;
-        assert_eq!(offset % BS, 0);
-        assert_eq!(data.len() % BLOCK_SIZE, 0);
-        self.writes.fetch_add(1, Ordering::Relaxed);
-        let mut m = self.blocks.lock().unwrap();
-        for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
-            if crc32c::crc32c(chunk) != crcs[i] {
-                return Err(ReplicaError::Checksum("end-to-end".into()));
-            }
-            let b = offset / BS + i as u64;
-            let cur = m
-                .get(&(at.drive, key, b))
-                .map(|e| e.0)
-                .unwrap_or(Version(0));
-            if version >= cur {
-                m.insert((at.drive, key, b), (version, crcs[i], chunk.to_vec()));
-            }
-        }
-        Ok(())
-    }
-
-    async fn read(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        _epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> Result<ReadReply, ReplicaError> {
-        if self.hung.lock().unwrap().contains(&at.node) {
-            std::future::pending::<()>().await;
-        }
-        self.check(at, key, _epoch)?;
+impl MemReplicas {
+    /// A read of whole blocks, after the checks.
+    fn read_now(&self, at: ExtentLoc, key: ExtentKey, offset: u64, len: u32) -> ReadReply {
         let m = self.blocks.lock().unwrap();
         let mut data = Vec::with_capacity(len as usize);
         let mut bad = Vec::new();
@@ -120,112 +82,166 @@ impl ReplicaIo for MemReplicas {
                 None => data.extend_from_slice(&[0u8; BLOCK_SIZE]),
             }
         }
-        Ok(ReadReply {
+        ReadReply {
             data: Bytes::from(data),
             bad_blocks: bad,
             version,
+        }
+    }
+
+    /// Every operation in one place, as a replica serves them.
+    async fn serve(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
+        if matches!(op, ExtentOp::Read { .. } | ExtentOp::ReadBlocks { .. })
+            && self.hung.lock().unwrap().contains(&at.node)
+        {
+            std::future::pending::<()>().await;
+        }
+        let key = op.key();
+        self.check(at, key, op.epoch().expect("the owner never frees"))?;
+        Ok(match op {
+            ExtentOp::Write {
+                version,
+                offset,
+                crcs,
+                data,
+                ..
+            } => {
+                assert_eq!(offset % BS, 0);
+                assert_eq!(data.len() % BLOCK_SIZE, 0);
+                self.writes.fetch_add(1, Ordering::Relaxed);
+                let mut m = self.blocks.lock().unwrap();
+                for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
+                    if crc32c::crc32c(chunk) != crcs[i] {
+                        return Err(ReplicaError::Checksum("end-to-end".into()));
+                    }
+                    let b = offset / BS + i as u64;
+                    let cur = m
+                        .get(&(at.drive, key, b))
+                        .map(|e| e.0)
+                        .unwrap_or(Version(0));
+                    if version >= cur {
+                        m.insert((at.drive, key, b), (version, crcs[i], chunk.to_vec()));
+                    }
+                }
+                ExtentReply::Ok
+            }
+            ExtentOp::Read { offset, len, .. } => {
+                let mut r = self.read_now(at, key, offset, len);
+                if self.garbled.lock().unwrap().contains(&at.node) {
+                    r.bad_blocks.push(len / BLOCK_SIZE as u32);
+                }
+                ExtentReply::Read(r)
+            }
+            ExtentOp::Zero {
+                version,
+                offset,
+                len,
+                ..
+            } => {
+                let zero = vec![0u8; BLOCK_SIZE];
+                let crc = crc32c::crc32c(&zero);
+                let mut m = self.blocks.lock().unwrap();
+                for b in offset / BS..(offset + len) / BS {
+                    let cur = m.get(&(at.drive, key, b)).map_or(Version(0), |e| e.0);
+                    if version >= cur {
+                        m.insert((at.drive, key, b), (version, crc, zero.clone()));
+                    }
+                }
+                ExtentReply::Ok
+            }
+            ExtentOp::ReadBlocks { offset, len, .. } => {
+                let r = self.read_now(at, key, offset, len);
+                let versions = (0..len as u64 / BS)
+                    .map(|i| self.version(at.drive, key, offset / BS + i))
+                    .collect();
+                ExtentReply::Blocks(BlocksReply {
+                    data: r.data,
+                    bad_blocks: r.bad_blocks,
+                    versions,
+                })
+            }
+            ExtentOp::WriteBlocks {
+                offset,
+                crcs,
+                versions,
+                expect,
+                data,
+                ..
+            } => {
+                self.copied.fetch_add(1, Ordering::Relaxed);
+                let mut m = self.blocks.lock().unwrap();
+                let mut n = 0;
+                for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
+                    let b = offset / BS + i as u64;
+                    let cur = m.get(&(at.drive, key, b)).map_or(Version(0), |e| e.0);
+                    if cur == expect[i] {
+                        m.insert((at.drive, key, b), (versions[i], crcs[i], chunk.to_vec()));
+                        n += 1;
+                    }
+                }
+                self.blocks_copied.fetch_add(n as u64, Ordering::Relaxed);
+                ExtentReply::Written(n)
+            }
+            ExtentOp::Digest { .. } => {
+                self.digests.fetch_add(1, Ordering::Relaxed);
+                // Any order-independent function of the version map will do here.
+                ExtentReply::Digest(
+                    self.copy_of(at.drive, key)
+                        .iter()
+                        .filter(|(_, v, _)| v.0 != 0)
+                        .fold(0u64, |d, (b, v, _)| {
+                            d.wrapping_add(
+                                (b ^ v.0.rotate_left(23)).wrapping_mul(0x9E37_79B9_7F4A_7C15),
+                            )
+                        }),
+                )
+            }
+            ExtentOp::Versions { offset, count, .. } => ExtentReply::Versions(
+                (0..count as u64)
+                    .map(|i| self.version(at.drive, key, offset / BS + i))
+                    .collect(),
+            ),
+            ExtentOp::Free { .. } => unreachable!("the owner never frees"),
         })
     }
+}
 
-    async fn zero(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        _epoch: Epoch,
-        version: Version,
-        offset: u64,
-        len: u64,
-    ) -> Result<(), ReplicaError> {
-        self.check(at, key, _epoch)?;
-        let zero = vec![0u8; BLOCK_SIZE];
-        let crc = crc32c::crc32c(&zero);
-        let mut m = self.blocks.lock().unwrap();
-        for b in offset / BS..(offset + len) / BS {
-            let cur = m.get(&(at.drive, key, b)).map_or(Version(0), |e| e.0);
-            if version >= cur {
-                m.insert((at.drive, key, b), (version, crc, zero.clone()));
-            }
-        }
-        Ok(())
+impl ReplicaIo for MemReplicas {
+    async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
+        self.serve(at, op).await
     }
+}
 
-    async fn read_blocks(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        len: u32,
-    ) -> Result<BlocksReply, ReplicaError> {
-        let r = self.read(at, key, epoch, offset, len).await?;
-        let versions = (0..len as u64 / BS)
-            .map(|i| self.version(at.drive, key, offset / BS + i))
-            .collect();
-        Ok(BlocksReply {
-            data: r.data,
-            bad_blocks: r.bad_blocks,
-            versions,
-        })
-    }
+/// The first `len` bytes of one copy, read at epoch 3 as the tests' owner.
+async fn read_copy(io: &MemReplicas, at: ExtentLoc, key: ExtentKey, len: u32) -> ReadReply {
+    let op = ExtentOp::Read {
+        key,
+        epoch: Epoch(3),
+        offset: 0,
+        len,
+    };
+    io.call(at, op).await.unwrap().into_read().unwrap()
+}
 
-    async fn write_blocks(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        crcs: Arc<[u32]>,
-        versions: Vec<Version>,
-        expect: Vec<Version>,
-        data: Bytes,
-    ) -> Result<u32, ReplicaError> {
-        self.check(at, key, epoch)?;
-        self.copied.fetch_add(1, Ordering::Relaxed);
-        let mut m = self.blocks.lock().unwrap();
-        let mut n = 0;
-        for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
-            let b = offset / BS + i as u64;
-            let cur = m.get(&(at.drive, key, b)).map_or(Version(0), |e| e.0);
-            if cur == expect[i] {
-                m.insert((at.drive, key, b), (versions[i], crcs[i], chunk.to_vec()));
-                n += 1;
-            }
-        }
-        self.blocks_copied.fetch_add(n as u64, Ordering::Relaxed);
-        Ok(n)
-    }
-
-    async fn digest(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-    ) -> Result<u64, ReplicaError> {
-        self.check(at, key, epoch)?;
-        self.digests.fetch_add(1, Ordering::Relaxed);
-        // Any order-independent function of the version map will do here.
-        Ok(self
-            .copy_of(at.drive, key)
-            .iter()
-            .filter(|(_, v, _)| v.0 != 0)
-            .fold(0u64, |d, (b, v, _)| {
-                d.wrapping_add((b ^ v.0.rotate_left(23)).wrapping_mul(0x9E37_79B9_7F4A_7C15))
-            }))
-    }
-
-    async fn versions(
-        &self,
-        at: ExtentLoc,
-        key: ExtentKey,
-        epoch: Epoch,
-        offset: u64,
-        count: u32,
-    ) -> Result<Vec<Version>, ReplicaError> {
-        self.check(at, key, epoch)?;
-        Ok((0..count as u64)
-            .map(|i| self.version(at.drive, key, offset / BS + i))
-            .collect())
-    }
+/// Writes `data` into one copy directly, at epoch 3 as the tests' owner (a write that
+/// reached only that copy).
+async fn write_copy(
+    io: &MemReplicas,
+    at: ExtentLoc,
+    key: ExtentKey,
+    version: Version,
+    offset: u64,
+    data: Bytes,
+) {
+    let op = ExtentOp::Write {
+        key,
+        epoch: Epoch(3),
+        version,
+        offset,
+        crcs: block_crcs(&data),
+        data,
+    };
+    assert_eq!(io.call(at, op).await, Ok(ExtentReply::Ok));
 }
 
 /// Places copy i of every slab on node i+1, drive (node*10); keeps the slab records.
@@ -417,7 +433,7 @@ async fn writes_cross_slabs_and_reach_every_copy() {
             volume: VolumeId(7),
             slab: SlabIndex(1),
         };
-        let r = io.read(at, key, Epoch(3), 0, 64 << 10).await.unwrap();
+        let r = read_copy(&io, at, key, 64 << 10).await;
         assert_eq!(&r.data[..], &data[(32 << 10)..(96 << 10)]);
     }
 }
@@ -481,7 +497,7 @@ async fn bad_block_is_served_from_another_copy_and_repaired() {
         drive: DriveId(20),
         state: ExtentState::InSync,
     };
-    let r = io.read(at, key, Epoch(3), 0, 64 << 10).await.unwrap();
+    let r = read_copy(&io, at, key, 64 << 10).await;
     assert!(r.bad_blocks.is_empty());
     assert_eq!(&r.data[8192..8192 + 16384], &data[..]);
 }
@@ -797,17 +813,16 @@ async fn takeover_fences_the_old_owner_and_makes_copies_agree() {
     // The old owner crashed mid-write: block 3 reached only node 1's copy.
     let key = old.key(SlabIndex(0));
     let stray = pattern(4096, 99);
-    io.write(
-        old.slab_map()[&SlabIndex(0)][0],
+    let at = old.slab_map()[&SlabIndex(0)][0];
+    write_copy(
+        &io,
+        at,
         key,
-        Epoch(3),
         Version(3 << 32 | 1000),
         3 * 4096,
-        block_crcs(&stray),
         stray.clone(),
     )
-    .await
-    .unwrap();
+    .await;
     // A new owner at epoch 4 reconciles before serving.
     let slabs = alloc.records.lock().unwrap().clone().into_iter().collect();
     let new = Volume::new(
@@ -893,17 +908,8 @@ async fn a_write_failing_everywhere_stales_nothing_and_is_reconciled() {
     let key = v.key(SlabIndex(0));
     let late = pattern(4096, 3);
     io.failed.lock().unwrap().clear();
-    io.write(
-        v.slab_map()[&SlabIndex(0)][2],
-        key,
-        Epoch(3),
-        Version(3 << 32 | 99),
-        0,
-        block_crcs(&late),
-        late.clone(),
-    )
-    .await
-    .unwrap();
+    let at = v.slab_map()[&SlabIndex(0)][2];
+    write_copy(&io, at, key, Version(3 << 32 | 99), 0, late.clone()).await;
     assert_eq!(v.reconcile_suspect().await.unwrap(), 2);
     assert_copies_identical(&v, &io);
     assert_eq!(v.read(0, 4096).await.unwrap(), late);
@@ -933,6 +939,25 @@ async fn a_read_is_hedged_past_a_copy_that_does_not_answer() {
         .expect("one copy answers")
         .unwrap();
     assert_eq!(got, data);
+}
+
+/// An answer that does not fit its question (here: a bad block past the end of the read,
+/// which a repair would index) fails that copy like an I/O error; the owner reads another.
+#[tokio::test(start_paused = true)]
+async fn an_answer_that_does_not_fit_its_question_fails_that_copy() {
+    let (v, io) = volume(1 << 20, 1 << 20);
+    let data = pattern(8192, 1);
+    v.write(0, data.clone()).await.unwrap();
+    // Node 2 is this owner's node: its copy is asked first.
+    io.garbled.lock().unwrap().push(NodeId(2));
+    assert_eq!(v.read(0, 8192).await.unwrap(), data);
+    // No copy answers sensibly: the read fails, it does not panic or return bad data.
+    io.garbled.lock().unwrap().extend([NodeId(1), NodeId(3)]);
+    let e = v.read(0, 8192).await.unwrap_err();
+    assert!(
+        matches!(&e, VolumeError::Unreadable { why, .. } if why.contains("where 8192 bytes of read data was asked")),
+        "{e}"
+    );
 }
 
 /// Reads wait out a fault the way writes do: with every copy unreachable for a while, a

@@ -1,0 +1,295 @@
+//! The replica service: runs one [`ExtentOp`] on a drive's [`Tier`] and answers it. The node
+//! daemon runs it for the copies on its own drives, whether its own volumes or its peers'
+//! requests ask, and the simulator runs the very same function on its simulated drives, so
+//! a passing seed speaks for the code that ships.
+//!
+//! Left to the caller, because it differs by where the drive lives: finding the drive, the
+//! daemon's admission check of a new extent against the slab records, and the thread the
+//! blocking engine call runs on.
+
+use bytes::BytesMut;
+use converge_engine::{EngineError, Tier};
+use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply};
+use converge_volume::ReplicaError;
+
+/// Runs `op` on `tier` (blocking: the engine writes and syncs before it returns). The epoch
+/// checks are the engine's: every operation but `Free` is refused below the extent's epoch.
+pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
+    let shape = op.reply_shape();
+    let reply = match op {
+        ExtentOp::Write {
+            key,
+            epoch,
+            version,
+            offset,
+            crcs,
+            data,
+        } => {
+            tier.write(key, epoch, version, offset, &data, &crcs)?;
+            ExtentReply::Ok
+        }
+        ExtentOp::Read {
+            key,
+            epoch,
+            offset,
+            len,
+        } => {
+            let mut buf = BytesMut::zeroed(len as usize);
+            let info = tier.read(key, epoch, offset, &mut buf)?;
+            ExtentReply::Read(ReadReply {
+                data: buf.freeze(),
+                bad_blocks: info.bad_blocks,
+                version: info.versions,
+            })
+        }
+        ExtentOp::Zero {
+            key,
+            epoch,
+            version,
+            offset,
+            len,
+        } => {
+            tier.zero(key, epoch, version, offset, len)?;
+            ExtentReply::Ok
+        }
+        ExtentOp::ReadBlocks {
+            key,
+            epoch,
+            offset,
+            len,
+        } => {
+            let mut buf = BytesMut::zeroed(len as usize);
+            let mut versions = Vec::new();
+            let info = tier.read_blocks(key, epoch, offset, &mut buf, &mut versions)?;
+            ExtentReply::Blocks(BlocksReply {
+                data: buf.freeze(),
+                bad_blocks: info.bad_blocks,
+                versions,
+            })
+        }
+        ExtentOp::WriteBlocks {
+            key,
+            epoch,
+            offset,
+            crcs,
+            versions,
+            expect,
+            data,
+        } => ExtentReply::Written(
+            tier.write_blocks(key, epoch, offset, &data, &crcs, &versions, &expect)?,
+        ),
+        ExtentOp::Versions {
+            key,
+            epoch,
+            offset,
+            count,
+        } => {
+            tier.fence(key, epoch)?;
+            ExtentReply::Versions(tier.block_versions(key, offset, count as usize)?)
+        }
+        ExtentOp::Digest { key, epoch } => ExtentReply::Digest(tier.fence_and_digest(key, epoch)?),
+        ExtentOp::Free { key } => {
+            tier.free_extent(key)?;
+            ExtentReply::Ok
+        }
+    };
+    // The owner checks this too (it trusts no peer); a failure here is this node's bug.
+    if let Err(e) = shape.check(&reply) {
+        panic!("the replica service {e}");
+    }
+    Ok(reply)
+}
+
+/// What an engine failure means to the owner: refused as a deposed owner, a corrupted
+/// request, a full drive, or an I/O failure of that copy.
+pub fn replica_error(e: EngineError) -> ReplicaError {
+    match e {
+        EngineError::StaleEpoch { .. } => ReplicaError::StaleEpoch(e.to_string()),
+        EngineError::ChecksumMismatch { .. } => ReplicaError::Checksum(e.to_string()),
+        EngineError::NoSpace { .. } => ReplicaError::NoSpace(e.to_string()),
+        other => ReplicaError::Io(other.to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+    use converge_engine::{Drive, DriveIdentity, FaultyFile, FormatOptions};
+    use converge_types::{
+        ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex, Version,
+        VolumeId, BLOCK_SIZE,
+    };
+    use std::sync::Arc;
+
+    const KEY: ExtentKey = ExtentKey {
+        volume: VolumeId(7),
+        slab: SlabIndex(1),
+    };
+    const BS: u64 = BLOCK_SIZE as u64;
+
+    fn tier() -> Tier {
+        let ident = DriveIdentity {
+            cluster: ClusterId(1),
+            node: NodeId(1),
+            drive: DriveId(10),
+            slab_size_bytes: 16 * BS,
+            role: DriveRole::Capacity,
+            media: MediaType::Ram,
+        };
+        let file = FaultyFile::new(2 << 20);
+        let opts = FormatOptions {
+            journal_bytes: Some(64 << 10),
+        };
+        let drive = Drive::format_with(Arc::new(file), ident, opts).expect("format");
+        Tier::new(Arc::new(drive))
+    }
+
+    fn blocks(n: usize, fill: u8) -> (Arc<[u32]>, Bytes) {
+        let data = vec![fill; n * BLOCK_SIZE];
+        (
+            data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect(),
+            data.into(),
+        )
+    }
+
+    fn write(epoch: u64, version: u64, offset: u64, n: usize, fill: u8) -> ExtentOp {
+        let (crcs, data) = blocks(n, fill);
+        ExtentOp::Write {
+            key: KEY,
+            epoch: Epoch(epoch),
+            version: Version(version),
+            offset,
+            crcs,
+            data,
+        }
+    }
+
+    fn read(epoch: u64, offset: u64, len: u64) -> ExtentOp {
+        ExtentOp::Read {
+            key: KEY,
+            epoch: Epoch(epoch),
+            offset,
+            len: len as u32,
+        }
+    }
+
+    fn run(t: &Tier, op: ExtentOp) -> ExtentReply {
+        execute(t, op).expect("the engine runs it")
+    }
+
+    #[test]
+    fn every_operation_answers_its_kind() {
+        let t = tier();
+        assert_eq!(run(&t, write(1, 5, BS, 2, 0xab)), ExtentReply::Ok);
+        let r = run(&t, read(1, 0, 4 * BS)).into_read().unwrap();
+        assert_eq!(r.version, Version(5));
+        assert!(r.bad_blocks.is_empty());
+        assert!(r.data[..BLOCK_SIZE].iter().all(|b| *b == 0));
+        assert!(r.data[BLOCK_SIZE..3 * BLOCK_SIZE]
+            .iter()
+            .all(|b| *b == 0xab));
+        let op = ExtentOp::ReadBlocks {
+            key: KEY,
+            epoch: Epoch(1),
+            offset: 0,
+            len: 3 * BLOCK_SIZE as u32,
+        };
+        let b = run(&t, op).into_blocks().unwrap();
+        assert_eq!(b.versions, [Version(0), Version(5), Version(5)]);
+        // Copy-in: only the block still at its expected version is written.
+        let (crcs, data) = blocks(2, 0xcd);
+        let op = ExtentOp::WriteBlocks {
+            key: KEY,
+            epoch: Epoch(1),
+            offset: BS,
+            crcs,
+            versions: vec![Version(9), Version(9)],
+            expect: vec![Version(5), Version(4)],
+            data,
+        };
+        assert_eq!(run(&t, op), ExtentReply::Written(1));
+        let op = ExtentOp::Zero {
+            key: KEY,
+            epoch: Epoch(1),
+            version: Version(10),
+            offset: 2 * BS,
+            len: BS,
+        };
+        assert_eq!(run(&t, op), ExtentReply::Ok);
+        let op = ExtentOp::Versions {
+            key: KEY,
+            epoch: Epoch(1),
+            offset: 0,
+            count: 3,
+        };
+        assert_eq!(
+            run(&t, op),
+            ExtentReply::Versions(vec![Version(0), Version(9), Version(10)])
+        );
+        let digest = |epoch| {
+            run(
+                &t,
+                ExtentOp::Digest {
+                    key: KEY,
+                    epoch: Epoch(epoch),
+                },
+            )
+        };
+        let d = digest(1).into_digest().unwrap();
+        assert_eq!(digest(1), ExtentReply::Digest(d), "same versions");
+        assert_eq!(run(&t, ExtentOp::Free { key: KEY }), ExtentReply::Ok);
+        assert!(!t.has_extent(KEY));
+    }
+
+    #[test]
+    fn fencing_operations_refuse_older_owners_from_then_on() {
+        let t = tier();
+        assert_eq!(run(&t, write(1, 1, 0, 1, 1)), ExtentReply::Ok);
+        let op = ExtentOp::Digest {
+            key: KEY,
+            epoch: Epoch(2),
+        };
+        assert!(execute(&t, op).is_ok());
+        for old in [write(1, 2, 0, 1, 2), read(1, 0, BS)] {
+            let e = execute(&t, old).expect_err("epoch 1 is fenced");
+            assert!(matches!(e, EngineError::StaleEpoch { .. }), "{e}");
+            assert!(matches!(replica_error(e), ReplicaError::StaleEpoch(_)));
+        }
+        let op = ExtentOp::Versions {
+            key: KEY,
+            epoch: Epoch(3),
+            offset: 0,
+            count: 1,
+        };
+        assert!(execute(&t, op).is_ok());
+        let e = execute(&t, read(2, 0, BS)).expect_err("epoch 2 is fenced now");
+        assert!(matches!(e, EngineError::StaleEpoch { .. }), "{e}");
+    }
+
+    #[test]
+    fn a_corrupted_write_is_refused_and_says_so() {
+        let t = tier();
+        let ExtentOp::Write {
+            key,
+            epoch,
+            version,
+            offset,
+            data,
+            ..
+        } = write(1, 1, 0, 1, 7)
+        else {
+            unreachable!()
+        };
+        let op = ExtentOp::Write {
+            key,
+            epoch,
+            version,
+            offset,
+            crcs: Arc::from([0u32]),
+            data,
+        };
+        let e = execute(&t, op).expect_err("crc mismatch");
+        assert!(matches!(replica_error(e), ReplicaError::Checksum(_)));
+    }
+}

@@ -1,0 +1,476 @@
+//! One operation on one extent, and its answer: the unit the owner (`converge-volume`) sends,
+//! the peer protocol (`converge-rpc`) carries, and the replica service (`converge-replica`)
+//! runs on a drive, in the daemon and in the simulator alike. A field added here reaches
+//! every one of those layers from this one place.
+
+use crate::{Epoch, ExtentKey, Version, BLOCK_SIZE};
+use bytes::Bytes;
+use std::fmt;
+use std::sync::Arc;
+
+/// An operation on the copy of one slab that one drive holds. The drive is named by whoever
+/// routes the operation (the owner's `ExtentLoc`, the request on the wire), not here.
+///
+/// Every operation but [`ExtentOp::Free`] carries the owner's epoch: a replica refuses an
+/// epoch older than the newest it has seen for the extent, so a deposed owner can neither
+/// change nor read it. Offsets and lengths are bytes within the slab, in whole blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExtentOp {
+    /// Write `data` at `offset` with `version`; `crcs[i]` is the crc32c of block `i` of
+    /// `data` (the replica verifies them before it writes: end to end). Answered
+    /// [`ExtentReply::Ok`] once durable.
+    Write {
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        data: Bytes,
+    },
+    /// Read `len` bytes at `offset`: [`ExtentReply::Read`].
+    Read {
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    },
+    /// Zero `len` bytes at `offset` with `version` (metadata only): [`ExtentReply::Ok`].
+    Zero {
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    },
+    /// A read that answers every block's version, for copying between replicas:
+    /// [`ExtentReply::Blocks`].
+    ReadBlocks {
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        len: u32,
+    },
+    /// Copy blocks in (resync, rebuild, reconcile, scrub repair): block `i` gets
+    /// `versions[i]` only if its version is still `expect[i]` (compare-and-set).
+    /// [`ExtentReply::Written`] says how many blocks were written.
+    WriteBlocks {
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        versions: Vec<Version>,
+        expect: Vec<Version>,
+        data: Bytes,
+    },
+    /// Fence the extent at `epoch` (older owners are refused from then on), then answer the
+    /// versions of `count` blocks from `offset`: [`ExtentReply::Versions`].
+    Versions {
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        count: u32,
+    },
+    /// Fence the extent at `epoch`, then answer the digest of its version map (equal
+    /// digests: equal versions): [`ExtentReply::Digest`].
+    Digest { key: ExtentKey, epoch: Epoch },
+    /// Drop the extent (a deleted volume, an orphan): [`ExtentReply::Ok`]. Not fenced: no
+    /// owner writes to an extent that is being freed.
+    Free { key: ExtentKey },
+}
+
+impl ExtentOp {
+    pub fn key(&self) -> ExtentKey {
+        match self {
+            ExtentOp::Write { key, .. }
+            | ExtentOp::Read { key, .. }
+            | ExtentOp::Zero { key, .. }
+            | ExtentOp::ReadBlocks { key, .. }
+            | ExtentOp::WriteBlocks { key, .. }
+            | ExtentOp::Versions { key, .. }
+            | ExtentOp::Digest { key, .. }
+            | ExtentOp::Free { key } => *key,
+        }
+    }
+
+    /// The owner's epoch the operation carries (none for [`ExtentOp::Free`]).
+    pub fn epoch(&self) -> Option<Epoch> {
+        match self {
+            ExtentOp::Write { epoch, .. }
+            | ExtentOp::Read { epoch, .. }
+            | ExtentOp::Zero { epoch, .. }
+            | ExtentOp::ReadBlocks { epoch, .. }
+            | ExtentOp::WriteBlocks { epoch, .. }
+            | ExtentOp::Versions { epoch, .. }
+            | ExtentOp::Digest { epoch, .. } => Some(*epoch),
+            ExtentOp::Free { .. } => None,
+        }
+    }
+
+    /// Short name for logs and errors.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ExtentOp::Write { .. } => "write",
+            ExtentOp::Read { .. } => "read",
+            ExtentOp::Zero { .. } => "zero",
+            ExtentOp::ReadBlocks { .. } => "read_blocks",
+            ExtentOp::WriteBlocks { .. } => "write_blocks",
+            ExtentOp::Versions { .. } => "versions",
+            ExtentOp::Digest { .. } => "digest",
+            ExtentOp::Free { .. } => "free",
+        }
+    }
+
+    /// Whether the operation stores blocks, and so creates the extent on a drive that does
+    /// not hold it yet (the replica admits that only for a copy a slab record places there).
+    pub fn stores_blocks(&self) -> bool {
+        matches!(
+            self,
+            ExtentOp::Write { .. } | ExtentOp::Zero { .. } | ExtentOp::WriteBlocks { .. }
+        )
+    }
+
+    /// What a correct answer to this operation looks like. Taken before the operation is
+    /// sent (it moves), and checked on the answer: nothing trusts the network.
+    pub fn reply_shape(&self) -> ReplyShape {
+        match self {
+            ExtentOp::Write { .. } | ExtentOp::Zero { .. } | ExtentOp::Free { .. } => {
+                ReplyShape::Ok
+            }
+            ExtentOp::Read { len, .. } => ReplyShape::Read { len: *len },
+            ExtentOp::ReadBlocks { len, .. } => ReplyShape::Blocks { len: *len },
+            ExtentOp::WriteBlocks { versions, .. } => ReplyShape::Written {
+                blocks: u32::try_from(versions.len()).unwrap_or(u32::MAX),
+            },
+            ExtentOp::Versions { count, .. } => ReplyShape::Versions { count: *count },
+            ExtentOp::Digest { .. } => ReplyShape::Digest,
+        }
+    }
+}
+
+/// A replica's answer to a read.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ReadReply {
+    pub data: Bytes,
+    /// Indexes (within this read) of blocks whose checksum did not match: their bytes must
+    /// not be used.
+    pub bad_blocks: Vec<u32>,
+    /// Highest block version among the blocks read (a repair rewrites a bad copy with the
+    /// good copy's version, so that it is not newer than the write it holds).
+    pub version: Version,
+}
+
+/// A replica's answer to [`ExtentOp::ReadBlocks`]: the data and every block's version.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BlocksReply {
+    pub data: Bytes,
+    pub bad_blocks: Vec<u32>,
+    pub versions: Vec<Version>,
+}
+
+/// The answer to an [`ExtentOp`] that succeeded.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ExtentReply {
+    /// Done (and durable): [`ExtentOp::Write`], [`ExtentOp::Zero`], [`ExtentOp::Free`].
+    Ok,
+    Read(ReadReply),
+    Blocks(BlocksReply),
+    /// How many blocks an [`ExtentOp::WriteBlocks`] wrote (the others had changed).
+    Written(u32),
+    Digest(u64),
+    Versions(Vec<Version>),
+}
+
+impl ExtentReply {
+    pub fn name(&self) -> &'static str {
+        match self {
+            ExtentReply::Ok => "ok",
+            ExtentReply::Read(_) => "read data",
+            ExtentReply::Blocks(_) => "blocks",
+            ExtentReply::Written(_) => "blocks written",
+            ExtentReply::Digest(_) => "a digest",
+            ExtentReply::Versions(_) => "versions",
+        }
+    }
+
+    pub fn into_ok(self) -> Option<()> {
+        matches!(self, ExtentReply::Ok).then_some(())
+    }
+
+    pub fn into_read(self) -> Option<ReadReply> {
+        match self {
+            ExtentReply::Read(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    pub fn into_blocks(self) -> Option<BlocksReply> {
+        match self {
+            ExtentReply::Blocks(r) => Some(r),
+            _ => None,
+        }
+    }
+
+    pub fn into_written(self) -> Option<u32> {
+        match self {
+            ExtentReply::Written(n) => Some(n),
+            _ => None,
+        }
+    }
+
+    pub fn into_digest(self) -> Option<u64> {
+        match self {
+            ExtentReply::Digest(d) => Some(d),
+            _ => None,
+        }
+    }
+
+    pub fn into_versions(self) -> Option<Vec<Version>> {
+        match self {
+            ExtentReply::Versions(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
+/// The answer an operation must get: its kind, and the sizes the asker will index by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReplyShape {
+    Ok,
+    /// `len` bytes of data; bad blocks within them.
+    Read {
+        len: u32,
+    },
+    /// `len` bytes of data, one version per block; bad blocks within them.
+    Blocks {
+        len: u32,
+    },
+    /// At most `blocks` blocks written.
+    Written {
+        blocks: u32,
+    },
+    Digest,
+    /// `count` versions.
+    Versions {
+        count: u32,
+    },
+}
+
+/// An answer that does not fit its operation (see [`ReplyShape::check`]).
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("answered {0}")]
+pub struct BadReply(pub String);
+
+impl ReplyShape {
+    /// Checks that `reply` is the answer this shape describes, so that the asker may index
+    /// its data, versions and bad blocks without further checks.
+    pub fn check(self, reply: &ExtentReply) -> Result<(), BadReply> {
+        let blocks_in = |len: u32| (len as usize).div_ceil(BLOCK_SIZE);
+        let bad_ok = |bad: &[u32], len: u32| bad.iter().all(|b| (*b as usize) < blocks_in(len));
+        let fits = match (self, reply) {
+            (ReplyShape::Ok, ExtentReply::Ok) | (ReplyShape::Digest, ExtentReply::Digest(_)) => {
+                true
+            }
+            (ReplyShape::Read { len }, ExtentReply::Read(r)) => {
+                r.data.len() == len as usize && bad_ok(&r.bad_blocks, len)
+            }
+            (ReplyShape::Blocks { len }, ExtentReply::Blocks(r)) => {
+                r.data.len() == len as usize
+                    && r.versions.len() == blocks_in(len)
+                    && bad_ok(&r.bad_blocks, len)
+            }
+            (ReplyShape::Written { blocks }, ExtentReply::Written(n)) => *n <= blocks,
+            (ReplyShape::Versions { count }, ExtentReply::Versions(v)) => v.len() == count as usize,
+            _ => false,
+        };
+        if fits {
+            Ok(())
+        } else {
+            Err(BadReply(format!("{} where {self} was asked", Said(reply))))
+        }
+    }
+}
+
+impl fmt::Display for ReplyShape {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ReplyShape::Ok => write!(f, "ok"),
+            ReplyShape::Read { len } => write!(f, "{len} bytes of read data"),
+            ReplyShape::Blocks { len } => {
+                write!(f, "{len} bytes of blocks with one version per block")
+            }
+            ReplyShape::Written { blocks } => write!(f, "at most {blocks} blocks written"),
+            ReplyShape::Digest => write!(f, "a digest"),
+            ReplyShape::Versions { count } => write!(f, "{count} versions"),
+        }
+    }
+}
+
+/// A reply described by its sizes (never its data) for an error message.
+struct Said<'a>(&'a ExtentReply);
+
+impl fmt::Display for Said<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {
+            ExtentReply::Read(r) => write!(
+                f,
+                "{} bytes of read data with bad blocks {:?}",
+                r.data.len(),
+                r.bad_blocks
+            ),
+            ExtentReply::Blocks(r) => write!(
+                f,
+                "{} bytes of blocks with {} versions and bad blocks {:?}",
+                r.data.len(),
+                r.versions.len(),
+                r.bad_blocks
+            ),
+            ExtentReply::Written(n) => write!(f, "{n} blocks written"),
+            ExtentReply::Versions(v) => write!(f, "{} versions", v.len()),
+            other => f.write_str(other.name()),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{SlabIndex, VolumeId};
+
+    const KEY: ExtentKey = ExtentKey {
+        volume: VolumeId(1),
+        slab: SlabIndex(2),
+    };
+    const BS: u32 = BLOCK_SIZE as u32;
+
+    fn read(len: usize, bad: Vec<u32>) -> ExtentReply {
+        ExtentReply::Read(ReadReply {
+            data: Bytes::from(vec![0u8; len]),
+            bad_blocks: bad,
+            version: Version(1),
+        })
+    }
+
+    fn blocks(len: usize, versions: usize, bad: Vec<u32>) -> ExtentReply {
+        ExtentReply::Blocks(BlocksReply {
+            data: Bytes::from(vec![0u8; len]),
+            bad_blocks: bad,
+            versions: vec![Version(1); versions],
+        })
+    }
+
+    #[test]
+    fn a_fitting_answer_passes() {
+        let epoch = Epoch(3);
+        let cases = [
+            (
+                ExtentOp::Read {
+                    key: KEY,
+                    epoch,
+                    offset: 0,
+                    len: 2 * BS,
+                },
+                read(2 * BLOCK_SIZE, vec![1]),
+            ),
+            (
+                ExtentOp::ReadBlocks {
+                    key: KEY,
+                    epoch,
+                    offset: 0,
+                    len: 2 * BS,
+                },
+                blocks(2 * BLOCK_SIZE, 2, vec![0, 1]),
+            ),
+            (
+                ExtentOp::Zero {
+                    key: KEY,
+                    epoch,
+                    version: Version(1),
+                    offset: 0,
+                    len: 4096,
+                },
+                ExtentReply::Ok,
+            ),
+            (ExtentOp::Free { key: KEY }, ExtentReply::Ok),
+            (
+                ExtentOp::WriteBlocks {
+                    key: KEY,
+                    epoch,
+                    offset: 0,
+                    crcs: Arc::from([0u32, 0]),
+                    versions: vec![Version(2); 2],
+                    expect: vec![Version(1); 2],
+                    data: Bytes::from(vec![0u8; 2 * BLOCK_SIZE]),
+                },
+                ExtentReply::Written(2),
+            ),
+            (
+                ExtentOp::Versions {
+                    key: KEY,
+                    epoch,
+                    offset: 0,
+                    count: 3,
+                },
+                ExtentReply::Versions(vec![Version(0); 3]),
+            ),
+            (ExtentOp::Digest { key: KEY, epoch }, ExtentReply::Digest(7)),
+        ];
+        for (op, reply) in cases {
+            assert_eq!(op.reply_shape().check(&reply), Ok(()), "{op:?}");
+            assert_eq!(op.key(), KEY);
+        }
+    }
+
+    #[test]
+    fn an_answer_that_does_not_fit_is_refused() {
+        let r = ReplyShape::Read { len: 2 * BS };
+        assert!(r.check(&read(BLOCK_SIZE, vec![])).is_err(), "short data");
+        assert!(
+            r.check(&read(2 * BLOCK_SIZE, vec![2])).is_err(),
+            "bad block outside"
+        );
+        assert!(r.check(&ExtentReply::Ok).is_err(), "other kind");
+        let b = ReplyShape::Blocks { len: 2 * BS };
+        assert!(
+            b.check(&blocks(2 * BLOCK_SIZE, 1, vec![])).is_err(),
+            "versions"
+        );
+        assert!(
+            b.check(&blocks(2 * BLOCK_SIZE, 2, vec![5])).is_err(),
+            "bad block"
+        );
+        assert!(
+            b.check(&read(2 * BLOCK_SIZE, vec![])).is_err(),
+            "other kind"
+        );
+        let w = ReplyShape::Written { blocks: 2 };
+        assert!(
+            w.check(&ExtentReply::Written(3)).is_err(),
+            "more than asked"
+        );
+        let v = ReplyShape::Versions { count: 3 };
+        assert!(v.check(&ExtentReply::Versions(vec![])).is_err(), "count");
+        assert!(ReplyShape::Ok.check(&ExtentReply::Digest(1)).is_err());
+        assert!(ReplyShape::Digest.check(&ExtentReply::Ok).is_err());
+    }
+
+    #[test]
+    fn only_fenced_operations_carry_an_epoch_and_only_stores_create_extents() {
+        let free = ExtentOp::Free { key: KEY };
+        assert_eq!(free.epoch(), None);
+        assert!(!free.stores_blocks());
+        let digest = ExtentOp::Digest {
+            key: KEY,
+            epoch: Epoch(9),
+        };
+        assert_eq!(digest.epoch(), Some(Epoch(9)));
+        assert!(!digest.stores_blocks());
+        let zero = ExtentOp::Zero {
+            key: KEY,
+            epoch: Epoch(9),
+            version: Version(1),
+            offset: 0,
+            len: 0,
+        };
+        assert!(zero.stores_blocks());
+    }
+}
