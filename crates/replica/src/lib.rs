@@ -9,12 +9,30 @@
 
 use bytes::BytesMut;
 use converge_engine::{EngineError, Tier};
-use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply};
+use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply, MAX_IO_BYTES};
 use converge_volume::ReplicaError;
 
 /// Runs `op` on `tier` (blocking: the engine writes and syncs before it returns). The epoch
 /// checks are the engine's: every operation but `Free` is refused below the extent's epoch.
 pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
+    // A read's length comes from a peer: refuse what the engine would refuse before
+    // allocating its buffer, so one request cannot make the node allocate gigabytes.
+    if let ExtentOp::Read {
+        key, offset, len, ..
+    }
+    | ExtentOp::ReadBlocks {
+        key, offset, len, ..
+    } = &op
+    {
+        if *len as usize > MAX_IO_BYTES {
+            return Err(EngineError::InvalidIo {
+                key: *key,
+                reason: "length must be between 4 KiB and 32 MiB",
+                offset: *offset,
+                len: u64::from(*len),
+            });
+        }
+    }
     let shape = op.reply_shape();
     let reply = match op {
         ExtentOp::Write {
@@ -176,6 +194,25 @@ mod tests {
 
     fn run(t: &Tier, op: ExtentOp) -> ExtentReply {
         execute(t, op).expect("the engine runs it")
+    }
+
+    #[test]
+    fn a_read_longer_than_the_io_limit_is_refused() {
+        let t = tier();
+        for op in [
+            read(1, 0, u64::from(u32::MAX)),
+            ExtentOp::ReadBlocks {
+                key: KEY,
+                epoch: Epoch(1),
+                offset: 0,
+                len: (MAX_IO_BYTES + BLOCK_SIZE) as u32,
+            },
+        ] {
+            assert!(matches!(
+                execute(&t, op),
+                Err(EngineError::InvalidIo { .. })
+            ));
+        }
     }
 
     #[test]
