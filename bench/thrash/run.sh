@@ -2,7 +2,8 @@
 # The long thrash, in one command: both thrash tests of crates/cli/tests/thrash.rs, one after
 # the other, each with SECONDS of faults and the same SEED:
 #   * thrash: kill -9 and restart, pause, partition (a node's link cut), cut (the link
-#     between two nodes only, both still reaching etcd) and bit rot, on every node, node 1
+#     between two nodes only, both still reaching etcd), bit rot and, once (the fourth
+#     fault), a failed drive whose copies must be rebuilt elsewhere, on every node, node 1
 #     (where the checkers start) included, while a checker client per volume verifies every
 #     acked write and reconnects through another node when its node dies;
 #   * thrash_with_cache_drives: the same with a RAM cache drive per node and the cache mode
