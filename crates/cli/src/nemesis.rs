@@ -58,15 +58,7 @@ impl SplitMix {
 /// `converge lab fault fail-drive`: the node fails one of its capacity drives (the one
 /// named, or the one holding the most copies). Returns the drive's id.
 pub fn fail_drive(l: &Lab, id: u32, drive: Option<&str>) -> Result<DriveId> {
-    let n = l
-        .nodes
-        .iter()
-        .find(|n| n.id == id)
-        .ok_or_else(|| anyhow!("the lab has no node {id}"))?;
-    let st = lab::node_state(l, n);
-    if !st.serves() {
-        bail!("node{id} is {st}: its API must answer (`converge lab fault resume|heal|restart {id}` first)");
-    }
+    let n = serving_node(l, id, "its API must answer")?;
     let drive = drive.map(parse_drive).transpose()?;
     let req = serde_json::json!({ "drive": drive });
     #[derive(serde::Deserialize)]
@@ -76,6 +68,20 @@ pub fn fail_drive(l: &Lab, id: u32, drive: Option<&str>) -> Result<DriveId> {
     let f: Failed = crate::http::call(&n.api, "POST", "/v1/lab/drives/fail", Some(&req))
         .with_context(|| format!("asking node{id} to fail a drive"))?;
     Ok(f.drive)
+}
+
+/// Node `id` of the lab, if its API answers (else an error saying `why` it must).
+fn serving_node<'a>(l: &'a Lab, id: u32, why: &str) -> Result<&'a lab::LabNode> {
+    let n = l
+        .nodes
+        .iter()
+        .find(|n| n.id == id)
+        .ok_or_else(|| anyhow!("the lab has no node {id}"))?;
+    let st = lab::node_state(l, n);
+    if !st.serves() {
+        bail!("node{id} is {st}: {why} (`converge lab fault resume|heal|restart {id}` first)");
+    }
+    Ok(n)
 }
 
 fn parse_drive(d: &str) -> Result<DriveId> {
@@ -93,18 +99,7 @@ pub fn corrupt(
     seed: Option<u64>,
     drive: Option<&str>,
 ) -> Result<CorruptReport> {
-    let n = l
-        .nodes
-        .iter()
-        .find(|n| n.id == id)
-        .ok_or_else(|| anyhow!("the lab has no node {id}"))?;
-    let st = lab::node_state(l, n);
-    if !st.serves() {
-        bail!(
-            "node{id} is {st}: its API must answer to name its written blocks \
-             (`converge lab fault resume|heal|restart {id}` first)"
-        );
-    }
+    let n = serving_node(l, id, "its API must answer to name its written blocks")?;
     let drive = drive.map(parse_drive).transpose()?;
     let req = serde_json::to_value(SampleBlocks {
         count: blocks,
