@@ -948,10 +948,7 @@ impl Drive {
             for c in &mut claimed {
                 c.at = homes.len();
                 let first = ranges[c.run].0;
-                homes.extend(
-                    applied_indexes(&c.applied)
-                        .map(|i| self.layout.home_block(c.ext.slot, first + i as u32)),
-                );
+                homes.extend(self.homes(&c.ext, first, &c.applied));
             }
             res = self
                 .take_blocks(homes.iter().copied(), &mut phys)
