@@ -13,6 +13,8 @@
 //! owner record with the caller's node and epoch, so a deposed owner (paused or cut off
 //! past its lease) gets [`VolumeError::Fenced`] and changes nothing (docs/CONSISTENCY.md).
 
+pub mod repair;
+
 use converge_control::etcd::Etcd;
 use converge_control::kv::Kv;
 use converge_control::model::{

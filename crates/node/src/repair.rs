@@ -1,9 +1,12 @@
-//! Restoring redundancy in the background. Every node runs [`run`]:
+//! Restoring redundancy in the background. Every node runs [`run`], which carries out the
+//! repair policy of `converge_allocator::repair` (the simulator runs the same policy):
 //!
+//! * For each volume it owns, a copy whose node lost its lease or is in maintenance, or
+//!   whose drive failed, is marked stale.
 //! * For each volume it owns, each `stale` copy whose node is live and answers is brought
 //!   back by a delta resync (only the blocks that differ are copied).
-//! * A stale copy whose node has been down longer than the repair delay is rebuilt on
-//!   another node's drive (placement excludes nodes that already hold a copy); if no drive
+//! * A stale copy on a failed drive, or whose node has been down longer than the repair
+//!   delay, is rebuilt on another node's drive (placement excludes nodes that already hold a copy); if no drive
 //!   has room, `status` says so.
 //! * The node holding the leader lease takes ownership of degraded volumes nobody serves,
 //!   so they are repaired even when no client is connected.
@@ -12,12 +15,12 @@
 //! in etcd (under the node's lease) so `converge status` on any node shows them.
 
 use crate::node::{drive_loads, Node, Route, Vol};
+use converge_allocator::repair::{self, Cause, DownClock, Step, View};
 use converge_api::JobInfo;
-use converge_control::placement;
 use converge_types::{ExtentKey, ExtentState, NodeId, SlabIndex, BLOCK_SIZE};
 use converge_volume::resync::Progress;
 use converge_volume::ExtentLoc;
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -182,48 +185,30 @@ pub async fn all_jobs(node: &Node) -> Vec<JobInfo> {
     out
 }
 
-/// The repair loop (see the module docs).
+/// The repair loop (see the module docs). The decisions are the shared repair policy's
+/// (`converge_allocator::repair`, which the simulator runs too); this loop carries them
+/// out with jobs that `converge status` lists.
 pub async fn run(node: Arc<Node>) {
-    let mut down_since: HashMap<NodeId, Instant> = HashMap::new();
+    let mut down = DownClock::default();
     let mut warned: HashSet<(String, SlabIndex)> = HashSet::new();
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
-        let live: HashSet<NodeId> = match node.cluster.live_nodes().await {
-            Ok(n) => n.into_iter().map(|n| n.id).collect(),
+        report_failed_drives(&node).await;
+        let view = match View::read(&node.cluster).await {
+            Ok(v) => v,
             Err(e) => {
                 log::debug!("repair: etcd: {e}");
                 continue;
             }
         };
-        if !live.contains(&node.cfg.node_id) {
+        if !view.live.contains(&node.cfg.node_id) {
             // Our own lease expired (we were paused or cut off): we may have been deposed;
             // judge nobody until the keepalive has registered us again.
             continue;
         }
-        if let Ok(all) = node.cluster.drives().await {
-            for d in all {
-                if !live.contains(&d.node) {
-                    down_since.entry(d.node).or_insert_with(Instant::now);
-                }
-            }
-        }
-        down_since.retain(|n, _| !live.contains(n));
-        // Nodes in maintenance: their copies are stale (writes do not wait for them), they
-        // are not resynced until maintenance ends and not rebuilt elsewhere meanwhile.
-        let maint: HashSet<NodeId> = node
-            .cluster
-            .maintenance_nodes()
-            .await
-            .map(|v| v.into_iter().collect())
-            .unwrap_or_default();
-        report_failed_drives(&node).await;
-        let failed: HashSet<converge_types::DriveId> = node
-            .cluster
-            .failed_drives()
-            .await
-            .map(|m| m.into_keys().collect())
-            .unwrap_or_default();
-        if maint.contains(&node.cfg.node_id) && !node.volumes.lock().await.is_empty() {
+        let now = tokio::time::Instant::now();
+        down.observe(&view, now);
+        if view.maintenance.contains(&node.cfg.node_id) && !node.volumes.lock().await.is_empty() {
             let names: Vec<String> = node.volumes.lock().await.keys().cloned().collect();
             log::info!("in maintenance: still serving {names:?} until they are moved");
         }
@@ -246,45 +231,28 @@ pub async fn run(node: Arc<Node>) {
                     v.config().name
                 );
             }
-            // A node whose lease expired has failed for every slab it holds.
-            for (idx, ex) in v.slab_map() {
-                for e in ex {
-                    let away = !live.contains(&e.node)
-                        || maint.contains(&e.node)
-                        || failed.contains(&e.drive);
-                    if e.state != ExtentState::Stale && away {
-                        log::warn!(
-                            "volume {}: node {} is down or in maintenance; its copy of slab {idx} is stale",
-                            v.config().name,
-                            e.node
-                        );
-                        if let Err(err) = v.copy_failed(idx, e.drive).await {
-                            log::warn!("marking a copy stale: {err}");
-                        }
-                    }
+            for (idx, e) in repair::copies_to_mark_stale(&v.slab_map(), &view) {
+                log::warn!(
+                    "volume {}: node {} is down or in maintenance, or drive {} failed; its copy of slab {idx} is stale",
+                    v.config().name,
+                    e.node,
+                    e.drive
+                );
+                if let Err(err) = v.copy_failed(idx, e.drive).await {
+                    log::warn!("marking a copy stale: {err}");
                 }
             }
-            for (idx, e) in v.stale_extents() {
-                if maint.contains(&e.node) {
-                    continue;
-                }
-                if failed.contains(&e.drive) {
-                    // A failed drive does not come back: rebuild now.
-                    rebuild(&node, &v, idx, e, &mut warned).await;
-                    continue;
-                }
-                if live.contains(&e.node) {
-                    if node.replicas.call_peer_or_local_ping(e.node).await.is_ok() {
-                        resync(&node, &v, idx, e).await;
+            let stale = v.stale_extents();
+            for step in repair::plan(&stale, &view, &down, Duration::from_secs(delay), now) {
+                match step {
+                    Step::Resync(idx, e) => {
+                        if node.replicas.call_peer_or_local_ping(e.node).await.is_ok() {
+                            resync(&node, &v, idx, e).await;
+                        }
                     }
-                    continue;
-                }
-                let away = down_since
-                    .get(&e.node)
-                    .map(|t| t.elapsed())
-                    .unwrap_or_default();
-                if away >= Duration::from_secs(delay) {
-                    rebuild(&node, &v, idx, e, &mut warned).await;
+                    Step::Rebuild(idx, e, cause) => {
+                        rebuild(&node, &v, idx, e, cause, &mut warned).await
+                    }
                 }
             }
         }
@@ -328,13 +296,13 @@ async fn rebuild(
     v: &Vol,
     idx: SlabIndex,
     e: ExtentLoc,
+    cause: Cause,
     warned: &mut HashSet<(String, SlabIndex)>,
 ) {
     let name = v.config().name.clone();
     let Some(map) = v.slab_map().get(&idx).cloned() else {
         return;
     };
-    let holding: Vec<NodeId> = map.iter().map(|x| x.node).collect();
     let loads = match drive_loads(&node.cluster).await {
         Ok(l) => l,
         Err(err) => {
@@ -342,8 +310,8 @@ async fn rebuild(
             return;
         }
     };
-    let target = match placement::place(1, &loads, &holding) {
-        Ok(d) => d[0],
+    let new = match repair::rebuild_target(&map, &loads) {
+        Ok(n) => n,
         Err(err) => {
             if warned.insert((name.clone(), idx)) {
                 log::warn!(
@@ -354,15 +322,9 @@ async fn rebuild(
             return;
         }
     };
-    let new_node = loads
-        .iter()
-        .find(|l| l.drive == target)
-        .map(|l| l.node)
-        .unwrap_or_default();
-    let new = ExtentLoc {
-        node: new_node,
-        drive: target,
-        state: ExtentState::Syncing,
+    let why = match cause {
+        Cause::FailedDrive => "its drive failed",
+        Cause::DownPastDelay => "down past the repair delay",
     };
     let job = node.jobs.begin(
         node.cfg.node_id,
@@ -370,8 +332,8 @@ async fn rebuild(
         &name,
         idx,
         format!(
-            "replaces the copy on node {} drive {} (down past the repair delay) with node {} drive {}",
-            e.node, e.drive, new_node, target
+            "replaces the copy on node {} drive {} ({why}) with node {} drive {}",
+            e.node, e.drive, new.node, new.drive
         ),
     );
     let t = Instant::now();
@@ -384,7 +346,8 @@ async fn rebuild(
             node.jobs.rebuild_done.fetch_add(1, Ordering::Relaxed);
             node.jobs.copied(&r);
             log::info!(
-                "rebuilt volume {name} slab {idx} on node {new_node} in {:.1}s ({} blocks)",
+                "rebuilt volume {name} slab {idx} on node {} in {:.1}s ({} blocks)",
+                new.node,
                 t.elapsed().as_secs_f64(),
                 r.blocks_written
             );

@@ -151,6 +151,16 @@ impl Ctl {
         self.txn(&txn, &Leases::new());
     }
 
+    /// Clears a drive's failure record, as its node does when the drive opens at start-up.
+    pub(crate) fn clear_drive_failure(&mut self, drive: DriveId) {
+        let txn = Txn {
+            compare: vec![],
+            success: vec![Op::Delete(format!("{}{}", keys::FAILED_DRIVES, drive.0))],
+            failure: vec![],
+        };
+        self.txn(&txn, &Leases::new());
+    }
+
     /// A capacity drive, as the node publishes it at start-up.
     pub(crate) fn add_drive(
         &mut self,

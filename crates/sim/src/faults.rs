@@ -26,6 +26,9 @@ pub struct FaultWeights {
     pub flaky_network: u32,
     /// A node whose messages are slow (still under the RPC timeout).
     pub slow_node: u32,
+    /// A capacity drive fails for good (until its node restarts), at most
+    /// `Options::drive_failures_max` times a run.
+    pub drive_failure: u32,
 }
 
 impl Default for FaultWeights {
@@ -38,6 +41,7 @@ impl Default for FaultWeights {
             depose: 1,
             flaky_network: 2,
             slow_node: 1,
+            drive_failure: 1,
         }
     }
 }
@@ -67,6 +71,7 @@ fn inject_one(w: &Arc<World>) {
         f.depose,
         f.flaky_network,
         f.slow_node,
+        f.drive_failure,
     ];
     let total: u32 = table.iter().sum();
     if total == 0 {
@@ -121,6 +126,12 @@ fn inject_one(w: &Arc<World>) {
                 return;
             }
             let mut d = w.ms(w.opts.partition_ms.0, w.opts.partition_ms.1);
+            if owns && short {
+                // The variant's cut is shorter than the lease: the owner keeps its term (a
+                // longer one deposes it, and the budget above would not hold: the new
+                // owner could not reach the old owner's copies either).
+                d = d.min(w.opts.lease_ttl);
+            }
             if owns && !w.opts.short_owner_partitions {
                 // Cut off longer than its lease: the owner is deposed (shorter cuts are
                 // the variant `Options::short_owner_partitions`).
@@ -184,10 +195,16 @@ fn inject_one(w: &Arc<World>) {
             w.count("flaky periods");
             w.trace(|| format!("network FLAKY for {d:?}: each message lost with p={p:.2}"));
         }
-        _ => {
+        6 => {
             let d = w.ms(w.opts.partition_ms.0, w.opts.partition_ms.1);
             lock(&w.net).slow.insert(n, Instant::now() + d);
             w.trace(|| format!("node {n} SLOW for {d:?}"));
         }
+        _ => match w.fail_drive(n) {
+            Some(what) => w.trace(|| what),
+            None => w.trace(|| {
+                format!("nemesis: no drive to fail on node {n} (or used up, or fault budget)")
+            }),
+        },
     }
 }

@@ -26,12 +26,12 @@ pub use faults::FaultWeights;
 pub use owner::SimVolume;
 pub use replicas::SimReplicas;
 
-use converge_types::{Resiliency, VolumeId, BLOCK_SIZE};
+use converge_types::{NodeId, Resiliency, VolumeId, BLOCK_SIZE};
 use converge_volume::resync::Throttle;
 use history::Outcome;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
@@ -81,6 +81,11 @@ pub struct Options {
     /// How long a deposed owner keeps serving its attached clients.
     pub zombie_life_ms: (u64, u64),
     pub repair_period_ms: (u64, u64),
+    /// How long a node must be down before the repair policy rebuilds its copies elsewhere
+    /// (`repair_delay_s` in the daemon).
+    pub repair_delay: Duration,
+    /// How many capacity drives the nemesis may fail in a run (`FaultWeights::drive_failure`).
+    pub drive_failures_max: u64,
     /// Scrub (with repair) every this many repair rounds.
     pub scrub_every_rounds: u64,
     pub degraded_write_wait: Duration,
@@ -179,6 +184,8 @@ impl Options {
             // Drawn last, so the draws above (and the runs of earlier seeds) stay as they were.
             read_wait: Duration::from_millis([0, 50, 200][r.gen_range(0..3)]),
             read_hedge: Duration::from_millis([2, 10, 50][r.gen_range(0..3)]),
+            repair_delay: Duration::from_millis([100, 300, 1000, 60_000][r.gen_range(0..4)]),
+            drive_failures_max: 1,
         }
     }
 }
@@ -398,6 +405,18 @@ async fn heal(w: &Arc<World>) {
     for n in armed {
         w.crash_node(n, "armed power loss fired at the end of the fault phase");
     }
+    // A failed drive ends as an operator would end it: its node reboots and the drive
+    // opens again (its copies are rebuilt elsewhere or resynced; the cluster may lack the
+    // room to rebuild them, which the run cannot judge).
+    let failed: BTreeSet<NodeId> = lock(&w.failed_drives).values().copied().collect();
+    for n in failed {
+        if w.is_up(n) {
+            w.crash_node(
+                n,
+                "rebooted at the end of the fault phase to reopen its failed drive",
+            );
+        }
+    }
     {
         let mut net = lock(&w.net);
         net.flaky_until = None;
@@ -426,6 +445,11 @@ async fn heal(w: &Arc<World>) {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     tokio::time::sleep(w.opts.rpc_timeout * 2).await;
+    // Orphans left on nodes that stayed up (a replaced copy whose free was lost) are freed
+    // as the daemon frees them after its scrubs: rebuilds need their room.
+    for n in w.node_ids() {
+        w.reclaim_orphans(n);
+    }
     let throttle = Arc::new(Throttle::new(u64::MAX));
     for round in 0..50 {
         let owners: Vec<(usize, Arc<owner::Owner>)> = lock(&w.vols)
@@ -433,8 +457,12 @@ async fn heal(w: &Arc<World>) {
             .enumerate()
             .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
             .collect();
+        // The repair policy, as during the run: with every node up, it resyncs stale copies
+        // and rebuilds the copies of failed drives elsewhere.
+        workload::report_failed_drives(w).await;
         for (v, o) in &owners {
-            workload::resync_all(w, *v, o, &throttle).await;
+            let mut clock = converge_allocator::repair::DownClock::default();
+            workload::repair_volume(w, *v, o, &mut clock, &throttle).await;
         }
         let left = w.not_in_sync();
         if left.is_empty() {

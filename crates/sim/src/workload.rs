@@ -5,15 +5,22 @@
 //! recorded before it is issued and its outcome after, including "aborted" when its owner
 //! died under it.
 
+use crate::control::SimKv;
 use crate::history::Outcome;
 use crate::owner::{is_current, volume_blocks, Owner};
+use crate::replicas::SimReplicas;
 use crate::world::{lock, World};
-use converge_types::BLOCK_SIZE;
+use converge_allocator::drive_loads;
+use converge_allocator::repair::{self, Cause, DownClock, Step, View};
+use converge_control::Cluster;
+use converge_types::{ExtentKey, ExtentOp, NodeId, SlabIndex, BLOCK_SIZE};
 use converge_volume::resync::{Progress, Throttle};
-use converge_volume::VolumeError;
+use converge_volume::{ExtentLoc, ReplicaIo, VolumeError};
 use rand::Rng;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
+use tokio::time::Instant;
 
 const BS: u64 = BLOCK_SIZE as u64;
 
@@ -180,10 +187,15 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
 }
 
 /// What the daemon's repair loop does: reconcile slabs flagged after failed writes or
-/// failed record changes (`Volume::reconcile_suspect`), resync every stale copy whose node
-/// is back, and now and then scrub (repairing rot) — always through the current owner.
+/// failed record changes (`Volume::reconcile_suspect`), run the repair policy
+/// (`converge_allocator::repair`: mark the copies of nodes without a lease stale, resync
+/// the copies of nodes that are back, rebuild elsewhere the copies of nodes down past the
+/// repair delay), and now and then scrub (repairing rot) — always through the current
+/// owner, on the owner's node's own view of the control plane.
 pub(crate) async fn repairer(w: Arc<World>) {
     let throttle = Arc::new(Throttle::new(u64::MAX));
+    // Each node's repair loop keeps its own down clock, which dies with its process.
+    let mut clocks: HashMap<NodeId, (u64, DownClock)> = HashMap::new();
     let mut round = 0u64;
     while !w.stopping() {
         tokio::time::sleep(w.ms(w.opts.repair_period_ms.0, w.opts.repair_period_ms.1)).await;
@@ -194,6 +206,7 @@ pub(crate) async fn repairer(w: Arc<World>) {
             .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
             .collect();
         crate::check_copies(&w, "during the run");
+        report_failed_drives(&w).await;
         for (v, o) in owners {
             if is_current(&w, v, &o) {
                 let vol = o.vol.clone();
@@ -215,40 +228,189 @@ pub(crate) async fn repairer(w: Arc<World>) {
                     }
                 }
             }
-            resync_all(&w, v, &o, &throttle).await;
+            let incarnation = w.incarnation(o.node);
+            let clock = clocks
+                .entry(o.node)
+                .or_insert_with(|| (incarnation, DownClock::default()));
+            if clock.0 != incarnation {
+                *clock = (incarnation, DownClock::default());
+            }
+            repair_volume(&w, v, &o, &mut clock.1, &throttle).await;
             if round.is_multiple_of(w.opts.scrub_every_rounds) && is_current(&w, v, &o) {
                 scrub(&w, v, &o, true, &throttle).await;
+                if w.is_up(o.node) {
+                    w.reclaim_orphans(o.node);
+                }
             }
         }
     }
 }
 
-/// Resyncs every stale copy (of this owner's view) whose node is up and reachable.
-pub(crate) async fn resync_all(w: &Arc<World>, v: usize, o: &Arc<Owner>, throttle: &Arc<Throttle>) {
-    for (idx, e) in o.vol.stale_extents() {
-        // The daemon's repair loop only works for volumes it still owns.
-        if !w.ready(e.node) || !is_current(w, v, o) {
-            continue;
-        }
-        let (vol, t) = (o.vol.clone(), throttle.clone());
-        let drive = e.drive;
-        let r = match o.spawn(async move { vol.resync(idx, drive, &t, &Progress::default()).await })
-        {
-            Some(h) => h.await.ok(),
-            None => None,
-        };
-        w.count("resyncs");
-        w.trace(|| match r {
-            Some(Ok(rep)) => format!(
-                "vol{v} epoch {}: RESYNC slab {idx} node {} drive {drive}: {} differed, {} written",
-                o.epoch, e.node, rep.blocks_differing, rep.blocks_written
-            ),
-            Some(Err(err)) => format!(
-                "vol{v} epoch {}: resync slab {idx} node {} failed: {err}",
-                o.epoch, e.node
-            ),
-            None => format!("vol{v} epoch {}: resync slab {idx} aborted", o.epoch),
+/// What each node's repair loop does first: record its failed drives in the control plane
+/// (through its own view of it: a cut-off node cannot, and tries again next round).
+pub(crate) async fn report_failed_drives(w: &Arc<World>) {
+    for (node, drive, reason) in w.unreported_failures() {
+        let cluster = Cluster::new(SimKv {
+            world: w.clone(),
+            node,
         });
+        let r = cluster.set_drive_failed(drive, Some(&reason)).await;
+        if r.is_ok() {
+            lock(&w.failures_reported).insert(drive);
+        }
+        w.trace(|| format!("node {node}: reporting drive {drive} failed ({reason}): {r:?}"));
+    }
+}
+
+/// Runs `f` as one of `o`'s tasks and waits for it; None if the owner died meanwhile.
+async fn on_owner<T: Send + 'static>(
+    o: &Owner,
+    f: impl std::future::Future<Output = T> + Send + 'static,
+) -> Option<T> {
+    o.spawn(f)?.await.ok()
+}
+
+/// One round of the repair policy for volume `v`, as its owner's node runs it.
+pub(crate) async fn repair_volume(
+    w: &Arc<World>,
+    v: usize,
+    o: &Arc<Owner>,
+    down: &mut DownClock,
+    throttle: &Arc<Throttle>,
+) {
+    if !is_current(w, v, o) {
+        return;
+    }
+    let cluster = Cluster::new(SimKv {
+        world: w.clone(),
+        node: o.node,
+    });
+    let Some(Ok(view)) = on_owner(o, async move { View::read(&cluster).await }).await else {
+        return;
+    };
+    if !view.live.contains(&o.node) {
+        return;
+    }
+    let now = Instant::now();
+    down.observe(&view, now);
+    for (idx, e) in repair::copies_to_mark_stale(&o.vol.slab_map(), &view) {
+        let vol = o.vol.clone();
+        let r = on_owner(o, async move { vol.copy_failed(idx, e.drive).await }).await;
+        w.count("copies marked stale by repair");
+        w.trace(|| {
+            format!(
+                "vol{v} epoch {}: repair marks slab {idx} node {} drive {} stale: {r:?}",
+                o.epoch, e.node, e.drive
+            )
+        });
+    }
+    let stale = o.vol.stale_extents();
+    for step in repair::plan(&stale, &view, down, w.opts.repair_delay, now) {
+        if !is_current(w, v, o) {
+            return;
+        }
+        match step {
+            // The daemon pings the copy's node first; here, whether it is up and reachable.
+            Step::Resync(idx, e) if w.ready(e.node) => resync_one(w, v, o, idx, e, throttle).await,
+            Step::Resync(..) => {}
+            Step::Rebuild(idx, e, cause) => rebuild_one(w, v, o, idx, e, cause, throttle).await,
+        }
+    }
+}
+
+async fn resync_one(
+    w: &Arc<World>,
+    v: usize,
+    o: &Arc<Owner>,
+    idx: SlabIndex,
+    e: ExtentLoc,
+    throttle: &Arc<Throttle>,
+) {
+    let (vol, t) = (o.vol.clone(), throttle.clone());
+    let drive = e.drive;
+    let r = on_owner(o, async move {
+        vol.resync(idx, drive, &t, &Progress::default()).await
+    })
+    .await;
+    w.count("resyncs");
+    w.trace(|| match r {
+        Some(Ok(rep)) => format!(
+            "vol{v} epoch {}: RESYNC slab {idx} node {} drive {drive}: {} differed, {} written",
+            o.epoch, e.node, rep.blocks_differing, rep.blocks_written
+        ),
+        Some(Err(err)) => format!(
+            "vol{v} epoch {}: resync slab {idx} node {} failed: {err}",
+            o.epoch, e.node
+        ),
+        None => format!("vol{v} epoch {}: resync slab {idx} aborted", o.epoch),
+    });
+}
+
+/// Rebuilds the copy `e` elsewhere (placed by the policy's `rebuild_target` over the
+/// drive loads the owner's node reads), then frees the old extent if its node answers, as
+/// the daemon does.
+async fn rebuild_one(
+    w: &Arc<World>,
+    v: usize,
+    o: &Arc<Owner>,
+    idx: SlabIndex,
+    e: ExtentLoc,
+    cause: Cause,
+    throttle: &Arc<Throttle>,
+) {
+    let Some(copies) = o.vol.slab_map().get(&idx).cloned() else {
+        return;
+    };
+    let cluster = Cluster::new(SimKv {
+        world: w.clone(),
+        node: o.node,
+    });
+    let Some(Ok(loads)) = on_owner(o, async move { drive_loads(&cluster).await }).await else {
+        return;
+    };
+    let new = match repair::rebuild_target(&copies, &loads) {
+        Ok(n) => n,
+        Err(err) => {
+            w.count("rebuilds without a target");
+            w.trace(|| {
+                format!(
+                    "vol{v} epoch {}: slab {idx} cannot be rebuilt: {err}",
+                    o.epoch
+                )
+            });
+            return;
+        }
+    };
+    let (vol, t) = (o.vol.clone(), throttle.clone());
+    let r = on_owner(o, async move {
+        vol.rebuild(idx, e.drive, new, &t, &Progress::default())
+            .await
+    })
+    .await;
+    w.count("rebuilds");
+    w.trace(|| match &r {
+        Some(Ok(rep)) => format!(
+            "vol{v} epoch {}: REBUILD ({cause:?}) slab {idx}: node {} drive {} -> node {} drive {}: {} written",
+            o.epoch, e.node, e.drive, new.node, new.drive, rep.blocks_written
+        ),
+        Some(Err(err)) => format!(
+            "vol{v} epoch {}: rebuild ({cause:?}) slab {idx} node {} -> node {} failed: {err}",
+            o.epoch, e.node, new.node
+        ),
+        None => format!("vol{v} epoch {}: rebuild of slab {idx} aborted", o.epoch),
+    });
+    if let Some(Ok(_)) = r {
+        w.count("rebuilds done");
+        let io = SimReplicas {
+            world: w.clone(),
+            from: o.node,
+        };
+        let key = ExtentKey {
+            volume: o.vol.config().id,
+            slab: idx,
+        };
+        let freed = on_owner(o, async move { io.call(e, ExtentOp::Free { key }).await }).await;
+        w.trace(|| format!("vol{v}: freeing the replaced copy of slab {idx}: {freed:?}"));
     }
 }
 

@@ -10,19 +10,20 @@ use crate::control::Ctl;
 use crate::history::History;
 use crate::owner::VolRt;
 use crate::Options;
+use converge_control::placement::DriveLoad;
 use converge_engine::{
     BlockFile, Cache, Drive, DriveIdentity, EngineError, FaultyFile, FormatOptions, OpenReport,
     Tier,
 };
 use converge_types::{
-    CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentState, MediaType, NodeId,
-    Version, VolumeId, BLOCK_SIZE,
+    CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentOp, ExtentState, MediaType,
+    NodeId, Version, VolumeId, BLOCK_SIZE,
 };
 use converge_volume::ExtentLoc;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 use tokio::time::Instant;
@@ -39,6 +40,8 @@ pub(crate) struct SimDrive {
     pub image: FaultyFile,
     /// The handle the open `Drive` uses; dead after a crash.
     pub live: FaultyFile,
+    /// Extents it can hold (as its drive record says).
+    pub extents_total: u64,
     /// The drive as the node serves it: through its node's cache drive if the run has one,
     /// else straight to the drive. None while the node is down (or if the drive failed to
     /// reopen).
@@ -123,6 +126,13 @@ pub struct World {
     pub(crate) ctl: Mutex<Ctl>,
     pub(crate) hist: Mutex<History>,
     pub(crate) rots: Mutex<Vec<Rot>>,
+    /// Drives the nemesis failed (`Drive::fail_now`), until their node restarts: their
+    /// copies cannot serve, and the node reports them to the control plane.
+    pub(crate) failed_drives: Mutex<BTreeMap<DriveId, NodeId>>,
+    /// Failed drives the node has recorded in the control plane.
+    pub(crate) failures_reported: Mutex<BTreeSet<DriveId>>,
+    /// Drive failures injected so far (at most `Options::drive_failures_max`).
+    drive_failures: AtomicU64,
     pub(crate) vols: Mutex<Vec<VolRt>>,
     failures: Mutex<Vec<String>>,
     trace: Mutex<Trace>,
@@ -223,6 +233,7 @@ impl World {
                     id,
                     image,
                     live,
+                    extents_total,
                     tier: Some(Arc::new(Tier::new(Arc::new(drive)))),
                 });
             }
@@ -271,6 +282,9 @@ impl World {
             ctl: Mutex::new(ctl),
             hist: Mutex::new(History::default()),
             rots: Mutex::new(Vec::new()),
+            failed_drives: Mutex::new(BTreeMap::new()),
+            failures_reported: Mutex::new(BTreeSet::new()),
+            drive_failures: AtomicU64::new(0),
             vols: Mutex::new(Vec::new()),
             failures: Mutex::new(Vec::new()),
             trace: Mutex::new(Trace {
@@ -735,6 +749,20 @@ impl World {
             }
             Some(true) => {
                 self.hit(id, Instant::now());
+                // As converged at start-up: a drive that opened is not failed any more (its
+                // copies were rebuilt elsewhere, or are still stale and get resynced).
+                let drives: Vec<DriveId> = lock(&self.failed_drives)
+                    .iter()
+                    .filter(|(_, n)| **n == id)
+                    .map(|(d, _)| *d)
+                    .collect();
+                for d in drives {
+                    lock(&self.failed_drives).remove(&d);
+                    lock(&self.failures_reported).remove(&d);
+                    lock(&self.ctl).clear_drive_failure(d);
+                    self.trace(|| format!("node {id}: drive {d} reopened, no longer failed"));
+                }
+                self.reclaim_orphans(id);
                 for r in &reports {
                     if r.blocks_destaged > 0 {
                         self.count("cache replays that destaged blocks");
@@ -1014,6 +1042,7 @@ impl World {
             .map(|(k, _)| *k)
             .collect();
         let rots = self.live_rots();
+        let failed: BTreeSet<DriveId> = lock(&self.failed_drives).keys().copied().collect();
         let records = lock(&self.ctl).all();
         records.iter().all(|((v, s), extents)| {
             let key = ExtentKey {
@@ -1031,6 +1060,7 @@ impl World {
                         && !bad_nodes.contains(&e.node)
                         && !bad_copies.contains(&(key.volume, e.node))
                         && !rots.iter().any(|r| r.drive == e.drive && r.key == key)
+                        && !failed.contains(&e.drive)
                 })
                 .count();
             healthy >= self.opts.healthy_copies_min
@@ -1056,6 +1086,143 @@ impl World {
             // Down or failing: assume still rotten until it can be checked.
             _ => true,
         }
+    }
+
+    /// Fails one capacity drive of `node` as a dead device would (every later call fails),
+    /// if the run's drive failures are not used up and the fault budget allows losing
+    /// every copy on it. The node reports it; the repair policy rebuilds its copies
+    /// elsewhere. Returns what it did.
+    pub(crate) fn fail_drive(self: &Arc<Self>, node: NodeId) -> Option<String> {
+        // Not with caches: a failed capacity drive stops its node's cache destage (the
+        // destage step fails on it and never skips it), a known gap (docs/SIMULATION.md).
+        if self.opts.cache
+            || self.drive_failures.load(Ordering::Relaxed) >= self.opts.drive_failures_max
+        {
+            return None;
+        }
+        let pick = self.rng(|r| r.gen::<usize>());
+        let cands: Vec<(DriveId, Arc<Tier>)> = self
+            .with_node(node, |n| {
+                if !n.up {
+                    return Vec::new();
+                }
+                n.drives
+                    .iter()
+                    .filter_map(|d| d.tier.clone().map(|t| (d.id, t)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if cands.is_empty() {
+            return None;
+        }
+        let (id, tier) = cands[pick % cands.len()].clone();
+        if !self.within_budget(|_, e| e.drive == id) || !self.room_to_rebuild(id) {
+            return None;
+        }
+        tier.drive().fail_now("the simulation's nemesis");
+        lock(&self.failed_drives).insert(id, node);
+        self.drive_failures.fetch_add(1, Ordering::Relaxed);
+        self.count("drive failures");
+        Some(format!("node {node}: drive {id} FAILED"))
+    }
+
+    /// What converged does at start-up and after its scrubs (`orphans::reclaim`): frees the
+    /// extents on the node's drives that no slab record places there (copies rebuilt
+    /// elsewhere while it was down or its drive had failed). Runs in one step, so no record
+    /// can change meanwhile (the daemon condemns each candidate for that).
+    pub(crate) fn reclaim_orphans(self: &Arc<Self>, id: NodeId) {
+        let placed: BTreeSet<(DriveId, ExtentKey)> = lock(&self.ctl)
+            .all()
+            .into_iter()
+            .flat_map(|((v, s), ex)| ex.into_iter().map(move |e| (e.drive, slab_key(v, s.0))))
+            .collect();
+        let tiers: Vec<(DriveId, Arc<Tier>)> = self
+            .with_node(id, |n| {
+                n.drives
+                    .iter()
+                    .filter_map(|d| d.tier.clone().map(|t| (d.id, t)))
+                    .collect()
+            })
+            .unwrap_or_default();
+        for (d, t) in tiers {
+            for e in t.extents() {
+                if placed.contains(&(d, e.key)) {
+                    continue;
+                }
+                let r = converge_replica::execute(&t, ExtentOp::Free { key: e.key });
+                self.count("orphan extents freed");
+                self.trace(|| {
+                    format!(
+                        "node {id}: freed orphan extent {:?} on drive {d}: {r:?}",
+                        e.key
+                    )
+                });
+            }
+        }
+    }
+
+    /// Whether the copies on `drive` could all be rebuilt elsewhere: each finds a drive on
+    /// a node holding no copy of its slab (the repair policy's `rebuild_target`), counting
+    /// the extents the records place and the ones rebuilt before it.
+    fn room_to_rebuild(&self, drive: DriveId) -> bool {
+        let records = lock(&self.ctl).all();
+        let mut used: BTreeMap<DriveId, u64> = BTreeMap::new();
+        for (_, ex) in &records {
+            for e in ex {
+                *used.entry(e.drive).or_default() += 1;
+            }
+        }
+        let mut loads: Vec<DriveLoad> = lock(&self.nodes)
+            .iter()
+            .flat_map(|n| {
+                n.drives.iter().map(|d| DriveLoad {
+                    drive: d.id,
+                    node: n.id,
+                    extents_total: d.extents_total,
+                    extents_used: used.get(&d.id).copied().unwrap_or(0),
+                    live: d.id != drive,
+                    role: DriveRole::Capacity,
+                })
+            })
+            .collect();
+        for (_, ex) in records
+            .iter()
+            .filter(|(_, ex)| ex.iter().any(|e| e.drive == drive))
+        {
+            match converge_allocator::repair::rebuild_target(ex, &loads) {
+                Ok(t) => {
+                    if let Some(l) = loads.iter_mut().find(|l| l.drive == t.drive) {
+                        l.extents_used += 1;
+                    }
+                }
+                Err(_) => return false,
+            }
+        }
+        true
+    }
+
+    /// Failed drives of nodes that are up, not yet recorded in the control plane, with
+    /// the reason their engine gives.
+    pub(crate) fn unreported_failures(&self) -> Vec<(NodeId, DriveId, String)> {
+        let failed: Vec<(DriveId, NodeId)> = lock(&self.failed_drives)
+            .iter()
+            .map(|(d, n)| (*d, *n))
+            .collect();
+        let reported = lock(&self.failures_reported).clone();
+        failed
+            .into_iter()
+            .filter(|(d, n)| !reported.contains(d) && self.is_up(*n))
+            .filter_map(|(d, n)| {
+                let reason = self.with_node(n, |node| {
+                    node.drives
+                        .iter()
+                        .find(|x| x.id == d)
+                        .and_then(|x| x.tier.as_ref())
+                        .and_then(|t| t.failure())
+                })??;
+                Some((n, d, reason))
+            })
+            .collect()
     }
 
     /// Flips one bit, at rest, in a written data block of some drive of `node` whose other

@@ -1,0 +1,297 @@
+//! The repair policy: which copies an owner marks stale, which it resyncs, which it
+//! rebuilds on another node, when, and where. `converged`'s repair loop and the
+//! simulator's repairer both run it, so the seeds test the decisions the daemon makes; each
+//! carries them out with the production jobs (`Volume::copy_failed`, `resync`, `rebuild`).
+//!
+//! One round, for one volume its owner serves:
+//!
+//! 1. [`View::read`] reads what the control plane says now: live nodes (lease alive),
+//!    nodes in maintenance, failed drives. [`DownClock::observe`] notes when each node
+//!    that holds drives was first seen without a lease.
+//! 2. [`copies_to_mark_stale`]: a copy that is not stale but sits on a node without a
+//!    lease, a node in maintenance, or a failed drive is marked stale (writes stop
+//!    waiting for it, and repair takes it up).
+//! 3. [`plan`] decides per stale copy: a failed drive does not come back, so its copies
+//!    are rebuilt at once; a live node's copy is resynced (if the node answers); a down
+//!    node's copy is rebuilt once its node has been down for the repair delay; a copy on
+//!    a node in maintenance waits for the maintenance to end.
+//! 4. [`rebuild_target`] places the replacement: `placement::place` over the drive loads,
+//!    excluding every node that already holds a copy of the slab.
+
+use converge_control::kv::Kv;
+use converge_control::model::{Cluster, ControlError};
+use converge_control::placement::{self, DriveLoad};
+use converge_types::{DriveId, ExtentState, NodeId, SlabIndex};
+use converge_volume::ExtentLoc;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::time::Duration;
+use tokio::time::Instant;
+
+/// What the control plane says about nodes and drives at one moment.
+#[derive(Clone, Debug, Default)]
+pub struct View {
+    /// Nodes whose lease is alive.
+    pub live: HashSet<NodeId>,
+    /// Nodes in maintenance (their copies are stale, and neither resynced nor rebuilt
+    /// until the maintenance ends).
+    pub maintenance: HashSet<NodeId>,
+    /// Drives recorded as failed.
+    pub failed: HashSet<DriveId>,
+    /// Every node that holds a drive.
+    pub nodes: HashSet<NodeId>,
+}
+
+impl View {
+    /// Reads the view from the store.
+    pub async fn read<K: Kv>(cluster: &Cluster<K>) -> Result<View, ControlError> {
+        let live = cluster.live_nodes().await?.into_iter().map(|n| n.id);
+        let maintenance = cluster.maintenance_nodes().await?.into_iter();
+        let failed = cluster.failed_drives().await?.into_keys();
+        let nodes = cluster.drives().await?.into_iter().map(|d| d.node);
+        Ok(View {
+            live: live.collect(),
+            maintenance: maintenance.collect(),
+            failed: failed.collect(),
+            nodes: nodes.collect(),
+        })
+    }
+
+    /// Whether a copy there cannot take writes now: its node has no lease or is in
+    /// maintenance, or its drive failed.
+    pub fn away(&self, e: &ExtentLoc) -> bool {
+        !self.live.contains(&e.node)
+            || self.maintenance.contains(&e.node)
+            || self.failed.contains(&e.drive)
+    }
+}
+
+/// When each node that holds drives was first seen without a lease (forgotten when its
+/// lease is back). Measured on the observer's monotonic clock, so a node's downtime counts
+/// from when this observer noticed it, never from a wall clock another node set.
+#[derive(Debug, Default)]
+pub struct DownClock {
+    since: HashMap<NodeId, Instant>,
+}
+
+impl DownClock {
+    pub fn observe(&mut self, view: &View, now: Instant) {
+        for n in &view.nodes {
+            if !view.live.contains(n) {
+                self.since.entry(*n).or_insert(now);
+            }
+        }
+        self.since.retain(|n, _| !view.live.contains(n));
+    }
+
+    /// How long `node` has been seen down (zero if live or never seen).
+    pub fn down_for(&self, node: NodeId, now: Instant) -> Duration {
+        self.since
+            .get(&node)
+            .map(|t| now.saturating_duration_since(*t))
+            .unwrap_or_default()
+    }
+}
+
+/// Copies that are not stale but whose node or drive is away ([`View::away`]): the owner
+/// marks them stale (`Volume::copy_failed`).
+pub fn copies_to_mark_stale(
+    slabs: &BTreeMap<SlabIndex, Vec<ExtentLoc>>,
+    view: &View,
+) -> Vec<(SlabIndex, ExtentLoc)> {
+    slabs
+        .iter()
+        .flat_map(|(idx, ex)| ex.iter().map(move |e| (*idx, *e)))
+        .filter(|(_, e)| e.state != ExtentState::Stale && view.away(e))
+        .collect()
+}
+
+/// Why a copy is rebuilt elsewhere.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Cause {
+    /// Its drive failed: it does not come back.
+    FailedDrive,
+    /// Its node has been down for the repair delay.
+    DownPastDelay,
+}
+
+/// What to do about one stale copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Step {
+    /// Bring it back by a delta resync, if its node answers.
+    Resync(SlabIndex, ExtentLoc),
+    /// Replace it by a new copy on another node ([`rebuild_target`]).
+    Rebuild(SlabIndex, ExtentLoc, Cause),
+}
+
+/// What to do about each stale copy (see the module docs); copies on nodes in maintenance,
+/// and copies of nodes down for less than `repair_delay`, are left as they are.
+pub fn plan(
+    stale: &[(SlabIndex, ExtentLoc)],
+    view: &View,
+    down: &DownClock,
+    repair_delay: Duration,
+    now: Instant,
+) -> Vec<Step> {
+    stale
+        .iter()
+        .filter(|(_, e)| !view.maintenance.contains(&e.node))
+        .filter_map(|&(idx, e)| {
+            if view.failed.contains(&e.drive) {
+                Some(Step::Rebuild(idx, e, Cause::FailedDrive))
+            } else if view.live.contains(&e.node) {
+                Some(Step::Resync(idx, e))
+            } else if down.down_for(e.node, now) >= repair_delay {
+                Some(Step::Rebuild(idx, e, Cause::DownPastDelay))
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// Where a rebuilt copy of a slab whose copies are `copies` goes: one drive on a live node
+/// that holds no copy of it (`placement::place`), as a `syncing` copy; else why there is
+/// none (placement's explanation: which nodes are full, down, or already hold a copy).
+pub fn rebuild_target(copies: &[ExtentLoc], loads: &[DriveLoad]) -> Result<ExtentLoc, String> {
+    let holding: Vec<NodeId> = copies.iter().map(|x| x.node).collect();
+    let drive = placement::place(1, loads, &holding).map_err(|e| e.to_string())?[0];
+    let node = loads
+        .iter()
+        .find(|l| l.drive == drive)
+        .map(|l| l.node)
+        .expect("placement picks among the loads");
+    Ok(ExtentLoc {
+        node,
+        drive,
+        state: ExtentState::Syncing,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_types::DriveRole;
+
+    fn loc(node: u32, drive: u64, state: ExtentState) -> ExtentLoc {
+        ExtentLoc {
+            node: NodeId(node),
+            drive: DriveId(drive),
+            state,
+        }
+    }
+
+    fn view(live: &[u32], maint: &[u32], failed: &[u64]) -> View {
+        View {
+            live: live.iter().map(|n| NodeId(*n)).collect(),
+            maintenance: maint.iter().map(|n| NodeId(*n)).collect(),
+            failed: failed.iter().map(|d| DriveId(*d)).collect(),
+            nodes: (1..=4).map(NodeId).collect(),
+        }
+    }
+
+    #[test]
+    fn away_copies_are_marked_stale_once() {
+        use ExtentState::*;
+        let mut slabs = BTreeMap::new();
+        slabs.insert(
+            SlabIndex(0),
+            vec![loc(1, 10, InSync), loc(2, 20, InSync), loc(3, 30, InSync)],
+        );
+        slabs.insert(
+            SlabIndex(1),
+            vec![loc(2, 21, Stale), loc(3, 31, Syncing), loc(4, 40, InSync)],
+        );
+        // Node 2 down, node 3 in maintenance, drive 40 failed.
+        let v = view(&[1, 3, 4], &[3], &[40]);
+        let got = copies_to_mark_stale(&slabs, &v);
+        assert_eq!(
+            got,
+            vec![
+                (SlabIndex(0), loc(2, 20, InSync)),
+                (SlabIndex(0), loc(3, 30, InSync)),
+                (SlabIndex(1), loc(3, 31, Syncing)),
+                (SlabIndex(1), loc(4, 40, InSync)),
+            ],
+            "the copy already stale (node 2, drive 21) is left alone"
+        );
+        assert!(copies_to_mark_stale(&slabs, &view(&[1, 2, 3, 4], &[], &[])).is_empty());
+    }
+
+    #[test]
+    fn plan_resyncs_live_copies_and_rebuilds_failed_drives_and_long_absences() {
+        use ExtentState::Stale;
+        let t0 = Instant::now();
+        let delay = Duration::from_secs(60);
+        // Node 2 down since t0, node 3 live, node 4 in maintenance (and down), drive 11
+        // failed on live node 1.
+        let v = view(&[1, 3], &[4], &[11]);
+        let mut down = DownClock::default();
+        down.observe(&v, t0);
+        let stale = vec![
+            (SlabIndex(0), loc(2, 20, Stale)),
+            (SlabIndex(1), loc(3, 30, Stale)),
+            (SlabIndex(2), loc(4, 40, Stale)),
+            (SlabIndex(3), loc(1, 11, Stale)),
+        ];
+        assert_eq!(
+            plan(&stale, &v, &down, delay, t0 + Duration::from_secs(59)),
+            vec![
+                Step::Resync(SlabIndex(1), loc(3, 30, Stale)),
+                Step::Rebuild(SlabIndex(3), loc(1, 11, Stale), Cause::FailedDrive),
+            ],
+            "node 2 is not down for the delay yet; node 4's maintenance holds its copy"
+        );
+        assert_eq!(
+            plan(&stale, &v, &down, delay, t0 + delay),
+            vec![
+                Step::Rebuild(SlabIndex(0), loc(2, 20, Stale), Cause::DownPastDelay),
+                Step::Resync(SlabIndex(1), loc(3, 30, Stale)),
+                Step::Rebuild(SlabIndex(3), loc(1, 11, Stale), Cause::FailedDrive),
+            ]
+        );
+        // Node 2 comes back: its clock restarts from zero the next time it goes down.
+        let back = view(&[1, 2, 3], &[4], &[11]);
+        down.observe(&back, t0 + delay);
+        assert_eq!(down.down_for(NodeId(2), t0 + delay * 2), Duration::ZERO);
+        down.observe(&v, t0 + delay * 2);
+        assert_eq!(
+            down.down_for(NodeId(2), t0 + delay * 2 + Duration::from_secs(5)),
+            Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn a_rebuilt_copy_goes_to_a_node_without_a_copy() {
+        use ExtentState::*;
+        let load = |node: u32, drive: u64, used: u64, live: bool| DriveLoad {
+            drive: DriveId(drive),
+            node: NodeId(node),
+            extents_total: 10,
+            extents_used: used,
+            live,
+            role: DriveRole::Capacity,
+        };
+        // Node 4 is the emptiest but holds a copy; node 5 is down; node 3 is the least used
+        // of the rest.
+        let loads = [
+            load(1, 10, 5, true),
+            load(2, 20, 5, true),
+            load(3, 30, 3, true),
+            load(3, 31, 4, true),
+            load(4, 40, 0, true),
+            load(5, 50, 0, false),
+        ];
+        let copies = [loc(1, 10, InSync), loc(2, 20, Stale), loc(4, 40, InSync)];
+        assert_eq!(
+            rebuild_target(&copies, &loads).unwrap(),
+            loc(3, 30, Syncing)
+        );
+        let full = [
+            loc(1, 10, InSync),
+            loc(2, 20, Stale),
+            loc(3, 30, InSync),
+            loc(4, 40, InSync),
+        ];
+        assert!(rebuild_target(&full, &loads).is_err());
+    }
+}
