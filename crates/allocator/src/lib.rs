@@ -1,5 +1,6 @@
 //! The owner's control-plane glue: how a volume's owner places, allocates, looks up and
-//! changes slab records (`converge_volume::SlabAllocator`). It lives in its own crate so
+//! changes slab records (`converge_volume::SlabAllocator`), and the repair policy
+//! ([`repair`]: which copies to mark stale, resync or rebuild, when and where). It lives in its own crate so
 //! that `converged` and the simulator run the very same code (docs/SIMULATION.md: "the
 //! simulator runs what ships"): it is generic over the key-value store ([`Kv`]), which
 //! the daemon fills with its etcd client and the simulator with an in-memory etcd that
