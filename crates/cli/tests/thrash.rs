@@ -18,7 +18,7 @@
 //! faulted, so min_replicas copies stay reachable); afterwards every copy is in sync and
 //! a scrub finds nothing to repair.
 //!
-//! `CONVERGE_THRASH_SECS` sets how long the nemesis runs (default 120 s; `bench/thrash`
+//! `CONVERGE_THRASH_SECS` sets how long the nemesis runs (default 80 s, 60 s with cache drives; `bench/thrash`
 //! runs it for as long as asked), `CONVERGE_THRASH_SEED` the fault sequence.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -70,7 +70,7 @@ fn healed(lab: &Lab) -> bool {
 
 #[test]
 fn thrash() {
-    let secs = env_u64("CONVERGE_THRASH_SECS", 120);
+    let secs = env_u64("CONVERGE_THRASH_SECS", 80);
     let seed = env_u64("CONVERGE_THRASH_SEED", 1);
     thrash_run(secs, seed, false);
 }
@@ -80,7 +80,7 @@ fn thrash() {
 /// none, write and read-write as one more fault.
 #[test]
 fn thrash_with_cache_drives() {
-    let secs = env_u64("CONVERGE_THRASH_CACHE_SECS", 90);
+    let secs = env_u64("CONVERGE_THRASH_CACHE_SECS", 60);
     let seed = env_u64("CONVERGE_THRASH_SEED", 1) + 1000;
     thrash_run(secs, seed, true);
 }
