@@ -305,27 +305,30 @@ pub(crate) async fn repair_volume(
         });
     }
     let stale = o.vol.stale_extents();
+    let job = Job { w, v, o, throttle };
     for step in repair::plan(&stale, &view, down, w.opts.repair_delay, now) {
         if !is_current(w, v, o) {
             return;
         }
         match step {
             // The daemon pings the copy's node first; here, whether it is up and reachable.
-            Step::Resync(idx, e) if w.ready(e.node) => resync_one(w, v, o, idx, e, throttle).await,
+            Step::Resync(idx, e) if w.ready(e.node) => resync_one(&job, idx, e).await,
             Step::Resync(..) => {}
-            Step::Rebuild(idx, e, cause) => rebuild_one(w, v, o, idx, e, cause, throttle).await,
+            Step::Rebuild(idx, e, cause) => rebuild_one(&job, idx, e, cause).await,
         }
     }
 }
 
-async fn resync_one(
-    w: &Arc<World>,
+/// One repair job's surroundings: the world, the volume, its owner, the throttle.
+struct Job<'a> {
+    w: &'a Arc<World>,
     v: usize,
-    o: &Arc<Owner>,
-    idx: SlabIndex,
-    e: ExtentLoc,
-    throttle: &Arc<Throttle>,
-) {
+    o: &'a Arc<Owner>,
+    throttle: &'a Arc<Throttle>,
+}
+
+async fn resync_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
+    let Job { w, v, o, throttle } = *j;
     let (vol, t) = (o.vol.clone(), throttle.clone());
     let drive = e.drive;
     let r = on_owner(o, async move {
@@ -349,15 +352,8 @@ async fn resync_one(
 /// Rebuilds the copy `e` elsewhere (placed by the policy's `rebuild_target` over the
 /// drive loads the owner's node reads), then frees the old extent if its node answers, as
 /// the daemon does.
-async fn rebuild_one(
-    w: &Arc<World>,
-    v: usize,
-    o: &Arc<Owner>,
-    idx: SlabIndex,
-    e: ExtentLoc,
-    cause: Cause,
-    throttle: &Arc<Throttle>,
-) {
+async fn rebuild_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc, cause: Cause) {
+    let Job { w, v, o, throttle } = *j;
     let Some(copies) = o.vol.slab_map().get(&idx).cloned() else {
         return;
     };
