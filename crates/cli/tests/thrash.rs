@@ -41,6 +41,9 @@ fn env_u64(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// The lab's replica RPC timeout (`replica_timeout_ms = 3000` in the node configs `converge lab up` writes).
+const REPLICA_TIMEOUT: Duration = Duration::from_millis(3000);
+
 fn healed(lab: &Lab) -> bool {
     let nodes = run(&mut lab.cmd(&["node", "list", "--json"]));
     if !nodes.status.success() {
@@ -274,8 +277,15 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
             }
         }
         *faults.entry(kind).or_default() += 1;
+        // Copies' states are only settled once every replica request sent during the fault
+        // has been answered or has timed out: a write sent to a node just before its
+        // partition healed marks that copy stale up to one replica timeout later. Judging
+        // "healed" before that let the next fault hit a slab whose copy was about to go
+        // stale (seed 1: a failed drive 0.3 s after a healed partition left one in-sync
+        // copy, and writes failed with min_replicas 2).
+        let ended = Instant::now();
         lab.wait_for("the cluster to heal", Duration::from_secs(240), || {
-            healed(&lab)
+            ended.elapsed() >= REPLICA_TIMEOUT && healed(&lab)
         });
     }
     std::fs::write(&stop, b"").unwrap();
