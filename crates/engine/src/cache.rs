@@ -18,6 +18,7 @@
 //! starts empty (see [`Cache::open`]).
 
 use crate::drive::{lock, Capacity, DestageRun, Drive, ExtentInfo, ReadInfo};
+use crate::durable::Durable;
 use crate::error::EngineError;
 use crate::file::{AlignedBuf, BlockFile};
 use crate::layout::{get_u32, get_u64, media_code, media_of, put_u32, put_u64, DriveIdentity};
@@ -1714,6 +1715,80 @@ impl Tier {
 
     fn me(&self) -> DriveId {
         self.cap.identity().drive
+    }
+
+    /// Whether this tier's I/O is best driven inline from the thread (or task) that asks
+    /// for it: a RAM capacity drive (a pread or pwrite of a few KiB there costs about a
+    /// microsecond, less than handing it to another thread) with no cache drive bound (a
+    /// write through a cache may wait for its log to make room, which is destage's work).
+    pub fn inline_io(&self) -> bool {
+        self.cap.identity().media == converge_types::MediaType::Ram && self.cache().is_none()
+    }
+
+    /// [`Tier::write`] up to the wait for durability: the data is written and its records
+    /// queued; the write is durable (may be acked) once the returned [`Durable`] is waited
+    /// for. Through a cache drive the whole write is done here (the `Durable` is done).
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_begin(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+    ) -> Result<Durable, EngineError> {
+        if self.cache().is_some() {
+            return self
+                .write(key, epoch, version, offset, data, crcs)
+                .map(|()| Durable::done());
+        }
+        let (seq, t) = self
+            .cap
+            .write_nowait(key, epoch, version, offset, data, crcs)?;
+        Ok(Durable::on(self.cap.clone(), seq, OpKind::Write, t))
+    }
+
+    /// [`Tier::write_blocks`] up to the wait for durability: (blocks written, what to wait
+    /// for), as [`Tier::write_begin`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_blocks_begin(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+        versions: &[Version],
+        expect: &[Version],
+    ) -> Result<(u32, Durable), EngineError> {
+        if self.cache().is_some() {
+            return self
+                .write_blocks(key, epoch, offset, data, crcs, versions, expect)
+                .map(|n| (n, Durable::done()));
+        }
+        let (n, seq, t) = self
+            .cap
+            .write_blocks_nowait(key, epoch, offset, data, crcs, versions, expect)?;
+        Ok((n, Durable::on(self.cap.clone(), seq, OpKind::Write, t)))
+    }
+
+    /// [`Tier::zero`] up to the wait for durability, as [`Tier::write_begin`].
+    pub fn zero_begin(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    ) -> Result<Durable, EngineError> {
+        if self.cache().is_some() {
+            return self
+                .zero(key, epoch, version, offset, len)
+                .map(|()| Durable::done());
+        }
+        let (seq, t) = self.cap.zero_nowait(key, epoch, version, offset, len)?;
+        Ok(Durable::on(self.cap.clone(), seq, OpKind::Zero, t))
     }
 
     pub fn write(

@@ -12,6 +12,7 @@ use crate::layout::{
 };
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, MutexGuard};
+use std::task::{Context, Poll};
 
 impl Drive {
     /// Why the drive failed (a device write or sync error), if it did; it acks nothing
@@ -44,8 +45,27 @@ impl Drive {
             log::error!("drive {} failed: {e}", self.id.drive);
             st.failed = Some(e.to_string());
         }
-        drop(st);
-        self.commit_cv.notify_all();
+        wake_settled(&mut st);
+        self.commit_notify(&st);
+    }
+
+    /// Waits on `commit_cv`, counted, so that a notifier finding nobody waiting skips the
+    /// futex syscall that a condition variable's notify costs even then.
+    pub(crate) fn commit_wait<'a>(
+        &'a self,
+        mut st: MutexGuard<'a, CommitState>,
+    ) -> MutexGuard<'a, CommitState> {
+        st.cv_waiters += 1;
+        let mut st = self.commit_cv.wait(st).expect("commit lock poisoned");
+        st.cv_waiters -= 1;
+        st
+    }
+
+    /// Wakes the threads waiting on `commit_cv`, if there are any (`st` is the locked state).
+    pub(crate) fn commit_notify(&self, st: &CommitState) {
+        if st.cv_waiters > 0 {
+            self.commit_cv.notify_all();
+        }
     }
 
     /// Queues records for the journal and returns the batch sequence number that holds the
@@ -67,7 +87,7 @@ impl Drive {
                     break;
                 }
                 st = if st.leader_active {
-                    self.commit_cv.wait(st).expect("commit lock poisoned")
+                    self.commit_wait(st)
                 } else {
                     self.lead_one(st)
                 };
@@ -77,7 +97,7 @@ impl Drive {
         }
         if st.pool_waiters > 0 {
             // Writers wait for physical blocks that this batch will give back.
-            self.commit_cv.notify_all();
+            self.commit_notify(&st);
         }
         Ok(seq)
     }
@@ -99,11 +119,49 @@ impl Drive {
                 return Ok(());
             }
             st = if st.leader_active {
-                self.commit_cv.wait(st).expect("commit lock poisoned")
+                self.commit_wait(st)
             } else {
                 self.lead_one(st)
             };
         }
+    }
+
+    /// The polling twin of [`Drive::wait_durable`], for a caller that must not block its
+    /// thread waiting for another thread's batch (an async task). `Ready` once batch `seq`
+    /// is durable (or the drive failed); otherwise the task is woken when that changes.
+    ///
+    /// With `lead`, a caller that finds the batch open and nobody leading writes it itself,
+    /// on its own thread (the journal write and sync block it; that suits drives whose I/O
+    /// takes microseconds). A caller that does not lead relies on one that does (or on a
+    /// thread in `wait_durable`): a leader that leaves a batch open wakes every task still
+    /// waiting, so one of them leads it.
+    pub(crate) fn poll_durable(
+        &self,
+        seq: u64,
+        cx: &mut Context<'_>,
+        lead: bool,
+    ) -> Poll<Result<(), EngineError>> {
+        let mut st = lock(&self.commit);
+        loop {
+            if let Some(reason) = &st.failed {
+                return Poll::Ready(Err(EngineError::Failed {
+                    reason: reason.clone(),
+                }));
+            }
+            if st.durable_seq >= seq {
+                return Poll::Ready(Ok(()));
+            }
+            if !lead || st.leader_active {
+                break;
+            }
+            // Not durable, nobody leading: our records are in the open batch.
+            st = self.lead_one(st);
+        }
+        let w = cx.waker();
+        if !st.wakers.iter().any(|(s, x)| *s == seq && x.will_wake(w)) {
+            st.wakers.push((seq, w.clone()));
+        }
+        Poll::Pending
     }
 
     /// Writes the open batch as leader: one journal write, one sync for every waiter.
@@ -136,7 +194,8 @@ impl Drive {
             }
         }
         st.leader_active = false;
-        self.commit_cv.notify_all();
+        wake_settled(&mut st);
+        self.commit_notify(&st);
         st
     }
 
@@ -425,7 +484,7 @@ impl Drive {
             if !st.leader_active {
                 break;
             }
-            st = self.commit_cv.wait(st).expect("commit lock poisoned");
+            st = self.commit_wait(st);
         }
         st.leader_active = true;
         drop(st);
@@ -438,8 +497,28 @@ impl Drive {
             st.failed.get_or_insert_with(|| e.to_string());
         }
         st.leader_active = false;
+        wake_settled(&mut st);
+        self.commit_notify(&st);
         drop(st);
-        self.commit_cv.notify_all();
         res
     }
+}
+
+/// Wakes the tasks whose batch is now durable (every task, if the drive failed). If a batch
+/// is still open with no leader, wakes the rest too: one of them leads it (a task that
+/// leads polls with `lead`; one that does not is woken again by that leader).
+fn wake_settled(st: &mut CommitState) {
+    if st.wakers.is_empty() {
+        return;
+    }
+    let all = st.failed.is_some() || (!st.leader_active && !st.pending.is_empty());
+    let durable = st.durable_seq;
+    st.wakers.retain(|(seq, w)| {
+        if all || *seq <= durable {
+            w.wake_by_ref();
+            false
+        } else {
+            true
+        }
+    });
 }

@@ -7,7 +7,7 @@ use crate::layout::{
     BlockMeta, DriveIdentity, ExtentEntry, Layout, Record, Superblock, BLOCK, RECORD,
 };
 use crate::pool::Pool;
-use crate::stats::{Counters, DriveStats, OpKind};
+use crate::stats::{Counters, DriveStats, OpKind, OpStart};
 use converge_types::{Epoch, ExtentKey, Version, BLOCK_SIZE, MAX_IO_BYTES};
 use serde::Serialize;
 use std::cell::RefCell;
@@ -85,6 +85,9 @@ pub(crate) struct ExtentMeta {
     /// Digest of the durable version map (see [`version_digest`]), kept up to date by
     /// `apply`, so copies can be compared without reading their block lists.
     pub digest: u64,
+    /// Threads waiting on the extent's `cv` for busy blocks (notifiers skip the syscall
+    /// when there are none).
+    pub waiters: u32,
 }
 
 /// One block's share of an extent's version digest.
@@ -166,6 +169,7 @@ impl Extent {
                 digest: version_digest(blocks.iter().map(|m| m.version)),
                 blocks,
                 overlay: HashMap::new(),
+                waiters: 0,
             }),
             cv: Condvar::new(),
         }
@@ -203,6 +207,12 @@ pub(crate) struct CommitState {
     /// Writers waiting for free physical blocks while no batch is queued: the next
     /// enqueue wakes them (its batch will free the blocks they wait for).
     pub pool_waiters: u32,
+    /// Tasks waiting (without a thread) for a batch to be durable: (batch, waker). Woken
+    /// when their batch is durable or the drive fails, and, while a batch is open with no
+    /// leader, so that one of them leads it (see [`Drive::poll_durable`]).
+    pub wakers: Vec<(u64, std::task::Waker)>,
+    /// Threads waiting on `commit_cv` (see `Drive::commit_wait`).
+    pub cv_waiters: u32,
 }
 
 /// State only the current commit leader touches.
@@ -480,7 +490,9 @@ impl Drive {
     ) -> (u32, u64) {
         let mut m = lock(&ext.meta);
         while m.any_busy(first, count) {
+            m.waiters += 1;
             m = ext.cv.wait(m).expect("extent lock poisoned");
+            m.waiters -= 1;
         }
         applied.clear();
         let mut n = 0;
@@ -532,8 +544,11 @@ impl Drive {
                 }
             }
         }
+        let wake = m.waiters > 0;
         drop(m);
-        ext.cv.notify_all();
+        if wake {
+            ext.cv.notify_all();
+        }
     }
 
     /// Takes one free physical block per entry of `homes` (see [`Pool::take`]) onto
@@ -563,12 +578,12 @@ impl Drive {
                 continue;
             }
             if st.leader_active {
-                drop(self.commit_cv.wait(st).expect("commit lock poisoned"));
+                drop(self.commit_wait(st));
             } else if !st.pending.is_empty() {
                 drop(self.lead_one(st));
             } else {
                 st.pool_waiters += 1;
-                let mut st = self.commit_cv.wait(st).expect("commit lock poisoned");
+                let mut st = self.commit_wait(st);
                 st.pool_waiters -= 1;
             }
         }
@@ -578,7 +593,9 @@ impl Drive {
     fn snapshot(ext: &Extent, first: u32, count: u32, out: &mut Vec<BlockMeta>) {
         let mut m = lock(&ext.meta);
         while m.any_busy(first, count) {
+            m.waiters += 1;
             m = ext.cv.wait(m).expect("extent lock poisoned");
+            m.waiters -= 1;
         }
         out.clear();
         out.extend((first..first + count).map(|b| m.current(b)));
@@ -596,20 +613,41 @@ impl Drive {
         data: &[u8],
         crcs: &[u32],
     ) -> Result<(), EngineError> {
-        let t = self.counters.begin();
-        let r = self
-            .write_inner(
-                key,
-                epoch,
-                offset,
-                data,
-                crcs,
-                |_| version.0,
-                |_, cur, new| new.version >= cur.version,
-            )
-            .map(|_| ());
+        let (seq, t) = self.write_nowait(key, epoch, version, offset, data, crcs)?;
+        let r = self.wait_durable(seq);
         self.counters.end(OpKind::Write, t);
         r
+    }
+
+    /// [`Drive::write`] up to the wait for durability: the blocks are written and their
+    /// records queued in journal batch `seq` (returned with the operation's start, for its
+    /// counters: `Durable` waits for the batch and closes them).
+    pub(crate) fn write_nowait(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+    ) -> Result<(u64, OpStart), EngineError> {
+        let t = self.counters.begin();
+        let r = self.write_inner(
+            key,
+            epoch,
+            offset,
+            data,
+            crcs,
+            |_| version.0,
+            |_, cur, new| new.version >= cur.version,
+        );
+        match r {
+            Ok((_, seq)) => Ok((seq, t)),
+            Err(e) => {
+                self.counters.end(OpKind::Write, t);
+                Err(e)
+            }
+        }
     }
 
     /// Copies blocks from another replica (resync, rebuild, reconcile): block `i` gets
@@ -627,6 +665,25 @@ impl Drive {
         versions: &[Version],
         expect: &[Version],
     ) -> Result<u32, EngineError> {
+        let (n, seq, t) =
+            self.write_blocks_nowait(key, epoch, offset, data, crcs, versions, expect)?;
+        let r = self.wait_durable(seq);
+        self.counters.end(OpKind::Write, t);
+        r.map(|()| n)
+    }
+
+    /// [`Drive::write_blocks`] up to the wait for durability: (blocks written, batch, start).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn write_blocks_nowait(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+        versions: &[Version],
+        expect: &[Version],
+    ) -> Result<(u32, u64, OpStart), EngineError> {
         let n = data.len() / BLOCK_SIZE;
         if versions.len() != n || expect.len() != n {
             return Err(EngineError::InvalidIo {
@@ -646,10 +703,17 @@ impl Drive {
             |i| versions[i].0,
             |i, cur, _| cur.version == expect[i].0,
         );
-        self.counters.end(OpKind::Write, t);
-        r
+        match r {
+            Ok((n, seq)) => Ok((n, seq, t)),
+            Err(e) => {
+                self.counters.end(OpKind::Write, t);
+                Err(e)
+            }
+        }
     }
 
+    /// Writes and queues the records; returns (blocks written, the batch that must be
+    /// durable before the write may be acknowledged).
     #[allow(clippy::too_many_arguments)]
     fn write_inner(
         &self,
@@ -660,13 +724,12 @@ impl Drive {
         crcs: &[u32],
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
-    ) -> Result<u32, EngineError> {
+    ) -> Result<(u32, u64), EngineError> {
         let (first, count) = self.checked_write_range(key, offset, data, crcs)?;
         self.check_failed()?;
         let ext = self.extent_for_write(key, epoch)?;
         let (n, seq) = self.write_claimed(&ext, first, count, data, crcs, version_of, accept)?;
-        self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))?;
-        Ok(n)
+        Ok((n, seq.max(ext.epoch_seq.load(Ordering::Acquire))))
     }
 
     /// Blocks of one write whose records go into one journal batch (half a batch's bound,
@@ -1174,10 +1237,29 @@ impl Drive {
         offset: u64,
         len: u64,
     ) -> Result<(), EngineError> {
-        let t = self.counters.begin();
-        let r = self.zero_inner(key, epoch, version, offset, len);
+        let (seq, t) = self.zero_nowait(key, epoch, version, offset, len)?;
+        let r = self.wait_durable(seq);
         self.counters.end(OpKind::Zero, t);
         r
+    }
+
+    /// [`Drive::zero`] up to the wait for durability: (batch, start).
+    pub(crate) fn zero_nowait(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    ) -> Result<(u64, OpStart), EngineError> {
+        let t = self.counters.begin();
+        match self.zero_inner(key, epoch, version, offset, len) {
+            Ok(seq) => Ok((seq, t)),
+            Err(e) => {
+                self.counters.end(OpKind::Zero, t);
+                Err(e)
+            }
+        }
     }
 
     fn zero_inner(
@@ -1187,7 +1269,7 @@ impl Drive {
         version: Version,
         offset: u64,
         len: u64,
-    ) -> Result<(), EngineError> {
+    ) -> Result<u64, EngineError> {
         let (first, count) = self.range(key, offset, len)?;
         self.check_failed()?;
         let ext = self.extent_for_write(key, epoch)?;
@@ -1232,7 +1314,7 @@ impl Drive {
                 self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0), &[]);
                 seq = seq.max(res?);
             }
-            self.wait_durable(seq.max(ext.epoch_seq.load(Ordering::Acquire)))
+            Ok(seq.max(ext.epoch_seq.load(Ordering::Acquire)))
         })
     }
 

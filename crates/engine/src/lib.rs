@@ -10,6 +10,7 @@
 mod cache;
 mod commit;
 mod drive;
+mod durable;
 mod error;
 pub mod faulty;
 pub mod file;
@@ -21,6 +22,7 @@ mod stats;
 
 pub use cache::{Cache, CacheStats, OpenReport, Tier, CACHE_MIN_BYTES};
 pub use drive::{Capacity, DestageRun, Drive, ExtentInfo, FormatOptions, ReadInfo};
+pub use durable::Durable;
 pub use error::EngineError;
 pub use faulty::{CrashMode, FaultyFile};
 pub use file::{AlignedBuf, BlockFile, DirectFile};

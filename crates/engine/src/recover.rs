@@ -480,6 +480,8 @@ impl Drive {
                 leader_active: false,
                 failed: None,
                 pool_waiters: 0,
+                wakers: Vec::new(),
+                cv_waiters: 0,
             }),
             commit_cv: Condvar::new(),
             leader: Mutex::new(LeaderState {

@@ -3,7 +3,6 @@
 
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::Mutex;
 use std::time::Instant;
 
 /// Number of latency buckets: bucket 0 is < 1 µs, bucket i is [2^(i-1), 2^i) µs, the last
@@ -49,12 +48,6 @@ pub struct DriveStats {
     pub write_latency_us: LatencyHistogram,
 }
 
-struct Queue {
-    inflight: u64,
-    last_ns: u64,
-    integral_ns: u128,
-}
-
 pub(crate) struct Counters {
     base: Instant,
     pub read_ops: AtomicU64,
@@ -71,15 +64,25 @@ pub(crate) struct Counters {
     pub bad_blocks_reported: AtomicU64,
     read_hist: [AtomicU64; LATENCY_BUCKETS],
     write_hist: [AtomicU64; LATENCY_BUCKETS],
-    queue: Mutex<Queue>,
+    // The queue-depth integral without a lock (Little's law): the time every finished
+    // operation spent in flight, plus, for those in flight, `now` minus their starts.
+    inflight: AtomicU64,
+    /// Sum of the start times (ns since `base`) of the operations in flight.
+    inflight_starts_ns: AtomicU64,
+    /// Sum of the durations of finished operations, ns.
+    done_ns: AtomicU64,
 }
 
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug)]
 pub(crate) enum OpKind {
     Read,
     Write,
     Zero,
 }
+
+/// When an operation started (ns since the counters' base); `Counters::end` takes it.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct OpStart(u64);
 
 fn bucket(us: u64) -> usize {
     ((u64::BITS - us.leading_zeros()) as usize).min(LATENCY_BUCKETS - 1)
@@ -103,11 +106,9 @@ impl Counters {
             bad_blocks_reported: AtomicU64::new(0),
             read_hist: std::array::from_fn(|_| AtomicU64::new(0)),
             write_hist: std::array::from_fn(|_| AtomicU64::new(0)),
-            queue: Mutex::new(Queue {
-                inflight: 0,
-                last_ns: 0,
-                integral_ns: 0,
-            }),
+            inflight: AtomicU64::new(0),
+            inflight_starts_ns: AtomicU64::new(0),
+            done_ns: AtomicU64::new(0),
         }
     }
 
@@ -115,38 +116,37 @@ impl Counters {
         self.base.elapsed().as_nanos() as u64
     }
 
-    fn queue_change(&self, delta: i64) {
+    /// Marks an operation started; pass the result to `end` exactly once.
+    pub fn begin(&self) -> OpStart {
         let now = self.now_ns();
-        let mut q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-        q.integral_ns += u128::from(q.inflight) * u128::from(now.saturating_sub(q.last_ns));
-        q.last_ns = now;
-        q.inflight = q.inflight.saturating_add_signed(delta);
+        self.inflight_starts_ns.fetch_add(now, Relaxed);
+        self.inflight.fetch_add(1, Relaxed);
+        OpStart(now)
     }
 
-    /// Marks an operation started; pass the result to `end`.
-    pub fn begin(&self) -> Instant {
-        self.queue_change(1);
-        Instant::now()
-    }
-
-    pub fn end(&self, kind: OpKind, start: Instant) {
-        self.queue_change(-1);
-        let us = start.elapsed().as_micros() as u64;
+    pub fn end(&self, kind: OpKind, start: OpStart) {
+        let now = self.now_ns();
+        let took = now.saturating_sub(start.0);
+        self.done_ns.fetch_add(took, Relaxed);
+        self.inflight_starts_ns.fetch_sub(start.0, Relaxed);
+        self.inflight.fetch_sub(1, Relaxed);
         let (ops, hist) = match kind {
             OpKind::Read => (&self.read_ops, &self.read_hist),
             OpKind::Write => (&self.write_ops, &self.write_hist),
             OpKind::Zero => (&self.zero_ops, &self.write_hist),
         };
         ops.fetch_add(1, Relaxed);
-        hist[bucket(us)].fetch_add(1, Relaxed);
+        hist[bucket(took / 1000)].fetch_add(1, Relaxed);
     }
 
     pub fn snapshot(&self) -> DriveStats {
-        self.queue_change(0);
-        let (inflight, integral) = {
-            let q = self.queue.lock().unwrap_or_else(|p| p.into_inner());
-            (q.inflight, q.integral_ns)
-        };
+        // Read apart, the three may disagree by an operation that ends in between: the
+        // integral is then off by at most that operation's time in flight.
+        let inflight = self.inflight.load(Relaxed);
+        let starts = self.inflight_starts_ns.load(Relaxed);
+        let done = self.done_ns.load(Relaxed);
+        let now = self.now_ns();
+        let integral = done.saturating_add((inflight.saturating_mul(now)).saturating_sub(starts));
         let hist = |h: &[AtomicU64; LATENCY_BUCKETS]| LatencyHistogram {
             bucket_upper_us: (0..LATENCY_BUCKETS)
                 .map(|i| {
@@ -177,7 +177,7 @@ impl Counters {
             skipped_blocks: self.skipped_blocks.load(Relaxed),
             bad_blocks_reported: self.bad_blocks_reported.load(Relaxed),
             inflight,
-            inflight_time_ns: integral.min(u128::from(u64::MAX)) as u64,
+            inflight_time_ns: integral,
             read_latency_us: hist(&self.read_hist),
             write_latency_us: hist(&self.write_hist),
         }

@@ -701,3 +701,159 @@ fn digest_tracks_the_version_map() {
     // A never-written extent and a missing one look the same.
     assert_eq!(d.fence_and_digest(key(2, 2), Epoch(1)).unwrap(), empty);
 }
+
+/// A waker that counts its wakes, to see which waiting tasks a commit wakes.
+struct CountingWaker(AtomicU64);
+
+impl std::task::Wake for CountingWaker {
+    fn wake(self: Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.0.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+fn counting_waker() -> (Arc<CountingWaker>, std::task::Waker) {
+    let c = Arc::new(CountingWaker(AtomicU64::new(0)));
+    (c.clone(), std::task::Waker::from(c))
+}
+
+fn poll(
+    d: &mut crate::Durable,
+    w: &std::task::Waker,
+    lead: bool,
+) -> std::task::Poll<Result<(), EngineError>> {
+    d.poll_wait(&mut std::task::Context::from_waker(w), lead)
+}
+
+/// Writes begun by many tasks share one journal batch: the first task to lead writes and
+/// syncs it once, and every other task waiting for it is woken, durable.
+#[test]
+fn tasks_share_one_batch_and_the_leader_wakes_the_rest() {
+    let (_f, d) = faulty(8 << 20);
+    let tier = crate::Tier::new(Arc::new(d));
+    let mut rng = StdRng::seed_from_u64(21);
+    let k = key(1, 0);
+    // The extent's allocation record is a batch of its own; make it durable first.
+    let (x, xc) = blocks(&mut rng, 1);
+    tier.write(k, Epoch(1), Version(1), 0, &x, &xc).unwrap();
+    let before = tier.stats();
+    let mut waiting = Vec::new();
+    for i in 0..8u64 {
+        let (data, crcs) = blocks(&mut rng, 1);
+        let dur = tier
+            .write_begin(k, Epoch(1), Version(2 + i), (1 + i) * BLOCK, &data, &crcs)
+            .unwrap();
+        assert!(!dur.is_done());
+        waiting.push((dur, counting_waker(), data));
+    }
+    for (dur, (_, w), _) in &mut waiting {
+        assert!(
+            poll(dur, w, false).is_pending(),
+            "nothing is durable before a lead"
+        );
+    }
+    assert_eq!(tier.stats().journal_batches, before.journal_batches);
+    assert_eq!(tier.stats().inflight, 8);
+    let (first, (_, w0), _) = &mut waiting[0];
+    assert!(matches!(
+        poll(first, w0, true),
+        std::task::Poll::Ready(Ok(()))
+    ));
+    assert_eq!(
+        tier.stats().journal_batches,
+        before.journal_batches + 1,
+        "one batch for all eight writes"
+    );
+    for (i, (dur, (count, w), data)) in waiting.iter_mut().enumerate().skip(1) {
+        assert_eq!(count.0.load(Ordering::SeqCst), 1, "task {i} was not woken");
+        assert!(matches!(
+            poll(dur, w, false),
+            std::task::Poll::Ready(Ok(()))
+        ));
+        let (buf, info) = read_all(tier.drive(), k, (1 + i as u64) * BLOCK, B);
+        assert!(info.bad_blocks.is_empty());
+        assert_eq!(&buf, data);
+    }
+    let s = tier.stats();
+    assert_eq!(s.inflight, 0);
+    assert_eq!(s.write_ops, before.write_ops + 8);
+}
+
+/// A task waiting for the batch after the one a thread is writing is woken when that
+/// thread leaves its batch open (records queued, nobody leading), and leads it.
+#[test]
+fn a_batch_left_open_wakes_a_waiting_task_to_lead_it() {
+    let f = FaultyFile::new(8 << 20);
+    let gate = Arc::new(Gate::new(f));
+    let d = Drive::format_with(
+        gate.clone(),
+        ident(SLAB),
+        FormatOptions {
+            journal_bytes: Some(256 << 10),
+        },
+    )
+    .expect("format");
+    let tier = Arc::new(crate::Tier::new(Arc::new(d)));
+    let mut rng = StdRng::seed_from_u64(22);
+    let k = key(1, 0);
+    let (x, xc) = blocks(&mut rng, 1);
+    tier.write(k, Epoch(1), Version(1), 0, &x, &xc).unwrap();
+    *gate.hold_sync.lock().unwrap() = true;
+    let (a, ac) = blocks(&mut rng, 1);
+    let t2 = tier.clone();
+    let leader = std::thread::spawn(move || t2.write(k, Epoch(1), Version(2), BLOCK, &a, &ac));
+    while !gate.in_sync.load(Ordering::SeqCst) {
+        std::thread::yield_now();
+    }
+    let (b, bc) = blocks(&mut rng, 1);
+    let mut dur = tier
+        .write_begin(k, Epoch(1), Version(3), 2 * BLOCK, &b, &bc)
+        .unwrap();
+    let (count, w) = counting_waker();
+    assert!(poll(&mut dur, &w, true).is_pending(), "a thread is leading");
+    *gate.hold_sync.lock().unwrap() = false;
+    gate.cv.notify_all();
+    leader.join().unwrap().unwrap();
+    assert_eq!(
+        count.0.load(Ordering::SeqCst),
+        1,
+        "the open batch's waiter was not woken"
+    );
+    assert!(matches!(
+        poll(&mut dur, &w, true),
+        std::task::Poll::Ready(Ok(()))
+    ));
+    let (buf, _) = read_all(tier.drive(), k, 2 * BLOCK, B);
+    assert_eq!(buf, b);
+}
+
+/// A drive that fails wakes every waiting task, and none of them is told it is durable;
+/// an abandoned wait still closes the operation's counters.
+#[test]
+fn a_failed_drive_wakes_waiting_tasks_with_an_error() {
+    let (_f, d) = faulty(8 << 20);
+    let tier = crate::Tier::new(Arc::new(d));
+    let mut rng = StdRng::seed_from_u64(23);
+    let k = key(1, 0);
+    let (x, xc) = blocks(&mut rng, 1);
+    tier.write(k, Epoch(1), Version(1), 0, &x, &xc).unwrap();
+    let (a, ac) = blocks(&mut rng, 1);
+    let mut dur = tier
+        .write_begin(k, Epoch(1), Version(2), BLOCK, &a, &ac)
+        .unwrap();
+    let abandoned = tier
+        .write_begin(k, Epoch(1), Version(3), 2 * BLOCK, &a, &ac)
+        .unwrap();
+    let (count, w) = counting_waker();
+    assert!(poll(&mut dur, &w, false).is_pending());
+    tier.drive().fail_now("test");
+    assert_eq!(count.0.load(Ordering::SeqCst), 1);
+    assert!(matches!(
+        poll(&mut dur, &w, true),
+        std::task::Poll::Ready(Err(EngineError::Failed { .. }))
+    ));
+    drop(abandoned);
+    assert_eq!(tier.stats().inflight, 0);
+}

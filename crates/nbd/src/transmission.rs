@@ -317,19 +317,27 @@ async fn write_replies<Wr: AsyncWrite + Unpin>(
 ) -> Result<(), NbdError> {
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
-        // Batch whatever is already queued into one flush.
-        while let Some(r) = next {
-            if r.errno != 0 {
-                stats.errors.fetch_add(1, Ordering::Relaxed);
+        // Batch whatever is already queued into one flush; then let the tasks the runtime
+        // has ready run once (often the rest of a burst, about to reply) and take theirs
+        // too: a burst of replies then costs one write, not one per reply.
+        for round in 0..2 {
+            if round == 1 {
+                tokio::task::yield_now().await;
+                next = rx.try_recv().ok();
             }
-            wr.write_all(&simple_reply(r.errno, r.handle)).await?;
-            if let Some(data) = &r.data {
-                wr.write_all(data).await?;
-                stats
-                    .bytes_read
-                    .fetch_add(data.len() as u64, Ordering::Relaxed);
+            while let Some(r) = next {
+                if r.errno != 0 {
+                    stats.errors.fetch_add(1, Ordering::Relaxed);
+                }
+                wr.write_all(&simple_reply(r.errno, r.handle)).await?;
+                if let Some(data) = &r.data {
+                    wr.write_all(data).await?;
+                    stats
+                        .bytes_read
+                        .fetch_add(data.len() as u64, Ordering::Relaxed);
+                }
+                next = rx.try_recv().ok();
             }
-            next = rx.try_recv().ok();
         }
         wr.flush().await?;
     }

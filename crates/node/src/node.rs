@@ -403,14 +403,27 @@ impl LocalDrives {
         }
     }
 
-    /// Runs `op` on one of this node's drives (the replica service, on a blocking thread),
-    /// after admitting an extent it would create.
+    /// Runs `op` on one of this node's drives (the replica service), after admitting an
+    /// extent it would create. A drive whose I/O takes microseconds (`Tier::inline_io`) is
+    /// driven from this task: the I/O inline, then an async wait for its journal batch,
+    /// which this task writes itself if nobody is. Any other drive is driven from a
+    /// blocking thread, which may wait there for its device.
     pub async fn call(&self, drive: DriveId, op: ExtentOp) -> Result<ExtentReply, EngineError> {
         let d = self.drive(drive)?;
         if op.stores_blocks() {
             self.admit(&d, drive, op.key()).await?;
         }
-        blocking(move || converge_replica::execute(&d, op)).await
+        if !d.inline_io() {
+            return blocking(move || converge_replica::execute(&d, op)).await;
+        }
+        let (reply, mut durable) = converge_replica::start(&d, op)?;
+        if !durable.is_done() {
+            // Let the requests this runtime already has queue their records into the
+            // same batch first, so one journal write and flush serve them all.
+            tokio::task::yield_now().await;
+            std::future::poll_fn(|cx| durable.poll_wait(cx, true)).await?;
+        }
+        Ok(reply)
     }
 }
 

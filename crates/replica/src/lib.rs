@@ -8,13 +8,23 @@
 //! blocking engine call runs on.
 
 use bytes::BytesMut;
-use converge_engine::{EngineError, Tier};
+use converge_engine::{Durable, EngineError, Tier};
 use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply, MAX_IO_BYTES};
 use converge_volume::ReplicaError;
 
 /// Runs `op` on `tier` (blocking: the engine writes and syncs before it returns). The epoch
 /// checks are the engine's: every operation but `Free` is refused below the extent's epoch.
 pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
+    let (reply, durable) = start(tier, op)?;
+    durable.wait()?;
+    Ok(reply)
+}
+
+/// Runs `op` on `tier` up to the wait for durability: the answer, which may be sent only
+/// once the returned [`Durable`] has been waited for (blocking with `Durable::wait`, as
+/// [`execute`] does, or polled from a task). Only writes and zeroes return before they are
+/// durable; every other operation is whole when this returns.
+pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), EngineError> {
     // A read's length comes from a peer: refuse what the engine would refuse before
     // allocating its buffer, so one request cannot make the node allocate gigabytes.
     if let ExtentOp::Read {
@@ -34,6 +44,7 @@ pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
         }
     }
     let shape = op.reply_shape();
+    let mut durable = Durable::done();
     let reply = match op {
         ExtentOp::Write {
             key,
@@ -43,7 +54,7 @@ pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
             crcs,
             data,
         } => {
-            tier.write(key, epoch, version, offset, &data, &crcs)?;
+            durable = tier.write_begin(key, epoch, version, offset, &data, &crcs)?;
             ExtentReply::Ok
         }
         ExtentOp::Read {
@@ -67,7 +78,7 @@ pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
             offset,
             len,
         } => {
-            tier.zero(key, epoch, version, offset, len)?;
+            durable = tier.zero_begin(key, epoch, version, offset, len)?;
             ExtentReply::Ok
         }
         ExtentOp::ReadBlocks {
@@ -93,9 +104,12 @@ pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
             versions,
             expect,
             data,
-        } => ExtentReply::Written(
-            tier.write_blocks(key, epoch, offset, &data, &crcs, &versions, &expect)?,
-        ),
+        } => {
+            let (n, d) =
+                tier.write_blocks_begin(key, epoch, offset, &data, &crcs, &versions, &expect)?;
+            durable = d;
+            ExtentReply::Written(n)
+        }
         ExtentOp::Versions {
             key,
             epoch,
@@ -115,7 +129,7 @@ pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
     if let Err(e) = shape.check(&reply) {
         panic!("the replica service {e}");
     }
-    Ok(reply)
+    Ok((reply, durable))
 }
 
 /// What an engine failure means to the owner: refused as a deposed owner, a corrupted

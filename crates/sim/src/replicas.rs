@@ -1,15 +1,17 @@
 //! `ReplicaIo` over the simulated network: each request to a peer is a message that is
 //! delayed (so requests reorder), may be lost on the way or on the way back (the write then
 //! applied, but the owner only sees a timeout), and is refused by partitions; it is served
-//! synchronously by the daemon's replica service (`converge_replica::execute`) on the target
-//! node's real engine `Drive` (through its cache `Tier` when the run has caches). A request
-//! to the owner's own node goes straight to its drive, as in the daemon.
+//! by the daemon's replica service on the target node's real engine `Drive` (through its
+//! cache `Tier` when the run has caches), the way the daemon drives a RAM drive: the I/O
+//! inline, then an async wait for the journal batch, which the request leads itself if
+//! nobody is (`World::serve`). A request to the owner's own node goes straight to its
+//! drive, as in the daemon.
 //!
 //! A message in flight does not die with its sender: it is its own task, so a crashed or
 //! deposed owner's last requests can still land afterwards (fencing must refuse them).
 
 use crate::world::{Delivery, World};
-use converge_engine::{EngineError, Tier};
+use converge_engine::EngineError;
 use converge_replica::replica_error;
 use converge_types::{ExtentOp, ExtentReply, NodeId};
 use converge_volume::{ExtentLoc, ReplicaError, ReplicaIo};
@@ -29,14 +31,13 @@ impl ReplicaIo for SimReplicas {
     /// losses and partitions.
     async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
         let what = op.name();
-        let serve = move |t: &Tier| converge_replica::execute(t, op);
         let w = self.world.clone();
         let timeout = w.opts.rpc_timeout;
         let from = self.from;
         let r = if at.node == from {
             // Local drive: a little device latency, no network.
             tokio::time::sleep(w.us(5, 100)).await;
-            match w.exec(at.node, at.drive, serve) {
+            match w.serve(at.node, at.drive, op).await {
                 Delivery::Done(r) => Some(r),
                 Delivery::NoReply => {
                     // This very node lost power: the owner is dead too and is being
@@ -61,7 +62,7 @@ impl ReplicaIo for SimReplicas {
                     return;
                 }
                 let inc = w2.incarnation(to);
-                let r = match w2.exec(to, at.drive, serve) {
+                let r = match w2.serve(to, at.drive, op).await {
                     Delivery::Done(r) => r,
                     Delivery::NoReply => return,
                 };

@@ -16,8 +16,8 @@ use converge_engine::{
     Tier,
 };
 use converge_types::{
-    CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentOp, ExtentState, MediaType,
-    NodeId, Version, VolumeId, BLOCK_SIZE,
+    CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentOp, ExtentReply, ExtentState,
+    MediaType, NodeId, Version, VolumeId, BLOCK_SIZE,
 };
 use converge_volume::ExtentLoc;
 use rand::rngs::StdRng;
@@ -436,6 +436,42 @@ impl World {
 
     pub(crate) fn reachable(&self, from: NodeId, to: NodeId) -> bool {
         from == to || (!self.isolated(from) && !self.isolated(to))
+    }
+
+    /// Serves one extent operation on a node's drive as the daemon serves it on a RAM
+    /// drive (`LocalDrives::call`): the replica service's `start` (the I/O, inline), then,
+    /// after letting the other requests queue their records, the wait for its journal
+    /// batch, led by this request if nobody leads. Requests that meet at the yield share a
+    /// batch (group commit), so the simulation exercises it; a power loss armed on the
+    /// node's files may fire in either part.
+    pub(crate) async fn serve(
+        self: &Arc<Self>,
+        node: NodeId,
+        drive: DriveId,
+        op: ExtentOp,
+    ) -> Delivery<ExtentReply> {
+        let inc = self.incarnation(node);
+        let (reply, mut durable) = match self.exec(node, drive, |t| converge_replica::start(t, op))
+        {
+            Delivery::Done(Ok(x)) => x,
+            Delivery::Done(Err(e)) => return Delivery::Done(Err(e)),
+            Delivery::NoReply => return Delivery::NoReply,
+        };
+        if durable.is_done() {
+            return Delivery::Done(Ok(reply));
+        }
+        tokio::task::yield_now().await;
+        let r = std::future::poll_fn(|cx| durable.poll_wait(cx, true)).await;
+        if self.any_file_crashed(node) {
+            self.crash_node(node, "armed power loss fired inside a journal write");
+            return Delivery::NoReply;
+        }
+        if self.incarnation(node) != inc {
+            // The node died (and maybe came back) while this request waited: whatever the
+            // drive of that life says, its answer is never sent.
+            return Delivery::NoReply;
+        }
+        Delivery::Done(r.map(|()| reply))
     }
 
     /// Runs one engine request on a node's drive (through its cache tier, if the run has
