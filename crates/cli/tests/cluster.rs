@@ -9,9 +9,11 @@ use common::*;
 use std::collections::BTreeSet;
 use std::process::Command;
 
+/// On RAM drives (driven inline from the daemon's tasks; the other tests' drives are files
+/// on disk, driven from I/O threads).
 #[test]
 fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
-    let lab = Lab::up(4, &[]);
+    let lab = Lab::up(4, &["--ram"]);
     let uri = lab.create_volume("vm01", "512M", "mirror-3");
     assert!(uri.starts_with("nbd+unix:///vm01?socket="), "{uri}");
 

@@ -47,7 +47,18 @@ fn content(b: u64, seq: u64) -> Vec<u8> {
 
 #[test]
 fn every_node_killed_during_overwrites_loses_no_acked_write_and_tears_no_block() {
-    let lab = Lab::up(4, &[]);
+    killed_during_overwrites(&[]);
+}
+
+/// The same on RAM drives, whose I/O the daemon does inline from its tasks, waiting for
+/// journal batches without a thread (a batch is shared by the writes of many requests).
+#[test]
+fn every_node_killed_during_overwrites_on_ram_drives_loses_no_acked_write() {
+    killed_during_overwrites(&["--ram"]);
+}
+
+fn killed_during_overwrites(lab_args: &[&str]) {
+    let lab = Lab::up(4, lab_args);
     let uri = lab.create_volume("hot", "64M", "mirror-3");
     // Writers on two nodes: the owner's socket and a forwarding node's.
     let mut writers = Vec::new();

@@ -90,6 +90,12 @@ fn thrash_with_cache_drives() {
 
 fn thrash_run(secs: u64, seed: u64, cache: bool) {
     let mut args = vec!["--netns", "--repair-delay", "3600"];
+    // Without caches the drives are RAM drives, which the daemon drives inline from its
+    // tasks; the cache run's capacity drives are files on disk, driven from I/O threads:
+    // the two runs cover both ways a node does its drive I/O.
+    if !cache {
+        args.push("--ram");
+    }
     if cache {
         args.extend([
             "--cache-drives",
