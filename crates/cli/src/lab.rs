@@ -119,6 +119,15 @@ pub struct UpOptions {
     pub repair_delay_s: u64,
     /// Each node in its own network namespace (needed for partitions).
     pub netns: bool,
+    /// Runtime threads per node; `None`: the machine's cores divided among the nodes.
+    pub threads_per_node: Option<usize>,
+}
+
+/// A lab node's share of the machine's cores (at least one): the lab stands for hosts of
+/// their own, and nodes that each take every core only fight over them.
+pub fn threads_per_node(nodes: u32) -> usize {
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+    (cores / nodes.max(1) as usize).max(1)
 }
 
 /// Most cache drives per node the lab makes.
@@ -565,6 +574,13 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     }
     fs::create_dir_all(&o.dir).with_context(|| format!("creating {}", o.dir.display()))?;
     let dir = fs::canonicalize(&o.dir)?;
+    let threads = match o.threads_per_node {
+        Some(t) if !(1..=1024).contains(&t) => {
+            bail!("--threads-per-node {t}: must be between 1 and 1024")
+        }
+        Some(t) => t,
+        None => threads_per_node(o.nodes),
+    };
     let etcd_bin = find_binary("etcd")?;
     let converged = find_binary("converged")?;
     // Drive files in RAM: refuse before anything starts if /dev/shm cannot hold them.
@@ -709,7 +725,7 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         let sock = ndir.join("nbd.sock");
         let config = ndir.join("converged.toml");
         let mut toml = format!(
-            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\n\n[etcd]\nendpoints = [\"{client}\"]\n",
+            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\n\n[etcd]\nendpoints = [\"{client}\"]\n",
             o.slab_size,
             sock.display()
         );
@@ -1121,7 +1137,16 @@ mod tests {
             timeout: Duration::from_secs(1),
             repair_delay_s: 60,
             netns: false,
+            threads_per_node: None,
         }
+    }
+
+    #[test]
+    fn nodes_share_the_cores() {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        assert_eq!(threads_per_node(1), cores);
+        assert_eq!(threads_per_node(cores as u32), 1);
+        assert_eq!(threads_per_node(cores as u32 * 4), 1, "at least one thread");
     }
 
     #[test]

@@ -253,6 +253,11 @@ enum LabCmd {
         /// Nodes get 10.X.Y.2, .3, ...; etcd listens on the bridge (10.X.Y.1).
         #[arg(long)]
         netns: bool,
+        /// Runtime threads of each node (its `[node] threads`, 1 to 1024). Default: the
+        /// machine's cores divided among the nodes, at least 1 — each node gets its share of
+        /// the machine, as if it were a host of its own.
+        #[arg(long)]
+        threads_per_node: Option<usize>,
     },
     /// Stop exactly the processes this lab started (paused ones too) and delete its
     /// network namespaces, veths and bridge.
@@ -647,8 +652,10 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             timeout,
             repair_delay,
             netns,
+            threads_per_node,
         } => {
             let o = lab::UpOptions {
+                threads_per_node: *threads_per_node,
                 repair_delay_s: *repair_delay,
                 dir: dir.path(),
                 nodes: *nodes,

@@ -9,6 +9,14 @@
 /// A bitmap of the data region's physical blocks (set = in use) with a next-fit cursor.
 pub(crate) struct Pool {
     used: Vec<u64>,
+    /// Blocks known to hold space in the drive file: written since open, the spare area
+    /// (`format` writes it), and, at open, every block of an allocated extent's slot and
+    /// every block metadata names. A write that cannot go home takes one of these before
+    /// any other: on a sparse file (or tmpfs, where RAM drives live) a block written for
+    /// the first time costs the file system an allocation on the data path, so relocated
+    /// blocks stay within the space the drive already holds (when the drive is not full,
+    /// there are as many such free blocks as spare ones).
+    written: Vec<u64>,
     total: u32,
     free: u64,
     /// Where the search for a block that cannot go home starts (next fit: a run of
@@ -23,12 +31,24 @@ impl Pool {
     /// is nobody's home), so relocated blocks fill the spare area before anyone's home,
     /// and goes back to the lowest spare block given back.
     pub fn new(total: u32, spare_start: u32) -> Pool {
-        Pool {
-            used: vec![0; (total as usize).div_ceil(64)],
+        let words = (total as usize).div_ceil(64);
+        let mut pool = Pool {
+            used: vec![0; words],
+            written: vec![0; words],
             total,
             free: u64::from(total),
             cursor: if spare_start < total { spare_start } else { 0 },
             spare_start,
+        };
+        pool.note_written(spare_start, total.saturating_sub(spare_start));
+        pool
+    }
+
+    /// Records that blocks `[first, first + count)` hold space in the drive file.
+    pub fn note_written(&mut self, first: u32, count: u32) {
+        let end = first.saturating_add(count).min(self.total);
+        for p in first..end {
+            self.written[(p / 64) as usize] |= 1 << (p % 64);
         }
     }
 
@@ -46,6 +66,7 @@ impl Pool {
             return false;
         }
         self.used[(p / 64) as usize] |= 1 << (p % 64);
+        self.written[(p / 64) as usize] |= 1 << (p % 64);
         self.free -= 1;
         true
     }
@@ -66,8 +87,19 @@ impl Pool {
         }
     }
 
-    /// The next free block at or after the cursor (wrapping); the pool must not be full.
+    /// The next free block at or after the cursor (wrapping) that holds space in the
+    /// drive file, if there is one (`written`), else the next free one; the pool must not
+    /// be full.
     fn next_free(&mut self) -> u32 {
+        if let Some(p) = self.scan(true) {
+            return p;
+        }
+        self.scan(false).expect("next_free on a full pool")
+    }
+
+    /// The first block from the cursor (wrapping) that is free (and written, with
+    /// `written_only`).
+    fn scan(&self, written_only: bool) -> Option<u32> {
         let words = self.used.len();
         let mut p = self.cursor;
         for _ in 0..=words {
@@ -75,16 +107,19 @@ impl Pool {
                 p = 0;
             }
             let w = (p / 64) as usize;
-            let bits = self.used[w] | ((1u64 << (p % 64)) - 1);
+            let mut bits = self.used[w] | ((1u64 << (p % 64)) - 1);
+            if written_only {
+                bits |= !self.written[w];
+            }
             if bits != u64::MAX {
                 let q = w as u32 * 64 + (!bits).trailing_zeros();
                 if q < self.total {
-                    return q;
+                    return Some(q);
                 }
             }
             p = (w as u32 + 1) * 64;
         }
-        unreachable!("next_free on a full pool");
+        None
     }
 
     /// Takes one block per entry of `homes`: the home when it is free, else the next free
@@ -148,6 +183,33 @@ mod tests {
         out.clear();
         assert!(p.take([u32::MAX].into_iter(), &mut out));
         assert_eq!(out, [77], "wraps around to the only free block");
+    }
+
+    /// A block that cannot go home takes a free block the drive file already holds (the
+    /// spare area, or blocks written before) before one it never wrote.
+    #[test]
+    fn relocated_blocks_stay_in_written_space() {
+        // 100 homes (blocks 0..100), 4 spare blocks (100..104).
+        let mut p = Pool::new(104, 100);
+        let mut out = Vec::new();
+        // Blocks 0..10 written at home.
+        assert!(p.take(0..10, &mut out));
+        // Their overwrites fill the spares, then must go elsewhere: to written blocks only
+        // once some are free (here: none yet, so the next free block, 10).
+        out.clear();
+        assert!(p.take(0..5, &mut out));
+        assert_eq!(out, [100, 101, 102, 103, 10]);
+        // The first versions become free (their records durable): blocks 0..5.
+        for b in 0..5 {
+            p.release(b);
+        }
+        // Overwrites of blocks 5..10 (at home) go to the written, free blocks 0..5 (and a
+        // spare first, when one is free), not on into never-written homes 11.. .
+        p.release(101);
+        out.clear();
+        assert!(p.take(5..10, &mut out));
+        assert_eq!(out, [101, 0, 1, 2, 3]);
+        assert!(out.iter().all(|&b| b < 11 || b >= 100), "{out:?}");
     }
 
     #[test]

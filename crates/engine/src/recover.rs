@@ -398,6 +398,9 @@ impl Drive {
         let mut lost = 0u64;
         for (slot, e) in exts.iter_mut().enumerate() {
             let Some(e) = e else { continue };
+            // The homes of an allocated extent are (nearly always) written: relocated
+            // blocks may go there without the file system allocating space.
+            pool.note_written(layout.home_block(slot as u32, 0), layout.blocks_per_extent);
             for (b, m) in e.blocks.iter_mut().enumerate() {
                 if m.has_data() && !pool.mark(m.phys) {
                     *m = BlockMeta::BAD;

@@ -23,6 +23,9 @@ pub enum ConfigError {
     },
 }
 
+/// Most runtime threads a node may ask for.
+pub const THREADS_MAX: usize = 1024;
+
 /// A size given as bytes (integer) or text ("2G").
 #[derive(Debug, Clone, Deserialize)]
 #[serde(untagged)]
@@ -51,6 +54,7 @@ struct RawNode {
     #[serde(default = "default_cluster_name")]
     cluster_name: String,
     slab_size: Option<SizeField>,
+    threads: Option<usize>,
 }
 
 fn default_cluster_name() -> String {
@@ -109,6 +113,9 @@ pub struct Config {
     pub etcd_endpoints: Vec<String>,
     pub drives: Vec<DriveConfig>,
     pub knobs: Knobs,
+    /// Threads of the runtime that serves I/O (client requests, peers, RAM drives inline);
+    /// `None`: one per CPU core the process may use.
+    pub threads: Option<usize>,
 }
 
 impl Config {
@@ -143,6 +150,14 @@ impl Config {
             Some(s) => size("node.slab_size", s)?,
             None => DEFAULT_SLAB_SIZE_BYTES,
         };
+        if let Some(t) = raw.node.threads {
+            if !(1..=THREADS_MAX).contains(&t) {
+                return Err(field(
+                    "node.threads",
+                    format!("{t}: must be between 1 and {THREADS_MAX} (leave it out for one per CPU core)"),
+                ));
+            }
+        }
         if slab_size_bytes < (1 << 20) || !slab_size_bytes.is_power_of_two() {
             return Err(field(
                 "node.slab_size",
@@ -251,6 +266,7 @@ impl Config {
             etcd_endpoints: raw.etcd.endpoints,
             drives,
             knobs: raw.knobs,
+            threads: raw.node.threads,
         })
     }
 }
@@ -305,5 +321,23 @@ size = "1G"
         assert!(Config::parse(Path::new("x.toml"), &bad).is_err());
         let bad = GOOD.replace("http://127.0.0.1:2379", "127.0.0.1:2379");
         assert!(Config::parse(Path::new("x.toml"), &bad).is_err());
+        let bad = GOOD.replace("id = 1", "id = 1\nthreads = 0");
+        let e = Config::parse(Path::new("x.toml"), &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("node.threads"), "{e}");
+    }
+
+    #[test]
+    fn threads_default_to_one_per_core() {
+        assert_eq!(
+            Config::parse(Path::new("x.toml"), GOOD).unwrap().threads,
+            None
+        );
+        let two = GOOD.replace("id = 1", "id = 1\nthreads = 2");
+        assert_eq!(
+            Config::parse(Path::new("x.toml"), &two).unwrap().threads,
+            Some(2)
+        );
     }
 }

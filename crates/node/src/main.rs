@@ -46,26 +46,34 @@ fn main() {
         .format_timestamp_millis()
         .init();
     let args = Args::parse();
-    let rt = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .thread_name("converged")
-        .build()
-    {
+    // The config first: it says how many threads the runtime gets.
+    let cfg = match Config::load(&args.config) {
+        Ok(c) => c,
+        Err(e) => {
+            log::error!("{e}");
+            eprintln!("converged: error: {e}");
+            std::process::exit(1);
+        }
+    };
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = cfg.threads {
+        rt.worker_threads(n);
+    }
+    let rt = match rt.enable_all().thread_name("converged").build() {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("converged: cannot start the runtime: {e}");
             std::process::exit(1);
         }
     };
-    if let Err(e) = rt.block_on(run(args)) {
+    if let Err(e) = rt.block_on(run(args, cfg)) {
         log::error!("{e:#}");
         eprintln!("converged: error: {e:#}");
         std::process::exit(1);
     }
 }
 
-async fn run(args: Args) -> Result<()> {
-    let cfg = Config::load(&args.config)?;
+async fn run(args: Args, cfg: Config) -> Result<()> {
     let etcd = Etcd::new(cfg.etcd_endpoints.clone()).map_err(|e| anyhow!("{e}"))?;
     let cluster = Cluster::new(etcd.clone());
     let cluster_rec = cluster
