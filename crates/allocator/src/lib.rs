@@ -33,6 +33,9 @@ pub struct Allocator<K = Etcd> {
     pub cluster: Cluster<K>,
     /// This node: slabs are allocated and changed as this node's ownership.
     pub me: NodeId,
+    /// How far (points of used capacity) this node may be above the least-used one and
+    /// still take a copy of the slabs it allocates (data locality; 0: balance alone).
+    pub locality_pct: u64,
     /// One allocation at a time from this node: its volumes would only contend with each
     /// other in the store (each allocation re-reads every slab record when it loses).
     pub serial: tokio::sync::Mutex<()>,
@@ -62,10 +65,12 @@ pub async fn drive_loads<K: Kv>(cluster: &Cluster<K>) -> Result<Vec<DriveLoad>, 
 }
 
 impl<K: Kv> Allocator<K> {
-    pub fn new(cluster: Cluster<K>, me: NodeId) -> Allocator<K> {
+    /// `locality_pct`: the `placement_locality_pct` knob (0: placement by balance alone).
+    pub fn new(cluster: Cluster<K>, me: NodeId, locality_pct: u64) -> Allocator<K> {
         Allocator {
             cluster,
             me,
+            locality_pct,
             serial: tokio::sync::Mutex::new(()),
         }
     }
@@ -107,7 +112,7 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
         let _serial = self.serial.lock().await;
         match self
             .cluster
-            .allocate_slab(volume, slab, copies, self.owner(epoch))
+            .allocate_slab(volume, slab, copies, self.owner(epoch), self.locality_pct)
             .await
         {
             Ok((rec, _)) => Ok(extents_of(&rec)),

@@ -56,7 +56,7 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
     cluster_of(&c, 4, lease).await;
     let vol = VolumeId(3);
     let e1 = c.claim_ownership(vol, NodeId(1), lease).await.unwrap();
-    let old = Allocator::new(c.clone(), NodeId(1));
+    let old = Allocator::new(c.clone(), NodeId(1), 0);
 
     // The owner places copies on distinct live nodes, least-used first.
     let a = old.allocate(vol, SlabIndex(0), e1, 3).await.unwrap();
@@ -103,7 +103,7 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
         .all(|e| e.state == ExtentState::InSync));
 
     // The new owner can do all three.
-    let new = Allocator::new(c.clone(), NodeId(2));
+    let new = Allocator::new(c.clone(), NodeId(2), 0);
     let after = new.change(vol, SlabIndex(0), e2, stale).await.unwrap();
     assert_eq!(after[0].state, ExtentState::Stale);
     assert_eq!(

@@ -112,18 +112,32 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
         assert_eq!(nodes.len(), 3, "copies of slab on distinct nodes: {s}");
         assert!(ex.iter().all(|e| e["state"] == "in-sync"), "{s}");
     }
-    // Balance: 8 slabs x 3 copies over 8 drives.
+    // Locality and balance: 8 slabs x 3 copies over 8 drives. The owner's node holds a
+    // copy of every slab (it reads them all locally), 4 on each of its drives; the other 16
+    // copies spread over the other 6 drives within one of each other.
+    let owner = v["owner"].as_u64().expect("owner");
+    for s in slabs {
+        let ex = s["extents"].as_array().unwrap();
+        assert!(
+            ex.iter().any(|e| e["node"].as_u64() == Some(owner)),
+            "the owner's node {owner} holds a copy of every slab: {s}"
+        );
+    }
     let drives = lab.json(&["drive", "list"]);
-    let used: Vec<u64> = drives
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|d| d["extents_used"].as_u64().unwrap())
-        .collect();
-    assert_eq!(used.iter().sum::<u64>(), 24, "{drives}");
+    let drives = drives.as_array().unwrap();
+    let used = |local: bool| -> Vec<u64> {
+        drives
+            .iter()
+            .filter(|d| (d["node"].as_u64() == Some(owner)) == local)
+            .map(|d| d["extents_used"].as_u64().unwrap())
+            .collect()
+    };
+    let (mine, others) = (used(true), used(false));
+    assert_eq!(mine, [4, 4], "{drives:?}");
+    assert_eq!(others.iter().sum::<u64>(), 16, "{drives:?}");
     assert!(
-        used.iter().all(|u| *u == 3),
-        "placement balances drives: {used:?}"
+        others.iter().max().unwrap() - others.iter().min().unwrap() <= 1,
+        "placement balances the other drives: {others:?}"
     );
 
     let st = lab.json(&["status"]);

@@ -243,8 +243,12 @@ fn decode<T: DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Result<T, C
 }
 
 /// A new slab's record: `copies` in-sync extents where placement puts them.
-fn place_slab(copies: usize, loads: &[DriveLoad]) -> Result<SlabRecord, PlacementError> {
-    let chosen = placement::place(copies, loads, &[])?;
+fn place_slab(
+    copies: usize,
+    loads: &[DriveLoad],
+    near: Option<placement::Near>,
+) -> Result<SlabRecord, PlacementError> {
+    let chosen = placement::place_near(copies, loads, &[], near)?;
     let extents = chosen
         .iter()
         .map(|d| {
@@ -660,13 +664,21 @@ impl<K: Kv> Cluster<K> {
     /// a row, the slab is recorded on the placement last computed: still valid (one copy
     /// per node, drives with space), only balance may suffer, and later allocations, which
     /// prefer the least used, even it out. A write never fails for the sake of balance.
+    ///
+    /// With `locality_pct` above 0 the owner's node takes a copy while it is at most that
+    /// many points of used capacity above the least-used node ([`placement::place_near`]).
     pub async fn allocate_slab(
         &self,
         volume: VolumeId,
         slab: SlabIndex,
         copies: usize,
         owner: OwnerRecord,
+        locality_pct: u64,
     ) -> Result<(SlabRecord, i64), ControlError> {
+        let near = (locality_pct > 0).then_some(placement::Near {
+            node: owner.node,
+            slack_pct: locality_pct,
+        });
         let key = keys::slab(volume, slab);
         let okey = keys::owner(volume);
         let ovalue = encode(&okey, "owner record", &owner)?;
@@ -677,7 +689,7 @@ impl<K: Kv> Cluster<K> {
                 .get(keys::PLACEMENT_SEQ)
                 .await?
                 .map_or(0, |kv| kv.mod_revision);
-            let rec = place_slab(copies, &self.drive_loads().await?)
+            let rec = place_slab(copies, &self.drive_loads().await?, near)
                 .map_err(|e| ControlError::Placement(Box::new(e)))?;
             let value = encode(&key, "slab record", &rec)?;
             let r = self

@@ -171,6 +171,30 @@ pub fn place(
     candidates: &[DriveLoad],
     exclude_nodes: &[NodeId],
 ) -> Result<Vec<DriveId>, PlacementError> {
+    place_near(copies, candidates, exclude_nodes, None)
+}
+
+/// Data locality for [`place_near`]: the node that will read the slab most (its volume's
+/// owner, which serves reads from its own copy without a network hop), and how many
+/// percentage points of used capacity it may be above the least-used eligible node and
+/// still take a copy.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Near {
+    pub node: NodeId,
+    pub slack_pct: u64,
+}
+
+/// [`place`], except that the node `near` names, when it is eligible and its used fraction
+/// is at most `slack_pct` points above the least-used eligible node's, takes the first
+/// copy; the other copies go by balance as always. So an owner reads its volume locally
+/// while its node is not much fuller than the rest, and balance takes over beyond that
+/// (with volumes owned evenly across nodes, locality costs no balance at all).
+pub fn place_near(
+    copies: usize,
+    candidates: &[DriveLoad],
+    exclude_nodes: &[NodeId],
+    near: Option<Near>,
+) -> Result<Vec<DriveId>, PlacementError> {
     if copies == 0 {
         return Err(PlacementError::NoCopies { copies });
     }
@@ -210,6 +234,19 @@ pub fn place(
         })
         .collect();
     picks.sort_by(by_node_load);
+    if let Some(near) = near {
+        if let Some(i) = picks.iter().position(|n| n.best.node == near.node) {
+            let (least, n) = (&picks[0], &picks[i]);
+            // used_n/total_n <= used_l/total_l + slack/100, in integers.
+            let lhs = 100 * u128::from(n.used) * u128::from(least.total);
+            let rhs = 100 * u128::from(least.used) * u128::from(n.total)
+                + u128::from(near.slack_pct) * u128::from(n.total) * u128::from(least.total);
+            if lhs <= rhs {
+                let n = picks.remove(i);
+                picks.insert(0, n);
+            }
+        }
+    }
     Ok(picks
         .into_iter()
         .take(copies)
@@ -307,6 +344,98 @@ mod tests {
         assert_eq!(
             place(3, &c, &[]).unwrap(),
             vec![DriveId(4), DriveId(2), DriveId(3)]
+        );
+    }
+
+    #[test]
+    fn the_near_node_takes_a_copy_within_its_slack() {
+        let c = [
+            drive(1, 1, 10, 4),
+            drive(2, 2, 10, 1),
+            drive(3, 3, 10, 2),
+            drive(4, 4, 10, 3),
+        ];
+        let near = |slack_pct| {
+            Some(Near {
+                node: NodeId(1),
+                slack_pct,
+            })
+        };
+        // Node 1 is 30 points above node 2: within 30 it takes the first copy, the others
+        // go by balance; within 20 it does not.
+        assert_eq!(
+            place_near(3, &c, &[], near(30)).unwrap(),
+            vec![DriveId(1), DriveId(2), DriveId(3)]
+        );
+        assert_eq!(
+            place_near(3, &c, &[], near(20)).unwrap(),
+            vec![DriveId(2), DriveId(3), DriveId(4)]
+        );
+        // An excluded, full or unknown near node changes nothing.
+        assert_eq!(
+            place_near(2, &c, &[NodeId(1)], near(100)).unwrap(),
+            vec![DriveId(2), DriveId(3)]
+        );
+        let full = [drive(1, 1, 4, 4), drive(2, 2, 10, 1), drive(3, 3, 10, 2)];
+        assert_eq!(
+            place_near(2, &full, &[], near(100)).unwrap(),
+            vec![DriveId(2), DriveId(3)]
+        );
+        assert_eq!(
+            place_near(2, &c, &[], None).unwrap(),
+            place(2, &c, &[]).unwrap()
+        );
+    }
+
+    /// An owner that allocates slab after slab keeps a local copy of each while its node
+    /// stays within the slack of the least-used one, and the other nodes stay balanced among
+    /// themselves; past the slack, balance wins.
+    #[test]
+    fn locality_is_bounded_by_the_slack() {
+        let mut c: Vec<DriveLoad> = (1..=4)
+            .flat_map(|n| {
+                [
+                    drive(u64::from(n) * 10, n, 14, 0),
+                    drive(u64::from(n) * 10 + 1, n, 14, 0),
+                ]
+            })
+            .collect();
+        let near = Some(Near {
+            node: NodeId(1),
+            slack_pct: 25,
+        });
+        let mut local = 0;
+        for _ in 0..40 {
+            let Ok(chosen) = place_near(3, &c, &[], near) else {
+                break;
+            };
+            for d in &chosen {
+                c.iter_mut().find(|l| l.drive == *d).unwrap().extents_used += 1;
+            }
+            let node_used = |n: u32| -> u64 {
+                c.iter()
+                    .filter(|d| d.node == NodeId(n))
+                    .map(|d| d.extents_used)
+                    .sum()
+            };
+            if chosen.iter().any(|d| d.0 / 10 == 1) {
+                local += 1;
+            }
+            let least = (2..=4).map(node_used).min().unwrap();
+            assert!(
+                node_used(1) * 100 <= least * 100 + 25 * 28 + 100,
+                "node 1 holds {} extents, the least-used other {least}",
+                node_used(1)
+            );
+            let others: Vec<u64> = (2..=4).map(node_used).collect();
+            assert!(
+                others.iter().max().unwrap() - others.iter().min().unwrap() <= 1,
+                "{others:?}"
+            );
+        }
+        assert!(
+            local >= 8,
+            "a 2 GiB volume's 8 slabs are all local: {local}"
         );
     }
 

@@ -463,7 +463,7 @@ async fn concurrent_allocations_of_many_owners_still_balance() {
             for slab in 0..6 {
                 for (i, vol) in [owner * 2, owner * 2 + 1].into_iter().enumerate() {
                     let (rec, _) = c
-                        .allocate_slab(VolumeId(vol), SlabIndex(slab), 3, terms[i])
+                        .allocate_slab(VolumeId(vol), SlabIndex(slab), 3, terms[i], 0)
                         .await
                         .unwrap();
                     let nodes: std::collections::BTreeSet<NodeId> =
@@ -490,7 +490,7 @@ async fn concurrent_allocations_of_many_owners_still_balance() {
         epoch: c.owner(VolumeId(0)).await.unwrap().unwrap().epoch,
     };
     assert_eq!(
-        c.allocate_slab(VolumeId(0), SlabIndex(0), 3, term0)
+        c.allocate_slab(VolumeId(0), SlabIndex(0), 3, term0, 0)
             .await
             .unwrap(),
         held
@@ -509,6 +509,7 @@ async fn concurrent_allocations_of_many_owners_still_balance() {
                 node: NodeId(1),
                 epoch: e99,
             },
+            0,
         )
         .await
         .unwrap_err();

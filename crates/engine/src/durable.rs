@@ -31,6 +31,19 @@ impl Durable {
         Durable { wait: None }
     }
 
+    /// Whether other operations are in progress on the drive this waits for: a caller
+    /// about to lead its batch lets them queue their records first only then (alone, it
+    /// leads at once).
+    pub fn others_in_flight(&self) -> bool {
+        self.wait.as_ref().is_some_and(|w| {
+            w.drive
+                .counters
+                .inflight
+                .load(std::sync::atomic::Ordering::Relaxed)
+                > 1
+        })
+    }
+
     /// Whether there is nothing to wait for.
     pub fn is_done(&self) -> bool {
         self.wait.is_none()

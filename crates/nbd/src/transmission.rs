@@ -314,6 +314,8 @@ async fn write_replies<Wr: AsyncWrite + Unpin>(
     wr: &mut Wr,
     mut rx: mpsc::Receiver<Reply>,
     stats: &ServerStats,
+    permits: Arc<Semaphore>,
+    inflight_max: usize,
 ) -> Result<(), NbdError> {
     while let Some(first) = rx.recv().await {
         let mut next = Some(first);
@@ -322,6 +324,11 @@ async fn write_replies<Wr: AsyncWrite + Unpin>(
         // too: a burst of replies then costs one write, not one per reply.
         for round in 0..2 {
             if round == 1 {
+                // Requests still executing hold their permits (the replies written above
+                // gave theirs back): with none, no reply is coming; write now (QD 1).
+                if inflight_max - permits.available_permits() == 0 {
+                    break;
+                }
                 tokio::task::yield_now().await;
                 next = rx.try_recv().ok();
             }
@@ -366,6 +373,7 @@ where
     };
     let permits = Arc::new(Semaphore::new(cfg.inflight_max));
     let (tx, rx) = mpsc::channel(cfg.inflight_max);
+    let writer_permits = permits.clone();
     let reader = async {
         let end = read_requests(rd, &neg.dev, align, cfg, tx, permits).await?;
         match end {
@@ -378,7 +386,7 @@ where
         }
         Ok::<(), NbdError>(())
     };
-    let writer = write_replies(wr, rx, &cfg.stats);
+    let writer = write_replies(wr, rx, &cfg.stats, writer_permits, cfg.inflight_max);
     tokio::try_join!(reader, writer)?;
     Ok(())
 }

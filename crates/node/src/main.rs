@@ -158,7 +158,11 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
             hello,
             cfg.knobs.clone(),
         )),
-        allocator: Arc::new(Allocator::new(cluster.clone(), cfg.node_id)),
+        allocator: Arc::new(Allocator::new(
+            cluster.clone(),
+            cfg.node_id,
+            cfg.knobs.placement_locality_pct,
+        )),
         cfg: cfg.clone(),
         cluster: cluster.clone(),
         cluster_rec: cluster_rec.clone(),

@@ -419,8 +419,11 @@ impl LocalDrives {
         let (reply, mut durable) = converge_replica::start(&d, op)?;
         if !durable.is_done() {
             // Let the requests this runtime already has queue their records into the
-            // same batch first, so one journal write and flush serve them all.
-            tokio::task::yield_now().await;
+            // same batch first, so one journal write and flush serve them all (alone on
+            // the drive, lead at once).
+            if durable.others_in_flight() {
+                tokio::task::yield_now().await;
+            }
             std::future::poll_fn(|cx| durable.poll_wait(cx, true)).await?;
         }
         Ok(reply)

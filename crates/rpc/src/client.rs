@@ -430,7 +430,11 @@ impl RpcClient {
         let writer = {
             let shared = shared.clone();
             tokio::spawn(async move {
-                if let Err(e) = frame::write_loop(wr, rx).await {
+                // More frames are likely while other requests of this connection wait
+                // for their answers (a busy peer); with one request in flight, none.
+                let busy = shared.clone();
+                let more = move |n: usize| lock(&busy.pending).waiters.len() > n;
+                if let Err(e) = frame::write_loop(wr, rx, more).await {
                     log::warn!("rpc to {}: write failed: {e}", shared.addr);
                 }
                 shared.fail();

@@ -113,10 +113,15 @@ pub(crate) enum Outgoing {
 
 /// The single writer of a connection: each wake-up drains every frame already queued (up to
 /// the batch bounds) and writes them together, so pipelined frames share syscalls.
-/// Returns `Ok` when every sender is gone or on `Close`, `Err` on the first socket error.
+/// `more(n)` says whether, with `n` frames in hand, others are likely to be queued in a
+/// moment (requests of this connection still in progress): the writer then lets the
+/// runtime's ready tasks run once before it writes, so they join the batch; alone (QD 1),
+/// it writes at once. Returns `Ok` when every sender is gone or on `Close`, `Err` on the
+/// first socket error.
 pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
     mut w: W,
     mut rx: mpsc::Receiver<Outgoing>,
+    more: impl Fn(usize) -> bool,
 ) -> io::Result<()> {
     let mut chunks: Vec<Bytes> = Vec::with_capacity(2 * BATCH_FRAMES_MAX);
     let mut next = rx.recv().await;
@@ -131,7 +136,7 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
         // drain again: a burst then costs one writev, not one per frame.
         for round in 0..2 {
             if round == 1 {
-                if frames >= BATCH_FRAMES_MAX || bytes >= BATCH_BYTES_MAX {
+                if frames >= BATCH_FRAMES_MAX || bytes >= BATCH_BYTES_MAX || !more(frames) {
                     break;
                 }
                 tokio::task::yield_now().await;
@@ -239,7 +244,7 @@ mod tests {
             out: Vec::new(),
             writes: 0,
         };
-        write_loop(&mut sink, rx).await.expect("writes");
+        write_loop(&mut sink, rx, |_| true).await.expect("writes");
         assert_eq!(sink.out, expect);
         // 50 frames queued before the writer ran: one batch, split only by the sink's limit.
         assert!(

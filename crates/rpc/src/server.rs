@@ -134,10 +134,15 @@ async fn serve_conn<H: Handler>(
     log::debug!("rpc server: node {peer} connected from {addr}");
 
     let (tx, rx) = mpsc::channel(inflight_max);
-    let mut writer = tokio::spawn(frame::write_loop(wr, rx));
+    let slots = Arc::new(Semaphore::new(inflight_max));
+    // More answers are likely while other requests of this connection are still being
+    // handled: each holds a slot until its answer is queued, and the reader holds one
+    // for the next request.
+    let busy = slots.clone();
+    let more = move |_: usize| inflight_max - busy.available_permits() > 1;
+    let mut writer = tokio::spawn(frame::write_loop(wr, rx, more));
     // Stop the writer (and so close the socket) however this task ends, aborted included.
     let _stop_writer = AbortOnDrop(writer.abort_handle());
-    let slots = Arc::new(Semaphore::new(inflight_max));
 
     loop {
         let permit = tokio::select! {

@@ -84,6 +84,8 @@ pub struct Options {
     /// How long a node must be down before the repair policy rebuilds its copies elsewhere
     /// (`repair_delay_s` in the daemon).
     pub repair_delay: Duration,
+    /// The owners' data locality (`placement_locality_pct`): 0 places by balance alone.
+    pub locality_pct: u64,
     /// How many capacity drives the nemesis may fail in a run (`FaultWeights::drive_failure`).
     pub drive_failures_max: u64,
     /// Scrub (with repair) every this many repair rounds.
@@ -185,6 +187,7 @@ impl Options {
             read_wait: Duration::from_millis([0, 50, 200][r.gen_range(0..3)]),
             read_hedge: Duration::from_millis([2, 10, 50][r.gen_range(0..3)]),
             repair_delay: Duration::from_millis([100, 300, 1000, 60_000][r.gen_range(0..4)]),
+            locality_pct: [0, 10, 25, 100][r.gen_range(0..4)],
             drive_failures_max: 1,
         }
     }

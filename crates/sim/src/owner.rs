@@ -123,6 +123,7 @@ fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owne
             node,
         }),
         node,
+        w.opts.locality_pct,
     ));
     Arc::new(Owner {
         vol: Arc::new(Volume::new(cfg, slabs, io, ctl)),

@@ -440,8 +440,8 @@ impl World {
 
     /// Serves one extent operation on a node's drive as the daemon serves it on a RAM
     /// drive (`LocalDrives::call`): the replica service's `start` (the I/O, inline), then,
-    /// after letting the other requests queue their records, the wait for its journal
-    /// batch, led by this request if nobody leads. Requests that meet at the yield share a
+    /// after letting the other requests in progress on the drive queue their records, the
+    /// wait for its journal batch, led by this request if nobody leads. Requests that meet at the yield share a
     /// batch (group commit), so the simulation exercises it; a power loss armed on the
     /// node's files may fire in either part.
     pub(crate) async fn serve(
@@ -460,7 +460,9 @@ impl World {
         if durable.is_done() {
             return Delivery::Done(Ok(reply));
         }
-        tokio::task::yield_now().await;
+        if durable.others_in_flight() {
+            tokio::task::yield_now().await;
+        }
         let r = std::future::poll_fn(|cx| durable.poll_wait(cx, true)).await;
         if self.any_file_crashed(node) {
             self.crash_node(node, "armed power loss fired inside a journal write");

@@ -342,6 +342,11 @@ pub struct Knobs {
     pub cache_low_watermark_pct: u8,
     /// Above this % of the log in use, destage (and read-cache eviction) runs flat out.
     pub cache_high_watermark_pct: u8,
+    /// Data locality: a volume's owner places one copy of each new slab on its own node
+    /// (its reads then cross no network) while its node's used capacity is at most this
+    /// many percentage points above the least-used node's; beyond that, and with 0,
+    /// placement goes by balance alone.
+    pub placement_locality_pct: u64,
 }
 
 impl Default for Knobs {
@@ -364,6 +369,7 @@ impl Default for Knobs {
             cache_destage_bytes_per_s: 256 << 20,
             cache_low_watermark_pct: 25,
             cache_high_watermark_pct: 80,
+            placement_locality_pct: 25,
         }
     }
 }
