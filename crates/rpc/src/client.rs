@@ -69,12 +69,14 @@ struct Pending {
 struct ConnShared {
     addr: String,
     pending: Mutex<Pending>,
+    /// `pending.closed`, readable without the lock (every call checks it).
+    closed: std::sync::atomic::AtomicBool,
     tasks: Mutex<Vec<AbortHandle>>,
 }
 
 impl ConnShared {
     fn is_closed(&self) -> bool {
-        lock(&self.pending).closed
+        self.closed.load(Ordering::Acquire)
     }
 
     fn register(&self, id: u64) -> Result<oneshot::Receiver<Reply>, RpcError> {
@@ -98,6 +100,7 @@ impl ConnShared {
         let waiters = {
             let mut p = lock(&self.pending);
             p.closed = true;
+            self.closed.store(true, Ordering::Release);
             std::mem::take(&mut p.waiters)
         };
         for (_, w) in waiters {
@@ -164,6 +167,9 @@ struct Inner {
     inflight_max: usize,
     next_id: AtomicU64,
     connections: AtomicU64,
+    /// The connection in use, for calls to take without waiting on `slot`'s async lock
+    /// (taken only to connect): calls from every runtime thread share it.
+    live: std::sync::RwLock<Option<Arc<Conn>>>,
     slot: tokio::sync::Mutex<Slot>,
 }
 
@@ -206,6 +212,7 @@ impl RpcClient {
                 inflight_max,
                 next_id: AtomicU64::new(1),
                 connections: AtomicU64::new(0),
+                live: std::sync::RwLock::new(None),
                 slot: tokio::sync::Mutex::new(Slot {
                     conn: None,
                     failures: 0,
@@ -309,12 +316,23 @@ impl RpcClient {
 
     /// The live connection, or a new one (one connect at a time; failed connects back off).
     async fn connection(&self, deadline: Instant) -> Result<Arc<Conn>, RpcError> {
+        if let Some(c) = self
+            .inner
+            .live
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .filter(|c| !c.shared.is_closed())
+        {
+            return Ok(c.clone());
+        }
         let mut slot = self.inner.slot.lock().await;
         if let Some(c) = &slot.conn {
             if !c.shared.is_closed() {
                 return Ok(c.clone());
             }
             slot.conn = None;
+            *self.inner.live.write().unwrap_or_else(|e| e.into_inner()) = None;
         }
         if let (Some(at), Some(e)) = (slot.retry_at, &slot.last_err) {
             if Instant::now() < at {
@@ -329,6 +347,7 @@ impl RpcClient {
                 slot.retry_at = None;
                 slot.last_err = None;
                 slot.conn = Some(conn.clone());
+                *self.inner.live.write().unwrap_or_else(|e| e.into_inner()) = Some(conn.clone());
                 self.inner.connections.fetch_add(1, Ordering::Relaxed);
                 Ok(conn)
             }
@@ -424,6 +443,7 @@ impl RpcClient {
                 closed: false,
                 waiters: HashMap::new(),
             }),
+            closed: std::sync::atomic::AtomicBool::new(false),
             tasks: Mutex::new(Vec::new()),
         });
         let (tx, rx) = mpsc::channel(self.inner.inflight_max);
