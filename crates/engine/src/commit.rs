@@ -126,6 +126,16 @@ impl Drive {
         }
     }
 
+    /// Records in batch `seq` if it is the open one (nobody writing it yet), else 0.
+    pub(crate) fn open_batch_records(&self, seq: u64) -> usize {
+        let st = lock(&self.commit);
+        if st.open_seq == seq {
+            st.pending.len() / RECORD
+        } else {
+            0
+        }
+    }
+
     /// The polling twin of [`Drive::wait_durable`], for a caller that must not block its
     /// thread waiting for another thread's batch (an async task). `Ready` once batch `seq`
     /// is durable (or the drive failed); otherwise the task is woken when that changes.

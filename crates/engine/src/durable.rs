@@ -31,17 +31,14 @@ impl Durable {
         Durable { wait: None }
     }
 
-    /// Whether other operations are in progress on the drive this waits for: a caller
-    /// about to lead its batch lets them queue their records first only then (alone, it
-    /// leads at once).
-    pub fn others_in_flight(&self) -> bool {
-        self.wait.as_ref().is_some_and(|w| {
-            w.drive
-                .counters
-                .inflight
-                .load(std::sync::atomic::Ordering::Relaxed)
-                > 1
-        })
+    /// How many records the journal batch this waits for holds so far, while it is still
+    /// open (0 once it is being written or durable). A task about to lead it can watch it
+    /// grow: while other requests keep adding records, waiting a little longer makes one
+    /// journal write and flush serve more of them.
+    pub fn batch_records(&self) -> usize {
+        self.wait
+            .as_ref()
+            .map_or(0, |w| w.drive.open_batch_records(w.seq))
     }
 
     /// Whether there is nothing to wait for.

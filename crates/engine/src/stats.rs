@@ -66,7 +66,7 @@ pub(crate) struct Counters {
     write_hist: [AtomicU64; LATENCY_BUCKETS],
     // The queue-depth integral without a lock (Little's law): the time every finished
     // operation spent in flight, plus, for those in flight, `now` minus their starts.
-    pub inflight: AtomicU64,
+    inflight: AtomicU64,
     /// Sum of the start times (ns since `base`) of the operations in flight.
     inflight_starts_ns: AtomicU64,
     /// Sum of the durations of finished operations, ns.

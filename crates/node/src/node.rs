@@ -416,16 +416,8 @@ impl LocalDrives {
         if !d.inline_io() {
             return blocking(move || converge_replica::execute(&d, op)).await;
         }
-        let (reply, mut durable) = converge_replica::start(&d, op)?;
-        if !durable.is_done() {
-            // Let the requests this runtime already has queue their records into the
-            // same batch first, so one journal write and flush serve them all (alone on
-            // the drive, lead at once).
-            if durable.others_in_flight() {
-                tokio::task::yield_now().await;
-            }
-            std::future::poll_fn(|cx| durable.poll_wait(cx, true)).await?;
-        }
+        let (reply, durable) = converge_replica::start(&d, op)?;
+        converge_replica::durable(durable).await?;
         Ok(reply)
     }
 }

@@ -439,9 +439,9 @@ impl World {
     }
 
     /// Serves one extent operation on a node's drive as the daemon serves it on a RAM
-    /// drive (`LocalDrives::call`): the replica service's `start` (the I/O, inline), then,
-    /// after letting the other requests in progress on the drive queue their records, the
-    /// wait for its journal batch, led by this request if nobody leads. Requests that meet at the yield share a
+    /// drive (`LocalDrives::call`): the replica service's `start` (the I/O, inline), then
+    /// `converge_replica::durable`: after letting the other requests queue their records,
+    /// the wait for its journal batch, led by this request if nobody leads. Requests that meet at the yield share a
     /// batch (group commit), so the simulation exercises it; a power loss armed on the
     /// node's files may fire in either part.
     pub(crate) async fn serve(
@@ -451,8 +451,7 @@ impl World {
         op: ExtentOp,
     ) -> Delivery<ExtentReply> {
         let inc = self.incarnation(node);
-        let (reply, mut durable) = match self.exec(node, drive, |t| converge_replica::start(t, op))
-        {
+        let (reply, durable) = match self.exec(node, drive, |t| converge_replica::start(t, op)) {
             Delivery::Done(Ok(x)) => x,
             Delivery::Done(Err(e)) => return Delivery::Done(Err(e)),
             Delivery::NoReply => return Delivery::NoReply,
@@ -460,10 +459,7 @@ impl World {
         if durable.is_done() {
             return Delivery::Done(Ok(reply));
         }
-        if durable.others_in_flight() {
-            tokio::task::yield_now().await;
-        }
-        let r = std::future::poll_fn(|cx| durable.poll_wait(cx, true)).await;
+        let r = converge_replica::durable(durable).await;
         if self.any_file_crashed(node) {
             self.crash_node(node, "armed power loss fired inside a journal write");
             return Delivery::NoReply;
