@@ -133,7 +133,7 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
 }
 
 /// Most scheduler rounds [`durable`] waits for other requests to join a journal batch.
-pub const GATHER_ROUNDS_MAX: usize = 4;
+pub const GATHER_ROUNDS_MAX: usize = 8;
 
 /// Waits, from a task, for an operation [`start`]ed inline to be durable, the way the daemon
 /// waits for its RAM drives (and the simulator for its drives): first it lets the requests

@@ -69,18 +69,13 @@ impl Lab {
             .expect("tempdir");
         let lab = Lab { dir };
         let n = nodes.to_string();
-        let mut args = vec![
-            "lab",
-            "up",
-            "--nodes",
-            &n,
-            "--drives-per-node",
-            "2",
-            "--drive-size",
-            "1G",
-            "--slab-size",
-            "64M",
-        ];
+        let mut args = vec!["lab", "up", "--nodes", &n, "--drives-per-node", "2"];
+        // 1 GiB drives and 64 MiB slabs unless `extra` says otherwise.
+        for (flag, default) in [("--drive-size", "1G"), ("--slab-size", "64M")] {
+            if !extra.contains(&flag) {
+                args.extend([flag, default]);
+            }
+        }
         args.extend_from_slice(extra);
         lab.must(&args);
         lab
