@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::Semaphore;
 
@@ -153,7 +153,10 @@ where
         neg.name,
         neg.block_size_negotiated
     );
-    transmission::run(&mut rd, &mut wr, neg, &cfg).await
+    // Replies go to the socket directly (vectored, read data not copied): the buffer
+    // served the handshake's small messages only.
+    wr.flush().await?;
+    transmission::run(&mut rd, wr.get_mut(), neg, &cfg).await
 }
 
 fn config_io_error(e: ConfigError) -> io::Error {

@@ -7,8 +7,8 @@
 //! daemon's admission check of a new extent against the slab records, and the thread the
 //! blocking engine call runs on.
 
-use bytes::BytesMut;
-use converge_engine::{Durable, EngineError, Tier};
+use bytes::Bytes;
+use converge_engine::{AlignedBuf, Durable, EngineError, Tier};
 use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply, MAX_IO_BYTES};
 use converge_volume::ReplicaError;
 
@@ -63,10 +63,11 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             offset,
             len,
         } => {
-            let mut buf = BytesMut::zeroed(len as usize);
+            // Aligned, so the drive reads straight into it (no bounce copy).
+            let mut buf = AlignedBuf::new(len as usize);
             let info = tier.read(key, epoch, offset, &mut buf)?;
             ExtentReply::Read(ReadReply {
-                data: buf.freeze(),
+                data: Bytes::from_owner(buf),
                 bad_blocks: info.bad_blocks,
                 version: info.versions,
             })
@@ -87,11 +88,11 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             offset,
             len,
         } => {
-            let mut buf = BytesMut::zeroed(len as usize);
+            let mut buf = AlignedBuf::new(len as usize);
             let mut versions = Vec::new();
             let info = tier.read_blocks(key, epoch, offset, &mut buf, &mut versions)?;
             ExtentReply::Blocks(BlocksReply {
-                data: buf.freeze(),
+                data: Bytes::from_owner(buf),
                 bad_blocks: info.bad_blocks,
                 versions,
             })

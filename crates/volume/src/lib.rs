@@ -774,14 +774,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     async fn read_inner(&self, offset: u64, len: u64) -> Result<Bytes, VolumeError> {
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
         // Widen to whole blocks; replicas only deal in blocks.
         let a_start = offset / BS * BS;
         let a_end = (offset + len).div_ceil(BS) * BS;
-        let pieces: Vec<Piece> =
-            split(a_start, a_end - a_start, self.cfg.slab_size_bytes).collect();
-        let whole = if pieces.len() == 1 {
-            self.read_piece(pieces[0]).await?
+        let slab = self.cfg.slab_size_bytes;
+        let whole = if a_start / slab == (a_end - 1) / slab {
+            // Within one slab (nearly every read): no list of pieces.
+            let mut one = split(a_start, a_end - a_start, slab);
+            let p = one.next().expect("a non-empty range has a piece");
+            self.read_piece(p).await?
         } else {
+            let pieces: Vec<Piece> = split(a_start, a_end - a_start, slab).collect();
             let parts = join_all_ok_vec(pieces.iter().map(|p| self.read_piece(*p))).await?;
             let mut buf = BytesMut::with_capacity((a_end - a_start) as usize);
             for part in parts {
@@ -883,12 +889,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             };
             self.ask(at, op, ExtentReply::into_read)
         };
-        // The usual case — the first copy answers — needs no allocation.
+        // The usual case — the first copy answers — needs no allocation, nor a timer: the
+        // hedge timer starts when the first copy has not answered at once.
         let mut first = Some(std::pin::pin!(read(order[0])));
         let mut more = hedge_set(&read);
         let mut next = 1;
         let mut errors: Vec<String> = Vec::new();
-        let mut hedge = std::pin::pin!(tokio::time::sleep(self.cfg.read_hedge));
+        let hedge_after = self.cfg.read_hedge;
+        let mut hedge: Option<std::pin::Pin<Box<tokio::time::Sleep>>> = None;
         loop {
             let event = std::future::poll_fn(|cx| {
                 if let Some(f) = first.as_mut() {
@@ -903,8 +911,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                         return Poll::Ready(Event::Answer(i, r));
                     }
                 }
-                if next < order.len() && hedge.as_mut().poll(cx).is_ready() {
-                    return Poll::Ready(Event::Hedge);
+                if next < order.len() {
+                    let h = hedge.get_or_insert_with(|| Box::pin(tokio::time::sleep(hedge_after)));
+                    if h.as_mut().poll(cx).is_ready() {
+                        return Poll::Ready(Event::Hedge);
+                    }
                 }
                 Poll::Pending
             })
@@ -931,7 +942,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             if launch && next < order.len() {
                 more.push((next, Box::pin(read(order[next]))));
                 next += 1;
-                hedge.as_mut().reset(Instant::now() + self.cfg.read_hedge);
+                if let Some(h) = hedge.as_mut() {
+                    h.as_mut().reset(Instant::now() + self.cfg.read_hedge);
+                }
             }
             if first.is_none() && more.is_empty() && next >= order.len() {
                 return Err(ReadFailed::All(errors.join("; ")));
