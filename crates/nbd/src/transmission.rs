@@ -294,12 +294,26 @@ where
             _ => Bytes::new(),
         };
         let dev = Arc::clone(dev);
-        tokio::spawn(async move {
+        let request = async move {
             match execute(&*dev, op, payload).await {
                 Ok(data) => slot.finish(0, data),
                 Err(errno) => slot.finish(errno, None),
             }
-        });
+        };
+        if matches!(op, Op::Read { .. }) {
+            // A read often completes without waiting (a drive in RAM, read inline): run it
+            // here until it first waits, and give it a task of its own only then. Its
+            // first poll's waker is a no-op; the task's own first poll registers the real
+            // one, and every future checks its state again when polled, so no wake-up is
+            // lost in between.
+            let mut request = Box::pin(request);
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if std::future::Future::poll(request.as_mut(), &mut cx).is_pending() {
+                tokio::spawn(request);
+            }
+        } else {
+            tokio::spawn(request);
+        }
     }
 }
 
