@@ -306,10 +306,19 @@ where
             // first poll's waker is a no-op; the task's own first poll registers the real
             // one, and every future checks its state again when polled, so no wake-up is
             // lost in between.
+            // A device that panics costs this request (its slot answers EIO when the
+            // future is dropped), never the connection, as in a task of its own.
             let mut request = Box::pin(request);
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-            if std::future::Future::poll(request.as_mut(), &mut cx).is_pending() {
-                tokio::spawn(request);
+            let polled = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                std::future::Future::poll(request.as_mut(), &mut cx)
+            }));
+            match polled {
+                Ok(std::task::Poll::Pending) => {
+                    tokio::spawn(request);
+                }
+                Ok(std::task::Poll::Ready(())) => {}
+                Err(_) => log::error!("nbd: a read request panicked; answering EIO"),
             }
         } else {
             tokio::spawn(request);
