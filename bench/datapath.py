@@ -2,7 +2,8 @@
 """The data path's regression benchmark: converge beside nbdkit and the raw file, side by side.
 
 Runs the same fio points (4 KiB random read and write, QD1 and QD32) against
-  raw       a file on the backing store, fio psync/io_uring with O_DIRECT (the device limit)
+  raw       a file on the backing store, fio psync with O_DIRECT (one I/O at a time whatever
+            the QD: the device's per-I/O cost, the limit the others are held to)
   nbdkit    nbdkit's memory plugin over a unix socket (what the NBD protocol alone costs)
   converge  a mirror-3 volume on a 4-node lab whose drives are on the backing store
 in interleaved passes (raw, nbdkit, converge, raw, nbdkit, converge, ...), and measures for
@@ -100,7 +101,7 @@ def drive_written(apis):
 class Targets:
     """raw file, nbdkit and a converge lab, up for the whole run."""
 
-    def __init__(self, store, size, bindir, nodes_threads):
+    def __init__(self, store, size, bindir):
         self.store, self.size, self.bindir = store, size, bindir
         self.converge = os.path.join(bindir, "converge")
         base = "/dev/shm" if store == "shm" else "/var/tmp"
@@ -161,7 +162,7 @@ def run(a):
         sys.exit(f"no converge build in {bindir}: run scripts/setup.sh (release build) first")
     rev = subprocess.run(["git", "-C", bindir, "rev-parse", "--short", "HEAD"],
                          capture_output=True, text=True).stdout.strip()
-    t = Targets(a.store, a.size, bindir, None)
+    t = Targets(a.store, a.size, bindir)
     samples = {f"{rw} QD{qd}": {k: [] for k in ("raw", "nbdkit", "converge")}
                for rw, qd in POINTS}
     wa = []
