@@ -13,7 +13,7 @@ use bytes::{Bytes, BytesMut};
 pub use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply};
 use converge_types::{
     DriveId, Epoch, ExtentKey, ExtentState, NodeId, Resiliency, SlabIndex, Version, VolumeId,
-    BLOCK_SIZE,
+    BLOCK_SIZE, MAX_IO_BYTES,
 };
 use serde::{Deserialize, Serialize};
 use stats::{VolumeCounters, VolumeStats};
@@ -268,6 +268,9 @@ pub struct Volume<R, A> {
     retired: AtomicBool,
 }
 
+/// Zero operations a large TRIM or WRITE_ZEROES has in flight at once.
+const ZERO_PIECES_IN_FLIGHT: usize = 16;
+
 /// One slab-sized piece of a client request.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 struct Piece {
@@ -279,6 +282,9 @@ struct Piece {
     at: u64,
 }
 
+/// Cuts a request into pieces that each lie within one slab and are at most
+/// [`MAX_IO_BYTES`] long, the most one extent operation may cover: a TRIM of 4 GiB, or an
+/// unaligned 32 MiB write widened to whole blocks, becomes several operations.
 fn split(offset: u64, len: u64, slab_size: u64) -> impl Iterator<Item = Piece> {
     let mut pos = offset;
     let end = offset + len;
@@ -288,7 +294,9 @@ fn split(offset: u64, len: u64, slab_size: u64) -> impl Iterator<Item = Piece> {
         }
         let slab = pos / slab_size;
         let in_slab = pos % slab_size;
-        let n = (slab_size - in_slab).min(end - pos);
+        let n = (slab_size - in_slab)
+            .min(end - pos)
+            .min(MAX_IO_BYTES as u64);
         let p = Piece {
             slab: SlabIndex(slab),
             offset: in_slab,
@@ -781,20 +789,21 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let a_start = offset / BS * BS;
         let a_end = (offset + len).div_ceil(BS) * BS;
         let slab = self.cfg.slab_size_bytes;
-        let whole = if a_start / slab == (a_end - 1) / slab {
-            // Within one slab (nearly every read): no list of pieces.
-            let mut one = split(a_start, a_end - a_start, slab);
-            let p = one.next().expect("a non-empty range has a piece");
-            self.read_piece(p).await?
-        } else {
-            let pieces: Vec<Piece> = split(a_start, a_end - a_start, slab).collect();
-            let parts = join_all_ok_vec(pieces.iter().map(|p| self.read_piece(*p))).await?;
-            let mut buf = BytesMut::with_capacity((a_end - a_start) as usize);
-            for part in parts {
-                buf.extend_from_slice(&part);
-            }
-            buf.freeze()
-        };
+        let whole =
+            if a_start / slab == (a_end - 1) / slab && a_end - a_start <= MAX_IO_BYTES as u64 {
+                // One piece (nearly every read): no list of pieces.
+                let mut one = split(a_start, a_end - a_start, slab);
+                let p = one.next().expect("a non-empty range has a piece");
+                self.read_piece(p).await?
+            } else {
+                let pieces: Vec<Piece> = split(a_start, a_end - a_start, slab).collect();
+                let parts = join_all_ok_vec(pieces.iter().map(|p| self.read_piece(*p))).await?;
+                let mut buf = BytesMut::with_capacity((a_end - a_start) as usize);
+                for part in parts {
+                    buf.extend_from_slice(&part);
+                }
+                buf.freeze()
+            };
         let skip = (offset - a_start) as usize;
         Ok(whole.slice(skip..skip + len as usize))
     }
@@ -1078,8 +1087,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             self.write_unaligned(end, Bytes::from(vec![0u8; (end_all - end) as usize]))
                 .await?;
         }
-        let tasks = split(start, end - start, self.cfg.slab_size_bytes).map(|p| self.zero_piece(p));
-        join_all_ok(tasks).await
+        // A guest's `fstrim` or `mkfs` sends ranges of up to 4 GiB: a few dozen operations at
+        // a time, not hundreds in flight at once.
+        let pieces: Vec<Piece> = split(start, end - start, self.cfg.slab_size_bytes).collect();
+        for group in pieces.chunks(ZERO_PIECES_IN_FLIGHT) {
+            join_all_ok(group.iter().map(|p| self.zero_piece(*p))).await?;
+        }
+        Ok(())
     }
 
     async fn zero_piece(&self, p: Piece) -> Result<(), VolumeError> {

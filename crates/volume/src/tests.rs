@@ -402,6 +402,25 @@ fn split_at_slab_boundaries() {
     assert_eq!(split(0, 0, 64).count(), 0);
 }
 
+#[test]
+fn split_cuts_what_one_extent_operation_may_not_cover() {
+    let max = MAX_IO_BYTES as u64;
+    let slab = 1 << 30;
+    // A 4 GiB TRIM from 4 KiB into a volume of 1 GiB slabs.
+    let v: Vec<Piece> = split(4096, 4 << 30, slab).collect();
+    assert!(v.iter().all(|p| p.len <= max && p.offset + p.len <= slab));
+    assert_eq!(v.iter().map(|p| p.len).sum::<u64>(), 4 << 30);
+    for w in v.windows(2) {
+        assert_eq!(w[0].at + w[0].len, w[1].at, "pieces are contiguous");
+    }
+    assert_eq!(v[0].len, max);
+    assert_eq!(
+        v.len(),
+        129,
+        "128 whole pieces and the 4 KiB past the last boundary"
+    );
+}
+
 #[tokio::test]
 async fn thin_volume_reads_zeros() {
     let (v, _) = volume(1 << 20, 64 << 10);
