@@ -20,17 +20,47 @@ type Resp = Response<Full<Bytes>>;
 
 const BODY_BYTES_MAX: usize = 1 << 20;
 
+/// Connections the API serves at once; further ones wait in the listen backlog.
+const CONNECTIONS_MAX: usize = 256;
+/// How long a connection may take to send a request's headers, and may sit idle between
+/// requests, before it is closed.
+const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a request's body may take to arrive.
+const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// Pause after a failed `accept` (out of file descriptors, most likely) before the next.
+const ACCEPT_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
+
+/// Serves the API on `listener` until the process ends. A failed `accept` (the process out
+/// of file descriptors, say) is logged and retried after a pause, never the end of the API;
+/// a client that opens connections and sends nothing holds one of `CONNECTIONS_MAX` for at
+/// most `HEADER_READ_TIMEOUT`.
 pub async fn serve(listener: tokio::net::TcpListener, node: Arc<Node>) -> std::io::Result<()> {
+    let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
     loop {
-        let (stream, _) = listener.accept().await?;
+        let permit = slots
+            .clone()
+            .acquire_owned()
+            .await
+            .expect("the semaphore is never closed");
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                log::warn!("api: accept failed: {e}; retrying in {ACCEPT_ERROR_PAUSE:?}");
+                tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                continue;
+            }
+        };
         let node = node.clone();
         tokio::spawn(async move {
+            let _permit = permit;
             let svc = hyper::service::service_fn(move |req| {
                 let node = node.clone();
                 async move { Ok::<_, std::convert::Infallible>(handle(node, req).await) }
             });
             let io = hyper_util::rt::TokioIo::new(stream);
             if let Err(e) = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(HEADER_READ_TIMEOUT)
                 .serve_connection(io, svc)
                 .await
             {
@@ -73,12 +103,22 @@ fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Resp {
 async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
-    let body = match Limited::new(req.into_body(), BODY_BYTES_MAX)
-        .collect()
-        .await
+    let body = match tokio::time::timeout(
+        BODY_READ_TIMEOUT,
+        Limited::new(req.into_body(), BODY_BYTES_MAX).collect(),
+    )
+    .await
     {
-        Ok(b) => b.to_bytes(),
-        Err(e) => {
+        Ok(Ok(b)) => b.to_bytes(),
+        Err(_) => {
+            return json(
+                StatusCode::REQUEST_TIMEOUT,
+                &ErrorBody {
+                    error: format!("request body not received within {BODY_READ_TIMEOUT:?}"),
+                },
+            )
+        }
+        Ok(Err(e)) => {
             return json(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 &ErrorBody {

@@ -41,6 +41,29 @@ struct Args {
     check: bool,
 }
 
+/// Raises the soft limit on open files to the hard limit: each drive, client and peer
+/// connection holds a descriptor, and the default soft limit (1024) is reached by a busy node
+/// long before the hard one (often 512 Ki or more).
+fn raise_open_files_limit() {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit and setrlimit read and write only the struct passed.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return;
+        }
+        if lim.rlim_cur < lim.rlim_max {
+            let was = lim.rlim_cur;
+            lim.rlim_cur = lim.rlim_max;
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
+                log::debug!("open files limit raised from {was} to {}", lim.rlim_max);
+            }
+        }
+    }
+}
+
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
         .format_timestamp_millis()
@@ -55,6 +78,7 @@ fn main() {
             std::process::exit(1);
         }
     };
+    raise_open_files_limit();
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = cfg.threads {
         rt.worker_threads(n);
