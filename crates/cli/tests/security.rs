@@ -137,3 +137,171 @@ fn a_half_sent_api_request_is_closed() {
     assert_eq!(idle.read(&mut one).unwrap(), 0, "closed without an answer");
     assert!(http_get(&api, "/v1/status").starts_with("HTTP/1.1 200"));
 }
+
+/// What a stranger who learned the cluster id (from `GET /v1/status`) could do with a few
+/// peer requests, each of which once worked: stamp a version from the far future on every
+/// copy (later writes acked and dropped), fence every copy at epoch `u64::MAX` (the volume
+/// unwritable for good), free every copy (reads return zeros), write to an invented volume
+/// (space the control plane does not see), and make the owner allocate 512 MiB for one
+/// read. Each is refused with a reason; afterwards the data a real client wrote reads back
+/// intact, and the volume takes verified writes.
+#[test]
+fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
+    use bytes::Bytes;
+    use converge_rpc::{ErrorCode, Hello, Request, Response, RpcClient, RpcError};
+    use converge_types::{
+        ClusterId, DriveId, Epoch, ExtentKey, ExtentOp, Knobs, NodeId, SlabIndex, Version, VolumeId,
+    };
+    use std::sync::Arc;
+
+    let lab = Lab::up(3, &[]);
+    let uri = lab.create_volume("victim", "64M", "mirror-3");
+    let dir = tempfile::tempdir().unwrap();
+    let image = random_file(dir.path(), "image", 64 << 20, 7);
+    must(Command::new("nbdcopy").arg(&image).arg(&uri));
+
+    let status = lab.json(&["status"]);
+    let cluster: ClusterId = status["cluster"]["id"].as_str().unwrap().parse().unwrap();
+    let rpc_of = |node: u64| -> String {
+        status["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["id"].as_u64() == Some(node))
+            .unwrap()["rpc_addr"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    let vol = lab.json(&["volume", "show", "victim"]);
+    let volume = VolumeId(vol["id"].as_u64().unwrap());
+    let owner = vol["owner"].as_u64().unwrap();
+    let key = ExtentKey {
+        volume,
+        slab: SlabIndex(0),
+    };
+    let copies: Vec<(u64, DriveId)> = vol["slabs"][0]["extents"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|e| {
+            (
+                e["node"].as_u64().unwrap(),
+                DriveId(e["drive"].as_u64().unwrap()),
+            )
+        })
+        .collect();
+    assert_eq!(copies.len(), 3);
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let knobs = Knobs::default();
+    // Posing as another member of the cluster.
+    let client = |node: u64| {
+        RpcClient::new(
+            rpc_of(node),
+            Hello::new(cluster, NodeId(node as u32 % 3 + 1)),
+            &knobs,
+        )
+    };
+    let block = Bytes::from(vec![0u8; 4096]);
+    let crcs: Arc<[u32]> = Arc::from(vec![crc32c::crc32c(&block)]);
+    let write = |key: ExtentKey, epoch: u64, version: u64| ExtentOp::Write {
+        key,
+        epoch: Epoch(epoch),
+        version: Version(version),
+        offset: 0,
+        crcs: crcs.clone(),
+        data: block.clone(),
+    };
+    let refused = |what: &str, node: u64, req: Request, because: &str| {
+        let r = rt.block_on(client(node).call(req));
+        match r {
+            Ok(Response::Err { code, message }) | Err(RpcError::Remote { code, message }) => {
+                assert_eq!(code, ErrorCode::Invalid, "{what}: {message}");
+                assert!(message.contains(because), "{what}: {message}");
+            }
+            other => panic!("{what} on node {node}: not refused: {other:?}"),
+        }
+    };
+    for &(node, drive) in &copies {
+        refused(
+            "a version from the far future",
+            node,
+            Request::Extent {
+                drive,
+                op: write(key, 1, u64::MAX),
+            },
+            "later than the request's epoch",
+        );
+        refused(
+            "a write at an epoch never granted",
+            node,
+            Request::Extent {
+                drive,
+                op: write(key, u64::MAX, u64::MAX),
+            },
+            "never granted",
+        );
+        refused(
+            "fencing at epoch u64::MAX",
+            node,
+            Request::Extent {
+                drive,
+                op: ExtentOp::Digest {
+                    key,
+                    epoch: Epoch(u64::MAX),
+                },
+            },
+            "never granted",
+        );
+        refused(
+            "freeing a live copy",
+            node,
+            Request::Extent {
+                drive,
+                op: ExtentOp::Free { key },
+            },
+            "not freed",
+        );
+        refused(
+            "a write to an invented volume",
+            node,
+            Request::Extent {
+                drive,
+                op: write(
+                    ExtentKey {
+                        volume: VolumeId(0x0bad),
+                        slab: SlabIndex(0),
+                    },
+                    1,
+                    1 << 32 | 1,
+                ),
+            },
+            "never granted",
+        );
+    }
+    refused(
+        "a 512 MiB volume read",
+        owner,
+        Request::VolRead {
+            volume,
+            offset: 0,
+            len: 512 << 20,
+        },
+        "longer than one request may be",
+    );
+
+    // Nothing of it reached the data: every byte reads back, the owner still owns the
+    // volume and its writes land (a verified fio run), and the copies agree.
+    compare(&uri, &image, "after the forged requests");
+    let v = fio(
+        &uri,
+        &["--rw=randwrite", "--bs=4k", "--size=16M", "--verify=crc32c"],
+    );
+    assert_eq!(fio_errors(&v), 0);
+    assert!(all_in_sync(&lab, "victim"));
+    assert_copies_agree(&lab, "victim");
+}

@@ -849,6 +849,15 @@ impl<K: Kv> Cluster<K> {
         })
     }
 
+    /// The highest epoch ever granted for `volume` (0 if none, or the volume is deleted): a
+    /// replica refuses a request of a later epoch, which no owner can hold.
+    pub async fn granted_epoch(&self, volume: VolumeId) -> Result<Epoch, ControlError> {
+        match self.etcd.get(&keys::epoch(volume)).await? {
+            None => Ok(Epoch(0)),
+            Some(kv) => decode(&kv, "epoch"),
+        }
+    }
+
     /// The current owner of a volume, if its lease is alive.
     pub async fn owner(&self, volume: VolumeId) -> Result<Option<OwnerRecord>, ControlError> {
         match self.etcd.get(&keys::owner(volume)).await? {

@@ -31,7 +31,7 @@ fn dev_error(e: VolumeError) -> Attempt {
         VolumeError::Fenced { .. } | VolumeError::Control(..) => {
             return Attempt::Reroute(e.to_string())
         }
-        VolumeError::OutOfRange { .. } => DevErrorKind::Invalid,
+        VolumeError::OutOfRange { .. } | VolumeError::TooLong { .. } => DevErrorKind::Invalid,
         VolumeError::NoSpace { .. } => DevErrorKind::NoSpace,
         VolumeError::Replica {
             error: ReplicaError::NoSpace(_),

@@ -11,7 +11,7 @@ use converge_rpc::Handler;
 use converge_rpc::{ErrorCode, Request, Response};
 use converge_rpc::{Hello, RpcClient, RpcError};
 use converge_types::{
-    DriveId, ExtentKey, ExtentOp, ExtentReply, Knobs, NodeId, SlabIndex, Version, VolumeId,
+    DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, Knobs, NodeId, SlabIndex, Version, VolumeId,
 };
 use converge_volume::resync::Throttle;
 use converge_volume::{
@@ -346,6 +346,9 @@ pub struct LocalDrives {
     pub condemned: Mutex<std::collections::HashSet<(DriveId, ExtentKey)>>,
     /// How many are condemned (kept with the set, under its lock).
     pub condemned_count: std::sync::atomic::AtomicUsize,
+    /// The highest epoch the control plane has confirmed per volume: a request of a later
+    /// epoch is checked there before it may fence a copy.
+    granted: RwLock<HashMap<VolumeId, Epoch>>,
 }
 
 impl LocalDrives {
@@ -355,6 +358,7 @@ impl LocalDrives {
             cluster,
             condemned: Default::default(),
             condemned_count: Default::default(),
+            granted: Default::default(),
         }
     }
 
@@ -408,9 +412,73 @@ impl LocalDrives {
     /// driven from this task: the I/O inline, then an async wait for its journal batch,
     /// which this task writes itself if nobody is. Any other drive is driven from a
     /// blocking thread, which may wait there for its device.
+    /// A request's epoch must be one the control plane granted: a peer claiming a later one
+    /// (`u64::MAX`, say) would fence every real owner out of the copy for good. Checked in
+    /// etcd once per volume and epoch; later requests of a confirmed epoch go straight on.
+    async fn confirm_epoch(&self, key: ExtentKey, epoch: Epoch) -> Result<(), EngineError> {
+        let known = self
+            .granted
+            .read()
+            .expect("granted lock poisoned")
+            .get(&key.volume)
+            .copied();
+        if known.is_some_and(|k| epoch <= k) {
+            return Ok(());
+        }
+        let granted =
+            self.cluster
+                .granted_epoch(key.volume)
+                .await
+                .map_err(|e| EngineError::Failed {
+                    reason: format!(
+                        "cannot check epoch {epoch} of volume {} with the control plane: {e}",
+                        key.volume
+                    ),
+                })?;
+        {
+            let mut g = self.granted.write().expect("granted lock poisoned");
+            let k = g.entry(key.volume).or_insert(granted);
+            *k = (*k).max(granted);
+        }
+        if epoch > granted {
+            return Err(EngineError::InvalidArgument(format!(
+                "epoch {epoch} of volume {} was never granted (the control plane's latest is \
+                 {granted}): refused",
+                key.volume
+            )));
+        }
+        Ok(())
+    }
+
+    /// Only an extent that no slab record places on this drive may be freed (a deleted
+    /// volume's, a replaced copy's, an orphan): freeing a live copy would make its blocks
+    /// read as zeros.
+    async fn confirm_free(&self, drive: DriveId, key: ExtentKey) -> Result<(), EngineError> {
+        match self.cluster.slab(key.volume, key.slab).await {
+            Ok(Some((rec, _))) if rec.extents.iter().any(|e| e.drive == drive) => {
+                Err(EngineError::InvalidArgument(format!(
+                    "slab {} of volume {} has a copy on drive {:016x} in its slab record: \
+                     not freed",
+                    key.slab, key.volume, drive.0
+                )))
+            }
+            Ok(_) => Ok(()),
+            Err(e) => Err(EngineError::Failed {
+                reason: format!(
+                    "cannot check the slab record before freeing slab {} of volume {}: {e}",
+                    key.slab, key.volume
+                ),
+            }),
+        }
+    }
+
     pub async fn call(&self, drive: DriveId, op: ExtentOp) -> Result<ExtentReply, EngineError> {
         let d = self.drive(drive)?;
-        if op.stores_blocks() {
+        match op.epoch() {
+            Some(epoch) => self.confirm_epoch(op.key(), epoch).await?,
+            None => self.confirm_free(drive, op.key()).await?,
+        }
+        if op.creates_extent() {
             self.admit(&d, drive, op.key()).await?;
         }
         if !d.inline_io() {
@@ -558,6 +626,7 @@ fn volume_to_response(e: VolumeError) -> Response {
         // forwarding node looks the owner up again and retries, instead of failing.
         VolumeError::Control(..) => ErrorCode::Busy,
         VolumeError::OutOfRange { .. } => ErrorCode::OutOfRange,
+        VolumeError::TooLong { .. } => ErrorCode::Invalid,
         VolumeError::NoSpace { .. } => ErrorCode::NoSpace,
         _ => ErrorCode::Io,
     };

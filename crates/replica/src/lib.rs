@@ -9,7 +9,7 @@
 
 use bytes::Bytes;
 use converge_engine::{AlignedBuf, Durable, EngineError, Tier};
-use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply, MAX_IO_BYTES};
+use converge_types::{BlocksReply, Epoch, ExtentOp, ExtentReply, ReadReply, Version, MAX_IO_BYTES};
 use converge_volume::ReplicaError;
 
 /// Runs `op` on `tier` (blocking: the engine writes and syncs before it returns). The epoch
@@ -18,6 +18,43 @@ pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
     let (reply, durable) = start(tier, op)?;
     durable.wait()?;
     Ok(reply)
+}
+
+/// A version is `epoch << 32 | sequence` (docs/adr/0003): an owner stamps only versions of
+/// its own term or, when it copies blocks, of older ones. A version of a later term than
+/// the request's epoch would stand above every write the real owner makes from then on (its
+/// writes would be acked and silently dropped), so it is refused.
+fn check_versions(op: &ExtentOp) -> Result<(), EngineError> {
+    let later = |epoch: Epoch, v: &Version| v.0 >> 32 > epoch.0;
+    let bad = match op {
+        ExtentOp::Write { epoch, version, .. } | ExtentOp::Zero { epoch, version, .. } => {
+            Some(*version)
+                .filter(|v| later(*epoch, v))
+                .map(|v| (*epoch, v))
+        }
+        ExtentOp::WriteBlocks {
+            epoch,
+            versions,
+            expect,
+            ..
+        } => versions
+            .iter()
+            .chain(expect)
+            .find(|v| later(*epoch, v))
+            .map(|v| (*epoch, *v)),
+        _ => None,
+    };
+    match bad {
+        Some((epoch, v)) => Err(EngineError::InvalidArgument(format!(
+            "{} of volume {} slab {}: version {v} belongs to term {}, later than the \
+             request's epoch {epoch}",
+            op.name(),
+            op.key().volume,
+            op.key().slab,
+            v.0 >> 32
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// Runs `op` on `tier` up to the wait for durability: the answer, which may be sent only
@@ -43,6 +80,7 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             });
         }
     }
+    check_versions(&op)?;
     let shape = op.reply_shape();
     let mut durable = Durable::done();
     let reply = match op {
@@ -253,6 +291,52 @@ mod tests {
                 execute(&t, op),
                 Err(EngineError::InvalidIo { .. })
             ));
+        }
+    }
+
+    /// A version from a later term than the request's epoch (`version = u64::MAX` from a
+    /// hostile or broken peer) would stand above every later write of the real owner: it is
+    /// refused, whatever operation carries it, and the block keeps what it had.
+    #[test]
+    fn versions_of_a_later_term_than_the_epoch_are_refused() {
+        let t = tier();
+        assert_eq!(run(&t, write(1, 1 << 32 | 1, 0, 1, 0xaa)), ExtentReply::Ok);
+        let (crcs, data) = blocks(1, 0xbb);
+        for op in [
+            write(1, u64::MAX, 0, 1, 0xbb),
+            write(1, 2 << 32, 0, 1, 0xbb),
+            ExtentOp::Zero {
+                key: KEY,
+                epoch: Epoch(1),
+                version: Version(u64::MAX),
+                offset: 0,
+                len: BS,
+            },
+            ExtentOp::WriteBlocks {
+                key: KEY,
+                epoch: Epoch(1),
+                offset: 0,
+                crcs,
+                versions: vec![Version(5 << 32)],
+                expect: vec![Version(1 << 32 | 1)],
+                data,
+            },
+        ] {
+            let what = op.name();
+            match execute(&t, op) {
+                Err(EngineError::InvalidArgument(m)) => assert!(m.contains("later than"), "{m}"),
+                other => panic!("{what}: {other:?}"),
+            }
+        }
+        match run(&t, read(1, 0, BS)) {
+            ExtentReply::Read(r) => assert!(r.data.iter().all(|&b| b == 0xaa)),
+            other => panic!("{other:?}"),
+        }
+        // The owner's next write lands.
+        assert_eq!(run(&t, write(1, 1 << 32 | 2, 0, 1, 0xcc)), ExtentReply::Ok);
+        match run(&t, read(1, 0, BS)) {
+            ExtentReply::Read(r) => assert!(r.data.iter().all(|&b| b == 0xcc)),
+            other => panic!("{other:?}"),
         }
     }
 

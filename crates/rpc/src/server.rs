@@ -24,6 +24,11 @@ use tokio::task::JoinSet;
 
 /// Pause after an accept error (e.g. out of file descriptors) before accepting again.
 const ACCEPT_ERROR_PAUSE_MS: u64 = 100;
+/// The largest first frame (the hello) of a connection: a hello is a few dozen bytes.
+const HELLO_FRAME_BYTES_MAX: usize = 4096;
+/// Connections served at once; further ones wait in the listen backlog. Peers hold one
+/// each; the rest are strangers, each dropped after the handshake timeout at most.
+const CONNECTIONS_MAX: usize = 1024;
 
 /// What the node plugs into the server: the engine, in production.
 pub trait Handler: Send + Sync + 'static {
@@ -43,18 +48,23 @@ pub async fn serve<H: Handler>(
 ) -> std::io::Result<()> {
     let knobs = Arc::new(knobs);
     let mut conns = JoinSet::new();
+    let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     loop {
         tokio::select! {
-            accepted = listener.accept() => match accepted {
-                Ok((stream, addr)) => {
-                    conns.spawn(serve_conn(
+            accepted = accept(&listener, &slots) => match accepted {
+                Ok((stream, addr, permit)) => {
+                    let conn = serve_conn(
                         stream,
                         addr,
                         cluster,
                         my_node,
                         handler.clone(),
                         knobs.clone(),
-                    ));
+                    );
+                    conns.spawn(async move {
+                        conn.await;
+                        drop(permit);
+                    });
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => return Err(e),
                 Err(e) => {
@@ -65,6 +75,20 @@ pub async fn serve<H: Handler>(
             Some(_) = conns.join_next(), if !conns.is_empty() => {}
         }
     }
+}
+
+/// The next connection, once fewer than `CONNECTIONS_MAX` are open.
+async fn accept(
+    listener: &TcpListener,
+    slots: &Arc<Semaphore>,
+) -> std::io::Result<(TcpStream, SocketAddr, OwnedSemaphorePermit)> {
+    let permit = slots
+        .clone()
+        .acquire_owned()
+        .await
+        .expect("the semaphore is never closed");
+    let (stream, addr) = listener.accept().await?;
+    Ok((stream, addr, permit))
 }
 
 /// Encodes an answer, replacing it by an error if it would exceed the frame bound.
@@ -292,7 +316,8 @@ where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let (h, payload) = match frame::read_frame(rd, max).await {
+    // Nothing is allocated for a stranger beyond a hello's size.
+    let (h, payload) = match frame::read_frame(rd, HELLO_FRAME_BYTES_MAX.min(max)).await {
         Ok(Some(f)) => f,
         Ok(None) => return None,
         Err(e) => {
@@ -311,10 +336,17 @@ where
                     hello.node, hello.protocol_version
                 )))
             } else if hello.cluster != cluster {
+                // The answer must not tell a stranger which cluster id would be let in; the
+                // log here says it all.
+                log::warn!(
+                    "rpc server: {addr} (says node {}) belongs to cluster {}, this node to \
+                     cluster {cluster}; refused",
+                    hello.node,
+                    hello.cluster
+                );
                 Err(refuse(format!(
-                    "cluster mismatch: node {my_node} belongs to cluster {cluster}, \
-                     node {} at {addr} to cluster {}; check the peer's configuration",
-                    hello.node, hello.cluster
+                    "cluster mismatch: node {my_node} belongs to another cluster than the \
+                     one named in this hello; check the peer's configuration"
                 )))
             } else {
                 Ok(hello.node)

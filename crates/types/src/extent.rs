@@ -129,6 +129,13 @@ impl ExtentOp {
         )
     }
 
+    /// Whether the operation creates the extent on a drive that does not hold it: every
+    /// one that stores blocks, and the fencing ones (an absent extent is created at the
+    /// fencing epoch, so an older owner's late write cannot create it afterwards).
+    pub fn creates_extent(&self) -> bool {
+        self.stores_blocks() || matches!(self, ExtentOp::Versions { .. } | ExtentOp::Digest { .. })
+    }
+
     /// What a correct answer to this operation looks like. Taken before the operation is
     /// sent (it moves), and checked on the answer: nothing trusts the network.
     pub fn reply_shape(&self) -> ReplyShape {

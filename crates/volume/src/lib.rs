@@ -126,6 +126,8 @@ pub enum VolumeError {
         len: u64,
         size: u64,
     },
+    #[error("volume {volume}: a read or write of {len} bytes is longer than one request may be ({max} bytes); split it")]
+    TooLong { volume: String, len: u64, max: u64 },
     #[error("cannot place a new slab of volume {volume}: {why}")]
     NoSpace { volume: String, why: String },
     #[error("volume {volume}: replica on node {node} drive {drive} failed: {error}")]
@@ -404,6 +406,19 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .collect()
     }
 
+    /// A read or write longer than [`MAX_IO_BYTES`] is refused before anything is allocated
+    /// for it (its length may come from a peer's request).
+    fn check_len(&self, len: u64) -> Result<(), VolumeError> {
+        if len > MAX_IO_BYTES as u64 {
+            return Err(VolumeError::TooLong {
+                volume: self.cfg.name.clone(),
+                len,
+                max: MAX_IO_BYTES as u64,
+            });
+        }
+        Ok(())
+    }
+
     fn check_range(&self, offset: u64, len: u64) -> Result<(), VolumeError> {
         let size = self.size_bytes();
         match offset.checked_add(len) {
@@ -467,6 +482,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     pub async fn write(&self, offset: u64, data: Bytes) -> Result<(), VolumeError> {
         let start = Instant::now();
         let len = data.len() as u64;
+        self.check_len(len)?;
         self.check_range(offset, len)?;
         self.check_serving()?;
         let r = if offset.is_multiple_of(BS) && len.is_multiple_of(BS) {
@@ -771,6 +787,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// another copy and rewritten on the bad one.
     pub async fn read(&self, offset: u64, len: u64) -> Result<Bytes, VolumeError> {
         let start = Instant::now();
+        self.check_len(len)?;
         self.check_range(offset, len)?;
         self.check_serving()?;
         let r = match self.read_inner(offset, len).await {

@@ -498,6 +498,24 @@ async fn out_of_range_is_refused() {
 }
 
 #[tokio::test]
+async fn a_read_longer_than_one_request_is_refused_before_anything_is_read() {
+    let (v, io) = volume(1 << 30, 64 << 20);
+    v.write(0, pattern(8192, 5)).await.unwrap();
+    let before = io.writes.load(Ordering::Relaxed);
+    assert!(matches!(
+        v.read(0, 512 << 20).await,
+        Err(VolumeError::TooLong { len, .. }) if len == 512 << 20
+    ));
+    assert!(matches!(
+        v.write(0, Bytes::from(vec![0u8; MAX_IO_BYTES + 4096]))
+            .await,
+        Err(VolumeError::TooLong { .. })
+    ));
+    assert_eq!(io.writes.load(Ordering::Relaxed), before);
+    assert_eq!(&v.read(0, 8192).await.unwrap()[..], &pattern(8192, 5)[..]);
+}
+
+#[tokio::test]
 async fn bad_block_is_served_from_another_copy_and_repaired() {
     let (v, io) = volume(1 << 20, 64 << 10);
     let data = pattern(16384, 6);
