@@ -104,7 +104,8 @@ fn parse_duration_s(s: &str) -> Result<u64> {
     let n: u64 = num
         .parse()
         .map_err(|_| anyhow::anyhow!("{s:?} is not a duration like 90s, 10m or 1h"))?;
-    Ok(n * mul)
+    n.checked_mul(mul)
+        .ok_or_else(|| anyhow::anyhow!("{s:?} is too long a duration"))
 }
 
 #[derive(Subcommand)]

@@ -305,3 +305,31 @@ fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
     assert!(all_in_sync(&lab, "victim"));
     assert_copies_agree(&lab, "victim");
 }
+
+/// Drive files hold every VM's disk and the NBD socket opens every volume: neither is open
+/// to other local users, whatever the umask (drive files were 0644). A repair delay that
+/// would turn rebuilds off (`u64::MAX` was accepted) is refused with its bound.
+#[test]
+fn drive_files_and_sockets_are_private_and_absurd_settings_are_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let lab = Lab::up(3, &[]);
+    for i in 1..=3 {
+        let dir = lab.path().join(format!("node{i}"));
+        let mode = |name: &str| {
+            std::fs::metadata(dir.join(name))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777
+        };
+        assert_eq!(mode("drive1.img"), 0o600, "node {i} drive file");
+        assert_eq!(mode("drive2.img"), 0o600, "node {i} drive file");
+        assert_eq!(mode("nbd.sock"), 0o660, "node {i} NBD socket");
+    }
+    let e = lab.fails(&["cluster", "set", "--repair-delay", "18446744073709551615"]);
+    assert!(e.contains("repair_delay_s") && e.contains("30 days"), "{e}");
+    // A sane one still goes through.
+    lab.must(&["cluster", "set", "--repair-delay", "2h"]);
+    let s = lab.json(&["cluster", "settings"]);
+    assert_eq!(s["repair_delay_s"].as_u64(), Some(7200), "{s}");
+}

@@ -5,7 +5,7 @@ use std::alloc::{alloc_zeroed, dealloc, handle_alloc_error, Layout};
 use std::cell::RefCell;
 use std::fs::{File, OpenOptions};
 use std::io::{self, Seek, SeekFrom};
-use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt};
+use std::os::unix::fs::{FileExt, FileTypeExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
@@ -138,11 +138,21 @@ impl DirectFile {
             .write(true)
             .custom_flags(libc::O_DIRECT | libc::O_CLOEXEC);
         if create_size_bytes.is_some() {
-            opts.create(true);
+            // A drive holds every VM's disk: only the daemon's user reads it.
+            opts.create(true).mode(0o600);
         }
         let mut file = opts.open(path).map_err(ctx)?;
         let meta = file.metadata().map_err(ctx)?;
         let regular = meta.file_type().is_file();
+        if regular && meta.permissions().mode() & 0o077 != 0 {
+            log::warn!(
+                "{}: drive file was readable by others (mode {:o}); now 0600",
+                path.display(),
+                meta.permissions().mode() & 0o777
+            );
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(ctx)?;
+        }
         let len = if meta.file_type().is_block_device() {
             file.seek(SeekFrom::End(0)).map_err(ctx)?
         } else {

@@ -180,6 +180,15 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::POST, ["v1", "settings"]) => {
             let new: Settings = serde_json::from_slice(body)
                 .map_err(|e| ApiError::bad(format!("bad settings: {e}")))?;
+            if let Some(d) = new.repair_delay_s {
+                if d > converge_types::REPAIR_DELAY_S_MAX {
+                    return Err(ApiError::bad(format!(
+                        "repair_delay_s = {d} is above {} (30 days): rebuilds would all but \
+                         never start",
+                        converge_types::REPAIR_DELAY_S_MAX
+                    )));
+                }
+            }
             cache_api::check_nodes(node, new.node_cache_modes.keys().copied()).await?;
             ok(
                 &cache_api::update_settings(node, |cur| cache_api::merge_settings(cur, &new))

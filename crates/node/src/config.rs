@@ -246,6 +246,7 @@ impl Config {
                 "path is too long for a unix socket (100 bytes max)".into(),
             ));
         }
+        raw.knobs.check().map_err(|e| field("knobs", e))?;
         Ok(Config {
             node_id: NodeId(raw.node.id),
             name: raw

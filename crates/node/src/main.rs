@@ -44,6 +44,8 @@ struct Args {
 /// Raises the soft limit on open files to the hard limit: each drive, client and peer
 /// connection holds a descriptor, and the default soft limit (1024) is reached by a busy node
 /// long before the hard one (often 512 Ki or more).
+use std::os::unix::fs::PermissionsExt;
+
 fn raise_open_files_limit() {
     let mut lim = libc::rlimit {
         rlim_cur: 0,
@@ -79,6 +81,12 @@ fn main() {
         }
     };
     raise_open_files_limit();
+    // Whatever converged creates (drive files, sockets) is its user's alone unless it says
+    // otherwise.
+    // SAFETY: umask only sets the process's file mode creation mask.
+    unsafe {
+        libc::umask(0o077);
+    }
     let mut rt = tokio::runtime::Builder::new_multi_thread();
     if let Some(n) = cfg.threads {
         rt.worker_threads(n);
@@ -152,10 +160,19 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
             .with_context(|| format!("removing the old socket {}", cfg.nbd_socket.display()))?;
     }
     if let Some(dir) = cfg.nbd_socket.parent() {
-        std::fs::create_dir_all(dir).ok();
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).ok();
+            // The socket's group must be able to reach it.
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o750)).ok();
+        }
     }
+    // Bound under the process's umask (0077: only this user), then opened to the group,
+    // so there is no moment when others may connect: an NBD client reads and writes every
+    // volume. Put qemu's user in the daemon's group to let it attach.
     let nbd_listener = tokio::net::UnixListener::bind(&cfg.nbd_socket)
         .with_context(|| format!("binding the NBD socket {}", cfg.nbd_socket.display()))?;
+    std::fs::set_permissions(&cfg.nbd_socket, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("setting the mode of {}", cfg.nbd_socket.display()))?;
     let nbd_tcp = match cfg.nbd_tcp {
         Some(a) => Some(
             tokio::net::TcpListener::bind(a)

@@ -349,6 +349,76 @@ pub struct Knobs {
     pub placement_locality_pct: u64,
 }
 
+/// The longest `repair_delay_s` accepted (30 days): a longer one would all but turn rebuilds
+/// off, and `u64::MAX` once did.
+pub const REPAIR_DELAY_S_MAX: u64 = 30 * 24 * 3600;
+
+impl Knobs {
+    /// Refuses values outside what the cluster can run with (a zero rate would stall every
+    /// rebuild, a lease of hours would keep a dead owner's volumes unserved, a frame bound
+    /// below the largest request would refuse every 32 MiB write): the knob's name, its
+    /// value and the accepted range.
+    pub fn check(&self) -> Result<(), String> {
+        fn within(name: &str, v: u64, lo: u64, hi: u64) -> Result<(), String> {
+            if (lo..=hi).contains(&v) {
+                Ok(())
+            } else {
+                Err(format!("knobs.{name} = {v} is outside {lo}..={hi}"))
+            }
+        }
+        const MIB: u64 = 1 << 20;
+        within("node_lease_ttl_s", self.node_lease_ttl_s, 1, 300)?;
+        within("owner_lease_ttl_s", self.owner_lease_ttl_s, 1, 300)?;
+        within("replica_timeout_ms", self.replica_timeout_ms, 100, 600_000)?;
+        within("rpc_inflight_max", self.rpc_inflight_max as u64, 1, 65_536)?;
+        within(
+            "rpc_frame_bytes_max",
+            self.rpc_frame_bytes_max as u64,
+            (MAX_IO_BYTES + (64 << 10)) as u64,
+            256 * MIB,
+        )?;
+        within("nbd_inflight_max", self.nbd_inflight_max as u64, 1, 4096)?;
+        within("group_commit_max", self.group_commit_max as u64, 1, 65_536)?;
+        within(
+            "degraded_write_wait_ms",
+            self.degraded_write_wait_ms,
+            0,
+            3_600_000,
+        )?;
+        within("read_wait_ms", self.read_wait_ms, 0, 3_600_000)?;
+        within("read_hedge_ms", self.read_hedge_ms, 1, 600_000)?;
+        within("resync_bytes_per_s", self.resync_bytes_per_s, MIB, 1 << 40)?;
+        within("repair_delay_s", self.repair_delay_s, 0, REPAIR_DELAY_S_MAX)?;
+        within("scrub_bytes_per_s", self.scrub_bytes_per_s, MIB, 1 << 40)?;
+        within("scrub_interval_h", self.scrub_interval_h, 0, 24 * 366)?;
+        within(
+            "cache_destage_bytes_per_s",
+            self.cache_destage_bytes_per_s,
+            MIB,
+            1 << 40,
+        )?;
+        within(
+            "cache_high_watermark_pct",
+            u64::from(self.cache_high_watermark_pct),
+            2,
+            100,
+        )?;
+        within(
+            "cache_low_watermark_pct",
+            u64::from(self.cache_low_watermark_pct),
+            1,
+            u64::from(self.cache_high_watermark_pct) - 1,
+        )?;
+        within(
+            "placement_locality_pct",
+            self.placement_locality_pct,
+            0,
+            100,
+        )?;
+        Ok(())
+    }
+}
+
 impl Default for Knobs {
     fn default() -> Self {
         Knobs {
@@ -377,6 +447,21 @@ impl Default for Knobs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn default_knobs_are_within_bounds_and_absurd_ones_are_refused() {
+        Knobs::default().check().expect("defaults are valid");
+        let bad = |f: fn(&mut Knobs)| {
+            let mut k = Knobs::default();
+            f(&mut k);
+            k.check().expect_err("refused")
+        };
+        assert!(bad(|k| k.repair_delay_s = u64::MAX).contains("repair_delay_s"));
+        assert!(bad(|k| k.resync_bytes_per_s = 0).contains("resync_bytes_per_s"));
+        assert!(bad(|k| k.rpc_frame_bytes_max = 1 << 20).contains("rpc_frame_bytes_max"));
+        assert!(bad(|k| k.cache_low_watermark_pct = 90).contains("cache_low_watermark_pct"));
+        assert!(bad(|k| k.node_lease_ttl_s = 0).contains("node_lease_ttl_s"));
+    }
 
     #[test]
     fn sizes_parse() {
