@@ -87,11 +87,22 @@ def fio(target_args, rw, qd, runtime, size, server_pids):
     }
 
 
-def drive_written(apis):
+def get(url, labdir):
+    """GET with the lab's admin token (builds older than API tokens ignore it)."""
+    req = urllib.request.Request(url)
+    try:
+        token = open(os.path.join(labdir, "admin.token")).read().strip()
+        req.add_header("Authorization", "Bearer " + token)
+    except FileNotFoundError:
+        pass
+    return urllib.request.urlopen(req, timeout=30).read().decode()
+
+
+def drive_written(apis, labdir):
     """Bytes every drive of the lab wrote so far (capacity tier), from /metrics."""
     total = 0.0
     for api in apis:
-        text = urllib.request.urlopen(api + "/metrics", timeout=30).read().decode()
+        text = get(api + "/metrics", labdir)
         for line in text.splitlines():
             if line.startswith("converge_drive_written_bytes_total{"):
                 total += float(line.rsplit(" ", 1)[1])
@@ -172,10 +183,10 @@ def run(a):
                 point = f"{rw} QD{qd}"
                 for target in ("raw", "nbdkit", "converge"):
                     fargs, pids = t.args(target)
-                    before = drive_written(t.apis) if target == "converge" else 0
+                    before = drive_written(t.apis, t.labdir) if target == "converge" else 0
                     r = fio(fargs, rw, qd, a.runtime, a.size, pids)
                     if target == "converge" and rw == "randwrite" and qd == 32:
-                        wa.append((drive_written(t.apis) - before) / r["bytes"])
+                        wa.append((drive_written(t.apis, t.labdir) - before) / r["bytes"])
                     samples[point][target].append(r)
                     print(f"pass {p + 1} {point:13} {target:8} {r['iops']:9.0f} IOPS "
                           f"{r['mean_us']:8.1f} µs  {r['cpu_us_per_io']:6.1f} µs CPU/IO",

@@ -21,7 +21,9 @@ def cvj(*a):
     return json.loads(cv(*a, "--json"))
 
 def metric(api, name):
-    txt = urllib.request.urlopen(api + "/metrics").read().decode()
+    req = urllib.request.Request(api + "/metrics")
+    req.add_header("Authorization", "Bearer " + open(os.path.join(os.environ["CONVERGE_LAB_DIR"], "admin.token")).read().strip())
+    txt = urllib.request.urlopen(req).read().decode()
     return sum(float(l.split()[-1]) for l in txt.splitlines() if l.startswith(name + " ") or l.startswith(name + "{"))
 
 def extents():

@@ -2,6 +2,7 @@
 //! CLI and the daemon cannot drift apart. Paths are under `/v1/`; errors are
 //! `{"error": "..."}` with a 4xx/5xx status.
 
+pub use converge_types::Role;
 use converge_types::{
     CacheMode, ClusterId, DriveId, DriveRole, ExtentState, MediaType, NodeId, Resiliency, VolumeId,
 };
@@ -260,4 +261,29 @@ pub struct JobInfo {
     pub started_unix: u64,
     /// Seconds left at the current rate, if known.
     pub eta_s: Option<u64>,
+}
+
+/// `POST /v1/tokens` (admin).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateToken {
+    /// What it is for ("ci", "grafana", a person's name).
+    pub name: String,
+    pub role: Role,
+}
+
+/// One API token as listed (`GET /v1/tokens`): never the secret.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenInfo {
+    pub id: String,
+    pub name: String,
+    pub role: Role,
+    pub created_unix: u64,
+}
+
+/// The answer to `POST /v1/tokens`: the token itself, shown this once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreatedToken {
+    #[serde(flatten)]
+    pub info: TokenInfo,
+    pub token: String,
 }

@@ -54,6 +54,39 @@ pub struct Response {
     pub body: Vec<u8>,
 }
 
+static TOKEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+static LAB_DIR: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync::Mutex::new(None);
+
+/// The bearer token every API request carries, if given (`--token`, `$CONVERGE_TOKEN`).
+pub fn set_token(token: Option<String>) {
+    let _ = TOKEN.set(token);
+}
+
+/// Without a token given, requests carry the admin token of the lab in `dir` (read at each
+/// request: a lab being started writes it when its first node comes up).
+pub fn use_lab_dir(dir: &std::path::Path) {
+    *LAB_DIR.lock().unwrap_or_else(|e| e.into_inner()) = Some(dir.to_path_buf());
+}
+
+fn auth_header(path: &str) -> String {
+    // Only converge's API gets it (not etcd's /health, say).
+    if !(path.starts_with("/v1/") || path == "/metrics") {
+        return String::new();
+    }
+    let token = match TOKEN.get() {
+        Some(Some(t)) => Some(t.clone()),
+        _ => LAB_DIR
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_deref()
+            .and_then(crate::lab::admin_token),
+    };
+    match token {
+        Some(t) => format!("Authorization: Bearer {t}\r\n"),
+        None => String::new(),
+    }
+}
+
 /// `api` is one node's API (`http://127.0.0.2:7200`) or several, comma-separated, tried in
 /// turn (module doc).
 pub fn request(api: &str, method: &str, path: &str, body: Option<&[u8]>) -> Result<Response> {
@@ -122,7 +155,8 @@ fn request_one(
         s.set_read_timeout(Some(read_timeout))?;
         let body = body.unwrap_or(&[]);
         let head = format!(
-            "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+            "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\nContent-Type: application/json\r\n{}Content-Length: {}\r\n\r\n",
+            auth_header(path),
             body.len()
         );
         s.write_all(head.as_bytes())?;

@@ -219,6 +219,14 @@ fn bytes_available(path: &Path) -> Option<u64> {
     Some(st.f_bavail as u64 * st.f_frsize as u64)
 }
 
+/// The lab's admin token (written by its first node to `DIR/admin.token`), if there is one.
+pub fn admin_token(dir: &Path) -> Option<String> {
+    fs::read_to_string(dir.join("admin.token"))
+        .ok()
+        .map(|t| t.trim().to_string())
+        .filter(|t| !t.is_empty())
+}
+
 pub fn default_dir() -> PathBuf {
     std::env::var_os("CONVERGE_LAB_DIR")
         .map(PathBuf::from)
@@ -751,6 +759,12 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             "\n[knobs]\nnode_lease_ttl_s = 6\nreplica_timeout_ms = 3000\nrepair_delay_s = {}\n",
             o.repair_delay_s
         ));
+        // The lab's own admin token (whichever node starts first writes it), and the lab's
+        // fault views and the fleet, which a production node keeps off.
+        toml.push_str(&format!(
+            "\n[api]\nadmin_token_file = {:?}\nlab = true\nfleet = true\n",
+            dir.join("admin.token").display().to_string()
+        ));
         fs::write(&config, toml)?;
         let argv = vec![
             converged.display().to_string(),
@@ -816,6 +830,7 @@ fn wait_etcd(lab: &Lab, timeout: Duration) -> Result<()> {
 
 /// Wait until every node answers and sees every other node live.
 pub fn wait_healthy(lab: &Lab, timeout: Duration) -> Result<()> {
+    crate::http::use_lab_dir(&lab.dir);
     let deadline = Instant::now() + timeout;
     let want = lab.nodes.len();
     for n in &lab.nodes {
@@ -851,6 +866,7 @@ pub fn wait_healthy(lab: &Lab, timeout: Duration) -> Result<()> {
 
 /// Wait until node `id` answers its API and sees itself live.
 pub fn wait_node(lab: &Lab, id: u32, timeout: Duration) -> Result<()> {
+    crate::http::use_lab_dir(&lab.dir);
     let n = lab
         .nodes
         .iter()

@@ -38,6 +38,17 @@ struct Cli {
     /// ./converge-lab.
     #[arg(long, global = true, env = "CONVERGE_API", value_name = "URL[,URL...]")]
     api: Option<String>,
+    /// API token (`converge token create` makes them; the cluster's first admin token is
+    /// in the admin.token file the first node wrote). Default: the lab's, from
+    /// $CONVERGE_LAB_DIR/admin.token.
+    #[arg(
+        long,
+        global = true,
+        env = "CONVERGE_TOKEN",
+        value_name = "TOKEN",
+        hide_env_values = true
+    )]
+    token: Option<String>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -72,11 +83,32 @@ enum Cmd {
     /// its own network namespace), with faults to rehearse failures.
     #[command(subcommand)]
     Lab(LabCmd),
+    /// API tokens: who may use the HTTP API and for what (read-only, operator, admin).
+    #[command(subcommand)]
+    Token(TokenCmd),
     /// Benchmark the cluster the way vendors' reference architectures do: fio workers
     /// ("VMs") on every node swept over queue depths, read/write mixes and block sizes,
     /// with a report (tables, charts, CPU, queue length, write amplification, endurance).
     #[command(subcommand)]
     Fleet(fleet::FleetCmd),
+}
+
+#[derive(Subcommand)]
+enum TokenCmd {
+    /// Make a token; it is printed this once and kept nowhere (etcd holds its hash).
+    Create {
+        /// What it is for: "ci", "grafana", a person's name.
+        name: String,
+        /// read-only (look), operator (run volumes, maintenance, caches, the fleet) or
+        /// admin (also delete volumes, change settings, manage tokens).
+        #[arg(long, default_value = "read-only")]
+        role: converge_types::Role,
+    },
+    /// The tokens (ids, names, roles; never the secrets).
+    List,
+    /// Revoke a token by id: refused at once by the node that revokes it, by the others
+    /// within 10 seconds.
+    Revoke { id: String },
 }
 
 #[derive(Subcommand)]
@@ -387,10 +419,18 @@ impl FaultCmd {
 
 fn main() {
     let cli = Cli::parse();
+    http::set_token(resolve_token(&cli));
     if let Err(e) = run(cli) {
         eprintln!("converge: error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// The token to send: `--token`/`$CONVERGE_TOKEN`; without one, the lab's admin token
+/// (`http::use_lab_dir`).
+fn resolve_token(cli: &Cli) -> Option<String> {
+    http::use_lab_dir(&lab::default_dir());
+    cli.token.as_ref().map(|t| t.trim().to_string())
 }
 
 /// The API endpoints to try, in order, as a comma-separated list (what `http` takes).
@@ -421,6 +461,47 @@ fn api_base(cli: &Cli) -> Result<String> {
         .map(|n| n.api.as_str())
         .collect::<Vec<_>>()
         .join(","))
+}
+
+fn run_token(cli: &Cli, c: &TokenCmd) -> Result<()> {
+    let base = api_base(cli)?;
+    match c {
+        TokenCmd::Create { name, role } => {
+            let body = serde_json::to_value(converge_api::CreateToken {
+                name: name.clone(),
+                role: *role,
+            })?;
+            let t: converge_api::CreatedToken =
+                http::call(&base, "POST", "/v1/tokens", Some(&body))?;
+            if cli.json {
+                return print_json(&t);
+            }
+            println!("{}", t.token);
+            eprintln!(
+                "{} token {} ({}): shown this once; keep it like a password",
+                t.info.role, t.info.id, t.info.name
+            );
+        }
+        TokenCmd::List => {
+            let v: Vec<converge_api::TokenInfo> = http::call(&base, "GET", "/v1/tokens", None)?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!("{:<18} {:<10} NAME", "ID", "ROLE");
+            for t in v {
+                println!("{:<18} {:<10} {}", t.id, t.role.to_string(), t.name);
+            }
+        }
+        TokenCmd::Revoke { id } => {
+            let v: serde_json::Value =
+                http::call(&base, "DELETE", &format!("/v1/tokens/{id}"), None)?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!("revoked token {id}");
+        }
+    }
+    Ok(())
 }
 
 fn print_json<T: serde::Serialize>(v: &T) -> Result<()> {
@@ -470,6 +551,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Volume(v) => run_volume(&cli, v)?,
         Cmd::Cache(c) => cache::run(c, cli.json, &api_base(&cli)?)?,
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
+        Cmd::Token(c) => run_token(&cli, c)?,
         Cmd::Cluster(c) => {
             let base = api_base(&cli)?;
             let v: converge_api::Settings = match c {
@@ -756,12 +838,15 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 .map(|n| n.api.as_str())
                 .collect::<Vec<_>>()
                 .join(",");
+            let token = lab::admin_token(&l.dir).unwrap_or_default();
             if json_out {
                 return print_json(&json!({
-                    "CONVERGE_API": api, "CONVERGE_LAB_DIR": l.dir, "CONVERGE_ETCD": l.etcd_endpoint
+                    "CONVERGE_API": api, "CONVERGE_LAB_DIR": l.dir, "CONVERGE_ETCD": l.etcd_endpoint,
+                    "CONVERGE_TOKEN": token
                 }));
             }
             println!("export CONVERGE_API={api}");
+            println!("export CONVERGE_TOKEN={token}");
             println!("export CONVERGE_LAB_DIR={}", l.dir.display());
             println!("export CONVERGE_ETCD={}", l.etcd_endpoint);
         }

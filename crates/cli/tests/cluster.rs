@@ -157,7 +157,7 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
         .unwrap()
         .trim_start_matches("http://")
         .to_string();
-    let metrics = http_get(&api, "/metrics");
+    let metrics = http_get(&api, "/metrics", Some(&lab.token()));
     for m in [
         "converge_drive_written_bytes_total",
         "converge_drive_inflight_seconds_total",
@@ -584,6 +584,7 @@ fn cli_works_through_lab_env_with_node_1_killed() {
         let mut c = Command::new(converge_bin());
         c.args(args)
             .env("CONVERGE_API", api)
+            .env("CONVERGE_TOKEN", env["CONVERGE_TOKEN"].as_str().unwrap())
             .env("CONVERGE_LAB_DIR", no_lab.path().join("none"));
         run(&mut c)
     };

@@ -25,13 +25,13 @@ fn node_api(lab: &Lab, id: usize) -> String {
         .to_string()
 }
 
-/// `GET path`, or None if the node did not answer.
-fn try_get(hostport: &str, path: &str) -> Option<String> {
+/// `GET path` with `token`, or None if the node did not answer.
+fn try_get(hostport: &str, path: &str, token: &str) -> Option<String> {
     let mut s = TcpStream::connect(hostport).ok()?;
     s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
     let mut out = String::new();
@@ -95,7 +95,7 @@ fn the_api_outlives_running_out_of_file_descriptors() {
     ]));
     assert!(alive(pid), "converged exited after failed accepts");
     lab.wait_for("the API to answer again", Duration::from_secs(60), || {
-        try_get(&api, "/v1/status").is_some_and(|a| a.starts_with("HTTP/1.1 200"))
+        try_get(&api, "/v1/status", &lab.token()).is_some_and(|a| a.starts_with("HTTP/1.1 200"))
     });
     assert!(alive(pid));
     // The node is still a working cluster member: its volume serves I/O.
@@ -135,7 +135,7 @@ fn a_half_sent_api_request_is_closed() {
         .unwrap();
     let mut one = [0u8; 1];
     assert_eq!(idle.read(&mut one).unwrap(), 0, "closed without an answer");
-    assert!(http_get(&api, "/v1/status").starts_with("HTTP/1.1 200"));
+    assert!(http_get(&api, "/v1/status", Some(&lab.token())).starts_with("HTTP/1.1 200"));
 }
 
 /// What a stranger who learned the cluster id (from `GET /v1/status`) could do with a few
@@ -332,4 +332,132 @@ fn drive_files_and_sockets_are_private_and_absurd_settings_are_refused() {
     lab.must(&["cluster", "set", "--repair-delay", "2h"]);
     let s = lab.json(&["cluster", "settings"]);
     assert_eq!(s["repair_delay_s"].as_u64(), Some(7200), "{s}");
+}
+
+/// `method path` with `token` (if any) and a JSON body: (status code, answer body).
+fn api_call(
+    hostport: &str,
+    method: &str,
+    path: &str,
+    token: Option<&str>,
+    body: &str,
+) -> (u16, String) {
+    let mut s = TcpStream::connect(hostport).unwrap();
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}Content-Type: application/json\r\n\
+         Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    let status = out[9..12].parse().unwrap();
+    let body = out.split_once("\r\n\r\n").map_or("", |x| x.1).to_string();
+    (status, body)
+}
+
+/// Without a token nothing but the liveness probe answers (anyone could delete volumes,
+/// change settings or start fio jobs that overwrite a volume); each role does its part and
+/// no more; a revoked token is refused; the lab's fault views (drive paths, block offsets)
+/// and the fleet's workers answer only where the node's config turns them on.
+#[test]
+fn the_api_needs_a_token_and_each_role_may_do_only_its_part() {
+    let lab = Lab::up(3, &[]);
+    let api1 = node_api(&lab, 1);
+    let api3 = node_api(&lab, 3);
+    let admin = lab.token();
+    lab.create_volume("keep", "64M", "mirror-3");
+
+    // No token, or a made-up one.
+    for (method, path, body) in [
+        ("GET", "/v1/status", ""),
+        ("GET", "/metrics", ""),
+        ("DELETE", "/v1/volumes/keep", ""),
+        ("POST", "/v1/settings", r#"{"repair_delay_s": 1}"#),
+        ("POST", "/v1/lab/blocks/sample", "{}"),
+        (
+            "POST",
+            "/v1/volumes",
+            r#"{"name":"x","size_bytes":67108864}"#,
+        ),
+    ] {
+        let (status, text) = api_call(&api1, method, path, None, body);
+        assert_eq!(status, 401, "{method} {path} without a token: {text}");
+        assert!(text.contains("needs a token"), "{text}");
+        let forged = format!("cvt.{}.{}", "0".repeat(16), "1".repeat(64));
+        let (status, text) = api_call(&api1, method, path, Some(&forged), body);
+        assert_eq!(status, 401, "{method} {path} with a made-up token: {text}");
+        assert!(text.contains("unknown or revoked"), "{text}");
+    }
+    assert_eq!(api_call(&api1, "GET", "/v1/health", None, "").0, 200);
+
+    // A read-only and an operator token, made by the admin.
+    let make = |name: &str, role: &str| -> (String, String) {
+        let out = lab.must(&["token", "create", name, "--role", role, "--json"]);
+        let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+        (
+            v["token"].as_str().unwrap().to_string(),
+            v["id"].as_str().unwrap().to_string(),
+        )
+    };
+    let (ro, ro_id) = make("grafana", "read-only");
+    let (op, _) = make("ci", "operator");
+    let with = |token: &str, args: &[&str]| {
+        let mut c = lab.cmd(args);
+        c.args(["--token", token, "--api", &format!("http://{api1}")]);
+        run(&mut c)
+    };
+    let refused = |token: &str, args: &[&str], needs: &str| {
+        let o = with(token, args);
+        let e = String::from_utf8_lossy(&o.stderr);
+        assert!(!o.status.success(), "{args:?} went through");
+        assert!(e.contains("may not") && e.contains(needs), "{args:?}: {e}");
+    };
+    assert!(with(&ro, &["status"]).status.success());
+    assert!(with(&ro, &["volume", "show", "keep"]).status.success());
+    assert_eq!(api_call(&api1, "GET", "/metrics", Some(&ro), "").0, 200);
+    refused(&ro, &["volume", "create", "x", "--size", "64M"], "operator");
+    refused(&ro, &["token", "list"], "admin");
+    assert!(with(&op, &["volume", "create", "opvol", "--size", "64M"])
+        .status
+        .success());
+    refused(&op, &["volume", "delete", "keep"], "admin");
+    refused(&op, &["cluster", "set", "--repair-delay", "1h"], "admin");
+    refused(&op, &["token", "create", "me", "--role", "admin"], "admin");
+
+    // The admin lists them (never their secrets), and revokes one: refused from then on.
+    let list = lab.must(&["token", "list", "--json"]);
+    assert!(list.contains("grafana") && list.contains("ci") && list.contains("bootstrap-admin"));
+    assert!(!list.contains(&ro) && !list.contains(&admin), "{list}");
+    let mut c = lab.cmd(&["token", "revoke", &ro_id]);
+    c.args(["--api", &format!("http://{api1}")]);
+    must(&mut c);
+    let (status, text) = api_call(&api1, "GET", "/v1/status", Some(&ro), "");
+    assert_eq!(status, 401, "{text}");
+
+    // The lab's views answer in the lab; a node whose config leaves them off does not.
+    assert_eq!(
+        api_call(&api3, "POST", "/v1/lab/blocks/sample", Some(&admin), "{}").0,
+        400,
+        "the lab API is on in the lab (the empty request is refused for its content)"
+    );
+    lab.must(&["lab", "fault", "stop", "3"]);
+    let config = lab.path().join("node3/converged.toml");
+    let text = std::fs::read_to_string(&config).unwrap();
+    std::fs::write(
+        &config,
+        text.replace("lab = true", "lab = false")
+            .replace("fleet = true", "fleet = false"),
+    )
+    .unwrap();
+    lab.must(&["lab", "fault", "restart", "3"]);
+    for path in ["/v1/lab/blocks/sample", "/v1/fleet/workers"] {
+        let (status, text) = api_call(&api3, "POST", path, Some(&admin), "{}");
+        assert_eq!(status, 404, "{path}: {text}");
+        assert!(text.contains("is off on this node"), "{text}");
+    }
 }

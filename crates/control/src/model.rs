@@ -22,8 +22,8 @@ use crate::etcd::{Compare, Etcd, EtcdError, KeyValue, LeaseId, Op, Txn};
 use crate::kv::Kv;
 use crate::placement::{self, DriveLoad, PlacementError};
 use converge_types::{
-    ClusterId, DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency, SlabIndex,
-    VolumeId,
+    ClusterId, DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency, Role,
+    SlabIndex, VolumeId,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -54,6 +54,10 @@ pub mod keys {
     pub const SLABS: &str = "/converge/slabs/";
     pub const OWNERS: &str = "/converge/owners/";
     pub const EPOCHS: &str = "/converge/epochs/";
+    /// API tokens by id (their hashes, never the tokens).
+    pub const TOKENS: &str = "/converge/tokens/";
+    /// The secret the nodes present to each other's APIs (forwarded requests, scrubs).
+    pub const INTERNAL_TOKEN: &str = "/converge/internal-token";
     /// Nodes in maintenance (planned downtime): `/converge/maintenance/<node id>`.
     pub const MAINTENANCE: &str = "/converge/maintenance/";
     /// Drives that failed (I/O errors): `/converge/failed-drives/<drive id>` = reason.
@@ -98,6 +102,18 @@ pub struct ClusterRecord {
     pub cluster_id: ClusterId,
     pub name: String,
     pub slab_size_bytes: u64,
+    pub created_unix: u64,
+}
+
+/// An API token: what it may do and the SHA-256 of its secret (the token itself is shown
+/// once, when it is created, and kept nowhere).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TokenRecord {
+    pub id: String,
+    pub name: String,
+    pub role: Role,
+    /// Hex SHA-256 of the whole token.
+    pub sha256: String,
     pub created_unix: u64,
 }
 
@@ -327,6 +343,68 @@ impl<K: Kv> Cluster<K> {
         Err(ControlError::Contended {
             what: "the cluster record".to_string(),
         })
+    }
+
+    /// Registers the first admin token and the nodes' internal token, unless a node did so
+    /// before: `true` if this call did (its caller then hands the admin token to the
+    /// operator), `false` if the cluster had them already.
+    pub async fn bootstrap_tokens(
+        &self,
+        admin: &TokenRecord,
+        internal: &str,
+    ) -> Result<bool, ControlError> {
+        let key = format!("{}{}", keys::TOKENS, admin.id);
+        let r = self
+            .etcd
+            .txn(Txn {
+                compare: vec![Compare::ModRevision(keys::INTERNAL_TOKEN.to_string(), 0)],
+                success: vec![
+                    Op::Put(
+                        keys::INTERNAL_TOKEN.to_string(),
+                        internal.as_bytes().to_vec(),
+                        None,
+                    ),
+                    Op::Put(key.clone(), encode(&key, "token record", admin)?, None),
+                ],
+                failure: vec![],
+            })
+            .await?;
+        Ok(r.succeeded)
+    }
+
+    /// The nodes' internal token (None before the first node bootstrapped it).
+    pub async fn internal_token(&self) -> Result<Option<String>, ControlError> {
+        Ok(self
+            .etcd
+            .get(keys::INTERNAL_TOKEN)
+            .await?
+            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned()))
+    }
+
+    pub async fn token(&self, id: &str) -> Result<Option<TokenRecord>, ControlError> {
+        match self.etcd.get(&format!("{}{id}", keys::TOKENS)).await? {
+            None => Ok(None),
+            Some(kv) => Ok(Some(decode(&kv, "token record")?)),
+        }
+    }
+
+    pub async fn tokens(&self) -> Result<Vec<TokenRecord>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::TOKENS).await?;
+        kvs.iter().map(|kv| decode(kv, "token record")).collect()
+    }
+
+    /// Adds a token; `false` if its id is taken.
+    pub async fn create_token(&self, rec: &TokenRecord) -> Result<bool, ControlError> {
+        let key = format!("{}{}", keys::TOKENS, rec.id);
+        Ok(self
+            .etcd
+            .create(&key, &encode(&key, "token record", rec)?, None)
+            .await?)
+    }
+
+    /// Revokes a token; `false` if there was none with that id.
+    pub async fn delete_token(&self, id: &str) -> Result<bool, ControlError> {
+        Ok(self.etcd.delete(&format!("{}{id}", keys::TOKENS)).await? > 0)
     }
 
     /// Publishes this node as live, bound to `lease`. Refuses if another live node holds the

@@ -103,6 +103,27 @@ fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Resp {
 async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
+    // Who asks, before anything is read or done for them.
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    if let Some(needed) = crate::auth::required(&method, &parts) {
+        let header = req
+            .headers()
+            .get(hyper::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok());
+        let checked = match node.auth.role(header).await {
+            Ok(role) => crate::auth::allow(role, needed, &method, &path),
+            Err(e) => Err(e),
+        };
+        if let Err(denied) = checked {
+            let (status, error) = match denied {
+                crate::auth::Denied::Unauthenticated(m) => (StatusCode::UNAUTHORIZED, m),
+                crate::auth::Denied::Forbidden(m) => (StatusCode::FORBIDDEN, m),
+                crate::auth::Denied::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, m),
+            };
+            return json(status, &ErrorBody { error });
+        }
+    }
+    drop(parts);
     let body = match tokio::time::timeout(
         BODY_READ_TIMEOUT,
         Limited::new(req.into_body(), BODY_BYTES_MAX).collect(),
@@ -204,6 +225,29 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::GET, ["v1", "caches"]) => ok(&cache_api::read(node).await?.current()),
         (&Method::POST, ["v1", "cache", "mode"]) => ok(&cache_api::set_mode(node, body).await?),
         (&Method::GET, ["v1", "scrub"]) => ok(&crate::scrub::results(node).await),
+        (&Method::GET, ["v1", "tokens"]) => ok(&tokens(node).await?),
+        (&Method::POST, ["v1", "tokens"]) => {
+            let req: CreateToken = serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad(format!("bad token request: {e}")))?;
+            let t = create_token(node, req).await?;
+            Ok((
+                StatusCode::CREATED,
+                serde_json::to_value(t).map_err(|e| ApiError::bad(e.to_string()))?,
+            ))
+        }
+        (&Method::DELETE, ["v1", "tokens", id]) => revoke_token(node, id).await,
+        (_, ["v1", "lab", ..]) if !node.cfg.lab_api => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "the lab API is off on this node (`[api] lab = true` turns it on; `converge lab \
+             up` does)"
+                .to_string(),
+        )),
+        (_, ["v1", "fleet", ..]) if !node.cfg.fleet_api => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "the fleet API is off on this node: its workers overwrite volumes (`[api] fleet = \
+             true` turns it on; `converge lab up` does)"
+                .to_string(),
+        )),
         // Lab-only debug views (the fault injector); handlers live in lab_api.rs.
         (_, ["v1", "lab", rest @ ..]) => crate::lab_api::route(node, method, rest, body)
             .await
@@ -221,6 +265,68 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
             format!("no such path {path}; the API is under /v1/"),
         )),
     }
+}
+
+fn token_info(r: &converge_control::model::TokenRecord) -> TokenInfo {
+    TokenInfo {
+        id: r.id.clone(),
+        name: r.name.clone(),
+        role: r.role,
+        created_unix: r.created_unix,
+    }
+}
+
+async fn tokens(node: &Node) -> Result<Vec<TokenInfo>, ApiError> {
+    let v = node.cluster.tokens().await.map_err(ApiError::unavailable)?;
+    Ok(v.iter().map(token_info).collect())
+}
+
+async fn create_token(node: &Node, req: CreateToken) -> Result<CreatedToken, ApiError> {
+    let name = req.name.trim();
+    if name.is_empty()
+        || name.len() > 64
+        || !name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "-_.@ ".contains(c))
+    {
+        return Err(ApiError::bad(
+            "a token's name is 1 to 64 letters, digits, spaces or -_.@",
+        ));
+    }
+    let (token, rec) = crate::auth::new_token(name, req.role);
+    if !node
+        .cluster
+        .create_token(&rec)
+        .await
+        .map_err(ApiError::unavailable)?
+    {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            "token id taken (a 1 in 2^64 chance); try again".to_string(),
+        ));
+    }
+    log::info!("made {} token {} ({})", rec.role, rec.id, rec.name);
+    Ok(CreatedToken {
+        info: token_info(&rec),
+        token,
+    })
+}
+
+async fn revoke_token(node: &Node, id: &str) -> Out {
+    let gone = node
+        .cluster
+        .delete_token(id)
+        .await
+        .map_err(ApiError::unavailable)?;
+    node.auth.forget(id);
+    if !gone {
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("no token with id {id}"),
+        ));
+    }
+    log::info!("revoked token {id}");
+    ok(&serde_json::json!({ "revoked": id }))
 }
 
 async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
@@ -665,6 +771,7 @@ async fn move_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
         .map_err(ApiError::unavailable)?;
     let (status, bytes) = crate::http_client::request(
         &target.api_addr,
+        node.auth.internal(),
         "POST",
         &format!("/v1/volumes/{name}/open"),
         b"",
@@ -858,14 +965,15 @@ async fn forward_to_owner(
         // The owner is down: act here (it serves nothing).
         return Ok(None);
     };
-    let (status, bytes) = crate::http_client::request(&n.api_addr, method, path, body)
-        .await
-        .map_err(|e| {
-            ApiError(
-                StatusCode::BAD_GATEWAY,
-                format!("forwarding to owner node {owner} at {}: {e}", n.api_addr),
-            )
-        })?;
+    let (status, bytes) =
+        crate::http_client::request(&n.api_addr, node.auth.internal(), method, path, body)
+            .await
+            .map_err(|e| {
+                ApiError(
+                    StatusCode::BAD_GATEWAY,
+                    format!("forwarding to owner node {owner} at {}: {e}", n.api_addr),
+                )
+            })?;
     let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
     Ok(Some((
         StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),

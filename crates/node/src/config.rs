@@ -44,6 +44,21 @@ struct RawConfig {
     drives: Vec<RawDrive>,
     #[serde(default)]
     knobs: Knobs,
+    #[serde(default)]
+    api: RawApi,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawApi {
+    /// Where the node that bootstraps the cluster's tokens writes the first admin token.
+    admin_token_file: Option<PathBuf>,
+    /// Serve `/v1/lab` (the lab's fault views: drive paths, block offsets).
+    #[serde(default)]
+    lab: bool,
+    /// Serve `/v1/fleet` (fio workers that overwrite volumes).
+    #[serde(default)]
+    fleet: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -116,6 +131,13 @@ pub struct Config {
     /// Threads of the runtime that serves I/O (client requests, peers, RAM drives inline);
     /// `None`: one per CPU core the process may use.
     pub threads: Option<usize>,
+    /// Where the first admin token goes if this node bootstraps the cluster's tokens
+    /// (default: `admin.token` beside the config file).
+    pub admin_token_file: PathBuf,
+    /// Serve the lab's fault views under `/v1/lab`.
+    pub lab_api: bool,
+    /// Serve the fleet's workers under `/v1/fleet`.
+    pub fleet_api: bool,
 }
 
 impl Config {
@@ -268,6 +290,12 @@ impl Config {
             drives,
             knobs: raw.knobs,
             threads: raw.node.threads,
+            admin_token_file: raw
+                .api
+                .admin_token_file
+                .unwrap_or_else(|| path.parent().unwrap_or(Path::new(".")).join("admin.token")),
+            lab_api: raw.api.lab,
+            fleet_api: raw.api.fleet,
         })
     }
 }

@@ -4,8 +4,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use std::time::Duration;
 
+/// `token`: the bearer token the request carries (the nodes' internal one).
 pub async fn request(
     addr: &str,
+    token: &str,
     method: &str,
     path: &str,
     body: &[u8],
@@ -24,6 +26,7 @@ pub async fn request(
             .uri(path)
             .header("host", addr)
             .header("content-type", "application/json")
+            .header("authorization", format!("Bearer {token}"))
             .body(Full::new(Bytes::copy_from_slice(body)))
             .map_err(|e| e.to_string())?;
         let resp = send.send_request(req).await.map_err(|e| e.to_string())?;

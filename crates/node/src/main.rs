@@ -2,6 +2,7 @@
 //! through etcd, serves peers (RPC), clients (NBD) and operators (HTTP API + /metrics).
 
 mod api;
+mod auth;
 mod cache_api;
 mod config;
 mod export;
@@ -126,6 +127,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     }
     let mut cfg = cfg;
     cfg.slab_size_bytes = cluster_rec.slab_size_bytes;
+    let internal_token = auth::bootstrap(&cluster, &cfg).await?;
     let opened = tiering::open_drives(&cfg, cluster_rec.cluster_id)?;
     if args.check {
         println!(
@@ -220,6 +222,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         scrub_stats: Default::default(),
         failed_reported: Mutex::new(Default::default()),
         orphans_freed: Default::default(),
+        auth: auth::Auth::new(cluster.clone(), internal_token, &cfg),
     });
     for d in &drive_recs {
         cluster.put_drive(d).await.map_err(|e| anyhow!("{e}"))?;

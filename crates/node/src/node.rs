@@ -53,6 +53,8 @@ pub struct Node {
     pub orphans_freed: std::sync::atomic::AtomicU64,
     /// Local drives whose failure is recorded in etcd.
     pub failed_reported: Mutex<std::collections::HashSet<DriveId>>,
+    /// Who may use the API (`auth.rs`), and this node's token for the other nodes' APIs.
+    pub auth: crate::auth::Auth,
 }
 
 /// Totals of this node's scrubs (for /metrics).

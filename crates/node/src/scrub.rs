@@ -110,6 +110,7 @@ async fn forward(
         serde_json::to_vec(&ScrubRequest { wait: true, repair }).map_err(|e| e.to_string())?;
     let (status, bytes) = crate::http_client::request(
         &n.api_addr,
+        node.auth.internal(),
         "POST",
         &format!("/v1/volumes/{name}/scrub"),
         &body,

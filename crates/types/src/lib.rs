@@ -349,6 +349,43 @@ pub struct Knobs {
     pub placement_locality_pct: u64,
 }
 
+/// What an API token may do. Each role may do what the ones before it may.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Role {
+    /// Look: status, volumes, drives, settings, metrics, scrub and fleet results.
+    ReadOnly,
+    /// Run the cluster: create, resize, move and scrub volumes, maintenance, cache modes
+    /// and flushes, fleet runs.
+    Operator,
+    /// Everything: delete volumes, change settings, manage tokens, the lab's fault views.
+    Admin,
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Role::ReadOnly => "read-only",
+            Role::Operator => "operator",
+            Role::Admin => "admin",
+        })
+    }
+}
+
+impl FromStr for Role {
+    type Err = ParseError;
+    fn from_str(s: &str) -> Result<Role, ParseError> {
+        match s {
+            "read-only" | "readonly" => Ok(Role::ReadOnly),
+            "operator" => Ok(Role::Operator),
+            "admin" => Ok(Role::Admin),
+            _ => Err(ParseError(format!(
+                "unknown role {s:?}: read-only, operator or admin"
+            ))),
+        }
+    }
+}
+
 /// The longest `repair_delay_s` accepted (30 days): a longer one would all but turn rebuilds
 /// off, and `u64::MAX` once did.
 pub const REPAIR_DELAY_S_MAX: u64 = 30 * 24 * 3600;

@@ -81,6 +81,14 @@ impl Lab {
         lab
     }
 
+    /// The lab's admin token (its first node wrote it).
+    pub fn token(&self) -> String {
+        std::fs::read_to_string(self.path().join("admin.token"))
+            .expect("the lab's admin.token")
+            .trim()
+            .to_string()
+    }
+
     pub fn path(&self) -> &Path {
         self.dir.path()
     }
@@ -199,7 +207,7 @@ impl Lab {
             .expect("api")
             .trim_start_matches("http://")
             .to_string();
-        http_get(&api, "/metrics")
+        http_get(&api, "/metrics", Some(&self.token()))
             .lines()
             .filter(|l| {
                 l.strip_prefix(name)
@@ -216,7 +224,7 @@ impl Lab {
             .expect("api")
             .trim_start_matches("http://")
             .to_string();
-        http_get(&api, "/metrics")
+        http_get(&api, "/metrics", Some(&self.token()))
             .lines()
             .filter(|l| {
                 l.strip_prefix(name)
@@ -255,12 +263,16 @@ impl Lab {
     }
 }
 
-pub fn http_get(hostport: &str, path: &str) -> String {
+/// `GET path` from the API at `hostport` with `token` (if any); the raw answer.
+pub fn http_get(hostport: &str, path: &str, token: Option<&str>) -> String {
     use std::io::{Read, Write};
     let mut s = std::net::TcpStream::connect(hostport).expect("connect api");
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
     write!(
         s,
-        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+        "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
     )
     .unwrap();
     let mut out = String::new();
