@@ -14,6 +14,7 @@
 //! owner record with the caller's node and epoch, so a deposed owner (paused or cut off
 //! past its lease) gets [`VolumeError::Fenced`] and changes nothing (docs/CONSISTENCY.md).
 
+pub mod admission;
 pub mod repair;
 
 use converge_control::etcd::Etcd;

@@ -3,6 +3,7 @@
 
 use crate::config::Config;
 use bytes::Bytes;
+use converge_allocator::admission::Refusal;
 use converge_control::etcd::LeaseId;
 use converge_control::model::{Cluster, ClusterRecord, NodeRecord, SlabRecord, VolumeRecord};
 use converge_engine::{Cache, EngineError, Tier};
@@ -11,7 +12,7 @@ use converge_rpc::Handler;
 use converge_rpc::{ErrorCode, Request, Response};
 use converge_rpc::{Hello, RpcClient, RpcError};
 use converge_types::{
-    DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, Knobs, NodeId, SlabIndex, Version, VolumeId,
+    DriveId, ExtentKey, ExtentOp, ExtentReply, Knobs, NodeId, SlabIndex, Version, VolumeId,
 };
 use converge_volume::resync::Throttle;
 use converge_volume::{
@@ -348,9 +349,9 @@ pub struct LocalDrives {
     pub condemned: Mutex<std::collections::HashSet<(DriveId, ExtentKey)>>,
     /// How many are condemned (kept with the set, under its lock).
     pub condemned_count: std::sync::atomic::AtomicUsize,
-    /// The highest epoch the control plane has confirmed per volume: a request of a later
-    /// epoch is checked there before it may fence a copy.
-    granted: RwLock<HashMap<VolumeId, Epoch>>,
+    /// The checks with the control plane every operation passes first (shared with the
+    /// simulator).
+    admission: converge_allocator::admission::Admission,
 }
 
 impl LocalDrives {
@@ -360,7 +361,7 @@ impl LocalDrives {
             cluster,
             condemned: Default::default(),
             condemned_count: Default::default(),
-            granted: Default::default(),
+            admission: Default::default(),
         }
     }
 
@@ -370,11 +371,9 @@ impl LocalDrives {
         })
     }
 
-    /// A write may only create an extent that a slab record places on this drive: a late
-    /// write of a deleted volume, or of a copy rebuilt elsewhere, must not bring its
-    /// extent back (it would hold space that nothing accounts for). Checked once per new
-    /// extent; writes to an extent the drive holds go straight on (the epoch fences them).
-    async fn admit(&self, d: &Tier, drive: DriveId, key: ExtentKey) -> Result<(), EngineError> {
+    /// An extent being freed as an orphan takes no writes meanwhile (they would bring it
+    /// back).
+    fn condemned(&self, drive: DriveId, key: ExtentKey) -> Result<(), EngineError> {
         // The set is almost always empty: skip its lock on the write path then.
         if self
             .condemned_count
@@ -391,98 +390,28 @@ impl LocalDrives {
                 key.slab, key.volume, drive.0
             )));
         }
-        if d.has_extent(key) {
-            return Ok(());
-        }
-        match self.cluster.slab(key.volume, key.slab).await {
-            Ok(Some((rec, _))) if rec.extents.iter().any(|e| e.drive == drive) => Ok(()),
-            Ok(_) => Err(EngineError::InvalidArgument(format!(
-                "no slab record places slab {} of volume {} on drive {:016x} (volume deleted, or the copy moved): refused",
-                key.slab, key.volume, drive.0
-            ))),
-            Err(e) => Err(EngineError::Failed {
-                reason: format!(
-                    "cannot check the slab record of a new extent (slab {} of volume {}): {e}",
-                    key.slab, key.volume
-                ),
-            }),
-        }
-    }
-
-    /// Runs `op` on one of this node's drives (the replica service), after admitting an
-    /// extent it would create. A drive whose I/O takes microseconds (`Tier::inline_io`) is
-    /// driven from this task: the I/O inline, then an async wait for its journal batch,
-    /// which this task writes itself if nobody is. Any other drive is driven from a
-    /// blocking thread, which may wait there for its device.
-    /// A request's epoch must be one the control plane granted: a peer claiming a later one
-    /// (`u64::MAX`, say) would fence every real owner out of the copy for good. Checked in
-    /// etcd once per volume and epoch; later requests of a confirmed epoch go straight on.
-    async fn confirm_epoch(&self, key: ExtentKey, epoch: Epoch) -> Result<(), EngineError> {
-        let known = self
-            .granted
-            .read()
-            .expect("granted lock poisoned")
-            .get(&key.volume)
-            .copied();
-        if known.is_some_and(|k| epoch <= k) {
-            return Ok(());
-        }
-        let granted =
-            self.cluster
-                .granted_epoch(key.volume)
-                .await
-                .map_err(|e| EngineError::Failed {
-                    reason: format!(
-                        "cannot check epoch {epoch} of volume {} with the control plane: {e}",
-                        key.volume
-                    ),
-                })?;
-        {
-            let mut g = self.granted.write().expect("granted lock poisoned");
-            let k = g.entry(key.volume).or_insert(granted);
-            *k = (*k).max(granted);
-        }
-        if epoch > granted {
-            return Err(EngineError::InvalidArgument(format!(
-                "epoch {epoch} of volume {} was never granted (the control plane's latest is \
-                 {granted}): refused",
-                key.volume
-            )));
-        }
         Ok(())
     }
 
-    /// Only an extent that no slab record places on this drive may be freed (a deleted
-    /// volume's, a replaced copy's, an orphan): freeing a live copy would make its blocks
-    /// read as zeros.
-    async fn confirm_free(&self, drive: DriveId, key: ExtentKey) -> Result<(), EngineError> {
-        match self.cluster.slab(key.volume, key.slab).await {
-            Ok(Some((rec, _))) if rec.extents.iter().any(|e| e.drive == drive) => {
-                Err(EngineError::InvalidArgument(format!(
-                    "slab {} of volume {} has a copy on drive {:016x} in its slab record: \
-                     not freed",
-                    key.slab, key.volume, drive.0
-                )))
-            }
-            Ok(_) => Ok(()),
-            Err(e) => Err(EngineError::Failed {
-                reason: format!(
-                    "cannot check the slab record before freeing slab {} of volume {}: {e}",
-                    key.slab, key.volume
-                ),
-            }),
-        }
-    }
-
+    /// Runs `op` on one of this node's drives (the replica service), after the checks with
+    /// the control plane (`converge_allocator::admission`): a request's epoch must be one
+    /// etcd granted, an operation may create only an extent a slab record places here, and
+    /// a copy the records still place here is never freed. A drive whose I/O takes
+    /// microseconds (`Tier::inline_io`) is driven from this task: the I/O inline, then an
+    /// async wait for its journal batch, which this task writes itself if nobody is. Any
+    /// other drive is driven from a blocking thread, which may wait there for its device.
     pub async fn call(&self, drive: DriveId, op: ExtentOp) -> Result<ExtentReply, EngineError> {
         let d = self.drive(drive)?;
-        match op.epoch() {
-            Some(epoch) => self.confirm_epoch(op.key(), epoch).await?,
-            None => self.confirm_free(drive, op.key()).await?,
+        if op.stores_blocks() {
+            self.condemned(drive, op.key())?;
         }
-        if op.creates_extent() {
-            self.admit(&d, drive, op.key()).await?;
-        }
+        self.admission
+            .check(&self.cluster, drive, &op, || d.has_extent(op.key()))
+            .await
+            .map_err(|r| match r {
+                Refusal::Unavailable(reason) => EngineError::Failed { reason },
+                other => EngineError::InvalidArgument(other.message().to_string()),
+            })?;
         if !d.inline_io() {
             return blocking(move || converge_replica::execute(&d, op)).await;
         }

@@ -32,14 +32,12 @@ fn check_versions(op: &ExtentOp) -> Result<(), EngineError> {
                 .filter(|v| later(*epoch, v))
                 .map(|v| (*epoch, v))
         }
+        // Only what is written: an expected version is compared, never stored (the owner
+        // expects one no block can have, u64::MAX, to skip a block).
         ExtentOp::WriteBlocks {
-            epoch,
-            versions,
-            expect,
-            ..
+            epoch, versions, ..
         } => versions
             .iter()
-            .chain(expect)
             .find(|v| later(*epoch, v))
             .map(|v| (*epoch, *v)),
         _ => None,

@@ -6,10 +6,12 @@
 //! single-threaded, so the locks only satisfy `Send + Sync`; a lock is never held across
 //! an `.await`, and never two at once except in the order nodes → ctl.
 
-use crate::control::Ctl;
+use crate::control::{Ctl, SimKv};
 use crate::history::History;
 use crate::owner::VolRt;
 use crate::Options;
+use converge_allocator::admission::{Admission, Refusal};
+use converge_control::model::Cluster;
 use converge_control::placement::DriveLoad;
 use converge_engine::{
     BlockFile, Cache, Drive, DriveIdentity, EngineError, FaultyFile, FormatOptions, OpenReport,
@@ -74,6 +76,9 @@ pub(crate) struct Node {
     pub armed: bool,
     /// Its cache drive, if the run has caches.
     pub cache: Option<SimCache>,
+    /// Its replica service's checks with the control plane (the daemon's own code), with
+    /// the epochs it confirmed: forgotten at a crash, as the daemon's are.
+    pub admission: Arc<Admission>,
 }
 
 /// The network's current mood.
@@ -271,6 +276,7 @@ impl World {
                 isolated_until: None,
                 armed: false,
                 cache,
+                admission: Arc::new(Admission::new()),
             });
         }
         Ok(Arc::new(World {
@@ -451,6 +457,12 @@ impl World {
         op: ExtentOp,
     ) -> Delivery<ExtentReply> {
         let inc = self.incarnation(node);
+        if let Some(refused) = self.admit(node, drive, &op).await {
+            return refused;
+        }
+        if self.incarnation(node) != inc {
+            return Delivery::NoReply;
+        }
         let (reply, durable) = match self.exec(node, drive, |t| converge_replica::start(t, op)) {
             Delivery::Done(Ok(x)) => x,
             Delivery::Done(Err(e)) => return Delivery::Done(Err(e)),
@@ -470,6 +482,56 @@ impl World {
             return Delivery::NoReply;
         }
         Delivery::Done(r.map(|()| reply))
+    }
+
+    /// The daemon's checks with the control plane before its replica service runs `op`
+    /// (`converge_allocator::admission`, through this node's view of the simulated etcd).
+    /// A refusal of the volume's current owner is a bug: the run fails. A deposed owner's
+    /// refused request is answered as a fenced one (it is); a check the node cannot make
+    /// (etcd out of its reach) gets no answer, as the daemon's error would not help either.
+    async fn admit(
+        self: &Arc<Self>,
+        node: NodeId,
+        drive: DriveId,
+        op: &ExtentOp,
+    ) -> Option<Delivery<ExtentReply>> {
+        let admission = self.with_node(node, |n| n.up.then(|| n.admission.clone()))??;
+        let key = op.key();
+        let holds = match self.exec(node, drive, |t| Ok(t.has_extent(key))) {
+            Delivery::Done(Ok(h)) => h,
+            Delivery::Done(Err(e)) => return Some(Delivery::Done(Err(e))),
+            Delivery::NoReply => return Some(Delivery::NoReply),
+        };
+        let cluster = Cluster::new(SimKv {
+            world: self.clone(),
+            node,
+        });
+        match admission.check(&cluster, drive, op, || holds).await {
+            Ok(()) => None,
+            Err(Refusal::Unavailable(why)) => {
+                self.trace(|| format!("n{node}: admission unavailable: {why}"));
+                self.count("replica checks the control plane could not answer");
+                Some(Delivery::NoReply)
+            }
+            Err(Refusal::NotGranted(why)) => {
+                // No owner ever held that epoch: nothing in the simulation may send it.
+                self.fail(format!(
+                    "node {node} drive {drive} refused a {} of epoch {:?}: {why}",
+                    op.name(),
+                    op.epoch()
+                ));
+                Some(Delivery::NoReply)
+            }
+            Err(refused @ (Refusal::NotPlaced(_) | Refusal::StillPlaced(_))) => {
+                // A request that raced a change of the slab's record (a copy replaced
+                // meanwhile), or a deposed owner's late one: refused, as the daemon does;
+                // the owner counts that copy as failed for this request.
+                self.count("requests refused for a copy the slab record does not place");
+                Some(Delivery::Done(Err(EngineError::Failed {
+                    reason: refused.message().to_string(),
+                })))
+            }
+        }
     }
 
     /// Runs one engine request on a node's drive (through its cache tier, if the run has
@@ -619,6 +681,7 @@ impl World {
                 n.up = false;
                 n.armed = false;
                 n.incarnation += 1;
+                n.admission = Arc::new(Admission::new());
                 for (i, d) in n.drives.iter_mut().enumerate() {
                     d.image.crash(seeds[i % seeds.len()]);
                     d.tier = None;
