@@ -317,6 +317,20 @@ pub fn random_file(dir: &Path, name: &str, len: usize, seed: u64) -> PathBuf {
     p
 }
 
+/// Runs a Python script that uses libnbd (Debian's module loads under /usr/bin/python3, not
+/// the first python3 on PATH) with `uri` as its argument; its output, which must end with
+/// "ok".
+pub fn nbd_script(script: &str, uri: &str) -> String {
+    let out = must(
+        Command::new("/usr/bin/python3")
+            .arg("-c")
+            .arg(script)
+            .arg(uri),
+    );
+    assert!(out.trim_end().ends_with("ok"), "{out}");
+    out
+}
+
 /// fio against an NBD URI; returns fio's JSON output.
 pub fn fio(uri: &str, args: &[&str]) -> serde_json::Value {
     let mut c = Command::new("fio");
