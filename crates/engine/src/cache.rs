@@ -112,7 +112,7 @@ impl CacheSb {
         if get_u64(b, 64) != LOG_OFF {
             return Err(EngineError::Corrupt("cache log offset is not 8192".into()));
         }
-        Ok(Some(CacheSb {
+        let sb = CacheSb {
             id: DriveIdentity {
                 cluster: ClusterId(u128::from_le_bytes(
                     b[24..40].try_into().expect("16-byte slice"),
@@ -130,7 +130,20 @@ impl CacheSb {
             log_gen: get_u64(b, 88),
             tail: get_u64(b, 96),
             tail_seq: get_u64(b, 104),
-        }))
+        };
+        // Sector, log length and tail size every read of the log: only what `format`
+        // and `write_sb` write is accepted (a tail may equal the log length: the head).
+        let sector = u64::from(sb.sector);
+        if !(sector == 512 || sector == BS)
+            || sb.len.checked_sub(LOG_OFF).map(|l| l / BS * BS) != Some(sb.log_len)
+            || sb.tail > sb.log_len
+            || !sb.tail.is_multiple_of(sector)
+        {
+            return Err(EngineError::Corrupt(
+                "cache superblock log fields invalid".into(),
+            ));
+        }
+        Ok(Some(sb))
     }
 }
 
