@@ -9,11 +9,13 @@
 use bytes::Bytes;
 use converge_fuzz::{api, cache, config, engine, nbd, rpc, rpc_session};
 use converge_nbd::proto::*;
-use converge_rpc::wire::{encode_request, encode_response, request_type, response_type, HEADER_LEN};
+use converge_rpc::wire::{
+    encode_request, encode_response, request_type, response_type, HEADER_LEN,
+};
 use converge_rpc::{ErrorCode, Hello, Request, Response, PROTOCOL_VERSION};
 use converge_types::{
-    BlocksReply, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, NodeId, ReadReply,
-    SlabIndex, Version, VolumeId,
+    BlocksReply, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, NodeId, ReadReply, SlabIndex,
+    Version, VolumeId,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -52,7 +54,10 @@ fn main() {
         "engine fixture: {} journal batches to replay ({} bytes from journal offset {})",
         fx.batches, fx.journal_live, fx.journal_tail
     );
-    println!("cache fixture: {} log bytes of batches", cache::fixture().logged);
+    println!(
+        "cache fixture: {} log bytes of batches",
+        cache::fixture().logged
+    );
     println!("{total} bytes of seeds in all");
 }
 
@@ -73,7 +78,10 @@ fn requests() -> Vec<(&'static str, Request)> {
     let (crcs0, data0) = block(0);
     let k = key();
     let e = Epoch(4);
-    let ext = |op| Request::Extent { drive: DriveId(9), op };
+    let ext = |op| Request::Extent {
+        drive: DriveId(9),
+        op,
+    };
     vec![
         (
             "hello",
@@ -106,13 +114,35 @@ fn requests() -> Vec<(&'static str, Request)> {
                 data: data0.clone(),
             }),
         ),
-        ("read", ext(ExtentOp::Read { key: k, epoch: e, offset: 4096, len: 8192 })),
+        (
+            "read",
+            ext(ExtentOp::Read {
+                key: k,
+                epoch: e,
+                offset: 4096,
+                len: 8192,
+            }),
+        ),
         (
             "zero",
-            ext(ExtentOp::Zero { key: k, epoch: e, version: Version(7), offset: 0, len: 1 << 20 }),
+            ext(ExtentOp::Zero {
+                key: k,
+                epoch: e,
+                version: Version(7),
+                offset: 0,
+                len: 1 << 20,
+            }),
         ),
         ("free", ext(ExtentOp::Free { key: k })),
-        ("read-blocks", ext(ExtentOp::ReadBlocks { key: k, epoch: e, offset: 0, len: 16384 })),
+        (
+            "read-blocks",
+            ext(ExtentOp::ReadBlocks {
+                key: k,
+                epoch: e,
+                offset: 0,
+                len: 16384,
+            }),
+        ),
         (
             "write-blocks",
             ext(ExtentOp::WriteBlocks {
@@ -125,16 +155,40 @@ fn requests() -> Vec<(&'static str, Request)> {
                 data,
             }),
         ),
-        ("versions", ext(ExtentOp::Versions { key: k, epoch: e, offset: 0, count: 64 })),
+        (
+            "versions",
+            ext(ExtentOp::Versions {
+                key: k,
+                epoch: e,
+                offset: 0,
+                count: 64,
+            }),
+        ),
         ("digest", ext(ExtentOp::Digest { key: k, epoch: e })),
-        ("vol-read", Request::VolRead { volume: VolumeId(3), offset: 1 << 30, len: 4096 }),
+        (
+            "vol-read",
+            Request::VolRead {
+                volume: VolumeId(3),
+                offset: 1 << 30,
+                len: 4096,
+            },
+        ),
         (
             "vol-write",
-            Request::VolWrite { volume: VolumeId(3), offset: 512, data: Bytes::from_static(b"guest bytes") },
+            Request::VolWrite {
+                volume: VolumeId(3),
+                offset: 512,
+                data: Bytes::from_static(b"guest bytes"),
+            },
         ),
         (
             "vol-zero",
-            Request::VolZero { volume: VolumeId(3), offset: 0, len: 1 << 21, trim: true },
+            Request::VolZero {
+                volume: VolumeId(3),
+                offset: 0,
+                len: 1 << 21,
+                trim: true,
+            },
         ),
     ]
 }
@@ -160,10 +214,19 @@ fn responses() -> Vec<(&'static str, Response)> {
                 versions: vec![Version(1), Version(2)],
             })),
         ),
-        ("versions-ok", Response::Extent(ExtentReply::Versions(vec![Version(3); 4]))),
+        (
+            "versions-ok",
+            Response::Extent(ExtentReply::Versions(vec![Version(3); 4])),
+        ),
         ("written", Response::Extent(ExtentReply::Written(3))),
-        ("digest-ok", Response::Extent(ExtentReply::Digest(0xdead_beef))),
-        ("err", Response::err(ErrorCode::StaleEpoch, "extent fenced at epoch 9")),
+        (
+            "digest-ok",
+            Response::Extent(ExtentReply::Digest(0xdead_beef)),
+        ),
+        (
+            "err",
+            Response::err(ErrorCode::StaleEpoch, "extent fenced at epoch 9"),
+        ),
         ("err-other", Response::err(ErrorCode::Other, "héllo ✓")),
     ]
 }
@@ -227,13 +290,20 @@ fn rpc_session_seeds() -> Vec<(String, Vec<u8>)> {
     second_hello.extend_from_slice(&record(0, &reqs[0].1));
     second_hello.extend_from_slice(&[0, 0x91, 0, 0]);
     out.push(("second-hello-and-a-response-type".into(), second_hello));
-    for (mode, name) in [(4u8, "other-cluster"), (8, "other-version"), (2, "no-hello")] {
+    for (mode, name) in [
+        (4u8, "other-cluster"),
+        (8, "other-version"),
+        (2, "no-hello"),
+    ] {
         let mut v = vec![mode];
         v.extend_from_slice(&record(0, ping));
         out.push((name.into(), v));
     }
     let mut raw = vec![1u8];
-    raw.extend_from_slice(&rpc_session::hello_frame(rpc_session::CLUSTER, PROTOCOL_VERSION));
+    raw.extend_from_slice(&rpc_session::hello_frame(
+        rpc_session::CLUSTER,
+        PROTOCOL_VERSION,
+    ));
     raw.extend_from_slice(&encode_request(1, ping).to_vec());
     raw.extend_from_slice(&encode_request(2, read).to_vec());
     out.push(("raw".into(), raw));
@@ -265,7 +335,13 @@ impl Nbd {
     }
     fn cmd(mut self, flags: u16, typ: u16, offset: u64, len: u32) -> Self {
         let handle = self.0.len() as u64;
-        let r = converge_nbd::proto::Request { flags, typ, handle, offset, len };
+        let r = converge_nbd::proto::Request {
+            flags,
+            typ,
+            handle,
+            offset,
+            len,
+        };
         self.0.extend_from_slice(&r.encode());
         if typ == CMD_WRITE {
             self.0.extend((0..len).map(|i| i as u8));
@@ -278,7 +354,11 @@ fn nbd_seeds() -> Vec<(String, Vec<u8>)> {
     let both = FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES;
     let go = Nbd::new(both)
         .opt(OPT_LIST, &[])
-        .info(OPT_INFO, "vm01", &[INFO_NAME, INFO_DESCRIPTION, INFO_BLOCK_SIZE])
+        .info(
+            OPT_INFO,
+            "vm01",
+            &[INFO_NAME, INFO_DESCRIPTION, INFO_BLOCK_SIZE],
+        )
         .info(OPT_GO, "vm01", &[INFO_BLOCK_SIZE])
         .cmd(0, CMD_WRITE, 4096, 512 * 8)
         .cmd(CMD_FLAG_FUA, CMD_WRITE, 8192, 4096)
@@ -342,13 +422,42 @@ fn engine_seeds() -> Vec<(String, Vec<u8>)> {
         ("intact", 0, vec![]),
         ("resealed", 7, vec![]),
         ("superblock-a-flip", 0, vec![op(0, 64, &[0xff])]),
-        ("superblock-a-tail-resealed", 1, vec![op(0, 144, &[0x00, 0x02])]),
-        ("superblock-b-length-resealed", 1, vec![op(1, 64, &[0, 0, 0x30])]),
-        ("table-entry-resealed", 2, vec![op(2, 24, &[3]), op(2, 8, &[9])]),
+        (
+            "superblock-a-tail-resealed",
+            1,
+            vec![op(0, 144, &[0x00, 0x02])],
+        ),
+        (
+            "superblock-b-length-resealed",
+            1,
+            vec![op(1, 64, &[0, 0, 0x30])],
+        ),
+        (
+            "table-entry-resealed",
+            2,
+            vec![op(2, 24, &[3]), op(2, 8, &[9])],
+        ),
         ("journal-record-resealed", 4, vec![op(7, 36, &[7, 0, 0, 0])]),
-        ("journal-record-kind-resealed", 4, vec![op(7, 32, &[2]), op(7, 44, &[0xff, 0xff])]),
+        (
+            "journal-record-kind-resealed",
+            4,
+            vec![op(7, 32, &[2]), op(7, 44, &[0xff, 0xff])],
+        ),
         ("journal-torn", 0, vec![op(7, 600, &[0u8; 64])]),
-        ("metadata-resealed", 2, vec![op(4, 16, &[0xff, 0xff, 0xff, 0x7f])]),
+        // A Zero record of 2^32 - 1 blocks: open once spent ~40 s here (fixed in recover.rs).
+        (
+            "journal-zero-count-max-resealed",
+            4,
+            vec![
+                op(7, 32, &[2]),
+                op(7, 36, &[0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff]),
+            ],
+        ),
+        (
+            "metadata-resealed",
+            2,
+            vec![op(4, 16, &[0xff, 0xff, 0xff, 0x7f])],
+        ),
         ("data-rot", 0, vec![op(5, 5000, &[1, 2, 3])]),
     ];
     seeds
@@ -366,9 +475,32 @@ fn cache_seeds() -> Vec<(String, Vec<u8>)> {
         ("intact", 0, vec![]),
         ("resealed", 3, vec![]),
         ("superblock-a-flip", 0, vec![op(0, 100, &[0x55])]),
-        ("superblock-sector-resealed", 1, vec![op(0, 80, &[0, 0x10]), op(1, 80, &[0, 0x10])]),
-        ("superblock-tail-resealed", 1, vec![op(1, 96, &[0, 2]), op(0, 96, &[0, 2])]),
-        ("record-block-resealed", 2, vec![op(2, 44, &[0xff, 0xff, 0xff, 0xff])]),
+        (
+            "superblock-sector-resealed",
+            1,
+            vec![op(0, 80, &[0, 0x10]), op(1, 80, &[0, 0x10])],
+        ),
+        (
+            "superblock-tail-resealed",
+            1,
+            vec![op(1, 96, &[0, 2]), op(0, 96, &[0, 2])],
+        ),
+        // Found by the fuzzer: a tail past the log, a sector of 0 (refused since).
+        (
+            "superblock-tail-past-log-resealed",
+            1,
+            vec![op(0, 103, &[0x80]), op(1, 103, &[0x80])],
+        ),
+        (
+            "superblock-sector-zero-resealed",
+            1,
+            vec![op(0, 80, &[0, 0]), op(1, 80, &[0, 0])],
+        ),
+        (
+            "record-block-resealed",
+            2,
+            vec![op(2, 44, &[0xff, 0xff, 0xff, 0xff])],
+        ),
         ("record-kind-resealed", 2, vec![op(2, 40, &[3])]),
         ("batch-count-resealed", 2, vec![op(2, 28, &[9])]),
         ("log-data-rot", 0, vec![op(2, 4096 + 7, &[0xaa; 16])]),
@@ -385,27 +517,54 @@ fn cache_seeds() -> Vec<(String, Vec<u8>)> {
 
 fn api_seeds() -> Vec<(String, Vec<u8>)> {
     let bodies: &[(&str, &str)] = &[
-        ("CreateVolume", r#"{"name":"vm01","size_bytes":10737418240,"resiliency":"mirror-3","owner":2,"min_replicas":2}"#),
+        (
+            "CreateVolume",
+            r#"{"name":"vm01","size_bytes":10737418240,"resiliency":"mirror-3","owner":2,"min_replicas":2}"#,
+        ),
         ("ResizeVolume", r#"{"size_bytes":21474836480}"#),
         ("SetCacheMode", r#"{"mode":"read-write","node":3}"#),
-        ("Settings", r#"{"repair_delay_s":600,"cache_mode":"write","node_cache_modes":{"1":"none","2":"read-write"}}"#),
+        (
+            "Settings",
+            r#"{"repair_delay_s":600,"cache_mode":"write","node_cache_modes":{"1":"none","2":"read-write"}}"#,
+        ),
         ("ScrubRequest", r#"{"wait":true}"#),
         ("MoveVolume", r#"{"to":4}"#),
         ("Maintenance", r#"{"on":true}"#),
         ("CreateToken", r#"{"name":"grafana","role":"read-only"}"#),
-        ("WorkerSpec", r#"{"name":"w-1.a","volume":"vm01","kind":"measure","bs_bytes":4096,"qd":32,"write_pct":30,"random_pct":100,"size_bytes":1073741824,"ramp_s":5,"runtime_s":30}"#),
+        (
+            "WorkerSpec",
+            r#"{"name":"w-1.a","volume":"vm01","kind":"measure","bs_bytes":4096,"qd":32,"write_pct":30,"random_pct":100,"size_bytes":1073741824,"ramp_s":5,"runtime_s":30}"#,
+        ),
         ("SampleBlocks", r#"{"count":16,"seed":7,"drive":12}"#),
-        ("NodeInfo", r#"{"id":1,"name":"node1","live":true,"rpc_addr":"127.0.0.2:7100","api_addr":"127.0.0.2:7200","nbd_socket":"/run/n1.sock","nbd_tcp":null,"version":"0.1.0"}"#),
-        ("CacheInfo", r#"{"node":1,"drive":5,"path":"/dev/shm/c","media":"ram","mode":"write","bound":[3,4],"log_bytes":1048576,"used_bytes":4096,"dirty_bytes":4096,"clean_bytes":0,"destage_bytes_per_s":1.5e6,"read_hit_ratio":0.25}"#),
-        ("JobInfo", r#"{"kind":"resync","node":2,"volume":"vm01","slab":3,"detail":"copy 3 to 5","bytes_done":1,"bytes_total":2,"started_unix":1700000000,"eta_s":null}"#),
-        ("TokenInfo", r#"{"id":"t1","name":"ci","role":"operator","created_unix":1}"#),
-        ("CreatedToken", r#"{"id":"t1","name":"ci","role":"admin","created_unix":1,"token":"cvg_secret"}"#),
+        (
+            "NodeInfo",
+            r#"{"id":1,"name":"node1","live":true,"rpc_addr":"127.0.0.2:7100","api_addr":"127.0.0.2:7200","nbd_socket":"/run/n1.sock","nbd_tcp":null,"version":"0.1.0"}"#,
+        ),
+        (
+            "CacheInfo",
+            r#"{"node":1,"drive":5,"path":"/dev/shm/c","media":"ram","mode":"write","bound":[3,4],"log_bytes":1048576,"used_bytes":4096,"dirty_bytes":4096,"clean_bytes":0,"destage_bytes_per_s":1.5e6,"read_hit_ratio":0.25}"#,
+        ),
+        (
+            "JobInfo",
+            r#"{"kind":"resync","node":2,"volume":"vm01","slab":3,"detail":"copy 3 to 5","bytes_done":1,"bytes_total":2,"started_unix":1700000000,"eta_s":null}"#,
+        ),
+        (
+            "TokenInfo",
+            r#"{"id":"t1","name":"ci","role":"operator","created_unix":1}"#,
+        ),
+        (
+            "CreatedToken",
+            r#"{"id":"t1","name":"ci","role":"admin","created_unix":1,"token":"cvg_secret"}"#,
+        ),
         ("ErrorBody", r#"{"error":"volume vm01 does not exist"}"#),
     ];
     bodies
         .iter()
         .map(|(ty, body)| {
-            let i = api::TYPES.iter().position(|t| t == ty).expect("a known type");
+            let i = api::TYPES
+                .iter()
+                .position(|t| t == ty)
+                .expect("a known type");
             let mut v = vec![i as u8];
             v.extend_from_slice(body.as_bytes());
             (ty.to_string(), v)
@@ -455,7 +614,9 @@ endpoints = ["http://10.0.0.1:2379", "http://10.0.0.2:2379"]
 [[drive]]
 path = "/dev/nvme0n1"
 "#;
-    let bad = good.replace("64M", "3.5M").replace("id = 1", "id = 1\nbogus = 2");
+    let bad = good
+        .replace("64M", "3.5M")
+        .replace("id = 1", "id = 1\nbogus = 2");
     vec![
         ("good.toml".into(), good.as_bytes().to_vec()),
         ("minimal.toml".into(), minimal.as_bytes().to_vec()),

@@ -9,8 +9,8 @@ use converge_api::fleet::{FleetNode, FleetSample, WorkerSpec, WorkerStatus};
 use converge_api::lab::{SampleBlocks, SampledBlocks};
 use converge_api::{
     CacheInfo, CreateToken, CreateVolume, CreatedToken, ErrorBody, JobInfo, Maintenance,
-    MoveVolume, NodeInfo, ResizeVolume, ScrubRequest, ScrubResult, SetCacheMode, Settings,
-    Status, TokenInfo, VolumeInfo,
+    MoveVolume, NodeInfo, ResizeVolume, ScrubRequest, ScrubResult, SetCacheMode, Settings, Status,
+    TokenInfo, VolumeInfo,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -22,10 +22,18 @@ fn round_trip<T: Serialize + DeserializeOwned>(body: &[u8]) {
     let once = serde_json::to_string(&v).expect("a decoded body encodes");
     let back: T = match serde_json::from_str(&once) {
         Ok(b) => b,
-        Err(e) => panic!("{} re-encoded as {once} does not decode: {e}", std::any::type_name::<T>()),
+        Err(e) => panic!(
+            "{} re-encoded as {once} does not decode: {e}",
+            std::any::type_name::<T>()
+        ),
     };
     let twice = serde_json::to_string(&back).expect("encodes again");
-    assert_eq!(once, twice, "{} changes on a round trip", std::any::type_name::<T>());
+    assert_eq!(
+        once,
+        twice,
+        "{} changes on a round trip",
+        std::any::type_name::<T>()
+    );
 }
 
 /// The types, in the order byte 0 picks them (seed files start with the index).

@@ -62,12 +62,9 @@ pub fn fixture() -> &'static Fixture {
             .expect("format the fixture capacity drive"),
         );
         let caps = HashMap::from([(DriveId(CAP_DRIVE), cap.clone())]);
-        let (cache, report) = Cache::open(
-            cachef.clone(),
-            ident(CACHE_DRIVE, DriveRole::Cache),
-            &caps,
-        )
-        .expect("format the fixture cache drive");
+        let (cache, report) =
+            Cache::open(cachef.clone(), ident(CACHE_DRIVE, DriveRole::Cache), &caps)
+                .expect("format the fixture cache drive");
         assert!(report.formatted);
         let tier = Tier::new(cap.clone());
         tier.bind(cache.clone());

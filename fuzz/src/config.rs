@@ -21,5 +21,9 @@ pub fn node_config(data: &[u8]) {
     let path = Path::new("/etc/converge/fuzz.toml");
     let a = node_config::Config::parse(path, text);
     let b = node_config::Config::parse(path, text);
-    assert_eq!(format!("{a:?}"), format!("{b:?}"), "parsing is deterministic");
+    assert_eq!(
+        format!("{a:?}"),
+        format!("{b:?}"),
+        "parsing is deterministic"
+    );
 }

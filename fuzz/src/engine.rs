@@ -22,8 +22,7 @@
 use crate::input::Input;
 use crate::memfile::CowFile;
 use converge_engine::layout::{
-    batch_header, Layout, Superblock, BATCH_HEADER, BATCH_MAGIC, BLOCK, SB_BYTES, SB_MAGIC,
-    SECTOR,
+    batch_header, Layout, Superblock, BATCH_HEADER, BATCH_MAGIC, BLOCK, SB_BYTES, SB_MAGIC, SECTOR,
 };
 use converge_engine::{Drive, DriveIdentity, FormatOptions};
 use converge_types::{
@@ -152,7 +151,11 @@ fn get_u64(b: &[u8], at: usize) -> u64 {
 /// of that generation, resealed). Returns (tail, live bytes, batches) of the replay chain.
 fn normalize(img: &mut [u8]) -> (u64, u64, u64) {
     let sbs: Vec<Superblock> = (0..2)
-        .filter_map(|c| Superblock::decode(&img[c * BLOCK as usize..]).ok().flatten())
+        .filter_map(|c| {
+            Superblock::decode(&img[c * BLOCK as usize..])
+                .ok()
+                .flatten()
+        })
         .collect();
     let sb = sbs
         .iter()
@@ -183,7 +186,11 @@ fn normalize(img: &mut [u8]) -> (u64, u64, u64) {
     for s in sbs {
         let copy = (s.generation % 2) as usize;
         let s = Superblock {
-            journal_gen: if s.journal_gen == gen { JOURNAL_GEN } else { JOURNAL_GEN - 1 },
+            journal_gen: if s.journal_gen == gen {
+                JOURNAL_GEN
+            } else {
+                JOURNAL_GEN - 1
+            },
             ..s
         };
         s.encode(&mut img[copy * BLOCK as usize..]);
@@ -240,7 +247,10 @@ pub fn reseal(f: &CowFile, l: &Layout, what: u8) {
     if what & 4 != 0 {
         // From the end: a header inside a longer batch is sealed before the batch is.
         let mut buf = Vec::new();
-        for pos in (0..l.journal_len / SECTOR as u64).rev().map(|i| i * SECTOR as u64) {
+        for pos in (0..l.journal_len / SECTOR as u64)
+            .rev()
+            .map(|i| i * SECTOR as u64)
+        {
             let at = (l.journal_off + pos) as usize;
             f.get(&mut s[..BATCH_HEADER], at);
             if get_u32(&s, 0) != BATCH_MAGIC {
@@ -331,12 +341,17 @@ pub fn exercise(d: &Drive) {
         return;
     };
     let (data, crcs) = blocks(v, 1);
-    if d.write(e.key, e.epoch, Version(v), BLOCK, &data, &crcs).is_ok() {
+    if d.write(e.key, e.epoch, Version(v), BLOCK, &data, &crcs)
+        .is_ok()
+    {
         let mut back = vec![0u8; BLOCK as usize];
         let info = d
             .read(e.key, e.epoch, BLOCK, &mut back)
             .expect("a block just written reads");
-        assert!(info.bad_blocks.is_empty(), "a block just written reads as bad");
+        assert!(
+            info.bad_blocks.is_empty(),
+            "a block just written reads as bad"
+        );
         assert!(back == data, "a block just written reads back other data");
     }
     let _ = d.fence_and_digest(e.key, e.epoch);

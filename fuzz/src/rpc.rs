@@ -50,7 +50,11 @@ pub fn frame(msg_type: u8, request_id: u64, payload: &[u8]) -> Vec<u8> {
 fn frames(stream: &[u8]) {
     if let Some(h) = stream.first_chunk::<HEADER_LEN>() {
         if let Ok(header) = FrameHeader::decode(h, usize::MAX) {
-            assert_eq!(&header.encode(), h, "a decoded header re-encodes to its bytes");
+            assert_eq!(
+                &header.encode(),
+                h,
+                "a decoded header re-encodes to its bytes"
+            );
         }
     }
     let mut buf = Bytes::copy_from_slice(stream);
@@ -58,7 +62,10 @@ fn frames(stream: &[u8]) {
         let Ok((h, payload, used)) = decode_frame(&buf, PAYLOAD_MAX) else {
             return;
         };
-        assert!(used >= HEADER_LEN && used <= buf.len(), "frame length {used}");
+        assert!(
+            used >= HEADER_LEN && used <= buf.len(),
+            "frame length {used}"
+        );
         assert_eq!(used - HEADER_LEN, payload.len());
         messages(h.msg_type, h.request_id, &payload);
         buf = buf.slice(used..);

@@ -70,7 +70,8 @@ impl Handler for Stub {
                 ..
             } => Response::Extent(ExtentReply::Versions(vec![
                 Version(1);
-                (count as usize).min(FRAME_BYTES_MAX / 4)
+                (count as usize)
+                    .min(FRAME_BYTES_MAX / 4)
             ])),
             Request::Extent {
                 op: ExtentOp::Digest { .. },
@@ -141,8 +142,16 @@ pub fn client_bytes(data: &[u8]) -> (Vec<u8>, bool) {
     }
     let mut out = Vec::new();
     if mode & 2 == 0 {
-        let cluster = if mode & 4 == 0 { CLUSTER } else { ClusterId(CLUSTER.0 + 1) };
-        let version = if mode & 8 == 0 { PROTOCOL_VERSION } else { PROTOCOL_VERSION + 1 };
+        let cluster = if mode & 4 == 0 {
+            CLUSTER
+        } else {
+            ClusterId(CLUSTER.0 + 1)
+        };
+        let version = if mode & 8 == 0 {
+            PROTOCOL_VERSION
+        } else {
+            PROTOCOL_VERSION + 1
+        };
         out.extend_from_slice(&hello_frame(cluster, version));
     }
     let mut id = 1u64;
@@ -188,7 +197,10 @@ pub fn rpc_session(data: &[u8]) {
         // dropping thread; a zero one does not wait.)
         #[allow(deprecated)]
         sock.set_linger(Some(Duration::ZERO)).expect("SO_LINGER");
-        let stream = sock.connect(srv.addr).await.expect("connect to the loopback server");
+        let stream = sock
+            .connect(srv.addr)
+            .await
+            .expect("connect to the loopback server");
         let (mut rd, mut wr) = stream.into_split();
         let send = async {
             // The server may close early (bad hello, bad header): later writes then fail.
@@ -202,7 +214,9 @@ pub fn rpc_session(data: &[u8]) {
         };
         match tokio::time::timeout(SESSION_LIMIT, async { tokio::join!(send, recv).1 }).await {
             Ok(got) => got,
-            Err(_) => panic!("rpc server kept the connection open {SESSION_LIMIT:?} after the client finished"),
+            Err(_) => panic!(
+                "rpc server kept the connection open {SESSION_LIMIT:?} after the client finished"
+            ),
         }
     });
     check_answers(&answers, structured);
@@ -223,7 +237,11 @@ fn check_answers(stream: &[u8], unique_ids: bool) {
             panic!("server answer {} does not decode: {e}", h.request_id);
         }
         if unique_ids {
-            assert!(seen.insert(h.request_id), "request {} answered twice", h.request_id);
+            assert!(
+                seen.insert(h.request_id),
+                "request {} answered twice",
+                h.request_id
+            );
         }
         buf = buf.slice(used..);
     }
