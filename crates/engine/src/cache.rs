@@ -133,11 +133,14 @@ impl CacheSb {
         };
         // Sector, log length and tail size every read of the log: only what `format`
         // and `write_sb` write is accepted (a tail may equal the log length: the head).
+        // Generations and sequence numbers count up from 1: there must be room to add.
         let sector = u64::from(sb.sector);
         if !(sector == 512 || sector == BS)
             || sb.len.checked_sub(LOG_OFF).map(|l| l / BS * BS) != Some(sb.log_len)
             || sb.tail > sb.log_len
             || !sb.tail.is_multiple_of(sector)
+            || sb.generation == u64::MAX
+            || !(1..=u64::MAX / 2).contains(&sb.tail_seq)
         {
             return Err(EngineError::Corrupt(
                 "cache superblock log fields invalid".into(),

@@ -539,7 +539,10 @@ fn superblock_with_impossible_log_fields_is_refused() {
     let mut b = vec![0u8; SB_BLOCK as usize];
     good.encode(&mut b);
     assert_eq!(CacheSb::decode(&b).expect("valid"), Some(good.clone()));
-    let bad: [fn(&mut CacheSb); 6] = [
+    let bad: [fn(&mut CacheSb); 9] = [
+        |sb| sb.generation = u64::MAX,
+        |sb| sb.tail_seq = 0,
+        |sb| sb.tail_seq = u64::MAX,
         |sb| sb.sector = 0,
         |sb| sb.sector = 1000,
         |sb| sb.tail = sb.log_len + 4096,
