@@ -81,7 +81,12 @@ fn messages(msg_type: u8, id: u64, payload: &Bytes) {
         assert_eq!(used, f.len());
         assert_eq!((h.msg_type, h.request_id, h.flags), (msg_type, id, 0));
         let again = decode_request(h.msg_type, p).expect("an encoded request decodes");
-        assert_eq!(again, req, "request round trip");
+        assert!(
+            again == req,
+            "request round trip: {} became {}",
+            short(&req),
+            short(&again)
+        );
         wire::validate_request(&req).expect("a decoded request is valid");
     }
     if let Ok(resp) = decode_response(msg_type, payload.clone()) {
@@ -92,6 +97,20 @@ fn messages(msg_type: u8, id: u64, payload: &Bytes) {
         assert_eq!(used, f.len());
         assert_eq!((h.msg_type, h.request_id, h.flags), (msg_type, id, 0));
         let again = decode_response(h.msg_type, p).expect("an encoded answer decodes");
-        assert_eq!(again, resp, "response round trip");
+        assert!(
+            again == resp,
+            "response round trip: {} became {}",
+            short(&resp),
+            short(&again)
+        );
+    }
+}
+
+/// A value for a panic message, cut short (payloads can be megabytes).
+fn short(v: &impl std::fmt::Debug) -> String {
+    let s = format!("{v:?}");
+    match s.char_indices().nth(300) {
+        Some((i, _)) => format!("{}… ({} bytes of Debug)", &s[..i], s.len()),
+        None => s,
     }
 }
