@@ -622,7 +622,11 @@ impl Cache {
 
     fn write_sb(&self, tail: u64, tail_seq: u64) -> Result<(), EngineError> {
         let mut g = lock(&self.sb_gen);
-        *g += 1;
+        // Never write a superblock the decoder refuses (generation u64::MAX).
+        *g = g
+            .checked_add(1)
+            .filter(|&n| n < u64::MAX)
+            .ok_or_else(|| EngineError::Corrupt(crate::error::GENERATION_EXHAUSTED.into()))?;
         let sb = CacheSb {
             id: self.id.clone(),
             len: self.len,
