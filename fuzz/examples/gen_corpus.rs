@@ -472,6 +472,19 @@ fn engine_seeds() -> Vec<(String, Vec<u8>)> {
             vec![op(0, 16, &[0xff; 8]), op(1, 16, &[0xff; 8])],
         ),
         (
+            "superblock-generation-max-minus-1-resealed",
+            1,
+            vec![
+                op(0, 16, &[0xff; 8]),
+                op(1, 16, &[0xfe, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff]),
+            ],
+        ),
+        (
+            "superblock-generation-max-minus-2-resealed",
+            1,
+            vec![op(0, 16, &[0xfd, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff])],
+        ),
+        (
             "superblock-tail-seq-zero-resealed",
             1,
             vec![op(0, 152, &[0; 8]), op(1, 152, &[0; 8])],
