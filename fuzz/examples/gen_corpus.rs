@@ -21,10 +21,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 type Harness = fn(&[u8]);
+/// Named seeds of one target.
+type Seeds = Vec<(String, Vec<u8>)>;
 
 fn main() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("corpus");
-    let targets: [(&str, Vec<(String, Vec<u8>)>, Harness); 7] = [
+    let targets: [(&str, Seeds, Harness); 7] = [
         ("rpc_wire", rpc_wire_seeds(), rpc::rpc_wire),
         ("rpc_session", rpc_session_seeds(), rpc_session::rpc_session),
         ("nbd_session", nbd_seeds(), nbd::nbd_session),
