@@ -112,7 +112,7 @@ impl CacheSb {
         if get_u64(b, 64) != LOG_OFF {
             return Err(EngineError::Corrupt("cache log offset is not 8192".into()));
         }
-        Ok(Some(CacheSb {
+        let sb = CacheSb {
             id: DriveIdentity {
                 cluster: ClusterId(u128::from_le_bytes(
                     b[24..40].try_into().expect("16-byte slice"),
@@ -130,7 +130,23 @@ impl CacheSb {
             log_gen: get_u64(b, 88),
             tail: get_u64(b, 96),
             tail_seq: get_u64(b, 104),
-        }))
+        };
+        // Sector, log length and tail size every read of the log: only what `format`
+        // and `write_sb` write is accepted (a tail may equal the log length: the head).
+        // Generations and sequence numbers count up from 1: there must be room to add.
+        let sector = u64::from(sb.sector);
+        if !(sector == 512 || sector == BS)
+            || sb.len.checked_sub(LOG_OFF).map(|l| l / BS * BS) != Some(sb.log_len)
+            || sb.tail > sb.log_len
+            || !sb.tail.is_multiple_of(sector)
+            || sb.generation == u64::MAX
+            || !(1..=u64::MAX / 2).contains(&sb.tail_seq)
+        {
+            return Err(EngineError::Corrupt(
+                "cache superblock log fields invalid".into(),
+            ));
+        }
+        Ok(Some(sb))
     }
 }
 
@@ -606,7 +622,11 @@ impl Cache {
 
     fn write_sb(&self, tail: u64, tail_seq: u64) -> Result<(), EngineError> {
         let mut g = lock(&self.sb_gen);
-        *g += 1;
+        // Never write a superblock the decoder refuses (generation u64::MAX).
+        *g = g
+            .checked_add(1)
+            .filter(|&n| n < u64::MAX)
+            .ok_or_else(|| EngineError::Corrupt(crate::error::GENERATION_EXHAUSTED.into()))?;
         let sb = CacheSb {
             id: self.id.clone(),
             len: self.len,

@@ -3,7 +3,7 @@
 //! journal fills, the leader writes the durable metadata in place and moves the tail.
 
 use crate::drive::{lock, CommitState, Drive, Extent, IoKind, LeaderState};
-use crate::error::EngineError;
+use crate::error::{EngineError, GENERATION_EXHAUSTED};
 use crate::file::AlignedBuf;
 use crate::layout::{
     encode_meta_sector, encode_table_sector, seal_batch, BlockMeta, ExtentEntry, Record,
@@ -387,6 +387,13 @@ impl Drive {
     /// to the head. Only the commit leader calls this, between batches (every earlier one
     /// is synced and applied).
     pub(crate) fn checkpoint_locked(&self, ld: &mut LeaderState) -> Result<(), EngineError> {
+        // Never write a superblock the decoder refuses (generation u64::MAX).
+        let generation = ld
+            .sb
+            .generation
+            .checked_add(1)
+            .filter(|&g| g < u64::MAX)
+            .ok_or_else(|| EngineError::Corrupt(GENERATION_EXHAUSTED.into()))?;
         let table_pages = std::mem::take(&mut ld.dirty_table);
         let meta_pages = std::mem::take(&mut ld.dirty_meta);
         let mut buf = std::mem::replace(&mut ld.page_buf, AlignedBuf::new(0));
@@ -396,7 +403,7 @@ impl Drive {
         self.dev_sync()?;
         // The superblock write is the commit point: copies alternate, so a torn write
         // leaves the previous one valid.
-        ld.sb.generation += 1;
+        ld.sb.generation = generation;
         ld.sb.journal_tail = ld.head;
         ld.sb.journal_tail_seq = ld.next_seq;
         ld.sb.journal_sector = self.journal_sector as u32;

@@ -2,6 +2,11 @@
 
 use converge_types::{Epoch, ExtentKey};
 
+/// Why a checkpoint refuses to write a superblock: its generation would reach u64::MAX,
+/// which the decoder refuses (only a damaged superblock gets there).
+pub(crate) const GENERATION_EXHAUSTED: &str =
+    "superblock generation exhausted; copy the drive's extents elsewhere and reformat it";
+
 /// Everything a drive operation can fail with.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {

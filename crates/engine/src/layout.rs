@@ -95,9 +95,11 @@ impl Layout {
             .div_ceil(SECTORS_PER_PAGE)
             .saturating_mul(SECTORS_PER_PAGE);
         let spare = spare_blocks(len_bytes);
-        let fixed = 2 * BLOCK + journal_len + spare * BLOCK;
+        // Saturating: the sizes may come from a damaged superblock. Past the `needed`
+        // check, everything below is bounded by `len_bytes`.
+        let fixed = (2 * BLOCK + spare * BLOCK).saturating_add(journal_len);
         let per_extent = slab + u64::from(spe) * SECTOR as u64;
-        let needed = fixed + BLOCK + per_extent;
+        let needed = fixed.saturating_add(BLOCK + per_extent);
         if len_bytes < needed {
             return Err(EngineError::TooSmall {
                 len_bytes,
@@ -111,7 +113,7 @@ impl Layout {
             .min(max_e);
         loop {
             let table_len = e.div_ceil(u64::from(EXT_PER_PAGE)) * BLOCK;
-            if fixed + table_len + e * per_extent <= len_bytes || e == 0 {
+            if fixed.saturating_add(table_len + e * per_extent) <= len_bytes || e == 0 {
                 break;
             }
             e -= 1;
@@ -316,9 +318,15 @@ impl Superblock {
         }
         let journal_sector = get_u32(b, 124);
         let journal_tail = get_u64(b, 144);
+        let generation = get_u64(b, 16);
+        let journal_tail_seq = get_u64(b, 152);
+        // Generations and sequence numbers only count up from 0 and 1: the next
+        // checkpoint and replay must be able to add to them.
         if !(journal_sector == SECTOR as u32 || journal_sector == BLOCK as u32)
             || journal_tail >= layout.journal_len
             || !journal_tail.is_multiple_of(u64::from(journal_sector))
+            || generation == u64::MAX
+            || !(1..=u64::MAX / 2).contains(&journal_tail_seq)
         {
             return Err(EngineError::Corrupt(
                 "superblock journal fields invalid".into(),
@@ -327,10 +335,10 @@ impl Superblock {
         Ok(Some(Superblock {
             identity,
             layout,
-            generation: get_u64(b, 16),
+            generation,
             journal_gen: get_u64(b, 136),
             journal_tail,
-            journal_tail_seq: get_u64(b, 152),
+            journal_tail_seq,
             journal_sector,
         }))
     }
@@ -688,6 +696,29 @@ mod tests {
             let mut d = b.clone();
             d[i] ^= 4;
             assert!(Superblock::decode(&d).is_err(), "byte {i}");
+        }
+    }
+
+    /// Found by fuzz target engine_open: fields with a valid crc that open could not
+    /// use (a generation of u64::MAX overflowed the next checkpoint's, a tail sequence
+    /// of 0 the durable one's, a huge journal length the layout's sums).
+    #[test]
+    fn superblock_fields_that_cannot_be_used_are_refused() {
+        let bad: [fn(&mut Superblock); 4] = [
+            |s| s.generation = u64::MAX,
+            |s| s.journal_tail_seq = 0,
+            |s| s.journal_tail_seq = u64::MAX,
+            |s| s.layout.journal_len = u64::MAX - 4095,
+        ];
+        for (i, f) in bad.iter().enumerate() {
+            let mut s = sb();
+            f(&mut s);
+            let mut b = vec![0u8; 4096];
+            s.encode(&mut b);
+            assert!(Superblock::decode(&b).is_err(), "case {i}");
+        }
+        for (len, j) in [(u64::MAX, 1 << 20), (64 << 20, u64::MAX - 4095)] {
+            let _ = Layout::compute(len, 1 << 20, j);
         }
     }
 

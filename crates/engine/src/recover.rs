@@ -336,7 +336,10 @@ impl Drive {
                         count,
                         version,
                     } => {
-                        for b in block..block.saturating_add(count) {
+                        // `touch` ignores blocks past the extent: do not visit them, or a
+                        // damaged count keeps open busy for up to 2^32 iterations.
+                        let end = block.saturating_add(count).min(bpe as u32);
+                        for b in block..end {
                             touch(slot, b, BlockMeta::zero(version));
                         }
                     }

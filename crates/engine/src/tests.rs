@@ -857,3 +857,39 @@ fn a_failed_drive_wakes_waiting_tasks_with_an_error() {
     drop(abandoned);
     assert_eq!(tier.stats().inflight, 0);
 }
+
+/// Found by fuzz target engine_open: a superblock one generation short of u64::MAX let
+/// the next checkpoint write u64::MAX (refused by the decoder, so the drive could not be
+/// opened again) or overflow. A checkpoint now refuses to, and the drive keeps its last
+/// readable superblock.
+#[test]
+fn checkpoint_never_writes_a_generation_the_decoder_refuses() {
+    use crate::layout::Superblock;
+    let (f, d) = faulty(8 << 20);
+    drop(d);
+    let mut b = vec![0u8; 2 * BLOCK as usize];
+    f.read_at(&mut b, 0).unwrap();
+    for copy in 0..2 {
+        let at = copy * BLOCK as usize;
+        let mut sb = Superblock::decode(&b[at..]).unwrap().unwrap();
+        sb.generation = u64::MAX - 3 + copy as u64;
+        sb.encode(&mut b[at..]);
+    }
+    f.write_at(&b, 0).unwrap();
+    // Copy 1 (MAX - 2) wins; this open's checkpoint writes MAX - 1 to copy 0.
+    drop(Drive::open(Arc::new(f.clone())).expect("open at MAX - 2"));
+    match Drive::open(Arc::new(f.clone())) {
+        Err(EngineError::Corrupt(m)) => assert!(m.contains("generation exhausted"), "{m}"),
+        other => panic!("expected exhaustion, got {:?}", other.map(|_| ())),
+    }
+    f.read_at(&mut b, 0).unwrap();
+    let gens: Vec<u64> = (0..2)
+        .map(|c| {
+            Superblock::decode(&b[c * BLOCK as usize..])
+                .unwrap()
+                .unwrap()
+                .generation
+        })
+        .collect();
+    assert_eq!(gens, vec![u64::MAX - 1, u64::MAX - 2]);
+}

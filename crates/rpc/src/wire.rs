@@ -606,11 +606,7 @@ pub fn encode_response(request_id: u64, resp: &Response) -> EncodedFrame {
             finish(t, request_id, b, data)
         }
         Response::Err { code, message } => {
-            let mut end = message.len().min(ERR_MESSAGE_BYTES_MAX);
-            while !message.is_char_boundary(end) {
-                end -= 1;
-            }
-            let m = &message.as_bytes()[..end];
+            let m = err_message_prefix(message).as_bytes();
             let mut b = new_head(6 + m.len());
             b.put_u16_le(code.to_u16());
             b.put_u32_le(m.len() as u32);
@@ -618,6 +614,17 @@ pub fn encode_response(request_id: u64, resp: &Response) -> EncodedFrame {
             finish(t, request_id, b, Bytes::new())
         }
     }
+}
+
+/// The part of an error message that goes on the wire: at most [`ERR_MESSAGE_BYTES_MAX`]
+/// bytes, cut at a character boundary. The decoder applies it too, so that what it returns
+/// encodes unchanged (lossy decoding turns each bad byte into 3: a message can grow).
+fn err_message_prefix(message: &str) -> &str {
+    let mut end = message.len().min(ERR_MESSAGE_BYTES_MAX);
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    &message[..end]
 }
 
 /// The fields of an extent operation's answer after the frame header, and its bulk data.
@@ -970,7 +977,8 @@ pub fn decode_response(msg_type: u8, payload: Bytes) -> Result<Response, WireErr
         msg::ERR => {
             let code = ErrorCode::from_u16(r.u16("error code")?);
             let len = r.u32("message length")? as usize;
-            let message = String::from_utf8_lossy(r.take(len, "message")?).into_owned();
+            let raw = String::from_utf8_lossy(r.take(len, "message")?);
+            let message = err_message_prefix(&raw).to_owned();
             Response::Err { code, message }
         }
         other => return Err(WireError::UnknownType(other)),
@@ -1406,6 +1414,21 @@ mod tests {
                 assert!(message.chars().all(|c| c == 'é'));
             }
             other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    /// Found by fuzz target rpc_wire: a message the decoder returned (2000 bad bytes,
+    /// decoded lossily to 6000) came back shorter after encode and decode.
+    #[test]
+    fn decoded_error_messages_survive_a_round_trip() {
+        for raw in [vec![0xffu8; 2000], "é".repeat(3000).into_bytes()] {
+            let mut payload = 6u16.to_le_bytes().to_vec();
+            payload.extend_from_slice(&(raw.len() as u32).to_le_bytes());
+            payload.extend_from_slice(&raw);
+            let first = decode_response(msg::ERR, Bytes::from(payload)).expect("decodes");
+            let buf = Bytes::from(encode_response(1, &first).to_vec());
+            let (h, p, _) = decode_frame(&buf, MAX).expect("frame");
+            assert_eq!(decode_response(h.msg_type, p).expect("decodes"), first);
         }
     }
 

@@ -527,3 +527,38 @@ fn a_flush_keeps_the_logged_copies_as_read_cache_and_replay_is_harmless() {
     assert_eq!(read_cap(&r.cap, k, 2), block(50).0);
     assert_eq!(read_cap(&r.cap, k, 3), block(3).0);
 }
+
+/// A superblock whose crc is right but whose log fields are not what `format` wrote is
+/// refused, not used to size log reads (fuzz/corpus cache_replay: a tail past the log
+/// overflowed `log_len - pos`, a sector of 0 divided by zero).
+#[test]
+fn superblock_with_impossible_log_fields_is_refused() {
+    let f = FaultyFile::new(16 << 20);
+    Cache::format(&f, ident(9, DriveRole::Cache)).expect("format");
+    let good = read_sb(&f).expect("read").expect("formatted");
+    let mut b = vec![0u8; SB_BLOCK as usize];
+    good.encode(&mut b);
+    assert_eq!(CacheSb::decode(&b).expect("valid"), Some(good.clone()));
+    let bad: [fn(&mut CacheSb); 9] = [
+        |sb| sb.generation = u64::MAX,
+        |sb| sb.tail_seq = 0,
+        |sb| sb.tail_seq = u64::MAX,
+        |sb| sb.sector = 0,
+        |sb| sb.sector = 1000,
+        |sb| sb.tail = sb.log_len + 4096,
+        |sb| sb.tail = u64::MAX - 100,
+        |sb| sb.tail = 100,
+        |sb| sb.log_len += BS,
+    ];
+    for (i, f) in bad.iter().enumerate() {
+        let mut sb = good.clone();
+        f(&mut sb);
+        sb.encode(&mut b);
+        assert!(CacheSb::decode(&b).is_err(), "case {i}: {sb:?}");
+    }
+    // The tail may sit at the very end of the log (the head of a full log).
+    let mut sb = good.clone();
+    sb.tail = sb.log_len;
+    sb.encode(&mut b);
+    assert!(CacheSb::decode(&b).is_ok());
+}
