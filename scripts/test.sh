@@ -7,6 +7,7 @@ CONVERGE_PROFILE=release ./scripts/setup.sh
 export PATH="$HOME/.cargo/bin:$PATH"
 echo "== format and lints"
 cargo fmt --all -- --check
+cargo fmt --manifest-path fuzz/Cargo.toml --all -- --check
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
 echo "== tests"
 if cargo nextest --version >/dev/null 2>&1; then
@@ -14,3 +15,5 @@ if cargo nextest --version >/dev/null 2>&1; then
 else
   cargo test --release --workspace --no-fail-fast -- --test-threads=2
 fi
+echo "== fuzz: every target for 20 s from its committed corpus (docs/FUZZING.md)"
+./fuzz/run.sh 20
