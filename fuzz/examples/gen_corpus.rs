@@ -492,14 +492,7 @@ fn engine_seeds() -> Vec<(String, Vec<u8>)> {
             vec![op(0, 152, &[0; 8]), op(1, 152, &[0; 8])],
         ),
     ];
-    seeds
-        .into_iter()
-        .map(|(name, what, ops)| {
-            let mut v = vec![what];
-            ops.iter().for_each(|o| v.extend_from_slice(o));
-            (name.to_owned(), v)
-        })
-        .collect()
+    damage_seeds(seeds)
 }
 
 fn cache_seeds() -> Vec<(String, Vec<u8>)> {
@@ -542,14 +535,7 @@ fn cache_seeds() -> Vec<(String, Vec<u8>)> {
             vec![op(0, 16, &[0xff; 8]), op(1, 16, &[0xff; 8])],
         ),
     ];
-    seeds
-        .into_iter()
-        .map(|(name, what, ops)| {
-            let mut v = vec![what];
-            ops.iter().for_each(|o| v.extend_from_slice(o));
-            (name.to_owned(), v)
-        })
-        .collect()
+    damage_seeds(seeds)
 }
 
 fn api_seeds() -> Vec<(String, Vec<u8>)> {
@@ -664,4 +650,16 @@ path = "/dev/nvme0n1"
         ("minimal.toml".into(), minimal.as_bytes().to_vec()),
         ("bad.toml".into(), bad.into_bytes()),
     ]
+}
+
+/// Seeds for the damaged-image targets: each is a byte saying what to do, then the ops.
+fn damage_seeds(seeds: Vec<(&str, u8, Vec<Vec<u8>>)>) -> Vec<(String, Vec<u8>)> {
+    seeds
+        .into_iter()
+        .map(|(name, what, ops)| {
+            let mut v = vec![what];
+            ops.iter().for_each(|o| v.extend_from_slice(o));
+            (name.to_owned(), v)
+        })
+        .collect()
 }
