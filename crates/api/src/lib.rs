@@ -206,6 +206,19 @@ pub struct Settings {
     pub node_cache_modes: BTreeMap<NodeId, CacheMode>,
 }
 
+impl Settings {
+    /// Refuses values the cluster cannot run with (the same bounds as the nodes' knobs).
+    pub fn check(&self) -> Result<(), String> {
+        match self.repair_delay_s {
+            Some(d) if d > converge_types::REPAIR_DELAY_S_MAX => Err(format!(
+                "repair_delay_s = {d} is above {} (30 days): rebuilds would all but never start",
+                converge_types::REPAIR_DELAY_S_MAX
+            )),
+            _ => Ok(()),
+        }
+    }
+}
+
 /// `POST /v1/volumes/NAME/scrub`.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ScrubRequest {

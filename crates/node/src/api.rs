@@ -104,26 +104,18 @@ async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     // Who asks, before anything is read or done for them.
-    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
-    if let Some(needed) = crate::auth::required(&method, &parts) {
-        let header = req
-            .headers()
-            .get(hyper::header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok());
-        let checked = match node.auth.role(header).await {
-            Ok(role) => crate::auth::allow(role, needed, &method, &path),
-            Err(e) => Err(e),
+    let header = req
+        .headers()
+        .get(hyper::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok());
+    if let Err(denied) = node.auth.authorize(&method, &path, header).await {
+        let (status, error) = match denied {
+            crate::auth::Denied::Unauthenticated(m) => (StatusCode::UNAUTHORIZED, m),
+            crate::auth::Denied::Forbidden(m) => (StatusCode::FORBIDDEN, m),
+            crate::auth::Denied::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, m),
         };
-        if let Err(denied) = checked {
-            let (status, error) = match denied {
-                crate::auth::Denied::Unauthenticated(m) => (StatusCode::UNAUTHORIZED, m),
-                crate::auth::Denied::Forbidden(m) => (StatusCode::FORBIDDEN, m),
-                crate::auth::Denied::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, m),
-            };
-            return json(status, &ErrorBody { error });
-        }
+        return json(status, &ErrorBody { error });
     }
-    drop(parts);
     let body = match tokio::time::timeout(
         BODY_READ_TIMEOUT,
         Limited::new(req.into_body(), BODY_BYTES_MAX).collect(),
@@ -201,15 +193,7 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::POST, ["v1", "settings"]) => {
             let new: Settings = serde_json::from_slice(body)
                 .map_err(|e| ApiError::bad(format!("bad settings: {e}")))?;
-            if let Some(d) = new.repair_delay_s {
-                if d > converge_types::REPAIR_DELAY_S_MAX {
-                    return Err(ApiError::bad(format!(
-                        "repair_delay_s = {d} is above {} (30 days): rebuilds would all but \
-                         never start",
-                        converge_types::REPAIR_DELAY_S_MAX
-                    )));
-                }
-            }
+            new.check().map_err(ApiError::bad)?;
             cache_api::check_nodes(node, new.node_cache_modes.keys().copied()).await?;
             ok(
                 &cache_api::update_settings(node, |cur| cache_api::merge_settings(cur, &new))

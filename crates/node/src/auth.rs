@@ -135,6 +135,21 @@ impl Auth {
         Ok(rec)
     }
 
+    /// Lets a request through if the bearer of `authorization` (the header's value) holds
+    /// the role it needs.
+    pub async fn authorize(
+        &self,
+        method: &hyper::Method,
+        path: &str,
+        authorization: Option<&str>,
+    ) -> Result<(), Denied> {
+        let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+        match required(method, &parts) {
+            None => Ok(()),
+            Some(needed) => allow(self.role(authorization).await?, needed, method, path),
+        }
+    }
+
     /// The role of the bearer of `authorization` (the header's value).
     pub async fn role(&self, authorization: Option<&str>) -> Result<Role, Denied> {
         let Some(value) = authorization else {
