@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import ssl
 import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +96,11 @@ def get(url, labdir):
         req.add_header("Authorization", "Bearer " + token)
     except FileNotFoundError:
         pass
-    return urllib.request.urlopen(req, timeout=30).read().decode()
+    ctx = None
+    ca = os.path.join(labdir, "pki", "ca.crt")
+    if url.startswith("https://") and os.path.exists(ca):
+        ctx = ssl.create_default_context(cafile=ca)
+    return urllib.request.urlopen(req, timeout=30, context=ctx).read().decode()
 
 
 def drive_written(apis, labdir):

@@ -9,7 +9,7 @@ resync_bytes_per_s throttle in force (knob default 256 MiB/s).
 
     bench/failures/resync_rebuild.py [--size 2G] [--changed 256M]
 """
-import argparse, json, os, subprocess, sys, tempfile, time, urllib.request
+import argparse, json, os, ssl, subprocess, sys, tempfile, time, urllib.request
 
 def sh(*a, **kw):
     return subprocess.run(a, check=True, capture_output=True, text=True, **kw).stdout
@@ -23,7 +23,8 @@ def cvj(*a):
 def metric(api, name):
     req = urllib.request.Request(api + "/metrics")
     req.add_header("Authorization", "Bearer " + open(os.path.join(os.environ["CONVERGE_LAB_DIR"], "admin.token")).read().strip())
-    txt = urllib.request.urlopen(req).read().decode()
+    ctx = ssl.create_default_context(cafile=os.path.join(os.environ["CONVERGE_LAB_DIR"], "pki", "ca.crt"))
+    txt = urllib.request.urlopen(req, context=ctx).read().decode()
     return sum(float(l.split()[-1]) for l in txt.splitlines() if l.startswith(name + " ") or l.startswith(name + "{"))
 
 def extents():

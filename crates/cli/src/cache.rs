@@ -116,10 +116,10 @@ pub fn run(cmd: &CacheCmd, json_out: bool, base: &str) -> Result<()> {
             let mut done = Vec::new();
             let t_all = Instant::now();
             for n in targets {
-                let api = if n.api_addr.starts_with("http://") {
+                let api = if n.api_addr.starts_with("https://") {
                     n.api_addr.clone()
                 } else {
-                    format!("http://{}", n.api_addr)
+                    format!("https://{}", n.api_addr)
                 };
                 if !json_out {
                     eprintln!("flushing the caches of node {} ({}) ...", n.id, n.name);

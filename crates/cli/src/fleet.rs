@@ -247,10 +247,10 @@ struct NodeCtx {
 }
 
 fn node_api(addr: &str) -> String {
-    if addr.starts_with("http://") {
+    if addr.starts_with("https://") || addr.starts_with("http://") {
         addr.to_string()
     } else {
-        format!("http://{addr}")
+        format!("https://{addr}")
     }
 }
 

@@ -2,6 +2,11 @@
 //! requests to loopback or LAN addresses, so a runtime and a client stack would be dead
 //! weight. One request per connection (`Connection: close`).
 //!
+//! The API speaks only TLS (`https://`, the default for a bare `HOST:PORT`); the node's
+//! certificate is checked against the cluster's CA certificate (`--ca`/`$CONVERGE_CA`, else
+//! the lab's, else `/etc/converge/pki/ca.crt`) and the host name or address in the URL.
+//! `http://` is for other services (etcd's `/health`).
+//!
 //! Any node answers for the cluster, so the CLI is given a list of API endpoints
 //! (`--api`/`$CONVERGE_API`, comma-separated) and tries them in turn: a node that cannot be
 //! reached (refused, unreachable, connect timeout) is skipped. An HTTP answer, error or
@@ -20,7 +25,7 @@ const READ_TIMEOUT: Duration = Duration::from_secs(120);
 /// Bound on the endpoints of one list.
 pub const ENDPOINTS_MAX: usize = 64;
 
-/// Splits a comma-separated list of API addresses (`http://HOST:PORT` or `HOST:PORT`) into
+/// Splits a comma-separated list of API addresses (`https://HOST:PORT` or `HOST:PORT`) into
 /// base URLs, in the order given.
 pub fn endpoints(list: &str) -> Result<Vec<String>> {
     let out: Vec<String> = list
@@ -29,15 +34,15 @@ pub fn endpoints(list: &str) -> Result<Vec<String>> {
         .filter(|e| !e.is_empty())
         .map(|e| {
             let e = e.trim_end_matches('/');
-            if e.starts_with("http://") {
+            if e.starts_with("http://") || e.starts_with("https://") {
                 e.to_string()
             } else {
-                format!("http://{e}")
+                format!("https://{e}")
             }
         })
         .collect();
     if out.is_empty() {
-        bail!("no API address in {list:?}: give http://HOST:PORT, or several separated by commas");
+        bail!("no API address in {list:?}: give https://HOST:PORT, or several separated by commas");
     }
     if out.len() > ENDPOINTS_MAX {
         bail!(
@@ -55,6 +60,62 @@ pub struct Response {
 }
 
 static TOKEN: std::sync::OnceLock<Option<String>> = std::sync::OnceLock::new();
+static CA_FILE: std::sync::OnceLock<Option<std::path::PathBuf>> = std::sync::OnceLock::new();
+/// The TLS settings built from the CA file, once.
+static TLS: std::sync::Mutex<Option<(std::path::PathBuf, std::sync::Arc<rustls::ClientConfig>)>> =
+    std::sync::Mutex::new(None);
+
+/// Where the installed node keeps the cluster's CA certificate.
+pub const SYSTEM_CA: &str = "/etc/converge/pki/ca.crt";
+
+/// The CA certificate the API's certificates are checked against (`--ca`, `$CONVERGE_CA`).
+pub fn set_ca(path: Option<std::path::PathBuf>) {
+    let _ = CA_FILE.set(path);
+}
+
+/// The CA certificate file to trust: the one given, else the lab's, else the system's.
+fn ca_file() -> Result<std::path::PathBuf> {
+    if let Some(Some(p)) = CA_FILE.get() {
+        return Ok(p.clone());
+    }
+    let lab = LAB_DIR
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .as_deref()
+        .map(crate::lab::ca_cert);
+    if let Some(p) = lab.filter(|p| p.exists()) {
+        return Ok(p);
+    }
+    let system = std::path::PathBuf::from(SYSTEM_CA);
+    if system.exists() {
+        return Ok(system);
+    }
+    bail!(
+        "no CA certificate to check the API's TLS certificate against: give --ca FILE (or \
+         CONVERGE_CA), the cluster's ca.crt from the host where `converge cluster init` ran \
+         (installed nodes keep it as {SYSTEM_CA})"
+    )
+}
+
+fn tls_config() -> Result<std::sync::Arc<rustls::ClientConfig>> {
+    let path = ca_file()?;
+    let mut cached = TLS.lock().unwrap_or_else(|e| e.into_inner());
+    if let Some((p, cfg)) = cached.as_ref() {
+        if *p == path {
+            return Ok(cfg.clone());
+        }
+    }
+    let pem = std::fs::read(&path)
+        .with_context(|| format!("reading the CA certificate {}", path.display()))?;
+    let cfg = converge_pki::client_config(&pem)
+        .map_err(|e| anyhow!("CA certificate {}: {e}", path.display()))?;
+    *cached = Some((path, cfg.clone()));
+    Ok(cfg)
+}
+
+/// A connection, plain or TLS.
+trait Conn: Read + Write {}
+impl<T: Read + Write> Conn for T {}
 static LAB_DIR: std::sync::Mutex<Option<std::path::PathBuf>> = std::sync::Mutex::new(None);
 
 /// The bearer token every API request carries, if given (`--token`, `$CONVERGE_TOKEN`).
@@ -145,14 +206,43 @@ fn request_one(
     body: Option<&[u8]>,
     read_timeout: Duration,
 ) -> Result<Response, Failure> {
-    let hostport = base
-        .strip_prefix("http://")
-        .ok_or_else(|| Failure::NotSent(anyhow!("API address {base:?} must start with http://")))?;
+    let (tls, hostport) = if let Some(h) = base.strip_prefix("https://") {
+        (true, h)
+    } else if let Some(h) = base.strip_prefix("http://") {
+        (false, h)
+    } else {
+        return Err(Failure::NotSent(anyhow!(
+            "API address {base:?} must start with https://"
+        )));
+    };
     // A bounded connect: a node cut off the network (a lab partition) must fail in
     // seconds, not after the kernel's SYN retries.
-    let mut s = connect(hostport).map_err(|e| Failure::NotSent(e.into()))?;
+    let tcp = connect(hostport).map_err(|e| Failure::NotSent(e.into()))?;
+    tcp.set_read_timeout(Some(read_timeout))
+        .map_err(|e| Failure::NotSent(e.into()))?;
+    let mut s: Box<dyn Conn> = if tls {
+        let cfg = tls_config().map_err(Failure::NotSent)?;
+        let host = host_of(hostport);
+        let name = rustls::pki_types::ServerName::try_from(host.to_string())
+            .map_err(|e| Failure::NotSent(anyhow!("{host:?} is not a host name: {e}")))?;
+        let conn = rustls::ClientConnection::new(cfg, name)
+            .map_err(|e| Failure::NotSent(anyhow!("TLS: {e}")))?;
+        let mut stream = rustls::StreamOwned::new(conn, tcp);
+        // Handshake now, so a certificate problem is reported as such (and nothing was
+        // sent).
+        while stream.conn.is_handshaking() {
+            stream.conn.complete_io(&mut stream.sock).map_err(|e| {
+                Failure::NotSent(anyhow!(
+                    "TLS handshake with {hostport} failed: {e} (is this a converge API, \
+                         and is the CA certificate this cluster's?)"
+                ))
+            })?;
+        }
+        Box::new(stream)
+    } else {
+        Box::new(tcp)
+    };
     let sent = (|| -> Result<()> {
-        s.set_read_timeout(Some(read_timeout))?;
         let body = body.unwrap_or(&[]);
         let head = format!(
             "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\nContent-Type: application/json\r\n{}Content-Length: {}\r\n\r\n",
@@ -172,6 +262,15 @@ fn request_one(
     parse(&raw)
         .with_context(|| format!("bad HTTP answer from {base}{path}"))
         .map_err(Failure::NoAnswer)
+}
+
+/// The host part of `host:port` (`[v6]:port` too).
+fn host_of(hostport: &str) -> &str {
+    let host = match hostport.rfind(':') {
+        Some(i) if !hostport[i + 1..].contains(']') => &hostport[..i],
+        _ => hostport,
+    };
+    host.trim_start_matches('[').trim_end_matches(']')
 }
 
 fn connect(hostport: &str) -> std::io::Result<TcpStream> {
@@ -283,8 +382,8 @@ mod tests {
     #[test]
     fn endpoint_lists() {
         assert_eq!(
-            endpoints("http://a:1, b:2/ ,,http://c:3/").unwrap(),
-            ["http://a:1", "http://b:2", "http://c:3"]
+            endpoints("https://a:1, b:2/ ,,http://c:3/").unwrap(),
+            ["https://a:1", "https://b:2", "http://c:3"]
         );
         assert!(endpoints(" , ").is_err());
         let many = vec!["a:1"; ENDPOINTS_MAX + 1].join(",");

@@ -227,6 +227,39 @@ pub fn admin_token(dir: &Path) -> Option<String> {
         .filter(|t| !t.is_empty())
 }
 
+/// The lab's CA (`DIR/pki`), made on first use.
+fn lab_ca(dir: &Path) -> Result<converge_pki::Ca> {
+    let pki = dir.join("pki");
+    if pki.join(converge_pki::CA_KEY).exists() {
+        return converge_pki::Ca::load(&pki).map_err(|e| anyhow!("the lab's CA: {e}"));
+    }
+    let ca = converge_pki::Ca::generate().map_err(|e| anyhow!("making the lab's CA: {e}"))?;
+    ca.write(&pki)
+        .map_err(|e| anyhow!("writing the lab's CA: {e}"))?;
+    Ok(ca)
+}
+
+/// A node's PKI directory: a new key, and a certificate from `ca` naming the node and
+/// `hosts`.
+pub fn issue_node_pki(ca: &converge_pki::Ca, dir: &Path, id: u32, hosts: &[String]) -> Result<()> {
+    let key = converge_pki::NewKey::generate().map_err(|e| anyhow!("{e}"))?;
+    let cert = ca
+        .issue(
+            &converge_pki::Subject::Node {
+                id,
+                hosts: hosts.to_vec(),
+            },
+            &key.public_key(),
+        )
+        .map_err(|e| anyhow!("certificate of node {id}: {e}"))?;
+    converge_pki::write_node_dir(dir, ca.cert_pem(), &cert, &key.pem()).map_err(|e| anyhow!("{e}"))
+}
+
+/// The lab's CA certificate (the lab is its own cluster CA).
+pub fn ca_cert(dir: &Path) -> PathBuf {
+    dir.join("pki").join(converge_pki::CA_CERT)
+}
+
 pub fn default_dir() -> PathBuf {
     std::env::var_os("CONVERGE_LAB_DIR")
         .map(PathBuf::from)
@@ -690,6 +723,8 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     };
     save(&lab)?;
     wait_etcd(&lab, o.timeout)?;
+    // The lab is its own cluster CA: every node gets a certificate, as on real hosts.
+    let ca = lab_ca(&dir)?;
 
     for id in 1..=o.nodes {
         let (ip, ports, netns) = match &net {
@@ -731,6 +766,7 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         let rpc = format!("{ip}:{}", ports[0]);
         let api = format!("{ip}:{}", ports[1]);
         let sock = ndir.join("nbd.sock");
+        issue_node_pki(&ca, &ndir.join("pki"), id, &[ip.to_string()])?;
         let config = ndir.join("converged.toml");
         let mut toml = format!(
             "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\n\n[etcd]\nendpoints = [\"{client}\"]\n",
@@ -765,6 +801,10 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             "\n[api]\nadmin_token_file = {:?}\nlab = true\nfleet = true\n",
             dir.join("admin.token").display().to_string()
         ));
+        toml.push_str(&format!(
+            "\n[tls]\ndir = {:?}\n",
+            ndir.join("pki").display().to_string()
+        ));
         fs::write(&config, toml)?;
         let argv = vec![
             converged.display().to_string(),
@@ -777,12 +817,12 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             netns,
             &ndir.join("converged.log"),
             config.display().to_string(),
-            format!("http://{api}"),
+            format!("https://{api}"),
         )?;
         lab.nodes.push(LabNode {
             id,
             config,
-            api: format!("http://{api}"),
+            api: format!("https://{api}"),
             rpc,
             nbd_socket: sock,
             drives,

@@ -32,7 +32,7 @@ served over NBD.\n\nStart a cluster on this machine with `converge lab up`, then
 )]
 struct Cli {
     /// Node APIs to talk to, comma-separated, e.g.
-    /// http://127.0.0.2:7200,http://127.0.0.3:7200: any node answers for the cluster, and
+    /// https://127.0.0.2:7200,https://127.0.0.3:7200: any node answers for the cluster, and
     /// the next is tried when one cannot be reached (refused, unreachable, timed out; an
     /// HTTP error is an answer). Default: every node of the lab in $CONVERGE_LAB_DIR or
     /// ./converge-lab.
@@ -49,6 +49,10 @@ struct Cli {
         hide_env_values = true
     )]
     token: Option<String>,
+    /// The cluster's CA certificate, to check the API's TLS certificate against. Default:
+    /// the lab's ($CONVERGE_LAB_DIR/pki/ca.crt), else /etc/converge/pki/ca.crt.
+    #[arg(long, global = true, env = "CONVERGE_CA", value_name = "FILE")]
+    ca: Option<PathBuf>,
     /// Print JSON instead of tables.
     #[arg(long, global = true)]
     json: bool,
@@ -420,6 +424,7 @@ impl FaultCmd {
 fn main() {
     let cli = Cli::parse();
     http::set_token(resolve_token(&cli));
+    http::set_ca(cli.ca.clone());
     if let Err(e) = run(cli) {
         eprintln!("converge: error: {e:#}");
         std::process::exit(1);
@@ -440,7 +445,7 @@ fn api_base(cli: &Cli) -> Result<String> {
     }
     let dir = lab::default_dir();
     let lab = lab::load(&dir).context(
-        "no API address given: use --api http://HOST:PORT[,http://HOST:PORT...], set \
+        "no API address given: use --api https://HOST:PORT[,https://HOST:PORT...], set \
          CONVERGE_API, or start a lab",
     )?;
     // Every node, those that serve first: a paused node accepts connections but never

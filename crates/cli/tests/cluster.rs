@@ -155,9 +155,9 @@ fn mirror3_volume_serves_real_clients_and_places_copies_on_distinct_nodes() {
     let api = lj["nodes"][0]["api"]
         .as_str()
         .unwrap()
-        .trim_start_matches("http://")
+        .trim_start_matches("https://")
         .to_string();
-    let metrics = http_get(&api, "/metrics", Some(&lab.token()));
+    let metrics = http_get(&lab, &api, "/metrics", Some(&lab.token()));
     for m in [
         "converge_drive_written_bytes_total",
         "converge_drive_inflight_seconds_total",
@@ -324,7 +324,7 @@ fn bad_volume_requests_get_clear_errors() {
     let o = must(Command::new("qemu-img").args(["info", &format!("nbd+unix:///y?socket={sock}")]));
     assert!(o.contains("64 MiB"), "{o}");
     // An unreachable API is a clear error.
-    let o = run(&mut lab.cmd(&["status", "--api", "http://127.0.0.1:9"]));
+    let o = run(&mut lab.cmd(&["status", "--api", "https://127.0.0.1:9"]));
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("cannot reach the converge API"));
 }

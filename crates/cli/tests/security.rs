@@ -21,22 +21,27 @@ fn node_api(lab: &Lab, id: usize) -> String {
     lab.lab_json()["nodes"][id - 1]["api"]
         .as_str()
         .unwrap()
-        .trim_start_matches("http://")
+        .trim_start_matches("https://")
         .to_string()
 }
 
 /// `GET path` with `token`, or None if the node did not answer.
-fn try_get(hostport: &str, path: &str, token: &str) -> Option<String> {
-    let mut s = TcpStream::connect(hostport).ok()?;
-    s.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+fn try_get(lab: &Lab, hostport: &str, path: &str, token: &str) -> Option<String> {
+    let pem = std::fs::read(lab.path().join("pki/ca.crt")).ok()?;
+    let cfg = converge_pki::client_config(&pem).ok()?;
+    let host = hostport.rsplit_once(':')?.0.to_string();
+    let name = rustls::pki_types::ServerName::try_from(host).ok()?;
+    let tcp = TcpStream::connect(hostport).ok()?;
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    let mut s = rustls::StreamOwned::new(rustls::ClientConnection::new(cfg, name).ok()?, tcp);
     write!(
         s,
         "GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\nConnection: close\r\n\r\n"
     )
     .ok()?;
-    let mut out = String::new();
-    s.read_to_string(&mut out).ok()?;
-    Some(out)
+    let mut out = Vec::new();
+    read_until_closed(&mut s, &mut out).ok()?;
+    Some(String::from_utf8_lossy(&out).into_owned())
 }
 
 fn open_fds(pid: i32) -> usize {
@@ -95,7 +100,8 @@ fn the_api_outlives_running_out_of_file_descriptors() {
     ]));
     assert!(alive(pid), "converged exited after failed accepts");
     lab.wait_for("the API to answer again", Duration::from_secs(60), || {
-        try_get(&api, "/v1/status", &lab.token()).is_some_and(|a| a.starts_with("HTTP/1.1 200"))
+        try_get(&lab, &api, "/v1/status", &lab.token())
+            .is_some_and(|a| a.starts_with("HTTP/1.1 200"))
     });
     assert!(alive(pid));
     // The node is still a working cluster member: its volume serves I/O.
@@ -109,20 +115,21 @@ fn the_api_outlives_running_out_of_file_descriptors() {
 
 /// A client that sends half a request's headers and goes quiet holds its connection only
 /// until the header read timeout (10 s); it once held it forever, and enough of them would
-/// have used up the node's descriptors.
+/// have used up the node's descriptors. The same bound holds for one that never finishes
+/// its TLS handshake, and one that sends nothing at all.
 #[test]
 fn a_half_sent_api_request_is_closed() {
     let lab = Lab::up(3, &[]);
     let api = node_api(&lab, 1);
-    let mut s = TcpStream::connect(&api).unwrap();
+    let mut s = tls_connect(&lab, &api);
     s.write_all(b"GET /v1/status HTTP/1.1\r\nHost: x\r\n")
         .unwrap();
-    // Far beyond the timeout: if the node has not closed by then, it never will.
-    s.set_read_timeout(Some(Duration::from_secs(120))).unwrap();
+    s.flush().unwrap();
+    // Far beyond the timeout (the stream's read timeout is 120 s): if the node has not
+    // closed by then, it never will.
     let mut buf = Vec::new();
-    match s.read_to_end(&mut buf) {
-        Ok(_) => {}
-        Err(e) => panic!("the connection was still open: {e}"),
+    if let Err(e) = read_until_closed(&mut s, &mut buf) {
+        panic!("the connection was still open: {e}");
     }
     let text = String::from_utf8_lossy(&buf);
     assert!(
@@ -135,11 +142,18 @@ fn a_half_sent_api_request_is_closed() {
         .unwrap();
     let mut one = [0u8; 1];
     assert_eq!(idle.read(&mut one).unwrap(), 0, "closed without an answer");
-    assert!(http_get(&api, "/v1/status", Some(&lab.token())).starts_with("HTTP/1.1 200"));
+    // Half a TLS handshake (the first bytes of a ClientHello).
+    let mut half = TcpStream::connect(&api).unwrap();
+    half.set_read_timeout(Some(Duration::from_secs(120)))
+        .unwrap();
+    half.write_all(&[0x16, 0x03, 0x01, 0x02, 0x00]).unwrap();
+    assert_eq!(half.read(&mut one).unwrap(), 0, "closed without an answer");
+    assert!(http_get(&lab, &api, "/v1/status", Some(&lab.token())).starts_with("HTTP/1.1 200"));
 }
 
 /// What a stranger who learned the cluster id (from `GET /v1/status`) could do with a few
-/// peer requests, each of which once worked: stamp a version from the far future on every
+/// peer requests, each of which once worked (now the peer port wants a certificate of the
+/// cluster's CA naming the node, so these are tried with a member's genuine certificate): stamp a version from the far future on every
 /// copy (later writes acked and dropped), fence every copy at epoch `u64::MAX` (the volume
 /// unwritable for good), free every copy (reads return zeros), write to an invented volume
 /// (space the control plane does not see), and make the owner allocate 512 MiB for one
@@ -198,12 +212,78 @@ fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
         .build()
         .unwrap();
     let knobs = Knobs::default();
-    // Posing as another member of the cluster.
-    let client = |node: u64| {
-        RpcClient::new(
+    let tls_of = |ca: &converge_pki::Ca, subject: converge_pki::Subject| {
+        let key = converge_pki::NewKey::generate().unwrap();
+        let cert = ca.issue(&subject, &key.public_key()).unwrap();
+        converge_pki::NodeTls::from_pem(
+            ca.cert_pem().as_bytes(),
+            cert.as_bytes(),
+            key.pem().as_bytes(),
+        )
+        .unwrap()
+        .peer_client()
+        .unwrap()
+    };
+    let node_cert = |ca: &converge_pki::Ca, id: u32| {
+        tls_of(ca, converge_pki::Subject::Node { id, hosts: vec![] })
+    };
+    let lab_ca = converge_pki::Ca::load(&lab.path().join("pki")).unwrap();
+    let other_ca = converge_pki::Ca::generate().unwrap();
+    let free = |drive| Request::Extent {
+        drive,
+        op: ExtentOp::Free { key },
+    };
+    // Knowing the cluster id (once the only check) gets a stranger nothing now: without a
+    // certificate of the cluster's CA there is no connection, and a certificate of another
+    // CA, or a client certificate of this one, is no better.
+    for &(node, drive) in &copies {
+        let me = NodeId(node as u32 % 3 + 1);
+        let plain = RpcClient::new(rpc_of(node), Hello::new(cluster, me), &knobs);
+        let r = rt.block_on(plain.call(free(drive)));
+        assert!(r.is_err(), "a plaintext peer got an answer: {r:?}");
+        assert_eq!(plain.connections_made(), 0);
+        let foreign = RpcClient::with_tls(
             rpc_of(node),
-            Hello::new(cluster, NodeId(node as u32 % 3 + 1)),
+            Hello::new(cluster, me),
             &knobs,
+            node_cert(&other_ca, me.0),
+            NodeId(node as u32),
+        );
+        match rt.block_on(foreign.call(free(drive))) {
+            Err(RpcError::Connect { source, .. }) => {
+                assert!(source.to_string().contains("TLS handshake"), "{source}")
+            }
+            other => panic!("another CA's certificate: {other:?}"),
+        }
+        let qemu = RpcClient::with_tls(
+            rpc_of(node),
+            Hello::new(cluster, me),
+            &knobs,
+            tls_of(
+                &lab_ca,
+                converge_pki::Subject::Client {
+                    name: "qemu".into(),
+                },
+            ),
+            NodeId(node as u32),
+        );
+        match rt.block_on(qemu.call(free(drive))) {
+            Err(RpcError::Refused { message, .. }) => {
+                assert!(message.contains(&format!("not node {me}'s")), "{message}")
+            }
+            other => panic!("a client certificate as a peer: {other:?}"),
+        }
+    }
+    // Defence in depth: even a member's genuine certificate (a compromised node) cannot do
+    // any of what follows.
+    let client = |node: u64| {
+        let me = node as u32 % 3 + 1;
+        RpcClient::with_tls(
+            rpc_of(node),
+            Hello::new(cluster, NodeId(me)),
+            &knobs,
+            node_cert(&lab_ca, me),
+            NodeId(node as u32),
         )
     };
     let block = Bytes::from(vec![0u8; 4096]);
@@ -336,13 +416,14 @@ fn drive_files_and_sockets_are_private_and_absurd_settings_are_refused() {
 
 /// `method path` with `token` (if any) and a JSON body: (status code, answer body).
 fn api_call(
+    lab: &Lab,
     hostport: &str,
     method: &str,
     path: &str,
     token: Option<&str>,
     body: &str,
 ) -> (u16, String) {
-    let mut s = TcpStream::connect(hostport).unwrap();
+    let mut s = tls_connect(lab, hostport);
     let auth = token
         .map(|t| format!("Authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
@@ -353,8 +434,9 @@ fn api_call(
         body.len()
     )
     .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
+    let mut out = Vec::new();
+    read_until_closed(&mut s, &mut out).unwrap();
+    let out = String::from_utf8_lossy(&out).into_owned();
     let status = out[9..12].parse().unwrap();
     let body = out.split_once("\r\n\r\n").map_or("", |x| x.1).to_string();
     (status, body)
@@ -385,15 +467,15 @@ fn the_api_needs_a_token_and_each_role_may_do_only_its_part() {
             r#"{"name":"x","size_bytes":67108864}"#,
         ),
     ] {
-        let (status, text) = api_call(&api1, method, path, None, body);
+        let (status, text) = api_call(&lab, &api1, method, path, None, body);
         assert_eq!(status, 401, "{method} {path} without a token: {text}");
         assert!(text.contains("needs a token"), "{text}");
         let forged = format!("cvt.{}.{}", "0".repeat(16), "1".repeat(64));
-        let (status, text) = api_call(&api1, method, path, Some(&forged), body);
+        let (status, text) = api_call(&lab, &api1, method, path, Some(&forged), body);
         assert_eq!(status, 401, "{method} {path} with a made-up token: {text}");
         assert!(text.contains("unknown or revoked"), "{text}");
     }
-    assert_eq!(api_call(&api1, "GET", "/v1/health", None, "").0, 200);
+    assert_eq!(api_call(&lab, &api1, "GET", "/v1/health", None, "").0, 200);
 
     // A read-only and an operator token, made by the admin.
     let make = |name: &str, role: &str| -> (String, String) {
@@ -408,7 +490,7 @@ fn the_api_needs_a_token_and_each_role_may_do_only_its_part() {
     let (op, _) = make("ci", "operator");
     let with = |token: &str, args: &[&str]| {
         let mut c = lab.cmd(args);
-        c.args(["--token", token, "--api", &format!("http://{api1}")]);
+        c.args(["--token", token, "--api", &format!("https://{api1}")]);
         run(&mut c)
     };
     let refused = |token: &str, args: &[&str], needs: &str| {
@@ -419,7 +501,10 @@ fn the_api_needs_a_token_and_each_role_may_do_only_its_part() {
     };
     assert!(with(&ro, &["status"]).status.success());
     assert!(with(&ro, &["volume", "show", "keep"]).status.success());
-    assert_eq!(api_call(&api1, "GET", "/metrics", Some(&ro), "").0, 200);
+    assert_eq!(
+        api_call(&lab, &api1, "GET", "/metrics", Some(&ro), "").0,
+        200
+    );
     refused(&ro, &["volume", "create", "x", "--size", "64M"], "operator");
     refused(&ro, &["token", "list"], "admin");
     assert!(with(&op, &["volume", "create", "opvol", "--size", "64M"])
@@ -434,14 +519,22 @@ fn the_api_needs_a_token_and_each_role_may_do_only_its_part() {
     assert!(list.contains("grafana") && list.contains("ci") && list.contains("bootstrap-admin"));
     assert!(!list.contains(&ro) && !list.contains(&admin), "{list}");
     let mut c = lab.cmd(&["token", "revoke", &ro_id]);
-    c.args(["--api", &format!("http://{api1}")]);
+    c.args(["--api", &format!("https://{api1}")]);
     must(&mut c);
-    let (status, text) = api_call(&api1, "GET", "/v1/status", Some(&ro), "");
+    let (status, text) = api_call(&lab, &api1, "GET", "/v1/status", Some(&ro), "");
     assert_eq!(status, 401, "{text}");
 
     // The lab's views answer in the lab; a node whose config leaves them off does not.
     assert_eq!(
-        api_call(&api3, "POST", "/v1/lab/blocks/sample", Some(&admin), "{}").0,
+        api_call(
+            &lab,
+            &api3,
+            "POST",
+            "/v1/lab/blocks/sample",
+            Some(&admin),
+            "{}"
+        )
+        .0,
         400,
         "the lab API is on in the lab (the empty request is refused for its content)"
     );
@@ -456,7 +549,7 @@ fn the_api_needs_a_token_and_each_role_may_do_only_its_part() {
     .unwrap();
     lab.must(&["lab", "fault", "restart", "3"]);
     for path in ["/v1/lab/blocks/sample", "/v1/fleet/workers"] {
-        let (status, text) = api_call(&api3, "POST", path, Some(&admin), "{}");
+        let (status, text) = api_call(&lab, &api3, "POST", path, Some(&admin), "{}");
         assert_eq!(status, 404, "{path}: {text}");
         assert!(text.contains("is off on this node"), "{text}");
     }

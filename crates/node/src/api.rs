@@ -34,7 +34,12 @@ const ACCEPT_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis
 /// of file descriptors, say) is logged and retried after a pause, never the end of the API;
 /// a client that opens connections and sends nothing holds one of `CONNECTIONS_MAX` for at
 /// most `HEADER_READ_TIMEOUT`.
-pub async fn serve(listener: tokio::net::TcpListener, node: Arc<Node>) -> std::io::Result<()> {
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    node: Arc<Node>,
+    tls: Arc<rustls::ServerConfig>,
+) -> std::io::Result<()> {
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
     loop {
         let permit = slots
@@ -51,8 +56,23 @@ pub async fn serve(listener: tokio::net::TcpListener, node: Arc<Node>) -> std::i
             }
         };
         let node = node.clone();
+        let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let _permit = permit;
+            // The TLS handshake is bounded like a request's head: a client that stalls in
+            // it holds a connection slot no longer.
+            let stream =
+                match tokio::time::timeout(HEADER_READ_TIMEOUT, acceptor.accept(stream)).await {
+                    Ok(Ok(s)) => s,
+                    Ok(Err(e)) => {
+                        log::debug!("api: TLS handshake failed: {e}");
+                        return;
+                    }
+                    Err(_) => {
+                        log::debug!("api: no TLS handshake within {HEADER_READ_TIMEOUT:?}");
+                        return;
+                    }
+                };
             let svc = hyper::service::service_fn(move |req| {
                 let node = node.clone();
                 async move { Ok::<_, std::convert::Infallible>(handle(node, req).await) }
@@ -754,8 +774,8 @@ async fn move_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
         .await
         .map_err(ApiError::unavailable)?;
     let (status, bytes) = crate::http_client::request(
-        &target.api_addr,
-        node.auth.internal(),
+        node,
+        target,
         "POST",
         &format!("/v1/volumes/{name}/open"),
         b"",
@@ -949,15 +969,14 @@ async fn forward_to_owner(
         // The owner is down: act here (it serves nothing).
         return Ok(None);
     };
-    let (status, bytes) =
-        crate::http_client::request(&n.api_addr, node.auth.internal(), method, path, body)
-            .await
-            .map_err(|e| {
-                ApiError(
-                    StatusCode::BAD_GATEWAY,
-                    format!("forwarding to owner node {owner} at {}: {e}", n.api_addr),
-                )
-            })?;
+    let (status, bytes) = crate::http_client::request(node, &n, method, path, body)
+        .await
+        .map_err(|e| {
+            ApiError(
+                StatusCode::BAD_GATEWAY,
+                format!("forwarding to owner node {owner} at {}: {e}", n.api_addr),
+            )
+        })?;
     let v: serde_json::Value = serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null);
     Ok(Some((
         StatusCode::from_u16(status).unwrap_or(StatusCode::BAD_GATEWAY),

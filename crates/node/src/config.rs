@@ -46,6 +46,15 @@ struct RawConfig {
     knobs: Knobs,
     #[serde(default)]
     api: RawApi,
+    #[serde(default)]
+    tls: RawTls,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawTls {
+    /// This node's PKI directory: ca.crt, node.crt, node.key (and ca.key where it signs).
+    dir: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -138,6 +147,8 @@ pub struct Config {
     pub lab_api: bool,
     /// Serve the fleet's workers under `/v1/fleet`.
     pub fleet_api: bool,
+    /// This node's PKI directory (default: `pki` beside the config file).
+    pub tls_dir: PathBuf,
 }
 
 impl Config {
@@ -296,6 +307,10 @@ impl Config {
                 .unwrap_or_else(|| path.parent().unwrap_or(Path::new(".")).join("admin.token")),
             lab_api: raw.api.lab,
             fleet_api: raw.api.fleet,
+            tls_dir: raw
+                .tls
+                .dir
+                .unwrap_or_else(|| path.parent().unwrap_or(Path::new(".")).join("pki")),
         })
     }
 }

@@ -128,6 +128,14 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let mut cfg = cfg;
     cfg.slab_size_bytes = cluster_rec.slab_size_bytes;
     let internal_token = auth::bootstrap(&cluster, &cfg).await?;
+    // Every port speaks TLS with this node's certificate: no certificate, no node.
+    let tls = converge_pki::NodeTls::load(&cfg.tls_dir, cfg.node_id.0)
+        .map_err(|e| anyhow!("this node's TLS identity: {e}"))?;
+    let tls_err = |e: converge_pki::PkiError| anyhow!("TLS settings: {e}");
+    let peer_server = tls.peer_server().map_err(tls_err)?;
+    let peer_client = tls.peer_client().map_err(tls_err)?;
+    let api_server = tls.api_server().map_err(tls_err)?;
+    let https_client = tls.https_client().map_err(tls_err)?;
     let opened = tiering::open_drives(&cfg, cluster_rec.cluster_id)?;
     if args.check {
         println!(
@@ -200,6 +208,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
             cluster.clone(),
             hello,
             cfg.knobs.clone(),
+            peer_client,
         )),
         allocator: Arc::new(Allocator::new(
             cluster.clone(),
@@ -223,6 +232,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         failed_reported: Mutex::new(Default::default()),
         orphans_freed: Default::default(),
         auth: auth::Auth::new(cluster.clone(), internal_token, &cfg),
+        https: https_client,
     });
     for d in &drive_recs {
         cluster.put_drive(d).await.map_err(|e| anyhow!("{e}"))?;
@@ -258,8 +268,9 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
             node: node.clone(),
         }),
         cfg.knobs.clone(),
+        Some(peer_server),
     ));
-    let api = tokio::spawn(api::serve(api_listener, node.clone()));
+    let api = tokio::spawn(api::serve(api_listener, node.clone(), api_server));
     let exports = Arc::new(export::Exports { node: node.clone() });
     let nbd_cfg = converge_nbd::ServerConfig {
         inflight_max: cfg.knobs.nbd_inflight_max,

@@ -56,6 +56,8 @@ pub struct Node {
     pub failed_reported: Mutex<std::collections::HashSet<DriveId>>,
     /// Who may use the API (`auth.rs`), and this node's token for the other nodes' APIs.
     pub auth: crate::auth::Auth,
+    /// HTTPS to the other nodes' APIs: trusts the cluster's CA.
+    pub https: Arc<rustls::ClientConfig>,
 }
 
 /// Totals of this node's scrubs (for /metrics).
@@ -428,6 +430,8 @@ pub struct Replicas {
     pub cluster: Cluster,
     pub hello: Hello,
     pub knobs: Knobs,
+    /// Mutual TLS to peers: this node's certificate, the cluster's CA.
+    tls: Arc<rustls::ClientConfig>,
     peers: RwLock<HashMap<NodeId, RpcClient>>,
 }
 
@@ -438,6 +442,7 @@ impl Replicas {
         cluster: Cluster,
         hello: Hello,
         knobs: Knobs,
+        tls: Arc<rustls::ClientConfig>,
     ) -> Replicas {
         Replicas {
             me,
@@ -445,6 +450,7 @@ impl Replicas {
             cluster,
             hello,
             knobs,
+            tls,
             peers: RwLock::new(HashMap::new()),
         }
     }
@@ -466,7 +472,13 @@ impl Replicas {
         let c = peers
             .entry(node)
             .or_insert_with(|| {
-                RpcClient::new(rec.rpc_addr.clone(), self.hello.clone(), &self.knobs)
+                RpcClient::with_tls(
+                    rec.rpc_addr.clone(),
+                    self.hello.clone(),
+                    &self.knobs,
+                    self.tls.clone(),
+                    node,
+                )
             })
             .clone();
         Ok(c)

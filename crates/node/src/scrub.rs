@@ -108,15 +108,10 @@ async fn forward(
         .ok_or_else(|| format!("volume {name}: owner node {owner} is not live"))?;
     let body =
         serde_json::to_vec(&ScrubRequest { wait: true, repair }).map_err(|e| e.to_string())?;
-    let (status, bytes) = crate::http_client::request(
-        &n.api_addr,
-        node.auth.internal(),
-        "POST",
-        &format!("/v1/volumes/{name}/scrub"),
-        &body,
-    )
-    .await
-    .map_err(|e| format!("forwarding the scrub to node {owner}: {e}"))?;
+    let (status, bytes) =
+        crate::http_client::request(node, n, "POST", &format!("/v1/volumes/{name}/scrub"), &body)
+            .await
+            .map_err(|e| format!("forwarding the scrub to node {owner}: {e}"))?;
     if status != 200 {
         return Err(format!("node {owner}: {}", String::from_utf8_lossy(&bytes)));
     }

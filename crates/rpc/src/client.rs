@@ -12,7 +12,7 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
-use tokio::io::BufReader;
+use tokio::io::{AsyncRead, AsyncWrite, BufReader};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot, Semaphore};
 use tokio::task::AbortHandle;
@@ -161,6 +161,8 @@ struct Slot {
 struct Inner {
     addr: String,
     hello: Hello,
+    /// Mutual TLS: this node's client settings and the node the peer must prove to be.
+    tls: Option<(tokio_rustls::TlsConnector, NodeId)>,
     frame_bytes_max: usize,
     timeout: Duration,
     inflight: Semaphore,
@@ -201,11 +203,39 @@ impl Hello {
 impl RpcClient {
     /// A client for the peer at `addr` (`host:port`). Does not connect: the first call does.
     pub fn new(addr: String, hello: Hello, knobs: &Knobs) -> RpcClient {
+        Self::build(addr, hello, knobs, None)
+    }
+
+    /// A client for node `peer` at `addr` over mutual TLS (`tls` presents this node's
+    /// certificate and trusts the cluster's CA): the connection is refused unless the peer's
+    /// certificate names `peer` and its hello answers as `peer`.
+    pub fn with_tls(
+        addr: String,
+        hello: Hello,
+        knobs: &Knobs,
+        tls: Arc<rustls::ClientConfig>,
+        peer: NodeId,
+    ) -> RpcClient {
+        Self::build(
+            addr,
+            hello,
+            knobs,
+            Some((tokio_rustls::TlsConnector::from(tls), peer)),
+        )
+    }
+
+    fn build(
+        addr: String,
+        hello: Hello,
+        knobs: &Knobs,
+        tls: Option<(tokio_rustls::TlsConnector, NodeId)>,
+    ) -> RpcClient {
         let inflight_max = knobs.rpc_inflight_max.max(1);
         RpcClient {
             inner: Arc::new(Inner {
                 addr,
                 hello,
+                tls,
                 frame_bytes_max: knobs.rpc_frame_bytes_max,
                 timeout: Duration::from_millis(knobs.replica_timeout_ms),
                 inflight: Semaphore::new(inflight_max),
@@ -388,7 +418,37 @@ impl RpcClient {
         };
         let stream = TcpStream::connect(addr.as_str()).await.map_err(io_err)?;
         stream.set_nodelay(true).map_err(io_err)?;
-        let (rd, mut wr) = stream.into_split();
+        match &self.inner.tls {
+            None => {
+                let (rd, wr) = stream.into_split();
+                self.start(rd, wr, None).await
+            }
+            Some((connector, peer)) => {
+                let name = converge_pki::node_server_name(peer.0);
+                let tls = connector.connect(name, stream).await.map_err(|e| {
+                    io_err(std::io::Error::new(
+                        e.kind(),
+                        format!("TLS handshake with node {peer} failed: {e}"),
+                    ))
+                })?;
+                let (rd, wr) = tokio::io::split(tls);
+                self.start(rd, wr, Some(*peer)).await
+            }
+        }
+    }
+
+    /// Says hello over a connected stream and starts the reader and writer tasks. With
+    /// `expect`, the peer must answer as that node.
+    async fn start<R, W>(&self, rd: R, mut wr: W, expect: Option<NodeId>) -> Result<Conn, RpcError>
+    where
+        R: AsyncRead + Unpin + Send + 'static,
+        W: AsyncWrite + Unpin + Send + 'static,
+    {
+        let addr = &self.inner.addr;
+        let io_err = |e: std::io::Error| RpcError::Connect {
+            addr: addr.clone(),
+            source: Arc::new(e),
+        };
         let mut rd = BufReader::with_capacity(READ_BUFFER_BYTES, rd);
 
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
@@ -435,6 +495,13 @@ impl RpcClient {
                 ))))
             }
         };
+        if let Some(want) = expect {
+            if peer != want {
+                return Err(protocol(WireError::Invalid(format!(
+                    "the peer answered as node {peer}, but its certificate is node {want}'s"
+                ))));
+            }
+        }
         log::debug!("rpc to {addr}: connected to node {peer}");
 
         let shared = Arc::new(ConnShared {

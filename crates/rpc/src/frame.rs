@@ -161,6 +161,8 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
             }
         }
         write_all_vectored(&mut w, &mut chunks).await?;
+        // Free on a plain socket; a TLS stream may hold records back until flushed.
+        w.flush().await?;
         if next.is_none() {
             next = rx.recv().await;
         }

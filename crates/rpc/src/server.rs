@@ -13,6 +13,7 @@ use crate::wire::{
     self, msg, EncodedFrame, ErrorCode, FrameHeader, Request, Response, WireError, PROTOCOL_VERSION,
 };
 use converge_types::{ClusterId, Knobs, NodeId};
+use rustls::pki_types::CertificateDer;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -45,8 +46,10 @@ pub async fn serve<H: Handler>(
     my_node: NodeId,
     handler: Arc<H>,
     knobs: Knobs,
+    tls: Option<Arc<rustls::ServerConfig>>,
 ) -> std::io::Result<()> {
     let knobs = Arc::new(knobs);
+    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let mut conns = JoinSet::new();
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     loop {
@@ -60,6 +63,7 @@ pub async fn serve<H: Handler>(
                         my_node,
                         handler.clone(),
                         knobs.clone(),
+                        tls.clone(),
                     );
                     conns.spawn(async move {
                         conn.await;
@@ -125,6 +129,7 @@ impl Drop for ReplyGuard {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn serve_conn<H: Handler>(
     stream: TcpStream,
     addr: SocketAddr,
@@ -132,19 +137,70 @@ async fn serve_conn<H: Handler>(
     my_node: NodeId,
     handler: Arc<H>,
     knobs: Arc<Knobs>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         log::warn!("rpc server: cannot set TCP_NODELAY for {addr}: {e}");
     }
+    let handshake_timeout = Duration::from_millis(knobs.replica_timeout_ms);
+    let Some(acceptor) = tls else {
+        let (rd, wr) = stream.into_split();
+        return serve_stream(rd, wr, None, addr, cluster, my_node, handler, knobs).await;
+    };
+    // The TLS handshake checks that the caller holds a certificate of this cluster's CA;
+    // which node it names is checked against the hello.
+    let stream = match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            log::warn!("rpc server: TLS handshake with {addr} failed, refused: {e}");
+            return;
+        }
+        Err(_) => {
+            log::info!(
+                "rpc server: {addr} did not finish a TLS handshake within {handshake_timeout:?}"
+            );
+            return;
+        }
+    };
+    let cert = stream
+        .get_ref()
+        .1
+        .peer_certificates()
+        .and_then(|c| c.first())
+        .map(|c| c.clone().into_owned());
+    let Some(cert) = cert else {
+        log::warn!("rpc server: {addr} presented no certificate; refused");
+        return;
+    };
+    let (rd, wr) = tokio::io::split(stream);
+    serve_stream(rd, wr, Some(cert), addr, cluster, my_node, handler, knobs).await
+}
+
+/// One connection after TLS (if any): the hello, then requests until it ends. `cert`: the
+/// caller's verified certificate, which must name the node its hello claims.
+#[allow(clippy::too_many_arguments)]
+async fn serve_stream<H, R, W>(
+    rd: R,
+    mut wr: W,
+    cert: Option<CertificateDer<'static>>,
+    addr: SocketAddr,
+    cluster: ClusterId,
+    my_node: NodeId,
+    handler: Arc<H>,
+    knobs: Arc<Knobs>,
+) where
+    H: Handler,
+    R: AsyncRead + Unpin + Send + 'static,
+    W: AsyncWrite + Unpin + Send + 'static,
+{
     let max = knobs.rpc_frame_bytes_max;
     let inflight_max = knobs.rpc_inflight_max.max(1);
-    let (rd, mut wr) = stream.into_split();
     let mut rd = BufReader::with_capacity(READ_BUFFER_BYTES, rd);
 
     let handshake_timeout = Duration::from_millis(knobs.replica_timeout_ms);
     let peer = match tokio::time::timeout(
         handshake_timeout,
-        handshake(&mut rd, &mut wr, addr, cluster, my_node, max),
+        handshake(&mut rd, &mut wr, addr, cluster, my_node, max, cert.as_ref()),
     )
     .await
     {
@@ -311,6 +367,7 @@ async fn handshake<R, W>(
     cluster: ClusterId,
     my_node: NodeId,
     max: usize,
+    cert: Option<&CertificateDer<'static>>,
 ) -> Option<NodeId>
 where
     R: AsyncRead + Unpin,
@@ -347,6 +404,16 @@ where
                 Err(refuse(format!(
                     "cluster mismatch: node {my_node} belongs to another cluster than the \
                      one named in this hello; check the peer's configuration"
+                )))
+            } else if cert.is_some_and(|c| !converge_pki::cert_names_node(c, hello.node.0)) {
+                log::warn!(
+                    "rpc server: {addr} says it is node {} but its certificate is not that \
+                     node's; refused",
+                    hello.node
+                );
+                Err(refuse(format!(
+                    "node {} refused: the certificate presented is not node {}'s",
+                    my_node, hello.node
                 )))
             } else {
                 Ok(hello.node)

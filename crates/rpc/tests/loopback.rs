@@ -116,7 +116,7 @@ async fn start_on(
 ) -> (SocketAddr, JoinHandle<std::io::Result<()>>) {
     let listener = TcpListener::bind(addr).await.expect("bind");
     let addr = listener.local_addr().expect("addr");
-    let task = tokio::spawn(serve(listener, CLUSTER, SERVER_NODE, store, knobs));
+    let task = tokio::spawn(serve(listener, CLUSTER, SERVER_NODE, store, knobs, None));
     (addr, task)
 }
 

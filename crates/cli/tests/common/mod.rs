@@ -205,9 +205,9 @@ impl Lab {
         let api = self.lab_json()["nodes"][node as usize - 1]["api"]
             .as_str()
             .expect("api")
-            .trim_start_matches("http://")
+            .trim_start_matches("https://")
             .to_string();
-        http_get(&api, "/metrics", Some(&self.token()))
+        http_get(self, &api, "/metrics", Some(&self.token()))
             .lines()
             .filter(|l| {
                 l.strip_prefix(name)
@@ -222,9 +222,9 @@ impl Lab {
         let api = self.lab_json()["nodes"][node as usize - 1]["api"]
             .as_str()
             .expect("api")
-            .trim_start_matches("http://")
+            .trim_start_matches("https://")
             .to_string();
-        http_get(&api, "/metrics", Some(&self.token()))
+        http_get(self, &api, "/metrics", Some(&self.token()))
             .lines()
             .filter(|l| {
                 l.strip_prefix(name)
@@ -264,9 +264,9 @@ impl Lab {
 }
 
 /// `GET path` from the API at `hostport` with `token` (if any); the raw answer.
-pub fn http_get(hostport: &str, path: &str, token: Option<&str>) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(hostport).expect("connect api");
+pub fn http_get(lab: &Lab, hostport: &str, path: &str, token: Option<&str>) -> String {
+    use std::io::Write;
+    let mut s = tls_connect(lab, hostport);
     let auth = token
         .map(|t| format!("Authorization: Bearer {t}\r\n"))
         .unwrap_or_default();
@@ -275,9 +275,35 @@ pub fn http_get(hostport: &str, path: &str, token: Option<&str>) -> String {
         "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
     )
     .unwrap();
-    let mut out = String::new();
-    s.read_to_string(&mut out).unwrap();
-    out
+    let mut out = Vec::new();
+    read_until_closed(&mut s, &mut out).unwrap();
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A TLS connection to a lab node's API (`host:port`), checked against the lab's CA.
+pub fn tls_connect(
+    lab: &Lab,
+    hostport: &str,
+) -> rustls::StreamOwned<rustls::ClientConnection, std::net::TcpStream> {
+    let pem = std::fs::read(lab.path().join("pki/ca.crt")).unwrap();
+    let cfg = converge_pki::client_config(&pem).unwrap();
+    let host = hostport.rsplit_once(':').unwrap().0.to_string();
+    let name = rustls::pki_types::ServerName::try_from(host).unwrap();
+    let conn = rustls::ClientConnection::new(cfg, name).unwrap();
+    let tcp = std::net::TcpStream::connect(hostport).unwrap();
+    tcp.set_read_timeout(Some(std::time::Duration::from_secs(120)))
+        .unwrap();
+    rustls::StreamOwned::new(conn, tcp)
+}
+
+/// Reads until the peer closes. A TLS peer that closes without a close_notify alert has
+/// still closed (hyper drops a timed-out connection that way).
+pub fn read_until_closed(r: &mut impl std::io::Read, out: &mut Vec<u8>) -> std::io::Result<()> {
+    match r.read_to_end(out) {
+        Ok(_) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 impl Drop for Lab {

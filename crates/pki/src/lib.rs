@@ -1,0 +1,778 @@
+//! converge-pki: the cluster's certificate authority and the TLS settings of every port.
+//!
+//! One CA per cluster, made by `converge cluster init`. Every node holds a key of its own
+//! and a certificate the CA signed for it, naming the node (`node-<id>.converge`) and the
+//! host names and addresses clients reach it by. Clients that attach volumes over NBD/TCP
+//! get client certificates (`client-<name>.converge`). Who checks what:
+//!
+//! * peer RPC: mutual TLS; each side checks that the other's certificate names the node id
+//!   it claims (a client certificate, or node 2's certificate claiming to be node 1, is
+//!   refused);
+//! * HTTP API: the node proves itself with its certificate; callers prove themselves with
+//!   tokens (converged's `auth`);
+//! * NBD over TCP: mutual TLS; any certificate of this cluster's CA may attach volumes.
+//!
+//! Keys are ECDSA P-256. A private key never leaves the host that generated it: a joining
+//! node sends only its public key ([`PublicKey`]) and gets its certificate back.
+
+use rcgen::{
+    BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
+    Issuer, KeyPair, KeyUsagePurpose, PublicKeyData, SanType, SerialNumber, SignatureAlgorithm,
+};
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
+use rustls::server::WebPkiClientVerifier;
+use rustls::{ClientConfig, RootCertStore, ServerConfig};
+use sha2::{Digest, Sha256};
+use std::io::Write;
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The CA certificate in a PKI directory.
+pub const CA_CERT: &str = "ca.crt";
+/// The CA's private key: only on the hosts that sign (where `cluster init` ran).
+pub const CA_KEY: &str = "ca.key";
+/// This node's certificate.
+pub const NODE_CERT: &str = "node.crt";
+/// This node's private key.
+pub const NODE_KEY: &str = "node.key";
+
+/// How long a CA certificate is valid.
+pub const CA_DAYS: i64 = 3650;
+/// How long a node certificate is valid (renew with `converge cert node`, then restart).
+pub const NODE_DAYS: i64 = 730;
+/// How long a client certificate is valid.
+pub const CLIENT_DAYS: i64 = 365;
+/// Longest client name.
+pub const CLIENT_NAME_MAX: usize = 48;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PkiError {
+    #[error("{}: {source}", path.display())]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{}: {message}", path.display())]
+    Bad { path: PathBuf, message: String },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> PkiError + '_ {
+    move |source| PkiError::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn rcgen_err(what: &str) -> impl FnOnce(rcgen::Error) -> PkiError + '_ {
+    move |e| PkiError::Invalid(format!("{what}: {e}"))
+}
+
+fn tls_err(what: &str) -> impl FnOnce(rustls::Error) -> PkiError + '_ {
+    move |e| PkiError::Invalid(format!("{what}: {e}"))
+}
+
+/// The name a node's certificate carries, and the name peers check it against.
+pub fn node_name(node: u32) -> String {
+    format!("node-{node}.converge")
+}
+
+/// The name a client certificate carries.
+pub fn client_name(name: &str) -> String {
+    format!("client-{name}.converge")
+}
+
+/// A client name: 1 to 48 of `a-z 0-9 -`, not starting with `-`.
+pub fn check_client_name(name: &str) -> Result<(), PkiError> {
+    let ok = !name.is_empty()
+        && name.len() <= CLIENT_NAME_MAX
+        && !name.starts_with('-')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(PkiError::Invalid(format!(
+            "client name {name:?}: use 1 to {CLIENT_NAME_MAX} of a-z, 0-9 and '-' (e.g. qemu-host4)"
+        )))
+    }
+}
+
+/// Lowercase hex SHA-256 of `bytes` (a certificate's DER: its fingerprint).
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    Sha256::digest(bytes)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+/// The SHA-256 fingerprint of the first certificate in `pem`.
+pub fn fingerprint_pem(pem: &[u8]) -> Result<String, PkiError> {
+    let der = CertificateDer::from_pem_slice(pem)
+        .map_err(|e| PkiError::Invalid(format!("not a PEM certificate: {e}")))?;
+    Ok(sha256_hex(&der))
+}
+
+fn the_algorithm() -> &'static SignatureAlgorithm {
+    &rcgen::PKCS_ECDSA_P256_SHA256
+}
+
+/// A public key sent by a host that wants a certificate: an uncompressed P-256 point.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PublicKey(Vec<u8>);
+
+impl PublicKey {
+    /// Length of an uncompressed P-256 point.
+    pub const LEN: usize = 65;
+
+    pub fn from_raw(raw: &[u8]) -> Result<PublicKey, PkiError> {
+        if raw.len() != Self::LEN || raw[0] != 4 {
+            return Err(PkiError::Invalid(format!(
+                "a public key is an uncompressed P-256 point ({} bytes starting 0x04); got {} bytes",
+                Self::LEN,
+                raw.len()
+            )));
+        }
+        Ok(PublicKey(raw.to_vec()))
+    }
+
+    pub fn raw(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+impl PublicKeyData for PublicKey {
+    fn der_bytes(&self) -> &[u8] {
+        &self.0
+    }
+    fn algorithm(&self) -> &'static SignatureAlgorithm {
+        the_algorithm()
+    }
+}
+
+/// A freshly generated private key (ECDSA P-256).
+pub struct NewKey(KeyPair);
+
+impl NewKey {
+    pub fn generate() -> Result<NewKey, PkiError> {
+        KeyPair::generate_for(the_algorithm())
+            .map(NewKey)
+            .map_err(rcgen_err("generating a key"))
+    }
+
+    pub fn public_key(&self) -> PublicKey {
+        PublicKey(self.0.public_key_raw().to_vec())
+    }
+
+    /// The private key, PKCS#8 PEM.
+    pub fn pem(&self) -> String {
+        self.0.serialize_pem()
+    }
+}
+
+/// Who a certificate is for.
+#[derive(Clone, Debug)]
+pub enum Subject {
+    /// A node: its id and the host names / IP addresses clients use to reach it.
+    Node { id: u32, hosts: Vec<String> },
+    /// An NBD client (a hypervisor host, a backup tool).
+    Client { name: String },
+}
+
+/// The cluster's certificate authority (its key included): signs node and client
+/// certificates.
+pub struct Ca {
+    key: KeyPair,
+    cert_pem: String,
+}
+
+/// The CA's name and usages: the same on every load, so a CA read back from its files
+/// signs exactly as the one that was created.
+fn ca_params() -> CertificateParams {
+    let mut p = CertificateParams::default();
+    let mut dn = DistinguishedName::new();
+    dn.push(DnType::OrganizationName, "converge");
+    dn.push(DnType::CommonName, "converge cluster CA");
+    p.distinguished_name = dn;
+    p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    p.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
+    p
+}
+
+fn validity(p: &mut CertificateParams, days: i64) -> Result<(), PkiError> {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_err(|_| PkiError::Invalid("the clock is before 1970".into()))?
+        .as_secs() as i64;
+    let at = |t: i64| {
+        time::OffsetDateTime::from_unix_timestamp(t)
+            .map_err(|e| PkiError::Invalid(format!("certificate validity: {e}")))
+    };
+    // An hour of slack for clocks that disagree a little.
+    p.not_before = at(now - 3600)?;
+    p.not_after = at(now + days * 86_400)?;
+    let mut serial: [u8; 16] = rand::random();
+    serial[0] &= 0x7f;
+    p.serial_number = Some(SerialNumber::from_slice(&serial));
+    Ok(())
+}
+
+impl Ca {
+    /// A new CA with a new key.
+    pub fn generate() -> Result<Ca, PkiError> {
+        let key =
+            KeyPair::generate_for(the_algorithm()).map_err(rcgen_err("generating the CA key"))?;
+        let mut params = ca_params();
+        validity(&mut params, CA_DAYS)?;
+        let cert = params
+            .self_signed(&key)
+            .map_err(rcgen_err("signing the CA certificate"))?;
+        Ok(Ca {
+            key,
+            cert_pem: cert.pem(),
+        })
+    }
+
+    /// The CA of PKI directory `dir` (its `ca.crt` and `ca.key`).
+    pub fn load(dir: &Path) -> Result<Ca, PkiError> {
+        let key_path = dir.join(CA_KEY);
+        let cert_path = dir.join(CA_CERT);
+        let key_pem = std::fs::read_to_string(&key_path).map_err(io_err(&key_path))?;
+        let cert_pem = std::fs::read_to_string(&cert_path).map_err(io_err(&cert_path))?;
+        let key = KeyPair::from_pem(&key_pem).map_err(|e| PkiError::Bad {
+            path: key_path.clone(),
+            message: format!("not a private key: {e}"),
+        })?;
+        let der =
+            CertificateDer::from_pem_slice(cert_pem.as_bytes()).map_err(|e| PkiError::Bad {
+                path: cert_path.clone(),
+                message: format!("not a PEM certificate: {e}"),
+            })?;
+        // The key must be the certificate's: check by signing a throwaway certificate and
+        // verifying it against the CA certificate.
+        let ca = Ca { key, cert_pem };
+        let probe = NewKey::generate()?;
+        let issued = ca.issue(
+            &Subject::Client {
+                name: "probe".into(),
+            },
+            &probe.public_key(),
+        )?;
+        let roots = roots_of(&[der])?;
+        let issued_der = CertificateDer::from_pem_slice(issued.as_bytes())
+            .map_err(|e| PkiError::Invalid(format!("probe certificate: {e}")))?;
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots, provider())
+            .build()
+            .map_err(|e| PkiError::Invalid(format!("{e}")))?;
+        verifier
+            .verify_client_cert(&issued_der, &[], rustls::pki_types::UnixTime::now())
+            .map_err(|_| PkiError::Bad {
+                path: key_path,
+                message: format!("this key is not the key of {}", cert_path.display()),
+            })?;
+        Ok(ca)
+    }
+
+    /// Writes `ca.crt` (0644) and `ca.key` (0600) into `dir`; refuses to replace a CA key
+    /// that is already there (every certificate of the cluster depends on it).
+    pub fn write(&self, dir: &Path) -> Result<(), PkiError> {
+        make_dir(dir)?;
+        let key_path = dir.join(CA_KEY);
+        if key_path.exists() {
+            return Err(PkiError::Bad {
+                path: key_path,
+                message: "a CA key is already there; refusing to replace it (every \
+                          certificate of the cluster depends on it)"
+                    .into(),
+            });
+        }
+        write_file(&key_path, self.key.serialize_pem().as_bytes(), 0o600)?;
+        write_file(&dir.join(CA_CERT), self.cert_pem.as_bytes(), 0o644)
+    }
+
+    pub fn cert_pem(&self) -> &str {
+        &self.cert_pem
+    }
+
+    /// SHA-256 of the CA certificate: what a joining host checks the CA it is given against.
+    pub fn fingerprint(&self) -> String {
+        fingerprint_pem(self.cert_pem.as_bytes()).unwrap_or_default()
+    }
+
+    /// A certificate (PEM) for `subject`'s `public_key`, signed by this CA.
+    pub fn issue(&self, subject: &Subject, public_key: &PublicKey) -> Result<String, PkiError> {
+        let mut p = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::OrganizationName, "converge");
+        let (days, usages) = match subject {
+            Subject::Node { id, hosts } => {
+                if *id == 0 {
+                    return Err(PkiError::Invalid("node ids start at 1".into()));
+                }
+                let name = node_name(*id);
+                dn.push(DnType::CommonName, name.clone());
+                p.subject_alt_names.push(san(&name)?);
+                for h in hosts {
+                    let s = san(h)?;
+                    if !p.subject_alt_names.contains(&s) {
+                        p.subject_alt_names.push(s);
+                    }
+                }
+                (
+                    NODE_DAYS,
+                    vec![
+                        ExtendedKeyUsagePurpose::ServerAuth,
+                        ExtendedKeyUsagePurpose::ClientAuth,
+                    ],
+                )
+            }
+            Subject::Client { name } => {
+                check_client_name(name)?;
+                let full = client_name(name);
+                dn.push(DnType::CommonName, full.clone());
+                p.subject_alt_names.push(san(&full)?);
+                (CLIENT_DAYS, vec![ExtendedKeyUsagePurpose::ClientAuth])
+            }
+        };
+        p.distinguished_name = dn;
+        p.is_ca = IsCa::ExplicitNoCa;
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        p.extended_key_usages = usages;
+        p.use_authority_key_identifier_extension = true;
+        validity(&mut p, days)?;
+        let issuer = Issuer::new(ca_params(), &self.key);
+        let cert = p
+            .signed_by(public_key, &issuer)
+            .map_err(rcgen_err("signing the certificate"))?;
+        Ok(cert.pem())
+    }
+}
+
+fn san(host: &str) -> Result<SanType, PkiError> {
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return Ok(SanType::IpAddress(ip));
+    }
+    let ok = !host.is_empty()
+        && host.len() <= 253
+        && host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.');
+    if !ok {
+        return Err(PkiError::Invalid(format!(
+            "{host:?} is neither an IP address nor a DNS name"
+        )));
+    }
+    Ok(SanType::DnsName(
+        host.to_ascii_lowercase()
+            .try_into()
+            .map_err(|e: rcgen::Error| PkiError::Invalid(format!("{host:?}: {e}")))?,
+    ))
+}
+
+/// Creates `dir` (0700) if it is missing.
+pub fn make_dir(dir: &Path) -> Result<(), PkiError> {
+    if !dir.exists() {
+        std::fs::create_dir_all(dir).map_err(io_err(dir))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io_err(dir))?;
+    }
+    Ok(())
+}
+
+/// Writes a whole file with `mode`, through a temporary file and a rename, so a reader
+/// never sees half of it and a private key is never readable by others, even briefly.
+pub fn write_file(path: &Path, data: &[u8], mode: u32) -> Result<(), PkiError> {
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(io_err(&tmp))?;
+    f.set_permissions(std::fs::Permissions::from_mode(mode))
+        .map_err(io_err(&tmp))?;
+    f.write_all(data).map_err(io_err(&tmp))?;
+    f.sync_all().map_err(io_err(&tmp))?;
+    drop(f);
+    std::fs::rename(&tmp, path).map_err(io_err(path))
+}
+
+/// Writes a node's PKI directory: the CA certificate, its certificate and its key.
+pub fn write_node_dir(
+    dir: &Path,
+    ca_pem: &str,
+    cert_pem: &str,
+    key_pem: &str,
+) -> Result<(), PkiError> {
+    make_dir(dir)?;
+    write_file(&dir.join(NODE_KEY), key_pem.as_bytes(), 0o600)?;
+    write_file(&dir.join(NODE_CERT), cert_pem.as_bytes(), 0o644)?;
+    write_file(&dir.join(CA_CERT), ca_pem.as_bytes(), 0o644)
+}
+
+/// Writes a client's certificate directory in the layout qemu (`tls-creds-x509`) and
+/// libnbd (`tls-certificates=`) read: `ca-cert.pem`, `client-cert.pem`, `client-key.pem`.
+pub fn write_client_dir(
+    dir: &Path,
+    ca_pem: &str,
+    cert_pem: &str,
+    key_pem: &str,
+) -> Result<(), PkiError> {
+    make_dir(dir)?;
+    write_file(&dir.join("client-key.pem"), key_pem.as_bytes(), 0o600)?;
+    write_file(&dir.join("client-cert.pem"), cert_pem.as_bytes(), 0o644)?;
+    write_file(&dir.join("ca-cert.pem"), ca_pem.as_bytes(), 0o644)
+}
+
+/// The crypto converge uses everywhere (ring), so nothing depends on a process default.
+pub fn provider() -> Arc<rustls::crypto::CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn roots_of(certs: &[CertificateDer<'static>]) -> Result<Arc<RootCertStore>, PkiError> {
+    let mut roots = RootCertStore::empty();
+    for c in certs {
+        roots
+            .add(c.clone())
+            .map_err(tls_err("the CA certificate"))?;
+    }
+    Ok(Arc::new(roots))
+}
+
+/// A client configuration that trusts only the CA in `ca_pem` (the CLI, tools, peers'
+/// HTTP calls), presenting no certificate.
+pub fn client_config(ca_pem: &[u8]) -> Result<Arc<ClientConfig>, PkiError> {
+    let ca = CertificateDer::pem_slice_iter(ca_pem)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| PkiError::Invalid(format!("CA certificate: {e}")))?;
+    if ca.is_empty() {
+        return Err(PkiError::Invalid("no certificate in the CA file".into()));
+    }
+    let cfg = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(tls_err("TLS versions"))?
+        .with_root_certificates(roots_of(&ca)?)
+        .with_no_client_auth();
+    Ok(Arc::new(cfg))
+}
+
+/// A node's certificate, key and CA, read from its PKI directory: the TLS settings of its
+/// ports come from here.
+pub struct NodeTls {
+    ca: Vec<CertificateDer<'static>>,
+    chain: Vec<CertificateDer<'static>>,
+    key: PrivateKeyDer<'static>,
+}
+
+impl Clone for NodeTls {
+    fn clone(&self) -> Self {
+        NodeTls {
+            ca: self.ca.clone(),
+            chain: self.chain.clone(),
+            key: self.key.clone_key(),
+        }
+    }
+}
+
+impl NodeTls {
+    /// Reads `ca.crt`, `node.crt` and `node.key` from `dir`, and checks that the certificate
+    /// is the CA's and names node `node`.
+    pub fn load(dir: &Path, node: u32) -> Result<NodeTls, PkiError> {
+        let read = |name: &str| {
+            let p = dir.join(name);
+            std::fs::read(&p).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::NotFound {
+                    PkiError::Bad {
+                        path: p.clone(),
+                        message: format!(
+                            "missing: this node has no certificate yet; make one with \
+                             `converge cert node --node {node} --host ADDRESS --ca-dir CA_DIR \
+                             --out {}` or join with `converge node join`",
+                            dir.display()
+                        ),
+                    }
+                } else {
+                    io_err(&p)(e)
+                }
+            })
+        };
+        let ca_pem = read(CA_CERT)?;
+        let cert_pem = read(NODE_CERT)?;
+        let key_pem = read(NODE_KEY)?;
+        let key_path = dir.join(NODE_KEY);
+        if let Ok(md) = std::fs::metadata(&key_path) {
+            if md.permissions().mode() & 0o077 != 0 {
+                return Err(PkiError::Bad {
+                    path: key_path,
+                    message: format!(
+                        "mode {:o}: a private key must be readable by its owner only \
+                         (chmod 600)",
+                        md.permissions().mode() & 0o777
+                    ),
+                });
+            }
+        }
+        let tls = NodeTls::from_pem(&ca_pem, &cert_pem, &key_pem).map_err(|e| PkiError::Bad {
+            path: dir.to_path_buf(),
+            message: e.to_string(),
+        })?;
+        tls.check_node(node).map_err(|e| PkiError::Bad {
+            path: dir.join(NODE_CERT),
+            message: e.to_string(),
+        })?;
+        Ok(tls)
+    }
+
+    pub fn from_pem(ca_pem: &[u8], cert_pem: &[u8], key_pem: &[u8]) -> Result<NodeTls, PkiError> {
+        let ca = CertificateDer::pem_slice_iter(ca_pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| PkiError::Invalid(format!("CA certificate: {e}")))?;
+        let chain = CertificateDer::pem_slice_iter(cert_pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| PkiError::Invalid(format!("node certificate: {e}")))?;
+        let key = PrivateKeyDer::from_pem_slice(key_pem)
+            .map_err(|e| PkiError::Invalid(format!("node key: {e}")))?;
+        if ca.is_empty() || chain.is_empty() {
+            return Err(PkiError::Invalid(
+                "a certificate file holds no certificate".into(),
+            ));
+        }
+        let tls = NodeTls { ca, chain, key };
+        // Building a server config checks that the key matches the certificate.
+        tls.api_server()?;
+        Ok(tls)
+    }
+
+    /// The CA certificates, PEM.
+    pub fn ca_der(&self) -> &[CertificateDer<'static>] {
+        &self.ca
+    }
+
+    /// Is this certificate signed by the CA, usable by a server and a client, and does it
+    /// name node `node`?
+    pub fn check_node(&self, node: u32) -> Result<(), PkiError> {
+        let verifier = WebPkiClientVerifier::builder_with_provider(roots_of(&self.ca)?, provider())
+            .build()
+            .map_err(|e| PkiError::Invalid(e.to_string()))?;
+        verifier
+            .verify_client_cert(
+                &self.chain[0],
+                &self.chain[1..],
+                rustls::pki_types::UnixTime::now(),
+            )
+            .map_err(|e| {
+                PkiError::Invalid(format!(
+                    "the node certificate is not valid under this cluster's CA: {e}"
+                ))
+            })?;
+        if !cert_names_node(&self.chain[0], node) {
+            return Err(PkiError::Invalid(format!(
+                "the certificate is not node {node}'s (it does not name {})",
+                node_name(node)
+            )));
+        }
+        Ok(())
+    }
+
+    fn server(&self, client_auth: bool) -> Result<Arc<ServerConfig>, PkiError> {
+        let b = ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(tls_err("TLS versions"))?;
+        let b = if client_auth {
+            let v = WebPkiClientVerifier::builder_with_provider(roots_of(&self.ca)?, provider())
+                .build()
+                .map_err(|e| PkiError::Invalid(format!("client verifier: {e}")))?;
+            b.with_client_cert_verifier(v)
+        } else {
+            b.with_no_client_auth()
+        };
+        let cfg = b
+            .with_single_cert(self.chain.clone(), self.key.clone_key())
+            .map_err(tls_err("the node certificate and key"))?;
+        Ok(Arc::new(cfg))
+    }
+
+    /// Peer RPC, answering side: the caller must present a certificate of this CA (whether
+    /// it names the node it claims is checked with [`cert_names_node`] after the hello).
+    pub fn peer_server(&self) -> Result<Arc<ServerConfig>, PkiError> {
+        self.server(true)
+    }
+
+    /// NBD over TCP: the client must present a certificate of this CA.
+    pub fn nbd_server(&self) -> Result<Arc<ServerConfig>, PkiError> {
+        self.server(true)
+    }
+
+    /// HTTP API: the node proves itself; callers carry tokens.
+    pub fn api_server(&self) -> Result<Arc<ServerConfig>, PkiError> {
+        self.server(false)
+    }
+
+    /// Peer RPC, calling side: trusts this CA and presents the node's certificate. The
+    /// server name to check is [`node_name`] of the node called.
+    pub fn peer_client(&self) -> Result<Arc<ClientConfig>, PkiError> {
+        let cfg = ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(tls_err("TLS versions"))?
+            .with_root_certificates(roots_of(&self.ca)?)
+            .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
+            .map_err(tls_err("the node certificate and key"))?;
+        Ok(Arc::new(cfg))
+    }
+
+    /// HTTPS to another node's API: trusts this CA, presents nothing.
+    pub fn https_client(&self) -> Result<Arc<ClientConfig>, PkiError> {
+        let cfg = ClientConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(tls_err("TLS versions"))?
+            .with_root_certificates(roots_of(&self.ca)?)
+            .with_no_client_auth();
+        Ok(Arc::new(cfg))
+    }
+}
+
+/// Does the (already verified) certificate name node `node`?
+pub fn cert_names_node(cert: &CertificateDer<'_>, node: u32) -> bool {
+    let Ok(ee) = webpki::EndEntityCert::try_from(cert) else {
+        return false;
+    };
+    let Ok(name) = ServerName::try_from(node_name(node)) else {
+        return false;
+    };
+    ee.verify_is_valid_for_subject_name(&name).is_ok()
+}
+
+/// The server name to check when calling node `node`.
+pub fn node_server_name(node: u32) -> ServerName<'static> {
+    ServerName::try_from(node_name(node)).unwrap_or_else(|_| {
+        // node_name is always a valid DNS name; this branch is unreachable in practice.
+        ServerName::IpAddress(std::net::Ipv4Addr::LOCALHOST.into())
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node_dir(ca: &Ca, dir: &Path, id: u32) {
+        let key = NewKey::generate().unwrap();
+        let cert = ca
+            .issue(
+                &Subject::Node {
+                    id,
+                    hosts: vec!["127.0.0.1".into(), "host1.example".into()],
+                },
+                &key.public_key(),
+            )
+            .unwrap();
+        write_node_dir(dir, ca.cert_pem(), &cert, &key.pem()).unwrap();
+    }
+
+    #[test]
+    fn a_ca_issues_node_certificates_that_name_the_node_and_load_back() {
+        let d = tempfile::tempdir().unwrap();
+        let ca = Ca::generate().unwrap();
+        ca.write(&d.path().join("ca")).unwrap();
+        let ca2 = Ca::load(&d.path().join("ca")).unwrap();
+        assert_eq!(ca.fingerprint(), ca2.fingerprint());
+        // A CA read back signs certificates that verify under the original certificate.
+        node_dir(&ca2, &d.path().join("n3"), 3);
+        let tls = NodeTls::load(&d.path().join("n3"), 3).unwrap();
+        assert!(cert_names_node(&tls.chain[0], 3));
+        assert!(!cert_names_node(&tls.chain[0], 4));
+        let wrong = NodeTls::load(&d.path().join("n3"), 4)
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(wrong.contains("not node 4's"), "{wrong}");
+        for cfg in [tls.peer_server(), tls.nbd_server(), tls.api_server()] {
+            cfg.unwrap();
+        }
+        tls.peer_client().unwrap();
+        let mode = std::fs::metadata(d.path().join("n3").join(NODE_KEY))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let mode = std::fs::metadata(d.path().join("ca").join(CA_KEY))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o600);
+    }
+
+    #[test]
+    fn a_ca_key_is_never_replaced_and_a_foreign_key_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let ca = Ca::generate().unwrap();
+        ca.write(d.path()).unwrap();
+        let e = Ca::generate()
+            .unwrap()
+            .write(d.path())
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("refusing to replace"), "{e}");
+        // Another CA's key beside this certificate.
+        let other = Ca::generate().unwrap();
+        std::fs::write(d.path().join(CA_KEY), other.key.serialize_pem()).unwrap();
+        let e = Ca::load(d.path()).err().unwrap().to_string();
+        assert!(e.contains("is not the key of"), "{e}");
+    }
+
+    #[test]
+    fn a_certificate_of_another_ca_or_a_client_certificate_is_not_a_node() {
+        let d = tempfile::tempdir().unwrap();
+        let ca = Ca::generate().unwrap();
+        let other = Ca::generate().unwrap();
+        node_dir(&other, d.path(), 1);
+        // Put this cluster's CA beside the other CA's node certificate.
+        std::fs::write(d.path().join(CA_CERT), ca.cert_pem()).unwrap();
+        let e = NodeTls::load(d.path(), 1).err().unwrap().to_string();
+        assert!(e.contains("not valid under this cluster's CA"), "{e}");
+        let key = NewKey::generate().unwrap();
+        let client = ca
+            .issue(
+                &Subject::Client {
+                    name: "qemu-1".into(),
+                },
+                &key.public_key(),
+            )
+            .unwrap();
+        let der = CertificateDer::from_pem_slice(client.as_bytes()).unwrap();
+        assert!(!cert_names_node(&der, 1));
+    }
+
+    #[test]
+    fn bad_names_and_keys_are_refused() {
+        assert!(check_client_name("qemu-host4").is_ok());
+        for bad in ["", "-x", "Upper", "a b", &"x".repeat(49)] {
+            assert!(check_client_name(bad).is_err(), "{bad:?}");
+        }
+        assert!(PublicKey::from_raw(&[4; 64]).is_err());
+        assert!(PublicKey::from_raw(&[3; 65]).is_err());
+        let ca = Ca::generate().unwrap();
+        let key = NewKey::generate().unwrap();
+        let e = ca
+            .issue(
+                &Subject::Node {
+                    id: 1,
+                    hosts: vec!["bad host".into()],
+                },
+                &key.public_key(),
+            )
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("neither an IP address nor a DNS name"), "{e}");
+    }
+}

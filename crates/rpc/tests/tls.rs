@@ -1,0 +1,194 @@
+//! Peer RPC over mutual TLS on real loopback TCP: a node proves who it is with a certificate
+//! of the cluster's CA that names it, and nothing else gets through.
+
+use converge_pki::{Ca, NewKey, NodeTls, Subject};
+use converge_rpc::{serve, ErrorCode, Handler, Hello, Request, Response, RpcClient, RpcError};
+use converge_types::{ClusterId, Knobs, NodeId};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::net::TcpListener;
+
+const CLUSTER: ClusterId = ClusterId(0xc0ffee);
+const SERVER: NodeId = NodeId(7);
+
+/// Counts the requests that reached the handler (none may, from a refused caller).
+#[derive(Default)]
+struct Counter(AtomicU64);
+
+impl Handler for Counter {
+    async fn handle(&self, _peer: NodeId, _req: Request) -> Response {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Response::ok()
+    }
+}
+
+fn issue(ca: &Ca, subject: Subject) -> NodeTls {
+    let key = NewKey::generate().expect("key");
+    let cert = ca.issue(&subject, &key.public_key()).expect("issue");
+    NodeTls::from_pem(
+        ca.cert_pem().as_bytes(),
+        cert.as_bytes(),
+        key.pem().as_bytes(),
+    )
+    .expect("tls")
+}
+
+fn node(ca: &Ca, id: u32) -> NodeTls {
+    issue(
+        ca,
+        Subject::Node {
+            id,
+            hosts: vec!["127.0.0.1".into()],
+        },
+    )
+}
+
+fn knobs() -> Knobs {
+    Knobs {
+        replica_timeout_ms: 10_000,
+        ..Knobs::default()
+    }
+}
+
+struct Server {
+    addr: String,
+    handled: Arc<Counter>,
+    _task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+async fn start(ca: &Ca) -> Server {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let handled = Arc::new(Counter::default());
+    let tls = node(ca, SERVER.0).peer_server().expect("server config");
+    let task = tokio::spawn(serve(
+        listener,
+        CLUSTER,
+        SERVER,
+        handled.clone(),
+        knobs(),
+        Some(tls),
+    ));
+    Server {
+        addr,
+        handled,
+        _task: task,
+    }
+}
+
+fn tls_client(server: &Server, me: NodeId, tls: &NodeTls, expect: NodeId) -> RpcClient {
+    RpcClient::with_tls(
+        server.addr.clone(),
+        Hello::new(CLUSTER, me),
+        &knobs(),
+        tls.peer_client().expect("client config"),
+        expect,
+    )
+}
+
+fn extent_req() -> Request {
+    // Any request that reaches the handler (Ping is answered by the rpc layer itself).
+    Request::Extent {
+        drive: converge_types::DriveId(1),
+        op: converge_types::ExtentOp::Free {
+            key: converge_types::ExtentKey {
+                volume: converge_types::VolumeId(1),
+                slab: converge_types::SlabIndex(0),
+            },
+        },
+    }
+}
+
+#[tokio::test]
+async fn a_node_with_its_own_certificate_is_served() {
+    let ca = Ca::generate().expect("ca");
+    let s = start(&ca).await;
+    let c = tls_client(&s, NodeId(1), &node(&ca, 1), SERVER);
+    assert_eq!(c.call(Request::Ping).await.expect("ping"), Response::Pong);
+    c.call(extent_req()).await.expect("request");
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 1);
+    assert_eq!(c.connections_made(), 1);
+}
+
+#[tokio::test]
+async fn a_plaintext_caller_is_refused() {
+    let ca = Ca::generate().expect("ca");
+    let s = start(&ca).await;
+    // Even with the right cluster id, which was once the only check.
+    let c = RpcClient::new(s.addr.clone(), Hello::new(CLUSTER, NodeId(1)), &knobs());
+    let r = c.call(extent_req()).await;
+    assert!(r.is_err(), "{r:?}");
+    assert_eq!(c.connections_made(), 0);
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_node_claiming_another_nodes_id_is_refused() {
+    let ca = Ca::generate().expect("ca");
+    let s = start(&ca).await;
+    // Node 2's genuine certificate, with a hello that says node 1.
+    let c = tls_client(&s, NodeId(1), &node(&ca, 2), SERVER);
+    match c.call(extent_req()).await {
+        Err(RpcError::Refused { code, message, .. }) => {
+            assert_eq!(code, ErrorCode::Invalid);
+            assert!(message.contains("not node 1's"), "{message}");
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 0);
+    // The same certificate as itself is fine.
+    let ok = tls_client(&s, NodeId(2), &node(&ca, 2), SERVER);
+    ok.call(extent_req()).await.expect("node 2 as node 2");
+}
+
+#[tokio::test]
+async fn a_client_certificate_is_not_a_node() {
+    let ca = Ca::generate().expect("ca");
+    let s = start(&ca).await;
+    let qemu = issue(
+        &ca,
+        Subject::Client {
+            name: "qemu-1".into(),
+        },
+    );
+    let c = tls_client(&s, NodeId(1), &qemu, SERVER);
+    match c.call(extent_req()).await {
+        Err(RpcError::Refused { message, .. }) => {
+            assert!(message.contains("not node 1's"), "{message}")
+        }
+        other => panic!("expected Refused, got {other:?}"),
+    }
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_certificate_of_another_cluster_is_refused_both_ways() {
+    let ca = Ca::generate().expect("ca");
+    let other = Ca::generate().expect("other ca");
+    let s = start(&ca).await;
+    // The caller's certificate is another CA's: the server's handshake refuses it (and the
+    // caller, trusting only its own CA, refuses the server too).
+    let c = tls_client(&s, NodeId(1), &node(&other, 1), SERVER);
+    match c.call(extent_req()).await {
+        Err(RpcError::Connect { source, .. }) => {
+            assert!(source.to_string().contains("TLS handshake"), "{source}")
+        }
+        other => panic!("expected Connect, got {other:?}"),
+    }
+    assert_eq!(c.connections_made(), 0);
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 0);
+}
+
+#[tokio::test]
+async fn a_server_that_is_not_the_node_expected_is_refused_by_the_caller() {
+    let ca = Ca::generate().expect("ca");
+    let s = start(&ca).await;
+    // The address is node 7's, but the caller wants node 8: a misdirected or spoofed peer.
+    let c = tls_client(&s, NodeId(1), &node(&ca, 1), NodeId(8));
+    match c.call(Request::Ping).await {
+        Err(RpcError::Connect { source, .. }) => {
+            assert!(source.to_string().contains("node 8"), "{source}")
+        }
+        other => panic!("expected Connect, got {other:?}"),
+    }
+}
