@@ -10,6 +10,7 @@ mod http;
 mod lab;
 mod nemesis;
 mod netns;
+mod pki_cmd;
 mod table;
 
 use anyhow::{bail, Context, Result};
@@ -90,6 +91,10 @@ enum Cmd {
     /// API tokens: who may use the HTTP API and for what (read-only, operator, admin).
     #[command(subcommand)]
     Token(TokenCmd),
+    /// Certificates of the cluster's CA: for nodes (peer RPC, API, NBD/TCP) and for NBD
+    /// clients (qemu, nbdcopy over nbds://).
+    #[command(subcommand)]
+    Cert(pki_cmd::CertCmd),
     /// Benchmark the cluster the way vendors' reference architectures do: fio workers
     /// ("VMs") on every node swept over queue depths, read/write mixes and block sizes,
     /// with a report (tables, charts, CPU, queue length, write amplification, endurance).
@@ -117,6 +122,19 @@ enum TokenCmd {
 
 #[derive(Subcommand)]
 enum ClusterCmd {
+    /// Start a new cluster's trust: a CA (ca.crt, ca.key) in a PKI directory, and the first
+    /// node's certificate if --node/--host are given. Run once, on the first host.
+    Init {
+        /// Where the CA goes (made 0700; ca.key is 0600).
+        #[arg(long, default_value = pki_cmd::DEFAULT_PKI_DIR)]
+        pki: PathBuf,
+        /// The first node's id: its certificate and key go to the same directory.
+        #[arg(long)]
+        node: Option<u32>,
+        /// The first node's IP addresses or DNS names (repeat for several).
+        #[arg(long = "host")]
+        hosts: Vec<String>,
+    },
     /// Show the cluster-wide settings.
     Settings,
     /// Change cluster-wide settings.
@@ -557,9 +575,12 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Cache(c) => cache::run(c, cli.json, &api_base(&cli)?)?,
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
         Cmd::Token(c) => run_token(&cli, c)?,
+        Cmd::Cert(c) => pki_cmd::run(c)?,
+        Cmd::Cluster(ClusterCmd::Init { pki, node, hosts }) => pki_cmd::init(pki, *node, hosts)?,
         Cmd::Cluster(c) => {
             let base = api_base(&cli)?;
             let v: converge_api::Settings = match c {
+                ClusterCmd::Init { .. } => bail!("cluster init needs no API"),
                 ClusterCmd::Settings => http::call(&base, "GET", "/v1/settings", None)?,
                 ClusterCmd::Set { repair_delay } => {
                     let body = serde_json::to_value(converge_api::Settings {

@@ -554,3 +554,96 @@ fn the_api_needs_a_token_and_each_role_may_do_only_its_part() {
         assert!(text.contains("is off on this node"), "{text}");
     }
 }
+
+/// `cluster init` makes a CA (and the first node's certificate), refuses to make a second
+/// one over it, and `cert node` / `cert client` make certificates a node loads and that
+/// name who they are for; private keys are 0600.
+#[test]
+fn cluster_init_and_cert_make_the_clusters_certificates() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let conv = |args: &[&str]| {
+        let mut c = Command::new(converge_bin());
+        c.args(args);
+        run(&mut c)
+    };
+    let ca = d.path().join("ca");
+    let ca_s = ca.to_str().unwrap();
+    let o = conv(&[
+        "cluster", "init", "--pki", ca_s, "--node", "1", "--host", "10.9.0.1",
+    ]);
+    assert!(o.status.success(), "{o:?}");
+    converge_pki::NodeTls::load(&ca, 1).unwrap();
+    let again = conv(&["cluster", "init", "--pki", ca_s]);
+    assert!(!again.status.success());
+    assert!(String::from_utf8_lossy(&again.stderr).contains("already holds a CA key"));
+
+    let n2 = d.path().join("n2");
+    let o = conv(&[
+        "cert",
+        "node",
+        "--ca-dir",
+        ca_s,
+        "--node",
+        "2",
+        "--host",
+        "10.9.0.2",
+        "--out",
+        n2.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{o:?}");
+    converge_pki::NodeTls::load(&n2, 2).unwrap();
+    let wrong = converge_pki::NodeTls::load(&n2, 1)
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(wrong.contains("not node 1's"), "{wrong}");
+    let q = d.path().join("qemu");
+    let o = conv(&[
+        "cert",
+        "client",
+        "--ca-dir",
+        ca_s,
+        "--name",
+        "qemu-h1",
+        "--out",
+        q.to_str().unwrap(),
+    ]);
+    assert!(o.status.success(), "{o:?}");
+    for (f, mode) in [
+        (ca.join("ca.key"), 0o600),
+        (ca.join("node.key"), 0o600),
+        (n2.join("node.key"), 0o600),
+        (q.join("client-key.pem"), 0o600),
+        (q.join("ca-cert.pem"), 0o644),
+    ] {
+        let m = std::fs::metadata(&f).unwrap().permissions().mode() & 0o777;
+        assert_eq!(m, mode, "{}", f.display());
+    }
+    let bad = conv(&[
+        "cert",
+        "client",
+        "--ca-dir",
+        ca_s,
+        "--name",
+        "Bad Name",
+        "--out",
+        q.to_str().unwrap(),
+    ]);
+    assert!(String::from_utf8_lossy(&bad.stderr).contains("client name"));
+    // Without the CA key nothing can be issued.
+    let none = conv(&[
+        "cert",
+        "node",
+        "--ca-dir",
+        n2.to_str().unwrap(),
+        "--node",
+        "3",
+        "--host",
+        "x",
+        "--out",
+        d.path().join("n3").to_str().unwrap(),
+    ]);
+    assert!(!none.status.success());
+    assert!(String::from_utf8_lossy(&none.stderr).contains("ca.key"));
+}

@@ -1,0 +1,156 @@
+//! `converge cluster init` and `converge cert`: the cluster's CA and the certificates of its
+//! nodes and NBD clients (see docs/SECURITY.md). Everything here works on files; no node
+//! needs to be running.
+
+use anyhow::{anyhow, bail, Result};
+use clap::Subcommand;
+use converge_pki::{Ca, NewKey, Subject};
+use std::path::{Path, PathBuf};
+
+/// Where an installed node keeps its PKI directory.
+pub const DEFAULT_PKI_DIR: &str = "/etc/converge/pki";
+
+#[derive(Subcommand)]
+pub enum CertCmd {
+    /// Make a node's key and certificate (on the host that holds the CA key), to copy to
+    /// the node's PKI directory with its ca.crt.
+    Node {
+        /// The CA's directory (ca.crt, ca.key).
+        #[arg(long, default_value = DEFAULT_PKI_DIR)]
+        ca_dir: PathBuf,
+        /// The node id (as in its converged.toml).
+        #[arg(long)]
+        node: u32,
+        /// An IP address or DNS name clients use for this node's API and NBD port
+        /// (repeat for several).
+        #[arg(long = "host", required = true)]
+        hosts: Vec<String>,
+        /// Where to write ca.crt, node.crt and node.key (made 0700).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Make a certificate for an NBD client (a hypervisor host, a backup tool), in the
+    /// layout qemu's tls-creds-x509 and libnbd's tls-certificates read: ca-cert.pem,
+    /// client-cert.pem, client-key.pem.
+    Client {
+        /// The CA's directory (ca.crt, ca.key).
+        #[arg(long, default_value = DEFAULT_PKI_DIR)]
+        ca_dir: PathBuf,
+        /// What it is for: 1 to 48 of a-z, 0-9 and '-', e.g. qemu-host4.
+        #[arg(long)]
+        name: String,
+        /// Where to write the three files (made 0700).
+        #[arg(long)]
+        out: PathBuf,
+    },
+}
+
+fn pki<T>(r: Result<T, converge_pki::PkiError>) -> Result<T> {
+    r.map_err(|e| anyhow!("{e}"))
+}
+
+/// `converge cluster init`: a new CA in `dir`, and the first node's certificate if asked.
+pub fn init(dir: &Path, node: Option<u32>, hosts: &[String]) -> Result<()> {
+    if dir.join(converge_pki::CA_KEY).exists() {
+        bail!(
+            "{} already holds a CA key: this cluster is initialised (a second CA would \
+             split it in two). Use `converge cert node` to add nodes",
+            dir.display()
+        );
+    }
+    if node.is_some() != !hosts.is_empty() {
+        bail!("give --node and --host together (the first node's id and addresses), or neither");
+    }
+    let ca = pki(Ca::generate())?;
+    pki(ca.write(dir))?;
+    println!("cluster CA written to {}", dir.display());
+    println!(
+        "  {}  (share it: clients check nodes against it)",
+        dir.join(converge_pki::CA_CERT).display()
+    );
+    println!(
+        "  {}  (keep it secret: whoever holds it can add nodes)",
+        dir.join(converge_pki::CA_KEY).display()
+    );
+    println!("  fingerprint (SHA-256): {}", ca.fingerprint());
+    if let Some(id) = node {
+        node_files(&ca, dir, id, hosts)?;
+        println!(
+            "node {id}'s certificate and key written to {}",
+            dir.display()
+        );
+    }
+    println!(
+        "\nnext: for each other node, `converge cert node --ca-dir {} --node ID --host ADDRESS \
+         --out DIR` and copy DIR to that node's {DEFAULT_PKI_DIR}; for NBD clients, \
+         `converge cert client`",
+        dir.display()
+    );
+    Ok(())
+}
+
+fn node_files(ca: &Ca, out: &Path, id: u32, hosts: &[String]) -> Result<()> {
+    let key = pki(NewKey::generate())?;
+    let cert = pki(ca.issue(
+        &Subject::Node {
+            id,
+            hosts: hosts.to_vec(),
+        },
+        &key.public_key(),
+    ))?;
+    pki(converge_pki::write_node_dir(
+        out,
+        ca.cert_pem(),
+        &cert,
+        &key.pem(),
+    ))
+}
+
+pub fn run(c: &CertCmd) -> Result<()> {
+    match c {
+        CertCmd::Node {
+            ca_dir,
+            node,
+            hosts,
+            out,
+        } => {
+            let ca = pki(Ca::load(ca_dir))?;
+            if out.join(converge_pki::CA_KEY).exists() && out != ca_dir {
+                bail!(
+                    "{} holds a CA key; write node files elsewhere",
+                    out.display()
+                );
+            }
+            node_files(&ca, out, *node, hosts)?;
+            println!(
+                "node {node}: {} and {} written (with ca.crt) to {}; install them as the \
+                 node's [tls] dir (default {DEFAULT_PKI_DIR}) and restart converged",
+                converge_pki::NODE_CERT,
+                converge_pki::NODE_KEY,
+                out.display()
+            );
+        }
+        CertCmd::Client { ca_dir, name, out } => {
+            pki(converge_pki::check_client_name(name))?;
+            let ca = pki(Ca::load(ca_dir))?;
+            let key = pki(NewKey::generate())?;
+            let cert = pki(ca.issue(&Subject::Client { name: name.clone() }, &key.public_key()))?;
+            pki(converge_pki::write_client_dir(
+                out,
+                ca.cert_pem(),
+                &cert,
+                &key.pem(),
+            ))?;
+            println!(
+                "client {name}: ca-cert.pem, client-cert.pem, client-key.pem written to {}\n\
+                 qemu: --object tls-creds-x509,id=tls0,dir={},endpoint=client and \
+                 tls-creds=tls0 on the nbd drive\nlibnbd tools: \
+                 nbds://NODE:PORT/VOLUME?tls-certificates={}",
+                out.display(),
+                out.display(),
+                out.display()
+            );
+        }
+    }
+    Ok(())
+}
