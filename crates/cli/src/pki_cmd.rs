@@ -58,7 +58,7 @@ pub fn init(dir: &Path, node: Option<u32>, hosts: &[String]) -> Result<()> {
             dir.display()
         );
     }
-    if node.is_some() != !hosts.is_empty() {
+    if node.is_some() == hosts.is_empty() {
         bail!("give --node and --host together (the first node's id and addresses), or neither");
     }
     let ca = pki(Ca::generate())?;
