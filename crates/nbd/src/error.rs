@@ -35,6 +35,12 @@ pub enum NbdError {
     ExportRefused(String),
     #[error("handshake not finished within {0} ms")]
     HandshakeTimeout(u64),
+    #[error("client sent NBD_OPT_EXPORT_NAME before NBD_OPT_STARTTLS, but this server requires TLS and that option cannot be refused; closing (configure the client for TLS, e.g. nbds:// or tls-creds)")]
+    TlsRequiredExportName,
+    #[error("client sent {0} bytes after NBD_OPT_STARTTLS without waiting for the reply; they are not trusted into the TLS session, closing")]
+    PlaintextAfterStartTls(usize),
+    #[error("TLS handshake failed: {0} (does the client trust this server's CA, and does it present a certificate the server's client CA signed, if one is required?)")]
+    TlsHandshake(io::Error),
     #[error("client closed the connection in the middle of a message")]
     Truncated,
     #[error("invalid server configuration: {0}")]

@@ -1,5 +1,6 @@
 //! Fixed-newstyle option haggling: turns a fresh connection into a chosen export (or a
-//! clean abort), answering LIST/INFO/GO/EXPORT_NAME and refusing everything else politely.
+//! clean abort, or a request to upgrade to TLS), answering LIST/INFO/GO/EXPORT_NAME and
+//! STARTTLS and refusing everything else politely.
 
 use std::sync::Arc;
 
@@ -17,6 +18,35 @@ pub(crate) const OPTION_DATA_MAX: u32 = 8 * 1024;
 pub(crate) const OPTION_DISCARD_MAX: u32 = 1024 * 1024;
 /// Options accepted on one connection before it is considered abusive.
 pub(crate) const OPTIONS_MAX: usize = 1024;
+
+/// Where a connection stands with TLS; it decides how options are answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum TlsPhase {
+    /// No TLS configured: STARTTLS is refused, everything else is served in plaintext.
+    Off,
+    /// TLS configured and not yet started: only STARTTLS and ABORT are served.
+    Required,
+    /// STARTTLS done; the stream is TLS and a second STARTTLS is invalid.
+    Active,
+}
+
+/// What the client announced in its flags.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ClientFlags {
+    pub fixed: bool,
+    pub no_zeroes: bool,
+}
+
+/// How option haggling ended.
+pub(crate) enum Haggled<D> {
+    /// The client chose an export; transmission follows on the same stream.
+    Export(Negotiated<D>),
+    /// The client ended the handshake cleanly (ABORT, or closed between options).
+    Closed,
+    /// STARTTLS was acknowledged (only ever in `TlsPhase::Required`): the TLS handshake
+    /// comes next, then haggling resumes over TLS in `TlsPhase::Active`.
+    StartTls,
+}
 
 /// What option haggling chose.
 pub(crate) struct Negotiated<D> {
@@ -105,15 +135,9 @@ fn info_reply(out: &mut Vec<u8>, option: u32, info: &[u8]) {
     option_reply(out, option, REP_INFO, info);
 }
 
-/// Runs the handshake. `Ok(None)` means the client ended it cleanly (ABORT or close).
-pub(crate) async fn negotiate<R, Rd, Wr>(
-    rd: &mut Rd,
-    wr: &mut Wr,
-    resolver: &R,
-    cfg: &ServerConfig,
-) -> Result<Option<Negotiated<R::Dev>>, NbdError>
+/// Sends the greeting and reads the client's flags; `Ok(None)` if the client left first.
+pub(crate) async fn greet<Rd, Wr>(rd: &mut Rd, wr: &mut Wr) -> Result<Option<ClientFlags>, NbdError>
 where
-    R: Resolver,
     Rd: AsyncRead + Unpin,
     Wr: AsyncWrite + Unpin,
 {
@@ -131,14 +155,37 @@ where
     if cflags & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(NbdError::ClientFlags(cflags));
     }
-    let fixed = cflags & FLAG_C_FIXED_NEWSTYLE != 0;
-    let no_zeroes = cflags & FLAG_C_NO_ZEROES != 0;
+    Ok(Some(ClientFlags {
+        fixed: cflags & FLAG_C_FIXED_NEWSTYLE != 0,
+        no_zeroes: cflags & FLAG_C_NO_ZEROES != 0,
+    }))
+}
+
+/// Answers options until the client picks an export, leaves, or (in `TlsPhase::Required`)
+/// asks for TLS. `options_seen` counts options across the plaintext and the TLS part of
+/// one connection, so the bound holds for the whole handshake.
+pub(crate) async fn haggle<R, Rd, Wr>(
+    rd: &mut Rd,
+    wr: &mut Wr,
+    resolver: &R,
+    cfg: &ServerConfig,
+    client: ClientFlags,
+    tls: TlsPhase,
+    options_seen: &mut usize,
+) -> Result<Haggled<R::Dev>, NbdError>
+where
+    R: Resolver,
+    Rd: AsyncRead + Unpin,
+    Wr: AsyncWrite + Unpin,
+{
+    let ClientFlags { fixed, no_zeroes } = client;
     let tflags = transmission_flags(cfg);
 
-    for _ in 0..OPTIONS_MAX {
+    while *options_seen < OPTIONS_MAX {
+        *options_seen += 1;
         let mut hdr = [0u8; 16];
         if !read_exact_or_eof(rd, &mut hdr).await? {
-            return Ok(None);
+            return Ok(Haggled::Closed);
         }
         let mut magic = [0u8; 8];
         magic.copy_from_slice(&hdr[0..8]);
@@ -168,6 +215,19 @@ where
         let mut data = vec![0u8; len as usize];
         read_exact(rd, &mut data).await?;
 
+        if tls == TlsPhase::Required {
+            match option {
+                OPT_STARTTLS | OPT_ABORT => {}
+                // It cannot be answered with an error, and serving it would skip TLS.
+                OPT_EXPORT_NAME => return Err(NbdError::TlsRequiredExportName),
+                _ => {
+                    let msg = "TLS is required: send NBD_OPT_STARTTLS first";
+                    send_error(wr, option, REP_ERR_TLS_REQD, msg).await?;
+                    continue;
+                }
+            }
+        }
+
         match option {
             OPT_EXPORT_NAME => {
                 let name = String::from_utf8(data)
@@ -183,7 +243,7 @@ where
                     out.extend_from_slice(&[0u8; 124]);
                 }
                 send(wr, &out).await?;
-                return Ok(Some(Negotiated {
+                return Ok(Haggled::Export(Negotiated {
                     dev,
                     name,
                     block_size_negotiated: false,
@@ -194,7 +254,7 @@ where
                 let mut out = Vec::new();
                 option_reply(&mut out, option, REP_ACK, &[]);
                 let _ = send(wr, &out).await;
-                return Ok(None);
+                return Ok(Haggled::Closed);
             }
             OPT_LIST => {
                 if len != 0 {
@@ -262,22 +322,33 @@ where
                 option_reply(&mut out, option, REP_ACK, &[]);
                 send(wr, &out).await?;
                 if option == OPT_GO {
-                    return Ok(Some(Negotiated {
+                    return Ok(Haggled::Export(Negotiated {
                         dev,
                         name: req.name,
                         block_size_negotiated: req.requests.contains(&INFO_BLOCK_SIZE),
                     }));
                 }
             }
-            OPT_STARTTLS => {
-                send_error(
-                    wr,
-                    option,
-                    REP_ERR_POLICY,
-                    "TLS is not offered on this socket",
-                )
-                .await?;
-            }
+            OPT_STARTTLS => match tls {
+                TlsPhase::Off => {
+                    let msg = "TLS is not offered on this socket";
+                    send_error(wr, option, REP_ERR_POLICY, msg).await?;
+                }
+                TlsPhase::Active => {
+                    let msg = "TLS is already active on this connection";
+                    send_error(wr, option, REP_ERR_INVALID, msg).await?;
+                }
+                TlsPhase::Required if len != 0 => {
+                    let msg = "NBD_OPT_STARTTLS takes no data";
+                    send_error(wr, option, REP_ERR_INVALID, msg).await?;
+                }
+                TlsPhase::Required => {
+                    let mut out = Vec::with_capacity(20);
+                    option_reply(&mut out, option, REP_ACK, &[]);
+                    send(wr, &out).await?;
+                    return Ok(Haggled::StartTls);
+                }
+            },
             OPT_STRUCTURED_REPLY => {
                 send_error(
                     wr,

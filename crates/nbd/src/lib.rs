@@ -2,7 +2,9 @@
 //!
 //! A [`Resolver`] maps export names (one per volume) to [`BlockDev`]s; [`serve_unix`],
 //! [`serve_tcp`] and [`serve_connection`] run fixed-newstyle NBD with simple replies,
-//! pipelined requests and multi-conn. Wire details: `docs/FORMAT-nbd.md`.
+//! pipelined requests and multi-conn. TCP connections may be required to use TLS
+//! (NBD_OPT_STARTTLS; [`ServerConfig::tls`], [`tls_server_config`]). Wire details:
+//! `docs/FORMAT-nbd.md`.
 
 mod dev;
 mod error;
@@ -11,6 +13,7 @@ pub mod proto;
 mod server;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+mod tls;
 mod transmission;
 
 pub use dev::{BlockDev, DevError, DevErrorKind, ResolveError, Resolver};
@@ -18,3 +21,6 @@ pub use error::{ConfigError, NbdError};
 pub use server::{
     serve_connection, serve_tcp, serve_unix, ServerConfig, ServerStats, StatsSnapshot,
 };
+pub use tls::{tls_server_config, tls_server_config_from_files, TlsConfigError};
+/// The rustls this crate was built with, so callers name the same `rustls::ServerConfig`.
+pub use tokio_rustls::rustls;

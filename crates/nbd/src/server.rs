@@ -5,13 +5,19 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter};
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, BufReader, BufWriter, ReadHalf, WriteHalf};
 use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tokio_rustls::rustls;
 
 use crate::dev::Resolver;
 use crate::error::{ConfigError, NbdError};
+use crate::handshake::{ClientFlags, Haggled, TlsPhase};
 use crate::{handshake, transmission};
+
+/// Buffer size of each direction during the handshake (the reader keeps it for requests).
+const STREAM_BUFFER_BYTES: usize = 64 * 1024;
 
 /// Server tunables. `Default` gives the documented defaults.
 #[derive(Debug, Clone)]
@@ -33,6 +39,14 @@ pub struct ServerConfig {
     pub connections_max: usize,
     /// Counters shared by every connection served with this configuration.
     pub stats: Arc<ServerStats>,
+    /// `Some`: TLS is required (the NBD spec's FORCEDTLS mode). Before NBD_OPT_STARTTLS
+    /// every option but STARTTLS and ABORT is refused with `NBD_REP_ERR_TLS_REQD` and
+    /// NBD_OPT_EXPORT_NAME closes the connection; after it, the rest of the handshake and
+    /// all transmission run over TLS. Whether clients need certificates is this rustls
+    /// configuration's business (see [`tls_server_config`](crate::tls_server_config)).
+    /// `None` (default): no TLS, STARTTLS is refused with `NBD_REP_ERR_POLICY`.
+    /// `serve_tcp` and `serve_connection` honour it; `serve_unix` never uses TLS.
+    pub tls: Option<Arc<rustls::ServerConfig>>,
 }
 
 impl Default for ServerConfig {
@@ -46,6 +60,7 @@ impl Default for ServerConfig {
             handshake_timeout_ms: 30_000,
             connections_max: 1024,
             stats: Arc::new(ServerStats::default()),
+            tls: None,
         }
     }
 }
@@ -118,7 +133,8 @@ impl Drop for ActiveGuard {
 }
 
 /// Serves one already-accepted connection to its end. `Ok` for clean ends (ABORT, DISC,
-/// client closing between messages); `Err` says why the connection was dropped.
+/// client closing between messages); `Err` says why the connection was dropped. With
+/// `cfg.tls` set the client must upgrade with NBD_OPT_STARTTLS, whatever `stream` is.
 pub async fn serve_connection<R, S>(
     stream: S,
     resolver: Arc<R>,
@@ -135,19 +151,151 @@ where
     cfg.stats.connections_active.fetch_add(1, Ordering::Relaxed);
     let _active = ActiveGuard(Arc::clone(&cfg.stats));
 
+    // One deadline for the whole handshake, a TLS upgrade included.
+    let deadline = Instant::now() + Duration::from_millis(cfg.handshake_timeout_ms);
     let (rd, wr) = tokio::io::split(stream);
-    let mut rd = BufReader::with_capacity(64 * 1024, rd);
-    let mut wr = BufWriter::with_capacity(64 * 1024, wr);
-    let timeout = Duration::from_millis(cfg.handshake_timeout_ms);
-    let negotiated = tokio::time::timeout(
-        timeout,
-        handshake::negotiate(&mut rd, &mut wr, &*resolver, &cfg),
-    )
-    .await
-    .map_err(|_| NbdError::HandshakeTimeout(cfg.handshake_timeout_ms))??;
-    let Some(neg) = negotiated else {
+    let mut rd = BufReader::with_capacity(STREAM_BUFFER_BYTES, rd);
+    let mut wr = BufWriter::with_capacity(STREAM_BUFFER_BYTES, wr);
+    let phase = if cfg.tls.is_some() {
+        TlsPhase::Required
+    } else {
+        TlsPhase::Off
+    };
+    let mut options_seen = 0;
+    let greeted = async {
+        let Some(client) = handshake::greet(&mut rd, &mut wr).await? else {
+            return Ok(None);
+        };
+        let haggled = handshake::haggle(
+            &mut rd,
+            &mut wr,
+            &*resolver,
+            &cfg,
+            client,
+            phase,
+            &mut options_seen,
+        )
+        .await?;
+        Ok::<_, NbdError>(Some((client, haggled)))
+    };
+    let Some((client, haggled)) = within(deadline, &cfg, greeted).await? else {
         return Ok(());
     };
+    match haggled {
+        Haggled::Export(neg) => transmit(&mut rd, wr, neg, &cfg).await,
+        Haggled::Closed => Ok(()),
+        Haggled::StartTls => {
+            let Some(tls) = cfg.tls.clone() else {
+                unreachable!(
+                    "STARTTLS is acknowledged only in TlsPhase::Required, set from cfg.tls"
+                );
+            };
+            // Boxed: the TLS session's state stays out of the plaintext connection's future.
+            let upgrade = Upgrade {
+                tls,
+                client,
+                options_seen,
+                deadline,
+            };
+            Box::pin(serve_tls(rd, wr, upgrade, &*resolver, &cfg)).await
+        }
+    }
+}
+
+/// Runs a handshake step against the connection's handshake deadline.
+async fn within<T>(
+    deadline: Instant,
+    cfg: &ServerConfig,
+    step: impl std::future::Future<Output = Result<T, NbdError>>,
+) -> Result<T, NbdError> {
+    tokio::time::timeout_at(deadline, step)
+        .await
+        .map_err(|_| NbdError::HandshakeTimeout(cfg.handshake_timeout_ms))?
+}
+
+/// What the plaintext part of a handshake hands to the TLS part.
+struct Upgrade {
+    tls: Arc<rustls::ServerConfig>,
+    client: ClientFlags,
+    options_seen: usize,
+    deadline: Instant,
+}
+
+/// After an acknowledged STARTTLS: the TLS handshake on the same stream, then option
+/// haggling again and the transmission phase, both over TLS.
+async fn serve_tls<R, S>(
+    rd: BufReader<ReadHalf<S>>,
+    wr: BufWriter<WriteHalf<S>>,
+    mut up: Upgrade,
+    resolver: &R,
+    cfg: &ServerConfig,
+) -> Result<(), NbdError>
+where
+    R: Resolver,
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    // Bytes already buffered were sent in plaintext before our ACK (a compliant client
+    // waits for it); taking them into the TLS session would let whoever can write to the
+    // network inject them, so they end the connection.
+    if !rd.buffer().is_empty() {
+        return Err(NbdError::PlaintextAfterStartTls(rd.buffer().len()));
+    }
+    // Every handshake message is flushed as it is sent, so nothing is lost here.
+    debug_assert!(wr.buffer().is_empty());
+    let stream = rd.into_inner().unsplit(wr.into_inner());
+    let acceptor = tokio_rustls::TlsAcceptor::from(up.tls);
+    let accept = async {
+        acceptor
+            .accept(stream)
+            .await
+            .map_err(NbdError::TlsHandshake)
+    };
+    let stream = within(up.deadline, cfg, accept).await?;
+    {
+        let (_, session) = stream.get_ref();
+        log::debug!(
+            "nbd: TLS established: {:?}, {:?}, client certificate: {}",
+            session.protocol_version(),
+            session.negotiated_cipher_suite().map(|s| s.suite()),
+            session.peer_certificates().is_some_and(|c| !c.is_empty()),
+        );
+    }
+
+    let (rd, wr) = tokio::io::split(stream);
+    let mut rd = BufReader::with_capacity(STREAM_BUFFER_BYTES, rd);
+    let mut wr = BufWriter::with_capacity(STREAM_BUFFER_BYTES, wr);
+    let haggle = handshake::haggle(
+        &mut rd,
+        &mut wr,
+        resolver,
+        cfg,
+        up.client,
+        TlsPhase::Active,
+        &mut up.options_seen,
+    );
+    match within(up.deadline, cfg, haggle).await? {
+        Haggled::Export(neg) => transmit(&mut rd, wr, neg, cfg).await,
+        Haggled::Closed => {
+            // Say goodbye properly (close_notify) to a client that aborted.
+            let _ = wr.shutdown().await;
+            Ok(())
+        }
+        Haggled::StartTls => unreachable!("a second STARTTLS is refused, never acknowledged"),
+    }
+}
+
+/// The transmission phase after a successful handshake on either kind of stream.
+async fn transmit<D, Rd, Wr>(
+    rd: &mut Rd,
+    mut wr: BufWriter<Wr>,
+    neg: handshake::Negotiated<D>,
+    cfg: &ServerConfig,
+) -> Result<(), NbdError>
+where
+    D: crate::BlockDev,
+    Rd: AsyncRead + Unpin,
+    Wr: AsyncWrite + Unpin,
+{
     log::debug!(
         "nbd: serving export {} (block sizes negotiated: {})",
         neg.name,
@@ -156,7 +304,7 @@ where
     // Replies go to the socket directly (vectored, read data not copied): the buffer
     // served the handshake's small messages only.
     wr.flush().await?;
-    transmission::run(&mut rd, wr.get_mut(), neg, &cfg).await
+    transmission::run(rd, wr.get_mut(), neg, cfg).await
 }
 
 fn config_io_error(e: ConfigError) -> io::Error {
@@ -230,15 +378,19 @@ async fn accept_loop<R: Resolver, L: Acceptor>(
 }
 
 /// Accepts on a unix socket forever, one task per connection. Errs only on a bad `cfg`.
+/// `cfg.tls` is ignored: a unix socket is as private as its file's permissions, and the
+/// clients on this host connect in plaintext.
 pub async fn serve_unix<R: Resolver>(
     listener: UnixListener,
     resolver: Arc<R>,
-    cfg: ServerConfig,
+    mut cfg: ServerConfig,
 ) -> io::Result<()> {
+    cfg.tls = None;
     accept_loop(listener, resolver, cfg).await
 }
 
-/// Accepts on TCP forever, one task per connection. Errs only on a bad `cfg`.
+/// Accepts on TCP forever, one task per connection. Errs only on a bad `cfg`. With
+/// `cfg.tls` set every client must upgrade with NBD_OPT_STARTTLS (`nbds://` URIs).
 pub async fn serve_tcp<R: Resolver>(
     listener: TcpListener,
     resolver: Arc<R>,

@@ -1,5 +1,8 @@
 //! End-to-end tests with real NBD clients (libnbd's nbdinfo/nbdcopy, qemu-img, fio) against
-//! a RAM export served on a unix socket. A missing client binary skips loudly.
+//! a RAM export served on a unix socket, and over TCP with TLS (`nbds://`, qemu's
+//! tls-creds-x509) using a throwaway CA. A missing client binary skips loudly.
+
+mod pki;
 
 use std::path::{Path, PathBuf};
 use std::process::Output;
@@ -7,7 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use converge_nbd::testing::{MemDev, MemResolver};
-use converge_nbd::{serve_unix, ResolveError, ServerConfig};
+use converge_nbd::{serve_tcp, serve_unix, ResolveError, ServerConfig};
+use pki::Pki;
 use rand::{RngCore, SeedableRng};
 use tokio::process::Command;
 
@@ -273,4 +277,209 @@ async fn tcp_listener_serves_nbdcopy() {
     server.abort();
     assert!(out.status.success());
     assert!(dev.contents() == data);
+}
+
+/// A RAM export on TCP with TLS required; `mutual`: clients need a certificate.
+struct TlsServed {
+    dir: tempfile::TempDir,
+    port: u16,
+    pki: Pki,
+    dev: Arc<MemDev>,
+    server: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+impl Drop for TlsServed {
+    fn drop(&mut self) {
+        self.server.abort();
+    }
+}
+
+async fn serve_tls(mutual: bool) -> TlsServed {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind tcp");
+    let port = listener.local_addr().expect("local addr").port();
+    let pki = Pki::new("clients");
+    let dev = Arc::new(MemDev::new(SIZE));
+    let resolver = MemResolver::new().with_export("vm01", Arc::clone(&dev));
+    let cfg = ServerConfig {
+        tls: Some(pki.server_config(mutual)),
+        ..ServerConfig::default()
+    };
+    let server = tokio::spawn(serve_tcp(listener, Arc::new(resolver), cfg));
+    TlsServed {
+        dir: tempfile::tempdir().expect("tempdir"),
+        port,
+        pki,
+        dev,
+        server,
+    }
+}
+
+impl TlsServed {
+    fn path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(name)
+    }
+
+    /// A client certificate directory named `name` trusting this server's CA, with this
+    /// CA's client certificate if `with_cert`.
+    fn certs(&self, name: &str, with_cert: bool) -> PathBuf {
+        let dir = self.path(name);
+        self.pki.write_client_dir(&dir, with_cert);
+        dir
+    }
+
+    /// libnbd's URI for TLS (required, peer verified) with the certificates in `certs`.
+    fn nbds_uri(&self, certs: &Path) -> String {
+        format!(
+            "nbds://127.0.0.1:{}/vm01?tls-certificates={}",
+            self.port,
+            certs.display()
+        )
+    }
+
+    /// qemu's block options for the export over TLS with the `tls0` credentials object.
+    fn qemu_image_opts(&self) -> String {
+        format!(
+            "driver=nbd,host=127.0.0.1,port={},export=vm01,tls-creds=tls0",
+            self.port
+        )
+    }
+}
+
+fn qemu_tls_object(certs: &Path) -> String {
+    format!(
+        "tls-creds-x509,id=tls0,dir={},endpoint=client",
+        certs.display()
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdinfo_over_tls_and_plaintext_or_untrusting_clients_refused() {
+    require!("nbdinfo");
+    let s = serve_tls(false).await;
+    let certs = s.certs("certs", false);
+    let out = run(Command::new("nbdinfo")
+        .arg("--json")
+        .arg(s.nbds_uri(&certs)))
+    .await;
+    assert!(out.status.success());
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        json_field(&json, "export-size"),
+        Some(SIZE.to_string().as_str())
+    );
+    assert_eq!(json_field(&json, "TLS"), Some("true"), "{json}");
+
+    // Plaintext is refused: every option gets TLS_REQD, so libnbd gives up.
+    let plain = format!("nbd://127.0.0.1:{}/vm01", s.port);
+    let out = run(Command::new("nbdinfo").env("LIBNBD_DEBUG", "1").arg(&plain)).await;
+    assert!(!out.status.success(), "a plaintext client was served");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("TLS is required: send NBD_OPT_STARTTLS first"),
+        "{err}"
+    );
+    if have("qemu-img") {
+        let out = run(Command::new("qemu-img").arg("info").arg(&plain)).await;
+        assert!(!out.status.success(), "a plaintext qemu-img was served");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains("TLS is required"), "{err}");
+    }
+
+    // A client trusting another CA refuses the server's certificate.
+    let stranger = s.path("stranger");
+    Pki::new("stranger").write_client_dir(&stranger, false);
+    let out = run(Command::new("nbdinfo").arg(s.nbds_uri(&stranger))).await;
+    assert!(!out.status.success(), "a client with another CA connected");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("certificate verification"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdcopy_round_trip_over_mutual_tls() {
+    require!("nbdcopy", "nbdinfo");
+    let s = serve_tls(true).await;
+    let certs = s.certs("certs", true);
+    let input = s.path("in.img");
+    let data = random_file(&input, SIZE, 0x7157);
+    let out = run(Command::new("nbdcopy").arg(&input).arg(s.nbds_uri(&certs))).await;
+    assert!(out.status.success());
+    assert!(
+        s.dev.contents() == data,
+        "device contents differ after nbdcopy in"
+    );
+    let output = s.path("out.img");
+    let out = run(Command::new("nbdcopy").arg(s.nbds_uri(&certs)).arg(&output)).await;
+    assert!(out.status.success());
+    assert!(std::fs::read(&output).expect("read out.img") == data);
+
+    // Without a client certificate the server refuses the TLS handshake.
+    let no_cert = s.certs("no-cert", false);
+    let out = run(Command::new("nbdinfo").arg(s.nbds_uri(&no_cert))).await;
+    assert!(
+        !out.status.success(),
+        "a client without a certificate connected"
+    );
+    // GnuTLS reports the server's alert that ended the handshake.
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("alert"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_img_info_convert_compare_over_mutual_tls() {
+    require!("qemu-img");
+    let s = serve_tls(true).await;
+    let certs = s.certs("certs", true);
+    let out = run(Command::new("qemu-img")
+        .arg("info")
+        .arg("--object")
+        .arg(qemu_tls_object(&certs))
+        .arg("--image-opts")
+        .arg(s.qemu_image_opts()))
+    .await;
+    assert!(out.status.success());
+    let info = String::from_utf8_lossy(&out.stdout);
+    assert!(info.contains(&format!("({SIZE} bytes)")), "{info}");
+
+    let input = s.path("in.img");
+    let data = random_file(&input, SIZE, 0x9e1);
+    let out = run(Command::new("qemu-img")
+        .args(["convert", "-n", "-f", "raw", "--object"])
+        .arg(qemu_tls_object(&certs))
+        .arg(&input)
+        .arg("--target-image-opts")
+        .arg(s.qemu_image_opts()))
+    .await;
+    assert!(out.status.success());
+    assert!(
+        s.dev.contents() == data,
+        "device contents differ after qemu-img convert"
+    );
+
+    let compare = |img: &Path| {
+        let mut c = Command::new("qemu-img");
+        c.args(["compare", "--object"])
+            .arg(qemu_tls_object(&certs))
+            .arg("--image-opts")
+            .arg(format!("driver=raw,file.filename={}", img.display()))
+            .arg(s.qemu_image_opts());
+        c
+    };
+    let out = run(&mut compare(&input)).await;
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "qemu-img compare found differences"
+    );
+    let mut changed = data;
+    changed[SIZE / 3 + 5] ^= 0x01;
+    let other = s.path("changed.img");
+    std::fs::write(&other, &changed).expect("write");
+    let out = run(&mut compare(&other)).await;
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "qemu-img compare missed a difference"
+    );
 }
