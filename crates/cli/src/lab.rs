@@ -40,6 +40,10 @@ pub struct LabNode {
     pub api: String,
     pub rpc: String,
     pub nbd_socket: PathBuf,
+    /// NBD over TCP with mutual TLS (`nbds://ADDR/VOLUME`, with the lab's client
+    /// certificate in `DIR/pki/client`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nbd_tcp: Option<String>,
     pub drives: Vec<PathBuf>,
     /// Cache drive files (`--cache-drives`), in RAM with `--cache-in-ram`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -237,6 +241,22 @@ fn lab_ca(dir: &Path) -> Result<converge_pki::Ca> {
     ca.write(&pki)
         .map_err(|e| anyhow!("writing the lab's CA: {e}"))?;
     Ok(ca)
+}
+
+/// The lab's NBD client certificate (`lab`), if not made yet.
+fn lab_client_cert(ca: &converge_pki::Ca, dir: &Path) -> Result<()> {
+    if dir.join("client-cert.pem").exists() {
+        return Ok(());
+    }
+    let key = converge_pki::NewKey::generate().map_err(|e| anyhow!("{e}"))?;
+    let cert = ca
+        .issue(
+            &converge_pki::Subject::Client { name: "lab".into() },
+            &key.public_key(),
+        )
+        .map_err(|e| anyhow!("the lab's client certificate: {e}"))?;
+    converge_pki::write_client_dir(dir, ca.cert_pem(), &cert, &key.pem())
+        .map_err(|e| anyhow!("{e}"))
 }
 
 /// A node's PKI directory: a new key, and a certificate from `ca` naming the node and
@@ -723,19 +743,21 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     };
     save(&lab)?;
     wait_etcd(&lab, o.timeout)?;
-    // The lab is its own cluster CA: every node gets a certificate, as on real hosts.
+    // The lab is its own cluster CA: every node gets a certificate, as on real hosts, and
+    // NBD clients over TCP one for the lab (DIR/pki/client, as qemu and libnbd read it).
     let ca = lab_ca(&dir)?;
+    lab_client_cert(&ca, &dir.join("pki").join("client"))?;
 
     for id in 1..=o.nodes {
         let (ip, ports, netns) = match &net {
             // A namespace of its own: the usual ports are free there.
             Some(net) => {
                 let n = net.node(id)?;
-                (n.addr, vec![7100, 7200], Some(n.netns.clone()))
+                (n.addr, vec![7100, 7200, 10809], Some(n.netns.clone()))
             }
             None => {
                 let ip = Ipv4Addr::new(127, 0, 0, (id + 1) as u8);
-                (ip, free_ports(ip, 2)?, None)
+                (ip, free_ports(ip, 3)?, None)
             }
         };
         let ndir = dir.join(format!("node{id}"));
@@ -766,10 +788,11 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         let rpc = format!("{ip}:{}", ports[0]);
         let api = format!("{ip}:{}", ports[1]);
         let sock = ndir.join("nbd.sock");
+        let nbd_tcp = format!("{ip}:{}", ports[2]);
         issue_node_pki(&ca, &ndir.join("pki"), id, &[ip.to_string()])?;
         let config = ndir.join("converged.toml");
         let mut toml = format!(
-            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\n\n[etcd]\nendpoints = [\"{client}\"]\n",
+            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\nnbd_tcp = \"{nbd_tcp}\"\n\n[etcd]\nendpoints = [\"{client}\"]\n",
             o.slab_size,
             sock.display()
         );
@@ -825,6 +848,7 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             api: format!("https://{api}"),
             rpc,
             nbd_socket: sock,
+            nbd_tcp: Some(nbd_tcp),
             drives,
             cache_drives,
             proc,

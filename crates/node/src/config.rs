@@ -92,6 +92,10 @@ struct RawNetwork {
     api: String,
     nbd_socket: PathBuf,
     nbd_tcp: Option<String>,
+    /// Serve NBD on `nbd_tcp` without TLS: anyone who reaches the port reads and writes
+    /// every volume. Only on a network where every host is trusted.
+    #[serde(default)]
+    nbd_tcp_insecure: bool,
 }
 
 #[derive(Debug, Deserialize)]
@@ -134,6 +138,8 @@ pub struct Config {
     pub api_addr: SocketAddr,
     pub nbd_socket: PathBuf,
     pub nbd_tcp: Option<SocketAddr>,
+    /// NBD on TCP without TLS (the operator said so).
+    pub nbd_tcp_insecure: bool,
     pub etcd_endpoints: Vec<String>,
     pub drives: Vec<DriveConfig>,
     pub knobs: Knobs,
@@ -297,6 +303,7 @@ impl Config {
                 .as_deref()
                 .map(|s| addr("network.nbd_tcp", s))
                 .transpose()?,
+            nbd_tcp_insecure: raw.network.nbd_tcp_insecure,
             etcd_endpoints: raw.etcd.endpoints,
             drives,
             knobs: raw.knobs,

@@ -135,6 +135,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let peer_server = tls.peer_server().map_err(tls_err)?;
     let peer_client = tls.peer_client().map_err(tls_err)?;
     let api_server = tls.api_server().map_err(tls_err)?;
+    let nbd_tls = tls.nbd_server().map_err(tls_err)?;
     let https_client = tls.https_client().map_err(tls_err)?;
     let opened = tiering::open_drives(&cfg, cluster_rec.cluster_id)?;
     if args.check {
@@ -281,7 +282,24 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         exports.clone(),
         nbd_cfg.clone(),
     ));
-    let nbd_tcp = nbd_tcp.map(|l| tokio::spawn(converge_nbd::serve_tcp(l, exports, nbd_cfg)));
+    // NBD over TCP: mutual TLS (a client certificate of the cluster's CA) unless the
+    // operator turned it off for a trusted network.
+    let nbd_tcp_cfg = converge_nbd::ServerConfig {
+        tls: if cfg.nbd_tcp_insecure {
+            None
+        } else {
+            Some(nbd_tls)
+        },
+        ..nbd_cfg
+    };
+    if nbd_tcp.is_some() && cfg.nbd_tcp_insecure {
+        log::warn!(
+            "NBD on {} without TLS (nbd_tcp_insecure = true): anyone who reaches it reads \
+             and writes every volume",
+            cfg.nbd_tcp.map(|a| a.to_string()).unwrap_or_default()
+        );
+    }
+    let nbd_tcp = nbd_tcp.map(|l| tokio::spawn(converge_nbd::serve_tcp(l, exports, nbd_tcp_cfg)));
     let keepalive = tokio::spawn(keep_alive(node.clone()));
     let repairer = tokio::spawn(repair::run(node.clone()));
     let publisher = tokio::spawn(repair::publish(node.clone()));

@@ -344,7 +344,12 @@ impl Ca {
         };
         p.distinguished_name = dn;
         p.is_ca = IsCa::ExplicitNoCa;
-        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        // Key encipherment means nothing for an ECDSA key, but qemu (gnutls) refuses a
+        // certificate whose critical key usage lacks it.
+        p.key_usages = vec![
+            KeyUsagePurpose::DigitalSignature,
+            KeyUsagePurpose::KeyEncipherment,
+        ];
         p.extended_key_usages = usages;
         p.use_authority_key_identifier_extension = true;
         validity(&mut p, days)?;
