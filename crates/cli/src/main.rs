@@ -865,14 +865,16 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 .collect::<Vec<_>>()
                 .join(",");
             let token = lab::admin_token(&l.dir).unwrap_or_default();
+            let ca = lab::ca_cert(&l.dir);
             if json_out {
                 return print_json(&json!({
                     "CONVERGE_API": api, "CONVERGE_LAB_DIR": l.dir, "CONVERGE_ETCD": l.etcd_endpoint,
-                    "CONVERGE_TOKEN": token
+                    "CONVERGE_TOKEN": token, "CONVERGE_CA": ca
                 }));
             }
             println!("export CONVERGE_API={api}");
             println!("export CONVERGE_TOKEN={token}");
+            println!("export CONVERGE_CA={}", ca.display());
             println!("export CONVERGE_LAB_DIR={}", l.dir.display());
             println!("export CONVERGE_ETCD={}", l.etcd_endpoint);
         }
