@@ -5,6 +5,15 @@
 //! unary call opens its own connection (control-plane traffic is light) and is bounded by
 //! the per-request timeout. On a connection failure the next endpoint is tried; once a
 //! request has been sent it is never re-sent elsewhere, so a transaction cannot apply twice.
+//!
+//! Security ([`Etcd::with_security`], [`EtcdSecurity`]):
+//! * `https://` endpoints use TLS (rustls, built once per client) with the configured CA
+//!   only, checking etcd's certificate against the endpoint's host (a name or an IP
+//!   address), and present a client certificate for etcd's `--client-cert-auth`.
+//! * A username and password log in to etcd's authentication; the token is renewed when etcd
+//!   refuses it, and only those refusals re-send a request (see `auth.rs` for why that is
+//!   safe). With auth enabled, etcd's gateway refuses client certificates that carry a
+//!   CommonName: the user comes from the password, not from the certificate.
 
 use base64::engine::general_purpose::STANDARD as B64;
 use base64::Engine as _;
@@ -12,6 +21,7 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use rustls::pki_types::ServerName;
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Deserializer};
 use serde_json::{json, Value};
@@ -21,6 +31,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::net::TcpStream;
 use tokio::task::JoinHandle;
+use tokio_rustls::TlsConnector;
+
+mod auth;
+mod security;
+
+use auth::{Credentials, Token};
+pub use security::{EtcdSecurity, PemRole, SecurityError, TlsFailure};
 
 /// Default bound on one request (connect + answer).
 pub const DEFAULT_REQUEST_TIMEOUT_MS: u64 = 5_000;
@@ -45,8 +62,48 @@ impl fmt::Display for LeaseId {
 pub enum EtcdError {
     #[error("no etcd endpoints given: pass at least one, e.g. http://127.0.0.1:2379")]
     NoEndpoints,
-    #[error("etcd endpoint {endpoint:?} is invalid: {reason}; use the form http://HOST:PORT")]
+    #[error(
+        "etcd endpoint {endpoint:?} is invalid: {reason}; use the form http://HOST:PORT or \
+         https://HOST:PORT"
+    )]
     InvalidEndpoint { endpoint: String, reason: String },
+    #[error(transparent)]
+    Security(#[from] SecurityError),
+    #[error("etcd at {endpoint} {failure}")]
+    Tls {
+        endpoint: String,
+        failure: TlsFailure,
+    },
+    #[error(
+        "etcd at {endpoint} closed the connection without answering {path}; if etcd serves \
+         TLS on this port, use an https:// endpoint and give its CA, else check etcd's health"
+    )]
+    ClosedWithoutAnswer { endpoint: String, path: String },
+    #[error("etcd at {endpoint} refused to log in user {user:?}: {message}; check the username and password")]
+    AuthFailed {
+        endpoint: String,
+        user: String,
+        message: String,
+    },
+    #[error(
+        "etcd at {endpoint} requires authentication for {path} ({message}); give a username \
+         and password"
+    )]
+    AuthRequired {
+        endpoint: String,
+        path: String,
+        message: String,
+    },
+    #[error(
+        "etcd at {endpoint} refused {path}: with authentication enabled, etcd's gateway refuses \
+         client certificates that carry a CommonName (etcd said: {message}); use a client \
+         certificate without a CN, and log in with a username and password"
+    )]
+    ClientCertificateHasCommonName {
+        endpoint: String,
+        path: String,
+        message: String,
+    },
     #[error("etcd at {endpoint} is unreachable: {reason}; is etcd running?")]
     Unreachable { endpoint: String, reason: String },
     #[error(
@@ -161,19 +218,74 @@ pub struct WatchEvent {
     pub kv: KeyValue,
 }
 
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 struct Endpoint {
     url: String,
     /// host:port to connect to and to send as Host.
     authority: String,
+    /// The host alone (no brackets around an IPv6 address): what etcd's certificate must name.
+    host: String,
+    /// `https://`: TLS, and the name to check etcd's certificate against.
+    tls_name: Option<ServerName<'static>>,
 }
 
-#[derive(Debug)]
 struct Inner {
     endpoints: Vec<Endpoint>,
     /// Index of the endpoint that answered last; tried first.
     preferred: AtomicUsize,
     timeout: Duration,
+    /// For `https://` endpoints; built once per client.
+    tls: Option<TlsConnector>,
+    /// A client certificate is configured (tells "etcd needs one" from "etcd refused ours").
+    presents_client_cert: bool,
+    /// etcd user and token, shared with clones made by [`Etcd::with_timeout`].
+    credentials: Option<Arc<Credentials>>,
+}
+
+impl fmt::Debug for Inner {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Inner")
+            .field("endpoints", &self.endpoints)
+            .field("timeout", &self.timeout)
+            .field("tls", &self.tls.is_some())
+            .field("presents_client_cert", &self.presents_client_cert)
+            .field("user", &self.credentials.as_ref().map(|c| c.user.as_str()))
+            .finish()
+    }
+}
+
+/// A connection to one endpoint, before HTTP.
+enum Conn {
+    Plain(TcpStream),
+    Tls(Box<tokio_rustls::client::TlsStream<TcpStream>>),
+}
+
+/// Why one endpoint could not be connected to.
+enum ConnectFailure {
+    Unreachable(String),
+    Tls(TlsFailure),
+}
+
+/// Starts HTTP/1.1 on a connection; the returned guard ends the connection's driver.
+async fn http1<I>(
+    io: I,
+) -> Result<
+    (
+        hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+        AbortOnDrop,
+    ),
+    hyper::Error,
+>
+where
+    I: hyper::rt::Read + hyper::rt::Write + Unpin + Send + 'static,
+{
+    let (sender, conn) = hyper::client::conn::http1::handshake(io).await?;
+    let guard = AbortOnDrop(tokio::spawn(async move {
+        if let Err(e) = conn.await {
+            log::debug!("etcd connection ended: {e}");
+        }
+    }));
+    Ok((sender, guard))
 }
 
 /// Async etcd v3 client. Cheap to clone.
@@ -197,14 +309,14 @@ fn parse_endpoint(raw: &str) -> Result<Endpoint, EtcdError> {
         reason: reason.to_string(),
     };
     let s = raw.trim();
-    let rest = if let Some(r) = s.strip_prefix("http://") {
-        r
-    } else if s.starts_with("https://") {
-        return Err(invalid("TLS (https) is not supported yet"));
+    let (tls, rest) = if let Some(r) = s.strip_prefix("http://") {
+        (false, r)
+    } else if let Some(r) = s.strip_prefix("https://") {
+        (true, r)
     } else if s.contains("://") {
-        return Err(invalid("only the http scheme is supported"));
+        return Err(invalid("only the http and https schemes are supported"));
     } else {
-        s
+        (false, s)
     };
     let rest = rest.trim_end_matches('/');
     if rest.is_empty() {
@@ -227,9 +339,26 @@ fn parse_endpoint(raw: &str) -> Result<Endpoint, EtcdError> {
     } else {
         format!("{rest}:2379")
     };
+    let host = match authority.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or_default().to_string(),
+        None => authority
+            .rsplit_once(':')
+            .map_or(authority.as_str(), |(h, _)| h)
+            .to_string(),
+    };
+    let tls_name = if tls {
+        Some(
+            ServerName::try_from(host.clone())
+                .map_err(|e| invalid(&format!("{host:?} is not a valid TLS server name: {e}")))?,
+        )
+    } else {
+        None
+    };
     Ok(Endpoint {
-        url: format!("http://{authority}"),
+        url: format!("{}://{authority}", if tls { "https" } else { "http" }),
         authority,
+        host,
+        tls_name,
     })
 }
 
@@ -440,7 +569,18 @@ fn take_json<T: DeserializeOwned>(buf: &mut Vec<u8>) -> Result<Option<T>, serde_
 
 impl Etcd {
     /// A client for these endpoints (`http://HOST:PORT`), with the default request timeout.
+    /// For `https://` endpoints or etcd users, see [`Etcd::with_security`].
     pub fn new(endpoints: Vec<String>) -> Result<Etcd, EtcdError> {
+        Etcd::with_security(endpoints, EtcdSecurity::default())
+    }
+
+    /// A client for these endpoints with TLS and/or etcd authentication, with the default
+    /// request timeout. All endpoints are `https://` (TLS, which needs `security.ca_pem`) or
+    /// all are `http://`; TLS settings with http endpoints are refused rather than ignored.
+    pub fn with_security(
+        endpoints: Vec<String>,
+        security: EtcdSecurity,
+    ) -> Result<Etcd, EtcdError> {
         if endpoints.is_empty() {
             return Err(EtcdError::NoEndpoints);
         }
@@ -448,35 +588,66 @@ impl Etcd {
             .iter()
             .map(|e| parse_endpoint(e))
             .collect::<Result<Vec<_>, _>>()?;
+        let https = endpoints.iter().find(|e| e.tls_name.is_some());
+        let http = endpoints.iter().find(|e| e.tls_name.is_none());
+        let tls = match (https, http) {
+            (Some(s), Some(p)) => {
+                return Err(SecurityError::MixedSchemes {
+                    http: p.url.clone(),
+                    https: s.url.clone(),
+                }
+                .into())
+            }
+            (Some(s), None) => Some(TlsConnector::from(security.client_config(&s.url)?)),
+            (None, _) if security.has_tls_settings() => {
+                return Err(SecurityError::TlsSettingsWithoutHttps {
+                    endpoints: endpoints
+                        .iter()
+                        .map(|e| e.url.as_str())
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                }
+                .into())
+            }
+            (None, _) => None,
+        };
+        let credentials = security
+            .user()?
+            .map(|(user, password)| Arc::new(Credentials::new(user, password)));
+        if let (Some(c), None) = (&credentials, &tls) {
+            log::warn!(
+                "etcd user {:?} logs in over plain http: the password crosses the network \
+                 unencrypted; use https:// endpoints",
+                c.user
+            );
+        }
         Ok(Etcd {
             inner: Arc::new(Inner {
                 endpoints,
                 preferred: AtomicUsize::new(0),
                 timeout: Duration::from_millis(DEFAULT_REQUEST_TIMEOUT_MS),
+                presents_client_cert: tls.is_some() && security.client_cert_pem.is_some(),
+                tls,
+                credentials,
             }),
         })
     }
 
-    /// The same endpoints with another per-request timeout.
+    /// The same endpoints, TLS settings and user with another per-request timeout.
     pub fn with_timeout(&self, timeout: Duration) -> Etcd {
         Etcd {
             inner: Arc::new(Inner {
-                endpoints: self
-                    .inner
-                    .endpoints
-                    .iter()
-                    .map(|e| Endpoint {
-                        url: e.url.clone(),
-                        authority: e.authority.clone(),
-                    })
-                    .collect(),
+                endpoints: self.inner.endpoints.clone(),
                 preferred: AtomicUsize::new(self.inner.preferred.load(Ordering::Relaxed)),
                 timeout,
+                tls: self.inner.tls.clone(),
+                presents_client_cert: self.inner.presents_client_cert,
+                credentials: self.inner.credentials.clone(),
             }),
         }
     }
 
-    /// The endpoints, normalised to `http://HOST:PORT`.
+    /// The endpoints, normalised to `http://HOST:PORT` or `https://HOST:PORT`.
     pub fn endpoints(&self) -> Vec<String> {
         self.inner.endpoints.iter().map(|e| e.url.clone()).collect()
     }
@@ -485,34 +656,75 @@ impl Etcd {
         u64::try_from(self.inner.timeout.as_millis()).unwrap_or(u64::MAX)
     }
 
-    /// Connects to the first endpoint that accepts, starting at the preferred one.
-    async fn connect(&self) -> Result<(usize, TcpStream), EtcdError> {
+    /// TCP, then TLS for an https endpoint.
+    async fn connect_one(&self, ep: &Endpoint) -> Result<Conn, ConnectFailure> {
+        let tcp = TcpStream::connect(&ep.authority)
+            .await
+            .map_err(|e| ConnectFailure::Unreachable(e.to_string()))?;
+        let _ = tcp.set_nodelay(true);
+        let (Some(connector), Some(name)) = (&self.inner.tls, &ep.tls_name) else {
+            return Ok(Conn::Plain(tcp));
+        };
+        match connector.connect(name.clone(), tcp).await {
+            Ok(stream) => Ok(Conn::Tls(Box::new(stream))),
+            Err(e) => Err(
+                match security::classify_handshake_failure(
+                    &e,
+                    &ep.host,
+                    self.inner.presents_client_cert,
+                ) {
+                    Some(f) => ConnectFailure::Tls(f),
+                    None => ConnectFailure::Unreachable(format!("TLS handshake failed: {e}")),
+                },
+            ),
+        }
+    }
+
+    /// Connects to the first endpoint that accepts, starting at the preferred one. If none
+    /// does and one failed in TLS, that failure is returned: it is the one to fix.
+    async fn connect(&self) -> Result<(usize, Conn), EtcdError> {
         let n = self.inner.endpoints.len();
         let start = self.inner.preferred.load(Ordering::Relaxed) % n;
         let mut reasons = Vec::new();
+        let mut tls_failure = None;
         for i in 0..n {
             let idx = (start + i) % n;
             let ep = &self.inner.endpoints[idx];
-            match tokio::time::timeout(self.inner.timeout, TcpStream::connect(&ep.authority)).await
+            let reason = match tokio::time::timeout(self.inner.timeout, self.connect_one(ep)).await
             {
-                Ok(Ok(stream)) => {
-                    let _ = stream.set_nodelay(true);
+                Ok(Ok(conn)) => {
                     self.inner.preferred.store(idx, Ordering::Relaxed);
-                    return Ok((idx, stream));
+                    return Ok((idx, conn));
                 }
-                Ok(Err(e)) => reasons.push((ep.url.clone(), e.to_string())),
-                Err(_) => reasons.push((
-                    ep.url.clone(),
-                    format!("connect timed out after {} ms", self.timeout_ms()),
-                )),
-            }
+                Ok(Err(ConnectFailure::Unreachable(reason))) => reason,
+                Ok(Err(ConnectFailure::Tls(failure))) => {
+                    let reason = failure.to_string();
+                    tls_failure.get_or_insert(EtcdError::Tls {
+                        endpoint: ep.url.clone(),
+                        failure,
+                    });
+                    reason
+                }
+                Err(_) => format!(
+                    "connect{} timed out after {} ms",
+                    if ep.tls_name.is_some() {
+                        " and TLS handshake"
+                    } else {
+                        ""
+                    },
+                    self.timeout_ms()
+                ),
+            };
             if n > 1 {
                 log::warn!(
-                    "etcd at {} is unreachable ({}); trying the next endpoint",
+                    "etcd at {} is unreachable ({reason}); trying the next endpoint",
                     ep.url,
-                    reasons.last().map(|r| r.1.as_str()).unwrap_or("")
                 );
             }
+            reasons.push((ep.url.clone(), reason));
+        }
+        if let Some(e) = tls_failure {
+            return Err(e);
         }
         let endpoint = reasons
             .iter()
@@ -531,51 +743,109 @@ impl Etcd {
         Err(EtcdError::Unreachable { endpoint, reason })
     }
 
+    /// Names a failure of an established connection: a TLS refusal (under TLS 1.3 etcd
+    /// rejects a client certificate only after our side finished the handshake, so it
+    /// shows up here), a plain-http request that a TLS port closed without a word, or else a
+    /// lost connection.
+    fn lost(&self, idx: usize, path: &str, err: &(dyn std::error::Error + 'static)) -> EtcdError {
+        let ep = &self.inner.endpoints[idx];
+        if ep.tls_name.is_some() {
+            if let Some(failure) =
+                security::classify_tls_failure(err, &ep.host, self.inner.presents_client_cert)
+            {
+                return EtcdError::Tls {
+                    endpoint: ep.url.clone(),
+                    failure,
+                };
+            }
+        } else if err
+            .downcast_ref::<hyper::Error>()
+            .is_some_and(hyper::Error::is_incomplete_message)
+        {
+            return EtcdError::ClosedWithoutAnswer {
+                endpoint: ep.url.clone(),
+                path: path.to_string(),
+            };
+        }
+        EtcdError::ConnectionLost {
+            endpoint: ep.url.clone(),
+            path: path.to_string(),
+            reason: err.to_string(),
+        }
+    }
+
+    /// An error answer from etcd, named where the fix is known.
+    fn refused(&self, idx: usize, path: &str, status: u16, message: String) -> EtcdError {
+        let endpoint = self.inner.endpoints[idx].url.clone();
+        let path = path.to_string();
+        if message.contains("CommonName of client sending a request against gateway") {
+            EtcdError::ClientCertificateHasCommonName {
+                endpoint,
+                path,
+                message,
+            }
+        } else if self.inner.credentials.is_none() && auth::is_token_refusal(Some(status), &message)
+        {
+            EtcdError::AuthRequired {
+                endpoint,
+                path,
+                message,
+            }
+        } else {
+            EtcdError::Server {
+                endpoint,
+                path,
+                status,
+                message,
+            }
+        }
+    }
+
     /// Sends one POST and returns the response head and body stream, plus the connection guard.
     async fn open(
         &self,
         path: &str,
-        body: Vec<u8>,
+        body: Bytes,
+        token: Option<&str>,
     ) -> Result<(usize, hyper::Response<Incoming>, AbortOnDrop), EtcdError> {
-        let (idx, stream) = self.connect().await?;
+        let (idx, conn) = self.connect().await?;
         let ep = &self.inner.endpoints[idx];
-        let lost = |e: hyper::Error| EtcdError::ConnectionLost {
-            endpoint: ep.url.clone(),
-            path: path.to_string(),
-            reason: e.to_string(),
+        let started = match conn {
+            Conn::Plain(s) => http1(TokioIo::new(s)).await,
+            Conn::Tls(s) => http1(TokioIo::new(s)).await,
         };
-        let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
-            .await
-            .map_err(lost)?;
-        let guard = AbortOnDrop(tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                log::debug!("etcd connection ended: {e}");
-            }
-        }));
-        let req = hyper::Request::post(path)
+        let (mut sender, guard) = started.map_err(|e| self.lost(idx, path, &e))?;
+        let mut req = hyper::Request::post(path)
             .header(hyper::header::HOST, ep.authority.as_str())
-            .header(hyper::header::CONTENT_TYPE, "application/json")
-            .body(Full::new(Bytes::from(body)))
+            .header(hyper::header::CONTENT_TYPE, "application/json");
+        if let Some(token) = token {
+            req = req.header(hyper::header::AUTHORIZATION, token);
+        }
+        let req = req
+            .body(Full::new(body))
             .map_err(|e| EtcdError::InvalidEndpoint {
                 endpoint: ep.url.clone(),
                 reason: format!("cannot build a request for it: {e}"),
             })?;
-        let resp = sender.send_request(req).await.map_err(lost)?;
+        let resp = sender
+            .send_request(req)
+            .await
+            .map_err(|e| self.lost(idx, path, &e))?;
         Ok((idx, resp, guard))
     }
 
-    async fn post_inner(&self, path: &str, body: Vec<u8>) -> Result<(usize, Bytes), EtcdError> {
-        let (idx, resp, _guard) = self.open(path, body).await?;
-        let ep = &self.inner.endpoints[idx];
+    async fn post_inner(
+        &self,
+        path: &str,
+        body: Bytes,
+        token: Option<&str>,
+    ) -> Result<(usize, Bytes), EtcdError> {
+        let (idx, resp, _guard) = self.open(path, body, token).await?;
         let status = resp.status();
         let bytes = Limited::new(resp.into_body(), RESPONSE_BYTES_MAX)
             .collect()
             .await
-            .map_err(|e| EtcdError::ConnectionLost {
-                endpoint: ep.url.clone(),
-                path: path.to_string(),
-                reason: e.to_string(),
-            })?
+            .map_err(|e| self.lost(idx, path, &*e))?
             .to_bytes();
         if !status.is_success() {
             let message = serde_json::from_slice::<Value>(&bytes)
@@ -586,30 +856,119 @@ impl Etcd {
                         .and_then(|m| m.as_str().map(str::to_string))
                 })
                 .unwrap_or_else(|| String::from_utf8_lossy(&bytes).trim().to_string());
-            return Err(EtcdError::Server {
-                endpoint: ep.url.clone(),
-                path: path.to_string(),
-                status: status.as_u16(),
-                message,
-            });
+            return Err(self.refused(idx, path, status.as_u16(), message));
         }
         Ok((idx, bytes))
     }
 
-    /// One bounded request/response exchange.
-    async fn post(&self, path: &str, body: &Value) -> Result<(usize, Bytes), EtcdError> {
-        let body = body.to_string().into_bytes();
-        match tokio::time::timeout(self.inner.timeout, self.post_inner(path, body)).await {
+    /// One bounded request/response exchange, with this token if given.
+    async fn exchange(
+        &self,
+        path: &str,
+        body: Bytes,
+        token: Option<&str>,
+    ) -> Result<(usize, Bytes), EtcdError> {
+        match tokio::time::timeout(self.inner.timeout, self.post_inner(path, body, token)).await {
             Ok(r) => r,
-            Err(_) => {
-                let idx = self.inner.preferred.load(Ordering::Relaxed) % self.inner.endpoints.len();
-                Err(EtcdError::Timeout {
-                    endpoint: self.inner.endpoints[idx].url.clone(),
-                    path: path.to_string(),
-                    timeout_ms: self.timeout_ms(),
-                })
-            }
+            Err(_) => Err(self.timed_out(path)),
         }
+    }
+
+    fn timed_out(&self, path: &str) -> EtcdError {
+        let idx = self.inner.preferred.load(Ordering::Relaxed) % self.inner.endpoints.len();
+        EtcdError::Timeout {
+            endpoint: self.inner.endpoints[idx].url.clone(),
+            path: path.to_string(),
+            timeout_ms: self.timeout_ms(),
+        }
+    }
+
+    /// Logs in; the token to use from now on.
+    async fn authenticate(&self, creds: &Credentials) -> Result<Token, EtcdError> {
+        const PATH: &str = "/v3/auth/authenticate";
+        #[derive(Deserialize)]
+        struct AuthResp {
+            #[serde(default)]
+            token: String,
+        }
+        let body = json!({ "name": creds.user, "password": creds.password }).to_string();
+        match self.exchange(PATH, Bytes::from(body), None).await {
+            Ok((idx, bytes)) => {
+                let r: AuthResp =
+                    serde_json::from_slice(&bytes).map_err(|e| self.bad(idx, PATH, e))?;
+                if r.token.is_empty() {
+                    return Err(self.bad(idx, PATH, "no token in the answer"));
+                }
+                Ok(Token::Valid(r.token))
+            }
+            // Users are usually set up before `etcdctl auth enable`; until then, go without.
+            Err(EtcdError::Server {
+                endpoint, message, ..
+            }) if auth::is_auth_not_enabled(&message) => {
+                log::warn!(
+                    "etcd at {endpoint} has authentication disabled; sending requests without \
+                     logging in as {:?}",
+                    creds.user
+                );
+                Ok(Token::NotNeeded)
+            }
+            Err(EtcdError::Server {
+                endpoint, message, ..
+            }) if auth::is_bad_credentials(&message) => Err(EtcdError::AuthFailed {
+                endpoint,
+                user: creds.user.clone(),
+                message,
+            }),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The token to use: the current one, or a fresh one if there is none yet or if the
+    /// current one is `stale` (refused by etcd). Concurrent callers holding the same stale
+    /// token wait on one login.
+    async fn token(&self, creds: &Credentials, stale: Option<&Token>) -> Result<Token, EtcdError> {
+        let mut current = creds.token.lock().await;
+        let renew = *current == Token::Unknown || stale.is_some_and(|s| *s == *current);
+        if renew {
+            // Unknown until a login succeeds, so a failed one is retried by the next request.
+            *current = Token::Unknown;
+            *current = self.authenticate(creds).await?;
+        }
+        Ok(current.clone())
+    }
+
+    /// Runs `attempt` with the current token; if etcd refuses that token (which happens
+    /// before anything is applied, see `auth.rs`), logs in again and runs it once more.
+    async fn with_token<T, F, Fut>(&self, attempt: F) -> Result<T, EtcdError>
+    where
+        F: Fn(Option<String>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, EtcdError>>,
+    {
+        let Some(creds) = &self.inner.credentials else {
+            return attempt(None).await;
+        };
+        let token = self.token(creds, None).await?;
+        match attempt(token.header()).await {
+            Err(e) if token_refused(&e) => {
+                log::info!(
+                    "etcd refused the token of user {:?} ({e}); logging in again",
+                    creds.user
+                );
+                let token = self.token(creds, Some(&token)).await?;
+                attempt(token.header()).await
+            }
+            r => r,
+        }
+    }
+
+    /// One bounded request/response exchange, logged in if a user is configured.
+    async fn post(&self, path: &str, body: &Value) -> Result<(usize, Bytes), EtcdError> {
+        let body = Bytes::from(body.to_string());
+        self.with_token(|token| {
+            let body = body.clone();
+            async move { self.exchange(path, body, token.as_deref()).await }
+        })
+        .await
     }
 
     fn bad(&self, idx: usize, path: &str, reason: impl fmt::Display) -> EtcdError {
@@ -822,50 +1181,82 @@ impl Etcd {
         if start_revision > 0 {
             create["start_revision"] = Value::String(start_revision.to_string());
         }
-        let body = json!({ "create_request": create }).to_string().into_bytes();
-        let timeout = self.inner.timeout;
-        let setup = async {
-            let (idx, resp, guard) = self.open(PATH, body).await?;
-            let ep = self.inner.endpoints[idx].url.clone();
-            if !resp.status().is_success() {
-                return Err(EtcdError::Server {
-                    endpoint: ep,
-                    path: PATH.to_string(),
-                    status: resp.status().as_u16(),
-                    message: "the watch was refused".to_string(),
-                });
-            }
-            let mut watch = Watch {
-                body: resp.into_body(),
-                buf: Vec::new(),
-                pending: Vec::new(),
-                endpoint: ep,
-                prefix: prefix.to_string(),
-                revision: 0,
-                _conn: guard,
-            };
-            // Wait for "created"; events that arrive with it are kept for next().
-            loop {
-                let msg = watch.read_message().await?;
-                let created = msg.created;
-                let events = watch.handle(msg)?;
-                watch.pending.extend(events);
-                if created {
-                    return Ok(watch);
+        let body = Bytes::from(json!({ "create_request": create }).to_string());
+        // Opening a watch changes nothing in etcd, so it may always be tried again.
+        let opened = self
+            .with_token(|token| {
+                let body = body.clone();
+                async move {
+                    let setup = self.start_watch(PATH, prefix, body, token.as_deref());
+                    match tokio::time::timeout(self.inner.timeout, setup).await {
+                        Ok(r) => r,
+                        Err(_) => Err(self.timed_out(PATH)),
+                    }
                 }
-            }
-        };
-        match tokio::time::timeout(timeout, setup).await {
-            Ok(r) => r,
-            Err(_) => {
-                let idx = self.inner.preferred.load(Ordering::Relaxed) % self.inner.endpoints.len();
-                Err(EtcdError::Timeout {
-                    endpoint: self.inner.endpoints[idx].url.clone(),
+            })
+            .await;
+        match opened {
+            // Without a user, a watch refused for want of one says so like any request.
+            Err(EtcdError::WatchClosed {
+                endpoint, reason, ..
+            }) if self.inner.credentials.is_none() && auth::is_token_refusal(None, &reason) => {
+                Err(EtcdError::AuthRequired {
+                    endpoint,
                     path: PATH.to_string(),
-                    timeout_ms: self.timeout_ms(),
+                    message: reason,
                 })
             }
+            r => r,
         }
+    }
+
+    async fn start_watch(
+        &self,
+        path: &str,
+        prefix: &str,
+        body: Bytes,
+        token: Option<&str>,
+    ) -> Result<Watch, EtcdError> {
+        let (idx, resp, guard) = self.open(path, body, token).await?;
+        if !resp.status().is_success() {
+            return Err(self.refused(
+                idx,
+                path,
+                resp.status().as_u16(),
+                "the watch was refused".to_string(),
+            ));
+        }
+        let mut watch = Watch {
+            body: resp.into_body(),
+            buf: Vec::new(),
+            pending: Vec::new(),
+            endpoint: self.inner.endpoints[idx].url.clone(),
+            prefix: prefix.to_string(),
+            revision: 0,
+            _conn: guard,
+        };
+        // Wait for "created"; events that arrive with it are kept for next(). A watch refused
+        // for its token is created and canceled at once, with etcd's reason.
+        loop {
+            let msg = watch.read_message().await?;
+            let created = msg.created;
+            let events = watch.handle(msg)?;
+            watch.pending.extend(events);
+            if created {
+                return Ok(watch);
+            }
+        }
+    }
+}
+
+/// True if etcd refused a request or a watch for its token (see `auth.rs`).
+fn token_refused(e: &EtcdError) -> bool {
+    match e {
+        EtcdError::Server {
+            status, message, ..
+        } => auth::is_token_refusal(Some(*status), message),
+        EtcdError::WatchClosed { reason, .. } => auth::is_token_refusal(None, reason),
+        _ => false,
     }
 }
 
@@ -1013,11 +1404,62 @@ mod tests {
             parse_endpoint("etcd1:1234").unwrap().url,
             "http://etcd1:1234"
         );
-        assert!(parse_endpoint("https://x:1").is_err());
+        let tls = parse_endpoint("https://127.0.0.1:2379/").unwrap();
+        assert_eq!(tls.url, "https://127.0.0.1:2379");
+        assert_eq!(tls.host, "127.0.0.1");
+        assert!(matches!(tls.tls_name, Some(ServerName::IpAddress(_))));
+        let v6 = parse_endpoint("https://[::1]:2379").unwrap();
+        assert_eq!(
+            (v6.host.as_str(), v6.authority.as_str()),
+            ("::1", "[::1]:2379")
+        );
+        assert!(matches!(v6.tls_name, Some(ServerName::IpAddress(_))));
+        let named = parse_endpoint("https://etcd1").unwrap();
+        assert_eq!(named.url, "https://etcd1:2379");
+        assert!(matches!(named.tls_name, Some(ServerName::DnsName(_))));
+        assert!(parse_endpoint("http://x:1").unwrap().tls_name.is_none());
+        assert!(parse_endpoint("unix://x").is_err());
         assert!(parse_endpoint("http://x:notaport").is_err());
         assert!(parse_endpoint("http://x:1/v3").is_err());
         assert!(parse_endpoint("").is_err());
         assert!(matches!(Etcd::new(vec![]), Err(EtcdError::NoEndpoints)));
+    }
+
+    #[test]
+    fn schemes_and_tls_settings_must_agree() {
+        let e = Etcd::new(vec!["http://a:1".into(), "https://b:1".into()]).unwrap_err();
+        assert!(
+            matches!(e, EtcdError::Security(SecurityError::MixedSchemes { .. })),
+            "{e}"
+        );
+        assert!(e.to_string().contains("http://a:1") && e.to_string().contains("https://b:1"));
+        // https without a CA: no system roots to fall back on.
+        let e = Etcd::new(vec!["https://127.0.0.1:2379".into()]).unwrap_err();
+        assert!(
+            matches!(e, EtcdError::Security(SecurityError::NoCa { .. })),
+            "{e}"
+        );
+        // A CA with http endpoints would silently not encrypt.
+        let sec = EtcdSecurity {
+            ca_pem: Some(b"x".to_vec()),
+            ..Default::default()
+        };
+        let e = Etcd::with_security(vec!["http://a:1".into()], sec).unwrap_err();
+        assert!(
+            matches!(
+                e,
+                EtcdError::Security(SecurityError::TlsSettingsWithoutHttps { .. })
+            ),
+            "{e}"
+        );
+        // A user without TLS is allowed (etcd allows it), a half user is not.
+        let user = EtcdSecurity::default().with_user("u", "p");
+        assert!(Etcd::with_security(vec!["http://a:1".into()], user).is_ok());
+        let half = EtcdSecurity {
+            username: Some("u".into()),
+            ..Default::default()
+        };
+        assert!(Etcd::with_security(vec!["http://a:1".into()], half).is_err());
     }
 
     #[test]

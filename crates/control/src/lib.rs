@@ -1,7 +1,9 @@
 //! converge control plane: the cluster model over etcd, placement, leases (DESIGN.md,
 //! "Control plane").
 //!
-//! * [`etcd`]: a small async etcd v3 client over the JSON gateway.
+//! * [`etcd`]: a small async etcd v3 client over the JSON gateway, over http or https
+//!   (TLS with a given CA, optional client certificate) and with optional etcd
+//!   username/password authentication ([`EtcdSecurity`]).
 //! * [`kv`]: the key-value operations the model needs, as a trait ([`Etcd`] and the
 //!   simulator's store implement it).
 //! * [`model`]: typed records under `/converge/` and the transactions that change them.
@@ -16,7 +18,8 @@ pub mod placement;
 pub mod testing;
 
 pub use etcd::{
-    Compare, Etcd, EtcdError, EventKind, KeyValue, LeaseId, Op, Txn, TxnResponse, Watch, WatchEvent,
+    Compare, Etcd, EtcdError, EtcdSecurity, EventKind, KeyValue, LeaseId, Op, SecurityError,
+    TlsFailure, Txn, TxnResponse, Watch, WatchEvent,
 };
 pub use kv::Kv;
 pub use model::{
