@@ -294,7 +294,13 @@ async fn fails_over_to_the_next_endpoint() {
 
 #[tokio::test]
 async fn invalid_endpoints_are_refused_up_front() {
+    // https needs a CA (Etcd::with_security): there are no system roots to fall back on.
     let e = Etcd::new(vec!["https://127.0.0.1:2379".into()]).unwrap_err();
-    assert!(e.to_string().contains("TLS"), "{e}");
+    assert!(
+        e.to_string().contains("uses TLS but no CA certificate"),
+        "{e}"
+    );
+    let e = Etcd::new(vec!["ftp://127.0.0.1:2379".into()]).unwrap_err();
+    assert!(matches!(e, EtcdError::InvalidEndpoint { .. }), "{e}");
     assert!(matches!(Etcd::new(vec![]), Err(EtcdError::NoEndpoints)));
 }
