@@ -91,7 +91,11 @@ impl std::fmt::Display for LabDrives {
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Lab {
     pub dir: PathBuf,
+    /// etcd's client URL: https, with client certificates (the lab's CA signs them).
     pub etcd_endpoint: String,
+    /// etcd's plain-HTTP metrics URL, where `/health` answers without a certificate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub etcd_health: Option<String>,
     pub etcd: LabProc,
     pub nodes: Vec<LabNode>,
     /// Drive files in RAM (`--ram`, `--cache-in-ram`) live here, outside DIR.
@@ -241,6 +245,24 @@ fn lab_ca(dir: &Path) -> Result<converge_pki::Ca> {
     ca.write(&pki)
         .map_err(|e| anyhow!("writing the lab's CA: {e}"))?;
     Ok(ca)
+}
+
+/// etcd's certificate for `host` (`DIR/pki/etcd/server.{crt,key}`).
+fn lab_etcd_cert(ca: &converge_pki::Ca, dir: &Path, host: &str) -> Result<()> {
+    let key = converge_pki::NewKey::generate().map_err(|e| anyhow!("{e}"))?;
+    let cert = ca
+        .issue(
+            &converge_pki::Subject::Etcd {
+                hosts: vec![host.to_string()],
+            },
+            &key.public_key(),
+        )
+        .map_err(|e| anyhow!("etcd's certificate: {e}"))?;
+    converge_pki::make_dir(dir).map_err(|e| anyhow!("{e}"))?;
+    converge_pki::write_file(&dir.join("server.key"), key.pem().as_bytes(), 0o600)
+        .map_err(|e| anyhow!("{e}"))?;
+    converge_pki::write_file(&dir.join("server.crt"), cert.as_bytes(), 0o644)
+        .map_err(|e| anyhow!("{e}"))
 }
 
 /// The lab's NBD client certificate (`lab`), if not made yet.
@@ -688,10 +710,17 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         .as_ref()
         .map(|n| n.bridge_addr())
         .unwrap_or(Ipv4Addr::LOCALHOST);
-    let ports = free_ports(etcd_ip, 2)?;
-    let client = format!("http://{etcd_ip}:{}", ports[0]);
+    let ports = free_ports(etcd_ip, 3)?;
+    let client = format!("https://{etcd_ip}:{}", ports[0]);
     let peer = format!("http://{etcd_ip}:{}", ports[1]);
+    let metrics = format!("http://{etcd_ip}:{}", ports[2]);
     let etcd_dir = dir.join("etcd");
+    // The lab is its own cluster CA: etcd, every node and NBD clients get certificates, as
+    // on real hosts (etcd wants a client certificate of the CA from every caller).
+    let ca = lab_ca(&dir)?;
+    let etcd_pki = dir.join("pki").join("etcd");
+    lab_etcd_cert(&ca, &etcd_pki, &etcd_ip.to_string())?;
+    lab_client_cert(&ca, &dir.join("pki").join("client"))?;
     let mut cmd = Command::new(&etcd_bin);
     cmd.arg("--name")
         .arg("converge-lab")
@@ -707,6 +736,15 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         .arg(&peer)
         .arg("--initial-cluster")
         .arg(format!("converge-lab={peer}"))
+        .arg("--cert-file")
+        .arg(etcd_pki.join("server.crt"))
+        .arg("--key-file")
+        .arg(etcd_pki.join("server.key"))
+        .arg("--trusted-ca-file")
+        .arg(ca_cert(&dir))
+        .arg("--client-cert-auth")
+        .arg("--listen-metrics-urls")
+        .arg(&metrics)
         .arg("--log-level")
         .arg("warn");
     let etcd = match spawn(
@@ -735,6 +773,7 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     let mut lab = Lab {
         dir: dir.clone(),
         etcd_endpoint: client.clone(),
+        etcd_health: Some(metrics.clone()),
         etcd,
         nodes: Vec::new(),
         ram_dir: ram_dir.clone(),
@@ -743,10 +782,6 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     };
     save(&lab)?;
     wait_etcd(&lab, o.timeout)?;
-    // The lab is its own cluster CA: every node gets a certificate, as on real hosts, and
-    // NBD clients over TCP one for the lab (DIR/pki/client, as qemu and libnbd read it).
-    let ca = lab_ca(&dir)?;
-    lab_client_cert(&ca, &dir.join("pki").join("client"))?;
 
     for id in 1..=o.nodes {
         let (ip, ports, netns) = match &net {
@@ -792,9 +827,11 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         issue_node_pki(&ca, &ndir.join("pki"), id, &[ip.to_string()])?;
         let config = ndir.join("converged.toml");
         let mut toml = format!(
-            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\nnbd_tcp = \"{nbd_tcp}\"\n\n[etcd]\nendpoints = [\"{client}\"]\n",
+            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\nnbd_tcp = \"{nbd_tcp}\"\n\n[etcd]\nendpoints = [\"{client}\"]\ncert_file = {:?}\nkey_file = {:?}\n",
             o.slab_size,
-            sock.display()
+            sock.display(),
+            ndir.join("pki").join(converge_pki::NODE_CERT).display().to_string(),
+            ndir.join("pki").join(converge_pki::NODE_KEY).display().to_string()
         );
         for d in &drives {
             toml.push_str(&drive_toml(
@@ -870,7 +907,8 @@ fn drive_toml(path: &Path, size: u64, role: &str, media: &str) -> String {
 fn wait_etcd(lab: &Lab, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
-        if let Ok(r) = crate::http::request(&lab.etcd_endpoint, "GET", "/health", None) {
+        let health = lab.etcd_health.as_deref().unwrap_or(&lab.etcd_endpoint);
+        if let Ok(r) = crate::http::request(health, "GET", "/health", None) {
             if r.status == 200 {
                 return Ok(());
             }

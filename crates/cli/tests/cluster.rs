@@ -339,7 +339,7 @@ fn converged_refuses_foreign_drives_bad_config_and_dead_etcd() {
     let tmp = tempfile::tempdir().unwrap();
 
     // etcd not running: a closed port.
-    let dead = cfg.replace(lj["etcd_endpoint"].as_str().unwrap(), "http://127.0.0.1:9");
+    let dead = cfg.replace(lj["etcd_endpoint"].as_str().unwrap(), "https://127.0.0.1:9");
     let dead = dead.replace("nbd.sock", "nbd-dead.sock");
     let p = tmp.path().join("dead.toml");
     std::fs::write(&p, &dead).unwrap();
@@ -350,6 +350,23 @@ fn converged_refuses_foreign_drives_bad_config_and_dead_etcd() {
         err.contains("127.0.0.1:9"),
         "names the etcd endpoint: {err}"
     );
+
+    // The lab's etcd wants a client certificate of the cluster's CA: without one the node
+    // is refused, and says why.
+    let nocert: String = cfg
+        .lines()
+        .filter(|l| !l.starts_with("cert_file") && !l.starts_with("key_file"))
+        .map(|l| format!("{}\n", l.replace("nbd.sock", "nbd-nocert.sock")))
+        .collect();
+    let p = tmp.path().join("nocert.toml");
+    std::fs::write(&p, &nocert).unwrap();
+    let o = run(Command::new(&converged).arg("--config").arg(&p));
+    assert!(
+        !o.status.success(),
+        "etcd served a node without a certificate"
+    );
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("client certificate"), "{err}");
 
     // A second lab (another cluster) must refuse the first lab's drive file.
     let other = Lab::up(1, &[]);
@@ -375,6 +392,11 @@ fn converged_refuses_foreign_drives_bad_config_and_dead_etcd() {
         foreign.push('\n');
     }
     foreign.push_str("size = 1073741824\nrole = \"capacity\"\n");
+    // The other lab's node identity (its [tls] section came after the drives).
+    foreign.push_str(&format!(
+        "\n[tls]\ndir = {:?}\n",
+        other.path().join("node1/pki").display().to_string()
+    ));
     let p = tmp.path().join("foreign.toml");
     std::fs::write(&p, &foreign).unwrap();
     let o = run(Command::new(&converged).arg("--config").arg(&p));

@@ -281,8 +281,12 @@ where
 {
     let (sender, conn) = hyper::client::conn::http1::handshake(io).await?;
     let guard = AbortOnDrop(tokio::spawn(async move {
-        if let Err(e) = conn.await {
-            log::debug!("etcd connection ended: {e}");
+        match conn.await {
+            Ok(()) => None,
+            Err(e) => {
+                log::debug!("etcd connection ended: {e}");
+                Some(e)
+            }
         }
     }));
     Ok((sender, guard))
@@ -295,7 +299,20 @@ pub struct Etcd {
 }
 
 /// Aborts a spawned connection driver when the request or watch using it ends.
-struct AbortOnDrop(JoinHandle<()>);
+struct AbortOnDrop(JoinHandle<Option<hyper::Error>>);
+
+impl AbortOnDrop {
+    /// Why the connection's driver stopped, once it has: a request that failed because the
+    /// connection went away reports only "canceled"; the driver knows the cause (a TLS alert
+    /// from etcd, say). Bounded, since the driver ends right after the connection does.
+    async fn ended_with(&mut self) -> Option<hyper::Error> {
+        tokio::time::timeout(Duration::from_secs(1), &mut self.0)
+            .await
+            .ok()
+            .and_then(|r| r.ok())
+            .flatten()
+    }
+}
 
 impl Drop for AbortOnDrop {
     fn drop(&mut self) {
@@ -814,7 +831,7 @@ impl Etcd {
             Conn::Plain(s) => http1(TokioIo::new(s)).await,
             Conn::Tls(s) => http1(TokioIo::new(s)).await,
         };
-        let (mut sender, guard) = started.map_err(|e| self.lost(idx, path, &e))?;
+        let (mut sender, mut guard) = started.map_err(|e| self.lost(idx, path, &e))?;
         let mut req = hyper::Request::post(path)
             .header(hyper::header::HOST, ep.authority.as_str())
             .header(hyper::header::CONTENT_TYPE, "application/json");
@@ -827,10 +844,16 @@ impl Etcd {
                 endpoint: ep.url.clone(),
                 reason: format!("cannot build a request for it: {e}"),
             })?;
-        let resp = sender
-            .send_request(req)
-            .await
-            .map_err(|e| self.lost(idx, path, &e))?;
+        let resp = match sender.send_request(req).await {
+            Ok(r) => r,
+            Err(e) if e.is_canceled() => {
+                return Err(match guard.ended_with().await {
+                    Some(cause) => self.lost(idx, path, &cause),
+                    None => self.lost(idx, path, &e),
+                })
+            }
+            Err(e) => return Err(self.lost(idx, path, &e)),
+        };
         Ok((idx, resp, guard))
     }
 

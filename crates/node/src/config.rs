@@ -102,6 +102,15 @@ struct RawNetwork {
 #[serde(deny_unknown_fields)]
 struct RawEtcd {
     endpoints: Vec<String>,
+    /// CA that signed etcd's server certificates (https endpoints; default: the cluster's
+    /// CA, `ca.crt` of the [tls] dir).
+    ca_file: Option<PathBuf>,
+    /// Client certificate and key presented to etcd (its `--client-cert-auth`).
+    cert_file: Option<PathBuf>,
+    key_file: Option<PathBuf>,
+    /// etcd user (its `auth enable`), with the password in `password_file`.
+    username: Option<String>,
+    password_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -115,6 +124,38 @@ struct RawDrive {
     media: MediaType,
     tbw: Option<SizeField>,
     warranty_years: Option<f64>,
+}
+
+/// The [etcd] section's security settings, as files (read when the node starts).
+#[derive(Debug, Clone, Default)]
+pub struct EtcdTlsConfig {
+    /// `Some` when the endpoints are https.
+    pub ca_file: Option<PathBuf>,
+    pub cert_file: Option<PathBuf>,
+    pub key_file: Option<PathBuf>,
+    pub username: Option<String>,
+    pub password_file: Option<PathBuf>,
+}
+
+impl EtcdTlsConfig {
+    /// The etcd client's settings, with the files read.
+    pub fn load(&self) -> Result<converge_control::etcd::EtcdSecurity, String> {
+        let mut sec = match &self.ca_file {
+            Some(ca) => converge_control::etcd::EtcdSecurity::from_pem_files(
+                ca,
+                self.cert_file.as_deref(),
+                self.key_file.as_deref(),
+            )
+            .map_err(|e| e.to_string())?,
+            None => converge_control::etcd::EtcdSecurity::default(),
+        };
+        if let (Some(user), Some(pw)) = (&self.username, &self.password_file) {
+            let password = std::fs::read_to_string(pw)
+                .map_err(|e| format!("etcd password file {}: {e}", pw.display()))?;
+            sec = sec.with_user(user.clone(), password.trim_end_matches(['\n', '\r']));
+        }
+        Ok(sec)
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -141,6 +182,8 @@ pub struct Config {
     /// NBD on TCP without TLS (the operator said so).
     pub nbd_tcp_insecure: bool,
     pub etcd_endpoints: Vec<String>,
+    /// How to reach etcd securely: TLS files and a user ([etcd] section).
+    pub etcd_tls: EtcdTlsConfig,
     pub drives: Vec<DriveConfig>,
     pub knobs: Knobs,
     /// Threads of the runtime that serves I/O (client requests, peers, RAM drives inline);
@@ -213,13 +256,43 @@ impl Config {
                 "needs at least one endpoint, e.g. [\"http://127.0.0.1:2379\"]".into(),
             ));
         }
+        let https = raw
+            .etcd
+            .endpoints
+            .iter()
+            .filter(|e| e.starts_with("https://"))
+            .count();
         for e in &raw.etcd.endpoints {
-            if !e.starts_with("http://") {
+            if !e.starts_with("http://") && !e.starts_with("https://") {
                 return Err(field(
                     "etcd.endpoints",
-                    format!("{e:?} must start with http://"),
+                    format!("{e:?} must start with https:// (or http:// on a trusted network)"),
                 ));
             }
+        }
+        if https != 0 && https != raw.etcd.endpoints.len() {
+            return Err(field(
+                "etcd.endpoints",
+                "mixes http:// and https://: use https:// for every endpoint".into(),
+            ));
+        }
+        if raw.etcd.cert_file.is_some() != raw.etcd.key_file.is_some() {
+            return Err(field(
+                "etcd.cert_file",
+                "cert_file and key_file go together (the client certificate and its key)".into(),
+            ));
+        }
+        if https == 0 && (raw.etcd.ca_file.is_some() || raw.etcd.cert_file.is_some()) {
+            return Err(field(
+                "etcd.ca_file",
+                "TLS files are given but the endpoints are http://: use https:// endpoints".into(),
+            ));
+        }
+        if raw.etcd.username.is_some() != raw.etcd.password_file.is_some() {
+            return Err(field(
+                "etcd.username",
+                "username and password_file go together".into(),
+            ));
         }
         if raw.drives.is_empty() {
             return Err(field(
@@ -286,6 +359,26 @@ impl Config {
             ));
         }
         raw.knobs.check().map_err(|e| field("knobs", e))?;
+        let tls_dir = raw
+            .tls
+            .dir
+            .unwrap_or_else(|| path.parent().unwrap_or(Path::new(".")).join("pki"));
+        let etcd_tls = EtcdTlsConfig {
+            ca_file: if https > 0 {
+                Some(
+                    raw.etcd
+                        .ca_file
+                        .clone()
+                        .unwrap_or_else(|| tls_dir.join(converge_pki::CA_CERT)),
+                )
+            } else {
+                None
+            },
+            cert_file: raw.etcd.cert_file.clone(),
+            key_file: raw.etcd.key_file.clone(),
+            username: raw.etcd.username.clone(),
+            password_file: raw.etcd.password_file.clone(),
+        };
         Ok(Config {
             node_id: NodeId(raw.node.id),
             name: raw
@@ -305,6 +398,7 @@ impl Config {
                 .transpose()?,
             nbd_tcp_insecure: raw.network.nbd_tcp_insecure,
             etcd_endpoints: raw.etcd.endpoints,
+            etcd_tls,
             drives,
             knobs: raw.knobs,
             threads: raw.node.threads,
@@ -314,10 +408,7 @@ impl Config {
                 .unwrap_or_else(|| path.parent().unwrap_or(Path::new(".")).join("admin.token")),
             lab_api: raw.api.lab,
             fleet_api: raw.api.fleet,
-            tls_dir: raw
-                .tls
-                .dir
-                .unwrap_or_else(|| path.parent().unwrap_or(Path::new(".")).join("pki")),
+            tls_dir,
         })
     }
 }

@@ -107,7 +107,12 @@ fn main() {
 }
 
 async fn run(args: Args, cfg: Config) -> Result<()> {
-    let etcd = Etcd::new(cfg.etcd_endpoints.clone()).map_err(|e| anyhow!("{e}"))?;
+    let security = cfg
+        .etcd_tls
+        .load()
+        .map_err(|e| anyhow!("etcd settings: {e}"))?;
+    let etcd =
+        Etcd::with_security(cfg.etcd_endpoints.clone(), security).map_err(|e| anyhow!("{e}"))?;
     let cluster = Cluster::new(etcd.clone());
     let cluster_rec = cluster
         .init_or_load(&cfg.cluster_name, cfg.slab_size_bytes)

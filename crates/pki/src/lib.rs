@@ -181,6 +181,10 @@ pub enum Subject {
     Node { id: u32, hosts: Vec<String> },
     /// An NBD client (a hypervisor host, a backup tool).
     Client { name: String },
+    /// An etcd member: its server certificate for the addresses it listens on. Usable as a
+    /// client certificate too (etcd's gateway connects to itself with it), and without a
+    /// common name (etcd takes a client certificate's CN as a user name when auth is on).
+    Etcd { hosts: Vec<String> },
 }
 
 /// The cluster's certificate authority (its key included): signs node and client
@@ -320,6 +324,26 @@ impl Ca {
                 let name = node_name(*id);
                 dn.push(DnType::CommonName, name.clone());
                 p.subject_alt_names.push(san(&name)?);
+                for h in hosts {
+                    let s = san(h)?;
+                    if !p.subject_alt_names.contains(&s) {
+                        p.subject_alt_names.push(s);
+                    }
+                }
+                (
+                    NODE_DAYS,
+                    vec![
+                        ExtendedKeyUsagePurpose::ServerAuth,
+                        ExtendedKeyUsagePurpose::ClientAuth,
+                    ],
+                )
+            }
+            Subject::Etcd { hosts } => {
+                if hosts.is_empty() {
+                    return Err(PkiError::Invalid(
+                        "an etcd certificate needs the addresses etcd listens on".into(),
+                    ));
+                }
                 for h in hosts {
                     let s = san(h)?;
                     if !p.subject_alt_names.contains(&s) {
