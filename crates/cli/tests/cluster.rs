@@ -588,13 +588,14 @@ fn cli_works_through_lab_env_with_node_1_killed() {
         .collect();
     assert_eq!(list, apis.join(","), "lab env exports every node's API");
     // As a user's shell after `eval "$(converge lab env)"`, with no lab directory to fall
-    // back on: only CONVERGE_API leads to the cluster.
+    // back on: only CONVERGE_API (and the token and CA it exports) leads to the cluster.
     let no_lab = tempfile::tempdir().unwrap();
     let cli = |api: &str, args: &[&str]| {
         let mut c = Command::new(converge_bin());
         c.args(args)
             .env("CONVERGE_API", api)
             .env("CONVERGE_TOKEN", env["CONVERGE_TOKEN"].as_str().unwrap())
+            .env("CONVERGE_CA", env["CONVERGE_CA"].as_str().unwrap())
             .env("CONVERGE_LAB_DIR", no_lab.path().join("none"));
         run(&mut c)
     };
