@@ -97,6 +97,9 @@ pub struct Lab {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub etcd_health: Option<String>,
     pub etcd: LabProc,
+    /// etcd members after the first (`--etcd-members`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub etcd_more: Vec<LabEtcdMember>,
     pub nodes: Vec<LabNode>,
     /// Drive files in RAM (`--ram`, `--cache-in-ram`) live here, outside DIR.
     pub ram_dir: Option<PathBuf>,
@@ -106,6 +109,43 @@ pub struct Lab {
     /// Network namespaces, veths and bridge of a `--netns` lab.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub net: Option<LabNet>,
+}
+
+/// An etcd member of the lab after the first.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct LabEtcdMember {
+    pub proc: LabProc,
+    /// Its client URL (https).
+    pub endpoint: String,
+    /// Its plain-HTTP metrics URL (`/health`).
+    pub health: String,
+}
+
+impl Lab {
+    /// Every etcd member's client URL, the first member's first.
+    pub fn etcd_endpoints(&self) -> Vec<String> {
+        std::iter::once(self.etcd_endpoint.clone())
+            .chain(self.etcd_more.iter().map(|m| m.endpoint.clone()))
+            .collect()
+    }
+
+    /// Every etcd member's process, the first member's first.
+    pub fn etcd_procs(&self) -> Vec<&LabProc> {
+        std::iter::once(&self.etcd)
+            .chain(self.etcd_more.iter().map(|m| &m.proc))
+            .collect()
+    }
+
+    fn etcd_health_urls(&self) -> Vec<(&LabProc, String)> {
+        std::iter::once((
+            &self.etcd,
+            self.etcd_health
+                .clone()
+                .unwrap_or_else(|| self.etcd_endpoint.clone()),
+        ))
+        .chain(self.etcd_more.iter().map(|m| (&m.proc, m.health.clone())))
+        .collect()
+    }
 }
 
 pub struct UpOptions {
@@ -129,6 +169,8 @@ pub struct UpOptions {
     pub netns: bool,
     /// Runtime threads per node; `None`: the machine's cores divided among the nodes.
     pub threads_per_node: Option<usize>,
+    /// etcd members: 1, 3 or 5.
+    pub etcd_members: u32,
 }
 
 /// A lab node's share of the machine's cores (at least one): the lab stands for hosts of
@@ -247,13 +289,13 @@ fn lab_ca(dir: &Path) -> Result<converge_pki::Ca> {
     Ok(ca)
 }
 
-/// etcd's certificate for `host` (`DIR/pki/etcd/server.{crt,key}`).
-fn lab_etcd_cert(ca: &converge_pki::Ca, dir: &Path, host: &str) -> Result<()> {
+/// The etcd members' certificate for their addresses (`DIR/pki/etcd/server.{crt,key}`).
+fn lab_etcd_cert(ca: &converge_pki::Ca, dir: &Path, hosts: &[String]) -> Result<()> {
     let key = converge_pki::NewKey::generate().map_err(|e| anyhow!("{e}"))?;
     let cert = ca
         .issue(
             &converge_pki::Subject::Etcd {
-                hosts: vec![host.to_string()],
+                hosts: hosts.to_vec(),
             },
             &key.public_key(),
         )
@@ -575,6 +617,12 @@ pub fn resume(dir: &Path, timeout: Duration) -> Result<Lab> {
         respawn(&mut lab.etcd)?;
         save(&lab)?;
     }
+    for i in 0..lab.etcd_more.len() {
+        if !is_ours(&lab.etcd_more[i].proc) {
+            respawn(&mut lab.etcd_more[i].proc)?;
+            save(&lab)?;
+        }
+    }
     wait_etcd(&lab, timeout)?;
     for i in 0..lab.nodes.len() {
         if !is_ours(&lab.nodes[i].proc) {
@@ -645,7 +693,7 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
                 o.dir.display()
             );
         }
-        if lab.nodes.iter().all(|n| is_ours(&n.proc)) && is_ours(&lab.etcd) {
+        if lab.nodes.iter().all(|n| is_ours(&n.proc)) && lab.etcd_procs().into_iter().all(is_ours) {
             bail!(
                 "a lab is already running in {} (see `converge lab ps --dir {}`; stop it with `converge lab down`)",
                 o.dir.display(),
@@ -705,64 +753,141 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         None
     };
 
-    // etcd on 127.0.0.1, or on the bridge so namespaced nodes reach it.
-    let etcd_ip = net
-        .as_ref()
-        .map(|n| n.bridge_addr())
-        .unwrap_or(Ipv4Addr::LOCALHOST);
-    let ports = free_ports(etcd_ip, 3)?;
-    let client = format!("https://{etcd_ip}:{}", ports[0]);
-    let peer = format!("http://{etcd_ip}:{}", ports[1]);
-    let metrics = format!("http://{etcd_ip}:{}", ports[2]);
-    let etcd_dir = dir.join("etcd");
+    // etcd on 127.0.0.1, or on the bridge so namespaced nodes reach it; with several
+    // members and --netns, member M in node M's namespace (etcd beside the first nodes).
+    if ![1, 3, 5].contains(&o.etcd_members) {
+        bail!(
+            "--etcd-members {}: use 1, 3 or 5 (an odd number keeps a majority)",
+            o.etcd_members
+        );
+    }
+    if o.netns && o.etcd_members > 1 && o.etcd_members > o.nodes {
+        bail!(
+            "--etcd-members {} with --netns runs member M in node M's namespace: give at least \
+             as many --nodes",
+            o.etcd_members
+        );
+    }
+    struct Member {
+        name: String,
+        ip: Ipv4Addr,
+        netns: Option<String>,
+        client: String,
+        peer: String,
+        metrics: String,
+        data: PathBuf,
+        log: PathBuf,
+    }
+    let mut members = Vec::new();
+    for m in 1..=o.etcd_members {
+        let (ip, netns, ports) = match &net {
+            Some(net) if o.etcd_members > 1 => {
+                let n = net.node(m)?;
+                (n.addr, Some(n.netns.clone()), vec![2379, 2380, 2381])
+            }
+            Some(net) => (net.bridge_addr(), None, free_ports(net.bridge_addr(), 3)?),
+            None => (
+                Ipv4Addr::LOCALHOST,
+                None,
+                free_ports(Ipv4Addr::LOCALHOST, 3)?,
+            ),
+        };
+        let suffix = if m == 1 { String::new() } else { m.to_string() };
+        members.push(Member {
+            name: format!("etcd{suffix}"),
+            ip,
+            netns,
+            client: format!("https://{ip}:{}", ports[0]),
+            peer: format!("https://{ip}:{}", ports[1]),
+            metrics: format!("http://{ip}:{}", ports[2]),
+            data: dir.join(format!("etcd{suffix}")),
+            log: dir.join(format!("etcd{suffix}.log")),
+        });
+    }
+    let client = members[0].client.clone();
+    let initial_cluster = members
+        .iter()
+        .map(|m| format!("{}={}", m.name, m.peer))
+        .collect::<Vec<_>>()
+        .join(",");
     // The lab is its own cluster CA: etcd, every node and NBD clients get certificates, as
-    // on real hosts (etcd wants a client certificate of the CA from every caller).
+    // on real hosts (etcd wants a client certificate of the CA from every caller, members
+    // of each other too).
     let ca = lab_ca(&dir)?;
     let etcd_pki = dir.join("pki").join("etcd");
-    lab_etcd_cert(&ca, &etcd_pki, &etcd_ip.to_string())?;
+    let etcd_hosts: Vec<String> = members.iter().map(|m| m.ip.to_string()).collect();
+    lab_etcd_cert(&ca, &etcd_pki, &etcd_hosts)?;
     lab_client_cert(&ca, &dir.join("pki").join("client"))?;
-    let mut cmd = Command::new(&etcd_bin);
-    cmd.arg("--name")
-        .arg("converge-lab")
-        .arg("--data-dir")
-        .arg(&etcd_dir)
-        .arg("--listen-client-urls")
-        .arg(&client)
-        .arg("--advertise-client-urls")
-        .arg(&client)
-        .arg("--listen-peer-urls")
-        .arg(&peer)
-        .arg("--initial-advertise-peer-urls")
-        .arg(&peer)
-        .arg("--initial-cluster")
-        .arg(format!("converge-lab={peer}"))
-        .arg("--cert-file")
-        .arg(etcd_pki.join("server.crt"))
-        .arg("--key-file")
-        .arg(etcd_pki.join("server.key"))
-        .arg("--trusted-ca-file")
-        .arg(ca_cert(&dir))
-        .arg("--client-cert-auth")
-        .arg("--listen-metrics-urls")
-        .arg(&metrics)
-        .arg("--log-level")
-        .arg("warn");
-    let etcd = match spawn(
-        "etcd",
-        argv_of(&cmd),
-        None,
-        &dir.join("etcd.log"),
-        etcd_dir.display().to_string(),
-        client.clone(),
-    ) {
-        Ok(p) => p,
-        Err(e) => {
-            if let Some(net) = &net {
-                net.teardown();
+    let mut procs = Vec::new();
+    for m in &members {
+        let mut cmd = Command::new(&etcd_bin);
+        cmd.arg("--name")
+            .arg(&m.name)
+            .arg("--data-dir")
+            .arg(&m.data)
+            .arg("--listen-client-urls")
+            .arg(&m.client)
+            .arg("--advertise-client-urls")
+            .arg(&m.client)
+            .arg("--listen-peer-urls")
+            .arg(&m.peer)
+            .arg("--initial-advertise-peer-urls")
+            .arg(&m.peer)
+            .arg("--initial-cluster")
+            .arg(&initial_cluster)
+            .arg("--initial-cluster-token")
+            .arg("converge-lab")
+            .arg("--cert-file")
+            .arg(etcd_pki.join("server.crt"))
+            .arg("--key-file")
+            .arg(etcd_pki.join("server.key"))
+            .arg("--trusted-ca-file")
+            .arg(ca_cert(&dir))
+            .arg("--client-cert-auth")
+            .arg("--peer-cert-file")
+            .arg(etcd_pki.join("server.crt"))
+            .arg("--peer-key-file")
+            .arg(etcd_pki.join("server.key"))
+            .arg("--peer-trusted-ca-file")
+            .arg(ca_cert(&dir))
+            .arg("--peer-client-cert-auth")
+            .arg("--listen-metrics-urls")
+            .arg(&m.metrics)
+            .arg("--log-level")
+            .arg("warn");
+        match spawn(
+            &m.name,
+            argv_of(&cmd),
+            m.netns.clone(),
+            &m.log,
+            m.data.display().to_string(),
+            m.client.clone(),
+        ) {
+            Ok(p) => procs.push(p),
+            Err(e) => {
+                for p in &procs {
+                    stop_proc(p, Duration::from_secs(10));
+                }
+                if let Some(net) = &net {
+                    net.teardown();
+                }
+                return Err(e);
             }
-            return Err(e);
         }
-    };
+    }
+    let mut procs = procs.into_iter();
+    let etcd = procs
+        .next()
+        .ok_or_else(|| anyhow!("no etcd member started"))?;
+    let etcd_more: Vec<LabEtcdMember> = procs
+        .zip(members.iter().skip(1))
+        .map(|(proc, m)| LabEtcdMember {
+            proc,
+            endpoint: m.client.clone(),
+            health: m.metrics.clone(),
+        })
+        .collect();
+    let etcd_endpoints: Vec<String> = members.iter().map(|m| m.client.clone()).collect();
     let ram_dir = match &ram_dir {
         Some(d) => {
             fs::create_dir_all(d)?;
@@ -773,8 +898,9 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     let mut lab = Lab {
         dir: dir.clone(),
         etcd_endpoint: client.clone(),
-        etcd_health: Some(metrics.clone()),
+        etcd_health: Some(members[0].metrics.clone()),
         etcd,
+        etcd_more,
         nodes: Vec::new(),
         ram_dir: ram_dir.clone(),
         drives: Some(lab_drives.clone()),
@@ -827,7 +953,7 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         issue_node_pki(&ca, &ndir.join("pki"), id, &[ip.to_string()])?;
         let config = ndir.join("converged.toml");
         let mut toml = format!(
-            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\nnbd_tcp = \"{nbd_tcp}\"\n\n[etcd]\nendpoints = [\"{client}\"]\ncert_file = {:?}\nkey_file = {:?}\n",
+            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\nnbd_tcp = \"{nbd_tcp}\"\n\n[etcd]\nendpoints = {etcd_endpoints:?}\ncert_file = {:?}\nkey_file = {:?}\n",
             o.slab_size,
             sock.display(),
             ndir.join("pki").join(converge_pki::NODE_CERT).display().to_string(),
@@ -906,28 +1032,28 @@ fn drive_toml(path: &Path, size: u64, role: &str, media: &str) -> String {
 
 fn wait_etcd(lab: &Lab, timeout: Duration) -> Result<()> {
     let deadline = Instant::now() + timeout;
-    loop {
-        let health = lab.etcd_health.as_deref().unwrap_or(&lab.etcd_endpoint);
-        if let Ok(r) = crate::http::request(health, "GET", "/health", None) {
-            if r.status == 200 {
-                return Ok(());
+    for (proc, health) in lab.etcd_health_urls() {
+        loop {
+            if let Ok(r) = crate::http::request(&health, "GET", "/health", None) {
+                if r.status == 200 {
+                    break;
+                }
             }
+            if !is_ours(proc) {
+                bail!(
+                    "{} exited during start-up; its log ({}) ends with:\n{}",
+                    proc.name,
+                    proc.log.display(),
+                    tail(&proc.log, 15)
+                );
+            }
+            if Instant::now() > deadline {
+                bail!("{} did not become healthy at {health} in time", proc.name);
+            }
+            std::thread::sleep(Duration::from_millis(100));
         }
-        if !is_ours(&lab.etcd) {
-            bail!(
-                "etcd exited during start-up; its log ({}) ends with:\n{}",
-                lab.etcd.log.display(),
-                tail(&lab.etcd.log, 15)
-            );
-        }
-        if Instant::now() > deadline {
-            bail!(
-                "etcd did not become healthy at {} in time",
-                lab.etcd_endpoint
-            );
-        }
-        std::thread::sleep(Duration::from_millis(100));
     }
+    Ok(())
 }
 
 /// Wait until every node answers and sees every other node live.
@@ -1073,8 +1199,10 @@ pub fn down(dir: &Path, purge: bool) -> Result<DownReport> {
             stopped.push(format!("{} (pid {})", n.proc.name, n.proc.pid));
         }
     }
-    if stop_proc(&lab.etcd, Duration::from_secs(10)) {
-        stopped.push(format!("etcd (pid {})", lab.etcd.pid));
+    for p in lab.etcd_procs() {
+        if stop_proc(p, Duration::from_secs(10)) {
+            stopped.push(format!("{} (pid {})", p.name, p.pid));
+        }
     }
     if let Some(net) = &lab.net {
         let (removed, left) = net.teardown();
@@ -1256,6 +1384,7 @@ mod tests {
             repair_delay_s: 60,
             netns: false,
             threads_per_node: None,
+            etcd_members: 1,
         }
     }
 

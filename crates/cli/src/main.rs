@@ -11,6 +11,7 @@ mod lab;
 mod nemesis;
 mod netns;
 mod pki_cmd;
+mod rolling;
 mod table;
 
 use anyhow::{bail, Context, Result};
@@ -134,6 +135,24 @@ enum ClusterCmd {
         /// The first node's IP addresses or DNS names (repeat for several).
         #[arg(long = "host")]
         hosts: Vec<String>,
+    },
+    /// Restart (or upgrade) the nodes one at a time: each waits until the cluster is
+    /// healthy (every copy in sync), goes into maintenance (its volumes move to other
+    /// owners), is restarted, comes back, leaves maintenance and resyncs. Stops at the
+    /// first node that does not come back healthy.
+    RollingRestart {
+        /// How to restart a node: a shell command with {id}, {name} and {host} replaced,
+        /// e.g. "ssh root@{host} systemctl restart converged" (install the new binary first
+        /// for an upgrade). Without it, a lab's nodes are restarted by the lab
+        /// ($CONVERGE_LAB_DIR).
+        #[arg(long)]
+        exec: Option<String>,
+        /// Only these nodes (comma-separated ids), in id order. Default: every node.
+        #[arg(long, value_delimiter = ',')]
+        nodes: Vec<u32>,
+        /// Seconds each wait may take (healthy before, back after, in sync again).
+        #[arg(long, default_value_t = 900)]
+        timeout: u64,
     },
     /// Show the cluster-wide settings.
     Settings,
@@ -313,6 +332,11 @@ enum LabCmd {
         /// the machine, as if it were a host of its own.
         #[arg(long)]
         threads_per_node: Option<usize>,
+        /// etcd members (1, 3 or 5), over TLS with client certificates like the rest. With
+        /// --netns, member M runs in node M's namespace, as etcd alongside the first nodes
+        /// of a real cluster (so at most --nodes).
+        #[arg(long, default_value_t = 1)]
+        etcd_members: u32,
     },
     /// Stop exactly the processes this lab started (paused ones too) and delete its
     /// network namespaces, veths and bridge.
@@ -440,6 +464,12 @@ impl FaultCmd {
 }
 
 fn main() {
+    // Output piped into `head` and the like: end quietly when the reader goes away, as
+    // command-line tools do, instead of panicking on the failed write.
+    // SAFETY: resetting a signal's disposition to the default touches no memory.
+    unsafe {
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+    }
     let cli = Cli::parse();
     http::set_token(resolve_token(&cli));
     http::set_ca(cli.ca.clone());
@@ -577,10 +607,41 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Token(c) => run_token(&cli, c)?,
         Cmd::Cert(c) => pki_cmd::run(c)?,
         Cmd::Cluster(ClusterCmd::Init { pki, node, hosts }) => pki_cmd::init(pki, *node, hosts)?,
+        Cmd::Cluster(ClusterCmd::RollingRestart {
+            exec,
+            nodes,
+            timeout,
+        }) => {
+            let how = match exec {
+                Some(t) => rolling::Restart::Exec(t.clone()),
+                None => {
+                    let dir = lab::default_dir();
+                    if lab::load(&dir).is_err() {
+                        bail!(
+                            "give --exec with the command that restarts a node (e.g. \
+                             \"ssh root@{{host}} systemctl restart converged\"); without it \
+                             only a lab's nodes can be restarted, and there is no lab in {}",
+                            dir.display()
+                        );
+                    }
+                    rolling::Restart::Lab(dir)
+                }
+            };
+            let steps = rolling::run(&api_base(&cli)?, &how, nodes, Duration::from_secs(*timeout))?;
+            if cli.json {
+                return print_json(&steps);
+            }
+            println!(
+                "rolling restart done: {} nodes, every copy in sync",
+                steps.len()
+            );
+        }
         Cmd::Cluster(c) => {
             let base = api_base(&cli)?;
             let v: converge_api::Settings = match c {
-                ClusterCmd::Init { .. } => bail!("cluster init needs no API"),
+                ClusterCmd::Init { .. } | ClusterCmd::RollingRestart { .. } => {
+                    bail!("handled above")
+                }
                 ClusterCmd::Settings => http::call(&base, "GET", "/v1/settings", None)?,
                 ClusterCmd::Set { repair_delay } => {
                     let body = serde_json::to_value(converge_api::Settings {
@@ -762,6 +823,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             repair_delay,
             netns,
             threads_per_node,
+            etcd_members,
         } => {
             let o = lab::UpOptions {
                 threads_per_node: *threads_per_node,
@@ -782,6 +844,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 slab_size: parse_size(slab_size)?,
                 timeout: Duration::from_secs(*timeout),
                 netns: *netns,
+                etcd_members: *etcd_members,
             };
             let lab = lab::up(&o)?;
             if json_out {
@@ -790,7 +853,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             println!(
                 "lab up in {}: etcd {} and {} nodes",
                 lab.dir.display(),
-                lab.etcd_endpoint,
+                lab.etcd_endpoints().join(","),
                 lab.nodes.len()
             );
             if let Some(d) = &lab.drives {
@@ -868,7 +931,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             let ca = lab::ca_cert(&l.dir);
             if json_out {
                 return print_json(&json!({
-                    "CONVERGE_API": api, "CONVERGE_LAB_DIR": l.dir, "CONVERGE_ETCD": l.etcd_endpoint,
+                    "CONVERGE_API": api, "CONVERGE_LAB_DIR": l.dir, "CONVERGE_ETCD": l.etcd_endpoints().join(","),
                     "CONVERGE_TOKEN": token, "CONVERGE_CA": ca
                 }));
             }
@@ -876,18 +939,24 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             println!("export CONVERGE_TOKEN={token}");
             println!("export CONVERGE_CA={}", ca.display());
             println!("export CONVERGE_LAB_DIR={}", l.dir.display());
-            println!("export CONVERGE_ETCD={}", l.etcd_endpoint);
+            println!("export CONVERGE_ETCD={}", l.etcd_endpoints().join(","));
         }
         LabCmd::Fault { dir, fault } => return run_fault(&dir.path(), fault, json_out),
         LabCmd::Ps { dir } => {
             let l = lab::load(&dir.path())?;
             // (process, state, namespace, nodes its link is cut from)
-            let mut rows: Vec<(&lab::LabProc, String, Option<String>, Vec<u32>)> = vec![(
-                &l.etcd,
-                node_state_word(lab::proc_state(&l.etcd)).to_string(),
-                None,
-                Vec::new(),
-            )];
+            let mut rows: Vec<(&lab::LabProc, String, Option<String>, Vec<u32>)> = l
+                .etcd_procs()
+                .into_iter()
+                .map(|p| {
+                    (
+                        p,
+                        node_state_word(lab::proc_state(p)).to_string(),
+                        p.netns.clone(),
+                        Vec::new(),
+                    )
+                })
+                .collect();
             for n in &l.nodes {
                 let st = lab::node_state(&l, n);
                 rows.push((&n.proc, st.to_string(), n.proc.netns.clone(), st.cut_from));
