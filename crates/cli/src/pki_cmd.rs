@@ -29,6 +29,20 @@ pub enum CertCmd {
         #[arg(long)]
         out: PathBuf,
     },
+    /// Make the certificate of an etcd member (server and peer use), for the addresses it
+    /// listens on: server.crt and server.key, with ca.crt, for etcd's --cert-file,
+    /// --key-file, --peer-cert-file, --peer-key-file and --trusted-ca-file.
+    Etcd {
+        /// The CA's directory (ca.crt, ca.key).
+        #[arg(long, default_value = DEFAULT_PKI_DIR)]
+        ca_dir: PathBuf,
+        /// An IP address or DNS name the member listens on (repeat for several).
+        #[arg(long = "host", required = true)]
+        hosts: Vec<String>,
+        /// Where to write ca.crt, server.crt and server.key (made 0700).
+        #[arg(long)]
+        out: PathBuf,
+    },
     /// Make a certificate for an NBD client (a hypervisor host, a backup tool), in the
     /// layout qemu's tls-creds-x509 and libnbd's tls-certificates read: ca-cert.pem,
     /// client-cert.pem, client-key.pem.
@@ -127,6 +141,37 @@ pub fn run(c: &CertCmd) -> Result<()> {
                  node's [tls] dir (default {DEFAULT_PKI_DIR}) and restart converged",
                 converge_pki::NODE_CERT,
                 converge_pki::NODE_KEY,
+                out.display()
+            );
+        }
+        CertCmd::Etcd { ca_dir, hosts, out } => {
+            let ca = pki(Ca::load(ca_dir))?;
+            let key = pki(NewKey::generate())?;
+            let cert = pki(ca.issue(
+                &Subject::Etcd {
+                    hosts: hosts.clone(),
+                },
+                &key.public_key(),
+            ))?;
+            pki(converge_pki::make_dir(out))?;
+            pki(converge_pki::write_file(
+                &out.join("server.key"),
+                key.pem().as_bytes(),
+                0o600,
+            ))?;
+            pki(converge_pki::write_file(
+                &out.join("server.crt"),
+                cert.as_bytes(),
+                0o644,
+            ))?;
+            pki(converge_pki::write_file(
+                &out.join(converge_pki::CA_CERT),
+                ca.cert_pem().as_bytes(),
+                0o644,
+            ))?;
+            println!(
+                "etcd member certificate for {}: server.crt, server.key and ca.crt written to {}",
+                hosts.join(", "),
                 out.display()
             );
         }

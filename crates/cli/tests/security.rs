@@ -727,3 +727,49 @@ fn nbd_over_tcp_needs_tls_and_a_client_certificate() {
     );
     compare(&unix_uri, &image, "after the refused clients");
 }
+
+/// The systemd units shipped for real hosts are valid units (`systemd-analyze verify`,
+/// with converged where the unit expects it replaced by this build's), and `cert etcd`
+/// makes a member certificate for the addresses given.
+#[test]
+fn packaged_systemd_units_verify_and_cert_etcd_works() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let d = tempfile::tempdir().unwrap();
+    let converged = converge_bin().with_file_name("converged");
+    for unit in ["converged.service", "converge-etcd.service"] {
+        let text = std::fs::read_to_string(root.join("packaging/systemd").join(unit)).unwrap();
+        let text = text.replace("/usr/local/bin/converged", converged.to_str().unwrap());
+        let path = d.path().join(unit);
+        std::fs::write(&path, text).unwrap();
+        let o = run(Command::new("systemd-analyze").arg("verify").arg(&path));
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert!(o.status.success() && err.trim().is_empty(), "{unit}: {err}");
+    }
+    let ca = d.path().join("ca");
+    let mut init = Command::new(converge_bin());
+    init.args(["cluster", "init", "--pki", ca.to_str().unwrap()]);
+    must(&mut init);
+    let out = d.path().join("etcd");
+    let mut c = Command::new(converge_bin());
+    c.args([
+        "cert",
+        "etcd",
+        "--ca-dir",
+        ca.to_str().unwrap(),
+        "--host",
+        "10.0.0.1",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    must(&mut c);
+    let text = must(Command::new("openssl").args([
+        "x509",
+        "-noout",
+        "-ext",
+        "subjectAltName,extendedKeyUsage",
+        "-in",
+        out.join("server.crt").to_str().unwrap(),
+    ]));
+    assert!(text.contains("IP Address:10.0.0.1"), "{text}");
+    assert!(text.contains("Server Authentication") && text.contains("Client Authentication"));
+}

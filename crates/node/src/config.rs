@@ -432,6 +432,22 @@ path = "/tmp/d1.img"
 size = "1G"
 "#;
 
+    /// The example shipped for real hosts is a config converged accepts.
+    #[test]
+    fn the_packaged_example_config_parses() {
+        let path =
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/converged.toml.example");
+        let text = std::fs::read_to_string(&path).unwrap();
+        let c = Config::parse(&path, &text).unwrap();
+        assert_eq!(c.node_id, NodeId(2));
+        assert_eq!(c.etcd_endpoints.len(), 3);
+        assert_eq!(c.tls_dir, Path::new("/etc/converge/pki"));
+        assert_eq!(
+            c.etcd_tls.ca_file.as_deref(),
+            Some(Path::new("/etc/converge/pki/ca.crt"))
+        );
+    }
+
     #[test]
     fn parses_a_good_config() {
         let c = Config::parse(Path::new("x.toml"), GOOD).unwrap();
