@@ -300,3 +300,43 @@ pub struct CreatedToken {
     pub info: TokenInfo,
     pub token: String,
 }
+
+/// `POST /v1/join-tokens` (admin): a one-time token for a new host to get node `node`'s
+/// certificate at `hosts`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreateJoinToken {
+    pub node: NodeId,
+    pub hosts: Vec<String>,
+    /// How long it may be used (default 1 hour, at most 7 days).
+    #[serde(default)]
+    pub ttl_s: Option<u64>,
+}
+
+/// The answer: the token (shown once; etcd keeps its hash) and what it is for.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CreatedJoinToken {
+    /// `cvj.<id>.<secret>.<CA fingerprint>`: the fingerprint lets the joining host check
+    /// the cluster it talks to before it trusts it.
+    pub token: String,
+    pub id: String,
+    pub node: NodeId,
+    pub hosts: Vec<String>,
+    pub expires_unix: u64,
+}
+
+/// `POST /v1/join` (no API token: the join token is the credential).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JoinRequest {
+    pub token: String,
+    /// The new host's public key (an uncompressed P-256 point), hex; its private key never
+    /// leaves that host.
+    pub public_key_hex: String,
+}
+
+/// The answer to a join: the new node's certificate and the cluster's CA certificate.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Joined {
+    pub node: NodeId,
+    pub cert_pem: String,
+    pub ca_pem: String,
+}

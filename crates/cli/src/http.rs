@@ -68,6 +68,17 @@ static TLS: std::sync::Mutex<Option<(std::path::PathBuf, std::sync::Arc<rustls::
 /// Where the installed node keeps the cluster's CA certificate.
 pub const SYSTEM_CA: &str = "/etc/converge/pki/ca.crt";
 
+static PINNED: std::sync::OnceLock<std::sync::Arc<rustls::ClientConfig>> =
+    std::sync::OnceLock::new();
+
+/// Trust only a server that presents the CA with this fingerprint (a host joining with a
+/// join token, which has no CA certificate yet).
+pub fn pin_ca(fingerprint: &str) -> Result<()> {
+    let cfg = converge_pki::pinned_client_config(fingerprint).map_err(|e| anyhow!("{e}"))?;
+    let _ = PINNED.set(cfg);
+    Ok(())
+}
+
 /// The CA certificate the API's certificates are checked against (`--ca`, `$CONVERGE_CA`).
 pub fn set_ca(path: Option<std::path::PathBuf>) {
     let _ = CA_FILE.set(path);
@@ -98,6 +109,9 @@ fn ca_file() -> Result<std::path::PathBuf> {
 }
 
 fn tls_config() -> Result<std::sync::Arc<rustls::ClientConfig>> {
+    if let Some(cfg) = PINNED.get() {
+        return Ok(cfg.clone());
+    }
     let path = ca_file()?;
     let mut cached = TLS.lock().unwrap_or_else(|e| e.into_inner());
     if let Some((p, cfg)) = cached.as_ref() {

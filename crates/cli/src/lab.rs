@@ -951,6 +951,13 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         let sock = ndir.join("nbd.sock");
         let nbd_tcp = format!("{ip}:{}", ports[2]);
         issue_node_pki(&ca, &ndir.join("pki"), id, &[ip.to_string()])?;
+        if id == 1 {
+            // As after `cluster init --node 1`: the first node holds the CA key and signs
+            // the certificates of nodes that join with a join token.
+            let key = fs::read(dir.join("pki").join(converge_pki::CA_KEY))?;
+            converge_pki::write_file(&ndir.join("pki").join(converge_pki::CA_KEY), &key, 0o600)
+                .map_err(|e| anyhow!("{e}"))?;
+        }
         let config = ndir.join("converged.toml");
         let mut toml = format!(
             "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\nnbd_tcp = \"{nbd_tcp}\"\n\n[etcd]\nendpoints = {etcd_endpoints:?}\ncert_file = {:?}\nkey_file = {:?}\n",

@@ -214,6 +214,29 @@ enum NodeCmd {
     },
     /// List nodes and whether they are live.
     List,
+    /// Make a one-time token with which a new host gets node NODE's certificate (`node
+    /// join`), so no key files are copied. Needs an admin API token.
+    JoinToken {
+        /// The new node's id (as in its converged.toml).
+        #[arg(long)]
+        node: u32,
+        /// The new node's IP addresses or DNS names (repeat for several).
+        #[arg(long = "host", required = true)]
+        hosts: Vec<String>,
+        /// How long it may be used, e.g. 30m, 1h (at most 7 days).
+        #[arg(long, default_value = "1h")]
+        ttl: String,
+    },
+    /// On a new host: trade a join token for this node's certificate. The key is made here
+    /// and never leaves; the cluster is checked against the CA fingerprint in the token.
+    Join {
+        /// The token from `converge node join-token`.
+        #[arg(long, env = "CONVERGE_JOIN_TOKEN", hide_env_values = true)]
+        token: String,
+        /// Where to write ca.crt, node.crt and node.key (made 0700).
+        #[arg(long, default_value = pki_cmd::DEFAULT_PKI_DIR)]
+        pki: PathBuf,
+    },
 }
 
 #[derive(Subcommand)]
@@ -586,6 +609,36 @@ fn run(cli: Cli) -> Result<()> {
             }
             println!("node {node}: maintenance {state}");
             print!("{}", nodes_table(&v));
+        }
+        Cmd::Node(NodeCmd::JoinToken { node, hosts, ttl }) => {
+            let body = serde_json::to_value(converge_api::CreateJoinToken {
+                node: converge_types::NodeId(*node),
+                hosts: hosts.clone(),
+                ttl_s: Some(parse_duration_s(ttl)?),
+            })?;
+            let t: converge_api::CreatedJoinToken =
+                http::call(&api_base(&cli)?, "POST", "/v1/join-tokens", Some(&body))?;
+            if cli.json {
+                return print_json(&t);
+            }
+            println!(
+                "join token for node {} at {} (one use, until unix time {}):\n  {}\non the new \
+                 host, with any node's API that holds the CA key (where `cluster init` ran):\n  \
+                 converge node join --api https://HOST:PORT --token {}",
+                t.node,
+                t.hosts.join(", "),
+                t.expires_unix,
+                t.token,
+                t.token
+            );
+        }
+        Cmd::Node(NodeCmd::Join { token, pki }) => {
+            let api = cli.api.clone().ok_or_else(|| {
+                anyhow::anyhow!(
+                    "give --api https://HOST:PORT: a node of the cluster that holds the CA key"
+                )
+            })?;
+            pki_cmd::join(&http::endpoints(&api)?.join(","), token, pki, cli.json)?;
         }
         Cmd::Node(NodeCmd::List) => {
             let v: Vec<NodeInfo> = http::call(&api_base(&cli)?, "GET", "/v1/nodes", None)?;

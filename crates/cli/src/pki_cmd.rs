@@ -199,3 +199,66 @@ pub fn run(c: &CertCmd) -> Result<()> {
     }
     Ok(())
 }
+
+/// `converge node join`: a key made here, a certificate from the cluster for it.
+pub fn join(api: &str, token: &str, dir: &Path, json_out: bool) -> Result<()> {
+    let parts: Vec<&str> = token.trim().split('.').collect();
+    let [prefix, _, _, fingerprint] = parts.as_slice() else {
+        bail!(
+            "not a join token (cvj.<id>.<secret>.<fingerprint>, from `converge node join-token`)"
+        );
+    };
+    if *prefix != "cvj" {
+        bail!("not a join token (it starts cvj.); API tokens (cvt.) cannot join a node");
+    }
+    if dir.join(converge_pki::NODE_KEY).exists() {
+        bail!(
+            "{} already holds a node key: this host has an identity; move it away first if \
+             it is to be replaced",
+            dir.display()
+        );
+    }
+    crate::http::pin_ca(fingerprint)?;
+    let key = pki(NewKey::generate())?;
+    let public_key_hex: String = key
+        .public_key()
+        .raw()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let body = serde_json::to_value(converge_api::JoinRequest {
+        token: token.trim().to_string(),
+        public_key_hex,
+    })?;
+    let joined: converge_api::Joined = crate::http::call(api, "POST", "/v1/join", Some(&body))?;
+    // What came back must be the pinned CA and a certificate for this key and node.
+    if pki(converge_pki::fingerprint_pem(joined.ca_pem.as_bytes()))?
+        != fingerprint.to_ascii_lowercase()
+    {
+        bail!("the cluster answered with another CA than the join token names; nothing written");
+    }
+    let tls = pki(converge_pki::NodeTls::from_pem(
+        joined.ca_pem.as_bytes(),
+        joined.cert_pem.as_bytes(),
+        key.pem().as_bytes(),
+    ))?;
+    pki(tls.check_node(joined.node.0))?;
+    pki(converge_pki::write_node_dir(
+        dir,
+        &joined.ca_pem,
+        &joined.cert_pem,
+        &key.pem(),
+    ))?;
+    if json_out {
+        println!("{}", serde_json::json!({"node": joined.node, "pki": dir}));
+    } else {
+        println!(
+            "node {}: certificate, key and CA written to {}; set [node] id = {} and [tls] dir in \
+             converged.toml and start converged",
+            joined.node,
+            dir.display(),
+            joined.node
+        );
+    }
+    Ok(())
+}

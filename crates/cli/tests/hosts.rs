@@ -105,3 +105,148 @@ fn three_hosts_survive_an_etcd_member_loss_and_a_rolling_restart_under_a_verifyi
     );
     assert_eq!(fio_errors(&f), 0);
 }
+
+/// A free port on `ip` (bound, then closed).
+fn free_port(ip: &str) -> u16 {
+    std::net::TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// A new host joins with a one-time token: its key is made there, the certificate comes from
+/// the node that holds the CA key (another node refuses without using the token up), the
+/// token works once, a token pinned to another CA is refused by the joining side, and the
+/// node started with what it got is live in the cluster and holds copies.
+#[test]
+fn a_new_host_joins_with_a_one_time_token_and_becomes_a_live_node() {
+    let lab = Lab::up(3, &[]);
+    let lj = lab.lab_json();
+    let api = |i: usize| lj["nodes"][i]["api"].as_str().unwrap().to_string();
+    let t = lab.json(&[
+        "node",
+        "join-token",
+        "--node",
+        "4",
+        "--host",
+        "127.0.0.5",
+        "--ttl",
+        "10m",
+    ]);
+    let token = t["token"].as_str().unwrap().to_string();
+    // An operator token may not make join tokens.
+    let op = lab.json(&["token", "create", "ops", "--role", "operator"]);
+    let mut c = lab.cmd(&["node", "join-token", "--node", "5", "--host", "127.0.0.6"]);
+    c.args(["--token", op["token"].as_str().unwrap()]);
+    let o = run(&mut c);
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("admin"));
+
+    let tmp = tempfile::tempdir().unwrap();
+    let pki = tmp.path().join("pki");
+    let pki_s = pki.to_str().unwrap();
+    let join = |api: &str, token: &str, dir: &str| {
+        let mut c = Command::new(converge_bin());
+        c.args(["node", "join", "--api", api, "--token", token, "--pki", dir]);
+        run(&mut c)
+    };
+    // Node 2 has no CA key: refused, and the token is not used up.
+    let o = join(&api(1), &token, pki_s);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("cannot sign"),
+        "{o:?}"
+    );
+    // A token whose fingerprint names another CA: the joining side refuses the cluster.
+    let other_fp = "0".repeat(64);
+    let forged = format!("{}.{other_fp}", &token[..token.rfind('.').unwrap()]);
+    let o = join(&api(0), &forged, pki_s);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("did not present the CA"),
+        "{o:?}"
+    );
+    // Node 1 signs.
+    let o = join(&api(0), &token, pki_s);
+    assert!(o.status.success(), "{o:?}");
+    let tls = converge_pki::NodeTls::load(&pki, 4).unwrap();
+    tls.check_node(4).unwrap();
+    // Once only.
+    let o = join(&api(0), &token, tmp.path().join("again").to_str().unwrap());
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("already used"));
+
+    // converged with node 3's settings, as node 4 on 127.0.0.5 with the joined identity.
+    let cfg3 = std::fs::read_to_string(lj["nodes"][2]["config"].as_str().unwrap()).unwrap();
+    let node3 = lab.path().join("node3");
+    let mut cfg = String::new();
+    for line in cfg3.lines() {
+        let line = if line.starts_with("id = ") {
+            "id = 4".to_string()
+        } else if line.starts_with("name = ") {
+            "name = \"node4\"".to_string()
+        } else if line.starts_with("rpc = ") {
+            format!("rpc = \"127.0.0.5:{}\"", free_port("127.0.0.5"))
+        } else if line.starts_with("api = ") {
+            format!("api = \"127.0.0.5:{}\"", free_port("127.0.0.5"))
+        } else if line.starts_with("nbd_tcp = ") {
+            format!("nbd_tcp = \"127.0.0.5:{}\"", free_port("127.0.0.5"))
+        } else {
+            line.replace(node3.to_str().unwrap(), tmp.path().to_str().unwrap())
+        };
+        cfg.push_str(&line);
+        cfg.push('\n');
+    }
+    let cfg_path = tmp.path().join("converged.toml");
+    std::fs::write(&cfg_path, &cfg).unwrap();
+    let converged = converge_bin().with_file_name("converged");
+    let log = std::fs::File::create(tmp.path().join("converged.log")).unwrap();
+    let _node4 = Stop(
+        Command::new(&converged)
+            .arg("--config")
+            .arg(&cfg_path)
+            .stdout(log.try_clone().unwrap())
+            .stderr(log)
+            .spawn()
+            .unwrap(),
+    );
+    let live = || {
+        lab.json(&["node", "list"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["id"] == 4 && n["live"] == true)
+    };
+    lab.wait_for(
+        "node 4 to be live",
+        std::time::Duration::from_secs(60),
+        live,
+    );
+    // It holds copies like any node: a mirror-3 volume owned by it takes verified writes.
+    let out = lab.must(&[
+        "volume", "create", "joined", "--size", "64M", "--owner", "4",
+    ]);
+    assert!(out.contains("node4"), "{out}");
+    let uri = format!(
+        "nbd+unix:///joined?socket={}",
+        tmp.path().join("nbd.sock").display()
+    );
+    let f = fio(
+        &uri,
+        &["--rw=randwrite", "--bs=4k", "--size=8M", "--verify=crc32c"],
+    );
+    assert_eq!(fio_errors(&f), 0);
+    assert!(all_in_sync(&lab, "joined"));
+}
+
+/// Stops the process this test started (by its PID), however the test ends.
+struct Stop(std::process::Child);
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        // SAFETY: SIGTERM to the child this test spawned.
+        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
+        let _ = self.0.wait();
+    }
+}

@@ -56,6 +56,8 @@ pub mod keys {
     pub const EPOCHS: &str = "/converge/epochs/";
     /// API tokens by id (their hashes, never the tokens).
     pub const TOKENS: &str = "/converge/tokens/";
+    /// One-time join tokens by id (their hashes): a new host trades one for its certificate.
+    pub const JOIN_TOKENS: &str = "/converge/join-tokens/";
     /// The secret the nodes present to each other's APIs (forwarded requests, scrubs).
     pub const INTERNAL_TOKEN: &str = "/converge/internal-token";
     /// Nodes in maintenance (planned downtime): `/converge/maintenance/<node id>`.
@@ -115,6 +117,18 @@ pub struct TokenRecord {
     /// Hex SHA-256 of the whole token.
     pub sha256: String,
     pub created_unix: u64,
+}
+
+/// A one-time join token: whoever presents it before `expires_unix` gets a certificate
+/// for node `node` at `hosts`, once.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct JoinTokenRecord {
+    pub id: String,
+    /// Hex SHA-256 of the token's secret.
+    pub sha256: String,
+    pub node: NodeId,
+    pub hosts: Vec<String>,
+    pub expires_unix: u64,
 }
 
 /// A running node; the key lives as long as the node's lease.
@@ -400,6 +414,46 @@ impl<K: Kv> Cluster<K> {
             .etcd
             .create(&key, &encode(&key, "token record", rec)?, None)
             .await?)
+    }
+
+    /// Stores a join token's record; `false` if the id is taken.
+    pub async fn create_join_token(&self, rec: &JoinTokenRecord) -> Result<bool, ControlError> {
+        let key = format!("{}{}", keys::JOIN_TOKENS, rec.id);
+        Ok(self
+            .etcd
+            .create(&key, &encode(&key, "join token record", rec)?, None)
+            .await?)
+    }
+
+    /// The join token `id`, if there is one, and the revision that consuming it must match.
+    pub async fn join_token(
+        &self,
+        id: &str,
+    ) -> Result<Option<(JoinTokenRecord, i64)>, ControlError> {
+        let key = format!("{}{id}", keys::JOIN_TOKENS);
+        match self.etcd.get(&key).await? {
+            Some(kv) => Ok(Some((decode(&kv, "join token record")?, kv.mod_revision))),
+            None => Ok(None),
+        }
+    }
+
+    /// Uses up join token `id` if it is still the one read at `mod_revision`; `false` if
+    /// someone else used it first (a token works once).
+    pub async fn consume_join_token(
+        &self,
+        id: &str,
+        mod_revision: i64,
+    ) -> Result<bool, ControlError> {
+        let key = format!("{}{id}", keys::JOIN_TOKENS);
+        let r = self
+            .etcd
+            .txn(crate::etcd::Txn {
+                compare: vec![crate::etcd::Compare::ModRevision(key.clone(), mod_revision)],
+                success: vec![crate::etcd::Op::Delete(key)],
+                failure: vec![],
+            })
+            .await?;
+        Ok(r.succeeded)
     }
 
     /// Revokes a token; `false` if there was none with that id.

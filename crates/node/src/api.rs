@@ -240,6 +240,24 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
             ))
         }
         (&Method::DELETE, ["v1", "tokens", id]) => revoke_token(node, id).await,
+        (&Method::POST, ["v1", "join-tokens"]) => {
+            let req: converge_api::CreateJoinToken = serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad(format!("bad join token request: {e}")))?;
+            let t = crate::join::create(node, req)
+                .await
+                .map_err(|(s, m)| ApiError(s, m))?;
+            Ok((
+                StatusCode::CREATED,
+                serde_json::to_value(t).map_err(|e| ApiError::bad(e.to_string()))?,
+            ))
+        }
+        (&Method::POST, ["v1", "join"]) => {
+            let req: converge_api::JoinRequest = serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad(format!("bad join request: {e}")))?;
+            ok(&crate::join::join(node, req)
+                .await
+                .map_err(|(s, m)| ApiError(s, m))?)
+        }
         (_, ["v1", "lab", ..]) if !node.cfg.lab_api => Err(ApiError(
             StatusCode::NOT_FOUND,
             "the lab API is off on this node (`[api] lab = true` turns it on; `converge lab \

@@ -48,7 +48,7 @@ pub fn new_token(name: &str, role: Role) -> (String, TokenRecord) {
     (token, rec)
 }
 
-fn hex(b: &[u8]) -> String {
+pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
@@ -57,7 +57,7 @@ pub fn hash(token: &str) -> String {
 }
 
 /// Equal, in time that does not depend on where they differ.
-fn same(a: &[u8], b: &[u8]) -> bool {
+pub fn same(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
@@ -186,7 +186,11 @@ pub fn required(method: &hyper::Method, parts: &[&str]) -> Option<Role> {
     use hyper::Method;
     match (method, parts) {
         (&Method::GET, ["v1", "health"]) => None,
-        (_, ["v1", "tokens", ..]) | (_, ["v1", "lab", ..]) => Some(Role::Admin),
+        // The join token in the body is the credential (join.rs).
+        (&Method::POST, ["v1", "join"]) => None,
+        (_, ["v1", "tokens", ..]) | (_, ["v1", "join-tokens", ..]) | (_, ["v1", "lab", ..]) => {
+            Some(Role::Admin)
+        }
         (&Method::GET, _) => Some(Role::ReadOnly),
         (&Method::DELETE, ["v1", "volumes", ..]) | (&Method::POST, ["v1", "settings"]) => {
             Some(Role::Admin)
@@ -289,6 +293,9 @@ mod tests {
     fn each_route_needs_its_role() {
         let need = |m: &Method, p: &str| required(m, &p.split('/').collect::<Vec<_>>());
         assert_eq!(need(&Method::GET, "v1/health"), None);
+        assert_eq!(need(&Method::POST, "v1/join"), None);
+        assert_eq!(need(&Method::POST, "v1/join-tokens"), Some(Role::Admin));
+        assert_eq!(need(&Method::GET, "v1/join"), Some(Role::ReadOnly));
         assert_eq!(need(&Method::GET, "v1/status"), Some(Role::ReadOnly));
         assert_eq!(need(&Method::GET, "metrics"), Some(Role::ReadOnly));
         assert_eq!(need(&Method::POST, "v1/volumes"), Some(Role::Operator));

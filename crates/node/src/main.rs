@@ -8,6 +8,7 @@ mod config;
 mod export;
 mod fleet;
 mod http_client;
+mod join;
 mod lab_api;
 mod metrics;
 mod node;

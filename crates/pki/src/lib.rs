@@ -385,6 +385,11 @@ impl Ca {
     }
 }
 
+/// Is `host` an IP address or DNS name a certificate can carry?
+pub fn check_host(host: &str) -> Result<(), PkiError> {
+    san(host).map(|_| ())
+}
+
 fn san(host: &str) -> Result<SanType, PkiError> {
     if let Ok(ip) = host.parse::<std::net::IpAddr>() {
         return Ok(SanType::IpAddress(ip));
@@ -624,8 +629,12 @@ impl NodeTls {
         } else {
             b.with_no_client_auth()
         };
+        // The CA goes along with the node's certificate: a joining host pins it by its
+        // fingerprint (`pinned_client_config`); everyone else has it already.
+        let mut chain = self.chain.clone();
+        chain.extend(self.ca.iter().cloned());
         let cfg = b
-            .with_single_cert(self.chain.clone(), self.key.clone_key())
+            .with_single_cert(chain, self.key.clone_key())
             .map_err(tls_err("the node certificate and key"))?;
         Ok(Arc::new(cfg))
     }
@@ -666,6 +675,100 @@ impl NodeTls {
             .with_root_certificates(roots_of(&self.ca)?)
             .with_no_client_auth();
         Ok(Arc::new(cfg))
+    }
+}
+
+/// A client configuration for a host that has no CA certificate yet but knows the CA's
+/// fingerprint (from a join token): the server must send a CA certificate with that
+/// SHA-256 along with its own certificate, which must be valid under it for the name
+/// called. Nothing else is trusted.
+pub fn pinned_client_config(ca_fingerprint: &str) -> Result<Arc<ClientConfig>, PkiError> {
+    let fp = ca_fingerprint.trim().to_ascii_lowercase();
+    if fp.len() != 64 || !fp.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(PkiError::Invalid(format!(
+            "{ca_fingerprint:?} is not a SHA-256 fingerprint (64 hex digits)"
+        )));
+    }
+    let cfg = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(tls_err("TLS versions"))?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(PinnedCa {
+            fingerprint: fp,
+            provider: provider(),
+        }))
+        .with_no_client_auth();
+    Ok(Arc::new(cfg))
+}
+
+#[derive(Debug)]
+struct PinnedCa {
+    fingerprint: String,
+    provider: Arc<rustls::crypto::CryptoProvider>,
+}
+
+impl rustls::client::danger::ServerCertVerifier for PinnedCa {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp_response: &[u8],
+        now: rustls::pki_types::UnixTime,
+    ) -> Result<rustls::client::danger::ServerCertVerified, rustls::Error> {
+        let ca = intermediates
+            .iter()
+            .find(|c| sha256_hex(c) == self.fingerprint)
+            .ok_or_else(|| {
+                rustls::Error::General(
+                    "the server did not present the CA the join token names: another cluster, \
+                     or someone in between"
+                        .into(),
+                )
+            })?;
+        let roots = roots_of(&[ca.clone().into_owned()])
+            .map_err(|e| rustls::Error::General(format!("the pinned CA certificate: {e}")))?;
+        let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            roots,
+            self.provider.clone(),
+        )
+        .build()
+        .map_err(|e| rustls::Error::General(e.to_string()))?;
+        verifier.verify_server_cert(end_entity, &[], server_name, ocsp_response, now)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<rustls::client::danger::HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.provider.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }
 
