@@ -3,7 +3,9 @@
 //! devices (`converge_nbd::testing`). NBD carries no checksums, so the input is the raw
 //! client byte stream; seeds are whole sessions that libFuzzer mutates.
 //!
-//! One input length in five serves the exports read-only.
+//! One input length in five serves the exports read-only; one in three requires TLS (the
+//! server then refuses every option before NBD_OPT_STARTTLS, and a STARTTLS hands the rest
+//! of the input to a real rustls handshake, which random bytes fail).
 //!
 //! Properties: no panic; `serve_connection` returns (Ok or an error) within the time
 //! bound once the client has sent everything and closed; the server's first bytes are
@@ -33,6 +35,32 @@ fn runtime() -> &'static Runtime {
     })
 }
 
+/// A throwaway node certificate's NBD TLS settings, made once.
+fn tls() -> Arc<converge_pki::rustls::ServerConfig> {
+    static TLS: OnceLock<Arc<converge_pki::rustls::ServerConfig>> = OnceLock::new();
+    TLS.get_or_init(|| {
+        let ca = converge_pki::Ca::generate().expect("CA");
+        let key = converge_pki::NewKey::generate().expect("key");
+        let cert = ca
+            .issue(
+                &converge_pki::Subject::Node {
+                    id: 1,
+                    hosts: vec!["127.0.0.1".into()],
+                },
+                &key.public_key(),
+            )
+            .expect("certificate");
+        converge_pki::NodeTls::from_pem(
+            ca.cert_pem().as_bytes(),
+            cert.as_bytes(),
+            key.pem().as_bytes(),
+        )
+        .and_then(|t| t.nbd_server())
+        .expect("TLS settings")
+    })
+    .clone()
+}
+
 pub fn nbd_session(data: &[u8]) {
     // Fresh devices per input: what one session writes must not change the next.
     let dev = Arc::new(MemDev::new(EXPORT_BYTES).with_description("fuzz disk"));
@@ -55,6 +83,7 @@ pub fn nbd_session(data: &[u8]) {
         inflight_max: 8,
         read_only,
         handshake_timeout_ms: 5_000,
+        tls: (data.len() % 3 == 1).then(tls),
         ..ServerConfig::default()
     };
     let (client, server) = tokio::io::duplex(64 << 10);

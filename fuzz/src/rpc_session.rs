@@ -113,7 +113,7 @@ fn server() -> &'static Server {
             ..Knobs::default()
         };
         rt.spawn(async move {
-            let r = serve(listener, CLUSTER, SERVER_NODE, Arc::new(Stub), knobs).await;
+            let r = serve(listener, CLUSTER, SERVER_NODE, Arc::new(Stub), knobs, None).await;
             panic!("rpc server stopped: {r:?}");
         });
         Server { rt, addr }

@@ -137,27 +137,6 @@ pub struct EtcdTlsConfig {
     pub password_file: Option<PathBuf>,
 }
 
-impl EtcdTlsConfig {
-    /// The etcd client's settings, with the files read.
-    pub fn load(&self) -> Result<converge_control::etcd::EtcdSecurity, String> {
-        let mut sec = match &self.ca_file {
-            Some(ca) => converge_control::etcd::EtcdSecurity::from_pem_files(
-                ca,
-                self.cert_file.as_deref(),
-                self.key_file.as_deref(),
-            )
-            .map_err(|e| e.to_string())?,
-            None => converge_control::etcd::EtcdSecurity::default(),
-        };
-        if let (Some(user), Some(pw)) = (&self.username, &self.password_file) {
-            let password = std::fs::read_to_string(pw)
-                .map_err(|e| format!("etcd password file {}: {e}", pw.display()))?;
-            sec = sec.with_user(user.clone(), password.trim_end_matches(['\n', '\r']));
-        }
-        Ok(sec)
-    }
-}
-
 #[derive(Debug, Clone)]
 pub struct DriveConfig {
     pub path: PathBuf,

@@ -68,6 +68,27 @@ fn raise_open_files_limit() {
     }
 }
 
+/// The etcd client's settings, with the [etcd] section's files read.
+fn etcd_security(
+    c: &config::EtcdTlsConfig,
+) -> Result<converge_control::etcd::EtcdSecurity, String> {
+    let mut sec = match &c.ca_file {
+        Some(ca) => converge_control::etcd::EtcdSecurity::from_pem_files(
+            ca,
+            c.cert_file.as_deref(),
+            c.key_file.as_deref(),
+        )
+        .map_err(|e| e.to_string())?,
+        None => converge_control::etcd::EtcdSecurity::default(),
+    };
+    if let (Some(user), Some(pw)) = (&c.username, &c.password_file) {
+        let password = std::fs::read_to_string(pw)
+            .map_err(|e| format!("etcd password file {}: {e}", pw.display()))?;
+        sec = sec.with_user(user.clone(), password.trim_end_matches(['\n', '\r']));
+    }
+    Ok(sec)
+}
+
 fn main() {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info"))
         .format_timestamp_millis()
@@ -108,10 +129,7 @@ fn main() {
 }
 
 async fn run(args: Args, cfg: Config) -> Result<()> {
-    let security = cfg
-        .etcd_tls
-        .load()
-        .map_err(|e| anyhow!("etcd settings: {e}"))?;
+    let security = etcd_security(&cfg.etcd_tls).map_err(|e| anyhow!("etcd settings: {e}"))?;
     let etcd =
         Etcd::with_security(cfg.etcd_endpoints.clone(), security).map_err(|e| anyhow!("{e}"))?;
     let cluster = Cluster::new(etcd.clone());
