@@ -15,12 +15,12 @@
 //! Keys are ECDSA P-256. A private key never leaves the host that generated it: a joining
 //! node sends only its public key ([`PublicKey`]) and gets its certificate back.
 
-/// The rustls this crate builds its settings with.
-pub use rustls;
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, PublicKeyData, SanType, SerialNumber, SignatureAlgorithm,
 };
+/// The rustls this crate builds its settings with.
+pub use rustls;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
 use rustls::server::WebPkiClientVerifier;
