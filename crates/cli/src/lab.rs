@@ -307,6 +307,27 @@ fn lab_etcd_cert(ca: &converge_pki::Ca, dir: &Path, hosts: &[String]) -> Result<
         .map_err(|e| anyhow!("{e}"))
 }
 
+/// Node `id`'s PKI directory by the join-token flow, through node 1 (the lab's admin token
+/// makes the token).
+fn join_node_pki(lab: &Lab, dir: &Path, id: u32, host: &str) -> Result<()> {
+    crate::http::use_lab_dir(&lab.dir);
+    let first = lab
+        .nodes
+        .first()
+        .ok_or_else(|| anyhow!("node 1 is not started"))?;
+    let body = serde_json::to_value(converge_api::CreateJoinToken {
+        node: converge_types::NodeId(id),
+        hosts: vec![host.to_string()],
+        ttl_s: Some(600),
+    })?;
+    let t: converge_api::CreatedJoinToken =
+        crate::http::call(&first.api, "POST", "/v1/join-tokens", Some(&body))
+            .with_context(|| format!("a join token for node {id}"))?;
+    crate::pki_cmd::fetch_certificate(&first.api, &t.token, dir, None)
+        .with_context(|| format!("node {id} joining through node 1"))?;
+    Ok(())
+}
+
 /// The lab's NBD client certificate (`lab`), if not made yet.
 fn lab_client_cert(ca: &converge_pki::Ca, dir: &Path) -> Result<()> {
     if dir.join("client-cert.pem").exists() {
@@ -950,13 +971,20 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         let api = format!("{ip}:{}", ports[1]);
         let sock = ndir.join("nbd.sock");
         let nbd_tcp = format!("{ip}:{}", ports[2]);
-        issue_node_pki(&ca, &ndir.join("pki"), id, &[ip.to_string()])?;
         if id == 1 {
-            // As after `cluster init --node 1`: the first node holds the CA key and signs
-            // the certificates of nodes that join with a join token.
+            // As `cluster init --node 1` leaves the first host: its certificate, and the CA
+            // key with which it signs the certificates of the nodes that join.
+            issue_node_pki(&ca, &ndir.join("pki"), id, &[ip.to_string()])?;
             let key = fs::read(dir.join("pki").join(converge_pki::CA_KEY))?;
             converge_pki::write_file(&ndir.join("pki").join(converge_pki::CA_KEY), &key, 0o600)
                 .map_err(|e| anyhow!("{e}"))?;
+        } else {
+            // The others join as new hosts do: a one-time token from node 1, a key made
+            // here, the certificate signed by node 1.
+            if id == 2 {
+                wait_node(&lab, 1, o.timeout)?;
+            }
+            join_node_pki(&lab, &ndir.join("pki"), id, &ip.to_string())?;
         }
         let config = ndir.join("converged.toml");
         let mut toml = format!(

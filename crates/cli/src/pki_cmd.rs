@@ -219,6 +219,27 @@ pub fn join(api: &str, token: &str, dir: &Path, json_out: bool) -> Result<()> {
         );
     }
     crate::http::pin_ca(fingerprint)?;
+    let node = fetch_certificate(api, token, dir, Some(fingerprint))?;
+    if json_out {
+        println!("{}", serde_json::json!({"node": node, "pki": dir}));
+    } else {
+        println!(
+            "node {node}: certificate, key and CA written to {}; set [node] id = {node} and \
+             [tls] dir in converged.toml and start converged",
+            dir.display(),
+        );
+    }
+    Ok(())
+}
+
+/// Makes a key, trades `token` for its certificate at `api` and writes the node's PKI
+/// directory; with `fingerprint`, the CA answered must be that one. The node id.
+pub fn fetch_certificate(
+    api: &str,
+    token: &str,
+    dir: &Path,
+    fingerprint: Option<&str>,
+) -> Result<converge_types::NodeId> {
     let key = pki(NewKey::generate())?;
     let public_key_hex: String = key
         .public_key()
@@ -232,10 +253,13 @@ pub fn join(api: &str, token: &str, dir: &Path, json_out: bool) -> Result<()> {
     })?;
     let joined: converge_api::Joined = crate::http::call(api, "POST", "/v1/join", Some(&body))?;
     // What came back must be the pinned CA and a certificate for this key and node.
-    if pki(converge_pki::fingerprint_pem(joined.ca_pem.as_bytes()))?
-        != fingerprint.to_ascii_lowercase()
-    {
-        bail!("the cluster answered with another CA than the join token names; nothing written");
+    if let Some(fp) = fingerprint {
+        if pki(converge_pki::fingerprint_pem(joined.ca_pem.as_bytes()))? != fp.to_ascii_lowercase()
+        {
+            bail!(
+                "the cluster answered with another CA than the join token names; nothing written"
+            );
+        }
     }
     let tls = pki(converge_pki::NodeTls::from_pem(
         joined.ca_pem.as_bytes(),
@@ -249,16 +273,5 @@ pub fn join(api: &str, token: &str, dir: &Path, json_out: bool) -> Result<()> {
         &joined.cert_pem,
         &key.pem(),
     ))?;
-    if json_out {
-        println!("{}", serde_json::json!({"node": joined.node, "pki": dir}));
-    } else {
-        println!(
-            "node {}: certificate, key and CA written to {}; set [node] id = {} and [tls] dir in \
-             converged.toml and start converged",
-            joined.node,
-            dir.display(),
-            joined.node
-        );
-    }
-    Ok(())
+    Ok(joined.node)
 }

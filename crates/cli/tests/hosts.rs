@@ -1,7 +1,8 @@
 //! End-to-end: the lab playing separate hosts (each node in a network namespace of its own,
-//! with its own address and certificate, etcd members beside the first three) loses an etcd
-//! member and then takes a rolling restart of every node under a verifying client, with no
-//! error and every copy in sync afterwards.
+//! with its own address and certificate, node 1 holding the CA and the others joined with
+//! one-time tokens, etcd members beside the first three) loses an etcd member and then
+//! takes a rolling restart of every node under a verifying client, with no error and every
+//! copy in sync afterwards; and a fourth host joins a running cluster.
 
 #![allow(clippy::unwrap_used)]
 
@@ -47,6 +48,16 @@ fn three_hosts_survive_an_etcd_member_loss_and_a_rolling_restart_under_a_verifyi
             pki.join("node.crt").to_str().unwrap(),
         ]));
         assert!(out.contains(&format!("IP Address:{host}")), "{out}");
+    }
+
+    // Brought up as real hosts are: node 1 with the CA (cluster init), nodes 2 and 3 with
+    // one-time join tokens through node 1.
+    let logs = std::fs::read_to_string(lab.path().join("node1/converged.log")).unwrap();
+    for id in [2, 3] {
+        assert!(
+            logs.contains(&format!("used: certificate issued for node {id}")),
+            "node {id} did not join with a token"
+        );
     }
 
     // One etcd member dies (kill -9): the cluster goes on with the other two.
