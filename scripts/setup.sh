@@ -5,7 +5,9 @@ cd "$(dirname "$0")/.."
 
 # iproute2: `ip netns`, veth pairs and bridges for `converge lab up --netns` (partitions).
 # chromium: the fleet's end-to-end test renders report.html headless and checks the console.
-PKGS=(etcd-server etcd-client fio libnbd-bin nbdkit qemu-utils iproute2 python3-libnbd procps chromium)
+# openssl, systemd: tests read certificates with `openssl x509` and check the packaged units
+# with `systemd-analyze verify` (nothing is started under systemd).
+PKGS=(etcd-server etcd-client fio libnbd-bin nbdkit qemu-utils iproute2 python3-libnbd procps chromium openssl systemd)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
