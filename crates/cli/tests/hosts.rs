@@ -60,8 +60,9 @@ fn three_hosts_survive_an_etcd_member_loss_and_a_rolling_restart_under_a_verifyi
         );
     }
 
-    // One etcd member dies (kill -9): the cluster goes on with the other two.
-    let pid = lj["etcd_more"][0]["proc"]["pid"].as_i64().unwrap() as i32;
+    // The etcd leader dies (kill -9): the cluster goes on with the other two members, and
+    // commands given while they elect a new leader wait for it instead of failing.
+    let pid = etcd_leader_pid(&lj);
     // SAFETY: kill(2) on the PID the lab recorded for the etcd member it started.
     assert_eq!(unsafe { libc::kill(pid, libc::SIGKILL) }, 0);
     let uri = lab.create_volume("rr", "64M", "mirror-3");
@@ -115,6 +116,33 @@ fn three_hosts_survive_an_etcd_member_loss_and_a_rolling_restart_under_a_verifyi
         &["--rw=randwrite", "--bs=4k", "--size=8M", "--verify=crc32c"],
     );
     assert_eq!(fio_errors(&f), 0);
+}
+
+/// The PID of the etcd member that leads now, read from each member's metrics.
+fn etcd_leader_pid(lj: &serde_json::Value) -> i32 {
+    let first = std::iter::once((&lj["etcd"], lj["etcd_health"].as_str().unwrap()));
+    let more = lj["etcd_more"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| (&m["proc"], m["health"].as_str().unwrap()));
+    let mut seen = Vec::new();
+    for (proc, url) in first.chain(more) {
+        let hostport = url.trim_start_matches("http://").trim_end_matches('/');
+        let mut s = std::net::TcpStream::connect(hostport).unwrap();
+        use std::io::{Read, Write};
+        write!(s, "GET /metrics HTTP/1.0\r\nHost: {hostport}\r\n\r\n").unwrap();
+        let mut body = String::new();
+        s.read_to_string(&mut body).unwrap();
+        let leads = body
+            .lines()
+            .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["etcd_server_is_leader", "1"]);
+        if leads {
+            return proc["pid"].as_i64().unwrap() as i32;
+        }
+        seen.push(hostport.to_string());
+    }
+    panic!("no etcd member says it leads: {seen:?}");
 }
 
 /// A free port on `ip` (bound, then closed).

@@ -984,14 +984,40 @@ impl Etcd {
         }
     }
 
-    /// One bounded request/response exchange, logged in if a user is configured.
-    async fn post(&self, path: &str, body: &Value) -> Result<(usize, Bytes), EtcdError> {
+    /// One request/response exchange, logged in if a user is configured. While etcd elects
+    /// a leader it refuses requests it has not applied ("leader changed", "no leader", "too
+    /// many requests"); those are sent again, backing off, for up to the request timeout in
+    /// all. A `Read` is also sent again after any other unavailable answer, timeout or lost
+    /// connection, as sending it twice changes nothing; a write that may have been applied
+    /// is not, and its caller gets the error.
+    async fn post(
+        &self,
+        path: &str,
+        body: &Value,
+        kind: Request,
+    ) -> Result<(usize, Bytes), EtcdError> {
         let body = Bytes::from(body.to_string());
-        self.with_token(|token| {
-            let body = body.clone();
-            async move { self.exchange(path, body, token.as_deref()).await }
-        })
-        .await
+        let started = tokio::time::Instant::now();
+        let mut pause = RETRY_PAUSE_FIRST;
+        loop {
+            let r = self
+                .with_token(|token| {
+                    let body = body.clone();
+                    async move { self.exchange(path, body, token.as_deref()).await }
+                })
+                .await;
+            match r {
+                Err(e)
+                    if worth_retrying(&e, kind)
+                        && started.elapsed() + pause < self.inner.timeout =>
+                {
+                    log::info!("{e}; sending {path} again in {} ms", pause.as_millis());
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(RETRY_PAUSE_MAX);
+                }
+                r => return r,
+            }
+        }
     }
 
     fn bad(&self, idx: usize, path: &str, reason: impl fmt::Display) -> EtcdError {
@@ -1006,15 +1032,16 @@ impl Etcd {
         &self,
         path: &str,
         body: &Value,
+        kind: Request,
     ) -> Result<(usize, T), EtcdError> {
-        let (idx, bytes) = self.post(path, body).await?;
+        let (idx, bytes) = self.post(path, body, kind).await?;
         let v = serde_json::from_slice(&bytes).map_err(|e| self.bad(idx, path, e))?;
         Ok((idx, v))
     }
 
     async fn range(&self, body: Value) -> Result<(Vec<KeyValue>, i64), EtcdError> {
         const PATH: &str = "/v3/kv/range";
-        let (idx, r): (usize, RangeResp) = self.call(PATH, &body).await?;
+        let (idx, r): (usize, RangeResp) = self.call(PATH, &body, Request::Read).await?;
         let kvs = r
             .kvs
             .into_iter()
@@ -1048,7 +1075,7 @@ impl Etcd {
         lease: Option<LeaseId>,
     ) -> Result<i64, EtcdError> {
         let (_, r): (usize, PutResp) = self
-            .call("/v3/kv/put", &put_json(key, value, lease))
+            .call("/v3/kv/put", &put_json(key, value, lease), Request::Write)
             .await?;
         Ok(r.header.revision)
     }
@@ -1056,7 +1083,11 @@ impl Etcd {
     /// Deletes one key; returns how many keys were deleted (0 or 1).
     pub async fn delete(&self, key: &str) -> Result<u64, EtcdError> {
         let (_, r): (usize, DeleteResp) = self
-            .call("/v3/kv/deleterange", &json!({ "key": b64(key.as_bytes()) }))
+            .call(
+                "/v3/kv/deleterange",
+                &json!({ "key": b64(key.as_bytes()) }),
+                Request::Write,
+            )
             .await?;
         Ok(u64::try_from(r.deleted).unwrap_or(0))
     }
@@ -1070,6 +1101,7 @@ impl Etcd {
                     "key": b64(prefix.as_bytes()),
                     "range_end": b64(&prefix_end(prefix.as_bytes())),
                 }),
+                Request::Write,
             )
             .await?;
         Ok(u64::try_from(r.deleted).unwrap_or(0))
@@ -1083,7 +1115,7 @@ impl Etcd {
             "success": txn.success.iter().map(op_json).collect::<Vec<_>>(),
             "failure": txn.failure.iter().map(op_json).collect::<Vec<_>>(),
         });
-        let (idx, r): (usize, RawTxnResp) = self.call(PATH, &body).await?;
+        let (idx, r): (usize, RawTxnResp) = self.call(PATH, &body, Request::Write).await?;
         let mut gets = Vec::new();
         for item in r.responses {
             if let Some(range) = item.response_range {
@@ -1140,7 +1172,11 @@ impl Etcd {
     pub async fn lease_grant(&self, ttl_s: i64) -> Result<LeaseId, EtcdError> {
         const PATH: &str = "/v3/lease/grant";
         let (idx, r): (usize, LeaseResp) = self
-            .call(PATH, &json!({ "TTL": ttl_s.to_string(), "ID": "0" }))
+            .call(
+                PATH,
+                &json!({ "TTL": ttl_s.to_string(), "ID": "0" }),
+                Request::Write,
+            )
             .await?;
         if !r.error.is_empty() {
             return Err(EtcdError::Server {
@@ -1161,7 +1197,9 @@ impl Etcd {
     pub async fn lease_keepalive(&self, id: LeaseId) -> Result<i64, EtcdError> {
         const PATH: &str = "/v3/lease/keepalive";
         // A streaming RPC: the gateway answers one message per request message.
-        let (idx, bytes) = self.post(PATH, &json!({ "ID": id.0.to_string() })).await?;
+        let (idx, bytes) = self
+            .post(PATH, &json!({ "ID": id.0.to_string() }), Request::Read)
+            .await?;
         let mut buf = bytes.to_vec();
         let msg: StreamMsg<LeaseResp> = take_json(&mut buf)
             .map_err(|e| self.bad(idx, PATH, e))?
@@ -1180,7 +1218,11 @@ impl Etcd {
     /// Revokes a lease, deleting its keys at once. Revoking an expired lease is not an error.
     pub async fn lease_revoke(&self, id: LeaseId) -> Result<(), EtcdError> {
         match self
-            .post("/v3/lease/revoke", &json!({ "ID": id.0.to_string() }))
+            .post(
+                "/v3/lease/revoke",
+                &json!({ "ID": id.0.to_string() }),
+                Request::Read,
+            )
             .await
         {
             Ok(_) => Ok(()),
@@ -1273,6 +1315,40 @@ impl Etcd {
 }
 
 /// True if etcd refused a request or a watch for its token (see `auth.rs`).
+/// Whether sending a request twice could change more than sending it once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Request {
+    /// Reads, keepalives and revokes: the same effect however often sent.
+    Read,
+    /// Puts, deletes, transactions, grants: sent again only when etcd said it did not apply it.
+    Write,
+}
+
+const RETRY_PAUSE_FIRST: Duration = Duration::from_millis(50);
+const RETRY_PAUSE_MAX: Duration = Duration::from_millis(800);
+
+/// Whether `e` is worth sending a `kind` request again for: etcd refused it before applying
+/// it while it has no settled leader, or it is a read and etcd was unavailable or slow.
+fn worth_retrying(e: &EtcdError, kind: Request) -> bool {
+    match e {
+        EtcdError::Server {
+            status, message, ..
+        } => not_applied(message) || (kind == Request::Read && *status == 503),
+        EtcdError::Timeout { .. } | EtcdError::ConnectionLost { .. } => kind == Request::Read,
+        _ => false,
+    }
+}
+
+/// etcd's refusals that come before a request is proposed (ErrNoLeader, ErrTooManyRequests)
+/// or that only reads wait for (ErrLeaderChanged, from the read-index wait), so the request
+/// had no effect. Its "request timed out" is not among them: a timed-out proposal may still
+/// be applied.
+fn not_applied(message: &str) -> bool {
+    ["leader changed", "no leader", "too many requests"]
+        .iter()
+        .any(|m| message.contains(m))
+}
+
 fn token_refused(e: &EtcdError) -> bool {
     match e {
         EtcdError::Server {
@@ -1483,6 +1559,48 @@ mod tests {
             ..Default::default()
         };
         assert!(Etcd::with_security(vec!["http://a:1".into()], half).is_err());
+    }
+
+    #[test]
+    fn only_requests_etcd_did_not_apply_or_reads_are_sent_again() {
+        let server = |status: u16, message: &str| EtcdError::Server {
+            endpoint: "https://e:2379".into(),
+            path: "/v3/kv/txn".into(),
+            status,
+            message: message.into(),
+        };
+        for m in [
+            "etcdserver: leader changed",
+            "etcdserver: no leader",
+            "etcdserver: too many requests",
+        ] {
+            assert!(worth_retrying(&server(503, m), Request::Write), "{m}");
+            assert!(worth_retrying(&server(503, m), Request::Read), "{m}");
+        }
+        // A proposal that timed out may yet be applied: a write is not sent twice.
+        let timed_out = server(503, "etcdserver: request timed out");
+        assert!(!worth_retrying(&timed_out, Request::Write));
+        assert!(worth_retrying(&timed_out, Request::Read));
+        let lost = EtcdError::ConnectionLost {
+            endpoint: "e".into(),
+            path: "p".into(),
+            reason: "reset".into(),
+        };
+        assert!(!worth_retrying(&lost, Request::Write));
+        assert!(worth_retrying(&lost, Request::Read));
+        // Refusals that another try would not change.
+        assert!(!worth_retrying(
+            &server(
+                400,
+                "etcdserver: mvcc: required revision has been compacted"
+            ),
+            Request::Read
+        ));
+        let down = EtcdError::Unreachable {
+            endpoint: "e".into(),
+            reason: "refused".into(),
+        };
+        assert!(!worth_retrying(&down, Request::Read));
     }
 
     #[test]
