@@ -167,32 +167,18 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
             else {
                 return Err(control(volume, format!("slab {slab} has no record")));
             };
-            let mut changed = false;
-            match &change {
-                SlabChange::State { drive, from, to } => {
-                    for e in rec.extents.iter_mut() {
-                        if e.drive == *drive && from.contains(&e.state) && e.state != *to {
-                            e.state = *to;
-                            changed = true;
-                        }
-                    }
-                }
-                SlabChange::Replace { old, new } => {
-                    for e in rec.extents.iter_mut() {
-                        if e.drive == *old {
-                            *e = ExtentRecord {
-                                drive: new.drive,
-                                node: new.node,
-                                state: new.state,
-                            };
-                            changed = true;
-                        }
-                    }
-                }
+            let mut extents = extents_of(&rec);
+            if !change.apply(&mut extents) {
+                return Ok(extents);
             }
-            if !changed {
-                return Ok(extents_of(&rec));
-            }
+            rec.extents = extents
+                .iter()
+                .map(|e| ExtentRecord {
+                    drive: e.drive,
+                    node: e.node,
+                    state: e.state,
+                })
+                .collect();
             match self
                 .cluster
                 .cas_slab_as_owner(volume, slab, &rec, rev, self.owner(epoch))

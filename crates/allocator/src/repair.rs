@@ -12,11 +12,18 @@
 //!    lease, a node in maintenance, or a failed drive is marked stale (writes stop
 //!    waiting for it, and repair takes it up).
 //! 3. [`plan`] decides per stale copy: a failed drive does not come back, so its copies
-//!    are rebuilt at once; a live node's copy is resynced (if the node answers); a down
-//!    node's copy is rebuilt once its node has been down for the repair delay; a copy on
-//!    a node in maintenance waits for the maintenance to end.
+//!    are rebuilt at once; a live node's copy is resynced (if the node answers; on a
+//!    draining node too: that restores redundancy at once, and the copy moves later); a
+//!    down node's copy is rebuilt once its node has been down for the repair delay, at
+//!    once if it is draining; a copy on a node in maintenance waits for the maintenance
+//!    to end.
 //! 4. [`rebuild_target`] places the replacement: `placement::place` over the drive loads,
 //!    excluding every node that already holds a copy of the slab.
+//! 5. [`evacuations`] drains nodes being removed, copy before drop: an in-sync copy on a
+//!    draining node gets a new copy elsewhere first ([`Step::Evacuate`]: it stays in sync
+//!    and takes writes while the new one fills), and is dropped only once the slab has its
+//!    full count of in-sync copies without it ([`Step::Drop`]). So draining never lowers a
+//!    slab's redundancy.
 
 use converge_control::kv::Kv;
 use converge_control::model::{Cluster, ControlError};
@@ -37,6 +44,8 @@ pub struct View {
     pub maintenance: HashSet<NodeId>,
     /// Drives recorded as failed.
     pub failed: HashSet<DriveId>,
+    /// Nodes being drained for removal: their copies move elsewhere.
+    pub draining: HashSet<NodeId>,
     /// Every node that holds a drive.
     pub nodes: HashSet<NodeId>,
 }
@@ -47,11 +56,13 @@ impl View {
         let live = cluster.live_nodes().await?.into_iter().map(|n| n.id);
         let maintenance = cluster.maintenance_nodes().await?.into_iter();
         let failed = cluster.failed_drives().await?.into_keys();
+        let draining = cluster.draining_nodes().await?.into_iter();
         let nodes = cluster.drives().await?.into_iter().map(|d| d.node);
         Ok(View {
             live: live.collect(),
             maintenance: maintenance.collect(),
             failed: failed.collect(),
+            draining: draining.collect(),
             nodes: nodes.collect(),
         })
     }
@@ -112,6 +123,8 @@ pub enum Cause {
     FailedDrive,
     /// Its node has been down for the repair delay.
     DownPastDelay,
+    /// Its node is being drained: it is not brought back there.
+    Draining,
 }
 
 /// What to do about one stale copy.
@@ -121,6 +134,12 @@ pub enum Step {
     Resync(SlabIndex, ExtentLoc),
     /// Replace it by a new copy on another node ([`rebuild_target`]).
     Rebuild(SlabIndex, ExtentLoc, Cause),
+    /// Add a new copy on another node ([`rebuild_target`]) beside this in-sync copy on a
+    /// draining node, fill it, then drop this one.
+    Evacuate(SlabIndex, ExtentLoc),
+    /// Drop this in-sync copy on a draining node: the slab has its full count of in-sync
+    /// copies on other nodes (an evacuation that stopped between its two halves).
+    Drop(SlabIndex, ExtentLoc),
 }
 
 /// What to do about each stale copy (see the module docs); copies on nodes in maintenance,
@@ -140,6 +159,8 @@ pub fn plan(
                 Some(Step::Rebuild(idx, e, Cause::FailedDrive))
             } else if view.live.contains(&e.node) {
                 Some(Step::Resync(idx, e))
+            } else if view.draining.contains(&e.node) {
+                Some(Step::Rebuild(idx, e, Cause::Draining))
             } else if down.down_for(e.node, now) >= repair_delay {
                 Some(Step::Rebuild(idx, e, Cause::DownPastDelay))
             } else {
@@ -147,6 +168,68 @@ pub fn plan(
             }
         })
         .collect()
+}
+
+/// The copies on draining nodes and what to do with each, for a volume that keeps
+/// `copies` copies of a slab: drop it (whatever its state) if the slab has `copies`
+/// in-sync copies on other nodes; else, if it is in sync and so is every copy of the slab
+/// (no repair under way, which comes first), evacuate it; else leave it for now. One step
+/// per slab and round.
+pub fn evacuations(
+    slabs: &BTreeMap<SlabIndex, Vec<ExtentLoc>>,
+    view: &View,
+    copies: usize,
+) -> Vec<Step> {
+    slabs
+        .iter()
+        .filter_map(|(idx, ex)| {
+            let leaving = *ex.iter().find(|e| view.draining.contains(&e.node))?;
+            let staying = ex
+                .iter()
+                .filter(|e| e.state == ExtentState::InSync && !view.draining.contains(&e.node))
+                .count();
+            if staying >= copies {
+                Some(Step::Drop(*idx, leaving))
+            } else if ex.iter().all(|e| e.state == ExtentState::InSync) {
+                Some(Step::Evacuate(*idx, leaving))
+            } else {
+                None
+            }
+        })
+        .collect()
+}
+
+/// One round's steps for one volume, as its owner runs them: [`plan`] for the stale
+/// copies, then, while nodes are draining, [`evacuations`]. A copy that the evacuations
+/// drop (its slab has its full count of in-sync copies elsewhere) is not also rebuilt.
+#[allow(clippy::too_many_arguments)]
+pub fn round(
+    slabs: &BTreeMap<SlabIndex, Vec<ExtentLoc>>,
+    stale: &[(SlabIndex, ExtentLoc)],
+    view: &View,
+    down: &DownClock,
+    repair_delay: Duration,
+    now: Instant,
+    copies: usize,
+) -> Vec<Step> {
+    let moves = if view.draining.is_empty() {
+        Vec::new()
+    } else {
+        evacuations(slabs, view, copies)
+    };
+    let dropped: HashSet<(SlabIndex, DriveId)> = moves
+        .iter()
+        .filter_map(|s| match s {
+            Step::Drop(idx, e) => Some((*idx, e.drive)),
+            _ => None,
+        })
+        .collect();
+    let mut steps: Vec<Step> = plan(stale, view, down, repair_delay, now)
+        .into_iter()
+        .filter(|s| !matches!(s, Step::Rebuild(idx, e, _) if dropped.contains(&(*idx, e.drive))))
+        .collect();
+    steps.extend(moves);
+    steps
 }
 
 /// Where a rebuilt copy of a slab whose copies are `copies` goes: one drive on a live node
@@ -185,6 +268,7 @@ mod tests {
             live: live.iter().map(|n| NodeId(*n)).collect(),
             maintenance: maint.iter().map(|n| NodeId(*n)).collect(),
             failed: failed.iter().map(|d| DriveId(*d)).collect(),
+            draining: HashSet::new(),
             nodes: (1..=4).map(NodeId).collect(),
         }
     }
@@ -257,6 +341,93 @@ mod tests {
         assert_eq!(
             down.down_for(NodeId(2), t0 + delay * 2 + Duration::from_secs(5)),
             Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn a_draining_node_keeps_its_copies_until_others_hold_them_in_sync() {
+        use ExtentState::*;
+        let mut v = view(&[1, 2, 3, 4], &[], &[]);
+        v.draining.insert(NodeId(3));
+        let mut slabs = BTreeMap::new();
+        // Full and in sync: evacuate the copy on node 3 (it stays in sync meanwhile).
+        slabs.insert(
+            SlabIndex(0),
+            vec![loc(1, 10, InSync), loc(2, 20, InSync), loc(3, 30, InSync)],
+        );
+        // The new copy on node 4 is still filling: nothing yet.
+        slabs.insert(
+            SlabIndex(1),
+            vec![
+                loc(1, 10, InSync),
+                loc(2, 20, InSync),
+                loc(3, 30, InSync),
+                loc(4, 40, Syncing),
+            ],
+        );
+        // The new copy is in sync: drop the one on node 3.
+        slabs.insert(
+            SlabIndex(2),
+            vec![
+                loc(1, 10, InSync),
+                loc(2, 20, InSync),
+                loc(3, 30, InSync),
+                loc(4, 40, InSync),
+            ],
+        );
+        // Another copy is stale: repair it first, never drain below the target.
+        slabs.insert(
+            SlabIndex(3),
+            vec![loc(1, 10, InSync), loc(2, 20, Stale), loc(3, 30, InSync)],
+        );
+        // Nothing on node 3.
+        slabs.insert(
+            SlabIndex(4),
+            vec![loc(1, 10, InSync), loc(2, 20, InSync), loc(4, 40, InSync)],
+        );
+        assert_eq!(
+            evacuations(&slabs, &v, 3),
+            vec![
+                Step::Evacuate(SlabIndex(0), loc(3, 30, InSync)),
+                Step::Drop(SlabIndex(2), loc(3, 30, InSync)),
+            ]
+        );
+        // Copies stay in sync on a draining node: nothing is marked stale for it.
+        assert!(copies_to_mark_stale(&slabs, &v).is_empty());
+        // A stale copy on the draining node is resynced while its node is up (redundancy
+        // first; it moves once in sync), and rebuilt elsewhere at once when it is down...
+        let mut down = DownClock::default();
+        let stale = [(SlabIndex(5), loc(3, 31, Stale))];
+        let (delay, now) = (Duration::from_secs(600), Instant::now());
+        assert_eq!(
+            plan(&stale, &v, &down, delay, now),
+            vec![Step::Resync(SlabIndex(5), loc(3, 31, Stale))]
+        );
+        v.live.remove(&NodeId(3));
+        down.observe(&v, now);
+        assert_eq!(
+            plan(&stale, &v, &down, delay, now),
+            vec![Step::Rebuild(
+                SlabIndex(5),
+                loc(3, 31, Stale),
+                Cause::Draining
+            )]
+        );
+        // ...unless its slab has its full count of in-sync copies elsewhere (an evacuation
+        // whose drop failed, then its node went down): then it is only dropped.
+        let mut five = BTreeMap::new();
+        five.insert(
+            SlabIndex(5),
+            vec![
+                loc(1, 10, InSync),
+                loc(3, 31, Stale),
+                loc(2, 20, InSync),
+                loc(4, 40, InSync),
+            ],
+        );
+        assert_eq!(
+            round(&five, &stale, &v, &down, delay, now, 3),
+            vec![Step::Drop(SlabIndex(5), loc(3, 31, Stale))]
         );
     }
 

@@ -38,6 +38,26 @@ pub struct NodeInfo {
     /// there and nothing is rebuilt away from it.
     #[serde(default)]
     pub maintenance: bool,
+    /// Being drained for removal (`converge node remove`): its copies move to other nodes,
+    /// copy before drop, and nothing new is placed there.
+    #[serde(default)]
+    pub draining: bool,
+}
+
+/// `POST /v1/nodes/ID/drain`: start (or cancel) moving every copy off a node.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Drain {
+    pub on: bool,
+}
+
+/// `DELETE /v1/nodes/ID`: what the removal of a drained node did.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRemoved {
+    pub node: NodeId,
+    /// Volumes it served that moved to other nodes first.
+    pub moved: Vec<String>,
+    /// Its drives, whose records were deleted.
+    pub drives: Vec<DriveId>,
 }
 
 /// `POST /v1/nodes/ID/maintenance`.

@@ -332,6 +332,7 @@ mod tests {
             nbd_tcp: None,
             version: String::new(),
             maintenance: false,
+            draining: false,
         }
     }
 

@@ -11,6 +11,7 @@ mod lab;
 mod nemesis;
 mod netns;
 mod pki_cmd;
+mod remove;
 mod rolling;
 mod table;
 
@@ -214,6 +215,23 @@ enum NodeCmd {
     },
     /// List nodes and whether they are live.
     List,
+    /// Remove a node for good: its copies move to the other nodes first (each new copy is
+    /// filled before the old one is dropped, so no slab loses redundancy), then its volumes
+    /// move, its records leave the cluster and its converged stops. Refused if the other
+    /// nodes cannot hold its copies (distinct nodes per slab, room). Needs an admin token.
+    Remove {
+        /// Node id.
+        node: u32,
+        /// Start the drain and return; run the command again to wait and remove.
+        #[arg(long, conflicts_with = "cancel")]
+        no_wait: bool,
+        /// Stop draining the node (copies already moved stay where they are).
+        #[arg(long)]
+        cancel: bool,
+        /// How long to wait for the drain, e.g. 30m, 6h.
+        #[arg(long, default_value = "24h")]
+        timeout: String,
+    },
     /// Make a one-time token with which a new host gets node NODE's certificate (`node
     /// join`), so no key files are copied. Needs an admin API token.
     JoinToken {
@@ -639,6 +657,41 @@ fn run(cli: Cli) -> Result<()> {
                 )
             })?;
             pki_cmd::join(&http::endpoints(&api)?.join(","), token, pki, cli.json)?;
+        }
+        Cmd::Node(NodeCmd::Remove {
+            node,
+            no_wait,
+            cancel,
+            timeout,
+        }) => {
+            let base = api_base(&cli)?;
+            if *cancel {
+                let v = remove::cancel(&base, *node)?;
+                if cli.json {
+                    return print_json(&v);
+                }
+                println!("node {node}: no longer drained");
+                print!("{}", nodes_table(&v));
+                return Ok(());
+            }
+            let timeout = Duration::from_secs(parse_duration_s(timeout)?);
+            let r = remove::run(&base, *node, !*no_wait, timeout)?;
+            if cli.json {
+                return print_json(&r);
+            }
+            if let Some(r) = r {
+                if !r.moved.is_empty() {
+                    println!("volumes moved to other nodes: {}", r.moved.join(", "));
+                }
+                println!(
+                    "node {node} removed (drives {}); its converged stops by itself: disable                      its service on that host (`systemctl disable converged`)",
+                    r.drives
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                );
+            }
         }
         Cmd::Node(NodeCmd::List) => {
             let v: Vec<NodeInfo> = http::call(&api_base(&cli)?, "GET", "/v1/nodes", None)?;
@@ -1226,13 +1279,16 @@ fn nodes_table(v: &[NodeInfo]) -> String {
         t.row(vec![
             n.id.to_string(),
             n.name.clone(),
-            match (n.live, n.maintenance) {
-                (true, false) => "live",
-                (true, true) => "live, maintenance",
-                (false, true) => "down, maintenance",
-                (false, false) => "down",
-            }
-            .into(),
+            {
+                let mut state = if n.live { "live" } else { "down" }.to_string();
+                if n.maintenance {
+                    state.push_str(", maintenance");
+                }
+                if n.draining {
+                    state.push_str(", draining");
+                }
+                state
+            },
             n.rpc_addr.clone(),
             n.api_addr.clone(),
             n.nbd_socket.clone(),

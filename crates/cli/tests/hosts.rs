@@ -289,3 +289,147 @@ impl Drop for Stop {
         let _ = self.0.wait();
     }
 }
+
+/// A node is removed for good under a verifying client: `node remove` refuses what would
+/// break redundancy, drains the node (every copy moves elsewhere, copy before drop), moves
+/// the volume it serves, deletes its records; its converged stops by itself and can never
+/// register again; the data written before is intact and every copy is in sync.
+#[test]
+fn a_node_is_drained_and_removed_under_a_verifying_client() {
+    let lab = Lab::up(4, &[]);
+    // Data written before the removal, checked after it; and a volume that the node to be
+    // removed serves.
+    let uri = lab.create_volume("kept", "64M", "mirror-3");
+    let f = fio(
+        &uri,
+        &[
+            "--rw=write",
+            "--bs=64k",
+            "--size=48M",
+            "--verify=crc32c",
+            "--do_verify=0",
+        ],
+    );
+    assert_eq!(fio_errors(&f), 0);
+    let copies_on = |node: u64| {
+        let d = lab.json(&["drive", "list"]);
+        d.as_array()
+            .unwrap()
+            .iter()
+            .filter(|d| d["node"].as_u64() == Some(node))
+            .map(|d| d["extents_used"].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    // Three copies on four nodes: at least two of nodes 2..4 hold one (the CLI speaks to
+    // node 1's API).
+    let gone = (2..=4).find(|n| copies_on(*n) > 0).unwrap();
+    let gone_s = gone.to_string();
+    let idx = gone as usize - 1;
+    lab.create_owned("live", "64M", "mirror-3", gone as u32);
+
+    // Unknown nodes and bad flags are refused.
+    let e = lab.fails(&["node", "remove", "9"]);
+    assert!(e.contains("no node 9"), "{e}");
+
+    // A client writes and verifies through node 1 while that node, the volume's owner,
+    // leaves.
+    let stop = lab.path().join("stop-verifier");
+    let verifier = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/tools/reconnecting_verifier.py");
+    let client = Command::new("/usr/bin/python3")
+        .arg(&verifier)
+        .arg(lab.uri_on("live", 1))
+        .arg(&stop)
+        .arg((32u64 << 20).to_string())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = lab.lab_json()["nodes"][idx]["proc"]["pid"]
+        .as_i64()
+        .unwrap() as i32;
+    let out = lab.json(&["node", "remove", &gone_s, "--timeout", "10m"]);
+    std::fs::write(&stop, b"").unwrap();
+    let verdict = client.wait_with_output().unwrap();
+    assert_eq!(out["node"], gone, "{out}");
+    assert_eq!(out["moved"], serde_json::json!(["live"]), "{out}");
+    assert!(
+        verdict.status.success(),
+        "verifier: {}",
+        String::from_utf8_lossy(&verdict.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&verdict.stdout).unwrap();
+    eprintln!("verifier: {v}\nremoval: {out}");
+    assert_eq!(v["mismatches"], 0, "{v}");
+    assert_eq!(v["errors"], 0, "{v}");
+    assert!(v["ops"].as_u64().unwrap() > 0, "{v}");
+
+    // Gone from the cluster: no node, no drive, no copy; its converged stopped by itself.
+    let nodes = lab.json(&["node", "list"]);
+    assert!(
+        nodes.as_array().unwrap().iter().all(|n| n["id"] != gone),
+        "{nodes}"
+    );
+    assert_eq!(copies_on(gone), 0);
+    for vol in ["kept", "live"] {
+        assert!(lab.extents(vol).iter().all(|(_, node, _)| *node != gone));
+        assert!(all_in_sync(&lab, vol), "{vol}");
+        assert_copies_agree(&lab, vol);
+    }
+    // SAFETY: kill(2) with signal 0 only asks whether the lab's node process exists.
+    lab.wait_for(
+        "its converged to stop",
+        std::time::Duration::from_secs(60),
+        || unsafe { libc::kill(pid, 0) != 0 },
+    );
+    let log = std::fs::read_to_string(lab.path().join(format!("node{gone}/converged.log")));
+    let log = log.unwrap();
+    assert!(log.contains("was removed from the cluster"), "{log}");
+    // Started again, it refuses at once with its own exit status.
+    let cfg = lab.lab_json()["nodes"][idx]["config"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let again =
+        run(Command::new(converge_bin().with_file_name("converged"))
+            .args(["--config", cfg.as_str()]));
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains(&format!("node {gone} was removed from this cluster")),
+        "{err}"
+    );
+    assert!(lab.json(&["node", "list"]).as_array().unwrap().len() == 3);
+
+    // The data written before is all there.
+    let f = fio(
+        &uri,
+        &[
+            "--rw=write",
+            "--bs=64k",
+            "--size=48M",
+            "--verify=crc32c",
+            "--verify_only",
+        ],
+    );
+    assert_eq!(fio_errors(&f), 0);
+    // (Health may still list the scrub of assert_copies_agree: check the copies instead.)
+    let st = lab.json(&["status"]);
+    for v in st["volumes"].as_array().unwrap() {
+        assert_eq!(v["degraded_extents"], 0, "{st}");
+    }
+
+    // With three nodes left, a mirror-3 volume cannot lose another: refused, nothing moves.
+    let other = if gone == 2 { "3" } else { "2" };
+    let e = lab.fails(&["node", "remove", other]);
+    assert!(e.contains("only 2 node(s) can hold them"), "{e}");
+    let nodes = lab.json(&["node", "list"]);
+    assert!(
+        nodes
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n["draining"] == false),
+        "{nodes}"
+    );
+}

@@ -62,6 +62,12 @@ pub mod keys {
     pub const INTERNAL_TOKEN: &str = "/converge/internal-token";
     /// Nodes in maintenance (planned downtime): `/converge/maintenance/<node id>`.
     pub const MAINTENANCE: &str = "/converge/maintenance/";
+    /// Nodes being drained for removal (`converge node remove`): their copies move to other
+    /// nodes, copy before drop, and nothing new is placed on them.
+    pub const DRAINING: &str = "/converge/draining/";
+    /// Nodes removed from the cluster, by id (when, as unix seconds): such an id never
+    /// registers again.
+    pub const REMOVED: &str = "/converge/removed/";
     /// Drives that failed (I/O errors): `/converge/failed-drives/<drive id>` = reason.
     pub const FAILED_DRIVES: &str = "/converge/failed-drives/";
     /// Rewritten by every slab allocation, in the same transaction as the slab record: an
@@ -226,6 +232,11 @@ pub enum ControlError {
         existing_rpc_addr: String,
         rpc_addr: String,
     },
+    #[error(
+        "node {id} was removed from this cluster (`converge node remove`); its id is not \
+         used again: give this host a new node id and join it with a new token"
+    )]
+    NodeRemoved { id: NodeId },
     #[error("a volume named {name:?} already exists; choose another name or delete it first")]
     VolumeExists { name: String },
     #[error(
@@ -247,6 +258,20 @@ pub enum ControlError {
          changing it; retry later"
     )]
     Contended { what: String },
+}
+
+fn removed_key(node: NodeId) -> String {
+    format!("{}{}", keys::REMOVED, node.0)
+}
+
+/// The node ids under a `<prefix><node id>` family of keys.
+async fn node_ids<K: Kv>(etcd: &K, prefix: &str) -> Result<Vec<NodeId>, ControlError> {
+    let (kvs, _) = etcd.get_prefix(prefix).await?;
+    Ok(kvs
+        .iter()
+        .filter_map(|kv| kv.key.strip_prefix(prefix)?.parse().ok())
+        .map(NodeId)
+        .collect())
 }
 
 fn now_unix() -> u64 {
@@ -462,7 +487,8 @@ impl<K: Kv> Cluster<K> {
     }
 
     /// Publishes this node as live, bound to `lease`. Refuses if another live node holds the
-    /// id with a different rpc address; the same address (a restart) replaces the record.
+    /// id with a different rpc address (the same address, a restart, replaces the record),
+    /// or if the id was removed from the cluster.
     pub async fn register_node(
         &self,
         rec: &NodeRecord,
@@ -486,21 +512,81 @@ impl<K: Kv> Cluster<K> {
                     kv.mod_revision
                 }
             };
+            let removed = removed_key(rec.id);
             let r = self
                 .etcd
                 .txn(Txn {
-                    compare: vec![Compare::ModRevision(key.clone(), expected)],
+                    compare: vec![
+                        Compare::ModRevision(key.clone(), expected),
+                        Compare::CreateRevision(removed.clone(), 0),
+                    ],
                     success: vec![Op::Put(key.clone(), value.clone(), Some(lease))],
-                    failure: vec![],
+                    failure: vec![Op::Get(removed)],
                 })
                 .await?;
             if r.succeeded {
                 return Ok(());
             }
+            if r.gets.first().is_some_and(Option::is_some) {
+                return Err(ControlError::NodeRemoved { id: rec.id });
+            }
         }
         Err(ControlError::Contended {
             what: format!("registering node {}", rec.id),
         })
+    }
+
+    /// Starts (or, with `on` false, cancels) draining a node: placement stops choosing its
+    /// drives and the owners of its copies move them elsewhere, copy before drop.
+    pub async fn set_draining(&self, node: NodeId, on: bool) -> Result<(), ControlError> {
+        let key = format!("{}{}", keys::DRAINING, node.0);
+        if on {
+            self.etcd.put(&key, b"{}", None).await?;
+        } else {
+            self.etcd.delete(&key).await?;
+        }
+        Ok(())
+    }
+
+    /// Nodes being drained.
+    pub async fn draining_nodes(&self) -> Result<Vec<NodeId>, ControlError> {
+        node_ids(&self.etcd, keys::DRAINING).await
+    }
+
+    /// Whether the node was removed from the cluster.
+    pub async fn is_removed(&self, node: NodeId) -> Result<bool, ControlError> {
+        Ok(self.etcd.get(&removed_key(node)).await?.is_some())
+    }
+
+    /// Removes a drained node from the cluster in one transaction: its drive records, its
+    /// live record, its maintenance and draining marks go, and its id is recorded as
+    /// removed (it can never register again). The caller checks first that no slab record
+    /// names its drives and that it owns no volume; placement skips a draining node, so
+    /// none can gain a copy meanwhile.
+    pub async fn decommission(&self, node: NodeId) -> Result<(), ControlError> {
+        let mut ops: Vec<Op> = self
+            .drives()
+            .await?
+            .iter()
+            .filter(|d| d.node == node)
+            .map(|d| Op::Delete(keys::drive(d.id)))
+            .collect();
+        ops.push(Op::Delete(keys::node(node)));
+        ops.push(Op::Delete(format!("{}{}", keys::MAINTENANCE, node.0)));
+        ops.push(Op::Delete(format!("{}{}", keys::DRAINING, node.0)));
+        ops.push(Op::Put(
+            removed_key(node),
+            now_unix().to_string().into_bytes(),
+            None,
+        ));
+        self.etcd
+            .txn(Txn {
+                compare: vec![],
+                success: ops,
+                failure: vec![],
+            })
+            .await?;
+        Ok(())
     }
 
     /// Nodes whose lease is alive, by id.
@@ -678,12 +764,7 @@ impl<K: Kv> Cluster<K> {
 
     /// Nodes in maintenance.
     pub async fn maintenance_nodes(&self) -> Result<Vec<NodeId>, ControlError> {
-        let (kvs, _) = self.etcd.get_prefix(keys::MAINTENANCE).await?;
-        Ok(kvs
-            .iter()
-            .filter_map(|kv| kv.key.strip_prefix(keys::MAINTENANCE)?.parse().ok())
-            .map(NodeId)
-            .collect())
+        node_ids(&self.etcd, keys::MAINTENANCE).await
     }
 
     /// One slab's record and its mod revision (for a compare-and-swap), if allocated.
@@ -757,16 +838,17 @@ impl<K: Kv> Cluster<K> {
     }
 
     /// Every drive as placement sees it: its use, and whether it may take copies (its node
-    /// live and not in maintenance, the drive not failed).
+    /// live, neither in maintenance nor draining, the drive not failed).
     pub async fn drive_loads(&self) -> Result<Vec<DriveLoad>, ControlError> {
         let drives = self.drives().await?;
-        let maint = self.maintenance_nodes().await?;
+        let mut away = self.maintenance_nodes().await?;
+        away.extend(self.draining_nodes().await?);
         let live: Vec<NodeId> = self
             .live_nodes()
             .await?
             .iter()
             .map(|n| n.id)
-            .filter(|n| !maint.contains(n))
+            .filter(|n| !away.contains(n))
             .collect();
         let failed = self.failed_drives().await?;
         let used = self.extents_used().await?;

@@ -90,7 +90,7 @@ pub async fn serve(
     }
 }
 
-struct ApiError(StatusCode, String);
+pub(crate) struct ApiError(pub(crate) StatusCode, pub(crate) String);
 
 impl From<cache_api::CacheApiError> for ApiError {
     fn from((status, msg): cache_api::CacheApiError) -> ApiError {
@@ -99,10 +99,10 @@ impl From<cache_api::CacheApiError> for ApiError {
 }
 
 impl ApiError {
-    fn bad(msg: impl Into<String>) -> ApiError {
+    pub(crate) fn bad(msg: impl Into<String>) -> ApiError {
         ApiError(StatusCode::BAD_REQUEST, msg.into())
     }
-    fn unavailable(msg: impl std::fmt::Display) -> ApiError {
+    pub(crate) fn unavailable(msg: impl std::fmt::Display) -> ApiError {
         ApiError(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("control plane unavailable: {msg}"),
@@ -173,9 +173,9 @@ async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
     }
 }
 
-type Out = Result<(StatusCode, serde_json::Value), ApiError>;
+pub(crate) type Out = Result<(StatusCode, serde_json::Value), ApiError>;
 
-fn ok<T: serde::Serialize>(v: &T) -> Out {
+pub(crate) fn ok<T: serde::Serialize>(v: &T) -> Out {
     Ok((
         StatusCode::OK,
         serde_json::to_value(v)
@@ -209,6 +209,8 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::POST, ["v1", "volumes", name, "open"]) => open_here(node, name).await,
         (&Method::POST, ["v1", "volumes", name, "scrub"]) => scrub(node, name, body).await,
         (&Method::POST, ["v1", "nodes", id, "maintenance"]) => maintenance(node, id, body).await,
+        (&Method::POST, ["v1", "nodes", id, "drain"]) => crate::drain::drain(node, id, body).await,
+        (&Method::DELETE, ["v1", "nodes", id]) => crate::drain::remove(node, id).await,
         (&Method::GET, ["v1", "settings"]) => ok(&crate::repair::settings(node).await),
         (&Method::POST, ["v1", "settings"]) => {
             let new: Settings = serde_json::from_slice(body)
@@ -351,7 +353,7 @@ async fn revoke_token(node: &Node, id: &str) -> Out {
     ok(&serde_json::json!({ "revoked": id }))
 }
 
-async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
+pub(crate) async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
     let live = node
         .cluster
         .live_nodes()
@@ -369,6 +371,7 @@ async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
             nbd_tcp: n.nbd_tcp,
             version: n.version,
             maintenance: false,
+            draining: false,
         })
         .collect();
     // Nodes with drives but no live record are down.
@@ -385,6 +388,7 @@ async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
                 nbd_tcp: None,
                 version: String::new(),
                 maintenance: false,
+                draining: false,
             });
         }
     }
@@ -393,8 +397,14 @@ async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
         .maintenance_nodes()
         .await
         .map_err(ApiError::unavailable)?;
+    let draining = node
+        .cluster
+        .draining_nodes()
+        .await
+        .map_err(ApiError::unavailable)?;
     for n in out.iter_mut() {
         n.maintenance = maint.contains(&n.id);
+        n.draining = draining.contains(&n.id);
     }
     out.sort_by_key(|n| n.id);
     Ok(out)
@@ -505,7 +515,7 @@ fn volume_info(
     }
 }
 
-async fn slab_map(
+pub(crate) async fn slab_map(
     node: &Node,
     id: VolumeId,
 ) -> Result<BTreeMap<converge_types::SlabIndex, SlabRecord>, ApiError> {
@@ -732,7 +742,7 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
 }
 
 /// The node serving the volume now (its owner record), else its preferred owner.
-async fn serving_owner(node: &Node, rec: &VolumeRecord) -> Result<NodeId, ApiError> {
+pub(crate) async fn serving_owner(node: &Node, rec: &VolumeRecord) -> Result<NodeId, ApiError> {
     Ok(node
         .cluster
         .owner(rec.id)
@@ -744,7 +754,7 @@ async fn serving_owner(node: &Node, rec: &VolumeRecord) -> Result<NodeId, ApiErr
 /// `volume move`: runs on the serving owner. Makes `to` the preferred owner, stops
 /// serving here and gives up ownership, then asks `to` to take the volume over (a new
 /// epoch fences this node; clients connected here are forwarded to `to`).
-async fn move_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
+pub(crate) async fn move_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     let req: MoveVolume = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("bad move request: {e}")))?;
     let (mut rec, rev) = volume_record(node, name).await?;

@@ -5,6 +5,7 @@ mod api;
 mod auth;
 mod cache_api;
 mod config;
+mod drain;
 mod export;
 mod fleet;
 mod http_client;
@@ -21,7 +22,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
 use config::Config;
 use converge_control::etcd::Etcd;
-use converge_control::model::Cluster;
+use converge_control::model::{Cluster, ControlError};
 use converge_rpc::Hello;
 use node::{Allocator, LocalDrives, Node, Replicas, RpcHandler};
 use std::path::PathBuf;
@@ -124,9 +125,16 @@ fn main() {
     if let Err(e) = rt.block_on(run(args, cfg)) {
         log::error!("{e:#}");
         eprintln!("converged: error: {e:#}");
-        std::process::exit(1);
+        let removed = e
+            .downcast_ref::<ControlError>()
+            .is_some_and(|c| matches!(c, ControlError::NodeRemoved { .. }));
+        std::process::exit(if removed { EXIT_REMOVED } else { 1 });
     }
 }
+
+/// Exit status of a node whose id was removed from the cluster: starting again cannot
+/// help (the systemd unit does not restart on it).
+const EXIT_REMOVED: i32 = 3;
 
 async fn run(args: Args, cfg: Config) -> Result<()> {
     let security = etcd_security(&cfg.etcd_tls).map_err(|e| anyhow!("etcd settings: {e}"))?;
@@ -142,6 +150,14 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
                 cfg.etcd_endpoints
             )
         })?;
+    // A removed node stays out: before its drives are opened or recorded again.
+    if cluster
+        .is_removed(cfg.node_id)
+        .await
+        .map_err(|e| anyhow!("{e}"))?
+    {
+        return Err(ControlError::NodeRemoved { id: cfg.node_id }.into());
+    }
     if cluster_rec.slab_size_bytes != cfg.slab_size_bytes {
         log::warn!(
             "config slab_size {} differs from the cluster's {}; using the cluster's",

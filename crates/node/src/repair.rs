@@ -8,8 +8,12 @@
 //! * A stale copy on a failed drive, or whose node has been down longer than the repair
 //!   delay, is rebuilt on another node's drive (placement excludes nodes that already hold a copy); if no drive
 //!   has room, `status` says so.
+//! * A copy on a node being drained (`converge node remove`) moves to another node, copy
+//!   before drop: the new copy fills beside the old one, which is dropped and freed only
+//!   once the slab has its full count of in-sync copies without it.
 //! * The node holding the leader lease takes ownership of degraded volumes nobody serves,
-//!   so they are repaired even when no client is connected.
+//!   so they are repaired even when no client is connected, and of volumes nobody serves
+//!   that still have copies on a draining node, so those are moved.
 //!
 //! Jobs run one at a time per node, throttled by `resync_bytes_per_s`, and are published
 //! in etcd (under the node's lease) so `converge status` on any node shows them.
@@ -202,6 +206,15 @@ pub async fn run(node: Arc<Node>) {
             }
         };
         if !view.live.contains(&node.cfg.node_id) {
+            if let Ok(true) = node.cluster.is_removed(node.cfg.node_id).await {
+                // `converge node remove` finished: nothing of the cluster is here any more.
+                log::warn!(
+                    "node {} was removed from the cluster (converge node remove); stopping",
+                    node.cfg.node_id
+                );
+                node.drop_all_volumes().await;
+                std::process::exit(0);
+            }
             // Our own lease expired (we were paused or cut off): we may have been deposed;
             // judge nobody until the keepalive has registered us again.
             continue;
@@ -243,7 +256,10 @@ pub async fn run(node: Arc<Node>) {
                 }
             }
             let stale = v.stale_extents();
-            for step in repair::plan(&stale, &view, &down, Duration::from_secs(delay), now) {
+            let copies = v.config().resiliency.copies();
+            let delay = Duration::from_secs(delay);
+            let steps = repair::round(&v.slab_map(), &stale, &view, &down, delay, now, copies);
+            for step in steps {
                 match step {
                     Step::Resync(idx, e) => {
                         if node.replicas.call_peer_or_local_ping(e.node).await.is_ok() {
@@ -251,8 +267,10 @@ pub async fn run(node: Arc<Node>) {
                         }
                     }
                     Step::Rebuild(idx, e, cause) => {
-                        rebuild(&node, &v, idx, e, cause, &mut warned).await
+                        rebuild(&node, &v, idx, e, Some(cause), &mut warned).await
                     }
+                    Step::Evacuate(idx, e) => rebuild(&node, &v, idx, e, None, &mut warned).await,
+                    Step::Drop(idx, e) => drop_copy(&node, &v, idx, e).await,
                 }
             }
         }
@@ -291,12 +309,14 @@ async fn resync(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
     }
 }
 
+/// Replaces the copy `e` by a new one on another node: a rebuild (`cause`), or with no
+/// cause an evacuation of a draining node's in-sync copy (copy before drop).
 async fn rebuild(
     node: &Node,
     v: &Vol,
     idx: SlabIndex,
     e: ExtentLoc,
-    cause: Cause,
+    cause: Option<Cause>,
     warned: &mut HashSet<(String, SlabIndex)>,
 ) {
     let name = v.config().name.clone();
@@ -322,13 +342,18 @@ async fn rebuild(
             return;
         }
     };
-    let why = match cause {
-        Cause::FailedDrive => "its drive failed",
-        Cause::DownPastDelay => "down past the repair delay",
+    let (kind, why) = match cause {
+        Some(Cause::FailedDrive) => ("rebuild", "its drive failed"),
+        Some(Cause::DownPastDelay) => ("rebuild", "down past the repair delay"),
+        Some(Cause::Draining) => ("rebuild", "its node is being drained"),
+        None => (
+            "evacuate",
+            "its node is being drained; copied before it is dropped",
+        ),
     };
     let job = node.jobs.begin(
         node.cfg.node_id,
-        "rebuild",
+        kind,
         &name,
         idx,
         format!(
@@ -337,34 +362,66 @@ async fn rebuild(
         ),
     );
     let t = Instant::now();
-    match v
-        .rebuild(idx, e.drive, new, &node.throttle, &job.progress)
-        .await
-    {
+    let done = match cause {
+        Some(_) => {
+            v.rebuild(idx, e.drive, new, &node.throttle, &job.progress)
+                .await
+        }
+        None => {
+            v.evacuate(idx, e.drive, new, &node.throttle, &job.progress)
+                .await
+        }
+    };
+    match done {
         Ok(r) => {
             warned.remove(&(name.clone(), idx));
             node.jobs.rebuild_done.fetch_add(1, Ordering::Relaxed);
             node.jobs.copied(&r);
             log::info!(
-                "rebuilt volume {name} slab {idx} on node {} in {:.1}s ({} blocks)",
+                "{kind}: volume {name} slab {idx} now on node {} instead of node {}, in {:.1}s ({} blocks)",
                 new.node,
+                e.node,
                 t.elapsed().as_secs_f64(),
                 r.blocks_written
             );
-            // The lost copy's node is down; its extent is freed if it ever comes back
-            // (orphan extents are reclaimed at start-up).
-            let key = ExtentKey {
-                volume: v.config().id,
-                slab: idx,
-            };
-            if let Err(err) = node.replicas.free(e.node, e.drive, key).await {
-                log::debug!("freeing the replaced copy: {err}");
-            }
+            free_copy(node, v, idx, e).await;
         }
         Err(err) => {
             node.jobs.failed.fetch_add(1, Ordering::Relaxed);
-            log::warn!("rebuild of volume {name} slab {idx}: {err}");
+            log::warn!("{kind} of volume {name} slab {idx}: {err}");
         }
+    }
+}
+
+/// Frees a replaced or dropped copy's extent on its node. A down node's extent is freed
+/// if it ever comes back (orphan extents are reclaimed at start-up).
+async fn free_copy(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
+    let key = ExtentKey {
+        volume: v.config().id,
+        slab: idx,
+    };
+    if let Err(err) = node.replicas.free(e.node, e.drive, key).await {
+        log::debug!("freeing the replaced copy on node {}: {err}", e.node);
+    }
+}
+
+/// Drops a draining node's copy that the slab no longer needs (an evacuation stopped
+/// between its copy and its drop), and frees it.
+async fn drop_copy(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
+    match v.drop_copy(idx, e.drive).await {
+        Ok(()) => {
+            log::info!(
+                "volume {}: slab {idx}: dropped the copy on draining node {}",
+                v.config().name,
+                e.node
+            );
+            free_copy(node, v, idx, e).await;
+        }
+        Err(err) => log::warn!(
+            "volume {}: slab {idx}: dropping the copy on node {}: {err}",
+            v.config().name,
+            e.node
+        ),
     }
 }
 
@@ -409,11 +466,19 @@ async fn is_leader(node: &Node) -> bool {
     }
 }
 
-/// Leader duty: serve (and so repair) degraded volumes that have no owner.
+/// Leader duty: serve (and so repair) degraded volumes that have no owner, and those with
+/// copies on a draining node (so they are moved).
 async fn adopt_orphans(node: &Node) {
     let Ok(vols) = node.cluster.volumes().await else {
         return;
     };
+    let Ok(draining) = node.cluster.draining_nodes().await else {
+        return;
+    };
+    if draining.contains(&node.cfg.node_id) {
+        // A node on its way out takes on no volumes.
+        return;
+    }
     for rec in vols {
         if matches!(node.cluster.owner(rec.id).await, Ok(Some(_)) | Err(_)) {
             continue;
@@ -424,10 +489,18 @@ async fn adopt_orphans(node: &Node) {
         let degraded = slabs
             .values()
             .any(|(s, _)| s.extents.iter().any(|e| e.state != ExtentState::InSync));
-        if degraded {
+        let draining = slabs
+            .values()
+            .any(|(s, _)| s.extents.iter().any(|e| draining.contains(&e.node)));
+        if degraded || draining {
             log::info!(
-                "leader: volume {} is degraded and unowned; taking it over to repair it",
-                rec.name
+                "leader: volume {} is unowned and {}; taking it over",
+                rec.name,
+                if degraded {
+                    "degraded"
+                } else {
+                    "has copies on a draining node"
+                }
             );
             match node.open_volume(&rec.name).await {
                 Ok(Route::Local(_)) | Ok(Route::Remote { .. }) => {}

@@ -94,16 +94,9 @@ impl SlabAllocator for Records {
         _epoch: Epoch,
         change: SlabChange,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
-        // Nothing here fails a copy, so no copy changes state; apply it all the same.
         let mut r = self.0.lock().unwrap();
         let ex = r.get_mut(&slab).expect("slab recorded");
-        if let SlabChange::State { drive, from, to } = change {
-            for e in ex.iter_mut() {
-                if e.drive == drive && from.contains(&e.state) {
-                    e.state = to;
-                }
-            }
-        }
+        change.apply(ex);
         Ok(ex.clone())
     }
 }

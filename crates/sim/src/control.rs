@@ -184,6 +184,15 @@ impl Ctl {
         self.put_direct(&keys::drive(drive), json(&rec), None);
     }
 
+    /// Marks a node draining, as `converge node remove` does.
+    pub(crate) fn drain(&mut self, node: NodeId) {
+        self.put_direct(
+            &format!("{}{}", keys::DRAINING, node.0),
+            b"{}".to_vec(),
+            None,
+        );
+    }
+
     /// A node's record, bound to its lease (present = live).
     pub(crate) fn add_node(&mut self, node: NodeId) {
         let rec = NodeRecord {
@@ -208,6 +217,16 @@ impl Ctl {
             .iter()
             .filter(|((vv, _), _)| *vv == v)
             .map(|((_, s), e)| (*s, e.clone()))
+            .collect()
+    }
+
+    /// Nodes marked draining.
+    pub(crate) fn draining(&self) -> BTreeSet<NodeId> {
+        self.kvs
+            .range(keys::DRAINING.to_string()..)
+            .take_while(|(k, _)| k.starts_with(keys::DRAINING))
+            .filter_map(|(k, _)| k.strip_prefix(keys::DRAINING)?.parse().ok())
+            .map(NodeId)
             .collect()
     }
 

@@ -56,6 +56,19 @@ pub(crate) async fn nemesis(w: Arc<World>, until: Instant) {
     }
 }
 
+/// After `after`, marks one random node draining (variant `drain`), as `converge node
+/// remove` does: the repair policy then moves its copies elsewhere, copy before drop.
+pub(crate) async fn drain_one(w: Arc<World>, after: std::time::Duration) {
+    tokio::time::sleep(after).await;
+    if w.stopping() {
+        return;
+    }
+    let n = random_node(&w);
+    lock(&w.ctl).drain(n);
+    w.count("nodes drained");
+    w.trace(|| format!("operator: node {n} is drained for removal"));
+}
+
 fn random_node(w: &World) -> NodeId {
     let ids = w.node_ids();
     ids[w.rng(|r| r.gen_range(0..ids.len()))]

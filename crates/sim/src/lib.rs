@@ -125,6 +125,10 @@ pub struct Options {
     /// Chance that a reboot of a node with a cache loses power again during recovery
     /// (drive recovery or the cache log's replay and destage).
     pub cache_boot_crash_p: f64,
+    /// Drain one node for removal at a random moment of the fault phase (`converge node
+    /// remove`): its copies move elsewhere, copy before drop, under the same faults; after
+    /// healing it must hold none. Off by default (variant `drain`).
+    pub drain: bool,
 }
 
 impl Options {
@@ -189,6 +193,7 @@ impl Options {
             repair_delay: Duration::from_millis([100, 300, 1000, 60_000][r.gen_range(0..4)]),
             locality_pct: [0, 10, 25, 100][r.gen_range(0..4)],
             drive_failures_max: 1,
+            drain: false,
         }
     }
 }
@@ -263,6 +268,9 @@ fn variant_env(o: &Options) -> String {
     }
     if o.cache {
         v.push("cache");
+    }
+    if o.drain {
+        v.push("drain");
     }
     if v.is_empty() {
         String::new()
@@ -369,6 +377,10 @@ async fn run(w: Arc<World>) {
     let repairer = tokio::spawn(workload::repairer(w.clone()));
     let cache_worker = o.cache.then(|| tokio::spawn(cache::worker(w.clone())));
     let until = Instant::now() + o.fault_phase;
+    if o.drain {
+        let at = w.ms(0, o.fault_phase.as_millis() as u64 / 2);
+        tokio::spawn(faults::drain_one(w.clone(), at));
+    }
     faults::nemesis(w.clone(), until).await;
 
     // ---- heal ----------------------------------------------------------------------------
@@ -468,14 +480,17 @@ async fn heal(w: &Arc<World>) {
             workload::repair_volume(w, *v, o, &mut clock, &throttle).await;
         }
         let left = w.not_in_sync();
-        if left.is_empty() {
+        let draining = workload::movable_copies_on_draining_nodes(w).await;
+        if left.is_empty() && draining.is_empty() {
             w.trace(|| format!("healed after {} resync rounds", round + 1));
             return;
         }
         if round == 49 {
             w.fail(format!(
-                "copies still not in sync after the cluster healed: {}",
-                left.join(", ")
+                "copies still not in sync after the cluster healed: {}; copies left on \
+                 draining nodes: {}",
+                left.join(", "),
+                draining.join(", ")
             ));
         }
         tokio::time::sleep(Duration::from_millis(20)).await;

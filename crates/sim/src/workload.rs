@@ -306,7 +306,18 @@ pub(crate) async fn repair_volume(
     }
     let stale = o.vol.stale_extents();
     let job = Job { w, v, o, throttle };
-    for step in repair::plan(&stale, &view, down, w.opts.repair_delay, now) {
+    let copies = o.vol.config().resiliency.copies();
+    let slabs = o.vol.slab_map();
+    let steps = repair::round(
+        &slabs,
+        &stale,
+        &view,
+        down,
+        w.opts.repair_delay,
+        now,
+        copies,
+    );
+    for step in steps {
         if !is_current(w, v, o) {
             return;
         }
@@ -314,7 +325,9 @@ pub(crate) async fn repair_volume(
             // The daemon pings the copy's node first; here, whether it is up and reachable.
             Step::Resync(idx, e) if w.ready(e.node) => resync_one(&job, idx, e).await,
             Step::Resync(..) => {}
-            Step::Rebuild(idx, e, cause) => rebuild_one(&job, idx, e, cause).await,
+            Step::Rebuild(idx, e, cause) => rebuild_one(&job, idx, e, Some(cause)).await,
+            Step::Evacuate(idx, e) => rebuild_one(&job, idx, e, None).await,
+            Step::Drop(idx, e) => drop_one(&job, idx, e).await,
         }
     }
 }
@@ -350,9 +363,9 @@ async fn resync_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
 }
 
 /// Rebuilds the copy `e` elsewhere (placed by the policy's `rebuild_target` over the
-/// drive loads the owner's node reads), then frees the old extent if its node answers, as
-/// the daemon does.
-async fn rebuild_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc, cause: Cause) {
+/// drive loads the owner's node reads), or with no `cause` evacuates it (copy before
+/// drop), then frees the old extent if its node answers, as the daemon does.
+async fn rebuild_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc, cause: Option<Cause>) {
     let Job { w, v, o, throttle } = *j;
     let Some(copies) = o.vol.slab_map().get(&idx).cloned() else {
         return;
@@ -379,35 +392,100 @@ async fn rebuild_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc, cause: Cause) {
     };
     let (vol, t) = (o.vol.clone(), throttle.clone());
     let r = on_owner(o, async move {
-        vol.rebuild(idx, e.drive, new, &t, &Progress::default())
-            .await
+        let p = Progress::default();
+        match cause {
+            Some(_) => vol.rebuild(idx, e.drive, new, &t, &p).await,
+            None => vol.evacuate(idx, e.drive, new, &t, &p).await,
+        }
     })
     .await;
-    w.count("rebuilds");
+    w.count(if cause.is_some() {
+        "rebuilds"
+    } else {
+        "evacuations"
+    });
+    let cause = cause.map_or_else(|| "Evacuate".to_string(), |c| format!("{c:?}"));
     w.trace(|| match &r {
         Some(Ok(rep)) => format!(
-            "vol{v} epoch {}: REBUILD ({cause:?}) slab {idx}: node {} drive {} -> node {} drive {}: {} written",
+            "vol{v} epoch {}: REBUILD ({cause}) slab {idx}: node {} drive {} -> node {} drive {}: {} written",
             o.epoch, e.node, e.drive, new.node, new.drive, rep.blocks_written
         ),
         Some(Err(err)) => format!(
-            "vol{v} epoch {}: rebuild ({cause:?}) slab {idx} node {} -> node {} failed: {err}",
+            "vol{v} epoch {}: rebuild ({cause}) slab {idx} node {} -> node {} failed: {err}",
             o.epoch, e.node, new.node
         ),
         None => format!("vol{v} epoch {}: rebuild of slab {idx} aborted", o.epoch),
     });
     if let Some(Ok(_)) = r {
-        w.count("rebuilds done");
-        let io = SimReplicas {
-            world: w.clone(),
-            from: o.node,
-        };
-        let key = ExtentKey {
-            volume: o.vol.config().id,
-            slab: idx,
-        };
-        let freed = on_owner(o, async move { io.call(e, ExtentOp::Free { key }).await }).await;
-        w.trace(|| format!("vol{v}: freeing the replaced copy of slab {idx}: {freed:?}"));
+        w.count(if cause != "Evacuate" {
+            "rebuilds done"
+        } else {
+            "evacuations done"
+        });
+        free_one(j, idx, e).await;
     }
+}
+
+/// Frees a replaced or dropped copy's extent, if its node answers.
+async fn free_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
+    let Job { w, v, o, .. } = *j;
+    let io = SimReplicas {
+        world: w.clone(),
+        from: o.node,
+    };
+    let key = ExtentKey {
+        volume: o.vol.config().id,
+        slab: idx,
+    };
+    let freed = on_owner(o, async move { io.call(e, ExtentOp::Free { key }).await }).await;
+    w.trace(|| format!("vol{v}: freeing the replaced copy of slab {idx}: {freed:?}"));
+}
+
+/// Drops a draining node's copy the slab no longer needs, then frees it.
+async fn drop_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
+    let Job { w, v, o, .. } = *j;
+    let vol = o.vol.clone();
+    let r = on_owner(o, async move { vol.drop_copy(idx, e.drive).await }).await;
+    w.count("draining copies dropped");
+    w.trace(|| {
+        format!(
+            "vol{v} epoch {}: DROP slab {idx} node {} drive {}: {r:?}",
+            o.epoch, e.node, e.drive
+        )
+    });
+    if let Some(Ok(())) = r {
+        free_one(j, idx, e).await;
+    }
+}
+
+/// Copies left on draining nodes that could move: their slab has a rebuild target (a
+/// drive with room on a live node without a copy). Copies with nowhere to go stay, in
+/// sync, and are counted; the daemon's drain refuses to start without the room, but thin
+/// volumes may fill it later.
+pub(crate) async fn movable_copies_on_draining_nodes(w: &Arc<World>) -> Vec<String> {
+    let left = w.copies_on_draining_nodes();
+    if left.is_empty() {
+        return Vec::new();
+    }
+    let cluster = Cluster::new(SimKv {
+        world: w.clone(),
+        node: w.node_ids()[0],
+    });
+    let Ok(loads) = drive_loads(&cluster).await else {
+        return vec!["the drive loads could not be read".into()];
+    };
+    let mut out = Vec::new();
+    for ((v, s), e, copies) in left {
+        if repair::rebuild_target(&copies, &loads).is_ok() {
+            out.push(format!(
+                "vol {v} slab {s} node {} drive {}",
+                e.node, e.drive
+            ));
+        } else {
+            w.count("drained copies with nowhere to go");
+        }
+    }
+    out
 }
 
 /// Scrubs the volume through `o`. Copies that are in sync must never disagree (a bad

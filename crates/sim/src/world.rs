@@ -19,7 +19,7 @@ use converge_engine::{
 };
 use converge_types::{
     CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentOp, ExtentReply, ExtentState,
-    MediaType, NodeId, Version, VolumeId, BLOCK_SIZE,
+    MediaType, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
 };
 use converge_volume::ExtentLoc;
 use rand::rngs::StdRng;
@@ -1446,6 +1446,23 @@ impl World {
     }
 
     /// States of every copy per slab, from the control plane (the truth).
+    /// Copies that slab records still place on a draining node, with their slab's copies.
+    pub(crate) fn copies_on_draining_nodes(
+        &self,
+    ) -> Vec<((VolumeId, SlabIndex), ExtentLoc, Vec<ExtentLoc>)> {
+        let ctl = lock(&self.ctl);
+        let draining = ctl.draining();
+        ctl.all()
+            .into_iter()
+            .flat_map(|(key, ex)| {
+                ex.iter()
+                    .filter(|e| draining.contains(&e.node))
+                    .map(|e| (key, *e, ex.clone()))
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     pub(crate) fn not_in_sync(&self) -> Vec<String> {
         lock(&self.ctl)
             .all()

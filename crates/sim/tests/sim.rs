@@ -5,7 +5,7 @@
 //! * `CONVERGE_SIM_FIRST_SEED=<n>`: where `many_seeds` starts (default 1).
 //! * `CONVERGE_SIM_SEED=<n>`: the seed `replay` runs, printing every step.
 //! * `CONVERGE_SIM_VARIANT=short-owner-partitions,unallocated-zero-fencing,
-//!   rot-sole-newest,cache`: options the variant sweeps turn on,
+//!   rot-sole-newest,cache,drain`: options the variant sweeps turn on,
 //!   for `replay` of one of their seeds.
 //! * `CONVERGE_SIM_CACHE_SEEDS=<n>`: how many seeds `cache_tier` runs (default below).
 
@@ -32,6 +32,7 @@ fn options(seed: u64) -> Options {
             "unallocated-zero-fencing" => o.check_unallocated_zero_fencing = true,
             "rot-sole-newest" => o.rot_sole_newest = true,
             "cache" => o.cache = true,
+            "drain" => o.drain = true,
             other => panic!("unknown CONVERGE_SIM_VARIANT {other:?}"),
         }
     }
@@ -246,4 +247,45 @@ fn cache_tier() {
         failed.is_empty(),
         "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=cache CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
     );
+}
+
+/// Seeds of the drain sweep in CI.
+const DRAIN_SEEDS: u64 = 150;
+
+/// One node is drained for removal in the middle of the faults (`converge node remove`):
+/// the repair policy moves its copies elsewhere, copy before drop, while nodes crash, links
+/// fail and bits rot; every acked write must read back, and after healing no slab record
+/// may name the drained node (docs/SIMULATION.md, "Draining a node").
+#[test]
+fn drain() {
+    let n = env_u64("CONVERGE_SIM_SEEDS").unwrap_or(DRAIN_SEEDS);
+    let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
+    let mut failed = Vec::new();
+    let mut counters = std::collections::BTreeMap::new();
+    for seed in first..first + n {
+        let mut o = options(seed);
+        o.drain = true;
+        match run(o) {
+            Ok(r) => {
+                for (k, v) in r.counters {
+                    *counters.entry(k).or_insert(0u64) += v;
+                }
+            }
+            Err(f) => {
+                eprintln!("{f}\n");
+                failed.push(seed);
+            }
+        }
+    }
+    eprintln!("totals: {counters:?}");
+    assert!(
+        failed.is_empty(),
+        "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=drain CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
+    );
+    for what in ["nodes drained", "evacuations done"] {
+        assert!(
+            counters.get(what).copied().unwrap_or(0) > 0,
+            "never happened: {what}: {counters:?}"
+        );
+    }
 }

@@ -75,6 +75,59 @@ pub enum SlabChange {
     },
     /// Replace the extent on `old` (if still there) by `new` (rebuild elsewhere).
     Replace { old: DriveId, new: ExtentLoc },
+    /// Add `new` beside the others, if no extent of the slab is on its node (an
+    /// evacuation's new copy).
+    Add { new: ExtentLoc },
+    /// Remove the extent on `drive`, if at least `keep` in-sync extents remain without it
+    /// (the drop half of an evacuation).
+    Remove { drive: DriveId, keep: usize },
+}
+
+impl SlabChange {
+    /// Applies the change to a slab's extents where its precondition holds; whether
+    /// anything changed. Every [`SlabAllocator`] applies changes with this.
+    pub fn apply(&self, extents: &mut Vec<ExtentLoc>) -> bool {
+        match self {
+            SlabChange::State { drive, from, to } => {
+                let mut changed = false;
+                for e in extents.iter_mut() {
+                    if e.drive == *drive && from.contains(&e.state) && e.state != *to {
+                        e.state = *to;
+                        changed = true;
+                    }
+                }
+                changed
+            }
+            SlabChange::Replace { old, new } => {
+                let mut changed = false;
+                for e in extents.iter_mut() {
+                    if e.drive == *old {
+                        *e = *new;
+                        changed = true;
+                    }
+                }
+                changed
+            }
+            SlabChange::Add { new } => {
+                if extents.iter().any(|e| e.node == new.node) {
+                    return false;
+                }
+                extents.push(*new);
+                true
+            }
+            SlabChange::Remove { drive, keep } => {
+                let staying = extents
+                    .iter()
+                    .filter(|e| e.drive != *drive && e.state == ExtentState::InSync)
+                    .count();
+                let before = extents.len();
+                if staying >= *keep {
+                    extents.retain(|e| e.drive != *drive);
+                }
+                extents.len() != before
+            }
+        }
+    }
 }
 
 /// Places the extents of a slab on first write (thin provisioning). Implemented over etcd

@@ -280,6 +280,86 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .await
     }
 
+    /// Evacuation, copy before drop: adds a new copy at `new` (a drive of a node that holds
+    /// no copy of the slab) beside the in-sync copy on `leaving`, fills it while writes
+    /// reach both, makes it `in-sync`, then drops the copy on `leaving` from the slab's
+    /// record ([`Volume::drop_copy`]). The caller frees that extent afterwards. The slab
+    /// never has fewer in-sync copies than before. If the fill fails, `leaving` keeps its
+    /// copy and the new one is left stale (resync takes it up, and then it is `leaving`'s
+    /// that goes).
+    pub async fn evacuate(
+        &self,
+        idx: SlabIndex,
+        leaving: DriveId,
+        new: ExtentLoc,
+        throttle: &Throttle,
+        progress: &Progress,
+    ) -> Result<CopyReport, VolumeError> {
+        let slab = self.slab_or_err(idx)?;
+        let new = ExtentLoc {
+            state: ExtentState::Syncing,
+            ..new
+        };
+        {
+            let _g = slab.gate.write().await;
+            let _c = slab.change.lock().await;
+            if !slab
+                .extents()
+                .iter()
+                .any(|e| e.drive == leaving && e.state == ExtentState::InSync)
+            {
+                return Err(self.copy_error(
+                    idx,
+                    format!("the copy on drive {leaving} is not in sync: repair comes first"),
+                ));
+            }
+            let extents = self
+                .alloc
+                .change(self.cfg.id, idx, self.cfg.epoch, SlabChange::Add { new })
+                .await
+                .inspect_err(|e| slab.note_failed_change(e))?;
+            slab.set_extents(extents);
+            if !slab.extents().contains(&new) {
+                return Err(self.copy_error(idx, format!("node {} holds a copy already", new.node)));
+            }
+        }
+        let report = self
+            .fill_and_promote(idx, &slab, new.drive, throttle, progress)
+            .await?;
+        self.drop_copy(idx, leaving).await?;
+        Ok(report)
+    }
+
+    /// Drops the copy on `drive` from the slab's record, if the slab keeps its full count
+    /// of in-sync copies without it (refused otherwise). No write is in flight meanwhile,
+    /// and later ones no longer reach it. The caller frees the extent afterwards.
+    pub async fn drop_copy(&self, idx: SlabIndex, drive: DriveId) -> Result<(), VolumeError> {
+        let slab = self.slab_or_err(idx)?;
+        let keep = self.cfg.resiliency.copies();
+        let _g = slab.gate.write().await;
+        let _c = slab.change.lock().await;
+        let extents = self
+            .alloc
+            .change(
+                self.cfg.id,
+                idx,
+                self.cfg.epoch,
+                SlabChange::Remove { drive, keep },
+            )
+            .await
+            .inspect_err(|e| slab.note_failed_change(e))?;
+        slab.set_extents(extents);
+        if slab.extents().iter().any(|e| e.drive == drive) {
+            return Err(self.copy_error(
+                idx,
+                format!(
+                    "the copy on drive {drive} stays: without it fewer than {keep} copies are in sync"
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     async fn fill_and_promote(
         &self,
         idx: SlabIndex,

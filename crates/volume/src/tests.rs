@@ -303,22 +303,7 @@ impl SlabAllocator for FixedAlloc {
         }
         let mut r = self.records.lock().unwrap();
         let ex = r.get_mut(&slab).expect("slab recorded");
-        match change {
-            SlabChange::State { drive, from, to } => {
-                for e in ex.iter_mut() {
-                    if e.drive == drive && from.contains(&e.state) {
-                        e.state = to;
-                    }
-                }
-            }
-            SlabChange::Replace { old, new } => {
-                for e in ex.iter_mut() {
-                    if e.drive == old {
-                        *e = new;
-                    }
-                }
-            }
-        }
+        change.apply(ex);
         if self.lose_answers.load(Ordering::Relaxed) {
             return Err(VolumeError::Control(
                 "etcd did not answer".into(),
@@ -841,6 +826,63 @@ async fn rebuild_fills_a_replacement_copy() {
     assert!(ex.iter().any(|e| e.drive == DriveId(40)));
     assert!(!ex.iter().any(|e| e.drive == DriveId(30)));
     assert_copies_identical(&v, &io);
+}
+
+#[tokio::test]
+async fn evacuation_copies_before_it_drops_and_never_drops_below_the_copy_count() {
+    let (v, io, alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    let v = Arc::new(v);
+    v.write(0, pattern(256 << 10, 1)).await.unwrap();
+    let new = ExtentLoc {
+        node: NodeId(4),
+        drive: DriveId(40),
+        state: ExtentState::Syncing,
+    };
+    // Writes go on while node 3's copy moves to node 4.
+    let writer = {
+        let v = v.clone();
+        tokio::spawn(async move {
+            for i in 0..200u64 {
+                v.write((i * 13 % 64) * 4096, pattern(4096, 500 + i))
+                    .await
+                    .unwrap();
+                tokio::task::yield_now().await;
+            }
+        })
+    };
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    v.evacuate(SlabIndex(0), DriveId(30), new, &t, &p)
+        .await
+        .unwrap();
+    writer.await.unwrap();
+    let ex = alloc.records.lock().unwrap()[&SlabIndex(0)].clone();
+    assert_eq!(ex.len(), 3, "{ex:?}");
+    assert!(ex.iter().all(|e| e.state == ExtentState::InSync));
+    assert!(ex.iter().any(|e| e.drive == DriveId(40)));
+    assert!(!ex.iter().any(|e| e.drive == DriveId(30)));
+    assert_copies_identical(&v, &io);
+    // A copy is not dropped while the others lack the count: with node 2's stale, node 1's
+    // is refused and stays.
+    io.failed.lock().unwrap().push(NodeId(2));
+    v.write(0, pattern(4096, 9)).await.unwrap();
+    io.failed.lock().unwrap().clear();
+    assert_eq!(state_of(&v, 0, 2), ExtentState::Stale);
+    assert!(v.drop_copy(SlabIndex(0), DriveId(10)).await.is_err());
+    assert!(alloc.records.lock().unwrap()[&SlabIndex(0)]
+        .iter()
+        .any(|e| e.drive == DriveId(10)));
+    // Nor is an evacuation started from a copy that is not in sync.
+    let other = ExtentLoc {
+        node: NodeId(5),
+        drive: DriveId(50),
+        state: ExtentState::Syncing,
+    };
+    assert!(v
+        .evacuate(SlabIndex(0), DriveId(20), other, &t, &p)
+        .await
+        .is_err());
+    assert_eq!(alloc.records.lock().unwrap()[&SlabIndex(0)].len(), 3);
 }
 
 #[tokio::test]
