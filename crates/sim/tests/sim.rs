@@ -130,16 +130,35 @@ fn same_seed_same_run() {
 fn sweep(variant: impl Fn(&mut Options)) -> Vec<u64> {
     let n = env_u64("CONVERGE_SIM_SEEDS").unwrap_or(200);
     let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
+    sweep_counting(first, n, variant).0
+}
+
+/// Runs `n` seeds from `first` with `variant` applied, printing each failure; the failing
+/// seeds and the counters summed over the passing runs (printed too).
+fn sweep_counting(
+    first: u64,
+    n: u64,
+    variant: impl Fn(&mut Options),
+) -> (Vec<u64>, std::collections::BTreeMap<&'static str, u64>) {
     let mut failed = Vec::new();
+    let mut counters = std::collections::BTreeMap::new();
     for seed in first..first + n {
         let mut o = options(seed);
         variant(&mut o);
-        if let Err(f) = run(o) {
-            eprintln!("{f}\n");
-            failed.push(seed);
+        match run(o) {
+            Ok(r) => {
+                for (k, v) in r.counters {
+                    *counters.entry(k).or_insert(0u64) += v;
+                }
+            }
+            Err(f) => {
+                eprintln!("{f}\n");
+                failed.push(seed);
+            }
         }
     }
-    failed
+    eprintln!("totals: {counters:?}");
+    (failed, counters)
 }
 
 /// Seeds of `control_plane_fences_deposed_owners`: enough that zombies hit the fence
@@ -156,22 +175,7 @@ const FENCING_SEEDS: u64 = 40;
 #[test]
 fn control_plane_fences_deposed_owners() {
     let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
-    let mut failed = Vec::new();
-    let mut counters = std::collections::BTreeMap::new();
-    for seed in first..first + FENCING_SEEDS {
-        match run(options(seed)) {
-            Ok(r) => {
-                for (k, v) in r.counters {
-                    *counters.entry(k).or_insert(0u64) += v;
-                }
-            }
-            Err(f) => {
-                eprintln!("{f}\n");
-                failed.push(seed);
-            }
-        }
-    }
-    eprintln!("totals: {counters:?}");
+    let (failed, counters) = sweep_counting(first, FENCING_SEEDS, |_| {});
     assert!(failed.is_empty(), "seeds {failed:?} failed");
     for what in [
         "control plane refused a deposed owner's record change",
@@ -224,25 +228,8 @@ fn cache_tier() {
     let start = Instant::now();
     let n = env_u64("CONVERGE_SIM_CACHE_SEEDS").unwrap_or(CACHE_SEEDS);
     let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
-    let mut failed = Vec::new();
-    let mut counters = std::collections::BTreeMap::new();
-    for seed in first..first + n {
-        let mut o = options(seed);
-        o.cache = true;
-        match run(o) {
-            Ok(r) => {
-                for (k, v) in r.counters {
-                    *counters.entry(k).or_insert(0u64) += v;
-                }
-            }
-            Err(f) => {
-                eprintln!("{f}\n");
-                failed.push(seed);
-            }
-        }
-    }
+    let (failed, _) = sweep_counting(first, n, |o| o.cache = true);
     eprintln!("{n} cache seeds from {first} in {:.1?}", start.elapsed());
-    eprintln!("totals: {counters:?}");
     assert!(
         failed.is_empty(),
         "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=cache CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
@@ -260,24 +247,7 @@ const DRAIN_SEEDS: u64 = 150;
 fn drain() {
     let n = env_u64("CONVERGE_SIM_SEEDS").unwrap_or(DRAIN_SEEDS);
     let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
-    let mut failed = Vec::new();
-    let mut counters = std::collections::BTreeMap::new();
-    for seed in first..first + n {
-        let mut o = options(seed);
-        o.drain = true;
-        match run(o) {
-            Ok(r) => {
-                for (k, v) in r.counters {
-                    *counters.entry(k).or_insert(0u64) += v;
-                }
-            }
-            Err(f) => {
-                eprintln!("{f}\n");
-                failed.push(seed);
-            }
-        }
-    }
-    eprintln!("totals: {counters:?}");
+    let (failed, counters) = sweep_counting(first, n, |o| o.drain = true);
     assert!(
         failed.is_empty(),
         "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=drain CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"

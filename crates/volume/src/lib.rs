@@ -807,18 +807,29 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         {
             return Ok(());
         }
+        self.apply_change(
+            idx,
+            slab,
+            SlabChange::State {
+                drive,
+                from: from.to_vec(),
+                to,
+            },
+        )
+        .await
+    }
+
+    /// Applies `change` to the slab's record through the control plane and adopts the
+    /// extents it answers with. The caller holds `slab.change`.
+    pub(crate) async fn apply_change(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        change: SlabChange,
+    ) -> Result<(), VolumeError> {
         let extents = self
             .alloc
-            .change(
-                self.cfg.id,
-                idx,
-                self.cfg.epoch,
-                SlabChange::State {
-                    drive,
-                    from: from.to_vec(),
-                    to,
-                },
-            )
+            .change(self.cfg.id, idx, self.cfg.epoch, change)
             .await
             .inspect_err(|e| slab.note_failed_change(e))?;
         slab.set_extents(extents);

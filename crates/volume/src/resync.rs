@@ -264,17 +264,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 state: ExtentState::Syncing,
                 ..new
             };
-            let extents = self
-                .alloc
-                .change(
-                    self.cfg.id,
-                    idx,
-                    self.cfg.epoch,
-                    SlabChange::Replace { old, new },
-                )
-                .await
-                .inspect_err(|e| slab.note_failed_change(e))?;
-            slab.set_extents(extents);
+            self.apply_change(idx, &slab, SlabChange::Replace { old, new })
+                .await?;
         }
         self.fill_and_promote(idx, &slab, new.drive, throttle, progress)
             .await
@@ -313,12 +304,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     format!("the copy on drive {leaving} is not in sync: repair comes first"),
                 ));
             }
-            let extents = self
-                .alloc
-                .change(self.cfg.id, idx, self.cfg.epoch, SlabChange::Add { new })
-                .await
-                .inspect_err(|e| slab.note_failed_change(e))?;
-            slab.set_extents(extents);
+            self.apply_change(idx, &slab, SlabChange::Add { new })
+                .await?;
             if !slab.extents().contains(&new) {
                 return Err(self.copy_error(idx, format!("node {} holds a copy already", new.node)));
             }
@@ -338,17 +325,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let keep = self.cfg.resiliency.copies();
         let _g = slab.gate.write().await;
         let _c = slab.change.lock().await;
-        let extents = self
-            .alloc
-            .change(
-                self.cfg.id,
-                idx,
-                self.cfg.epoch,
-                SlabChange::Remove { drive, keep },
-            )
-            .await
-            .inspect_err(|e| slab.note_failed_change(e))?;
-        slab.set_extents(extents);
+        self.apply_change(idx, &slab, SlabChange::Remove { drive, keep })
+            .await?;
         if slab.extents().iter().any(|e| e.drive == drive) {
             return Err(self.copy_error(
                 idx,
