@@ -162,8 +162,10 @@ fn sweep_counting(
 }
 
 /// Seeds of `control_plane_fences_deposed_owners`: enough that zombies hit the fence
-/// many times (see its counters), few enough to add a second or two to CI.
-const FENCING_SEEDS: u64 = 40;
+/// many times (see its counters), few enough to add a few seconds to CI. (40 were enough
+/// until the repair view read the draining nodes too: one more etcd round trip per round
+/// shifts every run, and 40 seeds then met no refused allocation; 80 meet 8.)
+const FENCING_SEEDS: u64 = 80;
 
 /// Was a known issue: the node's allocator did not fence allocation by the owner's epoch,
 /// and the simulator ran its own control-plane code, which did. Owners now run the
