@@ -233,7 +233,9 @@ enum NodeCmd {
         timeout: String,
     },
     /// Make a one-time token with which a new host gets node NODE's certificate (`node
-    /// join`), so no key files are copied. Needs an admin API token.
+    /// join`), so no key files are copied: the first step of adding a host (also `node
+    /// add`). Needs an admin API token.
+    #[command(alias = "add")]
     JoinToken {
         /// The new node's id (as in its converged.toml).
         #[arg(long)]
