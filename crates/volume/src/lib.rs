@@ -647,6 +647,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let deadline = Instant::now() + self.cfg.degraded_write_wait;
         let mut pending = targets;
         let mut ok_in_sync = 0;
+        // Copies that failed and are not tried again: they are marked stale when the
+        // operation settles, however the retries go. (A `syncing` copy whose write failed
+        // must not be forgotten: its copy job may make it `in-sync` before this settles.)
+        let mut given_up: Vec<(ExtentLoc, ReplicaError)> = Vec::new();
         loop {
             let results = join_all(
                 pending
@@ -676,21 +680,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 || !in_sync_failed
                 || Instant::now() >= deadline
             {
+                failed.append(&mut given_up);
                 return self.settle(idx, slab, ok_in_sync, failed).await;
             }
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             // Retry only in-sync copies still in sync (one marked stale meanwhile is out).
             let now = slab.extents();
-            pending = failed
-                .into_iter()
-                .map(|(at, _)| at)
-                .filter(|at| {
-                    at.state == ExtentState::InSync
-                        && now
-                            .iter()
-                            .any(|e| e.drive == at.drive && e.state == ExtentState::InSync)
-                })
-                .collect();
+            let (retry, rest): (Vec<_>, Vec<_>) = failed.into_iter().partition(|(at, _)| {
+                at.state == ExtentState::InSync
+                    && now
+                        .iter()
+                        .any(|e| e.drive == at.drive && e.state == ExtentState::InSync)
+            });
+            given_up.extend(rest);
+            pending = retry.into_iter().map(|(at, _)| at).collect();
         }
     }
 
@@ -862,6 +865,29 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         r
     }
 
+    /// Which parts of `[offset, offset + len)` may hold data, slab by slab: runs of
+    /// `(length, allocated)` covering the range, neighbours of one kind merged. A slab never
+    /// written (thin provisioning: no record) reads as zeros and is not allocated; an
+    /// allocated slab counts as data throughout, even where its blocks read as zeros.
+    /// Answered from this owner's slab map, as a read of such a slab is (and, like a read,
+    /// only while this node serves the volume).
+    pub fn allocation(&self, offset: u64, len: u64) -> Result<Vec<(u64, bool)>, VolumeError> {
+        self.check_range(offset, len)?;
+        self.check_serving()?;
+        let slabs = self.slabs.read().expect("slab map lock poisoned");
+        let mut runs: Vec<(u64, bool)> = Vec::new();
+        for p in split(offset, len, self.cfg.slab_size_bytes) {
+            let allocated = slabs.contains_key(&p.slab);
+            match runs.last_mut() {
+                Some((n, a)) if *a == allocated => *n += p.len,
+                _ => runs.push((p.len, allocated)),
+            }
+        }
+        drop(slabs);
+        self.check_serving()?;
+        Ok(runs)
+    }
+
     async fn read_inner(&self, offset: u64, len: u64) -> Result<Bytes, VolumeError> {
         if len == 0 {
             return Ok(Bytes::new());
@@ -919,6 +945,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 String::from("no in-sync copy")
             } else {
                 match self.read_hedged(p, &order).await {
+                    // The copy that answered left the slab meanwhile (an evacuation dropped
+                    // it, and its extent may have been freed before the read ran there):
+                    // its answer may be zeros, so it is not used.
+                    Ok((i, _)) if !slab.extents().iter().any(|e| e.drive == order[i].drive) => {
+                        format!("the copy on drive {} left the slab", order[i].drive)
+                    }
                     Ok((_, reply)) if reply.bad_blocks.is_empty() => return Ok(reply.data),
                     Ok((i, reply)) => {
                         let others: Vec<ExtentLoc> = order

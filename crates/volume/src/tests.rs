@@ -23,6 +23,9 @@ struct MemReplicas {
     /// Nodes whose read answers name a bad block past the end of the read (a broken or
     /// hostile peer).
     garbled: Mutex<Vec<NodeId>>,
+    /// A node whose client reads (`Read`) wait, once they arrived (the flag), until the
+    /// notify lets them run: a read delayed in flight.
+    paused_reads: Mutex<Option<(NodeId, Arc<AtomicBool>, Arc<tokio::sync::Notify>)>>,
 }
 
 impl MemReplicas {
@@ -95,6 +98,14 @@ impl MemReplicas {
             && self.hung.lock().unwrap().contains(&at.node)
         {
             std::future::pending::<()>().await;
+        }
+        let pause = self.paused_reads.lock().unwrap().clone();
+        if let (ExtentOp::Read { .. }, Some((node, arrived, go))) = (&op, pause) {
+            if node == at.node {
+                let released = go.notified();
+                arrived.store(true, Ordering::Release);
+                released.await;
+            }
         }
         let key = op.key();
         self.check(at, key, op.epoch().expect("the owner never frees"))?;
@@ -443,6 +454,32 @@ async fn writes_cross_slabs_and_reach_every_copy() {
 }
 
 #[tokio::test]
+async fn allocation_reports_slabs_never_written_as_holes() {
+    let (v, _io) = volume(1 << 20, 256 << 10);
+    assert_eq!(v.allocation(0, 1 << 20).unwrap(), vec![(1 << 20, false)]);
+    v.write((256 << 10) + 4096, pattern(4096, 1)).await.unwrap();
+    v.write(3 << 18, pattern(4096, 2)).await.unwrap();
+    assert_eq!(
+        v.allocation(0, 1 << 20).unwrap(),
+        vec![
+            (256 << 10, false),
+            (256 << 10, true),
+            (256 << 10, false),
+            (256 << 10, true)
+        ]
+    );
+    // Any sub-range, unaligned too.
+    assert_eq!(
+        v.allocation(100, 300 << 10).unwrap(),
+        vec![
+            ((256 << 10) - 100, false),
+            ((300 << 10) - (256 << 10) + 100, true)
+        ]
+    );
+    assert!(v.allocation(1 << 20, 1).is_err(), "past the end");
+}
+
+#[tokio::test]
 async fn unaligned_io_round_trips() {
     let (v, _) = volume(1 << 20, 64 << 10);
     let base = pattern(64 << 10, 2);
@@ -650,6 +687,35 @@ async fn below_min_replicas_nothing_is_acked() {
 /// The degraded-write wait is measured on the runtime's clock: under paused (virtual) time
 /// it lasts exactly `degraded_write_wait` instead of spinning until the wall clock catches
 /// up, which made simulated runs depend on the machine's speed.
+/// Was a bug (simulator, drain variant, seed 1106): a write that failed on a `syncing`
+/// copy and on an in-sync one was retried on the in-sync one only; when that retry
+/// succeeded the syncing copy's failure was forgotten, and its resync, finishing
+/// meanwhile, made it `in-sync` without the write.
+#[tokio::test(start_paused = true)]
+async fn a_syncing_copy_whose_write_failed_is_marked_stale_even_when_the_retry_succeeds() {
+    use ExtentState::*;
+    let (v, io) = volume(1 << 20, 256 << 10);
+    v.write(0, pattern(4096, 1)).await.unwrap();
+    let slab = v.slab(SlabIndex(0)).unwrap();
+    v.copy_failed(SlabIndex(0), DriveId(30)).await.unwrap();
+    v.change_state(SlabIndex(0), &slab, DriveId(30), &[Stale], Syncing)
+        .await
+        .unwrap();
+    // Node 1 (in sync) and node 3 (syncing) fail; node 1 is back before the retry.
+    io.failed.lock().unwrap().extend([NodeId(1), NodeId(3)]);
+    let back = {
+        let io = io.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            io.failed.lock().unwrap().retain(|n| *n != NodeId(1));
+        })
+    };
+    v.write(4096, pattern(4096, 2)).await.unwrap();
+    back.await.unwrap();
+    assert_eq!(state_of(&v, 0, 1), InSync, "its retry made it");
+    assert_eq!(state_of(&v, 0, 3), Stale, "it missed the write");
+}
+
 #[tokio::test(start_paused = true)]
 async fn degraded_write_wait_follows_the_runtime_clock() {
     let (v, io) = volume(1 << 20, 64 << 10);
@@ -883,6 +949,53 @@ async fn evacuation_copies_before_it_drops_and_never_drops_below_the_copy_count(
         .await
         .is_err());
     assert_eq!(alloc.records.lock().unwrap()[&SlabIndex(0)].len(), 3);
+}
+
+/// Was a bug (simulator, drain variant, seeds 685, 709, 1113): a read sent to a copy that
+/// an evacuation then dropped and freed ran after the free and returned zeros, which the
+/// owner served. An answer from a copy that left the slab is not used.
+#[tokio::test]
+async fn a_read_answered_by_a_copy_dropped_meanwhile_is_read_again_elsewhere() {
+    let (v, io, _alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    let v = Arc::new(v);
+    let data = pattern(4096, 7);
+    v.write(0, data.clone()).await.unwrap();
+    // The read goes to node 2 (local) and waits there; the other copies do not answer it.
+    let arrived = Arc::new(AtomicBool::new(false));
+    let go = Arc::new(tokio::sync::Notify::new());
+    *io.paused_reads.lock().unwrap() = Some((NodeId(2), arrived.clone(), go.clone()));
+    io.hung.lock().unwrap().extend([NodeId(1), NodeId(3)]);
+    let read = {
+        let v = v.clone();
+        tokio::spawn(async move { v.read(0, 4096).await })
+    };
+    while !arrived.load(Ordering::Acquire) {
+        tokio::task::yield_now().await;
+    }
+    // Node 2's copy moves to node 4 and its extent is freed while the read waits there.
+    let new = ExtentLoc {
+        node: NodeId(4),
+        drive: DriveId(40),
+        state: ExtentState::Syncing,
+    };
+    let t = resync::Throttle::new(1 << 30);
+    v.evacuate(
+        SlabIndex(0),
+        DriveId(20),
+        new,
+        &t,
+        &resync::Progress::default(),
+    )
+    .await
+    .unwrap();
+    io.blocks
+        .lock()
+        .unwrap()
+        .retain(|(d, _, _), _| *d != DriveId(20));
+    io.hung.lock().unwrap().clear();
+    *io.paused_reads.lock().unwrap() = None;
+    go.notify_one();
+    assert_eq!(read.await.unwrap().unwrap(), data);
 }
 
 #[tokio::test]
