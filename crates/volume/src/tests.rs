@@ -25,8 +25,11 @@ struct MemReplicas {
     garbled: Mutex<Vec<NodeId>>,
     /// A node whose client reads (`Read`) wait, once they arrived (the flag), until the
     /// notify lets them run: a read delayed in flight.
-    paused_reads: Mutex<Option<(NodeId, Arc<AtomicBool>, Arc<tokio::sync::Notify>)>>,
+    paused_reads: Mutex<Option<PausedReads>>,
 }
+
+/// The node whose reads wait, the flag a read sets on arrival, and what lets it go on.
+type PausedReads = (NodeId, Arc<AtomicBool>, Arc<tokio::sync::Notify>);
 
 impl MemReplicas {
     fn rot(&self, drive: DriveId, key: ExtentKey, block: u64) {
