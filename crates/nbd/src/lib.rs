@@ -16,7 +16,9 @@ pub mod testing;
 mod tls;
 mod transmission;
 
-pub use dev::{BlockDev, DevError, DevErrorKind, ResolveError, Resolver};
+pub use dev::{
+    BlockDev, DevError, DevErrorKind, Extent, ResolveError, Resolver, STATE_HOLE, STATE_ZERO,
+};
 pub use error::{ConfigError, NbdError};
 pub use server::{
     serve_connection, serve_tcp, serve_unix, ServerConfig, ServerStats, StatsSnapshot,
