@@ -212,3 +212,225 @@ pub fn pattern(len: usize, seed: u8) -> Vec<u8> {
         .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
         .collect()
 }
+
+/// One reply of any kind, read by its magic.
+#[derive(Debug)]
+pub enum AnyReply {
+    Simple { errno: u32, handle: u64 },
+    Chunk { head: ChunkHeader, payload: Vec<u8> },
+}
+
+/// An error chunk's contents.
+#[derive(Debug, PartialEq, Eq)]
+pub struct ChunkError {
+    pub errno: u32,
+    pub message: String,
+}
+
+/// A BLOCK_STATUS answer: the context id and (length, flags) descriptors.
+pub type Extents = (u32, Vec<(u32, u32)>);
+
+impl Client {
+    /// Fixed newstyle, then NBD_OPT_STRUCTURED_REPLY acknowledged.
+    pub async fn structured(s: &Setup, cfg: ServerConfig) -> Self {
+        let mut c = Self::fixed(s, cfg).await;
+        c.opt(OPT_STRUCTURED_REPLY, &[]).await;
+        assert_eq!(c.opt_reply(OPT_STRUCTURED_REPLY).await, (REP_ACK, vec![]));
+        c
+    }
+
+    /// Structured replies, `base:allocation` selected for vm01, then GO vm01; returns the
+    /// context id the server chose.
+    pub async fn with_allocation(s: &Setup, cfg: ServerConfig, infos: &[u16]) -> (Self, u32) {
+        let mut c = Self::structured(s, cfg).await;
+        let r = c
+            .meta(OPT_SET_META_CONTEXT, "vm01", &["base:allocation"])
+            .await;
+        assert_eq!(r.len(), 2, "{r:?}");
+        let id = meta_context_of(&r[0]);
+        assert_eq!(r[1], (REP_ACK, vec![]));
+        let r = c.info_go(OPT_GO, "vm01", infos).await;
+        assert_eq!(r.last().unwrap().0, REP_ACK, "{r:?}");
+        (c, id.0)
+    }
+
+    /// Sends LIST/SET_META_CONTEXT and collects replies up to the final one.
+    pub async fn meta(&mut self, option: u32, name: &str, queries: &[&str]) -> Vec<(u32, Vec<u8>)> {
+        self.opt(option, &meta_context_request(name, queries)).await;
+        let mut out = Vec::new();
+        loop {
+            let (typ, data) = self.opt_reply(option).await;
+            let done = typ != REP_META_CONTEXT;
+            out.push((typ, data));
+            if done {
+                return out;
+            }
+        }
+    }
+
+    /// The next reply, simple or structured, with its framing checked.
+    pub async fn any_reply(&mut self) -> AnyReply {
+        let mut m = [0u8; 4];
+        tokio::time::timeout(Duration::from_secs(5), self.s.read_exact(&mut m))
+            .await
+            .expect("no reply within 5 s")
+            .unwrap();
+        match u32::from_be_bytes(m) {
+            SIMPLE_REPLY_MAGIC => {
+                let mut r = [0u8; 12];
+                self.s.read_exact(&mut r).await.unwrap();
+                AnyReply::Simple {
+                    errno: u32::from_be_bytes(r[0..4].try_into().unwrap()),
+                    handle: u64::from_be_bytes(r[4..12].try_into().unwrap()),
+                }
+            }
+            STRUCTURED_REPLY_MAGIC => {
+                let mut h = [0u8; STRUCTURED_REPLY_LEN];
+                h[0..4].copy_from_slice(&m);
+                self.s.read_exact(&mut h[4..]).await.unwrap();
+                let head = ChunkHeader::decode(&h).unwrap();
+                let mut payload = vec![0u8; head.len as usize];
+                self.s.read_exact(&mut payload).await.unwrap();
+                AnyReply::Chunk { head, payload }
+            }
+            other => panic!("bad reply magic {other:#x}"),
+        }
+    }
+
+    /// The next reply, which must be a structured chunk for `handle`.
+    pub async fn chunk(&mut self, handle: u64) -> (ChunkHeader, Vec<u8>) {
+        match self.any_reply().await {
+            AnyReply::Chunk { head, payload } => {
+                assert_eq!(head.handle, handle, "{head:?}");
+                (head, payload)
+            }
+            other => panic!("expected a structured chunk for {handle}, got {other:?}"),
+        }
+    }
+
+    /// A structured READ: the data chunks reassembled, or the error chunk.
+    pub async fn read_chunks(
+        &mut self,
+        handle: u64,
+        flags: u16,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<u8>, ChunkError> {
+        self.request(CMD_READ, flags, handle, offset, len).await;
+        let mut data = vec![0u8; len as usize];
+        let mut covered = 0usize;
+        let mut error = None;
+        loop {
+            let (head, payload) = self.chunk(handle).await;
+            match head.typ {
+                REPLY_TYPE_OFFSET_DATA => {
+                    assert!(payload.len() > 8, "OFFSET_DATA needs at least 9 bytes");
+                    let at = u64::from_be_bytes(payload[0..8].try_into().unwrap());
+                    let n = payload.len() - 8;
+                    assert!(at >= offset && at + n as u64 <= offset + u64::from(len));
+                    let i = (at - offset) as usize;
+                    data[i..i + n].copy_from_slice(&payload[8..]);
+                    covered += n;
+                }
+                t if t & REPLY_TYPE_ERROR_BIT != 0 => error = Some(chunk_error(&head, &payload)),
+                t => panic!("unexpected chunk type {t} in a READ reply"),
+            }
+            if head.flags & REPLY_FLAG_DONE != 0 {
+                break;
+            }
+        }
+        match error {
+            Some(e) => Err(e),
+            None => {
+                assert_eq!(covered, len as usize, "chunks must cover the whole read");
+                Ok(data)
+            }
+        }
+    }
+
+    /// A BLOCK_STATUS in one chunk (we select one context): its descriptors, or the error.
+    pub async fn block_status(
+        &mut self,
+        handle: u64,
+        flags: u16,
+        offset: u64,
+        len: u32,
+    ) -> Result<Extents, ChunkError> {
+        self.request(CMD_BLOCK_STATUS, flags, handle, offset, len)
+            .await;
+        let (head, payload) = self.chunk(handle).await;
+        assert_ne!(head.flags & REPLY_FLAG_DONE, 0, "one chunk, flagged DONE");
+        if head.typ & REPLY_TYPE_ERROR_BIT != 0 {
+            return Err(chunk_error(&head, &payload));
+        }
+        assert_eq!(head.typ, REPLY_TYPE_BLOCK_STATUS);
+        assert!(
+            payload.len() >= 12 && (payload.len() - 4) % 8 == 0,
+            "{head:?}"
+        );
+        let id = u32::from_be_bytes(payload[0..4].try_into().unwrap());
+        let d = payload[4..]
+            .chunks_exact(8)
+            .map(|c| {
+                (
+                    u32::from_be_bytes(c[0..4].try_into().unwrap()),
+                    u32::from_be_bytes(c[4..8].try_into().unwrap()),
+                )
+            })
+            .collect();
+        Ok((id, d))
+    }
+
+    /// A payload-less command after structured replies: a simple reply, or an error chunk.
+    pub async fn cmd_any(
+        &mut self,
+        typ: u16,
+        flags: u16,
+        handle: u64,
+        offset: u64,
+        len: u32,
+    ) -> Result<(), ChunkError> {
+        self.request(typ, flags, handle, offset, len).await;
+        match self.any_reply().await {
+            AnyReply::Simple {
+                errno: 0,
+                handle: h,
+            } if h == handle => Ok(()),
+            AnyReply::Chunk { head, payload } if head.handle == handle => {
+                assert_ne!(head.typ & REPLY_TYPE_ERROR_BIT, 0, "{head:?}");
+                assert_ne!(head.flags & REPLY_FLAG_DONE, 0);
+                Err(chunk_error(&head, &payload))
+            }
+            other => panic!("unexpected reply to {handle}: {other:?}"),
+        }
+    }
+}
+
+/// Decodes an error chunk, checking the lengths agree as the spec requires.
+pub fn chunk_error(head: &ChunkHeader, payload: &[u8]) -> ChunkError {
+    assert_eq!(
+        head.typ, REPLY_TYPE_ERROR,
+        "we send NBD_REPLY_TYPE_ERROR only"
+    );
+    assert!(payload.len() >= 6);
+    let errno = u32::from_be_bytes(payload[0..4].try_into().unwrap());
+    let mlen = u16::from_be_bytes([payload[4], payload[5]]) as usize;
+    assert_eq!(
+        payload.len(),
+        6 + mlen,
+        "message length disagrees with the chunk"
+    );
+    assert!(mlen <= STRING_MAX);
+    assert_ne!(errno, 0, "an error chunk carries an error");
+    ChunkError {
+        errno,
+        message: String::from_utf8(payload[6..].to_vec()).unwrap(),
+    }
+}
+
+/// An NBD_REP_META_CONTEXT reply: (context id, name).
+pub fn meta_context_of(reply: &(u32, Vec<u8>)) -> (u32, String) {
+    assert_eq!(reply.0, REP_META_CONTEXT, "{reply:?}");
+    let id = u32::from_be_bytes(reply.1[0..4].try_into().unwrap());
+    (id, String::from_utf8(reply.1[4..].to_vec()).unwrap())
+}
