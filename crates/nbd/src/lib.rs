@@ -1,10 +1,13 @@
 //! converge-nbd: the NBD front end of a node; speaks the protocol, holds no storage logic.
 //!
 //! A [`Resolver`] maps export names (one per volume) to [`BlockDev`]s; [`serve_unix`],
-//! [`serve_tcp`] and [`serve_connection`] run fixed-newstyle NBD with simple replies,
-//! pipelined requests and multi-conn. TCP connections may be required to use TLS
-//! (NBD_OPT_STARTTLS; [`ServerConfig::tls`], [`tls_server_config`]). Wire details:
-//! `docs/FORMAT-nbd.md`.
+//! [`serve_tcp`] and [`serve_connection`] run fixed-newstyle NBD with pipelined requests
+//! and multi-conn: simple replies, or structured replies for clients that negotiate them,
+//! with the `base:allocation` metadata context and NBD_CMD_BLOCK_STATUS answered from
+//! [`BlockDev::block_status`] ([`Extent`] runs flagged [`STATE_HOLE`] / [`STATE_ZERO`];
+//! the server checks them before they reach the wire). TCP connections may be required to
+//! use TLS (NBD_OPT_STARTTLS; [`ServerConfig::tls`], [`tls_server_config`]). Wire
+//! details: `docs/FORMAT-nbd.md`.
 
 mod dev;
 mod error;
