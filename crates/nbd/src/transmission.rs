@@ -341,6 +341,17 @@ fn dev_error(op: &str, e: &DevError) -> Outcome {
     }
 }
 
+/// A device's answer for a log line: its first runs only, however many it sent.
+fn runs_for_log(runs: &[Extent]) -> String {
+    const SHOWN: usize = 4;
+    let head = &runs[..runs.len().min(SHOWN)];
+    if runs.len() > SHOWN {
+        format!("{head:?} and {} more runs", runs.len() - SHOWN)
+    } else {
+        format!("{head:?}")
+    }
+}
+
 /// Turns a device's block-status answer for `[offset, offset + asked)` into descriptors
 /// that keep the spec's rules whatever the device did: zero-length runs dropped, runs
 /// past the range cut off, reserved flag bits cleared, neighbours with the same flags
@@ -374,7 +385,8 @@ fn descriptors(runs: &[Extent], asked: u32, max: usize) -> Option<Bytes> {
     }
     if bent {
         log::warn!(
-            "nbd: device block status for {asked} bytes broke the rules: {runs:?} (fixed up)"
+            "nbd: device block status for {asked} bytes broke the rules (fixed up): {}",
+            runs_for_log(runs)
         );
     }
     if out.is_empty() {
@@ -456,7 +468,8 @@ async fn execute<D: BlockDev>(dev: &D, op: Op, payload: Bytes) -> Outcome {
                     },
                     None => {
                         log::error!(
-                            "nbd: device returned no usable extent for block status at {offset}+{asked}: {runs:?}"
+                            "nbd: device returned no usable extent for block status at {offset}+{asked}: {}",
+                            runs_for_log(&runs)
                         );
                         Outcome::Error {
                             errno: EIO,
