@@ -341,6 +341,9 @@ impl Nbd {
         }
         self.opt(option, &d)
     }
+    fn meta(self, option: u32, name: &str, queries: &[&str]) -> Self {
+        self.opt(option, &meta_context_request(name, queries))
+    }
     fn cmd(mut self, flags: u16, typ: u16, offset: u64, len: u32) -> Self {
         let handle = self.0.len() as u64;
         let r = converge_nbd::proto::Request {
@@ -356,6 +359,28 @@ impl Nbd {
         }
         self
     }
+}
+
+/// Pads a session that ends with NBD_CMD_DISC (the server reads nothing after it) to a
+/// length that selects the harness's mode: never TLS (length % 3 == 1 requires it, and a
+/// seed cannot carry a TLS handshake), read-only exactly when asked (length % 5 == 0).
+fn plaintext(mut session: Vec<u8>, read_only: bool) -> Vec<u8> {
+    let disc = converge_nbd::proto::Request {
+        flags: 0,
+        typ: CMD_DISC,
+        handle: 0,
+        offset: 0,
+        len: 0,
+    }
+    .encode();
+    assert!(
+        session[session.len() - REQUEST_LEN..][..8] == disc[..8],
+        "only a session ending with DISC can be padded"
+    );
+    while session.len() % 3 == 1 || session.len().is_multiple_of(5) != read_only {
+        session.push(0);
+    }
+    session
 }
 
 fn nbd_seeds() -> Vec<(String, Vec<u8>)> {
@@ -406,11 +431,80 @@ fn nbd_seeds() -> Vec<(String, Vec<u8>)> {
     too_big.extend_from_slice(&OPT_INFO.to_be_bytes());
     too_big.extend_from_slice(&(9000u32).to_be_bytes());
     too_big.extend(std::iter::repeat_n(0u8, 9000));
+    // Structured replies, metadata contexts and block status over a layout of data,
+    // zeroes and holes.
+    let block_status = Nbd::new(both)
+        .opt(OPT_STRUCTURED_REPLY, &[])
+        .meta(OPT_LIST_META_CONTEXT, "vm01", &[])
+        .meta(OPT_LIST_META_CONTEXT, "vm01", &["base:", "x-foo:bar"])
+        .meta(OPT_SET_META_CONTEXT, "vm01", &["base:allocation"])
+        .info(OPT_GO, "vm01", &[INFO_BLOCK_SIZE])
+        .cmd(0, CMD_WRITE, 8192, 8192)
+        .cmd(CMD_FLAG_NO_HOLE, CMD_WRITE_ZEROES, 32768, 16384)
+        .cmd(0, CMD_TRIM, 12288, 4096)
+        .cmd(0, CMD_BLOCK_STATUS, 0, nbd::EXPORT_BYTES as u32)
+        .cmd(CMD_FLAG_REQ_ONE, CMD_BLOCK_STATUS, 8192, 65536)
+        .cmd(0, CMD_BLOCK_STATUS, nbd::EXPORT_BYTES as u64 - 4096, 8192)
+        .cmd(0, CMD_BLOCK_STATUS, 0, u32::MAX)
+        .cmd(CMD_FLAG_DF, CMD_BLOCK_STATUS, 0, 4096)
+        .cmd(CMD_FLAG_DF, CMD_READ, 8192, 8192)
+        .cmd(0, CMD_READ, nbd::EXPORT_BYTES as u64, 4096)
+        .cmd(0, CMD_DISC, 0, 0);
+    // The handshake's refusals and the rules that drop a selection.
+    let meta_refusals = Nbd::new(both)
+        .meta(OPT_SET_META_CONTEXT, "vm01", &["base:allocation"])
+        .opt(OPT_STRUCTURED_REPLY, b"x")
+        .opt(OPT_STRUCTURED_REPLY, &[])
+        .opt(OPT_STRUCTURED_REPLY, &[])
+        .meta(OPT_LIST_META_CONTEXT, "nope", &["base:allocation"])
+        .meta(OPT_SET_META_CONTEXT, "vm02", &["base:allocation"])
+        .opt(OPT_SET_META_CONTEXT, &[0, 0, 0, 9, b'v'])
+        .meta(OPT_SET_META_CONTEXT, "odd", &["base:allocation", "base:"])
+        .info(OPT_GO, "vm01", &[])
+        .cmd(0, CMD_BLOCK_STATUS, 0, 4096)
+        .cmd(0, CMD_READ, 0, 4096)
+        .cmd(0, CMD_DISC, 0, 0);
+    // EXPORT_NAME keeps a selection made for the same name; an odd-sized export's end.
+    let meta_export_name = Nbd::new(FLAG_C_FIXED_NEWSTYLE)
+        .opt(OPT_STRUCTURED_REPLY, &[])
+        .meta(OPT_SET_META_CONTEXT, "odd", &["base:allocation"])
+        .opt(OPT_EXPORT_NAME, b"odd")
+        .cmd(0, CMD_WRITE, 12_000, 345)
+        .cmd(0, CMD_BLOCK_STATUS, 0, 12_345)
+        .cmd(CMD_FLAG_REQ_ONE, CMD_BLOCK_STATUS, 12_000, 345)
+        .cmd(0, CMD_READ, 12_300, 45)
+        .cmd(0, CMD_DISC, 0, 0);
+    // Without structured replies: DF and BLOCK_STATUS are refused with simple replies.
+    let simple_refusals = Nbd::new(both)
+        .info(OPT_GO, "vm01", &[])
+        .cmd(CMD_FLAG_DF, CMD_READ, 0, 4096)
+        .cmd(0, CMD_BLOCK_STATUS, 0, 4096)
+        .cmd(0, CMD_DISC, 0, 0);
     vec![
         ("go-and-commands".into(), go.0),
-        ("export-name".into(), export_name.0),
+        (
+            "structured-block-status".into(),
+            plaintext(block_status.0.clone(), false),
+        ),
+        (
+            "structured-read-only".into(),
+            plaintext(block_status.0, true),
+        ),
+        (
+            "meta-context-refusals".into(),
+            plaintext(meta_refusals.0, false),
+        ),
+        (
+            "meta-export-name".into(),
+            plaintext(meta_export_name.0, false),
+        ),
+        (
+            "simple-refusals".into(),
+            plaintext(simple_refusals.0, false),
+        ),
+        ("export-name".into(), plaintext(export_name.0, false)),
         ("refused-options".into(), refusals.0),
-        ("odd-size-export".into(), odd.0),
+        ("odd-size-export".into(), plaintext(odd.0, false)),
         ("old-style".into(), old_style.0),
         ("oversized-option".into(), too_big),
     ]

@@ -9,9 +9,15 @@
 //!
 //! Properties: no panic; `serve_connection` returns (Ok or an error) within the time
 //! bound once the client has sent everything and closed; the server's first bytes are
-//! the fixed-newstyle greeting.
+//! the fixed-newstyle greeting; option replies are well framed, and META_CONTEXT replies
+//! name `base:allocation` (with a nonzero id only for SET, only after structured replies
+//! were acknowledged). Once transmission starts with structured replies negotiated,
+//! every reply is self-describing, so each is checked against the spec: known magic, one
+//! chunk per reply flagged DONE, OFFSET_DATA with data, BLOCK_STATUS with at least one
+//! descriptor of nonzero length, reserved flags clear, at most 1 GiB described, error
+//! chunks with a nonzero error and a message length that matches.
 
-use converge_nbd::proto::{IHAVEOPT, NBD_MAGIC};
+use converge_nbd::proto::*;
 use converge_nbd::testing::{MemDev, MemResolver};
 use converge_nbd::{serve_connection, ResolveError, ServerConfig};
 use std::sync::{Arc, OnceLock};
@@ -114,4 +120,134 @@ pub fn nbd_session(data: &[u8]) {
     assert!(got.len() >= 18, "no greeting: {} bytes", got.len());
     assert_eq!(&got[0..8], &NBD_MAGIC.to_be_bytes());
     assert_eq!(&got[8..16], &IHAVEOPT.to_be_bytes());
+    let no_zeroes = data
+        .get(0..4)
+        .is_some_and(|f| u32::from_be_bytes([f[0], f[1], f[2], f[3]]) & FLAG_C_NO_ZEROES != 0);
+    check_server_stream(&got[18..], no_zeroes);
+}
+
+fn be32(b: &[u8]) -> u32 {
+    u32::from_be_bytes([b[0], b[1], b[2], b[3]])
+}
+
+/// Checks what the server sent after its greeting, as far as it can be read without the
+/// client's side of the conversation. A session may end in the middle of a message (the
+/// server hangs up on a bad client), so running out of bytes ends the check.
+fn check_server_stream(mut got: &[u8], no_zeroes: bool) {
+    let mut structured = false;
+    // Option haggling.
+    loop {
+        if got.len() < 8 {
+            return;
+        }
+        if got[0..8] != REPLY_MAGIC.to_be_bytes() {
+            // The only other thing the server sends here is its answer to
+            // NBD_OPT_EXPORT_NAME: size, flags and maybe 124 zeroes.
+            let n = 10 + if no_zeroes { 0 } else { 124 };
+            if got.len() < n {
+                return;
+            }
+            got = &got[n..];
+            break;
+        }
+        if got.len() < 20 {
+            return;
+        }
+        let option = be32(&got[8..]);
+        let typ = be32(&got[12..]);
+        let len = be32(&got[16..]) as usize;
+        let Some(data) = got.get(20..20 + len) else {
+            return;
+        };
+        got = &got[20 + len..];
+        match (option, typ) {
+            (OPT_STARTTLS, REP_ACK) => return, // the rest is TLS records
+            (OPT_STRUCTURED_REPLY, REP_ACK) => {
+                assert!(!structured, "structured replies acknowledged twice");
+                structured = true;
+            }
+            (OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT, REP_META_CONTEXT) => {
+                assert!(len >= 4, "META_CONTEXT reply of {len} bytes");
+                assert_eq!(&data[4..], META_BASE_ALLOCATION.as_bytes());
+                let id = be32(data);
+                if option == OPT_SET_META_CONTEXT {
+                    assert!(structured, "a context selected without structured replies");
+                    assert_ne!(id, 0, "SET must give a usable context id");
+                } else {
+                    assert_eq!(id, 0, "LIST sends the reserved id 0");
+                }
+            }
+            (_, REP_META_CONTEXT) => panic!("META_CONTEXT reply to option {option}"),
+            (OPT_GO, REP_ACK) => break,
+            _ => {}
+        }
+    }
+    if !structured {
+        // Simple replies: whether data follows depends on the request; not checked.
+        return;
+    }
+    // Transmission with structured replies: nothing but self-describing messages.
+    while got.len() >= 4 {
+        match be32(got) {
+            SIMPLE_REPLY_MAGIC => {
+                // Only for payload-less commands: READ always gets chunks.
+                if got.len() < SIMPLE_REPLY_LEN {
+                    return;
+                }
+                got = &got[SIMPLE_REPLY_LEN..];
+            }
+            STRUCTURED_REPLY_MAGIC => {
+                let Some(h) = got.get(..STRUCTURED_REPLY_LEN) else {
+                    return;
+                };
+                let h = ChunkHeader::decode(h.try_into().expect("20 bytes")).expect("magic");
+                let Some(payload) =
+                    got.get(STRUCTURED_REPLY_LEN..STRUCTURED_REPLY_LEN + h.len as usize)
+                else {
+                    return;
+                };
+                check_chunk(&h, payload);
+                got = &got[STRUCTURED_REPLY_LEN + h.len as usize..];
+            }
+            other => panic!(
+                "reply magic {other:#x} in transmission: {h:02x?}",
+                h = &got[..4]
+            ),
+        }
+    }
+}
+
+fn check_chunk(h: &ChunkHeader, payload: &[u8]) {
+    // The server never splits a reply, so every chunk is the last one.
+    assert_eq!(h.flags, REPLY_FLAG_DONE, "{h:?}");
+    match h.typ {
+        REPLY_TYPE_OFFSET_DATA => assert!(payload.len() >= 9, "{h:?}"),
+        REPLY_TYPE_BLOCK_STATUS => {
+            assert!(
+                payload.len() >= 12 && (payload.len() - 4).is_multiple_of(8),
+                "{h:?}"
+            );
+            assert_ne!(be32(payload), 0, "context id");
+            let mut sum = 0u64;
+            for d in payload[4..].chunks_exact(8) {
+                let (len, flags) = (be32(d), be32(&d[4..]));
+                assert_ne!(len, 0, "zero-length descriptor");
+                assert_eq!(flags & !(STATE_HOLE | STATE_ZERO), 0, "reserved flags");
+                sum += u64::from(len);
+            }
+            assert!(sum <= 1 << 30, "{sum} bytes described");
+        }
+        REPLY_TYPE_ERROR => {
+            assert!(payload.len() >= 6, "{h:?}");
+            assert_ne!(be32(payload), 0, "error chunk without an error");
+            let mlen = usize::from(u16::from_be_bytes([payload[4], payload[5]]));
+            assert_eq!(payload.len(), 6 + mlen, "message length");
+            assert!(mlen <= STRING_MAX);
+            assert!(
+                std::str::from_utf8(&payload[6..]).is_ok(),
+                "message not UTF-8"
+            );
+        }
+        t => panic!("chunk type {t} is never sent"),
+    }
 }

@@ -52,9 +52,22 @@ impl DevError {
     }
 }
 
+/// One run of a block-status answer: `length` bytes with these NBD_STATE_* flags.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Extent {
+    pub length: u32,
+    pub flags: u32,
+}
+
+/// `base:allocation`: the run is not allocated (a hole); writes to it may need space.
+pub const STATE_HOLE: u32 = 1;
+/// `base:allocation`: the run reads as all zeroes.
+pub const STATE_ZERO: u32 = 2;
+
 /// One export's I/O. The server has already checked ranges (`offset + len <= size_bytes()`),
-/// lengths (`len >= 1`, reads/writes `<= max_request_bytes`) and, when the client negotiated
-/// block sizes, alignment to `min_block`; otherwise requests may be unaligned.
+/// lengths (`len >= 1`, reads/writes `<= max_request_bytes`, block status `<= 1 GiB`)
+/// and, when the client negotiated block sizes, alignment to `min_block`; otherwise
+/// requests may be unaligned.
 ///
 /// Multi-conn contract: the server advertises `NBD_FLAG_CAN_MULTI_CONN`, so `flush` (and a
 /// FUA write) must make durable every write acknowledged on *any* connection to the device.
@@ -78,6 +91,25 @@ pub trait BlockDev: Send + Sync + 'static {
         len: u32,
         may_trim: bool,
     ) -> impl Future<Output = Result<(), DevError>> + Send;
+    /// The allocation of `[offset, offset + len)` as runs covering at least a prefix of it
+    /// (at least one run; lengths > 0, summing to at most `len`). Default: all data.
+    ///
+    /// Flags are `STATE_HOLE` / `STATE_ZERO`; 0 (allocated, contents unknown) is always a
+    /// safe answer, `STATE_ZERO` a promise that the run reads as zeroes. The server asks for
+    /// at most 1 GiB at a time and trims, drops or refuses (EIO) runs that break these rules.
+    fn block_status(
+        &self,
+        offset: u64,
+        len: u32,
+    ) -> impl Future<Output = Result<Vec<Extent>, DevError>> + Send {
+        async move {
+            let _ = offset;
+            Ok(vec![Extent {
+                length: len,
+                flags: 0,
+            }])
+        }
+    }
     /// Human-readable text for `NBD_INFO_DESCRIPTION`; `None` sends nothing.
     fn description(&self) -> Option<String> {
         None

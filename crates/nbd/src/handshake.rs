@@ -1,6 +1,7 @@
 //! Fixed-newstyle option haggling: turns a fresh connection into a chosen export (or a
-//! clean abort, or a request to upgrade to TLS), answering LIST/INFO/GO/EXPORT_NAME and
-//! STARTTLS and refusing everything else politely.
+//! clean abort, or a request to upgrade to TLS), answering LIST/INFO/GO/EXPORT_NAME,
+//! STARTTLS, STRUCTURED_REPLY and LIST/SET_META_CONTEXT and refusing everything else
+//! politely.
 
 use std::sync::Arc;
 
@@ -11,13 +12,17 @@ use crate::error::NbdError;
 use crate::proto::*;
 use crate::server::ServerConfig;
 
-/// Option data above this is never valid (longest is GO: 4 + 4096 name + 2 + a few info
-/// requests), so it is not read into memory.
+/// Option data above this is never valid (longest are GO: 4 + 4096 name + 2 + a few info
+/// requests, and SET_META_CONTEXT: 4 + 4096 name + 4 + a few queries), so it is not read
+/// into memory.
 pub(crate) const OPTION_DATA_MAX: u32 = 8 * 1024;
 /// Oversized option data up to this is skipped and refused; beyond it we hang up.
 pub(crate) const OPTION_DISCARD_MAX: u32 = 1024 * 1024;
 /// Options accepted on one connection before it is considered abusive.
 pub(crate) const OPTIONS_MAX: usize = 1024;
+/// Our metadata context id for `base:allocation` (ids are the server's choice; 0 is what
+/// LIST_META_CONTEXT sends, so a selected context gets another).
+pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
 
 /// Where a connection stands with TLS; it decides how options are answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,11 +60,48 @@ pub(crate) struct Negotiated<D> {
     /// The client asked for NBD_INFO_BLOCK_SIZE in NBD_OPT_GO, so it promised to honour
     /// the advertised minimum block size; only then are unaligned requests refused.
     pub block_size_negotiated: bool,
+    /// NBD_OPT_STRUCTURED_REPLY was acknowledged: READ replies are structured.
+    pub structured: bool,
+    /// The id of `base:allocation` if the last NBD_OPT_SET_META_CONTEXT selected it for
+    /// this export; `None` refuses NBD_CMD_BLOCK_STATUS.
+    pub meta_context: Option<u32>,
 }
 
-/// Transmission flags for an export under `cfg`.
-pub(crate) fn transmission_flags(cfg: &ServerConfig) -> u16 {
+/// What the options of one haggling pass have negotiated so far. A pass starts empty, so
+/// nothing sent before NBD_OPT_STARTTLS survives into the TLS session (the spec's rule).
+#[derive(Debug, Default)]
+struct Haggling {
+    structured: bool,
+    /// The export name of the last NBD_OPT_SET_META_CONTEXT if it selected
+    /// `base:allocation`; any later SET replaces it, even a failed one.
+    meta_export: Option<String>,
+}
+
+impl Haggling {
+    /// The context to use in transmission with export `name`: only the one selected for
+    /// that very name (the spec: a GO to another export drops the selection).
+    fn meta_context_for(&self, name: &str) -> Option<u32> {
+        match &self.meta_export {
+            Some(selected) if self.structured && selected == name => Some(BASE_ALLOCATION_ID),
+            Some(selected) => {
+                log::debug!(
+                    "nbd: metadata context was selected for export {selected:?}, not {name:?}; dropped"
+                );
+                None
+            }
+            None => None,
+        }
+    }
+}
+
+/// Transmission flags for an export under `cfg`; `structured`: structured replies were
+/// negotiated, which NBD_FLAG_SEND_DF requires.
+pub(crate) fn transmission_flags(cfg: &ServerConfig, structured: bool) -> u16 {
     let mut f = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_CAN_MULTI_CONN;
+    if structured {
+        // We never split a READ reply, so NBD_CMD_FLAG_DF costs nothing to honour.
+        f |= TFLAG_SEND_DF;
+    }
     if cfg.read_only {
         f |= TFLAG_READ_ONLY;
     } else {
@@ -135,6 +177,61 @@ fn info_reply(out: &mut Vec<u8>, option: u32, info: &[u8]) {
     option_reply(out, option, REP_INFO, info);
 }
 
+/// Answers NBD_OPT_LIST_META_CONTEXT / NBD_OPT_SET_META_CONTEXT. We offer exactly
+/// `base:allocation`: LIST names it for no query, `base:` or `base:allocation`; SET
+/// selects it for `base:allocation`. Queries in other namespaces, and other leaves of
+/// `base:`, are ignored as the spec requires.
+async fn meta_context<R, Wr>(
+    wr: &mut Wr,
+    resolver: &R,
+    option: u32,
+    data: &[u8],
+    state: &mut Haggling,
+) -> Result<(), NbdError>
+where
+    R: Resolver,
+    Wr: AsyncWrite + Unpin,
+{
+    let set = option == OPT_SET_META_CONTEXT;
+    if set {
+        // A SET replaces the selection even when it fails.
+        state.meta_export = None;
+        if !state.structured {
+            let msg = "NBD_OPT_SET_META_CONTEXT needs NBD_OPT_STRUCTURED_REPLY first";
+            return send_error(wr, option, REP_ERR_INVALID, msg).await;
+        }
+    }
+    let Some(req) = parse_meta_context_request(data) else {
+        let msg = "malformed NBD_OPT_LIST/SET_META_CONTEXT data";
+        return send_error(wr, option, REP_ERR_INVALID, msg).await;
+    };
+    if let Err(e) = resolver.resolve(&req.name).await {
+        let msg = e.client_message(&req.name);
+        log::info!("nbd: refusing metadata contexts: {msg}");
+        return send_error(wr, option, REP_ERR_UNKNOWN, &msg).await;
+    }
+    let matches = |q: &String| q == META_BASE_ALLOCATION || (!set && q == "base:");
+    let selected = if set {
+        req.queries.iter().any(matches)
+    } else {
+        req.queries.is_empty() || req.queries.iter().any(matches)
+    };
+    let mut out = Vec::new();
+    if selected {
+        // LIST must send id 0 (reserved); SET sends the id BLOCK_STATUS replies will carry.
+        let id = if set { BASE_ALLOCATION_ID } else { 0 };
+        let mut d = id.to_be_bytes().to_vec();
+        d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
+        option_reply(&mut out, option, REP_META_CONTEXT, &d);
+    }
+    option_reply(&mut out, option, REP_ACK, &[]);
+    send(wr, &out).await?;
+    if set && selected {
+        state.meta_export = Some(req.name);
+    }
+    Ok(())
+}
+
 /// Sends the greeting and reads the client's flags; `Ok(None)` if the client left first.
 pub(crate) async fn greet<Rd, Wr>(rd: &mut Rd, wr: &mut Wr) -> Result<Option<ClientFlags>, NbdError>
 where
@@ -179,7 +276,7 @@ where
     Wr: AsyncWrite + Unpin,
 {
     let ClientFlags { fixed, no_zeroes } = client;
-    let tflags = transmission_flags(cfg);
+    let mut state = Haggling::default();
 
     while *options_seen < OPTIONS_MAX {
         *options_seen += 1;
@@ -202,6 +299,10 @@ where
             return Err(NbdError::NonFixedOption(option));
         }
         if len > OPTION_DATA_MAX {
+            if option == OPT_SET_META_CONTEXT {
+                // Refused, and a refused SET still replaces the selection.
+                state.meta_export = None;
+            }
             if option == OPT_EXPORT_NAME || len > OPTION_DISCARD_MAX {
                 let _ = send_error(wr, option, REP_ERR_TOO_BIG, "option data too large").await;
                 return Err(NbdError::OptionTooLarge { option, len });
@@ -238,15 +339,19 @@ where
                     .map_err(|e| NbdError::ExportRefused(e.client_message(&name)))?;
                 let mut out = Vec::with_capacity(10 + 124);
                 out.extend_from_slice(&dev.size_bytes().to_be_bytes());
+                let tflags = transmission_flags(cfg, state.structured);
                 out.extend_from_slice(&tflags.to_be_bytes());
                 if !no_zeroes {
                     out.extend_from_slice(&[0u8; 124]);
                 }
                 send(wr, &out).await?;
+                let meta_context = state.meta_context_for(&name);
                 return Ok(Haggled::Export(Negotiated {
                     dev,
                     name,
                     block_size_negotiated: false,
+                    structured: state.structured,
+                    meta_context,
                 }));
             }
             OPT_ABORT => {
@@ -298,6 +403,7 @@ where
                 let mut export = Vec::with_capacity(12);
                 export.extend_from_slice(&INFO_EXPORT.to_be_bytes());
                 export.extend_from_slice(&dev.size_bytes().to_be_bytes());
+                let tflags = transmission_flags(cfg, state.structured);
                 export.extend_from_slice(&tflags.to_be_bytes());
                 info_reply(&mut out, option, &export);
                 if req.requests.contains(&INFO_NAME) {
@@ -322,10 +428,13 @@ where
                 option_reply(&mut out, option, REP_ACK, &[]);
                 send(wr, &out).await?;
                 if option == OPT_GO {
+                    let meta_context = state.meta_context_for(&req.name);
                     return Ok(Haggled::Export(Negotiated {
                         dev,
                         name: req.name,
                         block_size_negotiated: req.requests.contains(&INFO_BLOCK_SIZE),
+                        structured: state.structured,
+                        meta_context,
                     }));
                 }
             }
@@ -350,13 +459,21 @@ where
                 }
             },
             OPT_STRUCTURED_REPLY => {
-                send_error(
-                    wr,
-                    option,
-                    REP_ERR_UNSUP,
-                    "only simple replies are supported",
-                )
-                .await?;
+                if len != 0 {
+                    let msg = "NBD_OPT_STRUCTURED_REPLY takes no data";
+                    send_error(wr, option, REP_ERR_INVALID, msg).await?;
+                } else if state.structured {
+                    let msg = "structured replies are already negotiated";
+                    send_error(wr, option, REP_ERR_INVALID, msg).await?;
+                } else {
+                    let mut out = Vec::with_capacity(20);
+                    option_reply(&mut out, option, REP_ACK, &[]);
+                    send(wr, &out).await?;
+                    state.structured = true;
+                }
+            }
+            OPT_LIST_META_CONTEXT | OPT_SET_META_CONTEXT => {
+                meta_context(wr, resolver, option, &data, &mut state).await?;
             }
             _ => {
                 let msg = format!("option {option} is not supported");

@@ -1,10 +1,13 @@
 //! converge-nbd: the NBD front end of a node; speaks the protocol, holds no storage logic.
 //!
 //! A [`Resolver`] maps export names (one per volume) to [`BlockDev`]s; [`serve_unix`],
-//! [`serve_tcp`] and [`serve_connection`] run fixed-newstyle NBD with simple replies,
-//! pipelined requests and multi-conn. TCP connections may be required to use TLS
-//! (NBD_OPT_STARTTLS; [`ServerConfig::tls`], [`tls_server_config`]). Wire details:
-//! `docs/FORMAT-nbd.md`.
+//! [`serve_tcp`] and [`serve_connection`] run fixed-newstyle NBD with pipelined requests
+//! and multi-conn: simple replies, or structured replies for clients that negotiate them,
+//! with the `base:allocation` metadata context and NBD_CMD_BLOCK_STATUS answered from
+//! [`BlockDev::block_status`] ([`Extent`] runs flagged [`STATE_HOLE`] / [`STATE_ZERO`];
+//! the server checks them before they reach the wire). TCP connections may be required to
+//! use TLS (NBD_OPT_STARTTLS; [`ServerConfig::tls`], [`tls_server_config`]). Wire
+//! details: `docs/FORMAT-nbd.md`.
 
 mod dev;
 mod error;
@@ -16,7 +19,9 @@ pub mod testing;
 mod tls;
 mod transmission;
 
-pub use dev::{BlockDev, DevError, DevErrorKind, ResolveError, Resolver};
+pub use dev::{
+    BlockDev, DevError, DevErrorKind, Extent, ResolveError, Resolver, STATE_HOLE, STATE_ZERO,
+};
 pub use error::{ConfigError, NbdError};
 pub use server::{
     serve_connection, serve_tcp, serve_unix, ServerConfig, ServerStats, StatsSnapshot,

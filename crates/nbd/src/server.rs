@@ -297,9 +297,12 @@ where
     Wr: AsyncWrite + Unpin,
 {
     log::debug!(
-        "nbd: serving export {} (block sizes negotiated: {})",
+        "nbd: serving export {} (block sizes negotiated: {}, structured replies: {}, \
+         base:allocation: {})",
         neg.name,
-        neg.block_size_negotiated
+        neg.block_size_negotiated,
+        neg.structured,
+        neg.meta_context.is_some(),
     );
     // Replies go to the socket directly (vectored, read data not copied): the buffer
     // served the handshake's small messages only.

@@ -1,34 +1,99 @@
-//! In-memory device and resolver for tests and examples, with hooks to delay and fail I/O.
+//! In-memory device and resolver for tests and examples, with hooks to delay and fail I/O
+//! and an allocation map, so block status has holes and zeroes to report.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
 
 use bytes::Bytes;
 use tokio::sync::Semaphore;
 
-use crate::dev::{BlockDev, DevError, ResolveError, Resolver};
+use crate::dev::{BlockDev, DevError, Extent, ResolveError, Resolver, STATE_HOLE, STATE_ZERO};
+
+/// Granularity of `MemDev`'s allocation map.
+pub const MEM_BLOCK_BYTES: u64 = 4096;
+
+/// What `MemDev` knows about one `MEM_BLOCK_BYTES` block. `Hole` and `Zero` blocks read
+/// as zeroes (the device keeps that true), `Data` blocks may hold anything.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Alloc {
+    /// Never written, trimmed, or zeroed with trimming allowed: `HOLE | ZERO`.
+    Hole,
+    /// Zeroed without trimming (NBD_CMD_FLAG_NO_HOLE): `ZERO`.
+    Zero,
+    /// Written: flags 0.
+    Data,
+}
+
+impl Alloc {
+    fn flags(self) -> u32 {
+        match self {
+            Alloc::Hole => STATE_HOLE | STATE_ZERO,
+            Alloc::Zero => STATE_ZERO,
+            Alloc::Data => 0,
+        }
+    }
+}
+
+/// The bytes and their allocation map, under one lock so they always agree.
+#[derive(Debug)]
+struct Store {
+    bytes: Vec<u8>,
+    map: Vec<Alloc>,
+}
+
+impl Store {
+    /// Marks the blocks `[offset, offset + len)` touches: `whole` for blocks it covers
+    /// entirely (the export's last, short block counts as whole when covered to the
+    /// end), `partial` for the ones it only touches (`None`: they keep their state).
+    fn mark(&mut self, offset: u64, len: u64, whole: Alloc, partial: Option<Alloc>) {
+        let size = self.bytes.len() as u64;
+        let end = offset + len;
+        let mut b = offset / MEM_BLOCK_BYTES;
+        while b * MEM_BLOCK_BYTES < end {
+            let start = b * MEM_BLOCK_BYTES;
+            let stop = (start + MEM_BLOCK_BYTES).min(size);
+            let state = &mut self.map[b as usize];
+            if offset <= start && stop <= end {
+                *state = whole;
+            } else if let Some(p) = partial {
+                *state = p;
+            }
+            b += 1;
+        }
+    }
+}
 
 /// A RAM-backed `BlockDev`. Unaligned I/O is fine. Flush is a no-op that is counted.
+/// Block status reports its allocation map at 4 KiB granularity: never written, trimmed
+/// or zeroed with trimming allowed → `HOLE | ZERO`; zeroed with NO_HOLE → `ZERO`; any
+/// byte written → data (0).
 #[derive(Debug)]
 pub struct MemDev {
-    data: RwLock<Vec<u8>>,
+    data: RwLock<Store>,
     gates: Mutex<HashMap<u64, Arc<Semaphore>>>,
     fail_next: Mutex<Option<DevError>>,
     panic_next: std::sync::atomic::AtomicBool,
     flushes: AtomicU64,
     description: Option<String>,
+    extents_next: Mutex<Option<Vec<Extent>>>,
+    extents_max: AtomicUsize,
 }
 
 impl MemDev {
     pub fn new(size_bytes: usize) -> Self {
         Self {
-            data: RwLock::new(vec![0u8; size_bytes]),
+            data: RwLock::new(Store {
+                bytes: vec![0u8; size_bytes],
+                map: vec![Alloc::Hole; size_bytes.div_ceil(MEM_BLOCK_BYTES as usize)],
+            }),
             gates: Mutex::new(HashMap::new()),
             fail_next: Mutex::new(None),
             panic_next: std::sync::atomic::AtomicBool::new(false),
             flushes: AtomicU64::new(0),
             description: None,
+            extents_next: Mutex::new(None),
+            extents_max: AtomicUsize::new(usize::MAX),
         }
     }
 
@@ -61,13 +126,29 @@ impl MemDev {
         self.panic_next.store(true, Ordering::Relaxed);
     }
 
+    /// The next block status answers exactly `runs`, right or wrong (to test that the
+    /// server checks what devices say).
+    pub fn extents_next(&self, runs: Vec<Extent>) {
+        *self.extents_next.lock().unwrap_or_else(|p| p.into_inner()) = Some(runs);
+    }
+
+    /// Block status answers at most `n` runs (a prefix of the range), as a device that
+    /// stops early may; clients must ask again from where the answer ended.
+    pub fn set_extents_max(&self, n: usize) {
+        self.extents_max.store(n.max(1), Ordering::Relaxed);
+    }
+
     pub fn flushes(&self) -> u64 {
         self.flushes.load(Ordering::Relaxed)
     }
 
     /// A copy of the whole contents.
     pub fn contents(&self) -> Vec<u8> {
-        self.data.read().unwrap_or_else(|p| p.into_inner()).clone()
+        self.data
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .bytes
+            .clone()
     }
 
     async fn enter(&self, offset: u64) -> Result<(), DevError> {
@@ -105,29 +186,38 @@ impl MemDev {
         }
     }
 
-    fn fill_zero(&self, offset: u64, len: u32) -> Result<(), DevError> {
+    /// Zeroes the range; the blocks it covers entirely become `whole`.
+    fn fill_zero(&self, offset: u64, len: u32, whole: Alloc) -> Result<(), DevError> {
         let r = self.range(offset, len as usize)?;
-        self.data.write().unwrap_or_else(|p| p.into_inner())[r].fill(0);
+        let mut store = self.data.write().unwrap_or_else(|p| p.into_inner());
+        store.bytes[r].fill(0);
+        store.mark(offset, u64::from(len), whole, None);
         Ok(())
     }
 }
 
 impl BlockDev for MemDev {
     fn size_bytes(&self) -> u64 {
-        self.data.read().unwrap_or_else(|p| p.into_inner()).len() as u64
+        self.data
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .bytes
+            .len() as u64
     }
 
     async fn read(&self, offset: u64, len: u32) -> Result<Bytes, DevError> {
         self.enter(offset).await?;
         let r = self.range(offset, len as usize)?;
         let d = self.data.read().unwrap_or_else(|p| p.into_inner());
-        Ok(Bytes::copy_from_slice(&d[r]))
+        Ok(Bytes::copy_from_slice(&d.bytes[r]))
     }
 
     async fn write(&self, offset: u64, data: Bytes, _fua: bool) -> Result<(), DevError> {
         self.enter(offset).await?;
         let r = self.range(offset, data.len())?;
-        self.data.write().unwrap_or_else(|p| p.into_inner())[r].copy_from_slice(&data);
+        let mut store = self.data.write().unwrap_or_else(|p| p.into_inner());
+        store.bytes[r].copy_from_slice(&data);
+        store.mark(offset, data.len() as u64, Alloc::Data, Some(Alloc::Data));
         Ok(())
     }
 
@@ -139,12 +229,47 @@ impl BlockDev for MemDev {
 
     async fn trim(&self, offset: u64, len: u32) -> Result<(), DevError> {
         self.enter(offset).await?;
-        self.fill_zero(offset, len)
+        self.fill_zero(offset, len, Alloc::Hole)
     }
 
-    async fn write_zeroes(&self, offset: u64, len: u32, _may_trim: bool) -> Result<(), DevError> {
+    async fn write_zeroes(&self, offset: u64, len: u32, may_trim: bool) -> Result<(), DevError> {
         self.enter(offset).await?;
-        self.fill_zero(offset, len)
+        let whole = if may_trim { Alloc::Hole } else { Alloc::Zero };
+        self.fill_zero(offset, len, whole)
+    }
+
+    async fn block_status(&self, offset: u64, len: u32) -> Result<Vec<Extent>, DevError> {
+        self.enter(offset).await?;
+        if let Some(runs) = self
+            .extents_next
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            return Ok(runs);
+        }
+        let max = self.extents_max.load(Ordering::Relaxed);
+        let r = self.range(offset, len as usize)?;
+        let (start, end) = (r.start as u64, r.end as u64);
+        let store = self.data.read().unwrap_or_else(|p| p.into_inner());
+        let mut runs: Vec<Extent> = Vec::new();
+        let mut pos = start;
+        while pos < end {
+            let block = pos / MEM_BLOCK_BYTES;
+            let stop = ((block + 1) * MEM_BLOCK_BYTES).min(end);
+            let flags = store.map[block as usize].flags();
+            // At most `len` in all, so each run fits in u32.
+            let length = (stop - pos) as u32;
+            if let Some(last) = runs.last_mut().filter(|l| l.flags == flags) {
+                last.length += length;
+            } else if runs.len() == max {
+                break;
+            } else {
+                runs.push(Extent { length, flags });
+            }
+            pos = stop;
+        }
+        Ok(runs)
     }
 
     fn description(&self) -> Option<String> {

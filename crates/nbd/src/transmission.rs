@@ -1,6 +1,9 @@
 //! Transmission phase: reads requests continuously, runs up to `inflight_max` of them
-//! concurrently on the device, and writes simple replies from one writer as they complete.
+//! concurrently on the device, and writes their replies from one writer as they complete:
+//! simple replies, or structured chunks (READ data, BLOCK_STATUS extents, errors with a
+//! message) once the client negotiated structured replies.
 
+use std::borrow::Cow;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
@@ -8,7 +11,7 @@ use bytes::{Bytes, BytesMut};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
-use crate::dev::{BlockDev, DevError};
+use crate::dev::{BlockDev, DevError, Extent};
 use crate::error::NbdError;
 use crate::handshake::{discard, read_exact_or_eof, Negotiated};
 use crate::proto::*;
@@ -17,6 +20,15 @@ use crate::server::{ServerConfig, ServerStats};
 /// A WRITE refused with a payload up to this size has its payload skipped so the stream
 /// stays in sync; beyond it the server replies and then hangs up.
 pub(crate) const WRITE_DISCARD_MAX: u32 = 64 * 1024 * 1024;
+/// The most a BLOCK_STATUS asks the device about: a request may cover up to 4 GiB − 1,
+/// but the answer may describe a prefix only, and clients ask again from where it ended.
+/// A power of two, so a clamped request stays aligned to any minimum block size.
+pub(crate) const BLOCK_STATUS_LEN_MAX: u32 = 1 << 30;
+/// The most descriptors one BLOCK_STATUS reply carries (512 KiB; the spec's bound is 2^20).
+pub(crate) const BLOCK_STATUS_EXTENTS_MAX: usize = 1 << 16;
+
+const _: () = assert!(BLOCK_STATUS_LEN_MAX.is_power_of_two() && BLOCK_STATUS_LEN_MAX >= 1 << 16);
+const _: () = assert!(BLOCK_STATUS_EXTENTS_MAX <= 1 << 20);
 
 /// A validated request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,6 +54,12 @@ pub(crate) enum Op {
         fua: bool,
         may_trim: bool,
     },
+    BlockStatus {
+        offset: u64,
+        len: u32,
+        req_one: bool,
+        context: u32,
+    },
     Disc,
 }
 
@@ -53,31 +71,57 @@ pub(crate) struct Limits {
     /// 1 unless the client negotiated block sizes.
     pub align: u32,
     pub read_only: bool,
+    /// Structured replies negotiated: READ may carry NBD_CMD_FLAG_DF.
+    pub structured: bool,
+    /// The `base:allocation` context id, if the client selected it for this export.
+    pub meta_context: Option<u32>,
 }
 
-/// Checks a request against the export; `Err` is the NBD error value to reply with.
-pub(crate) fn classify(req: &Request, lim: &Limits) -> Result<Op, u32> {
+/// Why a request is refused: the NBD error value and a message for the client (sent only
+/// in structured error chunks; simple replies carry the number alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Refusal {
+    pub errno: u32,
+    pub why: &'static str,
+}
+
+fn refuse(errno: u32, why: &'static str) -> Result<Op, Refusal> {
+    Err(Refusal { errno, why })
+}
+
+/// Checks a request against the export; `Err` is the NBD error to reply with.
+pub(crate) fn classify(req: &Request, lim: &Limits) -> Result<Op, Refusal> {
     let allowed = match req.typ {
+        CMD_READ if lim.structured => CMD_FLAG_FUA | CMD_FLAG_DF,
         CMD_READ | CMD_WRITE | CMD_FLUSH | CMD_TRIM | CMD_DISC => CMD_FLAG_FUA,
         CMD_WRITE_ZEROES => CMD_FLAG_FUA | CMD_FLAG_NO_HOLE,
-        _ => return Err(EINVAL),
+        CMD_BLOCK_STATUS => CMD_FLAG_FUA | CMD_FLAG_REQ_ONE,
+        _ => return refuse(EINVAL, "unknown command"),
     };
     if req.flags & !allowed != 0 {
-        return Err(EINVAL);
+        return refuse(EINVAL, "command flags not valid for this command");
     }
     let fua = req.flags & CMD_FLAG_FUA != 0;
     match req.typ {
         CMD_FLUSH => return Ok(Op::Flush),
         CMD_DISC => return Ok(Op::Disc),
-        CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if lim.read_only => return Err(EPERM),
+        CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if lim.read_only => {
+            return refuse(EPERM, "the export is read-only")
+        }
+        CMD_BLOCK_STATUS if lim.meta_context.is_none() => {
+            return refuse(
+                EINVAL,
+                "no metadata context selected: NBD_OPT_SET_META_CONTEXT base:allocation for this export first",
+            )
+        }
         _ => {}
     }
     if req.len == 0 {
-        return Err(EINVAL);
+        return refuse(EINVAL, "zero-length request");
     }
     let is_write = matches!(req.typ, CMD_WRITE | CMD_WRITE_ZEROES);
     if matches!(req.typ, CMD_READ | CMD_WRITE) && req.len > lim.max_request_bytes {
-        return Err(EOVERFLOW);
+        return refuse(EOVERFLOW, "request longer than the maximum block size");
     }
     let end = req.offset.checked_add(u64::from(req.len));
     match end {
@@ -85,16 +129,26 @@ pub(crate) fn classify(req: &Request, lim: &Limits) -> Result<Op, u32> {
             let align = u64::from(lim.align.max(1));
             // The last block of an export whose size is not a multiple may end at the size.
             if !req.offset.is_multiple_of(align) || (end % align != 0 && end != lim.size_bytes) {
-                return Err(EINVAL);
+                return refuse(EINVAL, "request not aligned to the minimum block size");
             }
         }
-        _ => return Err(if is_write { ENOSPC } else { EINVAL }),
+        _ => {
+            let errno = if is_write { ENOSPC } else { EINVAL };
+            return refuse(errno, "request beyond the end of the export");
+        }
     }
     let (offset, len) = (req.offset, req.len);
     Ok(match req.typ {
         CMD_READ => Op::Read { offset, len },
         CMD_WRITE => Op::Write { offset, len, fua },
         CMD_TRIM => Op::Trim { offset, len, fua },
+        CMD_BLOCK_STATUS => Op::BlockStatus {
+            offset,
+            len,
+            req_one: req.flags & CMD_FLAG_REQ_ONE != 0,
+            // Checked above: no context, no BLOCK_STATUS.
+            context: lim.meta_context.unwrap_or_default(),
+        },
         _ => Op::WriteZeroes {
             offset,
             len,
@@ -104,13 +158,134 @@ pub(crate) fn classify(req: &Request, lim: &Limits) -> Result<Op, u32> {
     })
 }
 
+/// How a request ended, before it is put in wire form.
+#[derive(Debug)]
+enum Outcome {
+    /// Success without payload.
+    Done,
+    /// READ data from `offset`.
+    Data { offset: u64, data: Bytes },
+    /// BLOCK_STATUS: `descriptors` (u32 length, u32 flags each) for context `context`.
+    Extents { context: u32, descriptors: Bytes },
+    Error {
+        errno: u32,
+        message: Cow<'static, str>,
+    },
+}
+
+/// Longest fixed part of a reply: a chunk header and the 8-byte offset of OFFSET_DATA.
+const HEAD_MAX: usize = STRUCTURED_REPLY_LEN + 8;
+
+/// A reply's header and fixed fields, kept inline: the variable part (read data, an error
+/// message, descriptors) goes out after it from its own buffer, without a copy.
+#[derive(Debug, Clone, Copy)]
+struct Head {
+    buf: [u8; HEAD_MAX],
+    len: usize,
+}
+
+impl Head {
+    fn new(parts: &[&[u8]]) -> Self {
+        let mut h = Head {
+            buf: [0; HEAD_MAX],
+            len: 0,
+        };
+        for p in parts {
+            h.buf[h.len..h.len + p.len()].copy_from_slice(p);
+            h.len += p.len();
+        }
+        h
+    }
+
+    fn bytes(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
+/// One reply in wire form, waiting for the writer.
 struct Reply {
-    handle: u64,
-    errno: u32,
+    head: Head,
     data: Option<Bytes>,
+    /// Counted in `ServerStats::errors`.
+    error: bool,
+    /// READ payload bytes, counted in `ServerStats::bytes_read`.
+    read_bytes: u64,
     /// Released once the reply is on the wire, so replies waiting for a slow client count
     /// against `inflight_max` too.
     _permit: OwnedSemaphorePermit,
+}
+
+/// Cuts a message to the spec's string limit, on a character boundary.
+fn cap_message(message: Cow<'static, str>) -> Bytes {
+    if message.len() <= STRING_MAX {
+        return Bytes::from(message.into_owned());
+    }
+    let mut end = STRING_MAX;
+    while !message.is_char_boundary(end) {
+        end -= 1;
+    }
+    Bytes::copy_from_slice(&message.as_bytes()[..end])
+}
+
+/// Puts `outcome` in wire form: simple replies unless `structured`; with structured
+/// replies, READ data and BLOCK_STATUS go out as one chunk flagged DONE each (never
+/// fragmented, so NBD_CMD_FLAG_DF always holds), errors as NBD_REPLY_TYPE_ERROR with a
+/// message, and payload-less successes as simple replies (the spec allows both).
+fn encode(handle: u64, structured: bool, outcome: Outcome, permit: OwnedSemaphorePermit) -> Reply {
+    let reply = |head, data, error, read_bytes| Reply {
+        head,
+        data,
+        error,
+        read_bytes,
+        _permit: permit,
+    };
+    match outcome {
+        Outcome::Done => reply(Head::new(&[&simple_reply(0, handle)]), None, false, 0),
+        Outcome::Data { offset, data } => {
+            let n = data.len() as u64;
+            let head = if structured {
+                // Reads are at most max_request_bytes (≤ 64 MiB), so this fits.
+                let len = u32::try_from(8 + data.len()).expect("read payload under 4 GiB");
+                let chunk = structured_reply(REPLY_FLAG_DONE, REPLY_TYPE_OFFSET_DATA, handle, len);
+                Head::new(&[&chunk, &offset.to_be_bytes()])
+            } else {
+                Head::new(&[&simple_reply(0, handle)])
+            };
+            reply(head, Some(data), false, n)
+        }
+        Outcome::Extents {
+            context,
+            descriptors,
+        } => {
+            debug_assert!(
+                structured,
+                "BLOCK_STATUS is refused without structured replies"
+            );
+            debug_assert!(
+                !descriptors.is_empty() && descriptors.len() % BLOCK_DESCRIPTOR_LEN == 0,
+                "at least one whole descriptor"
+            );
+            let len = u32::try_from(4 + descriptors.len()).expect("descriptors are capped");
+            let chunk = structured_reply(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, handle, len);
+            let head = Head::new(&[&chunk, &context.to_be_bytes()]);
+            reply(head, Some(descriptors), false, 0)
+        }
+        Outcome::Error { errno, message } => {
+            debug_assert_ne!(errno, 0, "an error reply carries an error");
+            let errno = if errno == 0 { EIO } else { errno };
+            if !structured {
+                return reply(Head::new(&[&simple_reply(errno, handle)]), None, true, 0);
+            }
+            let message = cap_message(message);
+            // At most STRING_MAX (4096) bytes, so both lengths fit.
+            let mlen = message.len() as u16;
+            let len = 6 + u32::from(mlen);
+            let chunk = structured_reply(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, handle, len);
+            let head = Head::new(&[&chunk, &errno.to_be_bytes(), &mlen.to_be_bytes()]);
+            let data = (!message.is_empty()).then_some(message);
+            reply(head, data, true, 0)
+        }
+    }
 }
 
 /// One request's right to reply. Dropping it unanswered (a device future panicked)
@@ -118,25 +293,28 @@ struct Reply {
 struct Slot {
     tx: mpsc::Sender<Reply>,
     handle: u64,
+    structured: bool,
     permit: Option<OwnedSemaphorePermit>,
 }
 
 impl Slot {
-    fn finish(mut self, errno: u32, data: Option<Bytes>) {
-        self.send(errno, data);
+    fn finish(mut self, outcome: Outcome) {
+        self.send(outcome);
     }
 
-    fn send(&mut self, errno: u32, data: Option<Bytes>) {
+    fn send(&mut self, outcome: Outcome) {
         if let Some(permit) = self.permit.take() {
             // Never full: the channel holds as many slots as there are permits, and
             // every queued reply carries one.
-            let _ = self.tx.try_send(Reply {
-                handle: self.handle,
-                errno,
-                data,
-                _permit: permit,
-            });
+            let _ = self
+                .tx
+                .try_send(encode(self.handle, self.structured, outcome, permit));
         }
+    }
+
+    /// Gives the permit back without replying (NBD_CMD_DISC has no reply).
+    fn permit_free(mut self) -> Option<OwnedSemaphorePermit> {
+        self.permit.take()
     }
 }
 
@@ -147,50 +325,115 @@ impl Drop for Slot {
                 "nbd: request {:#x} ended without a reply; sending EIO",
                 self.handle
             );
-            self.send(EIO, None);
+            self.send(Outcome::Error {
+                errno: EIO,
+                message: "the request failed inside the server".into(),
+            });
         }
     }
 }
 
-fn dev_errno(op: &str, e: &DevError) -> u32 {
+fn dev_error(op: &str, e: &DevError) -> Outcome {
     log::warn!("nbd: {op} failed: {e}");
-    e.nbd_errno()
+    Outcome::Error {
+        errno: e.nbd_errno(),
+        message: format!("{op} failed: {}", e.message).into(),
+    }
 }
 
-async fn execute<D: BlockDev>(dev: &D, op: Op, payload: Bytes) -> Result<Option<Bytes>, u32> {
+/// A device's answer for a log line: its first runs only, however many it sent.
+fn runs_for_log(runs: &[Extent]) -> String {
+    const SHOWN: usize = 4;
+    let head = &runs[..runs.len().min(SHOWN)];
+    if runs.len() > SHOWN {
+        format!("{head:?} and {} more runs", runs.len() - SHOWN)
+    } else {
+        format!("{head:?}")
+    }
+}
+
+/// Turns a device's block-status answer for `[offset, offset + asked)` into descriptors
+/// that keep the spec's rules whatever the device did: zero-length runs dropped, runs
+/// past the range cut off, reserved flag bits cleared, neighbours with the same flags
+/// merged, at most `max` descriptors. `None` if nothing is left to send.
+fn descriptors(runs: &[Extent], asked: u32, max: usize) -> Option<Bytes> {
+    debug_assert!(max >= 1);
+    let mut out: Vec<Extent> = Vec::with_capacity(runs.len().min(max));
+    let mut left = asked;
+    let mut bent = false;
+    for run in runs {
+        if left == 0 {
+            bent = true;
+            break;
+        }
+        if run.length == 0 {
+            bent = true;
+            continue;
+        }
+        let length = run.length.min(left);
+        let flags = run.flags & (STATE_HOLE | STATE_ZERO);
+        bent |= length != run.length || flags != run.flags;
+        if let Some(last) = out.last_mut().filter(|l| l.flags == flags) {
+            // No overflow: the lengths sum to at most `asked`.
+            last.length += length;
+        } else if out.len() == max {
+            break;
+        } else {
+            out.push(Extent { length, flags });
+        }
+        left -= length;
+    }
+    if bent {
+        log::warn!(
+            "nbd: device block status for {asked} bytes broke the rules (fixed up): {}",
+            runs_for_log(runs)
+        );
+    }
+    if out.is_empty() {
+        return None;
+    }
+    let mut b = Vec::with_capacity(out.len() * BLOCK_DESCRIPTOR_LEN);
+    for e in &out {
+        b.extend_from_slice(&e.length.to_be_bytes());
+        b.extend_from_slice(&e.flags.to_be_bytes());
+    }
+    Some(Bytes::from(b))
+}
+
+async fn execute<D: BlockDev>(dev: &D, op: Op, payload: Bytes) -> Outcome {
     match op {
-        Op::Read { offset, len } => {
-            let data = dev
-                .read(offset, len)
-                .await
-                .map_err(|e| dev_errno("read", &e))?;
-            if data.len() != len as usize {
+        Op::Read { offset, len } => match dev.read(offset, len).await {
+            Err(e) => dev_error("read", &e),
+            Ok(data) if data.len() != len as usize => {
                 log::error!(
                     "nbd: device returned {} bytes for a {len}-byte read at {offset}",
                     data.len()
                 );
-                return Err(EIO);
+                Outcome::Error {
+                    errno: EIO,
+                    message: "read failed: the device returned a wrong length".into(),
+                }
             }
-            Ok(Some(data))
-        }
-        Op::Write { offset, fua, .. } => {
-            dev.write(offset, payload, fua)
-                .await
-                .map_err(|e| dev_errno("write", &e))?;
-            Ok(None)
-        }
-        Op::Flush => {
-            dev.flush().await.map_err(|e| dev_errno("flush", &e))?;
-            Ok(None)
-        }
+            Ok(data) => Outcome::Data { offset, data },
+        },
+        Op::Write { offset, fua, .. } => match dev.write(offset, payload, fua).await {
+            Err(e) => dev_error("write", &e),
+            Ok(()) => Outcome::Done,
+        },
+        Op::Flush => match dev.flush().await {
+            Err(e) => dev_error("flush", &e),
+            Ok(()) => Outcome::Done,
+        },
         Op::Trim { offset, len, fua } => {
-            dev.trim(offset, len)
-                .await
-                .map_err(|e| dev_errno("trim", &e))?;
-            if fua {
-                dev.flush().await.map_err(|e| dev_errno("flush", &e))?;
+            if let Err(e) = dev.trim(offset, len).await {
+                return dev_error("trim", &e);
             }
-            Ok(None)
+            if fua {
+                if let Err(e) = dev.flush().await {
+                    return dev_error("flush", &e);
+                }
+            }
+            Outcome::Done
         }
         Op::WriteZeroes {
             offset,
@@ -198,15 +441,45 @@ async fn execute<D: BlockDev>(dev: &D, op: Op, payload: Bytes) -> Result<Option<
             fua,
             may_trim,
         } => {
-            dev.write_zeroes(offset, len, may_trim)
-                .await
-                .map_err(|e| dev_errno("write_zeroes", &e))?;
-            if fua {
-                dev.flush().await.map_err(|e| dev_errno("flush", &e))?;
+            if let Err(e) = dev.write_zeroes(offset, len, may_trim).await {
+                return dev_error("write_zeroes", &e);
             }
-            Ok(None)
+            if fua {
+                if let Err(e) = dev.flush().await {
+                    return dev_error("flush", &e);
+                }
+            }
+            Outcome::Done
         }
-        Op::Disc => Ok(None),
+        Op::BlockStatus {
+            offset,
+            len,
+            req_one,
+            context,
+        } => {
+            let asked = len.min(BLOCK_STATUS_LEN_MAX);
+            let max = if req_one { 1 } else { BLOCK_STATUS_EXTENTS_MAX };
+            match dev.block_status(offset, asked).await {
+                Err(e) => dev_error("block status", &e),
+                Ok(runs) => match descriptors(&runs, asked, max) {
+                    Some(descriptors) => Outcome::Extents {
+                        context,
+                        descriptors,
+                    },
+                    None => {
+                        log::error!(
+                            "nbd: device returned no usable extent for block status at {offset}+{asked}: {}",
+                            runs_for_log(&runs)
+                        );
+                        Outcome::Error {
+                            errno: EIO,
+                            message: "block status failed: the device described no extent".into(),
+                        }
+                    }
+                },
+            }
+        }
+        Op::Disc => Outcome::Done,
     }
 }
 
@@ -220,7 +493,7 @@ enum ReaderEnd {
 async fn read_requests<D, Rd>(
     rd: &mut Rd,
     dev: &Arc<D>,
-    align: u32,
+    session: Limits,
     cfg: &ServerConfig,
     tx: mpsc::Sender<Reply>,
     permits: Arc<Semaphore>,
@@ -242,9 +515,7 @@ where
         stats.requests.fetch_add(1, Ordering::Relaxed);
         let lim = Limits {
             size_bytes: dev.size_bytes(),
-            max_request_bytes: cfg.max_request_bytes,
-            align,
-            read_only: cfg.read_only,
+            ..session
         };
         let permit = permits
             .clone()
@@ -254,19 +525,23 @@ where
         let slot = Slot {
             tx: tx.clone(),
             handle: req.handle,
+            structured: session.structured,
             permit: Some(permit),
         };
         let op = match classify(&req, &lim) {
             Ok(op) => op,
-            Err(errno) => {
-                log::debug!("nbd: rejecting {req:?} with error {errno}");
+            Err(refusal) => {
+                log::debug!("nbd: rejecting {req:?}: {refusal:?}");
                 // Consume a refused WRITE's payload before replying: a client may not
                 // expect the reply to a command it is still sending (libnbd drops the
                 // connection if it comes early).
                 if req.typ == CMD_WRITE && req.len <= WRITE_DISCARD_MAX {
                     discard(rd, u64::from(req.len)).await?;
                 }
-                slot.finish(errno, None);
+                slot.finish(Outcome::Error {
+                    errno: refusal.errno,
+                    message: refusal.why.into(),
+                });
                 if req.typ == CMD_WRITE && req.len > WRITE_DISCARD_MAX {
                     return Ok(ReaderEnd::OversizedPayload(req.len));
                 }
@@ -295,10 +570,7 @@ where
         };
         let dev = Arc::clone(dev);
         let request = async move {
-            match execute(&*dev, op, payload).await {
-                Ok(data) => slot.finish(0, data),
-                Err(errno) => slot.finish(errno, None),
-            }
+            slot.finish(execute(&*dev, op, payload).await);
         };
         if matches!(op, Op::Read { .. }) {
             // A read often completes without waiting (a drive in RAM, read inline): run it
@@ -326,13 +598,6 @@ where
     }
 }
 
-impl Slot {
-    /// Gives the permit back without replying (NBD_CMD_DISC has no reply).
-    fn permit_free(mut self) -> Option<OwnedSemaphorePermit> {
-        self.permit.take()
-    }
-}
-
 async fn write_replies<Wr: AsyncWrite + Unpin>(
     wr: &mut Wr,
     mut rx: mpsc::Receiver<Reply>,
@@ -341,7 +606,6 @@ async fn write_replies<Wr: AsyncWrite + Unpin>(
     inflight_max: usize,
 ) -> Result<(), NbdError> {
     let mut batch: Vec<Reply> = Vec::with_capacity(inflight_max);
-    let mut heads: Vec<[u8; SIMPLE_REPLY_LEN]> = Vec::with_capacity(inflight_max);
     while let Some(first) = rx.recv().await {
         batch.push(first);
         // Batch whatever is already queued into one write; then, if requests are still
@@ -358,19 +622,13 @@ async fn write_replies<Wr: AsyncWrite + Unpin>(
                 batch.push(r);
             }
         }
-        heads.clear();
         for r in &batch {
-            if r.errno != 0 {
+            if r.error {
                 stats.errors.fetch_add(1, Ordering::Relaxed);
             }
-            heads.push(simple_reply(r.errno, r.handle));
-            if let Some(data) = &r.data {
-                stats
-                    .bytes_read
-                    .fetch_add(data.len() as u64, Ordering::Relaxed);
-            }
+            stats.bytes_read.fetch_add(r.read_bytes, Ordering::Relaxed);
         }
-        write_batch(wr, &heads, &batch).await?;
+        write_batch(wr, &batch).await?;
         // Dropping the replies gives their permits back.
         batch.clear();
     }
@@ -382,20 +640,20 @@ async fn write_replies<Wr: AsyncWrite + Unpin>(
 /// Most slices one vectored write takes (well under Linux's IOV_MAX).
 const WRITE_SLICES_MAX: usize = 64;
 
-/// Writes each reply's header and then its data, in order, with as few vectored writes as
+/// Writes each reply's head and then its data, in order, with as few vectored writes as
 /// the socket allows: read data goes to the socket from the buffer the drive read it into,
 /// without a copy.
 async fn write_batch<Wr: AsyncWrite + Unpin>(
     wr: &mut Wr,
-    heads: &[[u8; SIMPLE_REPLY_LEN]],
     replies: &[Reply],
 ) -> std::io::Result<()> {
-    // The chunks, in order: chunk 2i is reply i's header, chunk 2i + 1 its data (if any).
+    // The chunks, in order: chunk 2i is reply i's head, chunk 2i + 1 its data (if any).
     let chunk = |k: usize| -> &[u8] {
+        let r = &replies[k / 2];
         if k.is_multiple_of(2) {
-            &heads[k / 2]
+            r.head.bytes()
         } else {
-            replies[k / 2].data.as_deref().unwrap_or(&[])
+            r.data.as_deref().unwrap_or(&[])
         }
     };
     let chunks = 2 * replies.len();
@@ -449,16 +707,23 @@ where
     Rd: AsyncRead + Unpin,
     Wr: AsyncWrite + Unpin,
 {
-    let align = if neg.block_size_negotiated {
-        cfg.min_block
-    } else {
-        1
+    let session = Limits {
+        size_bytes: neg.dev.size_bytes(),
+        max_request_bytes: cfg.max_request_bytes,
+        align: if neg.block_size_negotiated {
+            cfg.min_block
+        } else {
+            1
+        },
+        read_only: cfg.read_only,
+        structured: neg.structured,
+        meta_context: neg.meta_context,
     };
     let permits = Arc::new(Semaphore::new(cfg.inflight_max));
     let (tx, rx) = mpsc::channel(cfg.inflight_max);
     let writer_permits = permits.clone();
     let reader = async {
-        let end = read_requests(rd, &neg.dev, align, cfg, tx, permits).await?;
+        let end = read_requests(rd, &neg.dev, session, cfg, tx, permits).await?;
         match end {
             ReaderEnd::Disc => log::debug!("nbd: export {}: client sent DISC", neg.name),
             ReaderEnd::Closed => log::debug!("nbd: export {}: client closed", neg.name),
@@ -484,7 +749,14 @@ mod tests {
             max_request_bytes: 64 * 1024,
             align,
             read_only: false,
+            structured: false,
+            meta_context: None,
         }
+    }
+
+    /// `classify` with only the error number of a refusal.
+    fn classify(req: &Request, lim: &Limits) -> Result<Op, u32> {
+        super::classify(req, lim).map_err(|r| r.errno)
     }
 
     fn req(typ: u16, flags: u16, offset: u64, len: u32) -> Request {
@@ -607,34 +879,228 @@ mod tests {
         }
     }
 
-    /// Replies written in pieces arrive whole and in order: each header, then its data.
+    /// Replies written in pieces arrive whole and in order: each head, then its data.
     #[tokio::test]
     async fn a_batch_of_replies_survives_partial_writes() {
         let sem = Arc::new(Semaphore::new(200));
         let mut replies = Vec::new();
         let mut want = Vec::new();
         for i in 0..150u64 {
-            let data = (i % 3 != 0).then(|| Bytes::from(vec![i as u8; (i as usize * 37) % 5000]));
-            let errno = if i % 7 == 0 { EIO } else { 0 };
-            want.extend_from_slice(&simple_reply(errno, i));
-            if let Some(d) = &data {
-                want.extend_from_slice(d);
-            }
-            replies.push(Reply {
-                handle: i,
-                errno,
-                data,
-                _permit: sem.clone().try_acquire_owned().unwrap(),
-            });
+            let structured = i % 2 == 0;
+            let outcome = match i % 5 {
+                0 => Outcome::Error {
+                    errno: EIO,
+                    message: format!("failure {i}").into(),
+                },
+                1 => Outcome::Done,
+                2 => Outcome::Extents {
+                    context: 7,
+                    descriptors: Bytes::from(vec![i as u8; 8 * (1 + i as usize % 4)]),
+                },
+                _ => Outcome::Data {
+                    offset: i * 512,
+                    data: Bytes::from(vec![i as u8; (i as usize * 37) % 5000]),
+                },
+            };
+            // What the reply must look like, built independently of `encode`.
+            let (head, data): (Vec<u8>, Vec<u8>) = match &outcome {
+                Outcome::Done => (simple_reply(0, i).to_vec(), vec![]),
+                Outcome::Error { .. } if !structured => (simple_reply(EIO, i).to_vec(), vec![]),
+                Outcome::Error { message, .. } => {
+                    let m = message.as_bytes();
+                    let mut h =
+                        structured_reply(REPLY_FLAG_DONE, REPLY_TYPE_ERROR, i, 6 + m.len() as u32)
+                            .to_vec();
+                    h.extend_from_slice(&EIO.to_be_bytes());
+                    h.extend_from_slice(&(m.len() as u16).to_be_bytes());
+                    (h, m.to_vec())
+                }
+                Outcome::Extents { descriptors, .. } if structured => {
+                    let mut h = structured_reply(
+                        REPLY_FLAG_DONE,
+                        REPLY_TYPE_BLOCK_STATUS,
+                        i,
+                        4 + descriptors.len() as u32,
+                    )
+                    .to_vec();
+                    h.extend_from_slice(&7u32.to_be_bytes());
+                    (h, descriptors.to_vec())
+                }
+                // Never sent without structured replies; stands in for a plain reply here.
+                Outcome::Extents { .. } => continue,
+                Outcome::Data { data, .. } if !structured => {
+                    (simple_reply(0, i).to_vec(), data.to_vec())
+                }
+                Outcome::Data { offset, data } => {
+                    let mut h = structured_reply(
+                        REPLY_FLAG_DONE,
+                        REPLY_TYPE_OFFSET_DATA,
+                        i,
+                        8 + data.len() as u32,
+                    )
+                    .to_vec();
+                    h.extend_from_slice(&offset.to_be_bytes());
+                    (h, data.to_vec())
+                }
+            };
+            want.extend_from_slice(&head);
+            want.extend_from_slice(&data);
+            replies.push(encode(
+                i,
+                structured,
+                outcome,
+                sem.clone().try_acquire_owned().unwrap(),
+            ));
         }
-        let heads: Vec<_> = replies
-            .iter()
-            .map(|r| simple_reply(r.errno, r.handle))
-            .collect();
         let mut out = Trickle(Vec::new());
-        write_batch(&mut out, &heads, &replies).await.unwrap();
+        write_batch(&mut out, &replies).await.unwrap();
         assert_eq!(out.0.len(), want.len());
         assert!(out.0 == want, "bytes differ");
+    }
+
+    fn ext(length: u32, flags: u32) -> Extent {
+        Extent { length, flags }
+    }
+
+    fn decoded(b: Option<Bytes>) -> Option<Vec<Extent>> {
+        let b = b?;
+        assert_eq!(b.len() % 8, 0);
+        Some(
+            b.chunks_exact(8)
+                .map(|c| {
+                    ext(
+                        u32::from_be_bytes(c[0..4].try_into().unwrap()),
+                        u32::from_be_bytes(c[4..8].try_into().unwrap()),
+                    )
+                })
+                .collect(),
+        )
+    }
+
+    /// Whatever a device answers, what goes on the wire keeps the spec's rules.
+    #[test]
+    fn device_extents_are_checked_trimmed_and_merged() {
+        let d = |runs: &[Extent], asked, max| decoded(descriptors(runs, asked, max));
+        let (h, z, hz) = (STATE_HOLE, STATE_ZERO, STATE_HOLE | STATE_ZERO);
+        // A good answer passes unchanged.
+        assert_eq!(
+            d(&[ext(4096, hz), ext(8192, 0)], 16384, 100),
+            Some(vec![ext(4096, hz), ext(8192, 0)])
+        );
+        // Nothing, or only zero-length runs: nothing to send (the caller answers EIO).
+        assert_eq!(d(&[], 4096, 100), None);
+        assert_eq!(d(&[ext(0, 0), ext(0, z)], 4096, 100), None);
+        // Zero-length runs dropped; the neighbours then merge.
+        assert_eq!(
+            d(&[ext(512, z), ext(0, 0), ext(512, z)], 4096, 100),
+            Some(vec![ext(1024, z)])
+        );
+        // Runs past the range are cut at its end.
+        assert_eq!(
+            d(&[ext(1000, 0), ext(5000, h), ext(77, z)], 4096, 100),
+            Some(vec![ext(1000, 0), ext(3096, h)])
+        );
+        assert_eq!(d(&[ext(u32::MAX, 0)], 4096, 100), Some(vec![ext(4096, 0)]));
+        // Reserved flag bits are cleared.
+        assert_eq!(
+            d(&[ext(4096, 0xffff_fff0 | z)], 4096, 100),
+            Some(vec![ext(4096, z)])
+        );
+        // At most `max` descriptors: REQ_ONE gets the first run (merged with equal ones).
+        let alternating: Vec<Extent> = (0..10)
+            .map(|i| ext(512, if i % 2 == 0 { 0 } else { hz }))
+            .collect();
+        assert_eq!(d(&alternating, 5120, 1), Some(vec![ext(512, 0)]));
+        assert_eq!(
+            d(&alternating, 5120, 3),
+            Some(vec![ext(512, 0), ext(512, hz), ext(512, 0)])
+        );
+        assert_eq!(
+            d(&[ext(512, z), ext(512, z), ext(512, 0)], 5120, 1),
+            Some(vec![ext(1024, z)])
+        );
+        // Merging never overflows: the sum is bounded by the range asked for.
+        assert_eq!(
+            d(&[ext(u32::MAX - 1, 0), ext(5, 0)], u32::MAX, 10),
+            Some(vec![ext(u32::MAX, 0)])
+        );
+    }
+
+    #[test]
+    fn classify_block_status_and_df() {
+        let with_ctx = Limits {
+            structured: true,
+            meta_context: Some(9),
+            ..lim(1)
+        };
+        let bs = |flags, offset, len, l: &Limits| {
+            classify(&req(CMD_BLOCK_STATUS, flags, offset, len), l)
+        };
+        // No context selected (or no structured replies at all): EINVAL.
+        assert_eq!(bs(0, 0, 4096, &lim(1)), Err(EINVAL));
+        assert_eq!(
+            bs(
+                0,
+                0,
+                4096,
+                &Limits {
+                    structured: true,
+                    ..lim(1)
+                }
+            ),
+            Err(EINVAL)
+        );
+        assert_eq!(
+            bs(CMD_FLAG_REQ_ONE, 4096, 8192, &with_ctx),
+            Ok(Op::BlockStatus {
+                offset: 4096,
+                len: 8192,
+                req_one: true,
+                context: 9
+            })
+        );
+        // Longer than max_request_bytes is fine (no payload); beyond the end is not.
+        assert!(bs(0, 0, 1 << 20, &with_ctx).is_ok());
+        assert_eq!(bs(0, 4096, 1 << 20, &with_ctx), Err(EINVAL));
+        assert_eq!(bs(0, 0, 0, &with_ctx), Err(EINVAL));
+        assert_eq!(bs(CMD_FLAG_DF, 0, 4096, &with_ctx), Err(EINVAL));
+        // Read-only exports answer block status too.
+        assert!(bs(
+            0,
+            0,
+            4096,
+            &Limits {
+                read_only: true,
+                ..with_ctx
+            }
+        )
+        .is_ok());
+        assert_eq!(
+            bs(
+                0,
+                512,
+                4096,
+                &Limits {
+                    align: 4096,
+                    ..with_ctx
+                }
+            ),
+            Err(EINVAL)
+        );
+        // DF on READ only once structured replies are negotiated; REQ_ONE never on READ.
+        assert_eq!(
+            classify(&req(CMD_READ, CMD_FLAG_DF, 0, 4096), &lim(1)),
+            Err(EINVAL)
+        );
+        assert!(classify(&req(CMD_READ, CMD_FLAG_DF, 0, 4096), &with_ctx).is_ok());
+        assert_eq!(
+            classify(&req(CMD_READ, CMD_FLAG_REQ_ONE, 0, 4096), &with_ctx),
+            Err(EINVAL)
+        );
+        assert_eq!(
+            classify(&req(CMD_WRITE, CMD_FLAG_DF, 0, 4096), &with_ctx),
+            Err(EINVAL)
+        );
     }
 
     #[test]

@@ -1,6 +1,8 @@
 //! End-to-end tests with real NBD clients (libnbd's nbdinfo/nbdcopy, qemu-img, fio) against
 //! a RAM export served on a unix socket, and over TCP with TLS (`nbds://`, qemu's
-//! tls-creds-x509) using a throwaway CA. A missing client binary skips loudly.
+//! tls-creds-x509) using a throwaway CA. A missing client binary skips loudly. The clients
+//! negotiate structured replies and `base:allocation`, so `nbdinfo --map` and
+//! `qemu-img map` show the export's holes and zeroes.
 
 mod pki;
 
@@ -9,8 +11,12 @@ use std::process::Output;
 use std::sync::Arc;
 use std::time::Duration;
 
+use bytes::Bytes;
+
 use converge_nbd::testing::{MemDev, MemResolver};
-use converge_nbd::{serve_tcp, serve_unix, ResolveError, ServerConfig};
+use converge_nbd::{
+    serve_tcp, serve_unix, BlockDev, ResolveError, ServerConfig, STATE_HOLE, STATE_ZERO,
+};
 use pki::Pki;
 use rand::{RngCore, SeedableRng};
 use tokio::process::Command;
@@ -112,6 +118,163 @@ fn json_field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
     Some(rest[..end].trim())
 }
 
+/// Every `{ … }` object of a client's JSON list that is printed one object per line.
+fn json_objects(json: &str) -> Vec<&str> {
+    json.split('{').skip(1).collect()
+}
+
+fn json_u64(obj: &str, key: &str) -> u64 {
+    json_field(obj, key)
+        .and_then(|v| v.parse().ok())
+        .unwrap_or_else(|| panic!("no number {key} in {obj}"))
+}
+
+/// Runs of (offset, length, NBD_STATE_* flags).
+type Layout = Vec<(u64, u64, u32)>;
+
+const MIB: u64 = 1 << 20;
+const HZ: u32 = STATE_HOLE | STATE_ZERO;
+
+/// Gives `dev` (SIZE bytes, all holes when new) a known allocation layout through the
+/// device itself, and returns the runs that describe the whole export.
+async fn lay_out(dev: &MemDev) -> Layout {
+    let data = Bytes::from(vec![0x5a; 4 * MIB as usize]);
+    dev.write(MIB, data.slice(..64 << 10), false)
+        .await
+        .expect("write");
+    dev.write_zeroes(4 * MIB, MIB as u32, false)
+        .await
+        .expect("zero");
+    dev.write(8 * MIB, data, false).await.expect("write");
+    dev.trim(9 * MIB, MIB as u32).await.expect("trim");
+    let layout = vec![
+        (0, MIB, HZ),
+        (MIB, 64 << 10, 0),
+        (MIB + (64 << 10), 3 * MIB - (64 << 10), HZ),
+        (4 * MIB, MIB, STATE_ZERO),
+        (5 * MIB, 3 * MIB, HZ),
+        (8 * MIB, MIB, 0),
+        (9 * MIB, MIB, HZ),
+        (10 * MIB, 2 * MIB, 0),
+        (12 * MIB, 4 * MIB, HZ),
+    ];
+    assert_eq!(layout.iter().map(|r| r.1).sum::<u64>(), SIZE as u64);
+    layout
+}
+
+/// `nbdinfo --map --json` output as runs: `"type"` is the NBD_STATE_* flags.
+fn nbdinfo_layout(json: &str) -> Layout {
+    json_objects(json)
+        .into_iter()
+        .map(|o| {
+            let flags = u32::try_from(json_u64(o, "type")).expect("flags fit u32");
+            (json_u64(o, "offset"), json_u64(o, "length"), flags)
+        })
+        .collect()
+}
+
+/// `qemu-img map --output=json` output as runs: qemu says `"zero"` for NBD_STATE_ZERO and
+/// `"data": false` for NBD_STATE_HOLE (it reports holes only where they also read as
+/// zeroes, which is all a hole means to it).
+fn qemu_layout(json: &str) -> Layout {
+    json_objects(json)
+        .into_iter()
+        .map(|o| {
+            let is = |key| match json_field(o, key) {
+                Some("true") => true,
+                Some("false") => false,
+                other => panic!("{key} is {other:?} in {o}"),
+            };
+            let mut flags = 0;
+            if is("zero") {
+                flags |= STATE_ZERO;
+            }
+            if !is("data") {
+                flags |= STATE_HOLE;
+            }
+            (json_u64(o, "start"), json_u64(o, "length"), flags)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdinfo_map_shows_holes_zeroes_and_data() {
+    require!("nbdinfo");
+    let s = serve();
+    // A fresh export is one hole that reads as zeroes.
+    let out = run(Command::new("nbdinfo")
+        .args(["--map", "--json"])
+        .arg(s.uri("vm01")))
+    .await;
+    assert!(out.status.success());
+    assert_eq!(
+        nbdinfo_layout(&String::from_utf8_lossy(&out.stdout)),
+        vec![(0, SIZE as u64, HZ)]
+    );
+    let want = lay_out(&s.dev).await;
+    let out = run(Command::new("nbdinfo")
+        .args(["--map", "--json"])
+        .arg(s.uri("vm01")))
+    .await;
+    assert!(out.status.success());
+    assert_eq!(nbdinfo_layout(&String::from_utf8_lossy(&out.stdout)), want);
+    // A device that answers one run at a time: libnbd asks again from where each answer
+    // ended, and the map comes out the same.
+    s.dev.set_extents_max(1);
+    let out = run(Command::new("nbdinfo")
+        .args(["--map", "--json"])
+        .arg(s.uri("vm01")))
+    .await;
+    assert!(out.status.success());
+    assert_eq!(nbdinfo_layout(&String::from_utf8_lossy(&out.stdout)), want);
+    // The totals agree with the layout: bytes per type.
+    let out = run(Command::new("nbdinfo")
+        .args(["--map", "--totals"])
+        .arg(s.uri("vm01")))
+    .await;
+    assert!(out.status.success());
+    let mut totals: Vec<(u64, u32)> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| {
+            // "   3211264  19.1%   0 data"
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[0].parse().expect("bytes"), f[2].parse().expect("type"))
+        })
+        .collect();
+    totals.sort_by_key(|t| t.1);
+    let total = |flags| want.iter().filter(|r| r.2 == flags).map(|r| r.1).sum();
+    assert_eq!(
+        totals,
+        vec![
+            (total(0), 0),
+            (total(STATE_ZERO), STATE_ZERO),
+            (total(HZ), HZ)
+        ]
+    );
+    assert_eq!(total(0), 3 * MIB + (64 << 10));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_img_map_shows_holes_zeroes_and_data() {
+    require!("qemu-img");
+    let s = serve();
+    let want = lay_out(&s.dev).await;
+    let out = run(Command::new("qemu-img")
+        .args(["map", "--output=json", "-f", "raw"])
+        .arg(s.uri("vm01")))
+    .await;
+    assert!(out.status.success());
+    assert_eq!(qemu_layout(&String::from_utf8_lossy(&out.stdout)), want);
+    // Answers of a prefix only: qemu asks again and merges the same map.
+    s.dev.set_extents_max(2);
+    let out = run(Command::new("qemu-img")
+        .args(["map", "--output=json", "-f", "raw"])
+        .arg(s.uri("vm01")))
+    .await;
+    assert!(out.status.success());
+    assert_eq!(qemu_layout(&String::from_utf8_lossy(&out.stdout)), want);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nbdinfo_reports_size_block_sizes_and_flags() {
     require!("nbdinfo");
@@ -127,6 +290,7 @@ async fn nbdinfo_reports_size_block_sizes_and_flags() {
     assert_eq!(json_field(&json, "block_size_preferred"), Some("4096"));
     assert_eq!(json_field(&json, "block_size_maximum"), Some("33554432"));
     for flag in [
+        "can_df",
         "can_flush",
         "can_fua",
         "can_multi_conn",
@@ -135,6 +299,23 @@ async fn nbdinfo_reports_size_block_sizes_and_flags() {
     ] {
         assert_eq!(json_field(&json, flag), Some("true"), "{flag}");
     }
+    assert_eq!(json_field(&json, "structured"), Some("true"), "{json}");
+    let contexts = json
+        .split_once("\"contexts\": [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| list.split_whitespace().collect::<Vec<_>>());
+    assert_eq!(contexts, Some(vec!["\"base:allocation\""]), "{json}");
+    // `--can df` answers with its exit status: 0 for true, 2 for false.
+    let out = run(Command::new("nbdinfo")
+        .args(["--can", "df"])
+        .arg(s.uri("vm01")))
+    .await;
+    assert_eq!(out.status.code(), Some(0), "can_df");
+    let out = run(Command::new("nbdinfo")
+        .args(["--can", "fast-zero"])
+        .arg(s.uri("vm01")))
+    .await;
+    assert_eq!(out.status.code(), Some(2), "--can must be able to say no");
     assert_eq!(json_field(&json, "is_read_only"), Some("false"));
     assert_eq!(
         json_field(&json, "description"),
@@ -394,6 +575,29 @@ async fn nbdinfo_over_tls_and_plaintext_or_untrusting_clients_refused() {
     assert!(!out.status.success(), "a client with another CA connected");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("certificate verification"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdinfo_map_over_tls() {
+    require!("nbdinfo");
+    let s = serve_tls(false).await;
+    let certs = s.certs("certs", false);
+    let want = lay_out(&s.dev).await;
+    let out = run(Command::new("nbdinfo")
+        .args(["--map", "--json"])
+        .arg(s.nbds_uri(&certs)))
+    .await;
+    assert!(out.status.success());
+    assert_eq!(nbdinfo_layout(&String::from_utf8_lossy(&out.stdout)), want);
+    let out = run(Command::new("nbdinfo")
+        .arg("--json")
+        .arg(s.nbds_uri(&certs)))
+    .await;
+    assert!(out.status.success());
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(json_field(&json, "TLS"), Some("true"), "{json}");
+    assert_eq!(json_field(&json, "structured"), Some("true"), "{json}");
+    assert_eq!(json_field(&json, "can_df"), Some("true"), "{json}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

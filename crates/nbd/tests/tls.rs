@@ -268,6 +268,70 @@ async fn starttls_then_go_and_io_over_tls_1_3_and_1_2() {
     }
 }
 
+impl<S: AsyncRead + AsyncWrite + Unpin> Conn<S> {
+    /// The next reply, which must be a structured chunk for `handle`.
+    async fn chunk(&mut self, handle: u64) -> (ChunkHeader, Vec<u8>) {
+        let mut h = [0u8; STRUCTURED_REPLY_LEN];
+        tokio::time::timeout(Duration::from_secs(5), self.s.read_exact(&mut h))
+            .await
+            .expect("no reply within 5 s")
+            .unwrap();
+        let head = ChunkHeader::decode(&h).expect("a structured reply chunk");
+        assert_eq!(head.handle, handle);
+        let mut payload = vec![0u8; head.len as usize];
+        self.s.read_exact(&mut payload).await.unwrap();
+        (head, payload)
+    }
+}
+
+/// Structured replies and block status are negotiated over TLS like everything else:
+/// refused before STARTTLS, served after it.
+#[tokio::test]
+async fn structured_replies_and_block_status_over_tls() {
+    let s = setup();
+    let pki = Pki::new("a");
+    let (mut c, server) = connect(&s, tls_cfg(Some(pki.server_config(false)))).await;
+    let set = meta_context_request("vm01", &["base:allocation"]);
+    assert_eq!(c.ask(OPT_STRUCTURED_REPLY, &[]).await, REP_ERR_TLS_REQD);
+    assert_eq!(c.ask(OPT_SET_META_CONTEXT, &set).await, REP_ERR_TLS_REQD);
+    assert_eq!(c.ask(OPT_LIST_META_CONTEXT, &set).await, REP_ERR_TLS_REQD);
+    let mut c = c.starttls(pki.client_config(false)).await.unwrap();
+    assert_eq!(c.ask(OPT_STRUCTURED_REPLY, &[]).await, REP_ACK);
+    c.opt(OPT_SET_META_CONTEXT, &set).await;
+    let (typ, d) = c.opt_reply(OPT_SET_META_CONTEXT).await;
+    assert_eq!(typ, REP_META_CONTEXT);
+    let id = u32::from_be_bytes(d[0..4].try_into().unwrap());
+    assert_eq!(&d[4..], b"base:allocation");
+    assert_eq!(c.opt_reply(OPT_SET_META_CONTEXT).await.0, REP_ACK);
+    assert_eq!(c.go().await, REP_ACK);
+
+    assert_eq!(c.write(1, 8192, &[7u8; 4096]).await, 0);
+    c.request(CMD_BLOCK_STATUS, 2, 0, 16384).await;
+    c.s.flush().await.unwrap();
+    let (head, payload) = c.chunk(2).await;
+    assert_eq!(
+        (head.typ, head.flags),
+        (REPLY_TYPE_BLOCK_STATUS, REPLY_FLAG_DONE)
+    );
+    let mut want = id.to_be_bytes().to_vec();
+    for (len, flags) in [(8192u32, STATE_HOLE | STATE_ZERO), (4096, 0), (4096, 3)] {
+        want.extend_from_slice(&len.to_be_bytes());
+        want.extend_from_slice(&flags.to_be_bytes());
+    }
+    assert_eq!(payload, want);
+    c.request(CMD_READ, 3, 8192, 4096).await;
+    c.s.flush().await.unwrap();
+    let (head, payload) = c.chunk(3).await;
+    assert_eq!(
+        (head.typ, head.flags),
+        (REPLY_TYPE_OFFSET_DATA, REPLY_FLAG_DONE)
+    );
+    assert_eq!(u64::from_be_bytes(payload[0..8].try_into().unwrap()), 8192);
+    assert!(payload[8..].iter().all(|&b| b == 7));
+    c.disc().await;
+    assert!(server.await.unwrap().is_ok());
+}
+
 #[tokio::test]
 async fn abort_over_tls_is_clean() {
     let s = setup();
