@@ -743,6 +743,11 @@ path = "/dev/nvme0n1"
         ("good.toml".into(), good.as_bytes().to_vec()),
         ("minimal.toml".into(), minimal.as_bytes().to_vec()),
         ("bad.toml".into(), bad.into_bytes()),
+        // The packaged example a real host starts from (TLS, etcd members, drives).
+        (
+            "real-host-tls.toml".into(),
+            include_bytes!("../../packaging/converged.toml.example").to_vec(),
+        ),
     ]
 }
 

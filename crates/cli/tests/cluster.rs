@@ -650,3 +650,85 @@ fn cli_works_through_lab_env_with_node_1_killed() {
     let e = String::from_utf8_lossy(&o.stderr);
     assert!(!e.contains("cannot reach"), "{e}");
 }
+
+/// NBD block status (`base:allocation`): slabs never written are holes that read as
+/// zeroes, so `qemu-img map`, `nbdinfo --map` and copies that skip holes see a thin
+/// volume as it is; the data is still all there to read.
+#[test]
+fn qemu_img_map_and_nbdinfo_see_slabs_never_written_as_holes() {
+    let lab = Lab::up(3, &[]);
+    let uri = lab.create_volume("thin", "512M", "mirror-2");
+    // Data in slabs 1 and 5 (of eight 64 MiB slabs) only.
+    for offset in ["64M", "320M"] {
+        let f = fio(
+            &uri,
+            &[
+                "--rw=write",
+                "--bs=64k",
+                "--size=1M",
+                &format!("--offset={offset}"),
+                "--verify=crc32c",
+            ],
+        );
+        assert_eq!(fio_errors(&f), 0);
+    }
+    let map = must(Command::new("qemu-img").args(["map", "--output=json", "-f", "raw", &uri]));
+    let map: serde_json::Value = serde_json::from_str(&map).unwrap();
+    let data_at = |off: u64| {
+        let e = map
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| {
+                let (s, l) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+                s <= off && off < s + l
+            })
+            .unwrap_or_else(|| panic!("no entry at {off}: {map}"));
+        (e["data"].as_bool().unwrap(), e["zero"].as_bool().unwrap())
+    };
+    const M: u64 = 1 << 20;
+    for slab in 0..8u64 {
+        let written = slab == 1 || slab == 5;
+        for off in [slab * 64 * M, slab * 64 * M + 63 * M] {
+            assert_eq!(
+                data_at(off),
+                (written, !written),
+                "offset {off} (slab {slab}): {map}"
+            );
+        }
+    }
+    // nbdinfo agrees: 2 of 8 slabs hold data.
+    let totals = must(Command::new("nbdinfo").args(["--map", "--totals", &uri]));
+    assert!(
+        totals
+            .lines()
+            .any(|l| l.contains("25.0%") && l.contains("data")),
+        "{totals}"
+    );
+    // A copy that skips holes brings back exactly what was written.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("thin.img");
+    must(Command::new("nbdcopy").arg(&uri).arg(&out));
+    must(
+        Command::new("qemu-img")
+            .args(["compare", "-f", "raw", "-F", "raw"])
+            .arg(&out)
+            .arg(&uri),
+    );
+    // Through a node that forwards to the owner, every range counts as data (never wrong).
+    let other = (1..=3u32)
+        .find(|n| lab.json(&["volume", "show", "thin"])["owner"] != *n)
+        .unwrap();
+    let map = must(Command::new("qemu-img").args([
+        "map",
+        "--output=json",
+        "-f",
+        "raw",
+        &lab.uri_on("thin", other),
+    ]));
+    let map: serde_json::Value = serde_json::from_str(&map).unwrap();
+    assert!(
+        map.as_array().unwrap().iter().all(|e| e["data"] == true),
+        "{map}"
+    );
+}

@@ -6,7 +6,9 @@
 
 use crate::node::{Node, OpenError, Route};
 use bytes::Bytes;
-use converge_nbd::{BlockDev, DevError, DevErrorKind, ResolveError, Resolver};
+use converge_nbd::{
+    BlockDev, DevError, DevErrorKind, Extent, ResolveError, Resolver, STATE_HOLE, STATE_ZERO,
+};
 use converge_rpc::{ErrorCode, Request, Response, RpcError};
 use converge_types::{ExtentReply, NodeId, VolumeId};
 use converge_volume::{ReplicaError, VolumeError};
@@ -222,6 +224,41 @@ impl BlockDev for Export {
 
     async fn write_zeroes(&self, offset: u64, len: u32, _may_trim: bool) -> Result<(), DevError> {
         self.zero(offset, u64::from(len), false).await
+    }
+
+    /// Slabs never written are holes that read as zeroes; everything else counts as data.
+    /// Asked of the owner's slab map when it is served here. Forwarded to another owner,
+    /// the answer is "all data" (the peer protocol does not carry this question yet):
+    /// never wrong, only less useful.
+    async fn block_status(&self, offset: u64, len: u32) -> Result<Vec<Extent>, DevError> {
+        let all_data = || {
+            vec![Extent {
+                length: len,
+                flags: 0,
+            }]
+        };
+        let runs = match &*self.route() {
+            Route::Local(v) => match v.allocation(offset, u64::from(len)) {
+                Ok(runs) => runs,
+                Err(e) => match dev_error(e) {
+                    // Deposed meanwhile: the next request re-routes; this one stays safe.
+                    Attempt::Reroute(_) => return Ok(all_data()),
+                    Attempt::Fail(e) => return Err(e),
+                },
+            },
+            Route::Remote { .. } => return Ok(all_data()),
+        };
+        Ok(runs
+            .into_iter()
+            .map(|(n, allocated)| Extent {
+                length: n as u32,
+                flags: if allocated {
+                    0
+                } else {
+                    STATE_HOLE | STATE_ZERO
+                },
+            })
+            .collect())
     }
 
     fn description(&self) -> Option<String> {
