@@ -142,11 +142,34 @@ pub struct ResizeVolume {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Capacity {
+    /// Raw bytes of every capacity drive (failed ones excluded).
     pub total_bytes: u64,
     /// Bytes of extents placed (each copy counts).
     pub used_bytes: u64,
     /// Sum of volume sizes × copies (thin provisioning: may exceed total).
     pub provisioned_bytes: u64,
+    /// Raw bytes not placed: total − used.
+    #[serde(default)]
+    pub free_bytes: u64,
+    /// Volume data allocated (slabs written at least once), each slab once whatever its
+    /// copies.
+    #[serde(default)]
+    pub allocated_bytes: u64,
+    /// What must stay free on the other nodes for the copies of the node holding the most
+    /// to be rebuilt if it failed: that node's used bytes, and the node.
+    #[serde(default)]
+    pub rebuild_reserve_bytes: u64,
+    #[serde(default)]
+    pub rebuild_reserve_node: Option<NodeId>,
+    /// Volume data the pool holds at each resiliency (`simple`, `mirror-2`, `mirror-3`)
+    /// when empty: the copies on distinct nodes, so uneven nodes hold less than raw ÷ copies,
+    /// and fewer nodes than copies hold nothing.
+    #[serde(default)]
+    pub usable_bytes: std::collections::BTreeMap<String, u64>,
+    /// What is wrong or about to be: the pool can no longer rebuild its fullest node, or
+    /// soon cannot.
+    #[serde(default)]
+    pub warnings: Vec<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -1362,12 +1362,32 @@ fn print_status(s: &Status) {
     println!("cluster   {} ({})", s.cluster.name, s.cluster.id);
     println!("health    {}", s.health);
     println!("nodes     {live}/{} live", s.nodes.len());
+    let c = &s.capacity;
     println!(
-        "capacity  {} used of {} ({} provisioned)",
-        format_size(s.capacity.used_bytes),
-        format_size(s.capacity.total_bytes),
-        format_size(s.capacity.provisioned_bytes)
+        "capacity  {} used of {} raw, {} free ({} provisioned, {} of volume data allocated)",
+        format_size(c.used_bytes),
+        format_size(c.total_bytes),
+        format_size(c.free_bytes),
+        format_size(c.provisioned_bytes),
+        format_size(c.allocated_bytes)
     );
+    if !c.usable_bytes.is_empty() {
+        let per: Vec<String> = c
+            .usable_bytes
+            .iter()
+            .map(|(p, b)| format!("{p} {}", format_size(*b)))
+            .collect();
+        println!(
+            "usable    {} (volume data the empty pool holds)",
+            per.join(", ")
+        );
+    }
+    if let Some(n) = c.rebuild_reserve_node {
+        println!(
+            "reserve   {} kept free elsewhere to rebuild node {n}, the fullest",
+            format_size(c.rebuild_reserve_bytes)
+        );
+    }
     println!("\nNODES\n{}", nodes_table(&s.nodes));
     println!("DRIVES\n{}", drives_table(&s.drives));
     println!("VOLUMES\n{}", volumes_table(&s.volumes));

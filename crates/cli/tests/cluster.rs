@@ -653,9 +653,9 @@ fn cli_works_through_lab_env_with_node_1_killed() {
 
 /// NBD block status (`base:allocation`): slabs never written are holes that read as
 /// zeroes, so `qemu-img map`, `nbdinfo --map` and copies that skip holes see a thin
-/// volume as it is; the data is still all there to read.
+/// volume as it is; the data is still all there to read. `status` counts the same slabs.
 #[test]
-fn qemu_img_map_and_nbdinfo_see_slabs_never_written_as_holes() {
+fn qemu_img_map_nbdinfo_and_status_see_slabs_never_written_as_holes() {
     let lab = Lab::up(3, &[]);
     let uri = lab.create_volume("thin", "512M", "mirror-2");
     // Data in slabs 1 and 5 (of eight 64 MiB slabs) only.
@@ -697,6 +697,26 @@ fn qemu_img_map_and_nbdinfo_see_slabs_never_written_as_holes() {
             );
         }
     }
+    // The capacity report counts the same two slabs: allocated once, placed twice, and
+    // says what each resiliency holds on these three equal nodes.
+    let c = lab.json(&["status"])["capacity"].clone();
+    let n = |k: &str| c[k].as_u64().unwrap();
+    assert_eq!(n("allocated_bytes"), 2 * 64 * M, "{c}");
+    assert_eq!(n("used_bytes"), 2 * 2 * 64 * M, "{c}");
+    assert_eq!(n("free_bytes"), n("total_bytes") - n("used_bytes"), "{c}");
+    assert_eq!(
+        n("rebuild_reserve_bytes"),
+        2 * 64 * M,
+        "4 copies on 3 nodes: {c}"
+    );
+    let total = n("total_bytes");
+    assert_eq!(c["usable_bytes"]["simple"], total, "{c}");
+    assert_eq!(c["usable_bytes"]["mirror-2"], total / 2, "{c}");
+    assert_eq!(c["usable_bytes"]["mirror-3"], total / 3, "{c}");
+    assert_eq!(c["warnings"], serde_json::json!([]), "{c}");
+    let text = lab.must(&["status"]);
+    assert!(text.contains("usable    mirror-2"), "{text}");
+
     // nbdinfo agrees: 2 of 8 slabs hold data.
     let totals = must(Command::new("nbdinfo").args(["--map", "--totals", &uri]));
     assert!(

@@ -567,16 +567,7 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     let ds = drives_with(node, &caches).await?;
     let caches = caches.current();
     let vs = volumes(node, false).await?;
-    let total: u64 = ds
-        .iter()
-        .filter(|d| d.role == converge_types::DriveRole::Capacity)
-        .map(|d| d.extents_total * d.slab_size_bytes)
-        .sum();
-    let used: u64 = ds.iter().map(|d| d.extents_used * d.slab_size_bytes).sum();
-    let provisioned: u64 = vs
-        .iter()
-        .map(|v| v.size_bytes * v.resiliency.copies() as u64)
-        .sum();
+    let capacity = crate::capacity::account(&ns, &ds, &vs);
     let mut problems = Vec::new();
     let down: Vec<String> = ns
         .iter()
@@ -604,7 +595,8 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     if !jobs.is_empty() {
         problems.push(format!("{} repair jobs running", jobs.len()));
     }
-    let warnings = rebuild_warnings(node, &ns).await;
+    let mut warnings = rebuild_warnings(node, &ns).await;
+    warnings.extend(capacity.warnings.iter().cloned());
     let c = &node.cluster_rec;
     Ok(Status {
         caches,
@@ -623,11 +615,7 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
         nodes: ns,
         drives: ds,
         volumes: vs,
-        capacity: Capacity {
-            total_bytes: total,
-            used_bytes: used,
-            provisioned_bytes: provisioned,
-        },
+        capacity,
         answered_by: node.cfg.node_id,
     })
 }

@@ -4,6 +4,7 @@
 mod api;
 mod auth;
 mod cache_api;
+mod capacity;
 mod config;
 mod drain;
 mod export;

@@ -1,0 +1,223 @@
+//! The pool's capacity as `converge status` reports it: raw, used, free, allocated, what a
+//! rebuild of the fullest node needs free elsewhere, and how much volume data each
+//! resiliency holds. Pure arithmetic over what the API lists, so it is tested here.
+
+use converge_api::{Capacity, DriveInfo, NodeInfo, VolumeInfo};
+use converge_types::{DriveRole, NodeId, Resiliency};
+use std::collections::BTreeMap;
+
+/// Below this many times the rebuild reserve free elsewhere, `status` warns ahead.
+const RESERVE_MARGIN: f64 = 1.25;
+
+/// The most volume data that `copies` copies on distinct nodes fit in, with `caps` bytes
+/// per node: the largest `d` with Σ min(cap, d) ≥ copies × d (a node holds at most one
+/// copy of each byte). Balanced nodes give Σ cap ÷ copies; fewer nodes than copies, 0.
+pub fn distinct_fit(caps: &[u64], copies: u64) -> u64 {
+    if copies == 0 || (caps.iter().filter(|c| **c > 0).count() as u64) < copies {
+        return 0;
+    }
+    let fits = |d: u64| {
+        caps.iter().map(|c| u128::from((*c).min(d))).sum::<u128>()
+            >= u128::from(copies) * u128::from(d)
+    };
+    let (mut lo, mut hi) = (0u64, caps.iter().sum::<u64>() / copies);
+    while lo < hi {
+        let mid = lo + (hi - lo).div_ceil(2);
+        if fits(mid) {
+            lo = mid;
+        } else {
+            hi = mid - 1;
+        }
+    }
+    lo
+}
+
+fn size(b: u64) -> String {
+    const G: f64 = (1u64 << 30) as f64;
+    format!("{:.1} GiB", b as f64 / G)
+}
+
+/// The pool's capacity from its nodes, drives and volumes (see [`Capacity`]).
+pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) -> Capacity {
+    let capacity = |d: &&DriveInfo| d.role == DriveRole::Capacity && d.failed.is_none();
+    let mut cap: BTreeMap<NodeId, u64> = BTreeMap::new();
+    let mut used: BTreeMap<NodeId, u64> = BTreeMap::new();
+    for d in drives.iter().filter(capacity) {
+        *cap.entry(d.node).or_default() += d.extents_total * d.slab_size_bytes;
+        *used.entry(d.node).or_default() += d.extents_used * d.slab_size_bytes;
+    }
+    let total: u64 = cap.values().sum();
+    let used_all: u64 = drives
+        .iter()
+        .map(|d| d.extents_used * d.slab_size_bytes)
+        .sum();
+    let caps: Vec<u64> = cap.values().copied().collect();
+    let usable = [Resiliency::Simple, Resiliency::Mirror2, Resiliency::Mirror3]
+        .into_iter()
+        .map(|r| {
+            let fit = distinct_fit(&caps, r.copies() as u64);
+            (r.as_str().to_string(), fit)
+        })
+        .collect();
+    // The node holding the most: its copies must fit in what the live nodes left have free.
+    let fullest = used
+        .iter()
+        .max_by_key(|(n, u)| (**u, std::cmp::Reverse(**n)))
+        .filter(|(_, u)| **u > 0)
+        .map(|(n, u)| (*n, *u));
+    let mut warnings = Vec::new();
+    if let Some((n, reserve)) = fullest {
+        let live = |id: &NodeId| nodes.iter().any(|x| x.id == *id && x.live && !x.draining);
+        let free_elsewhere: u64 = cap
+            .iter()
+            .filter(|(id, _)| **id != n && live(id))
+            .map(|(id, c)| c.saturating_sub(used.get(id).copied().unwrap_or(0)))
+            .sum();
+        if free_elsewhere < reserve {
+            warnings.push(format!(
+                "the pool can no longer rebuild node {n}: if it failed, its {} of copies \
+                 would not fit in the {} free on the other live nodes; add drives or nodes, \
+                 or delete volumes",
+                size(reserve),
+                size(free_elsewhere)
+            ));
+        } else if (free_elsewhere as f64) < reserve as f64 * RESERVE_MARGIN {
+            warnings.push(format!(
+                "the pool is close to not being able to rebuild node {n}: its {} of copies \
+                 would need most of the {} free on the other live nodes",
+                size(reserve),
+                size(free_elsewhere)
+            ));
+        }
+    }
+    Capacity {
+        total_bytes: total,
+        used_bytes: used_all,
+        provisioned_bytes: vols
+            .iter()
+            .map(|v| v.size_bytes * v.resiliency.copies() as u64)
+            .sum(),
+        free_bytes: total.saturating_sub(used.values().sum()),
+        allocated_bytes: vols.iter().map(|v| v.allocated_bytes).sum(),
+        rebuild_reserve_bytes: fullest.map_or(0, |f| f.1),
+        rebuild_reserve_node: fullest.map(|f| f.0),
+        usable_bytes: usable,
+        warnings,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use converge_types::{DriveId, MediaType};
+
+    const G: u64 = 1 << 30;
+
+    #[test]
+    fn copies_on_distinct_nodes_fit_what_the_nodes_allow() {
+        assert_eq!(distinct_fit(&[G, G, G], 3), G);
+        assert_eq!(distinct_fit(&[G, G, G], 2), 3 * G / 2);
+        assert_eq!(distinct_fit(&[G, G, G], 1), 3 * G);
+        // Too few nodes for the copies: nothing.
+        assert_eq!(distinct_fit(&[G, G], 3), 0);
+        assert_eq!(distinct_fit(&[G, G, 0], 3), 0);
+        // A big node cannot take more than one copy of each byte: 10 + 1 + 1 with three
+        // copies holds 1, not 4.
+        assert_eq!(distinct_fit(&[10 * G, G, G], 3), G);
+        // Four nodes, one twice the others: mirror-2 fills them all, (2+1+1+1)/2.
+        assert_eq!(distinct_fit(&[2 * G, G, G, G], 2), 5 * G / 2);
+    }
+
+    fn node(id: u32, live: bool) -> NodeInfo {
+        NodeInfo {
+            id: NodeId(id),
+            name: format!("node{id}"),
+            live,
+            rpc_addr: String::new(),
+            api_addr: String::new(),
+            nbd_socket: String::new(),
+            nbd_tcp: None,
+            version: String::new(),
+            maintenance: false,
+            draining: false,
+        }
+    }
+
+    fn drive(node: u32, total: u64, used: u64) -> DriveInfo {
+        DriveInfo {
+            id: DriveId(u64::from(node)),
+            node: NodeId(node),
+            path: String::new(),
+            role: DriveRole::Capacity,
+            media: MediaType::Ssd,
+            size_bytes: total * G,
+            extents_total: total,
+            extents_used: used,
+            slab_size_bytes: G,
+            failed: None,
+            cache: None,
+        }
+    }
+
+    #[test]
+    fn status_warns_before_the_fullest_node_cannot_be_rebuilt() {
+        let nodes: Vec<NodeInfo> = (1..=4).map(|i| node(i, true)).collect();
+        // 4 nodes of 10 GiB; node 2 holds the most (6), the others have 4 + 5 + 7 free.
+        let drives = [
+            drive(1, 10, 6),
+            drive(2, 10, 6),
+            drive(3, 10, 5),
+            drive(4, 10, 3),
+        ];
+        let c = account(&nodes, &drives, &[]);
+        assert_eq!(c.total_bytes, 40 * G);
+        assert_eq!(c.used_bytes, 20 * G);
+        assert_eq!(c.free_bytes, 20 * G);
+        assert_eq!(c.rebuild_reserve_bytes, 6 * G);
+        assert_eq!(
+            c.rebuild_reserve_node,
+            Some(NodeId(1)),
+            "ties go to the lowest id"
+        );
+        assert_eq!(c.usable_bytes["simple"], 40 * G);
+        assert_eq!(c.usable_bytes["mirror-2"], 20 * G);
+        assert_eq!(c.usable_bytes["mirror-3"], 40 * G / 3);
+        assert!(c.warnings.is_empty(), "{:?}", c.warnings);
+        // Fuller: node 1 holds 8, the others 2 + 1 + 3 free (6 < 8): cannot rebuild.
+        let drives = [
+            drive(1, 10, 8),
+            drive(2, 10, 8),
+            drive(3, 10, 9),
+            drive(4, 10, 7),
+        ];
+        let c = account(&nodes, &drives, &[]);
+        assert_eq!(c.rebuild_reserve_node, Some(NodeId(3)));
+        assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+        assert!(
+            c.warnings[0].contains("can no longer rebuild node 3"),
+            "{:?}",
+            c.warnings
+        );
+        // Close: 9 held, 10 free elsewhere (< 9 × 1.25).
+        let drives = [
+            drive(1, 10, 9),
+            drive(2, 10, 7),
+            drive(3, 10, 7),
+            drive(4, 10, 6),
+        ];
+        let c = account(&nodes, &drives, &[]);
+        assert!(c.warnings[0].contains("close to"), "{:?}", c.warnings);
+        // Space on a down node does not count: 7 held by node 1, 3 + 3 (+ 10 on node 4).
+        let drives = [
+            drive(1, 10, 7),
+            drive(2, 10, 7),
+            drive(3, 10, 7),
+            drive(4, 10, 0),
+        ];
+        assert!(account(&nodes, &drives, &[]).warnings.is_empty());
+        let mut down = nodes.clone();
+        down[3].live = false;
+        let c = account(&down, &drives, &[]);
+        assert!(c.warnings[0].contains("can no longer"), "{:?}", c.warnings);
+    }
+}
