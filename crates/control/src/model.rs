@@ -539,7 +539,12 @@ impl<K: Kv> Cluster<K> {
     /// Starts (or, with `on` false, cancels) draining a node: placement stops choosing its
     /// drives and the owners of its copies move them elsewhere, copy before drop.
     pub async fn set_draining(&self, node: NodeId, on: bool) -> Result<(), ControlError> {
-        let key = format!("{}{}", keys::DRAINING, node.0);
+        self.mark_node(keys::DRAINING, node, on).await
+    }
+
+    /// Sets (or clears) the `<prefix><node id>` mark of a node.
+    async fn mark_node(&self, prefix: &str, node: NodeId, on: bool) -> Result<(), ControlError> {
+        let key = format!("{prefix}{}", node.0);
         if on {
             self.etcd.put(&key, b"{}", None).await?;
         } else {
@@ -723,13 +728,7 @@ impl<K: Kv> Cluster<K> {
 
     /// Puts a node in maintenance (or takes it out).
     pub async fn set_maintenance(&self, node: NodeId, on: bool) -> Result<(), ControlError> {
-        let key = format!("{}{}", keys::MAINTENANCE, node.0);
-        if on {
-            self.etcd.put(&key, b"{}", None).await?;
-        } else {
-            self.etcd.delete(&key).await?;
-        }
-        Ok(())
+        self.mark_node(keys::MAINTENANCE, node, on).await
     }
 
     /// Records that a drive failed (or, with `None`, that it works again).

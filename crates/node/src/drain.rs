@@ -12,6 +12,7 @@
 use crate::api::{move_volume, nodes, ok, serving_owner, slab_map, ApiError, Out};
 use crate::node::{drive_loads, Node};
 use converge_api::{Drain, MoveVolume, NodeRemoved};
+use converge_control::placement::DriveLoad;
 use converge_types::{DriveRole, NodeId};
 use hyper::StatusCode;
 use std::collections::BTreeSet;
@@ -27,17 +28,20 @@ fn node_id(id: &str) -> Result<NodeId, ApiError> {
         .map_err(|_| ApiError::bad(format!("node id {id:?} is not a number")))
 }
 
-/// The nodes that may take copies instead of `id`: live, neither in maintenance nor
-/// draining, with a capacity drive that has not failed.
-async fn receivers(node: &Node, id: NodeId) -> Result<BTreeSet<NodeId>, ApiError> {
-    let loads = drive_loads(&node.cluster)
-        .await
-        .map_err(ApiError::unavailable)?;
-    Ok(loads
+/// The nodes that may take copies instead of `id` among `loads`: live, neither in
+/// maintenance nor draining, with a capacity drive that has not failed.
+fn receivers(loads: &[DriveLoad], id: NodeId) -> BTreeSet<NodeId> {
+    loads
         .iter()
         .filter(|l| l.live && l.node != id && l.role == DriveRole::Capacity)
         .map(|l| l.node)
-        .collect())
+        .collect()
+}
+
+async fn loads(node: &Node) -> Result<Vec<DriveLoad>, ApiError> {
+    drive_loads(&node.cluster)
+        .await
+        .map_err(ApiError::unavailable)
 }
 
 /// `POST /v1/nodes/ID/drain`.
@@ -59,10 +63,8 @@ pub async fn drain(node: &Arc<Node>, id: &str, body: &[u8]) -> Out {
         log::info!("node {id} is no longer drained; copies already moved stay where they are");
         return ok(&nodes(node).await?);
     }
-    let to = receivers(node, id).await?;
-    let loads = drive_loads(&node.cluster)
-        .await
-        .map_err(ApiError::unavailable)?;
+    let loads = loads(node).await?;
+    let to = receivers(&loads, id);
     let free: u64 = loads
         .iter()
         .filter(|l| to.contains(&l.node) && l.role == DriveRole::Capacity)
@@ -147,7 +149,7 @@ pub async fn remove(node: &Arc<Node>, id: &str) -> Out {
         )));
     }
     // Its volumes go to other nodes first (as for maintenance).
-    let to: Vec<NodeId> = receivers(node, id).await?.into_iter().collect();
+    let to: Vec<NodeId> = receivers(&loads(node).await?, id).into_iter().collect();
     let mut moved = Vec::new();
     for v in &vols {
         if serving_owner(node, v).await? != id {
