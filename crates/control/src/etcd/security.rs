@@ -427,16 +427,24 @@ pub(crate) fn classify_tls_failure(
 
 /// Names a failed TLS handshake; None if it failed below TLS (then it is a connection
 /// problem). A peer that hangs up on our hello without a word is most likely not speaking
-/// TLS: etcd serving plain http closes the connection on bytes it cannot route.
+/// TLS: etcd serving plain http answers 400 and closes the connection on bytes it cannot
+/// route. Closing with part of our hello still unread makes its kernel reset the
+/// connection, and the reset can overtake the 400: so a reset during the handshake means
+/// the same as an end of stream.
 pub(crate) fn classify_handshake_failure(
     err: &std::io::Error,
     host: &str,
     presented_client_cert: bool,
 ) -> Option<TlsFailure> {
-    classify_tls_failure(err, host, presented_client_cert).or_else(|| {
-        (err.kind() == std::io::ErrorKind::UnexpectedEof).then(|| TlsFailure::NotTls {
+    use std::io::ErrorKind::{ConnectionReset, UnexpectedEof};
+    classify_tls_failure(err, host, presented_client_cert).or_else(|| match err.kind() {
+        UnexpectedEof => Some(TlsFailure::NotTls {
             reason: "it closed the connection during the TLS handshake".to_string(),
-        })
+        }),
+        ConnectionReset => Some(TlsFailure::NotTls {
+            reason: "it reset the connection during the TLS handshake".to_string(),
+        }),
+        _ => None,
     })
 }
 
@@ -444,6 +452,22 @@ pub(crate) fn classify_handshake_failure(
 #[allow(clippy::unwrap_used)]
 mod tests {
     use super::*;
+
+    /// Was a flaky test under load: a plain-http etcd reset the connection before its 400
+    /// arrived, and the failure read "unreachable" instead of "not TLS".
+    #[test]
+    fn a_hang_up_during_the_handshake_reads_as_not_tls() {
+        use std::io::{Error, ErrorKind};
+        for kind in [ErrorKind::UnexpectedEof, ErrorKind::ConnectionReset] {
+            let f = classify_handshake_failure(&Error::from(kind), "h", false);
+            assert!(
+                matches!(f, Some(TlsFailure::NotTls { .. })),
+                "{kind:?}: {f:?}"
+            );
+        }
+        let refused = Error::from(ErrorKind::ConnectionRefused);
+        assert!(classify_handshake_failure(&refused, "h", false).is_none());
+    }
 
     #[test]
     fn incomplete_settings_are_refused() {
