@@ -7,6 +7,9 @@
 //! * an operation that creates the extent (it stores blocks, or fences) is backed by a slab
 //!   record placing the copy on this drive: a late write of a deleted volume, of a copy
 //!   rebuilt elsewhere, or of an invented volume must not take space nothing accounts for.
+//!   It must also come from the volume's current owner: an extent's epoch fence is lost
+//!   when the extent is freed (a slab released by TRIM, a copy moved), so a deposed
+//!   owner's late write must not create it again under a new incarnation's record.
 //!   Checked only when the drive does not hold the extent yet;
 //! * a copy its slab record still places on this drive is never freed (its blocks would
 //!   read as zeros).
@@ -27,6 +30,9 @@ pub enum Refusal {
     NotPlaced(String),
     /// It would free a copy the slab's record still places on this drive.
     StillPlaced(String),
+    /// It would create an extent, and its epoch is not the volume's current owner's (a
+    /// deposed owner's late request): the sender is fenced.
+    Deposed { current: Epoch, message: String },
     /// The control plane could not be asked.
     Unavailable(String),
 }
@@ -37,6 +43,7 @@ impl Refusal {
             Refusal::NotGranted(m)
             | Refusal::NotPlaced(m)
             | Refusal::StillPlaced(m)
+            | Refusal::Deposed { message: m, .. }
             | Refusal::Unavailable(m) => m,
         }
     }
@@ -69,6 +76,9 @@ impl Admission {
         }
         if op.creates_extent() && !holds_extent() {
             confirm_placed(cluster, drive, key).await?;
+            if let Some(epoch) = op.epoch() {
+                confirm_owner(cluster, key, epoch).await?;
+            }
         }
         Ok(())
     }
@@ -125,6 +135,30 @@ async fn confirm_placed<K: Kv>(
         Err(e) => Err(Refusal::Unavailable(format!(
             "cannot check the slab record of a new extent (slab {} of volume {}): {e}",
             key.slab, key.volume
+        ))),
+    }
+}
+
+async fn confirm_owner<K: Kv>(
+    cluster: &Cluster<K>,
+    key: ExtentKey,
+    epoch: Epoch,
+) -> Result<(), Refusal> {
+    match cluster.owner(key.volume).await {
+        Ok(Some(o)) if epoch >= o.epoch => Ok(()),
+        Ok(o) => {
+            let current = o.map_or(Epoch(epoch.0 + 1), |o| o.epoch);
+            Err(Refusal::Deposed {
+                current,
+                message: format!(
+                    "a new extent of slab {} of volume {} at epoch {epoch}, but the volume's                      owner is at epoch {current} (or has none): refused",
+                    key.slab, key.volume
+                ),
+            })
+        }
+        Err(e) => Err(Refusal::Unavailable(format!(
+            "cannot check the owner of volume {} before creating an extent: {e}",
+            key.volume
         ))),
     }
 }

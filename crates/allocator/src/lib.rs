@@ -194,4 +194,16 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
             format!("slab {slab}: too many concurrent changes of its record"),
         ))
     }
+
+    async fn release(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        epoch: Epoch,
+    ) -> Result<(), VolumeError> {
+        self.cluster
+            .release_slab_as_owner(volume, slab, self.owner(epoch))
+            .await
+            .map_err(|e| fenced(volume, epoch, e, "release its slabs"))
+    }
 }

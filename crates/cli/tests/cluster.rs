@@ -654,6 +654,116 @@ fn cli_works_through_lab_env_with_node_1_killed() {
 /// NBD block status (`base:allocation`): slabs never written are holes that read as
 /// zeroes, so `qemu-img map`, `nbdinfo --map` and copies that skip holes see a thin
 /// volume as it is; the data is still all there to read. `status` counts the same slabs.
+/// A metric (every line whose name starts `name{`) summed over every node of the lab.
+fn metric_sum(lab: &Lab, name: &str) -> u64 {
+    let lj = lab.lab_json();
+    let prefix = format!("{name}{{");
+    lj["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            let api = n["api"].as_str().unwrap().trim_start_matches("https://");
+            http_get(lab, api, "/metrics", Some(&lab.token()))
+                .lines()
+                .filter(|l| l.starts_with(&prefix))
+                .map(|l| l.rsplit(' ').next().unwrap().parse::<u64>().unwrap())
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+/// Extents the engines of every node hold on their capacity drives (their own count, not
+/// the slab records').
+fn engine_extents(lab: &Lab) -> u64 {
+    metric_sum(lab, "converge_drive_extents_used")
+}
+
+#[test]
+fn an_fstrim_sized_trim_returns_whole_slabs_to_the_pool_on_every_copy() {
+    const M: u64 = 1 << 20;
+    let lab = Lab::up(3, &[]);
+    let uri = lab.create_volume("reclaim", "512M", "mirror-2");
+    // Slabs 0, 1 and 2 (64 MiB each) written whole.
+    let tmp = tempfile::tempdir().unwrap();
+    let a = random_file(tmp.path(), "a.img", (192 * M) as usize, 7);
+    must(
+        Command::new("qemu-img")
+            .args(["convert", "-n", "-f", "raw", "-O", "raw"])
+            .arg(&a)
+            .arg(&uri),
+    );
+    let allocated = |lab: &Lab| {
+        lab.json(&["status"])["capacity"]["allocated_bytes"]
+            .as_u64()
+            .unwrap()
+    };
+    assert_eq!(allocated(&lab), 3 * 64 * M);
+    assert_eq!(engine_extents(&lab), 6, "three slabs, two copies each");
+
+    // What a guest's fstrim sends: one discard over free space, here 32 MiB..160 MiB. It
+    // covers slab 1 whole, which goes back to the pool on both copies; the parts of slabs
+    // 0 and 2 read as zeros but stay allocated.
+    must(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 32M 128M", &uri]));
+    assert_eq!(allocated(&lab), 2 * 64 * M);
+    assert_eq!(engine_extents(&lab), 4, "slab 1 freed on every copy");
+    let c = lab.json(&["status"])["capacity"].clone();
+    assert_eq!(c["used_bytes"].as_u64().unwrap(), 2 * 2 * 64 * M, "{c}");
+    let show = lab.json(&["volume", "show", "reclaim"]);
+    assert_eq!(show["slabs_allocated"], 2, "{show}");
+    assert_eq!(metric_sum(&lab, "converge_volume_slabs_released_total"), 1);
+
+    // The volume reads what was written outside the discard and zeros inside it.
+    let back = tmp.path().join("back.img");
+    must(Command::new("nbdcopy").arg(&uri).arg(&back));
+    let (a, back) = (std::fs::read(&a).unwrap(), std::fs::read(&back).unwrap());
+    let (lo, hi, end) = ((32 * M) as usize, (160 * M) as usize, (192 * M) as usize);
+    assert!(back[..lo] == a[..lo], "data before the discard changed");
+    assert!(
+        back[lo..hi].iter().all(|&b| b == 0),
+        "the discarded range does not read zeros"
+    );
+    assert!(back[hi..end] == a[hi..], "data after the discard changed");
+    assert!(back[end..].iter().all(|&b| b == 0));
+    // qemu-img map sees slab 1 as a hole again, slabs 0 and 2 as data.
+    let map = must(Command::new("qemu-img").args(["map", "--output=json", "-f", "raw", &uri]));
+    let map: serde_json::Value = serde_json::from_str(&map).unwrap();
+    let data_at = |off: u64| {
+        map.as_array()
+            .unwrap()
+            .iter()
+            .find(|e| {
+                let (s, l) = (e["start"].as_u64().unwrap(), e["length"].as_u64().unwrap());
+                s <= off && off < s + l
+            })
+            .map(|e| e["data"].as_bool().unwrap())
+            .unwrap()
+    };
+    assert!(
+        data_at(0) && !data_at(64 * M) && !data_at(127 * M) && data_at(128 * M),
+        "{map}"
+    );
+
+    // Written again, slab 1 is allocated afresh and holds what a verifying client wrote.
+    let f = fio(
+        &uri,
+        &[
+            "--rw=write",
+            "--bs=64k",
+            "--size=4M",
+            "--offset=80M",
+            "--verify=crc32c",
+        ],
+    );
+    assert_eq!(fio_errors(&f), 0);
+    assert_eq!(allocated(&lab), 3 * 64 * M);
+    assert_eq!(engine_extents(&lab), 6);
+    // And a discard of the whole volume gives everything back.
+    must(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 512M", &uri]));
+    assert_eq!(allocated(&lab), 0);
+    assert_eq!(engine_extents(&lab), 0);
+}
+
 #[test]
 fn qemu_img_map_nbdinfo_and_status_see_slabs_never_written_as_holes() {
     let lab = Lab::up(3, &[]);

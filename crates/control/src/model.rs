@@ -937,6 +937,46 @@ impl<K: Kv> Cluster<K> {
         self.create_slab_as_owner(volume, slab, &rec, owner).await
     }
 
+    /// Deletes a slab's record as the volume's owner (thin reclaim), in one transaction
+    /// with the check that `owner` still owns the volume at its epoch: a deposed owner
+    /// gets `Err(OwnedElsewhere)` and nothing changes. A slab with no record is `Ok`.
+    pub async fn release_slab_as_owner(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        owner: OwnerRecord,
+    ) -> Result<(), ControlError> {
+        let okey = keys::owner(volume);
+        let ovalue = encode(&okey, "owner record", &owner)?;
+        let r = self
+            .etcd
+            .txn(Txn {
+                compare: vec![Compare::Value(okey.clone(), ovalue)],
+                success: vec![Op::Delete(keys::slab(volume, slab))],
+                failure: vec![Op::Get(okey)],
+            })
+            .await?;
+        if r.succeeded {
+            return Ok(());
+        }
+        let now: Option<OwnerRecord> = match r.gets.into_iter().next().flatten() {
+            Some(kv) => Some(decode(&kv, "owner record")?),
+            None => None,
+        };
+        Err(match now {
+            Some(o) => ControlError::OwnedElsewhere {
+                volume,
+                node: o.node,
+                epoch: o.epoch,
+            },
+            None => ControlError::OwnedElsewhere {
+                volume,
+                node: NodeId(0),
+                epoch: owner.epoch,
+            },
+        })
+    }
+
     /// Replaces a slab record if unchanged since `expected_mod_revision` *and* `owner` still
     /// owns the volume at its epoch: a deposed owner (paused, partitioned) cannot change
     /// slab states any more (control-plane fencing). `Ok(None)` means the record changed

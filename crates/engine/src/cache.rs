@@ -271,6 +271,9 @@ struct ExtState {
     entries: HashMap<u32, Entry>,
     /// Block ranges [first, first+count) with a write in progress through the tier.
     busy: Vec<(u32, u32)>,
+    /// The extent was freed or released while a write held this entry: the write is
+    /// refused ([`EngineError::Released`]) instead of logging into a forgotten index.
+    dropped: bool,
 }
 
 impl ExtState {
@@ -1878,6 +1881,9 @@ impl Tier {
         while m.overlaps(first, count) {
             m = idx.cv.wait(m).expect("cache index lock poisoned");
         }
+        if m.dropped {
+            return Err(EngineError::Released { key });
+        }
         m.busy.push((first, count));
         let logged: Vec<Option<u64>> = (first..first + count)
             .map(|b| m.entries.get(&b).map(|e| e.version))
@@ -2163,6 +2169,9 @@ impl Tier {
         while m.overlaps(first, count) {
             m = idx.cv.wait(m).expect("cache index lock poisoned");
         }
+        if m.dropped {
+            return Err(EngineError::Released { key });
+        }
         m.busy.push((first, count));
         drop(m);
         let r = self.cap.zero(key, epoch, version, offset, len);
@@ -2258,7 +2267,9 @@ impl Tier {
                 .unwrap_or_else(|p| p.into_inner())
                 .remove(&k);
             if let Some(idx) = removed {
-                for e in lock(&idx.m).entries.values() {
+                let mut m = lock(&idx.m);
+                m.dropped = true;
+                for e in m.entries.values() {
                     c.account_remove(e);
                 }
             }
@@ -2274,6 +2285,57 @@ impl Tier {
             c.wait_durable(seq.unwrap_or(0))?;
         }
         self.cap.free_extent(key)
+    }
+
+    /// Frees the extent if it holds nothing newer than `upto`, as
+    /// [`Drive::release_extent`]; through a cache drive, the log's entries count too, and
+    /// they are forgotten durably (a drop record) before the capacity drive frees the
+    /// extent. Writes through the tier to this extent are held off meanwhile (its index
+    /// entry is locked, destage is paused); one that was waiting is refused afterwards.
+    pub fn release_extent(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        upto: Version,
+    ) -> Result<bool, EngineError> {
+        let Some(c) = self.cache() else {
+            return self.cap.release_extent(key, epoch, upto);
+        };
+        let _gate = lock(&c.destage_gate);
+        let k = (self.me(), key);
+        let idx = c.ext(k, true).expect("created");
+        let mut m = lock(&idx.m);
+        if !m.busy.is_empty()
+            || m.entries.values().any(|e| e.version > upto.0)
+            || !self.cap.releasable(key, epoch, upto)?
+        {
+            return Ok(false);
+        }
+        let rec = Rec {
+            kind: K_DROP,
+            block: 0,
+            drive: self.me(),
+            key,
+            version: 0,
+            crc: 0,
+        };
+        let seq = c.append(&[rec], &[], Room::Force)?;
+        c.wait_durable(seq.unwrap_or(0))?;
+        // Nothing can have changed the capacity extent since the check: every write
+        // through the tier marks this entry busy first, and destage is paused.
+        let freed = self.cap.release_extent(key, epoch, upto)?;
+        m.dropped = true;
+        for e in m.entries.values() {
+            c.account_remove(e);
+        }
+        m.entries.clear();
+        drop(m);
+        idx.cv.notify_all();
+        let mut w = c.index.write().unwrap_or_else(|p| p.into_inner());
+        if w.get(&k).is_some_and(|cur| Arc::ptr_eq(cur, &idx)) {
+            w.remove(&k);
+        }
+        Ok(freed)
     }
 }
 

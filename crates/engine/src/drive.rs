@@ -88,6 +88,9 @@ pub(crate) struct ExtentMeta {
     /// Threads waiting on the extent's `cv` for busy blocks (notifiers skip the syscall
     /// when there are none).
     pub waiters: u32,
+    /// Released ([`Drive::release_extent`]): the slot is gone from the table, and a write
+    /// that found the extent before is refused rather than landing on a freed slot.
+    pub freed: bool,
 }
 
 /// One block's share of an extent's version digest.
@@ -170,6 +173,7 @@ impl Extent {
                 blocks,
                 overlay: HashMap::new(),
                 waiters: 0,
+                freed: false,
             }),
             cv: Condvar::new(),
         }
@@ -487,12 +491,15 @@ impl Drive {
         new: impl Fn(usize) -> BlockMeta,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
         applied: &mut Vec<bool>,
-    ) -> (u32, u64) {
+    ) -> Result<(u32, u64), EngineError> {
         let mut m = lock(&ext.meta);
         while m.any_busy(first, count) {
             m.waiters += 1;
             m = ext.cv.wait(m).expect("extent lock poisoned");
             m.waiters -= 1;
+        }
+        if m.freed {
+            return Err(EngineError::Released { key: ext.key });
         }
         applied.clear();
         let mut n = 0;
@@ -524,7 +531,7 @@ impl Drive {
                 applied.push(false);
             }
         }
-        (n, need_seq)
+        Ok((n, need_seq))
     }
 
     /// Ends a claim: the blocks' records are queued in batch `seq` (0: nothing queued),
@@ -808,7 +815,7 @@ impl Drive {
                 |i| BlockMeta::data(version_of(i), crcs[i], 0),
                 accept,
                 &mut s.applied,
-            );
+            )?;
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - n), Ordering::Relaxed);
@@ -983,14 +990,17 @@ impl Drive {
             };
             let (first, count) = ranges[k];
             let mut applied = Vec::new();
-            let (cn, need_seq) = self.claim(
+            // Released meanwhile: skipped, like an extent the drive no longer holds.
+            let Ok((cn, need_seq)) = self.claim(
                 &ext,
                 first,
                 count,
                 |i| BlockMeta::data(r.versions[i], r.crcs[i], 0),
                 |_, cur, new| new.version >= cur.version,
                 &mut applied,
-            );
+            ) else {
+                continue;
+            };
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - cn), Ordering::Relaxed);
@@ -1282,7 +1292,7 @@ impl Drive {
                 |_| new,
                 |_, cur, new| new.version >= cur.version,
                 &mut s.applied,
-            );
+            )?;
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - n), Ordering::Relaxed);
@@ -1410,6 +1420,68 @@ impl Drive {
             self.enqueue(&rec, true)?
         };
         self.wait_durable(seq)
+    }
+
+    /// Frees the extent if it holds nothing newer than `upto` (durable on `Ok(true)`): the
+    /// owner releases a slab it has zeroed whole at version `upto`, and a request that
+    /// arrives late must never free a later incarnation of the slab (its first operation
+    /// carries a higher version) nor lose a write in progress. `Ok(false)`: kept, because a
+    /// block is newer or a write to it is in progress. A missing extent is `Ok(true)`; an
+    /// extent at a newer epoch refuses the older owner (`StaleEpoch`). Checked and freed
+    /// under the extent's lock, so a write that found the extent before is refused
+    /// ([`EngineError::Released`]) instead of landing on the freed slot.
+    pub fn release_extent(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        upto: Version,
+    ) -> Result<bool, EngineError> {
+        self.check_failed()?;
+        let seq = {
+            let mut t = lock(&self.table);
+            let Some(&slot) = t.by_key.get(&key) else {
+                return Ok(true);
+            };
+            let ext = t.slots[slot as usize]
+                .live
+                .clone()
+                .expect("by_key only names live slots");
+            Self::check_epoch(&ext, epoch)?;
+            {
+                let mut m = lock(&ext.meta);
+                let blocks = self.layout.blocks_per_extent;
+                if m.any_busy(0, blocks) || (0..blocks).any(|b| m.current(b).version > upto.0) {
+                    return Ok(false);
+                }
+                m.freed = true;
+            }
+            t.by_key.remove(&key);
+            t.slots[slot as usize].live = None;
+            let mut rec = [0u8; RECORD];
+            Record::Free { slot }.encode(&mut rec);
+            self.enqueue(&rec, true)?
+        };
+        self.wait_durable(seq)?;
+        Ok(true)
+    }
+
+    /// Whether [`Drive::release_extent`] would free the extent now (it checks the same
+    /// under its locks; the cache tier asks first, to drop its own log of the extent only
+    /// when the capacity drive will free it).
+    pub(crate) fn releasable(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        upto: Version,
+    ) -> Result<bool, EngineError> {
+        self.check_failed()?;
+        let Some(ext) = self.lookup(key) else {
+            return Ok(true);
+        };
+        Self::check_epoch(&ext, epoch)?;
+        let m = lock(&ext.meta);
+        let blocks = self.layout.blocks_per_extent;
+        Ok(!m.any_busy(0, blocks) && (0..blocks).all(|b| m.current(b).version <= upto.0))
     }
 
     pub fn capacity(&self) -> Capacity {

@@ -267,6 +267,38 @@ fn free_realloc_and_no_space() {
 }
 
 #[test]
+fn release_frees_only_what_holds_nothing_newer_and_refuses_older_owners() {
+    let (f, d) = faulty(8 << 20);
+    let mut rng = StdRng::seed_from_u64(7);
+    let (x, xc) = blocks(&mut rng, 2);
+    let k = key(3, 0);
+    d.write(k, Epoch(2), Version(5), 0, &x, &xc).unwrap();
+    d.zero(k, Epoch(2), Version(9), 0, SLAB).unwrap();
+    let used = d.capacity().extents_used;
+    // An older owner may not release it.
+    assert!(matches!(
+        d.release_extent(k, Epoch(1), Version(9)),
+        Err(EngineError::StaleEpoch { .. })
+    ));
+    // A release below the newest block keeps it (a later incarnation).
+    assert!(!d.release_extent(k, Epoch(2), Version(8)).unwrap());
+    assert!(d.has_extent(k));
+    assert_eq!(d.capacity().extents_used, used);
+    // At or above: freed, durably.
+    assert!(d.release_extent(k, Epoch(2), Version(9)).unwrap());
+    assert!(!d.has_extent(k));
+    assert_eq!(d.capacity().extents_used, used - 1);
+    assert!(
+        d.release_extent(k, Epoch(2), Version(9)).unwrap(),
+        "idempotent"
+    );
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert!(!d.has_extent(k));
+    assert!(read_all(&d, k, 0, 2 * B).0.iter().all(|&b| b == 0));
+}
+
+#[test]
 fn probe_format_open_identity() {
     let f = FaultyFile::new(8 << 20);
     assert!(Drive::probe(&f).unwrap().is_none(), "blank drive");

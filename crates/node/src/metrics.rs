@@ -234,8 +234,19 @@ pub async fn render(node: &Node) -> String {
             "converge_volume_extents_marked_stale_total{{{l}}} {}",
             s.extents_marked_stale
         );
-        let stale = vols[name]
-            .slab_map()
+        let _ = writeln!(o, "converge_volume_zero_ops_total{{{l}}} {}", s.zero_ops);
+        let _ = writeln!(
+            o,
+            "converge_volume_slabs_released_total{{{l}}} {}",
+            s.slabs_released
+        );
+        let map = vols[name].slab_map();
+        let _ = writeln!(
+            o,
+            "converge_volume_allocated_bytes{{{l}}} {}",
+            map.len() as u64 * vols[name].config().slab_size_bytes
+        );
+        let stale = map
             .values()
             .flatten()
             .filter(|e| e.state != converge_types::ExtentState::InSync)

@@ -412,6 +412,11 @@ impl LocalDrives {
             .await
             .map_err(|r| match r {
                 Refusal::Unavailable(reason) => EngineError::Failed { reason },
+                Refusal::Deposed { current, .. } => EngineError::StaleEpoch {
+                    key: op.key(),
+                    requested: op.epoch().unwrap_or_default(),
+                    current,
+                },
                 other => EngineError::InvalidArgument(other.message().to_string()),
             })?;
         if !d.inline_io() {

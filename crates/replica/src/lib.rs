@@ -161,6 +161,10 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             tier.free_extent(key)?;
             ExtentReply::Ok
         }
+        ExtentOp::Release { key, epoch, upto } => {
+            tier.release_extent(key, epoch, upto)?;
+            ExtentReply::Ok
+        }
     };
     // The owner checks this too (it trusts no peer); a failure here is this node's bug.
     if let Err(e) = shape.check(&reply) {

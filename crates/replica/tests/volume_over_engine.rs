@@ -99,6 +99,16 @@ impl SlabAllocator for Records {
         change.apply(ex);
         Ok(ex.clone())
     }
+
+    async fn release(
+        &self,
+        _volume: VolumeId,
+        slab: SlabIndex,
+        _epoch: Epoch,
+    ) -> Result<(), VolumeError> {
+        self.0.lock().unwrap().remove(&slab);
+        Ok(())
+    }
 }
 
 fn drives(dir: &std::path::Path) -> Drives {

@@ -38,6 +38,7 @@ pub mod msg {
     pub const WRITE_BLOCKS: u8 = 0x15;
     pub const VERSIONS: u8 = 0x16;
     pub const DIGEST: u8 = 0x17;
+    pub const RELEASE_EXTENT: u8 = 0x18;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
@@ -72,7 +73,7 @@ pub enum Request {
     Hello(Hello),
     Ping,
     /// Run `op` on the extent that `drive` (on the receiving node) holds: message types
-    /// `0x10..=0x17`, one per kind of operation.
+    /// `0x10..=0x18`, one per kind of operation.
     Extent {
         drive: DriveId,
         op: ExtentOp,
@@ -398,6 +399,7 @@ pub fn request_type(req: &Request) -> u8 {
             ExtentOp::WriteBlocks { .. } => msg::WRITE_BLOCKS,
             ExtentOp::Versions { .. } => msg::VERSIONS,
             ExtentOp::Digest { .. } => msg::DIGEST,
+            ExtentOp::Release { .. } => msg::RELEASE_EXTENT,
         },
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
@@ -572,6 +574,13 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             let mut b = new_head(32);
             put_key(&mut b, drive, key);
             b.put_u64_le(epoch.0);
+            (b, Bytes::new())
+        }
+        ExtentOp::Release { key, epoch, upto } => {
+            let mut b = new_head(40);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(upto.0);
             (b, Bytes::new())
         }
     }
@@ -833,7 +842,7 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             protocol_version: r.u16("protocol_version")?,
         }),
         msg::PING => Request::Ping,
-        msg::WRITE..=msg::DIGEST => decode_extent_op(msg_type, &mut r)?,
+        msg::WRITE..=msg::RELEASE_EXTENT => decode_extent_op(msg_type, &mut r)?,
         msg::VOL_READ => Request::VolRead {
             volume: VolumeId(r.u64("volume")?),
             offset: r.u64("offset")?,
@@ -867,7 +876,7 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
     Ok(req)
 }
 
-/// Decodes the extent operation of type `msg_type` (one of `0x10..=0x17`).
+/// Decodes the extent operation of type `msg_type` (one of `0x10..=0x18`).
 fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> {
     let (drive, key) = r.drive_key()?;
     let op = match msg_type {
@@ -934,6 +943,11 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
         msg::DIGEST => ExtentOp::Digest {
             key,
             epoch: Epoch(r.u64("epoch")?),
+        },
+        msg::RELEASE_EXTENT => ExtentOp::Release {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            upto: Version(r.u64("upto")?),
         },
         other => return Err(WireError::UnknownType(other)),
     };
@@ -1009,7 +1023,15 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..13) {
+        match rng.gen_range(0..14) {
+            13 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::Release {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    upto: Version(rng.gen()),
+                },
+            },
             12 => Request::Extent {
                 drive: DriveId(rng.gen()),
                 op: ExtentOp::Digest {
@@ -1188,7 +1210,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 13, "every request type was exercised");
+        assert_eq!(seen.len(), 14, "every request type was exercised");
     }
 
     #[test]
@@ -1292,6 +1314,14 @@ mod tests {
                 drive,
                 op: ExtentOp::Digest { key, epoch },
             },
+            Request::Extent {
+                drive,
+                op: ExtentOp::Release {
+                    key,
+                    epoch,
+                    upto: Version(0x6162_6364_6566_6768),
+                },
+            },
             Request::VolRead {
                 volume: key.volume,
                 offset: 0x7172_7374_7576_7778,
@@ -1342,7 +1372,7 @@ mod tests {
 
     /// The frames of `fixed_requests` and `fixed_responses` (request id 0x0a0b0c0d0e0f1011),
     /// byte by byte as docs/FORMAT-rpc.md describes them: a change of the encoding fails here.
-    const GOLDEN_REQUESTS: [&str; 13] = [
+    const GOLDEN_REQUESTS: [&str; 14] = [
         "435652500100010011100f0e0d0c0b0a160000002ac21df700000000140a3305504f4e4d4c4b4a494847464544434241545352510100",
         "435652500100020011100f0e0d0c0b0a00000000000000000000000015c35c45",
         "435652500100100011100f0e0d0c0b0a40000000ef063490000000005f38dbb208070605040302011817161514131211282726252423222138373635343332316867666564636261787776757473727101000000848382810400000064617461",
@@ -1353,6 +1383,7 @@ mod tests {
         "435652500100150011100f0e0d0c0b0a500000003968ba9200000000e8ec3c8208070605040302011817161514131211282726252423222138373635343332317877767574737271010000008483828101000000686766656463626101000000b8b7b6b5b4b3b2b10400000064617461",
         "435652500100160011100f0e0d0c0b0a2c0000009f7fd93a000000002b7c816608070605040302011817161514131211282726252423222138373635343332317877767574737271c4c3c2c1",
         "435652500100170011100f0e0d0c0b0a200000009db46e6500000000850d63900807060504030201181716151413121128272625242322213837363534333231",
+        "435652500100180011100f0e0d0c0b0a280000007c26257700000000c463431208070605040302011817161514131211282726252423222138373635343332316867666564636261",
         "435652500100200011100f0e0d0c0b0a14000000ab9aa36f00000000c7fcbb391817161514131211787776757473727194939291",
         "435652500100210011100f0e0d0c0b0a180000004dd0a40300000000e2e061d5181716151413121178777675747372710400000064617461",
         "435652500100220011100f0e0d0c0b0a19000000896720380000000013f09af118171615141312117877767574737271a8a7a6a5a4a3a2a101",

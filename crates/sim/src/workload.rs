@@ -41,6 +41,7 @@ fn owner_for(w: &World, v: usize, c: usize) -> Option<Arc<Owner>> {
 enum Op {
     Write,
     Zero,
+    Trim,
     Read,
 }
 
@@ -55,23 +56,33 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
             tokio::time::sleep(Duration::from_millis(5)).await;
             continue;
         };
+        let slab_blocks = w.opts.slab_blocks;
         let (op, first, n) = w.rng(|r| {
             let n = r.gen_range(1..=w.opts.io_blocks_max.min(blocks));
             let first = r.gen_range(0..=blocks - n);
-            let op = match r.gen_range(0..100) {
-                0..=54 => Op::Write,
-                55..=64 => Op::Zero,
-                _ => Op::Read,
-            };
-            (op, first, n)
+            match r.gen_range(0..100) {
+                0..=54 => (Op::Write, first, n),
+                55..=61 => (Op::Zero, first, n),
+                // A TRIM of one or two whole slabs (a guest's fstrim): thin reclaim
+                // releases them.
+                62..=64 if blocks >= slab_blocks => {
+                    let slabs = blocks / slab_blocks;
+                    let k = r.gen_range(1..=2.min(slabs));
+                    let s = r.gen_range(0..=slabs - k);
+                    (Op::Trim, s * slab_blocks, k * slab_blocks)
+                }
+                62..=64 => (Op::Zero, first, n),
+                _ => (Op::Read, first, n),
+            }
         });
         match op {
-            Op::Write | Op::Zero => {
-                let zero = matches!(op, Op::Zero);
+            Op::Write | Op::Zero | Op::Trim => {
+                let zero = !matches!(op, Op::Write);
+                let trim = matches!(op, Op::Trim);
                 let id = lock(&w.hist).issue(v, first, n, zero, owner.epoch);
                 let vol = owner.vol.clone();
                 let h = if zero {
-                    owner.spawn(async move { vol.zero(first * BS, n * BS, false).await })
+                    owner.spawn(async move { vol.zero(first * BS, n * BS, trim).await })
                 } else {
                     let mut data = Vec::with_capacity((n * BS) as usize);
                     for b in first..first + n {
@@ -105,7 +116,6 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
                 });
                 let mut outcome = outcome;
                 if let (Some(Ok(())), Some(t)) = (&r, owner.superseded_at()) {
-                    let slab_blocks = w.opts.slab_blocks;
                     let known = owner.vol.slab_map();
                     let untouched = zero
                         && (first / slab_blocks..=(first + n - 1) / slab_blocks)
@@ -126,6 +136,14 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
                             owner.epoch,
                             first + n
                         ));
+                    }
+                }
+                if trim && matches!(r, Some(Ok(()))) {
+                    let map = owner.vol.slab_map();
+                    if (first / slab_blocks..(first + n) / slab_blocks)
+                        .any(|s| !map.contains_key(&converge_types::SlabIndex(s)))
+                    {
+                        w.count("whole-slab trims acked with a slab released");
                     }
                 }
                 match &r {

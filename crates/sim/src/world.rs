@@ -522,6 +522,14 @@ impl World {
                 ));
                 Some(Delivery::NoReply)
             }
+            Err(Refusal::Deposed { current, .. }) => {
+                self.count("new extents refused to a deposed owner");
+                Some(Delivery::Done(Err(EngineError::StaleEpoch {
+                    key,
+                    requested: op.epoch().unwrap_or_default(),
+                    current,
+                })))
+            }
             Err(refused @ (Refusal::NotPlaced(_) | Refusal::StillPlaced(_))) => {
                 // A request that raced a change of the slab's record (a copy replaced
                 // meanwhile), or a deposed owner's late one: refused, as the daemon does;

@@ -76,6 +76,15 @@ pub enum ExtentOp {
     /// Drop the extent (a deleted volume, an orphan): [`ExtentReply::Ok`]. Not fenced: no
     /// owner writes to an extent that is being freed.
     Free { key: ExtentKey },
+    /// The owner releases a slab it zeroed whole at version `upto` (thin reclaim): the
+    /// extent is freed unless a block is newer than `upto` or being written (a later
+    /// incarnation of the slab, which a late release must not free). Fenced like the
+    /// others. [`ExtentReply::Ok`] either way: a kept extent is an orphan to reclaim.
+    Release {
+        key: ExtentKey,
+        epoch: Epoch,
+        upto: Version,
+    },
 }
 
 impl ExtentOp {
@@ -88,6 +97,7 @@ impl ExtentOp {
             | ExtentOp::WriteBlocks { key, .. }
             | ExtentOp::Versions { key, .. }
             | ExtentOp::Digest { key, .. }
+            | ExtentOp::Release { key, .. }
             | ExtentOp::Free { key } => *key,
         }
     }
@@ -101,7 +111,8 @@ impl ExtentOp {
             | ExtentOp::ReadBlocks { epoch, .. }
             | ExtentOp::WriteBlocks { epoch, .. }
             | ExtentOp::Versions { epoch, .. }
-            | ExtentOp::Digest { epoch, .. } => Some(*epoch),
+            | ExtentOp::Digest { epoch, .. }
+            | ExtentOp::Release { epoch, .. } => Some(*epoch),
             ExtentOp::Free { .. } => None,
         }
     }
@@ -117,6 +128,7 @@ impl ExtentOp {
             ExtentOp::Versions { .. } => "versions",
             ExtentOp::Digest { .. } => "digest",
             ExtentOp::Free { .. } => "free",
+            ExtentOp::Release { .. } => "release",
         }
     }
 
@@ -140,9 +152,10 @@ impl ExtentOp {
     /// sent (it moves), and checked on the answer: nothing trusts the network.
     pub fn reply_shape(&self) -> ReplyShape {
         match self {
-            ExtentOp::Write { .. } | ExtentOp::Zero { .. } | ExtentOp::Free { .. } => {
-                ReplyShape::Ok
-            }
+            ExtentOp::Write { .. }
+            | ExtentOp::Zero { .. }
+            | ExtentOp::Free { .. }
+            | ExtentOp::Release { .. } => ReplyShape::Ok,
             ExtentOp::Read { len, .. } => ReplyShape::Read { len: *len },
             ExtentOp::ReadBlocks { len, .. } => ReplyShape::Blocks { len: *len },
             ExtentOp::WriteBlocks { versions, .. } => ReplyShape::Written {

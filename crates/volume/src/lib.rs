@@ -56,7 +56,8 @@ pub enum ReplicaError {
 /// every operation is an [`ExtentOp`], and the owner checks every answer against its
 /// operation ([`converge_types::ReplyShape`]), whichever implementation gave it.
 pub trait ReplicaIo: Send + Sync + 'static {
-    /// Runs `op` on the copy at `at`. An [`ExtentOp::Free`] is never sent by the owner.
+    /// Runs `op` on the copy at `at`. An [`ExtentOp::Free`] is never sent by the owner (it
+    /// releases a slab with the fenced [`ExtentOp::Release`]).
     fn call(
         &self,
         at: ExtentLoc,
@@ -166,6 +167,17 @@ pub trait SlabAllocator: Send + Sync + 'static {
         epoch: Epoch,
         change: SlabChange,
     ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
+
+    /// Deletes the slab's record (thin reclaim: the owner zeroed it whole and freed its
+    /// copies), so the slab reads as never written and its space counts as free. Only the
+    /// owner at `epoch` may: a deposed owner gets [`VolumeError::Fenced`]. A slab with no
+    /// record is `Ok`.
+    fn release(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        epoch: Epoch,
+    ) -> impl Future<Output = Result<(), VolumeError>> + Send;
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -264,19 +276,29 @@ pub(crate) struct Slab {
     /// A change of the slab's record failed with no answer from the control plane, so it
     /// may have been applied: `extents` may lag the record until it is read again.
     pub(crate) unsure: std::sync::atomic::AtomicBool,
+    /// Released (thin reclaim): its copies are freed and it left the slab map. Whoever
+    /// waited on the gate with this handle starts again from the map.
+    released: AtomicBool,
 }
 
 impl Slab {
-    fn new(extents: Vec<ExtentLoc>) -> Slab {
+    /// `seq`: where this incarnation's version sequence starts (above every version an
+    /// earlier incarnation of a released slab used in this term).
+    fn new(extents: Vec<ExtentLoc>, seq: u64) -> Slab {
         Slab {
             extents: RwLock::new(extents.into()),
-            seq: AtomicU64::new(0),
+            seq: AtomicU64::new(seq),
             gate: tokio::sync::RwLock::new(()),
             change: tokio::sync::Mutex::new(()),
             suspect: std::sync::atomic::AtomicBool::new(false),
             abandoned: std::sync::Mutex::new(std::collections::BTreeSet::new()),
             unsure: std::sync::atomic::AtomicBool::new(false),
+            released: AtomicBool::new(false),
         }
+    }
+
+    pub(crate) fn is_released(&self) -> bool {
+        self.released.load(Ordering::Acquire)
     }
 
     pub(crate) fn extents(&self) -> Arc<[ExtentLoc]> {
@@ -321,6 +343,9 @@ pub struct Volume<R, A> {
     /// Set when this node stops serving the volume (deposed, moved, deleted, lease lost):
     /// handles still held by clients then fail with [`VolumeError::Fenced`] and re-route.
     retired: AtomicBool,
+    /// The highest version sequence a released slab used in this term: a slab allocated
+    /// afterwards starts above it, so nothing an earlier incarnation sent can outrank it.
+    seq_floor: AtomicU64,
 }
 
 /// Zero operations a large TRIM or WRITE_ZEROES has in flight at once.
@@ -381,7 +406,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         );
         let slabs = slabs
             .into_iter()
-            .map(|(i, extents)| (i, Arc::new(Slab::new(extents))))
+            .map(|(i, extents)| (i, Arc::new(Slab::new(extents, 0))))
             .collect();
         Volume {
             size_bytes: AtomicU64::new(cfg.size_bytes),
@@ -393,6 +418,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             alloc,
             counters: VolumeCounters::default(),
             retired: AtomicBool::new(false),
+            seq_floor: AtomicU64::new(0),
         }
     }
 
@@ -510,12 +536,41 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 self.cfg.resiliency.copies(),
             )
             .await?;
-        let slab = Arc::new(Slab::new(extents));
-        self.slabs
-            .write()
-            .expect("slab map lock poisoned")
-            .insert(idx, slab.clone());
-        Ok(slab)
+        self.adopt(idx, extents).await
+    }
+
+    /// Zeroes every block of the slab on each copy that is not stale, at one new version,
+    /// which it returns (settled like a write). The caller holds the slab's gate.
+    async fn zero_whole(&self, idx: SlabIndex, slab: &Slab) -> Result<Version, VolumeError> {
+        let version = self.next_version(slab);
+        let key = self.key(idx);
+        let epoch = self.cfg.epoch;
+        let size = self.cfg.slab_size_bytes;
+        let targets: Vec<ExtentLoc> = slab
+            .extents()
+            .iter()
+            .filter(|e| e.state != ExtentState::Stale)
+            .copied()
+            .collect();
+        self.replicate(idx, slab, targets, |at| async move {
+            // One operation covers at most MAX_IO_BYTES.
+            let mut off = 0;
+            while off < size {
+                let len = (size - off).min(MAX_IO_BYTES as u64);
+                let op = ExtentOp::Zero {
+                    key,
+                    epoch,
+                    version,
+                    offset: off,
+                    len,
+                };
+                self.ask(at, op, ExtentReply::into_ok).await?;
+                off += len;
+            }
+            Ok(())
+        })
+        .await?;
+        Ok(version)
     }
 
     fn next_version(&self, slab: &Slab) -> Version {
@@ -581,31 +636,38 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     async fn write_piece(&self, p: Piece, data: Bytes) -> Result<(), VolumeError> {
-        let slab = self.slab_or_allocate(p.slab).await?;
-        self.wait_min_replicas(p.slab, &slab).await?;
-        let _gate = slab.gate.read().await;
-        let extents = slab.extents();
-        let version = self.next_version(&slab);
-        let crcs = block_crcs(&data);
-        let key = self.key(p.slab);
-        let epoch = self.cfg.epoch;
-        let targets: Vec<ExtentLoc> = extents
-            .iter()
-            .filter(|e| e.state != ExtentState::Stale)
-            .copied()
-            .collect();
-        self.replicate(p.slab, &slab, targets, |at| {
-            let op = ExtentOp::Write {
-                key,
-                epoch,
-                version,
-                offset: p.offset,
-                crcs: crcs.clone(),
-                data: data.clone(),
-            };
-            self.ask(at, op, ExtentReply::into_ok)
-        })
-        .await
+        loop {
+            let slab = self.slab_or_allocate(p.slab).await?;
+            self.wait_min_replicas(p.slab, &slab).await?;
+            let _gate = slab.gate.read().await;
+            if slab.is_released() {
+                // A TRIM released it while this write waited: the next one is allocated.
+                continue;
+            }
+            let extents = slab.extents();
+            let version = self.next_version(&slab);
+            let crcs = block_crcs(&data);
+            let key = self.key(p.slab);
+            let epoch = self.cfg.epoch;
+            let targets: Vec<ExtentLoc> = extents
+                .iter()
+                .filter(|e| e.state != ExtentState::Stale)
+                .copied()
+                .collect();
+            return self
+                .replicate(p.slab, &slab, targets, |at| {
+                    let op = ExtentOp::Write {
+                        key,
+                        epoch,
+                        version,
+                        offset: p.offset,
+                        crcs: crcs.clone(),
+                        data: data.clone(),
+                    };
+                    self.ask(at, op, ExtentReply::into_ok)
+                })
+                .await;
+        }
     }
 
     /// Runs `op` on the copy at `at` and unpacks the answer with `unpack` (the
@@ -1201,61 +1263,220 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 .await?;
         }
         // A guest's `fstrim` or `mkfs` sends ranges of up to 4 GiB: a few dozen operations at
-        // a time, not hundreds in flight at once.
-        let pieces: Vec<Piece> = split(start, end - start, self.cfg.slab_size_bytes).collect();
-        for group in pieces.chunks(ZERO_PIECES_IN_FLIGHT) {
-            join_all_ok(group.iter().map(|p| self.zero_piece(*p))).await?;
+        // a time, not hundreds in flight at once. A slab the range covers whole is released
+        // (its space returns to the pool); the rest is zeroed block by block.
+        let size = self.cfg.slab_size_bytes;
+        let mut tasks: Vec<ZeroTask> = Vec::new();
+        for s in start / size..=(end - 1) / size {
+            let (s_start, s_end) = (s * size, (s + 1) * size);
+            let (from, to) = (start.max(s_start), end.min(s_end));
+            if from == s_start && to == s_end {
+                tasks.push(ZeroTask::Release(SlabIndex(s)));
+            } else {
+                tasks.extend(split(from, to - from, size).map(ZeroTask::Piece));
+            }
+        }
+        for group in tasks.chunks(ZERO_PIECES_IN_FLIGHT) {
+            join_all_ok(group.iter().map(|t| async move {
+                match *t {
+                    ZeroTask::Piece(p) => self.zero_piece(p).await,
+                    ZeroTask::Release(idx) => self.release_slab(idx).await,
+                }
+            }))
+            .await?;
         }
         Ok(())
     }
 
-    async fn zero_piece(&self, p: Piece) -> Result<(), VolumeError> {
-        let slab = match self.slab(p.slab) {
-            Some(s) => s,
-            None => {
-                // Not in this owner's map. Unless another term allocated it meanwhile (then
-                // this owner is deposed, and the lookup says so), it was never written and
-                // already reads as zeros.
-                let Some(extents) = self
-                    .alloc
-                    .lookup(self.cfg.id, p.slab, self.cfg.epoch)
-                    .await?
-                else {
-                    return Ok(());
-                };
-                let _g = self.alloc_lock.lock().await;
-                let s = self
-                    .slabs
+    /// The slab from this owner's map or, if the map lacks it, from its record (another
+    /// term may have allocated it since this owner loaded the map: then this owner is
+    /// deposed, and the lookup says so). `None`: never written, it reads as zeros.
+    async fn known_slab(&self, idx: SlabIndex) -> Result<Option<Arc<Slab>>, VolumeError> {
+        if let Some(s) = self.slab(idx) {
+            return Ok(Some(s));
+        }
+        let Some(extents) = self.alloc.lookup(self.cfg.id, idx, self.cfg.epoch).await? else {
+            return Ok(None);
+        };
+        let _g = self.alloc_lock.lock().await;
+        if let Some(s) = self.slab(idx) {
+            return Ok(Some(s));
+        }
+        self.adopt(idx, extents).await.map(Some)
+    }
+
+    /// Takes up a slab this owner's map lacks, from its record (new or found), and puts it
+    /// in the map. The caller holds `alloc_lock`.
+    ///
+    /// A drive may hold blocks under the slab's key from an earlier incarnation that a
+    /// TRIM released: a write of that term (or an older one) still in flight then,
+    /// arriving after the free, created the extent again. So the slab starts by zeroing
+    /// itself whole on every copy, at a version above all of those (metadata only):
+    /// nothing of theirs is ever read, and the late ones are refused.
+    async fn adopt(
+        &self,
+        idx: SlabIndex,
+        extents: Vec<ExtentLoc>,
+    ) -> Result<Arc<Slab>, VolumeError> {
+        let slab = Arc::new(Slab::new(extents, self.seq_floor.load(Ordering::Acquire)));
+        let zeroed = {
+            let _gate = slab.gate.read().await;
+            self.zero_whole(idx, &slab).await
+        };
+        match zeroed {
+            Ok(_) => {}
+            // Deposed, or no copy is known to have the zero: not taken up (the next write
+            // starts again from the record, zero first).
+            Err(e)
+                if matches!(e, VolumeError::Fenced { .. })
+                    || slab.suspect.load(Ordering::Acquire) =>
+            {
+                return Err(e)
+            }
+            // Some copies have the zero and the others are marked stale: taken up, so that
+            // repair resyncs those (from a zeroed copy) as for any failed write.
+            Err(e) => {
+                self.slabs
                     .write()
                     .expect("slab map lock poisoned")
-                    .entry(p.slab)
-                    .or_insert_with(|| Arc::new(Slab::new(extents)))
-                    .clone();
-                s
+                    .insert(idx, slab.clone());
+                return Err(e);
             }
-        };
-        self.wait_min_replicas(p.slab, &slab).await?;
-        let _gate = slab.gate.read().await;
-        let extents = slab.extents();
-        let version = self.next_version(&slab);
-        let key = self.key(p.slab);
-        let targets: Vec<ExtentLoc> = extents
-            .iter()
-            .filter(|e| e.state != ExtentState::Stale)
-            .copied()
-            .collect();
-        self.replicate(p.slab, &slab, targets, |at| {
-            let op = ExtentOp::Zero {
-                key,
-                epoch: self.cfg.epoch,
-                version,
-                offset: p.offset,
-                len: p.len,
-            };
-            self.ask(at, op, ExtentReply::into_ok)
-        })
-        .await
+        }
+        self.slabs
+            .write()
+            .expect("slab map lock poisoned")
+            .insert(idx, slab.clone());
+        Ok(slab)
     }
+
+    async fn zero_piece(&self, p: Piece) -> Result<(), VolumeError> {
+        loop {
+            let Some(slab) = self.known_slab(p.slab).await? else {
+                return Ok(());
+            };
+            self.wait_min_replicas(p.slab, &slab).await?;
+            let _gate = slab.gate.read().await;
+            if slab.is_released() {
+                continue;
+            }
+            let extents = slab.extents();
+            let version = self.next_version(&slab);
+            let key = self.key(p.slab);
+            let targets: Vec<ExtentLoc> = extents
+                .iter()
+                .filter(|e| e.state != ExtentState::Stale)
+                .copied()
+                .collect();
+            return self
+                .replicate(p.slab, &slab, targets, |at| {
+                    let op = ExtentOp::Zero {
+                        key,
+                        epoch: self.cfg.epoch,
+                        version,
+                        offset: p.offset,
+                        len: p.len,
+                    };
+                    self.ask(at, op, ExtentReply::into_ok)
+                })
+                .await;
+        }
+    }
+
+    /// Thin reclaim of a slab a TRIM or WRITE_ZEROES covers whole. With no write in flight
+    /// (the gate), every copy is zeroed at one version V, like any zero: from here the
+    /// request is done, whatever follows. Then, if all copies are in sync and settled, the
+    /// slab's record is deleted (fenced: only this term may), the slab leaves the map, and
+    /// each copy frees its extent unless it holds something newer than V
+    /// ([`ExtentOp::Release`]: a late release never frees a later incarnation). A crash
+    /// anywhere in between leaves either the zeroed slab or no record and extents no
+    /// record names (orphans, which their node reclaims). A slab that cannot be released
+    /// now stays allocated, zeroed.
+    async fn release_slab(&self, idx: SlabIndex) -> Result<(), VolumeError> {
+        let Some(slab) = self.known_slab(idx).await? else {
+            return Ok(());
+        };
+        self.wait_min_replicas(idx, &slab).await?;
+        let _gate = slab.gate.write().await;
+        if slab.is_released() {
+            return Ok(());
+        }
+        let upto = self.zero_whole(idx, &slab).await?;
+        let _c = slab.change.lock().await;
+        let extents = slab.extents();
+        let settled = extents.iter().all(|e| e.state == ExtentState::InSync)
+            && !slab.suspect.load(Ordering::Acquire)
+            && !slab.unsure.load(Ordering::Acquire)
+            && abandoned_none(&slab);
+        if !settled {
+            log::info!(
+                "volume {}: slab {idx} was zeroed whole but stays allocated: not all of its copies are in sync",
+                self.cfg.name
+            );
+            return Ok(());
+        }
+        let epoch = self.cfg.epoch;
+        let deleted = match self.alloc.release(self.cfg.id, idx, epoch).await {
+            Err(e @ VolumeError::Fenced { .. }) => return Err(e),
+            r => r,
+        };
+        // The record may be gone (deleted, or the answer was lost): no write may go to
+        // these copies under it any more. If it is still there, the next write or zero
+        // takes the slab up again from it, as a new incarnation.
+        slab.released.store(true, Ordering::Release);
+        self.seq_floor
+            .fetch_max(slab.seq.load(Ordering::Acquire), Ordering::AcqRel);
+        {
+            let mut map = self.slabs.write().expect("slab map lock poisoned");
+            if map.get(&idx).is_some_and(|s| std::ptr::eq(&**s, &*slab)) {
+                map.remove(&idx);
+            }
+        }
+        if let Err(e) = deleted {
+            log::warn!(
+                "volume {}: slab {idx} was zeroed, but whether its record was deleted is unknown ({e}); its copies stay until the next write takes it up or their nodes reclaim them",
+                self.cfg.name
+            );
+            return Ok(());
+        }
+        self.counters.slabs_released.fetch_add(1, Ordering::Relaxed);
+        let key = self.key(idx);
+        let answers = join_all(
+            extents
+                .iter()
+                .map(|&at| async move {
+                    let op = ExtentOp::Release { key, epoch, upto };
+                    (at, self.ask(at, op, ExtentReply::into_ok).await)
+                })
+                .collect(),
+        )
+        .await;
+        for (at, r) in answers {
+            if let Err(e) = r {
+                log::warn!(
+                    "volume {}: slab {idx} was released, but its copy on node {} drive {} was not freed ({e}); that node reclaims it as an orphan",
+                    self.cfg.name, at.node, at.drive
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+/// What a zero of a range does to one slab.
+#[derive(Clone, Copy)]
+enum ZeroTask {
+    /// Zero part of a slab.
+    Piece(Piece),
+    /// The range covers the slab whole: release it.
+    Release(SlabIndex),
+}
+
+fn abandoned_none(slab: &Slab) -> bool {
+    slab.abandoned
+        .lock()
+        .expect("abandoned-copies lock poisoned")
+        .is_empty()
 }
 
 /// An empty set of further reads of a hedged read, typed after the read it repeats.

@@ -105,7 +105,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let mut n = 0;
         let slabs: Vec<SlabIndex> = self.slab_map().keys().copied().collect();
         for idx in slabs {
-            let slab = self.slab_or_err(idx)?;
+            // Released (trimmed whole) since the listing: nothing to reconcile.
+            let Some(slab) = self.slab(idx) else {
+                continue;
+            };
             if slab.unsure.swap(false, Ordering::AcqRel) {
                 if let Err(e) = self.reload_record(idx, &slab).await {
                     slab.note_failed_change(&e);
@@ -116,6 +119,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 continue;
             }
             let _g = slab.gate.write().await;
+            if slab.is_released() {
+                continue;
+            }
             let r = self.reconcile_slab(idx, &slab).await?;
             slab.suspect.store(false, Ordering::Release);
             n += r.blocks_written;
@@ -183,6 +189,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// stale already.
     pub async fn copy_failed(&self, idx: SlabIndex, drive: DriveId) -> Result<(), VolumeError> {
         let slab = self.slab_or_err(idx)?;
+        if slab.is_released() {
+            return Ok(());
+        }
         self.mark_stale(idx, &slab, drive).await
     }
 
@@ -223,6 +232,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             // No write with a snapshot that skips this copy may be in flight once it is
             // `syncing`: such a write would be missed by both the copy and the writer.
             let _g = slab.gate.write().await;
+            self.check_not_released(idx, &slab)?;
             // An abandoned copy is `syncing` already (every write reaches it); this job
             // takes it over.
             let resume = abandoned(&slab).remove(&drive);
@@ -260,6 +270,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         {
             let _g = slab.gate.write().await;
             let _c = slab.change.lock().await;
+            self.check_not_released(idx, &slab)?;
             let new = ExtentLoc {
                 state: ExtentState::Syncing,
                 ..new
@@ -294,6 +305,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         {
             let _g = slab.gate.write().await;
             let _c = slab.change.lock().await;
+            self.check_not_released(idx, &slab)?;
             if !slab
                 .extents()
                 .iter()
@@ -325,6 +337,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let keep = self.cfg.resiliency.copies();
         let _g = slab.gate.write().await;
         let _c = slab.change.lock().await;
+        self.check_not_released(idx, &slab)?;
         self.apply_change(idx, &slab, SlabChange::Remove { drive, keep })
             .await?;
         if slab.extents().iter().any(|e| e.drive == drive) {
@@ -719,6 +732,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(report)
     }
 
+    /// A job that got the slab before a TRIM released it has nothing left to do.
+    fn check_not_released(&self, idx: SlabIndex, slab: &Slab) -> Result<(), VolumeError> {
+        if slab.is_released() {
+            return Err(self.copy_error(idx, "the slab was released (trimmed whole)".into()));
+        }
+        Ok(())
+    }
+
     fn copy_error(&self, idx: SlabIndex, why: String) -> VolumeError {
         VolumeError::Unreadable {
             volume: self.cfg.name.clone(),
@@ -802,7 +823,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             Ordering::Relaxed,
         );
         for idx in slabs {
-            let slab = self.slab_or_err(idx)?;
+            let Some(slab) = self.slab(idx) else {
+                continue;
+            };
             let blocks = self.cfg.slab_size_bytes / BS;
             let mut start = 0;
             while start < blocks {
@@ -837,6 +860,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
         let _g = slab.gate.write().await;
+        if slab.is_released() {
+            return Ok(ScrubReport::default());
+        }
         let mut rep = ScrubReport {
             blocks_checked: n,
             ..ScrubReport::default()

@@ -59,6 +59,8 @@ pub struct VolumeCounters {
     pub repaired_blocks: AtomicU64,
     /// Copies marked stale because they failed a write.
     pub extents_marked_stale: AtomicU64,
+    /// Slabs a TRIM or WRITE_ZEROES covered whole and returned to the pool.
+    pub slabs_released: AtomicU64,
     pub read_latency: Histogram,
     pub write_latency: Histogram,
 }
@@ -73,6 +75,8 @@ pub struct VolumeStats {
     pub errors: u64,
     pub repaired_blocks: u64,
     pub extents_marked_stale: u64,
+    #[serde(default)]
+    pub slabs_released: u64,
     pub read_latency: HistogramSnapshot,
     pub write_latency: HistogramSnapshot,
 }
@@ -88,6 +92,7 @@ impl VolumeCounters {
             errors: self.errors.load(Relaxed),
             repaired_blocks: self.repaired_blocks.load(Relaxed),
             extents_marked_stale: self.extents_marked_stale.load(Relaxed),
+            slabs_released: self.slabs_released.load(Relaxed),
             read_latency: self.read_latency.snapshot(),
             write_latency: self.write_latency.snapshot(),
         }

@@ -16,6 +16,8 @@ struct MemReplicas {
     copied: AtomicU64,
     blocks_copied: AtomicU64,
     digests: AtomicU64,
+    /// Extents freed by a release.
+    released: AtomicU64,
     /// Highest epoch seen per copy (fencing).
     epochs: Mutex<HashMap<(DriveId, ExtentKey), Epoch>>,
     /// Nodes that take reads and never answer (a paused process, a cut link).
@@ -111,7 +113,7 @@ impl MemReplicas {
             }
         }
         let key = op.key();
-        self.check(at, key, op.epoch().expect("the owner never frees"))?;
+        self.check(at, key, op.epoch().expect("the owner never frees unfenced"))?;
         Ok(match op {
             ExtentOp::Write {
                 version,
@@ -215,7 +217,16 @@ impl MemReplicas {
                     .map(|i| self.version(at.drive, key, offset / BS + i))
                     .collect(),
             ),
-            ExtentOp::Free { .. } => unreachable!("the owner never frees"),
+            ExtentOp::Free { .. } => unreachable!("the owner never frees unfenced"),
+            ExtentOp::Release { upto, .. } => {
+                let mut m = self.blocks.lock().unwrap();
+                let mine = |k: &(DriveId, ExtentKey, u64)| k.0 == at.drive && k.1 == key;
+                if m.iter().all(|(k, v)| !mine(k) || v.0 <= upto) {
+                    m.retain(|k, _| !mine(k));
+                    self.released.fetch_add(1, Ordering::Relaxed);
+                }
+                ExtentReply::Ok
+            }
         })
     }
 }
@@ -325,6 +336,16 @@ impl SlabAllocator for FixedAlloc {
             ));
         }
         Ok(ex.clone())
+    }
+
+    async fn release(
+        &self,
+        _volume: VolumeId,
+        slab: SlabIndex,
+        _epoch: Epoch,
+    ) -> Result<(), VolumeError> {
+        self.records.lock().unwrap().remove(&slab);
+        Ok(())
     }
 }
 
@@ -598,6 +619,105 @@ async fn zeroes_and_trim() {
     v.zero(40000, 10, false).await.unwrap();
     want[40000..40010].fill(0);
     assert_eq!(&v.read(0, 64 << 10).await.unwrap()[..], &want[..]);
+}
+
+#[tokio::test]
+async fn a_zero_covering_whole_slabs_releases_them_and_they_read_zeros() {
+    let slab = 64u64 << 10;
+    let (v, io, alloc) = volume_with_alloc(1 << 20, slab);
+    let data = pattern(3 * slab as usize, 21);
+    v.write(0, data.clone()).await.unwrap();
+    assert_eq!(alloc.records.lock().unwrap().len(), 3);
+    // Slab 1 whole, and the first half of slab 2.
+    v.zero(slab, slab + slab / 2, true).await.unwrap();
+    assert!(!alloc.records.lock().unwrap().contains_key(&SlabIndex(1)));
+    assert!(!v.slab_map().contains_key(&SlabIndex(1)));
+    assert!(v.slab_map().contains_key(&SlabIndex(2)));
+    assert_eq!(
+        io.released.load(Ordering::Relaxed),
+        3,
+        "every copy of slab 1 freed"
+    );
+    assert_eq!(v.stats().slabs_released, 1);
+    let key = v.key(SlabIndex(1));
+    for d in [10, 20, 30] {
+        assert!(io.copy_of(DriveId(d), key).is_empty());
+    }
+    let mut want = data.to_vec();
+    want[slab as usize..(2 * slab + slab / 2) as usize].fill(0);
+    assert_eq!(&v.read(0, 3 * slab).await.unwrap()[..], &want[..]);
+    assert_eq!(
+        v.allocation(0, 3 * slab).unwrap(),
+        vec![(slab, true), (slab, false), (slab, true)]
+    );
+    // Written again, the slab is allocated afresh.
+    v.write(slab + 8192, pattern(4096, 22)).await.unwrap();
+    want[(slab + 8192) as usize..(slab + 12288) as usize].copy_from_slice(&pattern(4096, 22));
+    assert_eq!(&v.read(0, 3 * slab).await.unwrap()[..], &want[..]);
+    assert!(alloc.records.lock().unwrap().contains_key(&SlabIndex(1)));
+    // A zero of a slab never written releases nothing and allocates nothing.
+    v.zero(5 * slab, slab, false).await.unwrap();
+    assert!(!alloc.records.lock().unwrap().contains_key(&SlabIndex(5)));
+}
+
+#[tokio::test]
+async fn a_late_write_of_a_released_slab_never_shows_in_its_next_incarnation() {
+    let slab = 64u64 << 10;
+    let (v, io, _) = volume_with_alloc(1 << 20, slab);
+    v.write(0, pattern(slab as usize, 31)).await.unwrap();
+    v.zero(0, slab, true).await.unwrap();
+    assert!(!v.slab_map().contains_key(&SlabIndex(0)));
+    // A write of the first incarnation, still in flight when the slab was released,
+    // lands on one copy afterwards (a retried write's first attempt): the drive creates
+    // the extent again under the same key.
+    let key = v.key(SlabIndex(0));
+    let late = ExtentLoc {
+        node: NodeId(2),
+        drive: DriveId(20),
+        state: ExtentState::InSync,
+    };
+    write_copy(
+        &io,
+        late,
+        key,
+        Version(3 << 32 | 1),
+        0,
+        pattern(slab as usize, 32),
+    )
+    .await;
+    // The next incarnation writes one block; every other block must read zeros, from
+    // every copy.
+    v.write(4096, pattern(4096, 33)).await.unwrap();
+    let mut want = vec![0u8; slab as usize];
+    want[4096..8192].copy_from_slice(&pattern(4096, 33));
+    for at in v.slab_map()[&SlabIndex(0)].clone() {
+        let r = read_copy(&io, at, key, slab as u32).await;
+        assert!(
+            r.data[..] == want[..],
+            "the copy on drive {} shows what the released incarnation wrote",
+            at.drive
+        );
+    }
+    // And a write of the first incarnation arriving later still is refused by its version.
+    write_copy(&io, late, key, Version(3 << 32 | 2), 0, pattern(4096, 34)).await;
+    assert_eq!(&v.read(0, slab).await.unwrap()[..], &want[..]);
+}
+
+#[tokio::test]
+async fn a_slab_with_a_stale_copy_is_zeroed_whole_but_kept() {
+    let slab = 64u64 << 10;
+    let (v, io, alloc) = volume_with_alloc(1 << 20, slab);
+    v.write(0, pattern(slab as usize, 41)).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(3));
+    v.write(0, pattern(4096, 42)).await.unwrap();
+    assert_eq!(state_of(&v, 0, 3), ExtentState::Stale);
+    v.zero(0, slab, false).await.unwrap();
+    assert!(alloc.records.lock().unwrap().contains_key(&SlabIndex(0)));
+    assert_eq!(io.released.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        &v.read(0, slab).await.unwrap()[..],
+        &vec![0u8; slab as usize][..]
+    );
 }
 
 #[tokio::test]
@@ -889,7 +1009,9 @@ async fn rebuild_fills_a_replacement_copy() {
         .rebuild(SlabIndex(0), DriveId(30), new, &t, &p)
         .await
         .unwrap();
-    assert_eq!(r.blocks_written, 32);
+    // Every block: the 32 written, and the rest, which the slab zeroed at its allocation
+    // (so that nothing of an earlier incarnation can show through).
+    assert_eq!(r.blocks_written, 64);
     let ex = &alloc.records.lock().unwrap()[&SlabIndex(0)];
     assert!(ex.iter().all(|e| e.state == ExtentState::InSync));
     assert!(ex.iter().any(|e| e.drive == DriveId(40)));
