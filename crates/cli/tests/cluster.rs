@@ -762,6 +762,24 @@ fn an_fstrim_sized_trim_returns_whole_slabs_to_the_pool_on_every_copy() {
     must(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 0 512M", &uri]));
     assert_eq!(allocated(&lab), 0);
     assert_eq!(engine_extents(&lab), 0);
+
+    // Discards smaller than a slab add up: slab 3 written, then discarded in two halves (as
+    // a file system's fstrim does, one free extent at a time), goes back too.
+    let f = fio(
+        &uri,
+        &["--rw=write", "--bs=1M", "--size=64M", "--offset=192M"],
+    );
+    assert_eq!(fio_errors(&f), 0);
+    assert_eq!(allocated(&lab), 64 * M);
+    must(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 192M 40M", &uri]));
+    assert_eq!(
+        allocated(&lab),
+        64 * M,
+        "half a slab discarded: still allocated"
+    );
+    must(Command::new("qemu-io").args(["-f", "raw", "-c", "discard 232M 24M", &uri]));
+    assert_eq!(allocated(&lab), 0);
+    assert_eq!(engine_extents(&lab), 0);
 }
 
 #[test]

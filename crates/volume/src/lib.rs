@@ -279,6 +279,77 @@ pub(crate) struct Slab {
     /// Released (thin reclaim): its copies are freed and it left the slab map. Whoever
     /// waited on the gate with this handle starts again from the map.
     released: AtomicBool,
+    /// Which blocks smaller zeroes (TRIMs of part of the slab) left zero, so that the slab
+    /// is released when they add up to all of it: see [`Zeroed`].
+    zeroed: Zeroed,
+}
+
+/// The blocks of a slab known to read zeros since this owner's zeroes, built by TRIMs that
+/// cover part of a slab (a guest's `fstrim` sends one range per free extent, each within a
+/// file-system block group, often smaller than a slab). It may know fewer blocks than are
+/// zero, never more: a write clears its blocks, and a zero marks its blocks only if no write
+/// of the slab started while it ran.
+#[derive(Default)]
+struct Zeroed {
+    /// Writes of the slab started (each adds one before it checks `tracking`).
+    writes: AtomicU64,
+    /// Set once a zero has marked blocks; until then writes skip the lock.
+    tracking: AtomicBool,
+    /// One bit per block of the slab, allocated by the first zero that marks blocks.
+    bits: std::sync::Mutex<Vec<u64>>,
+}
+
+impl Zeroed {
+    /// A write of blocks `[first, first + n)` is starting (under the slab's gate).
+    fn write(&self, first: u64, n: u64) {
+        self.writes.fetch_add(1, Ordering::SeqCst);
+        if self.tracking.load(Ordering::SeqCst) {
+            let mut bits = self.bits.lock().expect("zeroed-blocks lock poisoned");
+            set_bits(&mut bits, first, n, false);
+        }
+    }
+
+    /// A zero of blocks `[first, first + n)` succeeded; `writes_before` is `writes` as it
+    /// started. Returns whether every one of the slab's `blocks` is now known zero.
+    fn zeroed(&self, first: u64, n: u64, writes_before: u64, blocks: u64) -> bool {
+        let mut bits = self.bits.lock().expect("zeroed-blocks lock poisoned");
+        self.tracking.store(true, Ordering::SeqCst);
+        if self.writes.load(Ordering::SeqCst) != writes_before {
+            // A write of the slab ran meanwhile, maybe over these blocks with a later
+            // version: mark nothing.
+            return false;
+        }
+        if bits.is_empty() {
+            bits.resize(blocks.div_ceil(64) as usize, 0);
+        }
+        set_bits(&mut bits, first, n, true);
+        all_set(&bits, blocks)
+    }
+
+    /// Whether every one of `blocks` is known zero.
+    fn all(&self, blocks: u64) -> bool {
+        all_set(
+            &self.bits.lock().expect("zeroed-blocks lock poisoned"),
+            blocks,
+        )
+    }
+}
+
+fn set_bits(bits: &mut [u64], first: u64, n: u64, on: bool) {
+    for b in first..first + n {
+        let Some(w) = bits.get_mut((b / 64) as usize) else {
+            return;
+        };
+        if on {
+            *w |= 1 << (b % 64);
+        } else {
+            *w &= !(1 << (b % 64));
+        }
+    }
+}
+
+fn all_set(bits: &[u64], blocks: u64) -> bool {
+    !bits.is_empty() && (0..blocks).all(|b| bits[(b / 64) as usize] & (1 << (b % 64)) != 0)
 }
 
 impl Slab {
@@ -294,6 +365,7 @@ impl Slab {
             abandoned: std::sync::Mutex::new(std::collections::BTreeSet::new()),
             unsure: std::sync::atomic::AtomicBool::new(false),
             released: AtomicBool::new(false),
+            zeroed: Zeroed::default(),
         }
     }
 
@@ -644,6 +716,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 // A TRIM released it while this write waited: the next one is allocated.
                 continue;
             }
+            slab.zeroed.write(p.offset / BS, p.len.div_ceil(BS));
             let extents = slab.extents();
             let version = self.next_version(&slab);
             let crcs = block_crcs(&data);
@@ -1280,7 +1353,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             join_all_ok(group.iter().map(|t| async move {
                 match *t {
                     ZeroTask::Piece(p) => self.zero_piece(p).await,
-                    ZeroTask::Release(idx) => self.release_slab(idx).await,
+                    ZeroTask::Release(idx) => self.release_slab(idx, false).await,
                 }
             }))
             .await?;
@@ -1350,16 +1423,27 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(slab)
     }
 
+    /// Zeroes part of a slab; when the zeroes of this term add up to the whole slab, it is
+    /// released.
     async fn zero_piece(&self, p: Piece) -> Result<(), VolumeError> {
+        if self.zero_part(p).await? {
+            self.release_slab(p.slab, true).await?;
+        }
+        Ok(())
+    }
+
+    /// Zeroes part of a slab; whether every block of it is now known zero.
+    async fn zero_part(&self, p: Piece) -> Result<bool, VolumeError> {
         loop {
             let Some(slab) = self.known_slab(p.slab).await? else {
-                return Ok(());
+                return Ok(false);
             };
             self.wait_min_replicas(p.slab, &slab).await?;
             let _gate = slab.gate.read().await;
             if slab.is_released() {
                 continue;
             }
+            let writes_before = slab.zeroed.writes.load(Ordering::SeqCst);
             let extents = slab.extents();
             let version = self.next_version(&slab);
             let key = self.key(p.slab);
@@ -1368,18 +1452,21 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 .filter(|e| e.state != ExtentState::Stale)
                 .copied()
                 .collect();
-            return self
-                .replicate(p.slab, &slab, targets, |at| {
-                    let op = ExtentOp::Zero {
-                        key,
-                        epoch: self.cfg.epoch,
-                        version,
-                        offset: p.offset,
-                        len: p.len,
-                    };
-                    self.ask(at, op, ExtentReply::into_ok)
-                })
-                .await;
+            self.replicate(p.slab, &slab, targets, |at| {
+                let op = ExtentOp::Zero {
+                    key,
+                    epoch: self.cfg.epoch,
+                    version,
+                    offset: p.offset,
+                    len: p.len,
+                };
+                self.ask(at, op, ExtentReply::into_ok)
+            })
+            .await?;
+            let blocks = self.cfg.slab_size_bytes / BS;
+            return Ok(slab
+                .zeroed
+                .zeroed(p.offset / BS, p.len / BS, writes_before, blocks));
         }
     }
 
@@ -1392,13 +1479,16 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// anywhere in between leaves either the zeroed slab or no record and extents no
     /// record names (orphans, which their node reclaims). A slab that cannot be released
     /// now stays allocated, zeroed.
-    async fn release_slab(&self, idx: SlabIndex) -> Result<(), VolumeError> {
+    ///
+    /// `if_zeroed`: only if every block is still known zero (the zeroes of parts of the slab
+    /// added up to it; a write since then cleared some).
+    async fn release_slab(&self, idx: SlabIndex, if_zeroed: bool) -> Result<(), VolumeError> {
         let Some(slab) = self.known_slab(idx).await? else {
             return Ok(());
         };
         self.wait_min_replicas(idx, &slab).await?;
         let _gate = slab.gate.write().await;
-        if slab.is_released() {
+        if slab.is_released() || (if_zeroed && !slab.zeroed.all(self.cfg.slab_size_bytes / BS)) {
             return Ok(());
         }
         let upto = self.zero_whole(idx, &slab).await?;

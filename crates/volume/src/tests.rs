@@ -661,6 +661,37 @@ async fn a_zero_covering_whole_slabs_releases_them_and_they_read_zeros() {
 }
 
 #[tokio::test]
+async fn zeroes_of_parts_of_a_slab_release_it_once_they_cover_it_and_writes_undo_them() {
+    let slab = 64u64 << 10;
+    let (v, io, alloc) = volume_with_alloc(1 << 20, slab);
+    v.write(0, pattern(2 * slab as usize, 51)).await.unwrap();
+    // Slab 1 in three TRIMs, with a write into the first part after it was trimmed.
+    v.zero(slab, slab / 2, true).await.unwrap();
+    v.write(slab + 4096, pattern(4096, 52)).await.unwrap();
+    v.zero(slab + slab / 2, slab / 2, true).await.unwrap();
+    assert!(
+        alloc.records.lock().unwrap().contains_key(&SlabIndex(1)),
+        "the block written after the first TRIM holds data"
+    );
+    let mut want = vec![0u8; slab as usize];
+    want[4096..8192].copy_from_slice(&pattern(4096, 52));
+    assert_eq!(&v.read(slab, slab).await.unwrap()[..], &want[..]);
+    // The last block with data goes: now all of the slab has been zeroed.
+    v.zero(slab + 4096, 4096, true).await.unwrap();
+    assert!(!alloc.records.lock().unwrap().contains_key(&SlabIndex(1)));
+    assert_eq!(io.released.load(Ordering::Relaxed), 3);
+    assert_eq!(
+        &v.read(slab, slab).await.unwrap()[..],
+        &vec![0u8; slab as usize][..]
+    );
+    // Slab 0 was never trimmed: untouched.
+    assert_eq!(
+        &v.read(0, slab).await.unwrap()[..],
+        &pattern(2 * slab as usize, 51)[..slab as usize]
+    );
+}
+
+#[tokio::test]
 async fn a_late_write_of_a_released_slab_never_shows_in_its_next_incarnation() {
     let slab = 64u64 << 10;
     let (v, io, _) = volume_with_alloc(1 << 20, slab);
