@@ -137,6 +137,14 @@ fn requests() -> Vec<(&'static str, Request)> {
         ),
         ("free", ext(ExtentOp::Free { key: k })),
         (
+            "release",
+            ext(ExtentOp::Release {
+                key: k,
+                epoch: e,
+                upto: converge_types::Version(7 << 32 | 9),
+            }),
+        ),
+        (
             "read-blocks",
             ext(ExtentOp::ReadBlocks {
                 key: k,
