@@ -1427,7 +1427,17 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// released.
     async fn zero_piece(&self, p: Piece) -> Result<(), VolumeError> {
         if self.zero_part(p).await? {
-            self.release_slab(p.slab, true).await?;
+            // The zero is done; giving the slab back is a bonus that may wait for a later
+            // TRIM (a deposed owner still learns it is).
+            match self.release_slab(p.slab, true).await {
+                Ok(()) => {}
+                Err(e @ VolumeError::Fenced { .. }) => return Err(e),
+                Err(e) => log::info!(
+                    "volume {}: slab {} is all zeros but was not released now: {e}",
+                    self.cfg.name,
+                    p.slab
+                ),
+            }
         }
         Ok(())
     }
