@@ -44,6 +44,24 @@ pub struct NodeInfo {
     pub draining: bool,
 }
 
+impl NodeInfo {
+    /// A node known only by its drives (no live record): down, with no addresses.
+    pub fn down(id: NodeId) -> NodeInfo {
+        NodeInfo {
+            id,
+            name: format!("node{id}"),
+            live: false,
+            rpc_addr: String::new(),
+            api_addr: String::new(),
+            nbd_socket: String::new(),
+            nbd_tcp: None,
+            version: String::new(),
+            maintenance: false,
+            draining: false,
+        }
+    }
+}
+
 /// `POST /v1/nodes/ID/drain`: start (or cancel) moving every copy off a node.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Drain {

@@ -323,16 +323,9 @@ mod tests {
 
     fn node(id: u32, live: bool) -> NodeInfo {
         NodeInfo {
-            id: NodeId(id),
-            name: format!("node{id}"),
             live,
-            rpc_addr: String::new(),
             api_addr: format!("127.0.0.{}:7200", id + 1),
-            nbd_socket: String::new(),
-            nbd_tcp: None,
-            version: String::new(),
-            maintenance: false,
-            draining: false,
+            ..NodeInfo::down(NodeId(id))
         }
     }
 

@@ -2273,18 +2273,24 @@ impl Tier {
                     c.account_remove(e);
                 }
             }
-            let rec = Rec {
-                kind: K_DROP,
-                block: 0,
-                drive: self.me(),
-                key,
-                version: 0,
-                crc: 0,
-            };
-            let seq = c.append(&[rec], &[], Room::Force)?;
-            c.wait_durable(seq.unwrap_or(0))?;
+            self.log_drop(&c, key)?;
         }
         self.cap.free_extent(key)
+    }
+
+    /// Forgets the extent's logged blocks durably (a drop record), so a crash can never
+    /// replay them into a later extent of the same key.
+    fn log_drop(&self, c: &Cache, key: ExtentKey) -> Result<(), EngineError> {
+        let rec = Rec {
+            kind: K_DROP,
+            block: 0,
+            drive: self.me(),
+            key,
+            version: 0,
+            crc: 0,
+        };
+        let seq = c.append(&[rec], &[], Room::Force)?;
+        c.wait_durable(seq.unwrap_or(0))
     }
 
     /// Frees the extent if it holds nothing newer than `upto`, as
@@ -2311,16 +2317,7 @@ impl Tier {
         {
             return Ok(false);
         }
-        let rec = Rec {
-            kind: K_DROP,
-            block: 0,
-            drive: self.me(),
-            key,
-            version: 0,
-            crc: 0,
-        };
-        let seq = c.append(&[rec], &[], Room::Force)?;
-        c.wait_durable(seq.unwrap_or(0))?;
+        self.log_drop(&c, key)?;
         // Nothing can have changed the capacity extent since the check: every write
         // through the tier marks this entry busy first, and destage is paused.
         let freed = self.cap.release_extent(key, epoch, upto)?;

@@ -1411,13 +1411,10 @@ impl Drive {
         self.check_failed()?;
         let seq = {
             let mut t = lock(&self.table);
-            let Some(slot) = t.by_key.remove(&key) else {
+            let Some(&slot) = t.by_key.get(&key) else {
                 return Ok(());
             };
-            t.slots[slot as usize].live = None;
-            let mut rec = [0u8; RECORD];
-            Record::Free { slot }.encode(&mut rec);
-            self.enqueue(&rec, true)?
+            self.free_slot(&mut t, key, slot)?
         };
         self.wait_durable(seq)
     }
@@ -1449,20 +1446,31 @@ impl Drive {
             Self::check_epoch(&ext, epoch)?;
             {
                 let mut m = lock(&ext.meta);
-                let blocks = self.layout.blocks_per_extent;
-                if m.any_busy(0, blocks) || (0..blocks).any(|b| m.current(b).version > upto.0) {
+                if self.holds_newer(&m, upto) {
                     return Ok(false);
                 }
                 m.freed = true;
             }
-            t.by_key.remove(&key);
-            t.slots[slot as usize].live = None;
-            let mut rec = [0u8; RECORD];
-            Record::Free { slot }.encode(&mut rec);
-            self.enqueue(&rec, true)?
+            self.free_slot(&mut t, key, slot)?
         };
         self.wait_durable(seq)?;
         Ok(true)
+    }
+
+    /// Whether a block of the extent is newer than `upto` or being written.
+    fn holds_newer(&self, m: &ExtentMeta, upto: Version) -> bool {
+        let blocks = self.layout.blocks_per_extent;
+        m.any_busy(0, blocks) || (0..blocks).any(|b| m.current(b).version > upto.0)
+    }
+
+    /// Takes the extent out of the table and queues its free record: the journal batch
+    /// to wait for. The slot is reused once that is durable (commit).
+    fn free_slot(&self, t: &mut Table, key: ExtentKey, slot: u32) -> Result<u64, EngineError> {
+        t.by_key.remove(&key);
+        t.slots[slot as usize].live = None;
+        let mut rec = [0u8; RECORD];
+        Record::Free { slot }.encode(&mut rec);
+        self.enqueue(&rec, true)
     }
 
     /// Whether [`Drive::release_extent`] would free the extent now (it checks the same
@@ -1480,8 +1488,7 @@ impl Drive {
         };
         Self::check_epoch(&ext, epoch)?;
         let m = lock(&ext.meta);
-        let blocks = self.layout.blocks_per_extent;
-        Ok(!m.any_busy(0, blocks) && (0..blocks).all(|b| m.current(b).version <= upto.0))
+        Ok(!self.holds_newer(&m, upto))
     }
 
     pub fn capacity(&self) -> Capacity {

@@ -378,18 +378,7 @@ pub(crate) async fn nodes(node: &Node) -> Result<Vec<NodeInfo>, ApiError> {
     let drives = node.cluster.drives().await.map_err(ApiError::unavailable)?;
     for d in drives {
         if !out.iter().any(|n| n.id == d.node) {
-            out.push(NodeInfo {
-                id: d.node,
-                name: format!("node{}", d.node),
-                live: false,
-                rpc_addr: String::new(),
-                api_addr: String::new(),
-                nbd_socket: String::new(),
-                nbd_tcp: None,
-                version: String::new(),
-                maintenance: false,
-                draining: false,
-            });
+            out.push(NodeInfo::down(d.node));
         }
     }
     let maint = node

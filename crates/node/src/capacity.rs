@@ -130,16 +130,8 @@ mod tests {
 
     fn node(id: u32, live: bool) -> NodeInfo {
         NodeInfo {
-            id: NodeId(id),
-            name: format!("node{id}"),
             live,
-            rpc_addr: String::new(),
-            api_addr: String::new(),
-            nbd_socket: String::new(),
-            nbd_tcp: None,
-            version: String::new(),
-            maintenance: false,
-            draining: false,
+            ..NodeInfo::down(NodeId(id))
         }
     }
 

@@ -1396,31 +1396,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let _gate = slab.gate.read().await;
             self.zero_whole(idx, &slab).await
         };
-        match zeroed {
-            Ok(_) => {}
-            // Deposed, or no copy is known to have the zero: not taken up (the next write
-            // starts again from the record, zero first).
-            Err(e)
-                if matches!(e, VolumeError::Fenced { .. })
-                    || slab.suspect.load(Ordering::Acquire) =>
-            {
-                return Err(e)
-            }
-            // Some copies have the zero and the others are marked stale: taken up, so that
-            // repair resyncs those (from a zeroed copy) as for any failed write.
-            Err(e) => {
-                self.slabs
-                    .write()
-                    .expect("slab map lock poisoned")
-                    .insert(idx, slab.clone());
-                return Err(e);
+        // Deposed, or no copy is known to have the zero: not taken up (the next write
+        // starts again from the record, zero first). Otherwise taken up even if the zero
+        // failed on some copies: they are marked stale, and repair resyncs them (from a
+        // zeroed copy) as after any failed write.
+        if let Err(e) = &zeroed {
+            if matches!(e, VolumeError::Fenced { .. }) || slab.suspect.load(Ordering::Acquire) {
+                return Err(e.clone());
             }
         }
         self.slabs
             .write()
             .expect("slab map lock poisoned")
             .insert(idx, slab.clone());
-        Ok(slab)
+        zeroed.map(|_| slab)
     }
 
     /// Zeroes part of a slab; when the zeroes of this term add up to the whole slab, it is
