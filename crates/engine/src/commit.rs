@@ -2,7 +2,7 @@
 //! writes them as a journal batch and syncs once for everyone, then applies them; when the
 //! journal fills, the leader writes the durable metadata in place and moves the tail.
 
-use crate::drive::{lock, CommitState, Drive, Extent, IoKind, LeaderState};
+use crate::drive::{lock, CommitState, Drive, Extent, ExtentMeta, IoKind, LeaderState};
 use crate::error::{EngineError, GENERATION_EXHAUSTED};
 use crate::file::AlignedBuf;
 use crate::layout::{
@@ -239,7 +239,7 @@ impl Drive {
         seal_batch(
             buf,
             ld.sb.journal_gen,
-            seq,
+            seq + ld.jseq_skew,
             len_usize,
             (records.len() / RECORD) as u32,
         );
@@ -285,9 +285,25 @@ impl Drive {
                     crc,
                     version,
                     phys,
+                    hold,
                 } => {
                     let meta = BlockMeta::data(version, crc, phys);
-                    self.apply_blocks(ld, &mut cache, slot, block, 1, meta, &mut gone);
+                    let blocks = Some((block, 1));
+                    self.apply_blocks(
+                        ld,
+                        &mut cache,
+                        slot,
+                        blocks,
+                        Some(phys),
+                        &mut gone,
+                        |m, b, g| {
+                            if hold {
+                                m.apply_held(b, meta, g)
+                            } else {
+                                m.apply(b, meta, g)
+                            }
+                        },
+                    );
                 }
                 Record::Zero {
                     slot,
@@ -296,7 +312,30 @@ impl Drive {
                     version,
                 } => {
                     let meta = BlockMeta::zero(version);
-                    self.apply_blocks(ld, &mut cache, slot, block, count, meta, &mut gone);
+                    let blocks = Some((block, count));
+                    self.apply_blocks(ld, &mut cache, slot, blocks, None, &mut gone, |m, b, g| {
+                        m.apply(b, meta, g)
+                    });
+                }
+                Record::Prior { slot, block, meta } => {
+                    self.apply_blocks(ld, &mut cache, slot, None, None, &mut gone, |m, _, g| {
+                        m.apply_prior(block, meta, g)
+                    });
+                }
+                Record::Revert {
+                    slot,
+                    block,
+                    version,
+                } => {
+                    let blocks = Some((block, 1));
+                    self.apply_blocks(ld, &mut cache, slot, blocks, None, &mut gone, |m, b, g| {
+                        m.apply_revert(b, version, g);
+                    });
+                }
+                Record::Settle { slot, upto } => {
+                    self.apply_blocks(ld, &mut cache, slot, None, None, &mut gone, |m, _, g| {
+                        m.apply_settle(upto, g)
+                    });
                 }
                 Record::Alloc { slot, key, epoch } => {
                     cache = None;
@@ -325,8 +364,12 @@ impl Drive {
                     let mut t = lock(&self.table);
                     let s = &mut t.slots[slot as usize];
                     if let Some(ext) = s.durable.take() {
-                        let m = lock(&ext.meta);
+                        let mut m = lock(&ext.meta);
                         gone.extend(m.blocks.iter().filter(|b| b.has_data()).map(|b| b.phys));
+                        gone.extend(m.held.values().filter(|b| b.has_data()).map(|b| b.phys));
+                        self.held_blocks
+                            .fetch_sub(m.held.len() as u64, Ordering::Relaxed);
+                        m.held.clear();
                     }
                     s.entry = ExtentEntry::default();
                     if s.live.is_none() {
@@ -346,16 +389,20 @@ impl Drive {
         ld.gone = gone;
     }
 
+    /// Applies `op` to each block of `blocks` (first, count) of the durable extent in
+    /// `slot`, marking their metadata pages dirty, or once (`None`: a record that changes
+    /// no block's state: a prior, a settle); keeps the drive's count of priors. If the
+    /// extent was freed meanwhile, `orphan` (the physical block the record wrote) is free.
     #[allow(clippy::too_many_arguments)]
     fn apply_blocks(
         &self,
         ld: &mut LeaderState,
         cache: &mut Option<(u32, Option<Arc<Extent>>)>,
         slot: u32,
-        block: u32,
-        count: u32,
-        meta: BlockMeta,
+        blocks: Option<(u32, u32)>,
+        orphan: Option<u32>,
         gone: &mut Vec<u32>,
+        mut op: impl FnMut(&mut ExtentMeta, u32, &mut Vec<u32>),
     ) {
         let ext = match cache {
             Some((s, e)) if *s == slot => e.clone(),
@@ -367,19 +414,33 @@ impl Drive {
         };
         let Some(ext) = ext else {
             // The extent was freed meanwhile: nothing names this block's new data.
-            if meta.has_data() {
-                gone.push(meta.phys);
-            }
+            gone.extend(orphan);
             return;
         };
         let mut m = lock(&ext.meta);
-        for b in block..block.saturating_add(count) {
-            gone.extend(m.apply(b, meta));
+        let held_before = m.held.len();
+        match blocks {
+            None => op(&mut m, 0, gone),
+            Some((block, count)) => {
+                for b in block..block.saturating_add(count) {
+                    op(&mut m, b, gone);
+                }
+            }
         }
+        let held_after = m.held.len();
         drop(m);
-        let last = block.saturating_add(count.max(1) - 1);
-        for p in block / BLOCKS_PER_META_PAGE..=last / BLOCKS_PER_META_PAGE {
-            ld.dirty_meta.insert((slot, p));
+        if held_after >= held_before {
+            self.held_blocks
+                .fetch_add((held_after - held_before) as u64, Ordering::Relaxed);
+        } else {
+            self.held_blocks
+                .fetch_sub((held_before - held_after) as u64, Ordering::Relaxed);
+        }
+        if let Some((block, count)) = blocks {
+            let last = block.saturating_add(count.max(1) - 1);
+            for p in block / BLOCKS_PER_META_PAGE..=last / BLOCKS_PER_META_PAGE {
+                ld.dirty_meta.insert((slot, p));
+            }
         }
     }
 
@@ -401,19 +462,85 @@ impl Drive {
         ld.page_buf = buf;
         res?;
         self.dev_sync()?;
+        // Priors are not in the metadata pages: re-log them past the old window before
+        // the tail moves, and start the new window at that batch.
+        let (tail, tail_seq) = match self.relog_priors(ld)? {
+            Some(at) => at,
+            None => (ld.head, ld.next_seq + ld.jseq_skew),
+        };
         // The superblock write is the commit point: copies alternate, so a torn write
         // leaves the previous one valid.
         ld.sb.generation = generation;
-        ld.sb.journal_tail = ld.head;
-        ld.sb.journal_tail_seq = ld.next_seq;
+        ld.sb.journal_tail = tail;
+        ld.sb.journal_tail_seq = tail_seq;
         ld.sb.journal_sector = self.journal_sector as u32;
         let mut sbuf = AlignedBuf::new(BLOCK as usize);
         ld.sb.encode(&mut sbuf);
         self.dev_write(&sbuf, (ld.sb.generation % 2) * BLOCK, IoKind::Meta)?;
         self.dev_sync()?;
-        ld.used = 0;
+        ld.used = if tail == ld.head {
+            0
+        } else {
+            (ld.head + self.layout.journal_len - tail) % self.layout.journal_len
+        };
         self.counters.checkpoints.fetch_add(1, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Writes one journal batch holding a Prior record for every prior the durable state
+    /// holds, at the head (after the window the checkpoint retires, which stays intact
+    /// until the superblock moves the tail), synced. Returns its (position, journal
+    /// sequence number), or None when the drive holds no prior.
+    fn relog_priors(&self, ld: &mut LeaderState) -> Result<Option<(u64, u64)>, EngineError> {
+        if self.held_blocks.load(Ordering::Relaxed) == 0 {
+            return Ok(None);
+        }
+        let mut records = Vec::new();
+        {
+            let t = lock(&self.table);
+            for (slot, s) in t.slots.iter().enumerate() {
+                let Some(ext) = &s.durable else { continue };
+                let m = lock(&ext.meta);
+                for (&block, &meta) in &m.held {
+                    Record::Prior {
+                        slot: slot as u32,
+                        block,
+                        meta,
+                    }
+                    .push(&mut records);
+                }
+            }
+        }
+        if records.is_empty() {
+            return Ok(None);
+        }
+        let js = self.journal_sector as u64;
+        let jlen = self.layout.journal_len;
+        let len = ((BATCH_HEADER + records.len()) as u64).div_ceil(js) * js;
+        let mut pos = ld.head;
+        if pos + len > jlen {
+            pos = 0;
+        }
+        let jseq = ld.next_seq + ld.jseq_skew;
+        let mut buf = AlignedBuf::new(len as usize);
+        buf.set_len(len as usize);
+        buf[BATCH_HEADER..BATCH_HEADER + records.len()].copy_from_slice(&records);
+        buf[BATCH_HEADER + records.len()..].fill(0);
+        seal_batch(
+            &mut buf,
+            ld.sb.journal_gen,
+            jseq,
+            len as usize,
+            (records.len() / RECORD) as u32,
+        );
+        self.dev_write(&buf, self.layout.journal_off + pos, IoKind::Journal)?;
+        self.dev_sync()?;
+        ld.jseq_skew += 1;
+        ld.head = pos + len;
+        if ld.head >= jlen {
+            ld.head = 0;
+        }
+        Ok(Some((pos, jseq)))
     }
 
     fn write_pages(

@@ -4,7 +4,7 @@
 use crate::error::EngineError;
 use crate::file::{AlignedBuf, BlockFile};
 use crate::layout::{
-    BlockMeta, DriveIdentity, ExtentEntry, Layout, Record, Superblock, BLOCK, RECORD,
+    BlockMeta, DriveIdentity, ExtentEntry, Layout, Record, Superblock, BATCH_HEADER, BLOCK, RECORD,
 };
 use crate::pool::Pool;
 use crate::stats::{Counters, DriveStats, OpKind, OpStart};
@@ -91,6 +91,10 @@ pub(crate) struct ExtentMeta {
     /// Released ([`Drive::release_extent`]): the slot is gone from the table, and a write
     /// that found the extent before is refused rather than landing on a freed slot.
     pub freed: bool,
+    /// Durable priors: the state each block had before its latest held write (a parity
+    /// chunk's), kept with its physical block until settled or reverted, so a row write
+    /// that did not complete on every chunk can be undone (docs/adr/0008).
+    pub held: HashMap<u32, BlockMeta>,
 }
 
 /// One block's share of an extent's version digest.
@@ -124,20 +128,91 @@ impl ExtentMeta {
             && (first..first + count).any(|b| self.overlay.get(&b).is_some_and(|o| o.busy))
     }
 
-    /// Applies a durable record's effect (called in journal order). Returns the physical
-    /// block the block no longer uses (free from now on), if any.
-    pub fn apply(&mut self, b: u32, meta: BlockMeta) -> Option<u32> {
-        let mut gone = None;
+    /// Applies a durable record's effect (called in journal order): an unheld write or
+    /// zero, which also drops the block's prior. Pushes the physical blocks the block no
+    /// longer uses (free from now on) onto `gone`.
+    pub fn apply(&mut self, b: u32, meta: BlockMeta, gone: &mut Vec<u32>) {
+        if let Some(p) = self.held.remove(&b) {
+            if p.has_data() && !(meta.has_data() && meta.phys == p.phys) {
+                gone.push(p.phys);
+            }
+        }
+        self.set(b, meta, None, gone);
+    }
+
+    /// Applies a Prior record: `prior` is block `b`'s prior from now on (an older one is
+    /// dropped). Queued before a held write (naming the block's state before it), or
+    /// re-logged by a checkpoint (naming the same prior again).
+    pub fn apply_prior(&mut self, b: u32, prior: BlockMeta, gone: &mut Vec<u32>) {
+        let Some(cur) = self.blocks.get(b as usize).copied() else {
+            return;
+        };
+        if let Some(old) = self.held.insert(b, prior) {
+            let named = |m: BlockMeta| m.has_data() && m.phys == old.phys;
+            if old.has_data() && !named(prior) && !named(cur) {
+                gone.push(old.phys);
+            }
+        }
+    }
+
+    /// Applies a held write: the block's prior (if any) keeps its physical block, which
+    /// may be the one the block held until now.
+    pub fn apply_held(&mut self, b: u32, meta: BlockMeta, gone: &mut Vec<u32>) {
+        let kept = self.held.get(&b).copied();
+        self.set(b, meta, kept, gone);
+    }
+
+    /// Applies a revert: a block at `version` with a prior goes back to it (its current
+    /// data is dropped). Returns whether it did.
+    pub fn apply_revert(&mut self, b: u32, version: u64, gone: &mut Vec<u32>) -> bool {
+        let at_version = self
+            .blocks
+            .get(b as usize)
+            .is_some_and(|c| c.version == version);
+        match self.held.get(&b).copied() {
+            Some(p) if at_version => {
+                self.held.remove(&b);
+                self.set(b, p, Some(p), gone);
+                true
+            }
+            _ => {
+                self.unpend(b);
+                false
+            }
+        }
+    }
+
+    /// Drops the priors of blocks whose current version is at most `upto`.
+    pub fn apply_settle(&mut self, upto: u64, gone: &mut Vec<u32>) {
+        let blocks = &self.blocks;
+        self.held.retain(|&b, p| {
+            let keep = blocks.get(b as usize).is_some_and(|c| c.version > upto);
+            if !keep && p.has_data() {
+                gone.push(p.phys);
+            }
+            keep
+        });
+    }
+
+    /// Sets block `b` to `meta`; its old physical block is gone unless `meta` or `kept`
+    /// (a prior) still names it.
+    fn set(&mut self, b: u32, meta: BlockMeta, kept: Option<BlockMeta>, gone: &mut Vec<u32>) {
         if let Some(slot) = self.blocks.get_mut(b as usize) {
             self.digest = self
                 .digest
                 .wrapping_sub(digest_term(b, slot.version))
                 .wrapping_add(digest_term(b, meta.version));
-            if slot.has_data() && !(meta.has_data() && meta.phys == slot.phys) {
-                gone = Some(slot.phys);
+            let names = |m: BlockMeta| m.has_data() && m.phys == slot.phys;
+            if slot.has_data() && !names(meta) && !kept.is_some_and(names) {
+                gone.push(slot.phys);
             }
             *slot = meta;
         }
+        self.unpend(b);
+    }
+
+    /// A record of block `b` is applied: one claim fewer waits for durability.
+    fn unpend(&mut self, b: u32) {
         if let Entry::Occupied(mut o) = self.overlay.entry(b) {
             let ov = o.get_mut();
             ov.pending = ov.pending.saturating_sub(1);
@@ -145,7 +220,6 @@ impl ExtentMeta {
                 o.remove();
             }
         }
-        gone
     }
 }
 
@@ -174,6 +248,7 @@ impl Extent {
                 overlay: HashMap::new(),
                 waiters: 0,
                 freed: false,
+                held: HashMap::new(),
             }),
             cv: Condvar::new(),
         }
@@ -227,6 +302,9 @@ pub(crate) struct LeaderState {
     /// Journal bytes between the checkpoint tail and head (what replay would read).
     pub used: u64,
     pub next_seq: u64,
+    /// Journal sequence numbers minus commit sequence numbers: a checkpoint's re-log
+    /// batch of priors takes a journal number that no commit batch has.
+    pub jseq_skew: u64,
     /// Records of the batch being written (swapped with CommitState::pending).
     pub spare: Vec<u8>,
     pub batch_buf: AlignedBuf,
@@ -263,6 +341,8 @@ pub struct Drive {
     pub(crate) journal_sector: usize,
     /// Bytes of records one batch carries at most (bounds batch size and latency).
     pub(crate) batch_records_max: usize,
+    /// Priors held (durable, all extents): bounded by [`Drive::held_max`].
+    pub(crate) held_blocks: AtomicU64,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -483,6 +563,7 @@ impl Drive {
     /// Claims blocks for a write: waits for in-progress writes of the same blocks (so data
     /// and metadata land in one order), applies the version rule, marks claimed blocks busy.
     /// Returns (blocks claimed, batch a skipped block's newer claim must reach first).
+    #[allow(clippy::too_many_arguments)]
     fn claim(
         &self,
         ext: &Extent,
@@ -491,6 +572,7 @@ impl Drive {
         new: impl Fn(usize) -> BlockMeta,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
         applied: &mut Vec<bool>,
+        mut before: Option<&mut Vec<BlockMeta>>,
     ) -> Result<(u32, u64), EngineError> {
         let mut m = lock(&ext.meta);
         while m.any_busy(first, count) {
@@ -502,12 +584,18 @@ impl Drive {
             return Err(EngineError::Released { key: ext.key });
         }
         applied.clear();
+        if let Some(v) = before.as_deref_mut() {
+            v.clear();
+        }
         let mut n = 0;
         let mut need_seq = 0;
         for i in 0..count as usize {
             let b = first + i as u32;
             let nm = new(i);
             let cur = m.current(b);
+            if let Some(v) = before.as_deref_mut() {
+                v.push(cur);
+            }
             if accept(i, &cur, &nm) {
                 let ExtentMeta {
                     blocks, overlay, ..
@@ -647,6 +735,7 @@ impl Drive {
             crcs,
             |_| version.0,
             |_, cur, new| new.version >= cur.version,
+            false,
         );
         match r {
             Ok((_, seq)) => Ok((seq, t)),
@@ -655,6 +744,190 @@ impl Drive {
                 Err(e)
             }
         }
+    }
+
+    /// A parity chunk's write (docs/adr/0008): as [`Drive::write`], but each block keeps
+    /// its state before the write as its *prior* (data and all) until [`Drive::settle`]
+    /// drops it or [`Drive::revert`] puts it back, so the owner can undo a row write that
+    /// did not reach every chunk. Durable on Ok, priors included. A block rewritten at
+    /// the version it has (a retry) keeps the prior it has. Refused with
+    /// [`EngineError::HeldFull`] when the drive holds [`Drive::held_max`] priors.
+    pub fn write_held(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+    ) -> Result<(), EngineError> {
+        let t = self.counters.begin();
+        let r = self
+            .write_inner(
+                key,
+                epoch,
+                offset,
+                data,
+                crcs,
+                |_| version.0,
+                |_, cur, new| new.version >= cur.version,
+                true,
+            )
+            .and_then(|(_, seq)| self.wait_durable(seq));
+        self.counters.end(OpKind::Write, t);
+        r
+    }
+
+    /// The most priors the drive holds at once: half its spare blocks (so writers always
+    /// find free physical blocks, see [`Drive::take_blocks`]) and what an eighth of the
+    /// journal can re-log at a checkpoint (which then always fits beside the window it
+    /// retires, see `relog_priors`).
+    pub fn held_max(&self) -> u64 {
+        let spare = self.layout.data_blocks
+            - u64::from(self.layout.extents_total) * u64::from(self.layout.blocks_per_extent);
+        let relog = (self.layout.journal_len / 8)
+            .saturating_sub(BATCH_HEADER as u64 + self.journal_sector as u64)
+            / RECORD as u64;
+        (spare / 2).min(relog)
+    }
+
+    /// Priors the drive holds now (all extents).
+    pub fn held_blocks(&self) -> u64 {
+        self.held_blocks.load(Ordering::Relaxed)
+    }
+
+    /// Drops the priors of the extent's blocks whose current version is at most `upto`:
+    /// the owner's row writes up to there completed on every chunk. Durable on Ok.
+    pub fn settle(&self, key: ExtentKey, epoch: Epoch, upto: Version) -> Result<(), EngineError> {
+        self.check_failed()?;
+        let Some(ext) = self.lookup(key) else {
+            return Ok(());
+        };
+        Self::check_epoch(&ext, epoch)?;
+        if lock(&ext.meta).held.is_empty() {
+            return Ok(());
+        }
+        let mut rec = [0u8; RECORD];
+        Record::Settle {
+            slot: ext.slot,
+            upto: upto.0,
+        }
+        .encode(&mut rec);
+        let seq = self.enqueue(&rec, true)?;
+        self.wait_durable(seq)
+    }
+
+    /// Puts back the prior of every block of the range whose current version is
+    /// `version` (a row write the owner found incomplete): returns how many blocks went
+    /// back. A block at `version` without a prior stays (the caller learns it from
+    /// [`Drive::priors`]). Durable on Ok.
+    pub fn revert(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    ) -> Result<u32, EngineError> {
+        let (first, count) = self.range(key, offset, len)?;
+        self.check_failed()?;
+        let Some(ext) = self.lookup(key) else {
+            return Ok(0);
+        };
+        Self::check_epoch(&ext, epoch)?;
+        let ext = self.extent_for_write(key, epoch)?;
+        self.settle_range(&ext, first, count)?;
+        with_scratch(|s| {
+            let (n, need_seq) = {
+                let m = lock(&ext.meta);
+                // The durable priors decide (nothing of the range is pending now).
+                let prior: Vec<Option<BlockMeta>> = (first..first + count)
+                    .map(|b| {
+                        m.held
+                            .get(&b)
+                            .copied()
+                            .filter(|_| m.current(b).version == version.0)
+                    })
+                    .collect();
+                drop(m);
+                self.claim(
+                    &ext,
+                    first,
+                    count,
+                    |i| prior[i].unwrap_or_default(),
+                    |i, cur, _| prior[i].is_some() && cur.version == version.0,
+                    &mut s.applied,
+                    None,
+                )?
+            };
+            let mut seq = need_seq.max(ext.epoch_seq.load(Ordering::Acquire));
+            if n > 0 {
+                s.records.clear();
+                for i in applied_indexes(&s.applied) {
+                    Record::Revert {
+                        slot: ext.slot,
+                        block: first + i as u32,
+                        version: version.0,
+                    }
+                    .push(&mut s.records);
+                }
+                let res = self.enqueue(&s.records, false);
+                if let Err(e) = &res {
+                    self.fail(e);
+                }
+                self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0), &[]);
+                seq = seq.max(res?);
+            }
+            self.wait_durable(seq)?;
+            Ok(n)
+        })
+    }
+
+    /// Waits until no write of blocks [first, first + count) is in progress or waiting
+    /// for its journal batch, so the durable metadata (priors included) is current.
+    fn settle_range(&self, ext: &Extent, first: u32, count: u32) -> Result<(), EngineError> {
+        loop {
+            let wait = {
+                let mut m = lock(&ext.meta);
+                while m.any_busy(first, count) {
+                    m.waiters += 1;
+                    m = ext.cv.wait(m).expect("extent lock poisoned");
+                    m.waiters -= 1;
+                }
+                (first..first + count)
+                    .filter_map(|b| m.overlay.get(&b).map(|o| o.seq))
+                    .max()
+            };
+            match wait {
+                Some(seq) => self.wait_durable(seq)?,
+                None => return Ok(()),
+            }
+        }
+    }
+
+    /// Current version and prior version (if the block holds one) of `count` blocks
+    /// from `offset`, once writes of them in progress are durable: what an owner checking
+    /// a row after a crash needs to decide between keeping a version and reverting it.
+    pub fn priors(
+        &self,
+        key: ExtentKey,
+        offset: u64,
+        count: usize,
+    ) -> Result<Vec<(Version, Option<Version>)>, EngineError> {
+        let (first, n) = self.range(key, offset, count as u64 * BLOCK)?;
+        let Some(ext) = self.lookup(key) else {
+            return Ok(vec![(Version(0), None); count]);
+        };
+        self.settle_range(&ext, first, n)?;
+        let m = lock(&ext.meta);
+        Ok((first..first + n)
+            .map(|b| {
+                (
+                    Version(m.current(b).version),
+                    m.held.get(&b).map(|p| Version(p.version)),
+                )
+            })
+            .collect())
     }
 
     /// Copies blocks from another replica (resync, rebuild, reconcile): block `i` gets
@@ -709,6 +982,7 @@ impl Drive {
             crcs,
             |i| versions[i].0,
             |i, cur, _| cur.version == expect[i].0,
+            false,
         );
         match r {
             Ok((n, seq)) => Ok((n, seq, t)),
@@ -731,11 +1005,19 @@ impl Drive {
         crcs: &[u32],
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
+        hold: bool,
     ) -> Result<(u32, u64), EngineError> {
         let (first, count) = self.checked_write_range(key, offset, data, crcs)?;
         self.check_failed()?;
+        if hold {
+            let held = self.held_blocks.load(Ordering::Relaxed);
+            if held + u64::from(count) > self.held_max() {
+                return Err(EngineError::HeldFull { held });
+            }
+        }
         let ext = self.extent_for_write(key, epoch)?;
-        let (n, seq) = self.write_claimed(&ext, first, count, data, crcs, version_of, accept)?;
+        let (n, seq) =
+            self.write_claimed(&ext, first, count, data, crcs, version_of, accept, hold)?;
         Ok((n, seq.max(ext.epoch_seq.load(Ordering::Acquire))))
     }
 
@@ -764,6 +1046,7 @@ impl Drive {
         crcs: &[u32],
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
+        hold: bool,
     ) -> Result<(u32, u64), EngineError> {
         let piece = self.piece_blocks();
         let (mut n, mut seq) = (0, 0);
@@ -779,6 +1062,7 @@ impl Drive {
                 &crcs[i0..i0 + len as usize],
                 |i| version_of(i0 + i),
                 |i, cur, new| accept(i0 + i, cur, new),
+                hold,
             )?;
             n += pn;
             seq = seq.max(ps);
@@ -806,6 +1090,7 @@ impl Drive {
         crcs: &[u32],
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
+        hold: bool,
     ) -> Result<(u32, u64), EngineError> {
         with_scratch(|s| {
             let (n, need_seq) = self.claim(
@@ -815,6 +1100,7 @@ impl Drive {
                 |i| BlockMeta::data(version_of(i), crcs[i], 0),
                 accept,
                 &mut s.applied,
+                hold.then_some(&mut s.metas),
             )?;
             self.counters
                 .skipped_blocks
@@ -827,6 +1113,7 @@ impl Drive {
                 applied,
                 records,
                 phys,
+                metas,
                 ..
             } = s;
             phys.clear();
@@ -836,12 +1123,24 @@ impl Drive {
                 .and_then(|()| {
                     records.clear();
                     for (i, &p) in applied_indexes(applied).zip(phys.iter()) {
+                        let (block, version) = (first + i as u32, version_of(i));
+                        // A held write names the block's state before it (the prior);
+                        // the same version again (a retry) keeps the prior it has.
+                        if hold && metas[i].version < version {
+                            Record::Prior {
+                                slot: ext.slot,
+                                block,
+                                meta: metas[i],
+                            }
+                            .push(records);
+                        }
                         Record::Data {
                             slot: ext.slot,
-                            block: first + i as u32,
+                            block,
                             crc: crcs[i],
-                            version: version_of(i),
+                            version,
                             phys: p,
+                            hold,
                         }
                         .push(records);
                     }
@@ -945,6 +1244,7 @@ impl Drive {
                         r.crcs,
                         |k| r.versions[k],
                         |_, cur, new| new.version >= cur.version,
+                        false,
                     );
                     self.counters.end(OpKind::Write, t);
                     let (n, sq) = res?;
@@ -998,6 +1298,7 @@ impl Drive {
                 |i| BlockMeta::data(r.versions[i], r.crcs[i], 0),
                 |_, cur, new| new.version >= cur.version,
                 &mut applied,
+                None,
             ) else {
                 continue;
             };
@@ -1038,6 +1339,7 @@ impl Drive {
                                 crc: r.crcs[i],
                                 version: r.versions[i],
                                 phys: p,
+                                hold: false,
                             }
                             .push(&mut records);
                         }
@@ -1292,6 +1594,7 @@ impl Drive {
                 |_| new,
                 |_, cur, new| new.version >= cur.version,
                 &mut s.applied,
+                None,
             )?;
             self.counters
                 .skipped_blocks

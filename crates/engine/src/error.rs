@@ -32,6 +32,8 @@ pub enum EngineError {
     },
     #[error("extent {key:?} was released (its slab was trimmed whole) while this request waited; nothing was written")]
     Released { key: ExtentKey },
+    #[error("drive holds {held} unsettled priors of parity writes, its limit: the owner must settle completed rows before writing more")]
+    HeldFull { held: u64 },
     #[error("no free extent on this drive (all {extents_total} in use); place the slab on another drive or free extents")]
     NoSpace { extents_total: u64 },
     #[error("invalid I/O on extent {key:?}: {reason} (offset {offset}, length {len})")]

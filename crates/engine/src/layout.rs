@@ -479,13 +479,16 @@ pub fn decode_table_sector(b: &[u8], sector: u32, entries: &mut [ExtentEntry]) -
 pub enum Record {
     /// Block `block` of extent `slot` now holds data with this crc, at this version, in
     /// physical data block `phys` (written before the record was queued; the block it
-    /// held before is free once this record is durable).
+    /// held before is free once this record is durable). `hold` (a parity chunk's write):
+    /// the block's previous state is kept as its *prior* (named by the [`Record::Prior`]
+    /// just before this record) until settled or reverted, instead of being freed.
     Data {
         slot: u32,
         block: u32,
         crc: u32,
         version: u64,
         phys: u32,
+        hold: bool,
     },
     /// Blocks [block, block+count) read as zeros at this version (TRIM / WRITE_ZEROES).
     Zero {
@@ -504,6 +507,21 @@ pub enum Record {
     Epoch { slot: u32, epoch: Epoch },
     /// Slot `slot` is free again.
     Free { slot: u32 },
+    /// Block `block` of extent `slot` keeps `meta` as its prior: queued just before a
+    /// held [`Record::Data`] (the block's state before that write), and again for every
+    /// prior when a checkpoint moves the journal tail (priors are not in the metadata
+    /// pages). Self-contained, so replaying it over newer metadata pages is exact.
+    Prior {
+        slot: u32,
+        block: u32,
+        meta: BlockMeta,
+    },
+    /// The priors of extent `slot`'s blocks whose current version is at most `upto`
+    /// are dropped (those writes completed on every chunk of their row).
+    Settle { slot: u32, upto: u64 },
+    /// Block `block` of extent `slot` goes back to its prior if its current version is
+    /// `version` (a write that did not complete on its row is undone).
+    Revert { slot: u32, block: u32, version: u64 },
 }
 
 impl Record {
@@ -516,8 +534,10 @@ impl Record {
                 crc,
                 version,
                 phys,
+                hold,
             } => {
                 out[0] = 1;
+                out[1] = u8::from(hold);
                 put_u32(out, 4, slot);
                 put_u32(out, 8, block);
                 put_u32(out, 12, crc);
@@ -552,6 +572,30 @@ impl Record {
                 out[0] = 5;
                 put_u32(out, 4, slot);
             }
+            Record::Prior { slot, block, meta } => {
+                out[0] = 6;
+                put_u32(out, 4, slot);
+                put_u32(out, 8, block);
+                put_u32(out, 12, meta.crc);
+                put_u64(out, 16, meta.version);
+                put_u32(out, 24, meta.phys);
+                put_u32(out, 28, meta.flags);
+            }
+            Record::Settle { slot, upto } => {
+                out[0] = 7;
+                put_u32(out, 4, slot);
+                put_u64(out, 8, upto);
+            }
+            Record::Revert {
+                slot,
+                block,
+                version,
+            } => {
+                out[0] = 8;
+                put_u32(out, 4, slot);
+                put_u32(out, 8, block);
+                put_u64(out, 16, version);
+            }
         }
     }
 
@@ -574,6 +618,7 @@ impl Record {
                 crc: get_u32(b, 12),
                 version: get_u64(b, 16),
                 phys: get_u32(b, 24),
+                hold: b[1] & 1 != 0,
             },
             2 => Record::Zero {
                 slot,
@@ -594,6 +639,25 @@ impl Record {
                 epoch: Epoch(get_u64(b, 8)),
             },
             5 => Record::Free { slot },
+            6 => Record::Prior {
+                slot,
+                block: get_u32(b, 8),
+                meta: BlockMeta {
+                    crc: get_u32(b, 12),
+                    version: get_u64(b, 16),
+                    phys: get_u32(b, 24),
+                    flags: get_u32(b, 28),
+                },
+            },
+            7 => Record::Settle {
+                slot,
+                upto: get_u64(b, 8),
+            },
+            8 => Record::Revert {
+                slot,
+                block: get_u32(b, 8),
+                version: get_u64(b, 16),
+            },
             _ => return None,
         })
     }
@@ -735,6 +799,7 @@ mod tests {
                 crc: 3,
                 version: 4,
                 phys: 0,
+                hold: false,
             },
             Record::Data {
                 slot: 1,
@@ -742,6 +807,23 @@ mod tests {
                 crc: 3,
                 version: 4,
                 phys: 0x8765_4321,
+                hold: true,
+            },
+            Record::Prior {
+                slot: 3,
+                block: 4,
+                meta: BlockMeta::data(0x1234_5678_9abc, 0xdead_beef, 77),
+            },
+            Record::Prior {
+                slot: 3,
+                block: 5,
+                meta: BlockMeta::zero(9),
+            },
+            Record::Settle { slot: 3, upto: 99 },
+            Record::Revert {
+                slot: 3,
+                block: 4,
+                version: 0x1234_5678_9abd,
             },
             Record::Zero {
                 slot: 1,

@@ -14,6 +14,7 @@ use crate::pool::Pool;
 use crate::stats::Counters;
 use converge_types::ExtentKey;
 use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Condvar, Mutex};
 
 /// Upper bound of records per journal batch (bytes), whatever the journal size.
@@ -61,10 +62,49 @@ fn probe_journal_sector(file: &dyn BlockFile, journal_off: u64) -> usize {
 }
 
 /// Per-slot state while replaying.
+type State = (BlockMeta, Option<BlockMeta>);
+
+/// Sets a block's state (and prior) during replay, remembering the states the current
+/// journal batch gave it (each list starting with its state before that batch).
+fn touch(
+    exts: &mut [Option<RExtent>],
+    cands: &mut HashMap<(u32, u32), Vec<State>>,
+    dirty_meta: &mut BTreeSet<(u32, u32)>,
+    slot: u32,
+    block: u32,
+    meta: BlockMeta,
+    prior: Option<BlockMeta>,
+) {
+    let Some(Some(e)) = exts.get_mut(slot as usize) else {
+        return;
+    };
+    let Some(cur) = e.blocks.get_mut(block as usize) else {
+        return;
+    };
+    let before = (*cur, e.held.get(&block).copied());
+    cands
+        .entry((slot, block))
+        .or_insert_with(|| vec![before])
+        .push((meta, prior));
+    *cur = meta;
+    match prior {
+        Some(p) => e.held.insert(block, p),
+        None => e.held.remove(&block),
+    };
+    dirty_meta.insert((slot, block / BLOCKS_PER_META_PAGE));
+}
+
+/// The prior block `block` of extent `slot` holds during replay.
+fn held_of(exts: &[Option<RExtent>], slot: u32, block: u32) -> Option<BlockMeta> {
+    exts.get(slot as usize)?.as_ref()?.held.get(&block).copied()
+}
+
 struct RExtent {
     key: ExtentKey,
     epoch: u64,
     blocks: Vec<BlockMeta>,
+    /// Priors of held writes (docs/adr/0008): from Prior records only, never in pages.
+    held: HashMap<u32, BlockMeta>,
 }
 
 /// Picks the metadata a block gets after a crash. `cands` are its states in order: the one
@@ -79,19 +119,23 @@ struct RExtent {
 /// state of the last batch is proven, the state before it, when proven. If none is (rot
 /// on top of a lost write), the newest is kept and reads report the block as bad, never
 /// silently an older state.
+/// Returns the index of the chosen state.
 pub(crate) fn choose(
     cands: &[BlockMeta],
     crc_at: &mut dyn FnMut(u32) -> Result<Option<u32>, EngineError>,
-) -> Result<BlockMeta, EngineError> {
-    let last = *cands.last().expect("a touched block has candidates");
-    let (pre, batch) = cands.split_first().expect("non-empty");
-    for c in batch.iter().rev() {
+) -> Result<usize, EngineError> {
+    let last = cands
+        .len()
+        .checked_sub(1)
+        .expect("a touched block has candidates");
+    for (i, c) in cands.iter().enumerate().skip(1).rev() {
         if !c.has_data() || crc_at(c.phys)? == Some(c.crc) {
-            return Ok(*c);
+            return Ok(i);
         }
     }
+    let pre = cands[0];
     if !pre.has_data() || crc_at(pre.phys)? == Some(pre.crc) {
-        return Ok(*pre);
+        return Ok(0);
     }
     Ok(last)
 }
@@ -210,6 +254,7 @@ impl Drive {
                             key,
                             epoch: e.epoch,
                             blocks: Vec::new(),
+                            held: HashMap::new(),
                         })
                     }
                     (true, _) => {
@@ -258,9 +303,9 @@ impl Drive {
         let mut pos = sb.journal_tail;
         let mut seq = sb.journal_tail_seq;
         let mut jbuf = AlignedBuf::new(js as usize);
-        // States of the blocks the current (finally: the last) batch touched, each list
-        // starting with the block's state before that batch.
-        let mut cands: HashMap<(u32, u32), Vec<BlockMeta>> = HashMap::new();
+        // States (metadata, prior) of the blocks the current (finally: the last) batch
+        // touched, each list starting with the block's state before that batch.
+        let mut cands: HashMap<(u32, u32), Vec<State>> = HashMap::new();
         let mut dirty_meta: BTreeSet<(u32, u32)> = BTreeSet::new();
 
         let mut reset_slots: BTreeSet<u32> = BTreeSet::new();
@@ -301,27 +346,21 @@ impl Drive {
             };
             cands.clear();
             let recs = &jbuf[BATCH_HEADER..BATCH_HEADER + nrec as usize * RECORD];
-            for raw in recs.chunks_exact(RECORD) {
-                let rec = Record::decode(raw).ok_or_else(|| {
-                    EngineError::Corrupt(format!(
-                        "journal batch {seq} holds an unknown record kind {}",
-                        raw[0]
-                    ))
-                })?;
-                let mut touch = |slot: u32, block: u32, meta: BlockMeta| {
-                    let Some(Some(e)) = exts.get_mut(slot as usize) else {
-                        return;
-                    };
-                    let Some(cur) = e.blocks.get_mut(block as usize) else {
-                        return;
-                    };
-                    cands
-                        .entry((slot, block))
-                        .or_insert_with(|| vec![*cur])
-                        .push(meta);
-                    *cur = meta;
-                    dirty_meta.insert((slot, block / BLOCKS_PER_META_PAGE));
-                };
+            let decoded = recs
+                .chunks_exact(RECORD)
+                .map(|raw| {
+                    Record::decode(raw).ok_or_else(|| {
+                        EngineError::Corrupt(format!(
+                            "journal batch {seq} holds an unknown record kind {}",
+                            raw[0]
+                        ))
+                    })
+                })
+                .collect::<Result<Vec<Record>, EngineError>>()?;
+            let mut i = 0;
+            while i < decoded.len() {
+                let rec = decoded[i];
+                i += 1;
                 match rec {
                     Record::Data {
                         slot,
@@ -329,7 +368,97 @@ impl Drive {
                         crc,
                         version,
                         phys,
-                    } => touch(slot, block, BlockMeta::data(version, crc, phys)),
+                        hold,
+                    } => {
+                        let prior = hold.then(|| held_of(&exts, slot, block)).flatten();
+                        touch(
+                            &mut exts,
+                            &mut cands,
+                            &mut dirty_meta,
+                            slot,
+                            block,
+                            BlockMeta::data(version, crc, phys),
+                            prior,
+                        );
+                    }
+                    Record::Prior { slot, block, meta } => {
+                        // Paired with the held write that follows it (queued together),
+                        // or a checkpoint's re-log of a prior.
+                        match decoded.get(i) {
+                            Some(&Record::Data {
+                                slot: s2,
+                                block: b2,
+                                crc,
+                                version,
+                                phys,
+                                hold: true,
+                            }) if s2 == slot && b2 == block => {
+                                i += 1;
+                                let m = BlockMeta::data(version, crc, phys);
+                                touch(
+                                    &mut exts,
+                                    &mut cands,
+                                    &mut dirty_meta,
+                                    slot,
+                                    block,
+                                    m,
+                                    Some(meta),
+                                );
+                            }
+                            _ => {
+                                if let Some(Some(e)) = exts.get_mut(slot as usize) {
+                                    if (block as usize) < e.blocks.len() {
+                                        e.held.insert(block, meta);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    Record::Revert {
+                        slot,
+                        block,
+                        version,
+                    } => {
+                        let Some(Some(e)) = exts.get(slot as usize) else {
+                            continue;
+                        };
+                        let at = e.blocks.get(block as usize).map(|c| c.version);
+                        if let (Some(p), Some(v)) = (e.held.get(&block).copied(), at) {
+                            if v == version {
+                                touch(&mut exts, &mut cands, &mut dirty_meta, slot, block, p, None);
+                            }
+                        }
+                    }
+                    Record::Settle { slot, upto } => {
+                        let Some(Some(e)) = exts.get(slot as usize) else {
+                            continue;
+                        };
+                        let drop: Vec<u32> = e
+                            .held
+                            .keys()
+                            .copied()
+                            .filter(|&b| e.blocks.get(b as usize).is_none_or(|c| c.version <= upto))
+                            .collect();
+                        for b in drop {
+                            if cands.contains_key(&(slot, b)) {
+                                let cur =
+                                    exts[slot as usize].as_ref().map(|e| e.blocks[b as usize]);
+                                if let Some(cur) = cur {
+                                    touch(
+                                        &mut exts,
+                                        &mut cands,
+                                        &mut dirty_meta,
+                                        slot,
+                                        b,
+                                        cur,
+                                        None,
+                                    );
+                                }
+                            } else if let Some(Some(e)) = exts.get_mut(slot as usize) {
+                                e.held.remove(&b);
+                            }
+                        }
+                    }
                     Record::Zero {
                         slot,
                         block,
@@ -340,7 +469,15 @@ impl Drive {
                         // damaged count keeps open busy for up to 2^32 iterations.
                         let end = block.saturating_add(count).min(bpe as u32);
                         for b in block..end {
-                            touch(slot, b, BlockMeta::zero(version));
+                            touch(
+                                &mut exts,
+                                &mut cands,
+                                &mut dirty_meta,
+                                slot,
+                                b,
+                                BlockMeta::zero(version),
+                                None,
+                            );
                         }
                     }
                     Record::Alloc { slot, key, epoch } => {
@@ -349,6 +486,7 @@ impl Drive {
                                 key,
                                 epoch: epoch.0,
                                 blocks: vec![BlockMeta::default(); bpe],
+                                held: HashMap::new(),
                             });
                             cands.retain(|k, _| k.0 != slot);
                             reset_slots.insert(slot);
@@ -395,7 +533,13 @@ impl Drive {
             let Some(Some(e)) = exts.get_mut(key.0 as usize) else {
                 continue;
             };
-            e.blocks[key.1 as usize] = choose(list, &mut crc_at)?;
+            let metas: Vec<BlockMeta> = list.iter().map(|c| c.0).collect();
+            let chosen = choose(&metas, &mut crc_at)?;
+            e.blocks[key.1 as usize] = metas[chosen];
+            match list[chosen].1 {
+                Some(p) => e.held.insert(key.1, p),
+                None => e.held.remove(&key.1),
+            };
         }
 
         // The free-block map, from the metadata. A block naming a physical block that is
@@ -426,6 +570,32 @@ impl Drive {
                 sb.identity.drive
             );
         }
+        // Priors, after every block's current state: a prior is only kept when it is
+        // older than its block and its physical block is named by nothing else (replay
+        // over metadata pages newer than a record can leave one that no longer is).
+        let mut held_total = 0u64;
+        let mut priors_dropped = 0u64;
+        for e in exts.iter_mut().flatten() {
+            let blocks = &e.blocks;
+            e.held.retain(|&b, p| {
+                let keep = blocks
+                    .get(b as usize)
+                    .is_some_and(|c| p.version < c.version)
+                    && !p.is_bad()
+                    && (!p.has_data() || pool.mark(p.phys));
+                if !keep {
+                    priors_dropped += 1;
+                }
+                keep
+            });
+            held_total += e.held.len() as u64;
+        }
+        if priors_dropped > 0 {
+            log::info!(
+                "drive {}: {priors_dropped} priors no longer apply after replay; dropped",
+                sb.identity.drive
+            );
+        }
 
         // Build the live state.
         for &slot in &reset_slots {
@@ -446,6 +616,7 @@ impl Drive {
                         )));
                     }
                     let ext = Arc::new(Extent::new(e.key, slot as u32, e.epoch, 0, e.blocks));
+                    ext.meta.lock().expect("fresh extent lock").held = e.held;
                     slots.push(Slot {
                         live: Some(ext.clone()),
                         durable: Some(ext),
@@ -499,9 +670,12 @@ impl Drive {
             commit_cv: Condvar::new(),
             leader: Mutex::new(LeaderState {
                 sb: new_sb,
-                head: 0,
+                // The new generation starts where the replayed window ends, so the
+                // checkpoint below can re-log priors without touching that window.
+                head: if pos >= jlen { 0 } else { pos },
                 used: 0,
                 next_seq: seq,
+                jseq_skew: 0,
                 spare: Vec::with_capacity(batch_records_max),
                 batch_buf: AlignedBuf::new(batch_records_max + BATCH_HEADER + BLOCK as usize),
                 page_buf: AlignedBuf::new(PAGE_BUF_BYTES),
@@ -512,6 +686,7 @@ impl Drive {
             counters,
             journal_sector: js_now,
             batch_records_max,
+            held_blocks: AtomicU64::new(held_total),
         };
         if batches > 0 {
             log::info!(
@@ -544,10 +719,11 @@ mod tests {
     }
     /// Picks with a disk on which exactly the physical blocks `landed` hold their data.
     fn pick(cands: &[BlockMeta], landed: &[u32]) -> BlockMeta {
-        choose(cands, &mut |p| {
+        let i = choose(cands, &mut |p| {
             Ok(Some(if landed.contains(&p) { p } else { 0xdead }))
         })
-        .unwrap()
+        .unwrap();
+        cands[i]
     }
 
     #[test]
@@ -573,7 +749,7 @@ mod tests {
         // An out-of-range block proves nothing.
         assert_eq!(
             choose(&[d(1, 1), d(2, 2)], &mut |p| Ok((p == 1).then_some(1))).unwrap(),
-            d(1, 1)
+            0
         );
     }
 }

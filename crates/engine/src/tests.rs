@@ -925,3 +925,135 @@ fn checkpoint_never_writes_a_generation_the_decoder_refuses() {
         .collect();
     assert_eq!(gens, vec![u64::MAX - 1, u64::MAX - 2]);
 }
+
+fn free_phys(d: &Drive) -> u64 {
+    crate::drive::lock(&d.pool).free()
+}
+
+/// Held writes (parity chunks, docs/adr/0008): each keeps the block's previous state as
+/// its prior, data and all, across reopen and checkpoints, until settled or reverted.
+#[test]
+fn held_writes_keep_priors_until_settled_and_revert_to_them() {
+    let (f, d) = faulty(8 << 20);
+    let mut rng = StdRng::seed_from_u64(11);
+    let k = key(4, 0);
+    let (u, uc) = blocks(&mut rng, 4);
+    let (v, vc) = blocks(&mut rng, 4);
+    let (w, wc) = blocks(&mut rng, 2);
+    // U everywhere (unheld), then V held over blocks 0..4.
+    d.write(k, Epoch(1), Version(10), 0, &u, &uc).unwrap();
+    let free0 = free_phys(&d);
+    d.write_held(k, Epoch(1), Version(20), 0, &v, &vc).unwrap();
+    assert_eq!(d.held_blocks(), 4);
+    assert_eq!(
+        free0 - free_phys(&d),
+        4,
+        "each prior keeps its physical block"
+    );
+    let p = d.priors(k, 0, 5).unwrap();
+    assert_eq!(p[0], (Version(20), Some(Version(10))));
+    assert_eq!(p[4], (Version(0), None));
+    // A retry at the same version keeps the prior; a newer held write moves it up.
+    d.write_held(k, Epoch(1), Version(20), 0, &v[..B], &vc[..1])
+        .unwrap();
+    assert_eq!(
+        d.priors(k, 0, 1).unwrap()[0],
+        (Version(20), Some(Version(10)))
+    );
+    d.write_held(k, Epoch(1), Version(30), 2 * BLOCK, &w, &wc)
+        .unwrap();
+    assert_eq!(
+        d.priors(k, 2 * BLOCK, 1).unwrap()[0],
+        (Version(30), Some(Version(20)))
+    );
+    assert_eq!(d.held_blocks(), 4);
+
+    // Priors survive a reopen (replayed) and checkpoints (re-logged) ...
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    for _ in 0..3 {
+        d.checkpoint().unwrap();
+    }
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert_eq!(d.held_blocks(), 4);
+    let p = d.priors(k, 0, 4).unwrap();
+    assert_eq!(
+        p,
+        vec![
+            (Version(20), Some(Version(10))),
+            (Version(20), Some(Version(10))),
+            (Version(30), Some(Version(20))),
+            (Version(30), Some(Version(20))),
+        ]
+    );
+
+    // ... and a revert puts the prior back, data and version: only blocks at that version.
+    assert_eq!(d.revert(k, Epoch(1), Version(30), 0, 4 * BLOCK).unwrap(), 2);
+    let (buf, info) = read_all(&d, k, 0, 4 * B);
+    assert!(info.bad_blocks.is_empty());
+    assert_eq!(&buf[..2 * B], &v[..2 * B]);
+    assert_eq!(&buf[2 * B..], &v[2 * B..4 * B], "blocks 2..4 are back at V");
+    assert_eq!(d.held_blocks(), 2);
+    assert_eq!(d.priors(k, 2 * BLOCK, 1).unwrap()[0], (Version(20), None));
+    // An older owner may not revert or settle.
+    assert!(matches!(
+        d.revert(k, Epoch(0), Version(20), 0, BLOCK),
+        Err(EngineError::StaleEpoch { .. })
+    ));
+
+    // Settle drops only priors of blocks at or below the version, and frees them.
+    let before = free_phys(&d);
+    d.settle(k, Epoch(1), Version(19)).unwrap();
+    assert_eq!(d.held_blocks(), 2);
+    d.settle(k, Epoch(1), Version(20)).unwrap();
+    assert_eq!(d.held_blocks(), 0);
+    assert_eq!(free_phys(&d) - before, 2);
+    assert_eq!(d.revert(k, Epoch(1), Version(20), 0, BLOCK).unwrap(), 0);
+    assert_eq!(&read_all(&d, k, 0, B).0, &v[..B]);
+
+    // An unheld write drops a prior; freeing the extent frees its priors.
+    d.write_held(k, Epoch(1), Version(40), 0, &u[..2 * B], &uc[..2])
+        .unwrap();
+    d.write(k, Epoch(1), Version(41), 0, &w[..B], &wc[..1])
+        .unwrap();
+    assert_eq!(d.held_blocks(), 1);
+    let before = free_phys(&d);
+    d.free_extent(k).unwrap();
+    assert_eq!(d.held_blocks(), 0);
+    assert_eq!(free_phys(&d) - before, 4 + 1, "4 blocks and 1 prior");
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert_eq!(d.held_blocks(), 0);
+}
+
+/// A drive refuses held writes beyond its bound rather than running out of free blocks.
+#[test]
+fn held_writes_are_bounded() {
+    let (_f, d) = faulty(8 << 20);
+    let max = d.held_max();
+    assert!(max >= 8, "{max}");
+    let mut rng = StdRng::seed_from_u64(12);
+    let (x, xc) = blocks(&mut rng, 1);
+    let mut written = 0u64;
+    let mut s = 0;
+    let refused = loop {
+        let k = key(5, s / (SLAB / BLOCK));
+        let off = (s % (SLAB / BLOCK)) * BLOCK;
+        d.write(k, Epoch(1), Version(1), off, &x, &xc).unwrap();
+        match d.write_held(k, Epoch(1), Version(2), off, &x, &xc) {
+            Ok(()) => written += 1,
+            Err(e) => break e,
+        }
+        s += 1;
+    };
+    assert!(matches!(refused, EngineError::HeldFull { .. }), "{refused}");
+    assert_eq!(written, max);
+    // Settling makes room again.
+    for slab in 0..=s / (SLAB / BLOCK) {
+        d.settle(key(5, slab), Epoch(1), Version(2)).unwrap();
+    }
+    assert_eq!(d.held_blocks(), 0);
+    let k = key(5, 0);
+    d.write_held(k, Epoch(1), Version(3), 0, &x, &xc).unwrap();
+}

@@ -15,6 +15,7 @@ use converge_types::{
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -30,6 +31,7 @@ struct Op {
     n: u32,
     version: u64,
     zero: bool,
+    held: bool,
     acked: bool,
 }
 
@@ -69,7 +71,9 @@ struct RoundResult {
     checkpoints: u64,
 }
 
-fn round(seed: u64, mode: CrashMode) -> RoundResult {
+/// `held`: half the writes keep priors (parity chunks' writes) and settles run among
+/// them; after the crash every prior must still be whole, and a revert must restore it.
+fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
     let mut rng = StdRng::seed_from_u64(seed);
     let f = FaultyFile::new(4 << 20);
     f.set_crash_mode(mode);
@@ -84,6 +88,8 @@ fn round(seed: u64, mode: CrashMode) -> RoundResult {
     .expect("format");
     let d = Arc::new(d);
     let log: Arc<Mutex<Vec<Op>>> = Arc::new(Mutex::new(Vec::new()));
+    // Per extent, the highest version a settle was sent for (it may have applied).
+    let settled: Arc<Mutex<HashMap<ExtentKey, u64>>> = Arc::default();
     let next_version = Arc::new(AtomicU64::new(1));
     let stop = Arc::new(AtomicBool::new(false));
     let by_writes = rng.gen_bool(0.6);
@@ -92,8 +98,13 @@ fn round(seed: u64, mode: CrashMode) -> RoundResult {
     }
     let mut threads = Vec::new();
     for t in 0..4u64 {
-        let (d, log, next_version, stop) =
-            (d.clone(), log.clone(), next_version.clone(), stop.clone());
+        let (d, log, next_version, stop, settled) = (
+            d.clone(),
+            log.clone(),
+            next_version.clone(),
+            stop.clone(),
+            settled.clone(),
+        );
         let mut trng = StdRng::seed_from_u64(seed * 31 + t);
         threads.push(std::thread::spawn(move || {
             for _ in 0..400 {
@@ -117,6 +128,7 @@ fn round(seed: u64, mode: CrashMode) -> RoundResult {
                         n,
                         version,
                         zero,
+                        held: false,
                         acked: false,
                     });
                     l.len() - 1
@@ -135,14 +147,31 @@ fn round(seed: u64, mode: CrashMode) -> RoundResult {
                         data.extend_from_slice(&content(k, b, version));
                     }
                     let crcs: Vec<u32> = data.chunks(B).map(crc32c::crc32c).collect();
-                    d.write(
-                        k,
-                        Epoch(1),
-                        Version(version),
-                        u64::from(first) * B as u64,
-                        &data,
-                        &crcs,
-                    )
+                    let off = u64::from(first) * B as u64;
+                    if held && trng.gen_bool(0.1) {
+                        // Settle what is well behind (the owner settles completed rows).
+                        let upto = next_version.load(Ordering::SeqCst).saturating_sub(30);
+                        note_settle(&settled, k, upto);
+                        match d.settle(k, Epoch(1), Version(upto)) {
+                            Ok(()) => {}
+                            Err(EngineError::Io { .. } | EngineError::Failed { .. }) => break,
+                            Err(e) => panic!("unexpected error {e}"),
+                        }
+                    }
+                    if held && trng.gen_bool(0.5) {
+                        log.lock().expect("log")[idx].held = true;
+                        match d.write_held(k, Epoch(1), Version(version), off, &data, &crcs) {
+                            // Too many priors: settle everything and go on (not acked).
+                            Err(EngineError::HeldFull { .. }) => {
+                                note_settle(&settled, k, u64::MAX);
+                                let _ = d.settle(k, Epoch(1), Version(u64::MAX));
+                                continue;
+                            }
+                            r => r,
+                        }
+                    } else {
+                        d.write(k, Epoch(1), Version(version), off, &data, &crcs)
+                    }
                 };
                 match r {
                     Ok(()) => log.lock().expect("log")[idx].acked = true,
@@ -227,6 +256,79 @@ fn round(seed: u64, mode: CrashMode) -> RoundResult {
             }
         }
     }
+    // Every prior is whole: older than its block, and a revert restores it exactly; and a
+    // block whose version came from a held write no settle reached still has its prior.
+    let settled = settled.lock().expect("settled").clone();
+    let mut priors = 0;
+    for s in 0..KEYS {
+        let k = key(s);
+        let pv = d.priors(k, 0, BLOCKS as usize).expect("priors");
+        for (b, &(cur, prior)) in pv.iter().enumerate() {
+            let writers: Vec<&Op> = log
+                .iter()
+                .filter(|o| o.key == k && o.version == cur.0)
+                .filter(|o| (o.first..o.first + o.n).contains(&(b as u32)))
+                .collect();
+            if let [w] = writers[..] {
+                if w.held && settled.get(&k).is_none_or(|&u| u < cur.0) {
+                    assert!(
+                        prior.is_some(),
+                        "{mode:?} seed {seed} key {s} block {b}: held write {cur:?} lost its prior"
+                    );
+                }
+            }
+            let Some(prior) = prior else { continue };
+            priors += 1;
+            let b = b as u32;
+            let ctx =
+                || format!("{mode:?} seed {seed} key {s} block {b} prior {prior:?} cur {cur:?}");
+            assert!(held, "a prior without held writes: {}", ctx());
+            assert!(prior < cur, "prior not older than its block: {}", ctx());
+            let n = d
+                .revert(k, Epoch(1), cur, u64::from(b) * B as u64, B as u64)
+                .expect("revert");
+            assert_eq!(n, 1, "revert did not apply: {}", ctx());
+            let mut got = vec![0u8; B];
+            let info = d
+                .read(k, Epoch(1), u64::from(b) * B as u64, &mut got)
+                .expect("read");
+            assert!(
+                info.bad_blocks.is_empty(),
+                "reverted block is bad: {}",
+                ctx()
+            );
+            assert_eq!(info.versions, prior, "reverted version: {}", ctx());
+            let covers = |o: &&Op| o.key == k && (o.first..o.first + o.n).contains(&b);
+            if got.iter().all(|&x| x == 0) {
+                assert!(
+                    prior.0 == 0
+                        || log
+                            .iter()
+                            .filter(covers)
+                            .any(|o| o.zero && o.version == prior.0),
+                    "reverted to zeros at a version no zero had: {}",
+                    ctx()
+                );
+            } else {
+                assert_eq!(
+                    got,
+                    content(k, b, prior.0),
+                    "reverted to wrong bytes: {}",
+                    ctx()
+                );
+                assert!(
+                    log.iter()
+                        .filter(covers)
+                        .any(|o| !o.zero && o.version == prior.0),
+                    "reverted to a version never written here: {}",
+                    ctx()
+                );
+            }
+        }
+    }
+    if held {
+        PRIORS_CHECKED.fetch_add(priors, Ordering::Relaxed);
+    }
     // The recovered drive keeps working and survives a clean reopen.
     let data = content(key(0), 0, 1 << 40);
     d.write(
@@ -252,7 +354,15 @@ fn round(seed: u64, mode: CrashMode) -> RoundResult {
     }
 }
 
-fn rounds(mode: CrashMode) {
+fn note_settle(settled: &Mutex<HashMap<ExtentKey, u64>>, k: ExtentKey, upto: u64) {
+    let mut m = settled.lock().expect("settled");
+    let e = m.entry(k).or_insert(0);
+    *e = (*e).max(upto);
+}
+
+static PRIORS_CHECKED: AtomicU64 = AtomicU64::new(0);
+
+fn rounds(mode: CrashMode, held: bool) {
     let rounds: u64 = std::env::var("CONVERGE_CRASH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -263,28 +373,46 @@ fn rounds(mode: CrashMode) {
         .unwrap_or(0);
     let (mut acked, mut cps) = (0, 0);
     for seed in first..first + rounds {
-        let r = round(seed, mode);
+        let r = round(seed, mode, held);
         acked += r.acked;
         cps += r.checkpoints;
     }
-    eprintln!("crash test ({mode:?}): {rounds} rounds, {acked} acked ops, {cps} checkpoints");
+    let priors = PRIORS_CHECKED.load(Ordering::Relaxed);
+    eprintln!(
+        "crash test ({mode:?}, held {held}): {rounds} rounds, {acked} acked ops, \
+         {cps} checkpoints, {priors} priors reverted"
+    );
     assert!(
         acked > 0 && cps > 0,
         "the test must exercise acks and checkpoints"
+    );
+    assert!(
+        !held || priors > 0,
+        "the test must revert priors after crashes"
     );
 }
 
 #[test]
 fn power_loss_returns_acked_old_or_new_never_wrong() {
-    rounds(CrashMode::PowerLoss { tear_bytes: 512 });
+    rounds(CrashMode::PowerLoss { tear_bytes: 512 }, false);
+}
+
+#[test]
+fn power_loss_keeps_every_prior_of_held_writes_whole() {
+    rounds(CrashMode::PowerLoss { tear_bytes: 512 }, true);
 }
 
 #[test]
 fn power_loss_with_atomic_4k_writes_returns_acked_old_or_new_never_wrong() {
-    rounds(CrashMode::PowerLoss { tear_bytes: 4096 });
+    rounds(CrashMode::PowerLoss { tear_bytes: 4096 }, false);
 }
 
 #[test]
 fn a_killed_process_leaves_every_block_whole_old_or_new() {
-    rounds(CrashMode::ProcessKill);
+    rounds(CrashMode::ProcessKill, false);
+}
+
+#[test]
+fn a_killed_process_keeps_every_prior_of_held_writes_whole() {
+    rounds(CrashMode::ProcessKill, true);
 }
