@@ -5,6 +5,7 @@
 //! and new slabs are placed through [`SlabAllocator`], so the same code runs in the node
 //! daemon and in the deterministic simulator.
 
+pub mod parity;
 pub mod resync;
 pub mod stats;
 pub mod tenure;
