@@ -145,6 +145,44 @@ fn requests() -> Vec<(&'static str, Request)> {
             }),
         ),
         (
+            "write-held",
+            ext(ExtentOp::WriteHeld {
+                key: k,
+                epoch: e,
+                version: Version(8),
+                offset: 8192,
+                crcs: crcs.clone(),
+                data: data.clone(),
+            }),
+        ),
+        (
+            "settle",
+            ext(ExtentOp::Settle {
+                key: k,
+                epoch: e,
+                upto: Version(8),
+            }),
+        ),
+        (
+            "revert",
+            ext(ExtentOp::Revert {
+                key: k,
+                epoch: e,
+                version: Version(8),
+                offset: 8192,
+                len: 4096,
+            }),
+        ),
+        (
+            "priors",
+            ext(ExtentOp::Priors {
+                key: k,
+                epoch: e,
+                offset: 0,
+                count: 4,
+            }),
+        ),
+        (
             "read-blocks",
             ext(ExtentOp::ReadBlocks {
                 key: k,
@@ -232,6 +270,13 @@ fn responses() -> Vec<(&'static str, Response)> {
         (
             "digest-ok",
             Response::Extent(ExtentReply::Digest(0xdead_beef)),
+        ),
+        (
+            "priors-ok",
+            Response::Extent(ExtentReply::Priors(vec![
+                (Version(9), Some(Version(8))),
+                (Version(9), None),
+            ])),
         ),
         (
             "err",

@@ -139,6 +139,23 @@ pub fn populate(d: &Drive) {
     write(key(3, 9), 2, 5, 1);
     write(a, 1, 3, 1);
     write(a, 1, 3, 1);
+    // A parity chunk's held writes: priors, a settle and a revert left to replay.
+    let h = key(4, 2);
+    write(h, 1, 0, 4);
+    let mut held = |block: u64, n: usize| {
+        let (data, crcs) = blocks(v, n);
+        d.write_held(h, Epoch(1), Version(v), block * BLOCK, &data, &crcs)
+            .expect("fixture held write");
+        v += 1;
+        v - 1
+    };
+    let first = held(0, 4);
+    let second = held(2, 2);
+    d.settle(h, Epoch(1), Version(first))
+        .expect("fixture settle");
+    d.revert(h, Epoch(1), Version(second), 0, 4 * BLOCK)
+        .expect("fixture revert");
+    held(1, 1);
 }
 
 fn get_u32(b: &[u8], at: usize) -> u32 {

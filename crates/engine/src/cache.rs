@@ -2193,6 +2193,71 @@ impl Tier {
         r
     }
 
+    /// Parity chunks' held writes and their priors live on the capacity drive only: a
+    /// cache log would keep its own older entries, which priors do not cover yet
+    /// (docs/adr/0008), so the tier refuses them while a cache drive is bound.
+    fn held_here(&self, op: &str) -> Result<(), EngineError> {
+        match self.cache() {
+            None => Ok(()),
+            Some(_) => Err(EngineError::InvalidArgument(format!(
+                "{op}: parity chunks' held writes are not supported behind a cache drive yet \
+                 (drive {}); place parity chunks on drives without one",
+                self.cap.identity().drive
+            ))),
+        }
+    }
+
+    /// [`Drive::write_held`] (no cache drive bound).
+    pub fn write_held(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+    ) -> Result<(), EngineError> {
+        self.held_here("write_held")?;
+        self.cap.write_held(key, epoch, version, offset, data, crcs)
+    }
+
+    /// [`Drive::settle`] (no cache drive bound).
+    pub fn settle_held(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        upto: Version,
+    ) -> Result<(), EngineError> {
+        self.held_here("settle")?;
+        self.cap.settle(key, epoch, upto)
+    }
+
+    /// [`Drive::revert`] (no cache drive bound).
+    pub fn revert(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u64,
+    ) -> Result<u32, EngineError> {
+        self.held_here("revert")?;
+        self.cap.revert(key, epoch, version, offset, len)
+    }
+
+    /// [`Drive::priors`], refused below the extent's epoch (no cache drive bound).
+    pub fn priors(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        count: usize,
+    ) -> Result<Vec<(Version, Option<Version>)>, EngineError> {
+        self.held_here("priors")?;
+        self.cap.check_epoch_of(key, epoch)?;
+        self.cap.priors(key, offset, count)
+    }
+
     pub fn block_versions(
         &self,
         key: ExtentKey,

@@ -27,11 +27,11 @@ pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
 fn check_versions(op: &ExtentOp) -> Result<(), EngineError> {
     let later = |epoch: Epoch, v: &Version| v.0 >> 32 > epoch.0;
     let bad = match op {
-        ExtentOp::Write { epoch, version, .. } | ExtentOp::Zero { epoch, version, .. } => {
-            Some(*version)
-                .filter(|v| later(*epoch, v))
-                .map(|v| (*epoch, v))
-        }
+        ExtentOp::Write { epoch, version, .. }
+        | ExtentOp::WriteHeld { epoch, version, .. }
+        | ExtentOp::Zero { epoch, version, .. } => Some(*version)
+            .filter(|v| later(*epoch, v))
+            .map(|v| (*epoch, v)),
         // Only what is written: an expected version is compared, never stored (the owner
         // expects one no block can have, u64::MAX, to skip a block).
         ExtentOp::WriteBlocks {
@@ -165,6 +165,34 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             tier.release_extent(key, epoch, upto)?;
             ExtentReply::Ok
         }
+        ExtentOp::WriteHeld {
+            key,
+            epoch,
+            version,
+            offset,
+            crcs,
+            data,
+        } => {
+            tier.write_held(key, epoch, version, offset, &data, &crcs)?;
+            ExtentReply::Ok
+        }
+        ExtentOp::Settle { key, epoch, upto } => {
+            tier.settle_held(key, epoch, upto)?;
+            ExtentReply::Ok
+        }
+        ExtentOp::Revert {
+            key,
+            epoch,
+            version,
+            offset,
+            len,
+        } => ExtentReply::Written(tier.revert(key, epoch, version, offset, u64::from(len))?),
+        ExtentOp::Priors {
+            key,
+            epoch,
+            offset,
+            count,
+        } => ExtentReply::Priors(tier.priors(key, epoch, offset, count as usize)?),
     };
     // The owner checks this too (it trusts no peer); a failure here is this node's bug.
     if let Err(e) = shape.check(&reply) {
@@ -455,5 +483,75 @@ mod tests {
         };
         let e = execute(&t, op).expect_err("crc mismatch");
         assert!(matches!(replica_error(e), ReplicaError::Checksum(_)));
+    }
+
+    /// A parity chunk's operations, through the service as a peer would send them: a held
+    /// write keeps each block's prior, a revert puts it back, a settle drops it, and each
+    /// is refused to an older owner.
+    #[test]
+    fn held_writes_revert_and_settle_through_the_service() {
+        let t = tier();
+        let priors = |t: &Tier, epoch: u64| {
+            let op = ExtentOp::Priors {
+                key: KEY,
+                epoch: Epoch(epoch),
+                offset: 0,
+                count: 3,
+            };
+            run(t, op).into_priors().expect("priors")
+        };
+        run(&t, write(1, 10, 0, 2, 1));
+        let (crcs, data) = blocks(3, 2);
+        let held = ExtentOp::WriteHeld {
+            key: KEY,
+            epoch: Epoch(2),
+            version: Version(20),
+            offset: 0,
+            crcs,
+            data,
+        };
+        assert_eq!(run(&t, held), ExtentReply::Ok);
+        assert_eq!(
+            priors(&t, 2),
+            vec![
+                (Version(20), Some(Version(10))),
+                (Version(20), Some(Version(10))),
+                (Version(20), Some(Version(0))),
+            ]
+        );
+        let revert = |epoch: u64| ExtentOp::Revert {
+            key: KEY,
+            epoch: Epoch(epoch),
+            version: Version(20),
+            offset: 0,
+            len: 2 * BS as u32,
+        };
+        let e = execute(&t, revert(1)).expect_err("an older owner may not revert");
+        assert!(matches!(e, EngineError::StaleEpoch { .. }), "{e}");
+        assert_eq!(run(&t, revert(2)), ExtentReply::Written(2));
+        let r = run(&t, read(2, 0, 3 * BS)).into_read().expect("read");
+        assert!(r.data[..2 * BLOCK_SIZE].iter().all(|&b| b == 1), "blocks 0..2 back at V10");
+        assert!(r.data[2 * BLOCK_SIZE..].iter().all(|&b| b == 2), "block 2 still at V20");
+        let settle = ExtentOp::Settle {
+            key: KEY,
+            epoch: Epoch(2),
+            upto: Version(20),
+        };
+        assert_eq!(run(&t, settle), ExtentReply::Ok);
+        assert_eq!(
+            priors(&t, 2),
+            vec![(Version(10), None), (Version(10), None), (Version(20), None)]
+        );
+        let e = execute(
+            &t,
+            ExtentOp::Priors {
+                key: KEY,
+                epoch: Epoch(1),
+                offset: 0,
+                count: 1,
+            },
+        )
+        .expect_err("an older owner may not look");
+        assert!(matches!(e, EngineError::StaleEpoch { .. }), "{e}");
     }
 }

@@ -39,6 +39,10 @@ pub mod msg {
     pub const VERSIONS: u8 = 0x16;
     pub const DIGEST: u8 = 0x17;
     pub const RELEASE_EXTENT: u8 = 0x18;
+    pub const WRITE_HELD: u8 = 0x19;
+    pub const SETTLE: u8 = 0x1a;
+    pub const REVERT: u8 = 0x1b;
+    pub const PRIORS: u8 = 0x1c;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
@@ -51,6 +55,7 @@ pub mod msg {
     pub const VERSIONS_OK: u8 = 0x93;
     pub const WRITTEN: u8 = 0x94;
     pub const DIGEST_OK: u8 = 0x95;
+    pub const PRIORS_OK: u8 = 0x96;
     pub const ERR: u8 = 0xff;
 
     /// True for the request half of the type space.
@@ -73,7 +78,7 @@ pub enum Request {
     Hello(Hello),
     Ping,
     /// Run `op` on the extent that `drive` (on the receiving node) holds: message types
-    /// `0x10..=0x18`, one per kind of operation.
+    /// `0x10..=0x1c`, one per kind of operation.
     Extent {
         drive: DriveId,
         op: ExtentOp,
@@ -340,7 +345,10 @@ pub fn validate_request(req: &Request) -> Result<(), WireError> {
             )));
         }
     }
-    if let ExtentOp::Write { crcs, data, .. } | ExtentOp::WriteBlocks { crcs, data, .. } = op {
+    if let ExtentOp::Write { crcs, data, .. }
+    | ExtentOp::WriteHeld { crcs, data, .. }
+    | ExtentOp::WriteBlocks { crcs, data, .. } = op
+    {
         if crcs.len().checked_mul(BLOCK_SIZE) != Some(data.len()) {
             return Err(WireError::Invalid(format!(
                 "write carries {} crcs for {} data bytes: need one crc per {BLOCK_SIZE}-byte block",
@@ -400,6 +408,10 @@ pub fn request_type(req: &Request) -> u8 {
             ExtentOp::Versions { .. } => msg::VERSIONS,
             ExtentOp::Digest { .. } => msg::DIGEST,
             ExtentOp::Release { .. } => msg::RELEASE_EXTENT,
+            ExtentOp::WriteHeld { .. } => msg::WRITE_HELD,
+            ExtentOp::Settle { .. } => msg::SETTLE,
+            ExtentOp::Revert { .. } => msg::REVERT,
+            ExtentOp::Priors { .. } => msg::PRIORS,
         },
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
@@ -419,6 +431,7 @@ pub fn response_type(resp: &Response) -> u8 {
             ExtentReply::Versions(_) => msg::VERSIONS_OK,
             ExtentReply::Written(_) => msg::WRITTEN,
             ExtentReply::Digest(_) => msg::DIGEST_OK,
+            ExtentReply::Priors(_) => msg::PRIORS_OK,
         },
         Response::Err { .. } => msg::ERR,
     }
@@ -483,6 +496,14 @@ pub fn encode_request(request_id: u64, req: &Request) -> EncodedFrame {
 fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
     match op {
         ExtentOp::Write {
+            key,
+            epoch,
+            version,
+            offset,
+            crcs,
+            data,
+        }
+        | ExtentOp::WriteHeld {
             key,
             epoch,
             version,
@@ -576,11 +597,39 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u64_le(epoch.0);
             (b, Bytes::new())
         }
-        ExtentOp::Release { key, epoch, upto } => {
+        ExtentOp::Release { key, epoch, upto } | ExtentOp::Settle { key, epoch, upto } => {
             let mut b = new_head(40);
             put_key(&mut b, drive, key);
             b.put_u64_le(epoch.0);
             b.put_u64_le(upto.0);
+            (b, Bytes::new())
+        }
+        ExtentOp::Revert {
+            key,
+            epoch,
+            version,
+            offset,
+            len,
+        } => {
+            let mut b = new_head(52);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(version.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*len);
+            (b, Bytes::new())
+        }
+        ExtentOp::Priors {
+            key,
+            epoch,
+            offset,
+            count,
+        } => {
+            let mut b = new_head(44);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*count);
             (b, Bytes::new())
         }
     }
@@ -677,8 +726,26 @@ fn encode_extent_reply(r: &ExtentReply) -> (BytesMut, Bytes) {
             b.put_u64_le(*digest);
             (b, Bytes::new())
         }
+        ExtentReply::Priors(v) => {
+            // Two lists of equal length: the versions, then the priors (u64::MAX: none;
+            // no block version reaches it).
+            let mut b = new_head(8 + 16 * v.len());
+            let count = u32::try_from(v.len()).unwrap_or(u32::MAX);
+            b.put_u32_le(count);
+            for (cur, _) in v {
+                b.put_u64_le(cur.0);
+            }
+            b.put_u32_le(count);
+            for (_, prior) in v {
+                b.put_u64_le(prior.map_or(NO_PRIOR, |p| p.0));
+            }
+            (b, Bytes::new())
+        }
     }
 }
+
+/// A block without a prior, in a [`msg::PRIORS_OK`] answer.
+const NO_PRIOR: u64 = u64::MAX;
 
 /// Checks the payload against the crc in its header.
 pub fn check_payload(header: &FrameHeader, payload: &[u8]) -> Result<(), WireError> {
@@ -842,7 +909,7 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             protocol_version: r.u16("protocol_version")?,
         }),
         msg::PING => Request::Ping,
-        msg::WRITE..=msg::RELEASE_EXTENT => decode_extent_op(msg_type, &mut r)?,
+        msg::WRITE..=msg::PRIORS => decode_extent_op(msg_type, &mut r)?,
         msg::VOL_READ => Request::VolRead {
             volume: VolumeId(r.u64("volume")?),
             offset: r.u64("offset")?,
@@ -876,24 +943,35 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
     Ok(req)
 }
 
-/// Decodes the extent operation of type `msg_type` (one of `0x10..=0x18`).
+/// Decodes the extent operation of type `msg_type` (one of `0x10..=0x1c`).
 fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> {
     let (drive, key) = r.drive_key()?;
     let op = match msg_type {
-        msg::WRITE => {
+        msg::WRITE | msg::WRITE_HELD => {
             let epoch = Epoch(r.u64("epoch")?);
             let version = Version(r.u64("version")?);
             let offset = r.u64("offset")?;
             let crcs = r.crcs("crcs")?;
             let len = r.u32("data length")? as usize;
             let data = r.take_bytes(len, "data")?;
-            ExtentOp::Write {
-                key,
-                epoch,
-                version,
-                offset,
-                crcs,
-                data,
+            if msg_type == msg::WRITE {
+                ExtentOp::Write {
+                    key,
+                    epoch,
+                    version,
+                    offset,
+                    crcs,
+                    data,
+                }
+            } else {
+                ExtentOp::WriteHeld {
+                    key,
+                    epoch,
+                    version,
+                    offset,
+                    crcs,
+                    data,
+                }
             }
         }
         msg::READ => ExtentOp::Read {
@@ -949,6 +1027,24 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             epoch: Epoch(r.u64("epoch")?),
             upto: Version(r.u64("upto")?),
         },
+        msg::SETTLE => ExtentOp::Settle {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            upto: Version(r.u64("upto")?),
+        },
+        msg::REVERT => ExtentOp::Revert {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            version: Version(r.u64("version")?),
+            offset: r.u64("offset")?,
+            len: r.u32("len")?,
+        },
+        msg::PRIORS => ExtentOp::Priors {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            offset: r.u64("offset")?,
+            count: r.u32("count")?,
+        },
         other => return Err(WireError::UnknownType(other)),
     };
     Ok(Request::Extent { drive, op })
@@ -988,6 +1084,23 @@ pub fn decode_response(msg_type: u8, payload: Bytes) -> Result<Response, WireErr
         msg::VERSIONS_OK => Response::Extent(ExtentReply::Versions(r.versions("versions")?)),
         msg::WRITTEN => Response::Extent(ExtentReply::Written(r.u32("blocks")?)),
         msg::DIGEST_OK => Response::Extent(ExtentReply::Digest(r.u64("digest")?)),
+        msg::PRIORS_OK => {
+            let versions = r.versions("versions")?;
+            let priors = r.versions("priors")?;
+            if priors.len() != versions.len() {
+                return Err(WireError::Invalid(format!(
+                    "{} priors for {} versions",
+                    priors.len(),
+                    versions.len()
+                )));
+            }
+            let pairs = versions
+                .into_iter()
+                .zip(priors)
+                .map(|(v, p)| (v, (p.0 != NO_PRIOR).then_some(p)))
+                .collect();
+            Response::Extent(ExtentReply::Priors(pairs))
+        }
         msg::ERR => {
             let code = ErrorCode::from_u16(r.u16("error code")?);
             let len = r.u32("message length")? as usize;
@@ -1023,7 +1136,49 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..14) {
+        match rng.gen_range(0..18) {
+            14 => {
+                let blocks = rng.gen_range(0..5);
+                let (crcs, data) = data(rng, blocks);
+                Request::Extent {
+                    drive: DriveId(rng.gen()),
+                    op: ExtentOp::WriteHeld {
+                        key: key(rng),
+                        epoch: Epoch(rng.gen()),
+                        version: Version(rng.gen()),
+                        offset: rng.gen(),
+                        crcs,
+                        data,
+                    },
+                }
+            }
+            15 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::Settle {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    upto: Version(rng.gen()),
+                },
+            },
+            16 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::Revert {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    version: Version(rng.gen()),
+                    offset: rng.gen(),
+                    len: rng.gen(),
+                },
+            },
+            17 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::Priors {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    offset: rng.gen(),
+                    count: rng.gen(),
+                },
+            },
             13 => Request::Extent {
                 drive: DriveId(rng.gen()),
                 op: ExtentOp::Release {
@@ -1154,7 +1309,17 @@ mod tests {
     }
 
     fn random_response(rng: &mut impl Rng) -> Response {
-        match rng.gen_range(0..9) {
+        match rng.gen_range(0..10) {
+            9 => Response::Extent(ExtentReply::Priors(
+                (0..rng.gen_range(0..9))
+                    .map(|_| {
+                        let prior = rng
+                            .gen_bool(0.5)
+                            .then(|| Version(rng.gen_range(0..u64::MAX)));
+                        (Version(rng.gen()), prior)
+                    })
+                    .collect(),
+            )),
             8 => Response::Extent(ExtentReply::Digest(rng.gen())),
             5 => {
                 let blocks = rng.gen_range(0..5);
@@ -1210,7 +1375,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 14, "every request type was exercised");
+        assert_eq!(seen.len(), 18, "every request type was exercised");
     }
 
     #[test]
@@ -1226,7 +1391,7 @@ mod tests {
             seen.insert(h.msg_type);
             assert_eq!(decode_response(h.msg_type, payload).expect("decodes"), resp);
         }
-        assert_eq!(seen.len(), 9, "every response type was exercised");
+        assert_eq!(seen.len(), 10, "every response type was exercised");
     }
 
     /// One message of every type with fixed fields (lists of one entry, a few bytes of
@@ -1322,6 +1487,44 @@ mod tests {
                     upto: Version(0x6162_6364_6566_6768),
                 },
             },
+            Request::Extent {
+                drive,
+                op: ExtentOp::WriteHeld {
+                    key,
+                    epoch,
+                    version: Version(0x6162_6364_6566_6768),
+                    offset: 0x7172_7374_7576_7778,
+                    crcs: Arc::from([0x8182_8384]),
+                    data: data.clone(),
+                },
+            },
+            Request::Extent {
+                drive,
+                op: ExtentOp::Settle {
+                    key,
+                    epoch,
+                    upto: Version(0x6162_6364_6566_6768),
+                },
+            },
+            Request::Extent {
+                drive,
+                op: ExtentOp::Revert {
+                    key,
+                    epoch,
+                    version: Version(0x6162_6364_6566_6768),
+                    offset: 0x7172_7374_7576_7778,
+                    len: 0x9192_9394,
+                },
+            },
+            Request::Extent {
+                drive,
+                op: ExtentOp::Priors {
+                    key,
+                    epoch,
+                    offset: 0x7172_7374_7576_7778,
+                    count: 0xc1c2_c3c4,
+                },
+            },
             Request::VolRead {
                 volume: key.volume,
                 offset: 0x7172_7374_7576_7778,
@@ -1362,6 +1565,13 @@ mod tests {
             Response::Extent(ExtentReply::Versions(vec![Version(0x6162_6364_6566_6768)])),
             Response::Extent(ExtentReply::Written(0xe1e2_e3e4)),
             Response::Extent(ExtentReply::Digest(0xf1f2_f3f4_f5f6_f7f8)),
+            Response::Extent(ExtentReply::Priors(vec![
+                (
+                    Version(0x6162_6364_6566_6768),
+                    Some(Version(0xb1b2_b3b4_b5b6_b7b8)),
+                ),
+                (Version(0x6162_6364_6566_6768), None),
+            ])),
             Response::err(ErrorCode::StaleEpoch, "old"),
         ]
     }
@@ -1372,7 +1582,7 @@ mod tests {
 
     /// The frames of `fixed_requests` and `fixed_responses` (request id 0x0a0b0c0d0e0f1011),
     /// byte by byte as docs/FORMAT-rpc.md describes them: a change of the encoding fails here.
-    const GOLDEN_REQUESTS: [&str; 14] = [
+    const GOLDEN_REQUESTS: [&str; 18] = [
         "435652500100010011100f0e0d0c0b0a160000002ac21df700000000140a3305504f4e4d4c4b4a494847464544434241545352510100",
         "435652500100020011100f0e0d0c0b0a00000000000000000000000015c35c45",
         "435652500100100011100f0e0d0c0b0a40000000ef063490000000005f38dbb208070605040302011817161514131211282726252423222138373635343332316867666564636261787776757473727101000000848382810400000064617461",
@@ -1384,12 +1594,16 @@ mod tests {
         "435652500100160011100f0e0d0c0b0a2c0000009f7fd93a000000002b7c816608070605040302011817161514131211282726252423222138373635343332317877767574737271c4c3c2c1",
         "435652500100170011100f0e0d0c0b0a200000009db46e6500000000850d63900807060504030201181716151413121128272625242322213837363534333231",
         "435652500100180011100f0e0d0c0b0a280000007c26257700000000c463431208070605040302011817161514131211282726252423222138373635343332316867666564636261",
+        "435652500100190011100f0e0d0c0b0a40000000ef06349000000000a94eb90508070605040302011817161514131211282726252423222138373635343332316867666564636261787776757473727101000000848382810400000064617461",
+        "4356525001001a0011100f0e0d0c0b0a280000007c26257700000000acbe68aa08070605040302011817161514131211282726252423222138373635343332316867666564636261",
+        "4356525001001b0011100f0e0d0c0b0a340000000e8a7bda00000000d8b9492908070605040302011817161514131211282726252423222138373635343332316867666564636261787776757473727194939291",
+        "4356525001001c0011100f0e0d0c0b0a2c0000009f7fd93a000000000139dd3508070605040302011817161514131211282726252423222138373635343332317877767574737271c4c3c2c1",
         "435652500100200011100f0e0d0c0b0a14000000ab9aa36f00000000c7fcbb391817161514131211787776757473727194939291",
         "435652500100210011100f0e0d0c0b0a180000004dd0a40300000000e2e061d5181716151413121178777675747372710400000064617461",
         "435652500100220011100f0e0d0c0b0a19000000896720380000000013f09af118171615141312117877767574737271a8a7a6a5a4a3a2a101",
     ];
 
-    const GOLDEN_RESPONSES: [&str; 9] = [
+    const GOLDEN_RESPONSES: [&str; 10] = [
         "435652500100810011100f0e0d0c0b0a0400000075f7b768000000006e849a1e54535251",
         "435652500100820011100f0e0d0c0b0a0000000000000000000000009bc62fc1",
         "435652500100900011100f0e0d0c0b0a000000000000000000000000865d07aa",
@@ -1398,6 +1612,7 @@ mod tests {
         "435652500100930011100f0e0d0c0b0a0c000000cdefddfc00000000e1ce55e7010000006867666564636261",
         "435652500100940011100f0e0d0c0b0a0400000092f00f1700000000495fb6d7e4e3e2e1",
         "435652500100950011100f0e0d0c0b0a080000006be1cd9800000000d3341d52f8f7f6f5f4f3f2f1",
+        "435652500100960011100f0e0d0c0b0a280000003d13f4ee00000000feaeceae020000006867666564636261686766656463626102000000b8b7b6b5b4b3b2b1ffffffffffffffff",
         "435652500100ff0011100f0e0d0c0b0a09000000cd69006800000000566672020100030000006f6c64",
     ];
 
@@ -1410,8 +1625,8 @@ mod tests {
             assert_eq!(hex(&encode_request(id, r).to_vec()), want, "{r:?}");
             let buf = Bytes::from(encode_request(id, r).to_vec());
             let (h, payload, _) = decode_frame(&buf, MAX).expect("frame decodes");
-            // The fixed data is not a whole block: only Write and WriteBlocks refuse that.
-            if !matches!(h.msg_type, msg::WRITE | msg::WRITE_BLOCKS) {
+            // The fixed data is not a whole block: only the writes refuse that.
+            if !matches!(h.msg_type, msg::WRITE | msg::WRITE_HELD | msg::WRITE_BLOCKS) {
                 assert_eq!(&decode_request(h.msg_type, payload).expect("decodes"), r);
             }
         }

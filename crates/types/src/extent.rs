@@ -85,6 +85,41 @@ pub enum ExtentOp {
         epoch: Epoch,
         upto: Version,
     },
+    /// A parity chunk's write (docs/adr/0008): as [`ExtentOp::Write`], but every block
+    /// keeps its state before the write as its prior until settled or reverted.
+    /// [`ExtentReply::Ok`] once durable, priors included.
+    WriteHeld {
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        data: Bytes,
+    },
+    /// Drop the priors of blocks at versions up to `upto` (their rows completed on every
+    /// chunk): [`ExtentReply::Ok`].
+    Settle {
+        key: ExtentKey,
+        epoch: Epoch,
+        upto: Version,
+    },
+    /// Put back the prior of every block of the range whose version is `version` (a row
+    /// write that did not complete): [`ExtentReply::Written`] says how many went back.
+    Revert {
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        len: u32,
+    },
+    /// Each block's version and its prior's, if it holds one: [`ExtentReply::Priors`].
+    /// Not a fence (the owner fences with `Digest` or `Versions` first).
+    Priors {
+        key: ExtentKey,
+        epoch: Epoch,
+        offset: u64,
+        count: u32,
+    },
 }
 
 impl ExtentOp {
@@ -98,6 +133,10 @@ impl ExtentOp {
             | ExtentOp::Versions { key, .. }
             | ExtentOp::Digest { key, .. }
             | ExtentOp::Release { key, .. }
+            | ExtentOp::WriteHeld { key, .. }
+            | ExtentOp::Settle { key, .. }
+            | ExtentOp::Revert { key, .. }
+            | ExtentOp::Priors { key, .. }
             | ExtentOp::Free { key } => *key,
         }
     }
@@ -112,7 +151,11 @@ impl ExtentOp {
             | ExtentOp::WriteBlocks { epoch, .. }
             | ExtentOp::Versions { epoch, .. }
             | ExtentOp::Digest { epoch, .. }
-            | ExtentOp::Release { epoch, .. } => Some(*epoch),
+            | ExtentOp::Release { epoch, .. }
+            | ExtentOp::WriteHeld { epoch, .. }
+            | ExtentOp::Settle { epoch, .. }
+            | ExtentOp::Revert { epoch, .. }
+            | ExtentOp::Priors { epoch, .. } => Some(*epoch),
             ExtentOp::Free { .. } => None,
         }
     }
@@ -129,6 +172,10 @@ impl ExtentOp {
             ExtentOp::Digest { .. } => "digest",
             ExtentOp::Free { .. } => "free",
             ExtentOp::Release { .. } => "release",
+            ExtentOp::WriteHeld { .. } => "write_held",
+            ExtentOp::Settle { .. } => "settle",
+            ExtentOp::Revert { .. } => "revert",
+            ExtentOp::Priors { .. } => "priors",
         }
     }
 
@@ -137,7 +184,10 @@ impl ExtentOp {
     pub fn stores_blocks(&self) -> bool {
         matches!(
             self,
-            ExtentOp::Write { .. } | ExtentOp::Zero { .. } | ExtentOp::WriteBlocks { .. }
+            ExtentOp::Write { .. }
+                | ExtentOp::WriteHeld { .. }
+                | ExtentOp::Zero { .. }
+                | ExtentOp::WriteBlocks { .. }
         )
     }
 
@@ -155,7 +205,13 @@ impl ExtentOp {
             ExtentOp::Write { .. }
             | ExtentOp::Zero { .. }
             | ExtentOp::Free { .. }
-            | ExtentOp::Release { .. } => ReplyShape::Ok,
+            | ExtentOp::Release { .. }
+            | ExtentOp::WriteHeld { .. }
+            | ExtentOp::Settle { .. } => ReplyShape::Ok,
+            ExtentOp::Revert { len, .. } => ReplyShape::Written {
+                blocks: len / crate::BLOCK_SIZE as u32,
+            },
+            ExtentOp::Priors { count, .. } => ReplyShape::Priors { count: *count },
             ExtentOp::Read { len, .. } => ReplyShape::Read { len: *len },
             ExtentOp::ReadBlocks { len, .. } => ReplyShape::Blocks { len: *len },
             ExtentOp::WriteBlocks { versions, .. } => ReplyShape::Written {
@@ -198,6 +254,8 @@ pub enum ExtentReply {
     Written(u32),
     Digest(u64),
     Versions(Vec<Version>),
+    /// Per block: its version and its prior's ([`ExtentOp::Priors`]).
+    Priors(Vec<(Version, Option<Version>)>),
 }
 
 impl ExtentReply {
@@ -209,6 +267,7 @@ impl ExtentReply {
             ExtentReply::Written(_) => "blocks written",
             ExtentReply::Digest(_) => "a digest",
             ExtentReply::Versions(_) => "versions",
+            ExtentReply::Priors(_) => "priors",
         }
     }
 
@@ -250,6 +309,13 @@ impl ExtentReply {
             _ => None,
         }
     }
+
+    pub fn into_priors(self) -> Option<Vec<(Version, Option<Version>)>> {
+        match self {
+            ExtentReply::Priors(v) => Some(v),
+            _ => None,
+        }
+    }
 }
 
 /// The answer an operation must get: its kind, and the sizes the asker will index by.
@@ -271,6 +337,10 @@ pub enum ReplyShape {
     Digest,
     /// `count` versions.
     Versions {
+        count: u32,
+    },
+    /// `count` (version, prior) pairs.
+    Priors {
         count: u32,
     },
 }
@@ -300,6 +370,7 @@ impl ReplyShape {
             }
             (ReplyShape::Written { blocks }, ExtentReply::Written(n)) => *n <= blocks,
             (ReplyShape::Versions { count }, ExtentReply::Versions(v)) => v.len() == count as usize,
+            (ReplyShape::Priors { count }, ExtentReply::Priors(v)) => v.len() == count as usize,
             _ => false,
         };
         if fits {
@@ -321,6 +392,7 @@ impl fmt::Display for ReplyShape {
             ReplyShape::Written { blocks } => write!(f, "at most {blocks} blocks written"),
             ReplyShape::Digest => write!(f, "a digest"),
             ReplyShape::Versions { count } => write!(f, "{count} versions"),
+            ReplyShape::Priors { count } => write!(f, "{count} versions with their priors"),
         }
     }
 }
@@ -346,6 +418,7 @@ impl fmt::Display for Said<'_> {
             ),
             ExtentReply::Written(n) => write!(f, "{n} blocks written"),
             ExtentReply::Versions(v) => write!(f, "{} versions", v.len()),
+            ExtentReply::Priors(v) => write!(f, "{} versions with their priors", v.len()),
             other => f.write_str(other.name()),
         }
     }

@@ -218,6 +218,10 @@ impl MemReplicas {
                     .collect(),
             ),
             ExtentOp::Free { .. } => unreachable!("the owner never frees unfenced"),
+            ExtentOp::WriteHeld { .. }
+            | ExtentOp::Settle { .. }
+            | ExtentOp::Revert { .. }
+            | ExtentOp::Priors { .. } => unreachable!("mirror volumes hold no priors"),
             ExtentOp::Release { upto, .. } => {
                 let mut m = self.blocks.lock().unwrap();
                 let mine = |k: &(DriveId, ExtentKey, u64)| k.0 == at.drive && k.1 == key;

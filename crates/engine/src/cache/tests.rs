@@ -562,3 +562,23 @@ fn superblock_with_impossible_log_fields_is_refused() {
     sb.encode(&mut b);
     assert!(CacheSb::decode(&b).is_ok());
 }
+
+/// A parity chunk's held writes are refused behind a cache drive, with a message that says
+/// why and what to do, and nothing is written (the log would keep older entries that priors
+/// do not cover yet; docs/adr/0008).
+#[test]
+fn held_writes_are_refused_behind_a_cache_drive() {
+    let r = rig(16 << 20);
+    let k = key(1, 0);
+    let data = vec![5u8; BLOCK_SIZE];
+    let crcs = [crc32c::crc32c(&data)];
+    let e = r
+        .tier
+        .write_held(k, Epoch(1), Version(1), 0, &data, &crcs)
+        .expect_err("refused");
+    assert!(e.to_string().contains("behind a cache drive"), "{e}");
+    assert!(!r.tier.has_extent(k));
+    assert!(r.tier.revert(k, Epoch(1), Version(1), 0, 4096).is_err());
+    assert!(r.tier.settle_held(k, Epoch(1), Version(1)).is_err());
+    assert!(r.tier.priors(k, Epoch(1), 0, 1).is_err());
+}
