@@ -132,7 +132,8 @@ impl ExtentMeta {
     /// zero, which also drops the block's prior. Pushes the physical blocks the block no
     /// longer uses (free from now on) onto `gone`.
     pub fn apply(&mut self, b: u32, meta: BlockMeta, gone: &mut Vec<u32>) {
-        if let Some(p) = self.held.remove(&b) {
+        // Mirror copies never hold priors: skip the lookup.
+        if let Some(p) = (!self.held.is_empty()).then(|| self.held.remove(&b)).flatten() {
             if p.has_data() && !(meta.has_data() && meta.phys == p.phys) {
                 gone.push(p.phys);
             }
