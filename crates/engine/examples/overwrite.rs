@@ -5,7 +5,9 @@
 //!
 //!   cargo run --release -p converge-engine --example overwrite -- /var/tmp/d.img 1 5000
 //!
-//! Arguments: PATH THREADS OPS [PASSES]. The file is created (256 MiB) and left behind.
+//! Arguments: PATH THREADS OPS [PASSES] [held]. The file is created (256 MiB) and left
+//! behind. `held`: the writes are a parity chunk's (`write_held`, each keeping its block's
+//! prior), and one writer in THREADS settles every 32 of its writes, as an owner would.
 //! PASSES (default 1) repeats the overwrites, printing each pass: the first pass over a
 //! fresh (sparse) drive file also pays the file system's allocation of the blocks that
 //! out-of-place writes touch for the first time; later passes show the steady state.
@@ -28,6 +30,7 @@ fn main() {
     let threads: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(1);
     let ops: u64 = args.get(3).and_then(|s| s.parse().ok()).unwrap_or(5000);
     let passes: u64 = args.get(4).and_then(|s| s.parse().ok()).unwrap_or(1);
+    let held = args.get(5).is_some_and(|s| s == "held");
     let _ = std::fs::remove_file(path);
     let file = DirectFile::open(std::path::Path::new(path), Some(256 << 20)).expect("open");
     let id = DriveIdentity {
@@ -51,7 +54,7 @@ fn main() {
     }
     let version = Arc::new(AtomicU64::new(2));
     for pass in 1..=passes {
-        overwrite_pass(&d, key, threads, ops, &version, pass);
+        overwrite_pass(&d, key, threads, ops, &version, pass, held);
     }
 }
 
@@ -62,6 +65,7 @@ fn overwrite_pass(
     ops: u64,
     version: &Arc<AtomicU64>,
     pass: u64,
+    held: bool,
 ) {
     let blocks = SLAB / B as u64;
     let left = Arc::new(AtomicU64::new(ops));
@@ -73,6 +77,7 @@ fn overwrite_pass(
             std::thread::spawn(move || {
                 let mut x = 0x9E37_79B9_7F4A_7C15u64 ^ (t + 1);
                 let mut buf = vec![0u8; B];
+                let mut n = 0u64;
                 while left
                     .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
                     .is_ok()
@@ -82,15 +87,20 @@ fn overwrite_pass(
                     x ^= x << 17;
                     buf[..8].copy_from_slice(&x.to_le_bytes());
                     let v = version.fetch_add(1, Ordering::Relaxed);
-                    d.write(
-                        key,
-                        Epoch(1),
-                        Version(v),
-                        (x % blocks) * B as u64,
-                        &buf,
-                        &[crc32c::crc32c(&buf)],
-                    )
-                    .expect("write");
+                    let (off, crc) = ((x % blocks) * B as u64, crc32c::crc32c(&buf));
+                    if held {
+                        d.write_held(key, Epoch(1), Version(v), off, &buf, &[crc])
+                            .expect("held write");
+                        n += 1;
+                        if t == 0 && n.is_multiple_of(32) {
+                            // Everything this far behind has been acked.
+                            let upto = v.saturating_sub(4 * threads);
+                            d.settle(key, Epoch(1), Version(upto)).expect("settle");
+                        }
+                    } else {
+                        d.write(key, Epoch(1), Version(v), off, &buf, &[crc])
+                            .expect("write");
+                    }
                 }
             })
         })
@@ -101,7 +111,8 @@ fn overwrite_pass(
     let secs = t0.elapsed().as_secs_f64();
     let flushes = d.stats().flushes - flushes0;
     println!(
-        "pass {pass}: {threads} threads, {ops} overwrites: {:.0} IOPS, {:.2} flushes per write",
+        "pass {pass}: {threads} threads, {ops} {}overwrites: {:.0} IOPS, {:.2} flushes per write",
+        if held { "held " } else { "" },
         ops as f64 / secs,
         flushes as f64 / ops as f64
     );

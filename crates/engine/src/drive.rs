@@ -133,7 +133,10 @@ impl ExtentMeta {
     /// longer uses (free from now on) onto `gone`.
     pub fn apply(&mut self, b: u32, meta: BlockMeta, gone: &mut Vec<u32>) {
         // Mirror copies never hold priors: skip the lookup.
-        if let Some(p) = (!self.held.is_empty()).then(|| self.held.remove(&b)).flatten() {
+        if let Some(p) = (!self.held.is_empty())
+            .then(|| self.held.remove(&b))
+            .flatten()
+        {
             if p.has_data() && !(meta.has_data() && meta.phys == p.phys) {
                 gone.push(p.phys);
             }

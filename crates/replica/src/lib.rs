@@ -530,8 +530,14 @@ mod tests {
         assert!(matches!(e, EngineError::StaleEpoch { .. }), "{e}");
         assert_eq!(run(&t, revert(2)), ExtentReply::Written(2));
         let r = run(&t, read(2, 0, 3 * BS)).into_read().expect("read");
-        assert!(r.data[..2 * BLOCK_SIZE].iter().all(|&b| b == 1), "blocks 0..2 back at V10");
-        assert!(r.data[2 * BLOCK_SIZE..].iter().all(|&b| b == 2), "block 2 still at V20");
+        assert!(
+            r.data[..2 * BLOCK_SIZE].iter().all(|&b| b == 1),
+            "blocks 0..2 back at V10"
+        );
+        assert!(
+            r.data[2 * BLOCK_SIZE..].iter().all(|&b| b == 2),
+            "block 2 still at V20"
+        );
         let settle = ExtentOp::Settle {
             key: KEY,
             epoch: Epoch(2),
@@ -540,7 +546,11 @@ mod tests {
         assert_eq!(run(&t, settle), ExtentReply::Ok);
         assert_eq!(
             priors(&t, 2),
-            vec![(Version(10), None), (Version(10), None), (Version(20), None)]
+            vec![
+                (Version(10), None),
+                (Version(10), None),
+                (Version(20), None)
+            ]
         );
         let e = execute(
             &t,
