@@ -7,7 +7,8 @@
 //!
 //! Arguments: PATH THREADS OPS [PASSES] [held]. The file is created (256 MiB) and left
 //! behind. `held`: the writes are a parity chunk's (`write_held`, each keeping its block's
-//! prior), and one writer in THREADS settles every 32 of its writes, as an owner would.
+//! prior), and every writer settles after each 8 of its writes, as an owner would (the
+//! 256 MiB file's drive holds at most 256 priors).
 //! PASSES (default 1) repeats the overwrites, printing each pass: the first pass over a
 //! fresh (sparse) drive file also pays the file system's allocation of the blocks that
 //! out-of-place writes touch for the first time; later passes show the steady state.
@@ -92,7 +93,7 @@ fn overwrite_pass(
                         d.write_held(key, Epoch(1), Version(v), off, &buf, &[crc])
                             .expect("held write");
                         n += 1;
-                        if t == 0 && n.is_multiple_of(32) {
+                        if n.is_multiple_of(8) {
                             // Everything this far behind has been acked.
                             let upto = v.saturating_sub(4 * threads);
                             d.settle(key, Epoch(1), Version(upto)).expect("settle");
