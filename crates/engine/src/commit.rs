@@ -223,23 +223,47 @@ impl Drive {
             // Every earlier batch is synced and applied.
             self.checkpoint_locked(ld)?;
         }
-        let mut pos = ld.head;
-        if pos + len > jlen {
-            ld.used += jlen - pos;
-            pos = 0;
-        }
+        let (_, waste) = self.journal_write(ld, &records, seq + ld.jseq_skew)?;
+        self.counters
+            .journal_batches
+            .fetch_add(1, Ordering::Relaxed);
+        ld.used += waste + len;
+        ld.next_seq = seq + 1;
+        self.apply_records(ld, &records);
+        ld.spare = records;
+        ld.spare.clear();
+        Ok(())
+    }
+
+    /// Writes `records` as one journal batch with journal sequence number `jseq` at the
+    /// head (or at 0 when it does not fit before the end of the region), syncs, and moves
+    /// the head past it. Returns (position, bytes skipped at the end by a wrap).
+    fn journal_write(
+        &self,
+        ld: &mut LeaderState,
+        records: &[u8],
+        jseq: u64,
+    ) -> Result<(u64, u64), EngineError> {
+        let js = self.journal_sector as u64;
+        let jlen = self.layout.journal_len;
+        let len = ((BATCH_HEADER + records.len()) as u64).div_ceil(js) * js;
+        let (pos, waste) = if ld.head + len > jlen {
+            (0, jlen - ld.head)
+        } else {
+            (ld.head, 0)
+        };
         let len_usize = len as usize;
         if ld.batch_buf.capacity() < len_usize {
             ld.batch_buf = AlignedBuf::new(len_usize);
         }
         ld.batch_buf.set_len(len_usize);
         let buf = &mut ld.batch_buf[..];
-        buf[BATCH_HEADER..BATCH_HEADER + records.len()].copy_from_slice(&records);
+        buf[BATCH_HEADER..BATCH_HEADER + records.len()].copy_from_slice(records);
         buf[BATCH_HEADER + records.len()..].fill(0);
         seal_batch(
             buf,
             ld.sb.journal_gen,
-            seq + ld.jseq_skew,
+            jseq,
             len_usize,
             (records.len() / RECORD) as u32,
         );
@@ -249,19 +273,11 @@ impl Drive {
             IoKind::Journal,
         )?;
         self.dev_sync()?;
-        self.counters
-            .journal_batches
-            .fetch_add(1, Ordering::Relaxed);
         ld.head = pos + len;
         if ld.head >= jlen {
             ld.head = 0;
         }
-        ld.used += len;
-        ld.next_seq = seq + 1;
-        self.apply_records(ld, &records);
-        ld.spare = records;
-        ld.spare.clear();
-        Ok(())
+        Ok((pos, waste))
     }
 
     fn durable_extent(&self, slot: u32) -> Option<Arc<Extent>> {
@@ -514,32 +530,9 @@ impl Drive {
         if records.is_empty() {
             return Ok(None);
         }
-        let js = self.journal_sector as u64;
-        let jlen = self.layout.journal_len;
-        let len = ((BATCH_HEADER + records.len()) as u64).div_ceil(js) * js;
-        let mut pos = ld.head;
-        if pos + len > jlen {
-            pos = 0;
-        }
         let jseq = ld.next_seq + ld.jseq_skew;
-        let mut buf = AlignedBuf::new(len as usize);
-        buf.set_len(len as usize);
-        buf[BATCH_HEADER..BATCH_HEADER + records.len()].copy_from_slice(&records);
-        buf[BATCH_HEADER + records.len()..].fill(0);
-        seal_batch(
-            &mut buf,
-            ld.sb.journal_gen,
-            jseq,
-            len as usize,
-            (records.len() / RECORD) as u32,
-        );
-        self.dev_write(&buf, self.layout.journal_off + pos, IoKind::Journal)?;
-        self.dev_sync()?;
+        let (pos, _) = self.journal_write(ld, &records, jseq)?;
         ld.jseq_skew += 1;
-        ld.head = pos + len;
-        if ld.head >= jlen {
-            ld.head = 0;
-        }
         Ok(Some((pos, jseq)))
     }
 

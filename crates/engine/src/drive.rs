@@ -578,12 +578,7 @@ impl Drive {
         applied: &mut Vec<bool>,
         mut before: Option<&mut Vec<BlockMeta>>,
     ) -> Result<(u32, u64), EngineError> {
-        let mut m = lock(&ext.meta);
-        while m.any_busy(first, count) {
-            m.waiters += 1;
-            m = ext.cv.wait(m).expect("extent lock poisoned");
-            m.waiters -= 1;
-        }
+        let mut m = Self::lock_idle(ext, first, count);
         if m.freed {
             return Err(EngineError::Released { key: ext.key });
         }
@@ -624,6 +619,24 @@ impl Drive {
             }
         }
         Ok((n, need_seq))
+    }
+
+    /// Queues the metadata-only records of a claim (zero, revert) and ends it: the batch
+    /// that holds them. A failed enqueue fails the drive (what we know may no longer
+    /// match the device).
+    fn queue_claimed(
+        &self,
+        ext: &Extent,
+        first: u32,
+        applied: &[bool],
+        records: &[u8],
+    ) -> Result<u64, EngineError> {
+        let res = self.enqueue(records, false);
+        if let Err(e) = &res {
+            self.fail(e);
+        }
+        self.release(ext, first, applied, *res.as_ref().unwrap_or(&0), &[]);
+        res
     }
 
     /// Ends a claim: the blocks' records are queued in batch `seq` (0: nothing queued),
@@ -688,14 +701,21 @@ impl Drive {
         }
     }
 
-    /// Copies the current metadata of a range, waiting for in-progress writes to finish.
-    fn snapshot(ext: &Extent, first: u32, count: u32, out: &mut Vec<BlockMeta>) {
+    /// Locks the extent's metadata once no write of blocks [first, first + count) has its
+    /// data write in progress.
+    fn lock_idle(ext: &Extent, first: u32, count: u32) -> MutexGuard<'_, ExtentMeta> {
         let mut m = lock(&ext.meta);
         while m.any_busy(first, count) {
             m.waiters += 1;
             m = ext.cv.wait(m).expect("extent lock poisoned");
             m.waiters -= 1;
         }
+        m
+    }
+
+    /// Copies the current metadata of a range, waiting for in-progress writes to finish.
+    fn snapshot(ext: &Extent, first: u32, count: u32, out: &mut Vec<BlockMeta>) {
+        let m = Self::lock_idle(ext, first, count);
         out.clear();
         out.extend((first..first + count).map(|b| m.current(b)));
     }
@@ -730,6 +750,21 @@ impl Drive {
         data: &[u8],
         crcs: &[u32],
     ) -> Result<(u64, OpStart), EngineError> {
+        self.write_nowait_as(key, epoch, version, offset, data, crcs, false)
+    }
+
+    /// [`Drive::write_nowait`], held (`hold`: [`Drive::write_held`]) or not.
+    #[allow(clippy::too_many_arguments)]
+    fn write_nowait_as(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        version: Version,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+        hold: bool,
+    ) -> Result<(u64, OpStart), EngineError> {
         let t = self.counters.begin();
         let r = self.write_inner(
             key,
@@ -739,7 +774,7 @@ impl Drive {
             crcs,
             |_| version.0,
             |_, cur, new| new.version >= cur.version,
-            false,
+            hold,
         );
         match r {
             Ok((_, seq)) => Ok((seq, t)),
@@ -765,19 +800,8 @@ impl Drive {
         data: &[u8],
         crcs: &[u32],
     ) -> Result<(), EngineError> {
-        let t = self.counters.begin();
-        let r = self
-            .write_inner(
-                key,
-                epoch,
-                offset,
-                data,
-                crcs,
-                |_| version.0,
-                |_, cur, new| new.version >= cur.version,
-                true,
-            )
-            .and_then(|(_, seq)| self.wait_durable(seq));
+        let (seq, t) = self.write_nowait_as(key, epoch, version, offset, data, crcs, true)?;
+        let r = self.wait_durable(seq);
         self.counters.end(OpKind::Write, t);
         r
     }
@@ -875,12 +899,7 @@ impl Drive {
                     }
                     .push(&mut s.records);
                 }
-                let res = self.enqueue(&s.records, false);
-                if let Err(e) = &res {
-                    self.fail(e);
-                }
-                self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0), &[]);
-                seq = seq.max(res?);
+                seq = seq.max(self.queue_claimed(&ext, first, &s.applied, &s.records)?);
             }
             self.wait_durable(seq)?;
             Ok(n)
@@ -892,12 +911,7 @@ impl Drive {
     fn settle_range(&self, ext: &Extent, first: u32, count: u32) -> Result<(), EngineError> {
         loop {
             let wait = {
-                let mut m = lock(&ext.meta);
-                while m.any_busy(first, count) {
-                    m.waiters += 1;
-                    m = ext.cv.wait(m).expect("extent lock poisoned");
-                    m.waiters -= 1;
-                }
+                let m = Self::lock_idle(ext, first, count);
                 (first..first + count)
                     .filter_map(|b| m.overlay.get(&b).map(|o| o.seq))
                     .max()
@@ -1624,12 +1638,7 @@ impl Drive {
                     }
                     .push(&mut s.records);
                 }
-                let res = self.enqueue(&s.records, false);
-                if let Err(e) = &res {
-                    self.fail(e);
-                }
-                self.release(&ext, first, &s.applied, *res.as_ref().unwrap_or(&0), &[]);
-                seq = seq.max(res?);
+                seq = seq.max(self.queue_claimed(&ext, first, &s.applied, &s.records)?);
             }
             Ok(seq.max(ext.epoch_seq.load(Ordering::Acquire)))
         })

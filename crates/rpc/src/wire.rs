@@ -1137,21 +1137,6 @@ mod tests {
 
     fn random_request(rng: &mut impl Rng) -> Request {
         match rng.gen_range(0..18) {
-            14 => {
-                let blocks = rng.gen_range(0..5);
-                let (crcs, data) = data(rng, blocks);
-                Request::Extent {
-                    drive: DriveId(rng.gen()),
-                    op: ExtentOp::WriteHeld {
-                        key: key(rng),
-                        epoch: Epoch(rng.gen()),
-                        version: Version(rng.gen()),
-                        offset: rng.gen(),
-                        crcs,
-                        data,
-                    },
-                }
-            }
             15 => Request::Extent {
                 drive: DriveId(rng.gen()),
                 op: ExtentOp::Settle {
@@ -1253,19 +1238,33 @@ mod tests {
                 node: NodeId(rng.gen()),
                 protocol_version: rng.gen(),
             }),
-            1 => {
+            n @ (1 | 14) => {
                 let blocks = rng.gen_range(0..5);
                 let (crcs, data) = data(rng, blocks);
-                Request::Extent {
-                    drive: DriveId(rng.gen()),
-                    op: ExtentOp::Write {
-                        key: key(rng),
-                        epoch: Epoch(rng.gen()),
-                        version: Version(rng.gen()),
-                        offset: rng.gen(),
+                let (key, epoch) = (key(rng), Epoch(rng.gen()));
+                let (version, offset) = (Version(rng.gen()), rng.gen());
+                let op = if n == 1 {
+                    ExtentOp::Write {
+                        key,
+                        epoch,
+                        version,
+                        offset,
                         crcs,
                         data,
-                    },
+                    }
+                } else {
+                    ExtentOp::WriteHeld {
+                        key,
+                        epoch,
+                        version,
+                        offset,
+                        crcs,
+                        data,
+                    }
+                };
+                Request::Extent {
+                    drive: DriveId(rng.gen()),
+                    op,
                 }
             }
             2 => Request::Extent {
