@@ -859,12 +859,11 @@ impl Drive {
     ) -> Result<u32, EngineError> {
         let (first, count) = self.range(key, offset, len)?;
         self.check_failed()?;
-        let Some(ext) = self.lookup(key) else {
+        if self.lookup(key).is_none() {
             return Ok(0);
-        };
-        Self::check_epoch(&ext, epoch)?;
+        }
         let ext = self.extent_for_write(key, epoch)?;
-        self.settle_range(&ext, first, count)?;
+        self.wait_applied(&ext, first, count)?;
         with_scratch(|s| {
             let (n, need_seq) = {
                 let m = lock(&ext.meta);
@@ -908,7 +907,7 @@ impl Drive {
 
     /// Waits until no write of blocks [first, first + count) is in progress or waiting
     /// for its journal batch, so the durable metadata (priors included) is current.
-    fn settle_range(&self, ext: &Extent, first: u32, count: u32) -> Result<(), EngineError> {
+    fn wait_applied(&self, ext: &Extent, first: u32, count: u32) -> Result<(), EngineError> {
         loop {
             let wait = {
                 let m = Self::lock_idle(ext, first, count);
@@ -936,7 +935,7 @@ impl Drive {
         let Some(ext) = self.lookup(key) else {
             return Ok(vec![(Version(0), None); count]);
         };
-        self.settle_range(&ext, first, n)?;
+        self.wait_applied(&ext, first, n)?;
         let m = lock(&ext.meta);
         Ok((first..first + n)
             .map(|b| {
