@@ -655,6 +655,15 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
     if req.size_bytes > 1 << 50 {
         return Err(ApiError::bad("volume size above 1 PiB is not supported"));
     }
+    if req.resiliency.is_parity() {
+        // The owner's data path is in; takeover reconcile, resync, rebuild and scrub of
+        // parity slabs are not yet (docs/adr/0008), so a parity volume would not survive
+        // the faults it is for.
+        return Err(ApiError::bad(format!(
+            "{} volumes are not available yet: parity is being built (docs/adr/0008); use mirror-2 or mirror-3",
+            req.resiliency
+        )));
+    }
     let copies = req.resiliency.copies();
     let min_replicas = req
         .min_replicas

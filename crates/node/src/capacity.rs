@@ -52,11 +52,25 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
         .map(|d| d.extents_used * d.slab_size_bytes)
         .sum();
     let caps: Vec<u64> = cap.values().copied().collect();
-    let usable = [Resiliency::Simple, Resiliency::Mirror2, Resiliency::Mirror3]
+    // Every extent of a slab on its own node: a parity-K+M slab's K+M chunks fit like
+    // K+M copies, and hold K chunks' worth of volume data.
+    let mut policies = vec![
+        Resiliency::Simple,
+        Resiliency::Mirror2,
+        Resiliency::Mirror3,
+        Resiliency::Parity { data: 2, parity: 1 },
+        Resiliency::Parity { data: 4, parity: 2 },
+    ];
+    for v in vols {
+        if !policies.contains(&v.resiliency) {
+            policies.push(v.resiliency);
+        }
+    }
+    let usable = policies
         .into_iter()
         .map(|r| {
-            let fit = distinct_fit(&caps, r.copies() as u64);
-            (r.as_str().to_string(), fit)
+            let fit = distinct_fit(&caps, r.copies() as u64) * r.needed() as u64;
+            (r.to_string(), fit)
         })
         .collect();
     // The node holding the most: its copies must fit in what the live nodes left have free.
@@ -95,7 +109,10 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
         used_bytes: used_all,
         provisioned_bytes: vols
             .iter()
-            .map(|v| v.size_bytes * v.resiliency.copies() as u64)
+            .map(|v| {
+                let r = v.resiliency;
+                (u128::from(v.size_bytes) * r.copies() as u128 / r.needed() as u128) as u64
+            })
             .sum(),
         free_bytes: total.saturating_sub(used.values().sum()),
         allocated_bytes: vols.iter().map(|v| v.allocated_bytes).sum(),
@@ -174,6 +191,9 @@ mod tests {
         assert_eq!(c.usable_bytes["simple"], 40 * G);
         assert_eq!(c.usable_bytes["mirror-2"], 20 * G);
         assert_eq!(c.usable_bytes["mirror-3"], 40 * G / 3);
+        // Parity-2+1's 3 chunks fit like mirror-3's copies and hold twice the data.
+        assert_eq!(c.usable_bytes["parity-2+1"], 40 * G / 3 * 2);
+        assert_eq!(c.usable_bytes["parity-4+2"], 0, "4+2 needs 6 nodes");
         assert!(c.warnings.is_empty(), "{:?}", c.warnings);
         // Fuller: node 1 holds 8, the others 2 + 1 + 3 free (6 < 8): cannot rebuild.
         let drives = [

@@ -100,46 +100,108 @@ pub struct ExtentKey {
 #[error("{0}")]
 pub struct ParseError(pub String);
 
+/// Fewest data chunks of a parity slab: one would be replication, which mirrors do.
+pub const PARITY_DATA_MIN: u8 = 2;
+/// Most data chunks of a parity slab: bounds the nodes one slab spans and a row's size.
+pub const PARITY_DATA_MAX: u8 = 16;
+/// Fewest parity chunks of a parity slab.
+pub const PARITY_CHUNKS_MIN: u8 = 1;
+/// Most parity chunks of a parity slab.
+pub const PARITY_CHUNKS_MAX: u8 = 4;
+/// Most chunks (data + parity) of one slab, i.e. the nodes one slab needs.
+pub const PARITY_ALL_MAX: u8 = 20;
+
 /// How a volume survives failures.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+///
+/// Written and read as text (`simple`, `mirror-2`, `mirror-3`, `parity-K+M`), in the
+/// control plane's records and the API alike.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Resiliency {
     /// One copy: no redundancy. For comparisons and scratch data.
-    #[serde(rename = "simple")]
     Simple,
-    #[serde(rename = "mirror-2")]
     Mirror2,
-    #[serde(rename = "mirror-3")]
     Mirror3,
+    /// Erasure coding (docs/adr/0008): each slab is `data` data chunks and `parity`
+    /// Reed–Solomon parity chunks, each on a different node; any `parity` of them may be
+    /// lost. Only values [`Resiliency::parity`] accepts exist.
+    Parity {
+        data: u8,
+        parity: u8,
+    },
 }
 
 impl Resiliency {
+    /// parity-`data`+`parity`, if that shape is supported.
+    pub fn parity(data: u8, parity: u8) -> Result<Resiliency, ParseError> {
+        let ok = (PARITY_DATA_MIN..=PARITY_DATA_MAX).contains(&data)
+            && (PARITY_CHUNKS_MIN..=PARITY_CHUNKS_MAX).contains(&parity)
+            && u16::from(data) + u16::from(parity) <= u16::from(PARITY_ALL_MAX);
+        if ok {
+            Ok(Resiliency::Parity { data, parity })
+        } else {
+            Err(ParseError(format!(
+                "parity-{data}+{parity} is not supported: use {PARITY_DATA_MIN} to \
+                 {PARITY_DATA_MAX} data chunks, {PARITY_CHUNKS_MIN} to {PARITY_CHUNKS_MAX} \
+                 parity chunks and at most {PARITY_ALL_MAX} chunks in all"
+            )))
+        }
+    }
+
+    /// Extents per slab (copies of a mirror, chunks of a parity slab), each on its own node.
     pub fn copies(self) -> usize {
         match self {
             Resiliency::Simple => 1,
             Resiliency::Mirror2 => 2,
             Resiliency::Mirror3 => 3,
+            Resiliency::Parity { data, parity } => usize::from(data) + usize::from(parity),
         }
     }
-    /// Default `min_replicas`: copies that must be in sync for writes to be acked.
+
+    /// Extents needed to read a slab: one copy of a mirror, the data chunks' count of a
+    /// parity slab.
+    pub fn needed(self) -> usize {
+        match self {
+            Resiliency::Parity { data, .. } => usize::from(data),
+            _ => 1,
+        }
+    }
+
+    /// Volume bytes one slab holds, given the pool's extent size: a parity slab's data
+    /// chunks each hold one extent's worth.
+    pub fn slab_span(self, extent_bytes: u64) -> u64 {
+        extent_bytes * self.needed() as u64
+    }
+
+    /// Default `min_replicas`: copies that must be in sync for writes to be acked (a
+    /// parity slab's chunks: one short of all, so a write is acked with one chunk down,
+    /// as a mirror-3 write is with one copy down).
     pub fn default_min_replicas(self) -> usize {
         match self {
             Resiliency::Simple => 1,
             Resiliency::Mirror2 => 1,
             Resiliency::Mirror3 => 2,
+            Resiliency::Parity { data, parity } => usize::from(data) + usize::from(parity) - 1,
         }
     }
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Resiliency::Simple => "simple",
-            Resiliency::Mirror2 => "mirror-2",
-            Resiliency::Mirror3 => "mirror-3",
-        }
+
+    /// Raw bytes per usable byte: 3 for mirror-3, (K+M)/K for parity.
+    pub fn capacity_multiplier(self) -> f64 {
+        self.copies() as f64 / self.needed() as f64
+    }
+
+    pub fn is_parity(self) -> bool {
+        matches!(self, Resiliency::Parity { .. })
     }
 }
 
 impl fmt::Display for Resiliency {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
+        match self {
+            Resiliency::Simple => f.write_str("simple"),
+            Resiliency::Mirror2 => f.write_str("mirror-2"),
+            Resiliency::Mirror3 => f.write_str("mirror-3"),
+            Resiliency::Parity { data, parity } => write!(f, "parity-{data}+{parity}"),
+        }
     }
 }
 
@@ -150,11 +212,34 @@ impl FromStr for Resiliency {
             "simple" => Ok(Resiliency::Simple),
             "mirror-2" => Ok(Resiliency::Mirror2),
             "mirror-3" => Ok(Resiliency::Mirror3),
-            other => Err(ParseError(format!(
-                "unknown resiliency {other:?}: expected simple, mirror-2 or mirror-3 \
-                 (parity comes later)"
-            ))),
+            other => {
+                if let Some((k, m)) = other
+                    .strip_prefix("parity-")
+                    .and_then(|km| km.split_once('+'))
+                {
+                    if let (Ok(k), Ok(m)) = (k.parse::<u8>(), m.parse::<u8>()) {
+                        return Resiliency::parity(k, m);
+                    }
+                }
+                Err(ParseError(format!(
+                    "unknown resiliency {other:?}: expected simple, mirror-2, mirror-3 or \
+                     parity-K+M (K data and M parity chunks, e.g. parity-2+1, parity-4+2)"
+                )))
+            }
         }
+    }
+}
+
+impl Serialize for Resiliency {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
+    }
+}
+
+impl<'de> Deserialize<'de> for Resiliency {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        s.parse().map_err(serde::de::Error::custom)
     }
 }
 
@@ -516,11 +601,41 @@ mod tests {
 
     #[test]
     fn resiliency_round_trip() {
-        for r in [Resiliency::Simple, Resiliency::Mirror2, Resiliency::Mirror3] {
-            assert_eq!(r.as_str().parse::<Resiliency>().unwrap(), r);
+        for r in [
+            Resiliency::Simple,
+            Resiliency::Mirror2,
+            Resiliency::Mirror3,
+            Resiliency::parity(2, 1).unwrap(),
+            Resiliency::parity(4, 2).unwrap(),
+            Resiliency::parity(16, 4).unwrap(),
+        ] {
+            assert_eq!(r.to_string().parse::<Resiliency>().unwrap(), r);
+            let json = serde_json::to_string(&r).unwrap();
+            assert_eq!(json, format!("\"{r}\""));
+            assert_eq!(serde_json::from_str::<Resiliency>(&json).unwrap(), r);
         }
+        let p = Resiliency::parity(4, 2).unwrap();
+        assert_eq!(
+            (p.copies(), p.needed(), p.default_min_replicas()),
+            (6, 4, 5)
+        );
+        assert_eq!(p.capacity_multiplier(), 1.5);
+        assert_eq!(p.slab_span(64 << 20), 256 << 20);
+        assert_eq!(Resiliency::Mirror3.capacity_multiplier(), 3.0);
         let e = "raid5".parse::<Resiliency>().unwrap_err();
         assert!(e.0.contains("raid5"));
+        for bad in [
+            "parity-1+1",
+            "parity-4+0",
+            "parity-17+1",
+            "parity-16+5",
+            "parity-4+",
+            "parity-x+2",
+        ] {
+            let e = bad.parse::<Resiliency>().unwrap_err();
+            assert!(e.0.contains("parity"), "{bad}: {e}");
+        }
+        assert!(serde_json::from_str::<Resiliency>("\"parity-1+1\"").is_err());
     }
 
     #[test]

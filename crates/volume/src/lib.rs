@@ -6,6 +6,7 @@
 //! daemon and in the deterministic simulator.
 
 pub mod parity;
+mod parity_io;
 pub mod resync;
 pub mod stats;
 pub mod tenure;
@@ -27,6 +28,9 @@ use std::sync::{Arc, RwLock};
 use tokio::time::Instant;
 
 pub use tenure::Tenure;
+
+use parity::{Codec, Geometry};
+use parity_io::{RowLocks, RowWrites};
 
 const BS: u64 = BLOCK_SIZE as u64;
 
@@ -283,6 +287,12 @@ pub(crate) struct Slab {
     /// Which blocks smaller zeroes (TRIMs of part of the slab) left zero, so that the slab
     /// is released when they add up to all of it: see [`Zeroed`].
     zeroed: Zeroed,
+    /// Parity slabs: the rows a write (or a degraded read) is working on; one at a time
+    /// per row (docs/adr/0008).
+    rows: RowLocks,
+    /// Parity slabs: row writes in flight, for the version up to which chunks may drop
+    /// their priors (settle).
+    row_writes: RowWrites,
 }
 
 /// The blocks of a slab known to read zeros since this owner's zeroes, built by TRIMs that
@@ -367,6 +377,8 @@ impl Slab {
             unsure: std::sync::atomic::AtomicBool::new(false),
             released: AtomicBool::new(false),
             zeroed: Zeroed::default(),
+            rows: RowLocks::default(),
+            row_writes: RowWrites::default(),
         }
     }
 
@@ -419,6 +431,10 @@ pub struct Volume<R, A> {
     /// The highest version sequence a released slab used in this term: a slab allocated
     /// afterwards starts above it, so nothing an earlier incarnation sent can outrank it.
     seq_floor: AtomicU64,
+    /// Parity volumes: where volume bytes live in a slab's chunks.
+    geometry: Option<Geometry>,
+    /// Parity volumes: codecs (each keeps its work buffers), taken by one I/O at a time.
+    codecs: std::sync::Mutex<Vec<Codec>>,
 }
 
 /// Zero operations a large TRIM or WRITE_ZEROES has in flight at once.
@@ -477,11 +493,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             cfg.slab_size_bytes >= BS && cfg.slab_size_bytes.is_multiple_of(BS),
             "slab size must be a multiple of the block size"
         );
+        let geometry = match cfg.resiliency {
+            Resiliency::Parity { data, parity } => Some(
+                Geometry::new(data, parity, cfg.slab_size_bytes)
+                    .expect("a parity resiliency and a whole-block slab size make a geometry"),
+            ),
+            _ => None,
+        };
         let slabs = slabs
             .into_iter()
             .map(|(i, extents)| (i, Arc::new(Slab::new(extents, 0))))
             .collect();
         Volume {
+            geometry,
+            codecs: std::sync::Mutex::new(Vec::new()),
             size_bytes: AtomicU64::new(cfg.size_bytes),
             cfg,
             slabs: RwLock::new(slabs),
@@ -524,6 +549,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     pub fn config(&self) -> &VolumeConfig {
         &self.cfg
+    }
+
+    /// Volume bytes one slab holds: the extent size, times the data chunks of a parity
+    /// slab.
+    pub fn slab_span(&self) -> u64 {
+        self.cfg.resiliency.slab_span(self.cfg.slab_size_bytes)
     }
 
     pub fn size_bytes(&self) -> u64 {
@@ -695,8 +726,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     async fn write_aligned(&self, offset: u64, data: Bytes) -> Result<(), VolumeError> {
-        let pieces: Vec<Piece> =
-            split(offset, data.len() as u64, self.cfg.slab_size_bytes).collect();
+        let pieces: Vec<Piece> = split(offset, data.len() as u64, self.slab_span()).collect();
         if pieces.len() == 1 {
             return self.write_piece(pieces[0], data).await;
         }
@@ -709,6 +739,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     async fn write_piece(&self, p: Piece, data: Bytes) -> Result<(), VolumeError> {
+        if let Some(g) = self.geometry {
+            return self.parity_write_piece(g, p, data).await;
+        }
         loop {
             let slab = self.slab_or_allocate(p.slab).await?;
             self.wait_min_replicas(p.slab, &slab).await?;
@@ -1012,7 +1045,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         self.check_serving()?;
         let slabs = self.slabs.read().expect("slab map lock poisoned");
         let mut runs: Vec<(u64, bool)> = Vec::new();
-        for p in split(offset, len, self.cfg.slab_size_bytes) {
+        for p in split(offset, len, self.slab_span()) {
             let allocated = slabs.contains_key(&p.slab);
             match runs.last_mut() {
                 Some((n, a)) if *a == allocated => *n += p.len,
@@ -1031,7 +1064,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // Widen to whole blocks; replicas only deal in blocks.
         let a_start = offset / BS * BS;
         let a_end = (offset + len).div_ceil(BS) * BS;
-        let slab = self.cfg.slab_size_bytes;
+        let slab = self.slab_span();
         let whole =
             if a_start / slab == (a_end - 1) / slab && a_end - a_start <= MAX_IO_BYTES as u64 {
                 // One piece (nearly every read): no list of pieces.
@@ -1063,53 +1096,48 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         v
     }
 
-    /// Reads one piece from the slab's in-sync copies. Each round takes the copies afresh
-    /// (this node's first) and hedges across them; a round in which no copy could answer
-    /// is tried again, with a growing pause, until `read_wait`. A read fails only when no
-    /// in-sync copy answered within it, or when a block is bad on every copy that has it.
+    /// Reads one piece of a slab. Each round takes the slab's extents afresh; a round in
+    /// which no copy (or, for parity, not enough chunks) could answer is tried again, with
+    /// a growing pause, until `read_wait`. A read fails only when nothing answered within
+    /// it, or when a block is bad everywhere it could come from.
     async fn read_piece(&self, p: Piece) -> Result<Bytes, VolumeError> {
         let Some(slab) = self.slab(p.slab) else {
             // Never written: thin provisioning reads zeros.
             return Ok(Bytes::from(vec![0u8; p.len as usize]));
         };
+        if let Some(g) = self.geometry {
+            return self
+                .read_with_retries(p.slab, || self.parity_read_round(g, p, &slab))
+                .await;
+        }
+        self.read_with_retries(p.slab, || self.mirror_read_round(p, &slab))
+            .await
+    }
+
+    /// Runs rounds of a read until one answers, one fails for good, or `read_wait` is over.
+    pub(crate) async fn read_with_retries<T, F, Fut>(
+        &self,
+        idx: SlabIndex,
+        mut round: F,
+    ) -> Result<T, VolumeError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, Retry>>,
+    {
         let started = Instant::now();
         let deadline = started + self.cfg.read_wait;
         let mut pause = std::time::Duration::from_millis(20);
         loop {
-            let order = self.read_order(&slab);
-            let why = if order.is_empty() {
-                String::from("no in-sync copy")
-            } else {
-                match self.read_hedged(p, &order).await {
-                    // The copy that answered left the slab meanwhile (an evacuation dropped
-                    // it, and its extent may have been freed before the read ran there):
-                    // its answer may be zeros, so it is not used.
-                    Ok((i, _)) if !slab.extents().iter().any(|e| e.drive == order[i].drive) => {
-                        format!("the copy on drive {} left the slab", order[i].drive)
-                    }
-                    Ok((_, reply)) if reply.bad_blocks.is_empty() => return Ok(reply.data),
-                    Ok((i, reply)) => {
-                        let others: Vec<ExtentLoc> = order
-                            .iter()
-                            .enumerate()
-                            .filter(|(j, _)| *j != i)
-                            .map(|(_, e)| *e)
-                            .collect();
-                        match self.repair(p, order[i], reply, &others).await {
-                            Ok(data) => return Ok(data),
-                            Err(RepairFailed::Lost(e)) => return Err(e),
-                            Err(RepairFailed::Unavailable(why)) => why,
-                        }
-                    }
-                    Err(ReadFailed::Fenced(why)) => return Err(self.fenced(why)),
-                    Err(ReadFailed::All(why)) => why,
-                }
+            let why = match round().await {
+                Ok(v) => return Ok(v),
+                Err(Retry::Fail(e)) => return Err(e),
+                Err(Retry::Again(why)) => why,
             };
             let now = Instant::now();
             if now >= deadline || self.is_retired() {
                 return Err(VolumeError::Unreadable {
                     volume: self.cfg.name.clone(),
-                    slab: p.slab,
+                    slab: idx,
                     why: format!(
                         "{why} (kept trying for {} ms)",
                         now.duration_since(started).as_millis()
@@ -1120,6 +1148,42 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             pause = (pause * 2).min(std::time::Duration::from_millis(500));
             // A lost lease ends the retries here: the client re-routes to the new owner.
             self.check_serving()?;
+        }
+    }
+
+    /// One round of a mirror read: the in-sync copies, this node's first, hedged; bad
+    /// blocks are read from the others and repaired.
+    async fn mirror_read_round(&self, p: Piece, slab: &Slab) -> Result<Bytes, Retry> {
+        let order = self.read_order(slab);
+        if order.is_empty() {
+            return Err(Retry::Again("no in-sync copy".into()));
+        }
+        match self.read_hedged(p, &order).await {
+            // The copy that answered left the slab meanwhile (an evacuation dropped it, and
+            // its extent may have been freed before the read ran there): its answer may be
+            // zeros, so it is not used.
+            Ok((i, _)) if !slab.extents().iter().any(|e| e.drive == order[i].drive) => {
+                Err(Retry::Again(format!(
+                    "the copy on drive {} left the slab",
+                    order[i].drive
+                )))
+            }
+            Ok((_, reply)) if reply.bad_blocks.is_empty() => Ok(reply.data),
+            Ok((i, reply)) => {
+                let others: Vec<ExtentLoc> = order
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, _)| *j != i)
+                    .map(|(_, e)| *e)
+                    .collect();
+                match self.repair(p, order[i], reply, &others).await {
+                    Ok(data) => Ok(data),
+                    Err(RepairFailed::Lost(e)) => Err(Retry::Fail(e)),
+                    Err(RepairFailed::Unavailable(why)) => Err(Retry::Again(why)),
+                }
+            }
+            Err(ReadFailed::Fenced(why)) => Err(Retry::Fail(self.fenced(why))),
+            Err(ReadFailed::All(why)) => Err(Retry::Again(why)),
         }
     }
 
@@ -1338,8 +1402,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         // A guest's `fstrim` or `mkfs` sends ranges of up to 4 GiB: a few dozen operations at
         // a time, not hundreds in flight at once. A slab the range covers whole is released
-        // (its space returns to the pool); the rest is zeroed block by block.
-        let size = self.cfg.slab_size_bytes;
+        // (its space returns to the pool); the rest is zeroed block by block. A parity
+        // slab's partial TRIMs are dropped (a hint; zeroing part of a row is a row write),
+        // its WRITE_ZEROES written as rows of zeros.
+        let size = self.slab_span();
         let mut tasks: Vec<ZeroTask> = Vec::new();
         for s in start / size..=(end - 1) / size {
             let (s_start, s_end) = (s * size, (s + 1) * size);
@@ -1352,9 +1418,21 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         for group in tasks.chunks(ZERO_PIECES_IN_FLIGHT) {
             join_all_ok(group.iter().map(|t| async move {
-                match *t {
-                    ZeroTask::Piece(p) => self.zero_piece(p).await,
-                    ZeroTask::Release(idx) => self.release_slab(idx, false).await,
+                match (*t, self.geometry) {
+                    (ZeroTask::Piece(p), None) => self.zero_piece(p).await,
+                    (ZeroTask::Release(idx), None) => self.release_slab(idx, false).await,
+                    (ZeroTask::Piece(_), Some(_)) if trim => Ok(()),
+                    (ZeroTask::Piece(p), Some(g)) => self.parity_zero_piece(g, p).await,
+                    (ZeroTask::Release(idx), Some(g)) => {
+                        if self.parity_release(idx).await? || trim {
+                            return Ok(());
+                        }
+                        // Not released now: the zeros are written.
+                        for p in split(idx.0 * size, size, size) {
+                            self.parity_zero_piece(g, p).await?;
+                        }
+                        Ok(())
+                    }
                 }
             }))
             .await?;
@@ -1573,6 +1651,14 @@ fn abandoned_none(slab: &Slab) -> bool {
 type Hedged<F> = Vec<(usize, std::pin::Pin<Box<F>>)>;
 fn hedge_set<F: Future>(_read: &impl Fn(ExtentLoc) -> F) -> Hedged<F> {
     Vec::new()
+}
+
+/// Why a round of a read did not answer.
+pub(crate) enum Retry {
+    /// Nothing could answer this time (the reason): another round may.
+    Again(String),
+    /// For good (data lost, or this owner deposed).
+    Fail(VolumeError),
 }
 
 /// Why a round of a hedged read got no answer.

@@ -14,16 +14,11 @@ use reed_solomon_simd::{EncoderResult, ReedSolomonDecoder, ReedSolomonEncoder};
 
 const BS: u64 = BLOCK_SIZE as u64;
 
-/// Fewest data chunks per slab: K = 1 would be replication, which volumes already do.
-pub const DATA_CHUNKS_MIN: u8 = 2;
-/// Most data chunks per slab: bounds the nodes one stripe spans and one row's size.
-pub const DATA_CHUNKS_MAX: u8 = 16;
-/// Fewest parity chunks per slab.
-pub const PARITY_CHUNKS_MIN: u8 = 1;
-/// Most parity chunks per slab.
-pub const PARITY_CHUNKS_MAX: u8 = 4;
-/// Most chunks (data + parity) per slab, i.e. the nodes one slab needs.
-pub const CHUNKS_MAX: u8 = 20;
+/// The shapes parity volumes accept (one definition, with [`converge_types::Resiliency`]).
+pub use converge_types::{
+    PARITY_ALL_MAX as CHUNKS_MAX, PARITY_CHUNKS_MAX, PARITY_CHUNKS_MIN,
+    PARITY_DATA_MAX as DATA_CHUNKS_MAX, PARITY_DATA_MIN as DATA_CHUNKS_MIN,
+};
 
 /// Why a parity layout was refused.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]

@@ -740,7 +740,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(())
     }
 
-    fn copy_error(&self, idx: SlabIndex, why: String) -> VolumeError {
+    pub(crate) fn copy_error(&self, idx: SlabIndex, why: String) -> VolumeError {
         VolumeError::Unreadable {
             volume: self.cfg.name.clone(),
             slab: idx,

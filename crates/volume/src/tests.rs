@@ -28,6 +28,12 @@ struct MemReplicas {
     /// A node whose client reads (`Read`) wait, once they arrived (the flag), until the
     /// notify lets them run: a read delayed in flight.
     paused_reads: Mutex<Option<PausedReads>>,
+    /// Held blocks' priors (parity chunks), as the engine keeps them: (version, crc,
+    /// data); a block never written has version 0 and zeros.
+    priors: Mutex<Blocks>,
+    held_writes: AtomicU64,
+    settles: AtomicU64,
+    reverts: AtomicU64,
 }
 
 /// The node whose reads wait, the flag a read sets on arrival, and what lets it go on.
@@ -137,9 +143,85 @@ impl MemReplicas {
                         .unwrap_or(Version(0));
                     if version >= cur {
                         m.insert((at.drive, key, b), (version, crcs[i], chunk.to_vec()));
+                        self.priors.lock().unwrap().remove(&(at.drive, key, b));
                     }
                 }
                 ExtentReply::Ok
+            }
+            ExtentOp::WriteHeld {
+                version,
+                offset,
+                crcs,
+                data,
+                ..
+            } => {
+                self.held_writes.fetch_add(1, Ordering::Relaxed);
+                let mut m = self.blocks.lock().unwrap();
+                let mut priors = self.priors.lock().unwrap();
+                for (i, chunk) in data.chunks(BLOCK_SIZE).enumerate() {
+                    if crc32c::crc32c(chunk) != crcs[i] {
+                        return Err(ReplicaError::Checksum("end-to-end".into()));
+                    }
+                    let k = (at.drive, key, offset / BS + i as u64);
+                    let cur = m.get(&k).cloned().unwrap_or_else(|| {
+                        (
+                            Version(0),
+                            crc32c::crc32c(&[0u8; BLOCK_SIZE]),
+                            vec![0u8; BLOCK_SIZE],
+                        )
+                    });
+                    // A retry at the version the block has keeps its prior.
+                    if cur.0 != version {
+                        priors.insert(k, cur);
+                    }
+                    m.insert(k, (version, crcs[i], chunk.to_vec()));
+                }
+                ExtentReply::Ok
+            }
+            ExtentOp::Settle { upto, .. } => {
+                self.settles.fetch_add(1, Ordering::Relaxed);
+                let m = self.blocks.lock().unwrap();
+                self.priors.lock().unwrap().retain(|k, _| {
+                    k.0 != at.drive || k.1 != key || m.get(k).is_some_and(|b| b.0 > upto)
+                });
+                ExtentReply::Ok
+            }
+            ExtentOp::Revert {
+                version,
+                offset,
+                len,
+                ..
+            } => {
+                let mut m = self.blocks.lock().unwrap();
+                let mut priors = self.priors.lock().unwrap();
+                let mut n = 0;
+                for b in offset / BS..(offset + u64::from(len)) / BS {
+                    let k = (at.drive, key, b);
+                    if m.get(&k).is_some_and(|c| c.0 == version) {
+                        if let Some(p) = priors.remove(&k) {
+                            m.insert(k, p);
+                            n += 1;
+                        }
+                    }
+                }
+                self.reverts.fetch_add(u64::from(n), Ordering::Relaxed);
+                ExtentReply::Written(n)
+            }
+            ExtentOp::Priors { offset, count, .. } => {
+                // Blocks before priors, as every operation takes them.
+                let m = self.blocks.lock().unwrap();
+                let priors = self.priors.lock().unwrap();
+                ExtentReply::Priors(
+                    (0..u64::from(count))
+                        .map(|i| {
+                            let k = (at.drive, key, offset / BS + i);
+                            (
+                                m.get(&k).map_or(Version(0), |b| b.0),
+                                priors.get(&k).map(|p| p.0),
+                            )
+                        })
+                        .collect(),
+                )
             }
             ExtentOp::Read { offset, len, .. } => {
                 let mut r = self.read_now(at, key, offset, len);
@@ -161,6 +243,7 @@ impl MemReplicas {
                     let cur = m.get(&(at.drive, key, b)).map_or(Version(0), |e| e.0);
                     if version >= cur {
                         m.insert((at.drive, key, b), (version, crc, zero.clone()));
+                        self.priors.lock().unwrap().remove(&(at.drive, key, b));
                     }
                 }
                 ExtentReply::Ok
@@ -192,6 +275,7 @@ impl MemReplicas {
                     let cur = m.get(&(at.drive, key, b)).map_or(Version(0), |e| e.0);
                     if cur == expect[i] {
                         m.insert((at.drive, key, b), (versions[i], crcs[i], chunk.to_vec()));
+                        self.priors.lock().unwrap().remove(&(at.drive, key, b));
                         n += 1;
                     }
                 }
@@ -218,15 +302,12 @@ impl MemReplicas {
                     .collect(),
             ),
             ExtentOp::Free { .. } => unreachable!("the owner never frees unfenced"),
-            ExtentOp::WriteHeld { .. }
-            | ExtentOp::Settle { .. }
-            | ExtentOp::Revert { .. }
-            | ExtentOp::Priors { .. } => unreachable!("mirror volumes hold no priors"),
             ExtentOp::Release { upto, .. } => {
                 let mut m = self.blocks.lock().unwrap();
                 let mine = |k: &(DriveId, ExtentKey, u64)| k.0 == at.drive && k.1 == key;
                 if m.iter().all(|(k, v)| !mine(k) || v.0 <= upto) {
                     m.retain(|k, _| !mine(k));
+                    self.priors.lock().unwrap().retain(|k, _| !mine(k));
                     self.released.fetch_add(1, Ordering::Relaxed);
                 }
                 ExtentReply::Ok
@@ -1385,3 +1466,5 @@ async fn an_owner_past_its_tenure_or_retired_answers_nothing() {
         Err(VolumeError::Fenced { .. })
     ));
 }
+
+mod parity;
