@@ -7,6 +7,7 @@
 
 pub mod parity;
 mod parity_io;
+mod parity_sync;
 pub mod resync;
 pub mod stats;
 pub mod tenure;

@@ -110,7 +110,7 @@ fn good_at(got: &[Option<BlocksReply>], c: usize, i: usize, version: Version) ->
 const BSZ: usize = BS as usize;
 
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
-    fn with_codec<T>(&self, g: Geometry, f: impl FnOnce(&mut Codec) -> T) -> T {
+    pub(crate) fn with_codec<T>(&self, g: Geometry, f: impl FnOnce(&mut Codec) -> T) -> T {
         let pooled = self.codecs.lock().expect("codec pool poisoned").pop();
         let mut c = pooled
             .unwrap_or_else(|| Codec::new(g.k(), g.m()).expect("a geometry's shape makes a codec"));

@@ -19,7 +19,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// Blocks whose versions are fetched per request.
-const VERSIONS_CHUNK: u64 = 8192;
+pub(crate) const VERSIONS_CHUNK: u64 = 8192;
 /// Largest copy request, in blocks (256 KiB).
 const COPY_RUN_BLOCKS: u64 = 64;
 
@@ -78,7 +78,7 @@ pub struct CopyReport {
 /// target: only if it was written in an older owner's term (an unacked write that reached
 /// only some copies before a crash); a newer block of the current term is a write in flight
 /// that the source is about to receive too.
-fn needs_copy(src: Version, dst: Version, epoch: Epoch) -> bool {
+pub(crate) fn needs_copy(src: Version, dst: Version, epoch: Epoch) -> bool {
     src > dst || (dst > src && (dst.0 >> 32) < epoch.0)
 }
 
@@ -271,6 +271,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let _g = slab.gate.write().await;
             let _c = slab.change.lock().await;
             self.check_not_released(idx, &slab)?;
+            if self.geometry.is_some() && slab.extents().iter().any(|e| e.node == new.node) {
+                // Each chunk of a parity slab on its own node.
+                return Err(self.copy_error(
+                    idx,
+                    format!("node {} already holds a chunk of the slab", new.node),
+                ));
+            }
             let new = ExtentLoc {
                 state: ExtentState::Syncing,
                 ..new
@@ -298,6 +305,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         progress: &Progress,
     ) -> Result<CopyReport, VolumeError> {
         let slab = self.slab_or_err(idx)?;
+        if self.geometry.is_some() {
+            // A parity slab's chunks are ordered (the record's order is the row layout):
+            // adding a chunk beside the others has no place in it.
+            return Err(self.copy_error(
+                idx,
+                "evacuating a parity slab's chunk is not supported yet; mark the node failed so its chunks are rebuilt".into(),
+            ));
+        }
         let new = ExtentLoc {
             state: ExtentState::Syncing,
             ..new
@@ -426,6 +441,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         throttle: &Throttle,
         progress: &Progress,
     ) -> Result<CopyReport, VolumeError> {
+        if let Some(g) = self.geometry {
+            return self
+                .parity_fill(g, idx, slab, drive, throttle, progress)
+                .await;
+        }
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
         let target = slab
@@ -610,58 +630,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     async fn reconcile_slab(&self, idx: SlabIndex, slab: &Slab) -> Result<CopyReport, VolumeError> {
-        let key = self.key(idx);
-        let epoch = self.cfg.epoch;
-        for e in slab.extents().iter() {
-            if e.state == ExtentState::Syncing {
-                self.change_state(
-                    idx,
-                    slab,
-                    e.drive,
-                    &[ExtentState::Syncing],
-                    ExtentState::Stale,
-                )
-                .await?;
-            }
+        let differ = self.fence_and_compare(idx, slab).await?;
+        if let Some(g) = self.geometry {
+            return self.parity_reconcile_slab(g, idx, slab, differ).await;
         }
-        // Fence every copy (stale ones too) and compare digests of the version maps: only
-        // a slab whose in-sync copies differ (writes in flight at the crash) is compared
-        // block by block, so a takeover's work is bounded by what was being written.
-        let mut digests = Vec::new();
-        let mut unreachable = Vec::new();
-        for e in slab.extents().iter() {
-            match self
-                .ask(
-                    *e,
-                    ExtentOp::Digest { key, epoch },
-                    ExtentReply::into_digest,
-                )
-                .await
-            {
-                Ok(d) if e.state == ExtentState::InSync => digests.push(d),
-                Ok(_) => {}
-                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
-                Err(err) => {
-                    if e.state == ExtentState::InSync {
-                        unreachable.push((*e, err));
-                    }
-                }
-            }
-        }
-        if digests.is_empty() {
-            // Never mark the last in-sync copies stale: wait for one to answer.
-            return Err(self.copy_error(idx, "no in-sync copy answered".into()));
-        }
-        for (e, err) in unreachable {
-            log::warn!(
-                "volume {}: slab {idx}: copy on node {} drive {} unreachable at takeover ({err}); marking it stale",
-                self.cfg.name, e.node, e.drive
-            );
-            self.mark_stale(idx, slab, e.drive).await?;
-        }
-        if digests.iter().all(|d| *d == digests[0]) {
+        if !differ {
             return Ok(CopyReport::default());
         }
+        let key = self.key(idx);
+        let epoch = self.cfg.epoch;
         let blocks = self.cfg.slab_size_bytes / BS;
         let mut report = CopyReport {
             blocks_compared: blocks,
@@ -732,6 +709,61 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(report)
     }
 
+    /// A takeover's first step for one slab: `syncing` copies become stale, every copy is
+    /// fenced at this owner's epoch, in-sync copies that do not answer are marked stale.
+    /// Returns whether the in-sync copies' version maps differ (their digests).
+    async fn fence_and_compare(&self, idx: SlabIndex, slab: &Slab) -> Result<bool, VolumeError> {
+        let key = self.key(idx);
+        let epoch = self.cfg.epoch;
+        for e in slab.extents().iter() {
+            if e.state == ExtentState::Syncing {
+                self.change_state(
+                    idx,
+                    slab,
+                    e.drive,
+                    &[ExtentState::Syncing],
+                    ExtentState::Stale,
+                )
+                .await?;
+            }
+        }
+        // Fence every copy (stale ones too) and compare digests of the version maps: only
+        // a slab whose in-sync copies differ (writes in flight at the crash) is compared
+        // block by block, so a takeover's work is bounded by what was being written.
+        let mut digests = Vec::new();
+        let mut unreachable = Vec::new();
+        for e in slab.extents().iter() {
+            match self
+                .ask(
+                    *e,
+                    ExtentOp::Digest { key, epoch },
+                    ExtentReply::into_digest,
+                )
+                .await
+            {
+                Ok(d) if e.state == ExtentState::InSync => digests.push(d),
+                Ok(_) => {}
+                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                Err(err) => {
+                    if e.state == ExtentState::InSync {
+                        unreachable.push((*e, err));
+                    }
+                }
+            }
+        }
+        if digests.is_empty() {
+            // Never mark the last in-sync copies stale: wait for one to answer.
+            return Err(self.copy_error(idx, "no in-sync copy answered".into()));
+        }
+        for (e, err) in unreachable {
+            log::warn!(
+                "volume {}: slab {idx}: copy on node {} drive {} unreachable at takeover ({err}); marking it stale",
+                self.cfg.name, e.node, e.drive
+            );
+            self.mark_stale(idx, slab, e.drive).await?;
+        }
+        Ok(!digests.iter().all(|d| *d == digests[0]))
+    }
     /// A job that got the slab before a TRIM released it has nothing left to do.
     fn check_not_released(&self, idx: SlabIndex, slab: &Slab) -> Result<(), VolumeError> {
         if slab.is_released() {
@@ -836,7 +868,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     .filter(|e| e.state == ExtentState::InSync)
                     .count() as u64;
                 throttle.take(n * BS * copies).await;
-                let r = self.scrub_step(idx, &slab, start, n, repair).await?;
+                let r = match self.geometry {
+                    Some(g) => {
+                        self.parity_scrub_step(g, idx, &slab, start, n, repair)
+                            .await?
+                    }
+                    None => self.scrub_step(idx, &slab, start, n, repair).await?,
+                };
                 total.add(&r);
                 progress.bytes_done.fetch_add(n * BS, Ordering::Relaxed);
                 progress.blocks_compared.fetch_add(n, Ordering::Relaxed);

@@ -249,3 +249,239 @@ async fn trim_of_a_whole_parity_slab_releases_it_and_partial_zeroes_write_zeros(
         &pattern(4096, 11)[..]
     );
 }
+
+fn chunk_at(c: usize) -> ExtentLoc {
+    ExtentLoc {
+        node: NodeId(c as u32 + 1),
+        drive: chunk_drive(c),
+        state: ExtentState::InSync,
+    }
+}
+
+/// A held write of one row's chunk sent directly, as a crashed owner at epoch 3 left it.
+async fn held_copy(io: &MemReplicas, c: usize, row: u64, version: Version, data: &[u8]) {
+    let data = Bytes::copy_from_slice(data);
+    let op = ExtentOp::WriteHeld {
+        key: key(0),
+        epoch: Epoch(3),
+        version,
+        offset: row * BS,
+        crcs: block_crcs(&data),
+        data,
+    };
+    assert_eq!(io.call(chunk_at(c), op).await, Ok(ExtentReply::Ok));
+}
+
+/// A new owner at `epoch` over the old one's records, reconciled.
+async fn take_over(
+    k: u8,
+    m: u8,
+    size: u64,
+    epoch: u64,
+    io: &Arc<MemReplicas>,
+    alloc: &Arc<FixedAlloc>,
+) -> (TestVol, resync::CopyReport) {
+    let mut cfg = config(size, CHUNK, epoch);
+    cfg.resiliency = Resiliency::parity(k, m).unwrap();
+    cfg.min_replicas = cfg.resiliency.default_min_replicas();
+    let slabs = alloc.records.lock().unwrap().clone().into_iter().collect();
+    let v = Volume::new(cfg, slabs, io.clone(), alloc.clone());
+    let r = v.reconcile().await.unwrap();
+    (v, r)
+}
+
+/// The write hole: a crashed owner's row write reached one data chunk of 2+1, and the
+/// other data chunk's node is gone. Decoding that chunk from the half-written row would
+/// return garbage for acked data; the takeover reverts the row to its priors first.
+#[tokio::test]
+async fn a_takeover_reverts_a_half_written_row_so_a_lost_chunk_decodes_right() {
+    let size = 2 * CHUNK;
+    let (old, io, alloc) = parity_volume(2, 1, size);
+    let acked = pattern(size as usize, 20);
+    old.write(0, acked.clone()).await.unwrap();
+    // Row 2's next write reached chunk 0 only, then the owner died.
+    held_copy(&io, 0, 2, Version(3 << 32 | 1000), &pattern(4096, 21)).await;
+    // Chunk 1's node is away at the takeover.
+    io.failed.lock().unwrap().push(NodeId(2));
+    let (new, r) = take_over(2, 1, size, 4, &io, &alloc).await;
+    assert_eq!(r.blocks_differing, 1, "row 2 only");
+    assert_eq!(io.reverts.load(Ordering::Relaxed), 1);
+    assert_eq!(state_of(&new, 0, 2), ExtentState::Stale);
+    // Chunk 1's blocks of every row decode from chunk 0 and parity: the acked data.
+    assert_eq!(new.read(0, size).await.unwrap(), acked);
+    assert_rows_consistent(&new, &io, 2, 1);
+    // Every prior from the old term is dropped.
+    assert!(io
+        .priors
+        .lock()
+        .unwrap()
+        .keys()
+        .all(|k| k.0 == chunk_drive(1)));
+}
+
+/// A row write that reached K chunks is completed forward at the takeover.
+#[tokio::test]
+async fn a_takeover_completes_a_row_k_chunks_hold() {
+    let size = 2 * 2 * CHUNK;
+    let (old, io, alloc) = parity_volume(2, 1, size);
+    old.write(0, pattern(size as usize, 22)).await.unwrap();
+    // Row 5's write (both data blocks new) reached chunk 0 and the parity chunk.
+    let row = pattern(2 * BS as usize, 23);
+    let mut parity = vec![0u8; BS as usize];
+    Codec::new(2, 1)
+        .unwrap()
+        .encode(&[&row[..4096], &row[4096..]], &mut [&mut parity[..]])
+        .unwrap();
+    let v = Version(3 << 32 | 1000);
+    held_copy(&io, 0, 5, v, &row[..4096]).await;
+    held_copy(&io, 2, 5, v, &parity).await;
+    let (new, r) = take_over(2, 1, size, 4, &io, &alloc).await;
+    assert_eq!((r.blocks_differing, r.blocks_written), (1, 1));
+    assert_eq!(io.reverts.load(Ordering::Relaxed), 0);
+    assert_eq!(&new.read(10 * BS, 2 * BS).await.unwrap()[..], &row[..]);
+    assert_rows_consistent(&new, &io, 2, 1);
+}
+
+/// 4+2 with a row write that reached 3 of 6 chunks (neither K old nor K new): only the
+/// priors can give the row back.
+#[tokio::test]
+async fn a_takeover_reverts_a_row_neither_version_could_decode() {
+    let size = 4 * CHUNK;
+    let (old, io, alloc) = parity_volume(4, 2, size);
+    let acked = pattern(size as usize, 24);
+    old.write(0, acked.clone()).await.unwrap();
+    let v = Version(3 << 32 | 1000);
+    for c in [0, 3, 5] {
+        held_copy(&io, c, 7, v, &pattern(4096, 25 + c as u64)).await;
+    }
+    let (new, r) = take_over(4, 2, size, 4, &io, &alloc).await;
+    assert_eq!(r.blocks_differing, 1);
+    assert_eq!(io.reverts.load(Ordering::Relaxed), 3);
+    // Two chunks lost for good: the rest still decodes to the acked data.
+    io.failed.lock().unwrap().extend([NodeId(1), NodeId(4)]);
+    assert_eq!(new.read(0, size).await.unwrap(), acked);
+}
+
+#[tokio::test]
+async fn resync_reconstructs_only_the_rows_a_chunk_missed() {
+    let size = 2 * CHUNK;
+    let (v, io, _) = parity_volume(2, 1, size);
+    let mut model = pattern(size as usize, 30).to_vec();
+    v.write(0, Bytes::from(model.clone())).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(2));
+    // While chunk 1 is away: rows 1, 4 and 9 rewritten.
+    for (i, b) in [2u64, 9, 18].iter().enumerate() {
+        let d = pattern(4096, 31 + i as u64);
+        v.write(b * BS, d.clone()).await.unwrap();
+        model[(b * BS) as usize..((b + 1) * BS) as usize].copy_from_slice(&d);
+    }
+    io.failed.lock().unwrap().clear();
+    assert_eq!(state_of(&v, 0, 2), ExtentState::Stale);
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let r = v
+        .resync(SlabIndex(0), chunk_drive(1), &t, &p)
+        .await
+        .unwrap();
+    assert_eq!(r.blocks_compared, CHUNK / BS);
+    assert_eq!((r.blocks_differing, r.blocks_written), (3, 3));
+    assert_eq!(state_of(&v, 0, 2), ExtentState::InSync);
+    assert_rows_consistent(&v, &io, 2, 1);
+    // Chunk 0 lost: chunk 1 and parity give every byte back.
+    io.failed.lock().unwrap().push(NodeId(1));
+    assert_eq!(&v.read(0, size).await.unwrap()[..], &model[..]);
+}
+
+#[tokio::test]
+async fn rebuild_reconstructs_a_lost_chunk_on_another_node() {
+    let size = 2 * 4 * CHUNK;
+    let (v, io, alloc) = parity_volume(4, 2, size);
+    let data = pattern(size as usize, 40);
+    v.write(0, data.clone()).await.unwrap();
+    io.failed.lock().unwrap().push(NodeId(3));
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let new = ExtentLoc {
+        node: NodeId(7),
+        drive: DriveId(70),
+        state: ExtentState::Syncing,
+    };
+    for s in 0..2 {
+        let r = v
+            .rebuild(SlabIndex(s), chunk_drive(2), new, &t, &p)
+            .await
+            .unwrap();
+        // Every row: the slab zeroed all of them at its allocation, then data.
+        assert_eq!(r.blocks_written, CHUNK / BS, "slab {s}");
+        let ex = &alloc.records.lock().unwrap()[&SlabIndex(s)];
+        assert_eq!(ex[2].drive, DriveId(70), "the chunk keeps its place");
+        assert!(ex.iter().all(|e| e.state == ExtentState::InSync));
+    }
+    // A node already holding a chunk is refused.
+    let dup = ExtentLoc {
+        node: NodeId(1),
+        drive: DriveId(11),
+        state: ExtentState::Syncing,
+    };
+    let e = v
+        .rebuild(SlabIndex(0), DriveId(70), dup, &t, &p)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("already holds a chunk"), "{e}");
+    assert_rows_consistent(&v, &io, 4, 2);
+    // Two more nodes lost: the rebuilt chunk serves.
+    io.failed.lock().unwrap().extend([NodeId(1), NodeId(2)]);
+    assert_eq!(v.read(0, size).await.unwrap(), data);
+}
+
+#[tokio::test]
+async fn scrub_finds_rot_and_wrong_parity_and_repairs_them() {
+    let size = 2 * CHUNK;
+    let (v, io, _) = parity_volume(2, 1, size);
+    let data = pattern(size as usize, 50);
+    v.write(0, data.clone()).await.unwrap();
+    io.rot(chunk_drive(0), key(0), 1);
+    io.rot(chunk_drive(2), key(0), 6);
+    // Row 9's parity rewritten wrong, with a good checksum and the row's version.
+    let ver = io.version(chunk_drive(2), key(0), 9);
+    let junk = pattern(4096, 51);
+    let op = ExtentOp::WriteBlocks {
+        key: key(0),
+        epoch: Epoch(3),
+        offset: 9 * BS,
+        crcs: block_crcs(&junk),
+        versions: vec![ver],
+        expect: vec![ver],
+        data: junk,
+    };
+    assert_eq!(io.call(chunk_at(2), op).await, Ok(ExtentReply::Written(1)));
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let r = v.scrub(false, &t, &p).await.unwrap();
+    assert_eq!(r.blocks_checked, CHUNK / BS);
+    assert_eq!((r.bad_checksums, r.mismatches, r.repaired), (2, 1, 0));
+    let r = v.scrub(true, &t, &p).await.unwrap();
+    assert_eq!((r.bad_checksums, r.mismatches, r.repaired), (2, 1, 3));
+    let r = v.scrub(false, &t, &p).await.unwrap();
+    assert_eq!((r.bad_checksums, r.mismatches), (0, 0));
+    assert_rows_consistent(&v, &io, 2, 1);
+    assert_eq!(v.read(0, size).await.unwrap(), data);
+}
+
+#[tokio::test]
+async fn evacuating_a_parity_chunk_is_refused_with_a_reason() {
+    let (v, _, _) = parity_volume(2, 1, 2 * CHUNK);
+    v.write(0, pattern(4096, 60)).await.unwrap();
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let new = ExtentLoc {
+        node: NodeId(9),
+        drive: DriveId(90),
+        state: ExtentState::Syncing,
+    };
+    let e = v
+        .evacuate(SlabIndex(0), chunk_drive(0), new, &t, &p)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("parity"), "{e}");
+}
