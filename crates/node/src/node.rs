@@ -312,6 +312,7 @@ fn engine_to_response(e: EngineError) -> Response {
         EngineError::StaleEpoch { .. } => ErrorCode::StaleEpoch,
         EngineError::ChecksumMismatch { .. } => ErrorCode::ChecksumMismatch,
         EngineError::NoSpace { .. } => ErrorCode::NoSpace,
+        EngineError::HeldFull { .. } => ErrorCode::Busy,
         EngineError::InvalidArgument(_) | EngineError::InvalidIo { .. } => ErrorCode::Invalid,
         _ => ErrorCode::Io,
     };
@@ -324,6 +325,7 @@ fn rpc_to_replica(e: RpcError) -> ReplicaError {
             ErrorCode::StaleEpoch => ReplicaError::StaleEpoch(message),
             ErrorCode::ChecksumMismatch => ReplicaError::Checksum(message),
             ErrorCode::NoSpace => ReplicaError::NoSpace(message),
+            ErrorCode::Busy => ReplicaError::Busy(message),
             _ => ReplicaError::Io(format!("{code}: {message}")),
         },
         other => ReplicaError::Unreachable(other.to_string()),

@@ -234,6 +234,7 @@ pub fn replica_error(e: EngineError) -> ReplicaError {
         EngineError::StaleEpoch { .. } => ReplicaError::StaleEpoch(e.to_string()),
         EngineError::ChecksumMismatch { .. } => ReplicaError::Checksum(e.to_string()),
         EngineError::NoSpace { .. } => ReplicaError::NoSpace(e.to_string()),
+        EngineError::HeldFull { .. } => ReplicaError::Busy(e.to_string()),
         other => ReplicaError::Io(other.to_string()),
     }
 }

@@ -54,6 +54,10 @@ pub enum ReplicaError {
     NoSpace(String),
     #[error("unreachable: {0}")]
     Unreachable(String),
+    /// The drive cannot take the operation now but will (a parity chunk's drive holds as
+    /// many priors as it may until owners settle): try again shortly.
+    #[error("busy: {0}")]
+    Busy(String),
     #[error("I/O error: {0}")]
     Io(String),
 }

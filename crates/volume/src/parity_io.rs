@@ -17,11 +17,16 @@ use converge_types::{ExtentState, SlabIndex, Version};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
+use tokio::time::Instant;
 
-/// A slab's writes settle (chunks drop the priors of rows every chunk has) after this many
-/// row writes: priors are bounded per drive (`held_max`), and a settle costs a journal
-/// record on every chunk.
-const SETTLE_EVERY: u64 = 16;
+/// A slab's writes settle (chunks drop the priors of rows every chunk has) once this many
+/// rows were written since the last settle: priors are bounded per drive (`held_max`), and
+/// a settle costs a journal record on every chunk.
+const SETTLE_ROWS: u64 = 32;
+
+/// Rows one held write covers at most (a larger request is written as several, each
+/// settled before the next): with 4 KiB blocks, 256 KiB of priors per chunk.
+const GROUP_ROWS: u64 = 64;
 
 /// The rows of one slab that writes (and degraded reads) are working on: a row is written
 /// by one request at a time, so its chunks only ever disagree while that request runs.
@@ -186,49 +191,85 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 merged = Some(buf);
             }
             let rows: &[u8] = merged.as_deref().unwrap_or(&data);
-            let chunks = self.encode_rows(g, p.slab, rows)?;
-            let cb = (n * BS) as usize;
-            let shard = |c: usize| chunks.slice(c * cb..(c + 1) * cb);
-            let all = usize::from(g.k()) + usize::from(g.m());
-            let crcs: Vec<std::sync::Arc<[u32]>> =
-                (0..all).map(|c| block_crcs(&shard(c))).collect();
-            let extents = self.chunks(g, p.slab, &slab)?;
-            let key = self.key(p.slab);
-            let epoch = self.cfg.epoch;
-            let version = self.begin_row_write(&slab);
-            let targets: Vec<ExtentLoc> = extents
-                .iter()
-                .filter(|e| e.state != ExtentState::Stale)
-                .copied()
-                .collect();
-            let r = self
-                .replicate(p.slab, &slab, targets, |at| {
-                    let c = extents
-                        .iter()
-                        .position(|e| e.drive == at.drive)
-                        .expect("targets are the slab's chunks");
-                    let op = ExtentOp::WriteHeld {
-                        key,
-                        epoch,
-                        version,
-                        offset: r0 * BS,
-                        crcs: crcs[c].clone(),
-                        data: shard(c),
-                    };
-                    self.ask(at, op, ExtentReply::into_ok)
-                })
-                .await;
-            slab.row_writes
-                .flight
-                .lock()
-                .expect("row writes poisoned")
-                .remove(&(version.0 & 0xffff_ffff));
-            drop(_rows);
-            if r.is_ok() {
-                self.maybe_settle(p.slab, &slab).await;
+            // Held in groups of rows, each settled before the next: a drive holds a
+            // bounded number of priors (`held_max`), and one request may cover thousands
+            // of rows.
+            for first in (0..n).step_by(GROUP_ROWS as usize) {
+                let count = GROUP_ROWS.min(n - first);
+                let part = &rows[(first * rb) as usize..((first + count) * rb) as usize];
+                self.write_rows(g, p.slab, &slab, r0 + first, part).await?;
+                self.maybe_settle(p.slab, &slab, count).await;
             }
-            return r;
+            return Ok(());
         }
+    }
+
+    /// Writes whole rows from `r0` (`rows`, row-major) at one new version, held, on every
+    /// chunk that is not stale. The caller holds the rows' lock. A chunk whose drive is
+    /// busy (holding all the priors it may) is asked again until `degraded_write_wait`.
+    async fn write_rows(
+        &self,
+        g: Geometry,
+        idx: SlabIndex,
+        slab: &Slab,
+        r0: u64,
+        rows: &[u8],
+    ) -> Result<(), VolumeError> {
+        let n = rows.len() as u64 / g.row_bytes();
+        let chunks = self.encode_rows(g, idx, rows)?;
+        let cb = (n * BS) as usize;
+        let shard = |c: usize| chunks.slice(c * cb..(c + 1) * cb);
+        let all = usize::from(g.k()) + usize::from(g.m());
+        let crcs: Vec<std::sync::Arc<[u32]>> = (0..all).map(|c| block_crcs(&shard(c))).collect();
+        let extents = self.chunks(g, idx, slab)?;
+        let key = self.key(idx);
+        let epoch = self.cfg.epoch;
+        let version = self.begin_row_write(slab);
+        let targets: Vec<ExtentLoc> = extents
+            .iter()
+            .filter(|e| e.state != ExtentState::Stale)
+            .copied()
+            .collect();
+        let busy_until = Instant::now() + self.cfg.degraded_write_wait;
+        let r = self
+            .replicate(idx, slab, targets, |at| {
+                let c = extents
+                    .iter()
+                    .position(|e| e.drive == at.drive)
+                    .expect("targets are the slab's chunks");
+                let op = ExtentOp::WriteHeld {
+                    key,
+                    epoch,
+                    version,
+                    offset: r0 * BS,
+                    crcs: crcs[c].clone(),
+                    data: shard(c),
+                };
+                async move {
+                    let mut pause = std::time::Duration::from_millis(2);
+                    loop {
+                        match self.ask(at, op.clone(), ExtentReply::into_ok).await {
+                            Err(ReplicaError::Busy(why)) if Instant::now() < busy_until => {
+                                log::debug!(
+                                    "volume {}: slab {idx}: chunk on node {} busy ({why}); asking again",
+                                    self.cfg.name,
+                                    at.node
+                                );
+                                tokio::time::sleep(pause).await;
+                                pause = (pause * 2).min(std::time::Duration::from_millis(50));
+                            }
+                            r => return r,
+                        }
+                    }
+                }
+            })
+            .await;
+        slab.row_writes
+            .flight
+            .lock()
+            .expect("row writes poisoned")
+            .remove(&(version.0 & 0xffff_ffff));
+        r
     }
 
     /// Lays `rows` (whole rows, row-major as the volume sees them) out as K+M chunk
@@ -263,13 +304,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         v
     }
 
-    /// Every [`SETTLE_EVERY`] row writes, tells the chunks to drop the priors of every
-    /// version below the oldest row write still running. Skipped while the slab is suspect
+    /// Once [`SETTLE_ROWS`] rows were written since the last settle (`rows` more just
+    /// now), tells the chunks to drop the priors of every version below the oldest row
+    /// write still running. Skipped while the slab is suspect
     /// (a write failed everywhere: its rows may need their priors). A failed settle only
     /// leaves priors for the next one.
-    async fn maybe_settle(&self, idx: SlabIndex, slab: &Slab) {
+    async fn maybe_settle(&self, idx: SlabIndex, slab: &Slab, rows: u64) {
         let w = &slab.row_writes;
-        if w.since_settle.fetch_add(1, Ordering::AcqRel) + 1 < SETTLE_EVERY
+        if w.since_settle.fetch_add(rows, Ordering::AcqRel) + rows < SETTLE_ROWS
             || w.settling.swap(true, Ordering::AcqRel)
         {
             return;

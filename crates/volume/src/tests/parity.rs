@@ -215,10 +215,10 @@ async fn settles_keep_the_priors_bounded() {
     for i in 0..200u64 {
         v.write((i % 32) * BS, pattern(4096, i)).await.unwrap();
     }
-    assert!(io.settles.load(Ordering::Relaxed) >= 3 * (200 / 16 - 1));
+    assert!(io.settles.load(Ordering::Relaxed) >= 3 * (200 / 32 - 1));
     // At most the rows written since the last settle hold priors, on each chunk.
     let held = io.priors.lock().unwrap().len();
-    assert!(held <= 3 * 16, "{held} priors held");
+    assert!(held <= 3 * 32, "{held} priors held");
 }
 
 #[tokio::test]
