@@ -1596,15 +1596,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // The record may be gone (deleted, or the answer was lost): no write may go to
         // these copies under it any more. If it is still there, the next write or zero
         // takes the slab up again from it, as a new incarnation.
-        slab.released.store(true, Ordering::Release);
-        self.seq_floor
-            .fetch_max(slab.seq.load(Ordering::Acquire), Ordering::AcqRel);
-        {
-            let mut map = self.slabs.write().expect("slab map lock poisoned");
-            if map.get(&idx).is_some_and(|s| std::ptr::eq(&**s, &*slab)) {
-                map.remove(&idx);
-            }
-        }
+        self.forget_released(idx, &slab);
         if let Err(e) = deleted {
             log::warn!(
                 "volume {}: slab {idx} was zeroed, but whether its record was deleted is unknown ({e}); its copies stay until the next write takes it up or their nodes reclaim them",
@@ -1612,8 +1604,29 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             );
             return Ok(());
         }
+        self.free_released(idx, &extents, upto).await;
+        Ok(())
+    }
+
+    /// A released slab's handle is done: no write may go to its copies under it (whoever
+    /// waited on its gate starts again from the map), the next incarnation's versions
+    /// start above its own, and it leaves the map.
+    pub(crate) fn forget_released(&self, idx: SlabIndex, slab: &Arc<Slab>) {
+        slab.released.store(true, Ordering::Release);
+        self.seq_floor
+            .fetch_max(slab.seq.load(Ordering::Acquire), Ordering::AcqRel);
+        let mut map = self.slabs.write().expect("slab map lock poisoned");
+        if map.get(&idx).is_some_and(|s| Arc::ptr_eq(s, slab)) {
+            map.remove(&idx);
+        }
+    }
+
+    /// Counts a slab whose record was deleted and frees its copies (each unless it holds
+    /// something newer than `upto`); a copy not freed is left to its node's orphan reclaim.
+    pub(crate) async fn free_released(&self, idx: SlabIndex, extents: &[ExtentLoc], upto: Version) {
         self.counters.slabs_released.fetch_add(1, Ordering::Relaxed);
         let key = self.key(idx);
+        let epoch = self.cfg.epoch;
         let answers = join_all(
             extents
                 .iter()
@@ -1632,7 +1645,6 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 );
             }
         }
-        Ok(())
     }
 }
 

@@ -105,6 +105,25 @@ fn bit(c: usize) -> u32 {
     1 << c
 }
 
+/// Row `i`'s version among the chunks' answers: the highest that `k` of them hold intact.
+pub(crate) fn row_version(got: &[Option<BlocksReply>], i: usize, k: usize) -> Option<Version> {
+    let mut counts: Vec<(Version, usize)> = Vec::new();
+    for r in got.iter().flatten() {
+        if r.bad_blocks.contains(&(i as u32)) {
+            continue;
+        }
+        match counts.iter_mut().find(|(v, _)| *v == r.versions[i]) {
+            Some((_, c)) => *c += 1,
+            None => counts.push((r.versions[i], 1)),
+        }
+    }
+    counts
+        .iter()
+        .filter(|(_, c)| *c >= k)
+        .map(|(v, _)| *v)
+        .max()
+}
+
 /// Whether chunk `c`'s answer holds row `i` intact at `version`.
 fn good_at(got: &[Option<BlocksReply>], c: usize, i: usize, version: Version) -> bool {
     got[c]
@@ -399,38 +418,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let deleted = self.alloc.release(self.cfg.id, idx, epoch).await;
         // Whatever the answer, no write may go to these chunks under this handle: if the
         // record is still there, the next write takes the slab up again (zeroing it).
-        slab.released.store(true, Ordering::Release);
-        self.seq_floor
-            .fetch_max(slab.seq.load(Ordering::Acquire), Ordering::AcqRel);
-        {
-            let mut map = self.slabs.write().expect("slab map lock poisoned");
-            if map.get(&idx).is_some_and(|s| std::ptr::eq(&**s, &*slab)) {
-                map.remove(&idx);
-            }
-        }
+        self.forget_released(idx, &slab);
         // Unlike a mirror's, a parity slab is not zeroed before its record goes: if the
         // record may still be there, the zero is not done.
         deleted?;
-        self.counters.slabs_released.fetch_add(1, Ordering::Relaxed);
-        let key = self.key(idx);
-        let answers = join_all(
-            extents
-                .iter()
-                .map(|&at| async move {
-                    let op = ExtentOp::Release { key, epoch, upto };
-                    (at, self.ask(at, op, ExtentReply::into_ok).await)
-                })
-                .collect(),
-        )
-        .await;
-        for (at, r) in answers {
-            if let Err(e) = r {
-                log::warn!(
-                    "volume {}: slab {idx} was released, but its chunk on node {} drive {} was not freed ({e}); that node reclaims it as an orphan",
-                    self.cfg.name, at.node, at.drive
-                );
-            }
-        }
+        self.free_released(idx, &extents, upto).await;
         Ok(true)
     }
 
@@ -558,22 +550,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // Each row's version: the highest that K chunks hold intact.
         let mut versions = Vec::with_capacity(n_us);
         for i in 0..n_us {
-            let mut counts: Vec<(Version, usize)> = Vec::new();
-            for r in got.iter().flatten() {
-                if r.bad_blocks.contains(&(i as u32)) {
-                    continue;
-                }
-                match counts.iter_mut().find(|(v, _)| *v == r.versions[i]) {
-                    Some((_, c)) => *c += 1,
-                    None => counts.push((r.versions[i], 1)),
-                }
-            }
-            let Some(v) = counts
-                .iter()
-                .filter(|(_, c)| *c >= k)
-                .map(|(v, _)| *v)
-                .max()
-            else {
+            let Some(v) = row_version(&got, i, k) else {
                 let why = format!(
                     "row {} of slab {idx}: fewer than {k} chunks hold it intact at one version{}",
                     r0 + i as u64,

@@ -3,6 +3,7 @@
 //! rebuild), and scrub's parity check.
 
 use crate::parity::Geometry;
+use crate::parity_io::row_version;
 use crate::resync::{needs_copy, CopyReport, Progress, ScrubReport, Throttle, VERSIONS_CHUNK};
 use crate::{
     block_crcs, BlocksReply, ExtentLoc, ExtentOp, ExtentReply, ReplicaError, ReplicaIo, Retry,
@@ -27,16 +28,6 @@ fn in_sync(ex: &[ExtentLoc]) -> Vec<usize> {
 }
 
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
-    fn ask_failed(&self, idx: SlabIndex, at: ExtentLoc, e: ReplicaError) -> VolumeError {
-        if let ReplicaError::StaleEpoch(why) = e {
-            return self.fenced(why);
-        }
-        self.copy_error(
-            idx,
-            format!("chunk on node {} drive {}: {e}", at.node, at.drive),
-        )
-    }
-
     fn retry_failed(&self, idx: SlabIndex, r: Retry) -> VolumeError {
         match r {
             Retry::Fail(e) => e,
@@ -88,7 +79,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     maps.push(
                         self.ask(ex[c], op, ExtentReply::into_versions)
                             .await
-                            .map_err(|e| self.ask_failed(idx, ex[c], e))?,
+                            .map_err(|e| self.replica_failed(idx, ex[c], e))?,
                     );
                 }
                 for i in 0..n as usize {
@@ -145,7 +136,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 let p = self
                     .ask(ex[c], op, ExtentReply::into_priors)
                     .await
-                    .map_err(|e| self.ask_failed(idx, ex[c], e))?;
+                    .map_err(|e| self.replica_failed(idx, ex[c], e))?;
                 state.push((c, p[0].0, p[0].1));
             }
             let newest = state.iter().map(|s| s.1).max().unwrap_or(Version(0));
@@ -175,7 +166,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     };
                     self.ask(ex[s.0], op, ExtentReply::into_written)
                         .await
-                        .map_err(|e| self.ask_failed(idx, ex[s.0], e))?;
+                        .map_err(|e| self.replica_failed(idx, ex[s.0], e))?;
                 }
                 log::warn!(
                     "volume {}: slab {idx} row {row}: version {newest} reached only {} of {} in-sync chunks; reverted to the priors",
@@ -202,7 +193,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 };
                 self.ask(ex[c], op, ExtentReply::into_ok)
                     .await
-                    .map_err(|e| self.ask_failed(idx, ex[c], e))?;
+                    .map_err(|e| self.replica_failed(idx, ex[c], e))?;
             }
             written += live.len() as u64;
         }
@@ -261,7 +252,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             n += u64::from(
                 self.ask(ex[c], op, ExtentReply::into_written)
                     .await
-                    .map_err(|e| self.ask_failed(idx, ex[c], e))?,
+                    .map_err(|e| self.replica_failed(idx, ex[c], e))?,
             );
         }
         Ok(Some(n))
@@ -310,7 +301,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             async move {
                 self.ask(at, op, ExtentReply::into_versions)
                     .await
-                    .map_err(|e| self.ask_failed(idx, at, e))
+                    .map_err(|e| self.replica_failed(idx, at, e))
             }
         };
         let rows = g.rows();
@@ -398,7 +389,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let tv = self
             .ask(target, op, ExtentReply::into_versions)
             .await
-            .map_err(|e| self.ask_failed(idx, target, e))?;
+            .map_err(|e| self.replica_failed(idx, target, e))?;
         let sources: Vec<usize> = in_sync(&ex).into_iter().filter(|&c| c != tc).collect();
         let mut got: Vec<Option<BlocksReply>> = vec![None; ex.len()];
         let mut errors = Vec::new();
@@ -421,35 +412,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // Each row's version: the highest that K sources hold intact.
         let mut row_versions = Vec::with_capacity(n as usize);
         for i in 0..n as usize {
-            let mut counts: Vec<(Version, usize)> = Vec::new();
-            for r in got.iter().flatten() {
-                if r.bad_blocks.contains(&(i as u32)) {
-                    continue;
-                }
-                match counts.iter_mut().find(|(v, _)| *v == r.versions[i]) {
-                    Some((_, c)) => *c += 1,
-                    None => counts.push((r.versions[i], 1)),
-                }
-            }
-            let v = counts
-                .iter()
-                .filter(|(_, c)| *c >= k)
-                .map(|(v, _)| *v)
-                .max()
-                .ok_or_else(|| {
-                    self.copy_error(
-                        idx,
-                        format!(
-                            "row {}: fewer than {k} chunks hold it intact at one version{}",
-                            r0 + i as u64,
-                            if errors.is_empty() {
-                                String::new()
-                            } else {
-                                format!(" ({})", errors.join("; "))
-                            }
-                        ),
-                    )
-                })?;
+            let v = row_version(&got, i, k).ok_or_else(|| {
+                self.copy_error(
+                    idx,
+                    format!(
+                        "row {}: fewer than {k} chunks hold it intact at one version{}",
+                        r0 + i as u64,
+                        if errors.is_empty() {
+                            String::new()
+                        } else {
+                            format!(" ({})", errors.join("; "))
+                        }
+                    ),
+                )
+            })?;
             row_versions.push(v);
         }
         let lags = |i: usize| needs_copy(row_versions[i], tv[i], epoch);
@@ -480,7 +456,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let written = self
             .ask(target, op, ExtentReply::into_written)
             .await
-            .map_err(|e| self.ask_failed(idx, target, e))?;
+            .map_err(|e| self.replica_failed(idx, target, e))?;
         Ok((differing, u64::from(written)))
     }
 

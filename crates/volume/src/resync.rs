@@ -780,7 +780,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
     }
 
-    fn replica_failed(&self, idx: SlabIndex, at: ExtentLoc, e: ReplicaError) -> VolumeError {
+    pub(crate) fn replica_failed(
+        &self,
+        idx: SlabIndex,
+        at: ExtentLoc,
+        e: ReplicaError,
+    ) -> VolumeError {
         if let ReplicaError::StaleEpoch(why) = e {
             return self.fenced(why);
         }
