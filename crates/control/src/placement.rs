@@ -13,7 +13,7 @@
 //! slab after slab keeps every drive's used extents within one of every other's, so when
 //! the copies divide evenly every drive holds the same number.
 
-use converge_types::{format_size, DriveId, DriveRole, NodeId};
+use converge_types::{format_size, DriveId, DriveRole, NodeId, Resiliency};
 use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
@@ -60,9 +60,11 @@ pub enum PlacementError {
         detail: String,
     },
     #[error(
-        "a {size} volume as {layout} needs {needed} extents ({slabs} slabs × {copies} copies, \
-         each copy of a slab on another node), but live nodes can hold only {usable} more \
-         ({detail}); add drives or nodes, free space, or create a smaller volume"
+        "a {size} volume as {layout} needs {needed} extents ({slabs} slabs × {copies} {unit}, \
+         each {one} of a slab on another node), but live nodes can hold only {usable} more \
+         ({detail}); add drives or nodes, free space, or create a smaller volume",
+        unit = if layout.starts_with("parity") { "chunks" } else { "copies" },
+        one = if layout.starts_with("parity") { "chunk" } else { "copy" }
     )]
     NotEnoughCapacity {
         size: String,
@@ -75,12 +77,12 @@ pub enum PlacementError {
     },
 }
 
-/// Name of a copy count in the user's words (`mirror-3`).
+/// A slab of `copies` extents in the user's words (allocation knows the count, not the
+/// resiliency: a mirror's copies or a parity slab's chunks).
 fn layout_name(copies: usize) -> String {
     match copies {
-        1 => "simple".to_string(),
-        2 | 3 => format!("mirror-{copies}"),
-        n => format!("{n} copies"),
+        1 => "a slab of one copy".to_string(),
+        n => format!("a slab of {n} copies or chunks"),
     }
 }
 
@@ -254,26 +256,29 @@ pub fn place_near(
         .collect())
 }
 
-/// Create-time check: could a volume of `size_bytes` with `copies` copies be fully written
-/// on today's free capacity? Checks that enough live nodes have capacity drives with free
-/// space, and that their free extents can hold every slab's copies on distinct nodes.
+/// Create-time check: could a volume of `size_bytes` with `resiliency` be fully written
+/// on today's free capacity, its extents `extent_size` bytes? Checks that enough live nodes
+/// have capacity drives with free space, and that their free extents can hold every slab's
+/// copies (or parity chunks) on distinct nodes. A parity-K+M slab spans K extents of data.
 pub fn can_place_volume(
-    copies: usize,
+    resiliency: Resiliency,
     size_bytes: u64,
-    slab_size: u64,
+    extent_size: u64,
     candidates: &[DriveLoad],
 ) -> Result<(), PlacementError> {
+    let copies = resiliency.copies();
     if copies == 0 {
         return Err(PlacementError::NoCopies { copies });
     }
-    if slab_size == 0 {
+    if extent_size == 0 {
         return Err(PlacementError::ZeroSlabSize);
     }
+    let slab_size = resiliency.slab_span(extent_size);
     let nodes = summarize(candidates, &[]);
     let with_space = nodes.values().filter(|n| n.live && n.free > 0).count();
     if with_space < copies {
         return Err(PlacementError::NotEnoughNodes {
-            layout: layout_name(copies),
+            layout: resiliency.to_string(),
             copies,
             available: with_space,
             detail: describe(&nodes),
@@ -297,7 +302,7 @@ pub fn can_place_volume(
             .join(", ");
         return Err(PlacementError::NotEnoughCapacity {
             size: format_size(size_bytes),
-            layout: layout_name(copies),
+            layout: resiliency.to_string(),
             copies,
             slabs,
             needed,
@@ -500,7 +505,9 @@ mod tests {
         let e = place(3, &c, &[NodeId(5)]).unwrap_err();
         let msg = e.to_string();
         assert!(
-            msg.starts_with("mirror-3 needs 3 nodes with free capacity; only 1 live node has"),
+            msg.starts_with(
+                "a slab of 3 copies or chunks needs 3 nodes with free capacity; only 1 live node has"
+            ),
             "{msg}"
         );
         for part in [
@@ -521,7 +528,10 @@ mod tests {
             Err(PlacementError::NoCopies { .. })
         ));
         let msg = place(2, &[], &[]).unwrap_err().to_string();
-        assert!(msg.contains("mirror-2 needs 2 nodes"), "{msg}");
+        assert!(
+            msg.contains("a slab of 2 copies or chunks needs 2 nodes"),
+            "{msg}"
+        );
         assert!(msg.contains("no drives are registered"), "{msg}");
     }
 
@@ -652,7 +662,7 @@ mod tests {
     #[test]
     fn volume_check_counts_nodes() {
         let c = [drive(1, 1, 8, 8), drive(2, 2, 8, 0), drive(3, 3, 8, 0)];
-        let msg = can_place_volume(3, 1 << 30, 256 << 20, &c)
+        let msg = can_place_volume(Resiliency::Mirror3, 1 << 30, 256 << 20, &c)
             .unwrap_err()
             .to_string();
         assert!(
@@ -660,7 +670,7 @@ mod tests {
             "{msg}"
         );
         assert!(msg.contains("node 1: 0 free of 8 slabs"), "{msg}");
-        can_place_volume(2, 1 << 30, 256 << 20, &c).unwrap();
+        can_place_volume(Resiliency::Mirror2, 1 << 30, 256 << 20, &c).unwrap();
     }
 
     #[test]
@@ -669,7 +679,7 @@ mod tests {
         // of each slab (4); node 2 has 3: 7 usable < 8.
         let slab = 1 << 20;
         let c = [drive(1, 1, 100, 0), drive(2, 2, 3, 0)];
-        let e = can_place_volume(2, 4 * slab, slab, &c).unwrap_err();
+        let e = can_place_volume(Resiliency::Mirror2, 4 * slab, slab, &c).unwrap_err();
         match &e {
             PlacementError::NotEnoughCapacity {
                 needed,
@@ -689,18 +699,47 @@ mod tests {
         assert!(msg.contains("can hold only 7 more"), "{msg}");
         assert!(msg.contains("node 1: 100 free, node 2: 3 free"), "{msg}");
         // A partial last slab still takes a whole extent; 3 slabs fit.
-        can_place_volume(2, 2 * slab + 1, slab, &c).unwrap();
-        assert!(can_place_volume(2, 3 * slab + 1, slab, &c).is_err());
+        can_place_volume(Resiliency::Mirror2, 2 * slab + 1, slab, &c).unwrap();
+        assert!(can_place_volume(Resiliency::Mirror2, 3 * slab + 1, slab, &c).is_err());
         // Dead nodes' space does not count.
         let mut dead = drive(3, 3, 100, 0);
         dead.live = false;
-        assert!(can_place_volume(2, 4 * slab, slab, &[c[0], c[1], dead]).is_err());
-        can_place_volume(2, 4 * slab, slab, &[c[0], c[1], drive(3, 3, 1, 0)]).unwrap();
+        assert!(
+            can_place_volume(Resiliency::Mirror2, 4 * slab, slab, &[c[0], c[1], dead]).is_err()
+        );
+        can_place_volume(
+            Resiliency::Mirror2,
+            4 * slab,
+            slab,
+            &[c[0], c[1], drive(3, 3, 1, 0)],
+        )
+        .unwrap();
         assert_eq!(
-            can_place_volume(1, 1, 0, &c),
+            can_place_volume(Resiliency::Simple, 1, 0, &c),
             Err(PlacementError::ZeroSlabSize)
         );
-        can_place_volume(1, 0, slab, &c).unwrap();
+        can_place_volume(Resiliency::Simple, 0, slab, &c).unwrap();
+    }
+
+    /// A parity-K+M slab holds K extents of data in K+M chunks, one per node.
+    #[test]
+    fn volume_check_counts_parity_chunks() {
+        let ext = 1 << 20;
+        let c = [drive(1, 1, 4, 0), drive(2, 2, 4, 0), drive(3, 3, 4, 0)];
+        let p21 = Resiliency::parity(2, 1).unwrap();
+        // 8 MiB = 4 slabs of 2 MiB, 3 chunks each: all 12 free extents.
+        can_place_volume(p21, 8 * ext, ext, &c).unwrap();
+        let msg = can_place_volume(p21, 9 * ext, ext, &c)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            msg.contains("as parity-2+1 needs 15 extents (5 slabs × 3 chunks, each chunk"),
+            "{msg}"
+        );
+        let msg = can_place_volume(Resiliency::parity(4, 2).unwrap(), ext, ext, &c)
+            .unwrap_err()
+            .to_string();
+        assert!(msg.contains("parity-4+2 needs 6 nodes"), "{msg}");
     }
 
     /// Property: when can_place_volume accepts, repeated place() really fits every slab.
@@ -709,9 +748,11 @@ mod tests {
         let mut rng = StdRng::seed_from_u64(42);
         for case in 0..2_000 {
             let mut c = random_cluster(&mut rng);
-            let copies = rng.gen_range(1..=3);
+            let r =
+                [Resiliency::Simple, Resiliency::Mirror2, Resiliency::Mirror3][rng.gen_range(0..3)];
+            let copies = r.copies();
             let slabs = rng.gen_range(0..30u64);
-            let ok = can_place_volume(copies, slabs * 4096, 4096, &c).is_ok();
+            let ok = can_place_volume(r, slabs * 4096, 4096, &c).is_ok();
             let mut placed_all = true;
             for _ in 0..slabs {
                 match place(copies, &c, &[]) {

@@ -2162,7 +2162,11 @@ impl Tier {
         let Some(c) = self.cache() else {
             return self.cap.zero(key, epoch, version, offset, len);
         };
-        let (first, count) = self.cap.range(key, offset, len)?;
+        // The range as blocks (`op` validates it; a revert or priors may span a slab).
+        let first = u32::try_from(offset / BS).unwrap_or(u32::MAX);
+        let count = u32::try_from(len.div_ceil(BS))
+            .unwrap_or(u32::MAX)
+            .min(u32::MAX - first);
         c.check_failed()?;
         let idx = c.ext((self.me(), key), true).expect("created");
         let mut m = lock(&idx.m);
@@ -2193,21 +2197,67 @@ impl Tier {
         r
     }
 
-    /// Parity chunks' held writes and their priors live on the capacity drive only: a
-    /// cache log would keep its own older entries, which priors do not cover yet
-    /// (docs/adr/0008), so the tier refuses them while a cache drive is bound.
-    fn held_here(&self, op: &str) -> Result<(), EngineError> {
-        match self.cache() {
-            None => Ok(()),
-            Some(_) => Err(EngineError::InvalidArgument(format!(
-                "{op}: parity chunks' held writes are not supported behind a cache drive yet \
-                 (drive {}); place parity chunks on drives without one",
-                self.cap.identity().drive
-            ))),
+    /// Parity chunks' held writes, reverts and priors go around the cache (docs/CACHE.md,
+    /// "Parity chunks"): priors live on the capacity drive, so it must hold the newest
+    /// version of each block first. Under the blocks' claim (no write through the log
+    /// joins meanwhile), a range with a logged block not yet destaged is drained first;
+    /// then `op` runs on the capacity drive, and with `forget` the range's cached copies
+    /// (clean by now, older than what `op` wrote) are dropped so reads see capacity.
+    /// A logged record can never outrank a held write or its revert after that: every
+    /// logged version is at most capacity's when the held write saved it as the prior.
+    fn around<T>(
+        &self,
+        key: ExtentKey,
+        offset: u64,
+        len: u64,
+        forget: bool,
+        op: impl FnOnce() -> Result<T, EngineError>,
+    ) -> Result<T, EngineError> {
+        let Some(c) = self.cache() else {
+            return op();
+        };
+        // The range as blocks (`op` validates it; a revert or priors may span a slab).
+        let first = u32::try_from(offset / BS).unwrap_or(u32::MAX);
+        let count = u32::try_from(len.div_ceil(BS))
+            .unwrap_or(u32::MAX)
+            .min(u32::MAX - first);
+        c.check_failed()?;
+        let idx = c.ext((self.me(), key), true).expect("created");
+        let mut m = lock(&idx.m);
+        while m.overlaps(first, count) {
+            m = idx.cv.wait(m).expect("cache index lock poisoned");
         }
+        if m.dropped {
+            return Err(EngineError::Released { key });
+        }
+        m.busy.push((first, count));
+        let within = |b: u32| b >= first && b - first < count;
+        let dirty = m.entries.iter().any(|(&b, e)| within(b) && e.dirty);
+        drop(m);
+        let res = (|| {
+            if dirty {
+                c.drain()?;
+            }
+            op()
+        })();
+        let mut m = lock(&idx.m);
+        if forget && res.is_ok() {
+            m.entries.retain(|&b, e| {
+                if within(b) {
+                    c.account_remove(e);
+                }
+                !within(b)
+            });
+        }
+        if let Some(p) = m.busy.iter().position(|&x| x == (first, count)) {
+            m.busy.swap_remove(p);
+        }
+        drop(m);
+        idx.cv.notify_all();
+        res
     }
 
-    /// [`Drive::write_held`] (no cache drive bound).
+    /// [`Drive::write_held`], around a bound cache drive ([`Tier::around`]).
     pub fn write_held(
         &self,
         key: ExtentKey,
@@ -2217,22 +2267,22 @@ impl Tier {
         data: &[u8],
         crcs: &[u32],
     ) -> Result<(), EngineError> {
-        self.held_here("write_held")?;
-        self.cap.write_held(key, epoch, version, offset, data, crcs)
+        self.around(key, offset, data.len() as u64, true, || {
+            self.cap.write_held(key, epoch, version, offset, data, crcs)
+        })
     }
 
-    /// [`Drive::settle`] (no cache drive bound).
+    /// [`Drive::settle`]: drops priors only, so the cache has nothing to do with it.
     pub fn settle_held(
         &self,
         key: ExtentKey,
         epoch: Epoch,
         upto: Version,
     ) -> Result<(), EngineError> {
-        self.held_here("settle")?;
         self.cap.settle(key, epoch, upto)
     }
 
-    /// [`Drive::revert`] (no cache drive bound).
+    /// [`Drive::revert`], around a bound cache drive ([`Tier::around`]).
     pub fn revert(
         &self,
         key: ExtentKey,
@@ -2241,11 +2291,13 @@ impl Tier {
         offset: u64,
         len: u64,
     ) -> Result<u32, EngineError> {
-        self.held_here("revert")?;
-        self.cap.revert(key, epoch, version, offset, len)
+        self.around(key, offset, len, true, || {
+            self.cap.revert(key, epoch, version, offset, len)
+        })
     }
 
-    /// [`Drive::priors`], refused below the extent's epoch (no cache drive bound).
+    /// [`Drive::priors`], refused below the extent's epoch; around a bound cache drive
+    /// ([`Tier::around`]), so the current versions are capacity's and the newest.
     pub fn priors(
         &self,
         key: ExtentKey,
@@ -2253,9 +2305,10 @@ impl Tier {
         offset: u64,
         count: usize,
     ) -> Result<Vec<(Version, Option<Version>)>, EngineError> {
-        self.held_here("priors")?;
         self.cap.check_epoch_of(key, epoch)?;
-        self.cap.priors(key, offset, count)
+        self.around(key, offset, count as u64 * BS, false, || {
+            self.cap.priors(key, offset, count)
+        })
     }
 
     pub fn block_versions(

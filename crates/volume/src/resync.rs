@@ -307,11 +307,25 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let slab = self.slab_or_err(idx)?;
         if self.geometry.is_some() {
             // A parity slab's chunks are ordered (the record's order is the row layout):
-            // adding a chunk beside the others has no place in it.
-            return Err(self.copy_error(
-                idx,
-                "evacuating a parity slab's chunk is not supported yet; mark the node failed so its chunks are rebuilt".into(),
-            ));
+            // a chunk beside the others has no place in it. The leaving chunk is replaced
+            // in its place and rebuilt from the others, only when every chunk is in sync
+            // (the slab is one failure short of full redundancy while it is rebuilt, as
+            // with a failed drive; the leaving chunk stays on its drive until the caller
+            // frees it).
+            if let Some(e) = slab
+                .extents()
+                .iter()
+                .find(|e| e.state != ExtentState::InSync)
+            {
+                return Err(self.copy_error(
+                    idx,
+                    format!(
+                        "the chunk on drive {} is not in sync: repair comes first",
+                        e.drive
+                    ),
+                ));
+            }
+            return self.rebuild(idx, leaving, new, throttle, progress).await;
         }
         let new = ExtentLoc {
             state: ExtentState::Syncing,

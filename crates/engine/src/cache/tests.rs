@@ -563,22 +563,66 @@ fn superblock_with_impossible_log_fields_is_refused() {
     assert!(CacheSb::decode(&b).is_ok());
 }
 
-/// A parity chunk's held writes are refused behind a cache drive, with a message that says
-/// why and what to do, and nothing is written (the log would keep older entries that priors
-/// do not cover yet; docs/adr/0008).
+/// A parity chunk's held writes go around the cache: a logged block not yet destaged
+/// reaches capacity first (so it is the prior), the write lands on capacity, and neither
+/// a cached copy nor a replayed log record can bring back what a revert undid.
 #[test]
-fn held_writes_are_refused_behind_a_cache_drive() {
-    let r = rig(16 << 20);
-    let k = key(1, 0);
-    let data = vec![5u8; BLOCK_SIZE];
-    let crcs = [crc32c::crc32c(&data)];
-    let e = r
-        .tier
-        .write_held(k, Epoch(1), Version(1), 0, &data, &crcs)
-        .expect_err("refused");
-    assert!(e.to_string().contains("behind a cache drive"), "{e}");
-    assert!(!r.tier.has_extent(k));
-    assert!(r.tier.revert(k, Epoch(1), Version(1), 0, 4096).is_err());
-    assert!(r.tier.settle_held(k, Epoch(1), Version(1)).is_err());
-    assert!(r.tier.priors(k, Epoch(1), 0, 1).is_err());
+fn held_writes_go_around_the_cache_and_reverts_stay_reverted() {
+    for crash in [false, true] {
+        for cached_copy in [false, true] {
+            let case = format!("crash {crash}, cached copy of the held write {cached_copy}");
+            let r = rig(16 << 20);
+            let k = key(12, 0);
+            // Version 1 is in the log only (dirty, not destaged).
+            write(&r.tier, k, 2, 1, 1);
+            assert_eq!(r.cache.stats().dirty_bytes, BS, "{case}");
+            let (d2, c2) = block(2);
+            r.tier
+                .write_held(k, Epoch(1), Version(2), 2 * BS, &d2, &[c2])
+                .expect("held write");
+            assert_eq!(r.cache.stats().dirty_bytes, 0, "{case}: drained first");
+            assert_eq!(read_cap(&r.cap, k, 2), d2, "{case}: on capacity");
+            assert_eq!(read_block(&r.tier, k, 2).0, d2, "{case}");
+            assert_eq!(
+                r.tier.priors(k, Epoch(1), 2 * BS, 1).expect("priors"),
+                vec![(Version(2), Some(Version(1)))],
+                "{case}: the logged version is the prior"
+            );
+            if cached_copy {
+                // The read cache keeps a clean copy of the held write (second miss).
+                r.cache.set_mode(CacheMode::ReadWrite);
+                r.cache.start();
+                for _ in 0..2 {
+                    read_block(&r.tier, k, 2);
+                }
+                for _ in 0..200 {
+                    if r.cache.stats().clean_bytes >= BS {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(10));
+                }
+                assert_eq!(r.cache.stats().clean_bytes, BS, "{case}: admitted");
+            }
+            let n = r
+                .tier
+                .revert(k, Epoch(1), Version(2), 2 * BS, BS)
+                .expect("revert");
+            assert_eq!(n, 1, "{case}");
+            assert_eq!(read_block(&r.tier, k, 2).0, block(1).0, "{case}: reverted");
+            let r = if crash { reopen(r, 5).0 } else { r };
+            assert_eq!(
+                read_block(&r.tier, k, 2).0,
+                block(1).0,
+                "{case}: stays reverted"
+            );
+            assert_eq!(read_cap(&r.cap, k, 2), block(1).0, "{case}");
+            assert_eq!(
+                r.tier.block_versions(k, 2 * BS, 1).expect("versions"),
+                vec![Version(1)],
+                "{case}"
+            );
+            r.tier.settle_held(k, Epoch(1), Version(1)).expect("settle");
+            r.cache.stop();
+        }
+    }
 }

@@ -468,10 +468,14 @@ async fn scrub_finds_rot_and_wrong_parity_and_repairs_them() {
     assert_eq!(v.read(0, size).await.unwrap(), data);
 }
 
+/// A drain moves a parity chunk in its place, rebuilt from the others, and only from a
+/// slab whose chunks are all in sync.
 #[tokio::test]
-async fn evacuating_a_parity_chunk_is_refused_with_a_reason() {
-    let (v, _, _) = parity_volume(2, 1, 2 * CHUNK);
-    v.write(0, pattern(4096, 60)).await.unwrap();
+async fn evacuating_a_parity_chunk_rebuilds_it_in_its_place() {
+    let size = 2 * CHUNK;
+    let (v, io, alloc) = parity_volume(2, 1, size);
+    let data = pattern(size as usize, 60);
+    v.write(0, data.clone()).await.unwrap();
     let t = resync::Throttle::new(1 << 30);
     let p = resync::Progress::default();
     let new = ExtentLoc {
@@ -479,9 +483,28 @@ async fn evacuating_a_parity_chunk_is_refused_with_a_reason() {
         drive: DriveId(90),
         state: ExtentState::Syncing,
     };
+    // Not while another chunk is stale.
+    io.failed.lock().unwrap().push(NodeId(2));
+    v.write(0, data[..4096].to_vec().into()).await.unwrap();
+    io.failed.lock().unwrap().clear();
     let e = v
         .evacuate(SlabIndex(0), chunk_drive(0), new, &t, &p)
         .await
         .unwrap_err();
-    assert!(e.to_string().contains("parity"), "{e}");
+    assert!(e.to_string().contains("repair comes first"), "{e}");
+    v.resync(SlabIndex(0), chunk_drive(1), &t, &p)
+        .await
+        .unwrap();
+    let r = v
+        .evacuate(SlabIndex(0), chunk_drive(0), new, &t, &p)
+        .await
+        .unwrap();
+    assert_eq!(r.blocks_written, CHUNK / BS);
+    let ex = alloc.records.lock().unwrap()[&SlabIndex(0)].clone();
+    assert_eq!(ex[0].drive, DriveId(90), "the chunk keeps its place");
+    assert!(ex.iter().all(|e| e.state == ExtentState::InSync));
+    assert_rows_consistent(&v, &io, 2, 1);
+    // The old chunk's node gone for good, another lost: the moved chunk serves.
+    io.failed.lock().unwrap().extend([NodeId(1), NodeId(3)]);
+    assert_eq!(v.read(0, size).await.unwrap(), data);
 }
