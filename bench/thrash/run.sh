@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long thrash, in one command: both thrash tests of crates/cli/tests/thrash.rs, one after
+# The long thrash, in one command: the three thrash tests of crates/cli/tests/thrash.rs, one after
 # the other, each with SECONDS of faults and the same SEED:
 #   * thrash: kill -9 and restart, pause, partition (a node's link cut), cut (the link
 #     between two nodes only, both still reaching etcd), bit rot and, once (the fourth
@@ -25,7 +25,7 @@ cargo build --release --bins --quiet
 # cargo test, not nextest: nextest's slow-test timeout would end a long run. One test at a
 # time: each runs a whole lab.
 set +e
-CONVERGE_THRASH_SECS="$secs" CONVERGE_THRASH_CACHE_SECS="$secs" CONVERGE_THRASH_SEED="$seed" \
+CONVERGE_THRASH_SECS="$secs" CONVERGE_THRASH_CACHE_SECS="$secs" CONVERGE_THRASH_PARITY_SECS="$secs" CONVERGE_THRASH_SEED="$seed" \
     cargo test --release -p converge-cli --test thrash -- --nocapture --test-threads=1 2>&1 \
     | tee "$out/thrash.log" \
     | grep --line-buffered -E '^thrash|^test |test result|panicked|verify failures|I/O errors|logs are kept'

@@ -75,7 +75,7 @@ fn healed(lab: &Lab) -> bool {
 fn thrash() {
     let secs = env_u64("CONVERGE_THRASH_SECS", 80);
     let seed = env_u64("CONVERGE_THRASH_SEED", 1);
-    thrash_run(secs, seed, false);
+    thrash_run(secs, seed, false, "mirror-3");
 }
 
 /// The same with a RAM cache drive per node (write-back: acked writes sit in the caches
@@ -85,10 +85,20 @@ fn thrash() {
 fn thrash_with_cache_drives() {
     let secs = env_u64("CONVERGE_THRASH_CACHE_SECS", 60);
     let seed = env_u64("CONVERGE_THRASH_SEED", 1) + 1000;
-    thrash_run(secs, seed, true);
+    thrash_run(secs, seed, true, "mirror-3");
 }
 
-fn thrash_run(secs: u64, seed: u64, cache: bool) {
+/// The same with parity-2+1 volumes (docs/adr/0008): rows are written whole with held
+/// priors, reads decode around the faulted node, a failed drive's chunks are rebuilt on the
+/// one node that holds none of their slab.
+#[test]
+fn thrash_parity() {
+    let secs = env_u64("CONVERGE_THRASH_PARITY_SECS", 45);
+    let seed = env_u64("CONVERGE_THRASH_SEED", 1) + 2000;
+    thrash_run(secs, seed, false, "parity-2+1");
+}
+
+fn thrash_run(secs: u64, seed: u64, cache: bool, resiliency: &str) {
     let mut args = vec!["--netns", "--repair-delay", "3600"];
     // Without caches the drives are RAM drives, which the daemon drives inline from its
     // tasks; the cache run's capacity drives are files on disk, driven from I/O threads:
@@ -114,7 +124,7 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
             "--size",
             "128M",
             "--resiliency",
-            "mirror-3",
+            resiliency,
             "--owner",
             &(i + 1).to_string(),
         ]);
@@ -346,7 +356,7 @@ fn thrash_run(secs: u64, seed: u64, cache: bool) {
         }
     }
     println!(
-        "thrash{}: {} s of faults, seed {seed}: {faults:?}, per node {nodes_faulted:?}; \
+        "thrash{} ({resiliency}): {} s of faults, seed {seed}: {faults:?}, per node {nodes_faulted:?}; \
          clients {totals:?}; scrub repaired {scrubbed:?}",
         if cache { " (cache drives)" } else { "" },
         start.elapsed().as_secs()

@@ -96,7 +96,7 @@ fn overwrite_pass(
                         if n.is_multiple_of(8) {
                             // Everything this far behind has been acked.
                             let upto = v.saturating_sub(4 * threads);
-                            d.settle(key, Epoch(1), Version(upto)).expect("settle");
+                            d.settle(key, Epoch(1), Version(upto), &[]).expect("settle");
                         }
                     } else {
                         d.write(key, Epoch(1), Version(v), off, &buf, &[crc])

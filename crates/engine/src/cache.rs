@@ -2278,8 +2278,9 @@ impl Tier {
         key: ExtentKey,
         epoch: Epoch,
         upto: Version,
+        rows: &[converge_types::SettleRows],
     ) -> Result<(), EngineError> {
-        self.cap.settle(key, epoch, upto)
+        self.cap.settle(key, epoch, upto, rows)
     }
 
     /// [`Drive::revert`], around a bound cache drive ([`Tier::around`]).

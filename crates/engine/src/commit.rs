@@ -348,9 +348,15 @@ impl Drive {
                         m.apply_revert(b, version, g);
                     });
                 }
-                Record::Settle { slot, upto } => {
+                Record::Settle {
+                    slot,
+                    upto,
+                    first,
+                    count,
+                } => {
+                    let rows = (count > 0).then_some((first, count));
                     self.apply_blocks(ld, &mut cache, slot, None, None, &mut gone, |m, _, g| {
-                        m.apply_settle(upto, g)
+                        m.apply_settle(upto, rows, g)
                     });
                 }
                 Record::Alloc { slot, key, epoch } => {

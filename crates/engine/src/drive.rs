@@ -8,7 +8,9 @@ use crate::layout::{
 };
 use crate::pool::Pool;
 use crate::stats::{Counters, DriveStats, OpKind, OpStart};
-use converge_types::{Epoch, ExtentKey, Version, BLOCK_SIZE, MAX_IO_BYTES};
+use converge_types::{
+    Epoch, ExtentKey, SettleRows, Version, BLOCK_SIZE, MAX_IO_BYTES, SETTLE_ROWS_MAX,
+};
 use serde::Serialize;
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
@@ -115,6 +117,11 @@ pub(crate) fn version_digest(versions: impl Iterator<Item = u64>) -> u64 {
         .fold(0u64, |d, (b, v)| d.wrapping_add(digest_term(b as u32, v)))
 }
 
+/// Whether a settle of `rows` (`None`: every block) covers block `b`.
+pub(crate) fn settles(rows: Option<(u32, u32)>, b: u32) -> bool {
+    rows.is_none_or(|(first, count)| b >= first && b - first < count)
+}
+
 impl ExtentMeta {
     fn current(&self, b: u32) -> BlockMeta {
         match self.overlay.get(&b) {
@@ -187,10 +194,11 @@ impl ExtentMeta {
     }
 
     /// Drops the priors of blocks whose current version is at most `upto`.
-    pub fn apply_settle(&mut self, upto: u64, gone: &mut Vec<u32>) {
+    pub fn apply_settle(&mut self, upto: u64, rows: Option<(u32, u32)>, gone: &mut Vec<u32>) {
         let blocks = &self.blocks;
         self.held.retain(|&b, p| {
-            let keep = blocks.get(b as usize).is_some_and(|c| c.version > upto);
+            let keep =
+                !settles(rows, b) || blocks.get(b as usize).is_some_and(|c| c.version > upto);
             if !keep && p.has_data() {
                 gone.push(p.phys);
             }
@@ -824,10 +832,34 @@ impl Drive {
         self.held_blocks.load(Ordering::Relaxed)
     }
 
-    /// Drops the priors of the extent's blocks whose current version is at most `upto`:
-    /// the owner's row writes up to there completed on every chunk. Durable on Ok.
-    pub fn settle(&self, key: ExtentKey, epoch: Epoch, upto: Version) -> Result<(), EngineError> {
+    /// Drops the priors of the extent's blocks whose current version is at most `upto`
+    /// (the owner's row writes up to there completed on every chunk; 0: none), and of each
+    /// of `rows`' blocks at versions up to its own (completed writes newer than one still
+    /// running). Durable on Ok.
+    pub fn settle(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        upto: Version,
+        rows: &[SettleRows],
+    ) -> Result<(), EngineError> {
         self.check_failed()?;
+        let bpe = self.layout.blocks_per_extent;
+        if rows.len() > SETTLE_ROWS_MAX {
+            return Err(EngineError::InvalidArgument(format!(
+                "a settle names {} row ranges; at most {SETTLE_ROWS_MAX}",
+                rows.len()
+            )));
+        }
+        if let Some(r) = rows
+            .iter()
+            .find(|r| r.count == 0 || r.first >= bpe || r.count > bpe - r.first)
+        {
+            return Err(EngineError::InvalidArgument(format!(
+                "settle of blocks {}+{}: outside an extent of {bpe} blocks",
+                r.first, r.count
+            )));
+        }
         let Some(ext) = self.lookup(key) else {
             return Ok(());
         };
@@ -835,13 +867,24 @@ impl Drive {
         if lock(&ext.meta).held.is_empty() {
             return Ok(());
         }
-        let mut rec = [0u8; RECORD];
-        Record::Settle {
-            slot: ext.slot,
-            upto: upto.0,
+        let whole = (upto.0 > 0).then_some((upto, 0, 0));
+        let parts = rows.iter().map(|r| (r.upto, r.first, r.count));
+        let mut recs = Vec::with_capacity((rows.len() + 1) * RECORD);
+        for (upto, first, count) in whole.into_iter().chain(parts) {
+            let mut rec = [0u8; RECORD];
+            Record::Settle {
+                slot: ext.slot,
+                upto: upto.0,
+                first,
+                count,
+            }
+            .encode(&mut rec);
+            recs.extend_from_slice(&rec);
         }
-        .encode(&mut rec);
-        let seq = self.enqueue(&rec, true)?;
+        if recs.is_empty() {
+            return Ok(());
+        }
+        let seq = self.enqueue(&recs, true)?;
         self.wait_durable(seq)
     }
 

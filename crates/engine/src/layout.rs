@@ -517,8 +517,14 @@ pub enum Record {
         meta: BlockMeta,
     },
     /// The priors of extent `slot`'s blocks whose current version is at most `upto`
-    /// are dropped (those writes completed on every chunk of their row).
-    Settle { slot: u32, upto: u64 },
+    /// are dropped (those writes completed on every chunk of their row): of blocks
+    /// `[first, first + count)` only, or of every block when `count` is 0.
+    Settle {
+        slot: u32,
+        upto: u64,
+        first: u32,
+        count: u32,
+    },
     /// Block `block` of extent `slot` goes back to its prior if its current version is
     /// `version` (a write that did not complete on its row is undone).
     Revert { slot: u32, block: u32, version: u64 },
@@ -581,10 +587,17 @@ impl Record {
                 put_u32(out, 24, meta.phys);
                 put_u32(out, 28, meta.flags);
             }
-            Record::Settle { slot, upto } => {
+            Record::Settle {
+                slot,
+                upto,
+                first,
+                count,
+            } => {
                 out[0] = 7;
                 put_u32(out, 4, slot);
                 put_u64(out, 8, upto);
+                put_u32(out, 16, first);
+                put_u32(out, 20, count);
             }
             Record::Revert {
                 slot,
@@ -652,6 +665,8 @@ impl Record {
             7 => Record::Settle {
                 slot,
                 upto: get_u64(b, 8),
+                first: get_u32(b, 16),
+                count: get_u32(b, 20),
             },
             8 => Record::Revert {
                 slot,
@@ -819,7 +834,18 @@ mod tests {
                 block: 5,
                 meta: BlockMeta::zero(9),
             },
-            Record::Settle { slot: 3, upto: 99 },
+            Record::Settle {
+                slot: 3,
+                upto: 99,
+                first: 0,
+                count: 0,
+            },
+            Record::Settle {
+                slot: 3,
+                upto: 99,
+                first: 17,
+                count: 5,
+            },
             Record::Revert {
                 slot: 3,
                 block: 4,

@@ -429,15 +429,24 @@ impl Drive {
                             }
                         }
                     }
-                    Record::Settle { slot, upto } => {
+                    Record::Settle {
+                        slot,
+                        upto,
+                        first,
+                        count,
+                    } => {
                         let Some(Some(e)) = exts.get(slot as usize) else {
                             continue;
                         };
+                        let rows = (count > 0).then_some((first, count));
                         let drop: Vec<u32> = e
                             .held
                             .keys()
                             .copied()
-                            .filter(|&b| e.blocks.get(b as usize).is_none_or(|c| c.version <= upto))
+                            .filter(|&b| {
+                                crate::drive::settles(rows, b)
+                                    && e.blocks.get(b as usize).is_none_or(|c| c.version <= upto)
+                            })
                             .collect();
                         for b in drop {
                             if cands.contains_key(&(slot, b)) {

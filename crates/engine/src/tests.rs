@@ -3,8 +3,8 @@
 use crate::layout::{BLOCK, SECTOR};
 use crate::{BlockFile, DirectFile, Drive, DriveIdentity, EngineError, FaultyFile, FormatOptions};
 use converge_types::{
-    ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex, Version,
-    VolumeId,
+    ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SettleRows, SlabIndex,
+    Version, VolumeId,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -1002,11 +1002,40 @@ fn held_writes_keep_priors_until_settled_and_revert_to_them() {
         Err(EngineError::StaleEpoch { .. })
     ));
 
-    // Settle drops only priors of blocks at or below the version, and frees them.
+    // Settle drops only priors of blocks at or below the version, and frees them; a
+    // settle of rows only those of its blocks (and it survives a reopen).
     let before = free_phys(&d);
-    d.settle(k, Epoch(1), Version(19)).unwrap();
+    d.settle(k, Epoch(1), Version(19), &[]).unwrap();
     assert_eq!(d.held_blocks(), 2);
-    d.settle(k, Epoch(1), Version(20)).unwrap();
+    let rows = |first, count, upto| SettleRows {
+        first,
+        count,
+        upto: Version(upto),
+    };
+    d.settle(k, Epoch(1), Version(0), &[rows(1, 3, 19), rows(2, 2, 40)])
+        .unwrap();
+    assert_eq!(
+        d.held_blocks(),
+        2,
+        "block 1 is at 20, blocks 2 and 3 have none"
+    );
+    d.settle(k, Epoch(1), Version(0), &[rows(1, 1, 20)])
+        .unwrap();
+    assert_eq!(d.held_blocks(), 1);
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert_eq!(d.held_blocks(), 1);
+    assert_eq!(
+        d.priors(k, 0, 2).unwrap(),
+        vec![(Version(20), Some(Version(10))), (Version(20), None)]
+    );
+    for bad in [rows(0, 0, 1), rows(0, 1 << 20, 1), rows(u32::MAX, 1, 1)] {
+        assert!(matches!(
+            d.settle(k, Epoch(1), Version(0), &[bad]),
+            Err(EngineError::InvalidArgument(_))
+        ));
+    }
+    d.settle(k, Epoch(1), Version(20), &[]).unwrap();
     assert_eq!(d.held_blocks(), 0);
     assert_eq!(free_phys(&d) - before, 2);
     assert_eq!(d.revert(k, Epoch(1), Version(20), 0, BLOCK).unwrap(), 0);
@@ -1051,7 +1080,7 @@ fn held_writes_are_bounded() {
     assert_eq!(written, max);
     // Settling makes room again.
     for slab in 0..=s / (SLAB / BLOCK) {
-        d.settle(key(5, slab), Epoch(1), Version(2)).unwrap();
+        d.settle(key(5, slab), Epoch(1), Version(2), &[]).unwrap();
     }
     assert_eq!(d.held_blocks(), 0);
     let k = key(5, 0);

@@ -152,7 +152,7 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
                         // Settle what is well behind (the owner settles completed rows).
                         let upto = next_version.load(Ordering::SeqCst).saturating_sub(30);
                         note_settle(&settled, k, upto);
-                        match d.settle(k, Epoch(1), Version(upto)) {
+                        match d.settle(k, Epoch(1), Version(upto), &[]) {
                             Ok(()) => {}
                             Err(EngineError::Io { .. } | EngineError::Failed { .. }) => break,
                             Err(e) => panic!("unexpected error {e}"),
@@ -164,7 +164,7 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
                             // Too many priors: settle everything and go on (not acked).
                             Err(EngineError::HeldFull { .. }) => {
                                 note_settle(&settled, k, u64::MAX);
-                                let _ = d.settle(k, Epoch(1), Version(u64::MAX));
+                                let _ = d.settle(k, Epoch(1), Version(u64::MAX), &[]);
                                 continue;
                             }
                             r => r,

@@ -655,13 +655,6 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
     if req.size_bytes > 1 << 50 {
         return Err(ApiError::bad("volume size above 1 PiB is not supported"));
     }
-    if req.resiliency.is_parity() && std::env::var_os("CONVERGE_PARITY_PREVIEW").is_none() {
-        // Until the simulator and the end-to-end fault tests cover parity (docs/adr/0008).
-        return Err(ApiError::bad(format!(
-            "{} volumes are not available yet: parity is being built (docs/adr/0008); use mirror-2 or mirror-3",
-            req.resiliency
-        )));
-    }
     let copies = req.resiliency.copies();
     let min_replicas = req
         .min_replicas

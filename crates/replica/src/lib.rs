@@ -176,8 +176,13 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             tier.write_held(key, epoch, version, offset, &data, &crcs)?;
             ExtentReply::Ok
         }
-        ExtentOp::Settle { key, epoch, upto } => {
-            tier.settle_held(key, epoch, upto)?;
+        ExtentOp::Settle {
+            key,
+            epoch,
+            upto,
+            rows,
+        } => {
+            tier.settle_held(key, epoch, upto, &rows)?;
             ExtentReply::Ok
         }
         ExtentOp::Revert {
@@ -543,6 +548,7 @@ mod tests {
             key: KEY,
             epoch: Epoch(2),
             upto: Version(20),
+            rows: Vec::new(),
         };
         assert_eq!(run(&t, settle), ExtentReply::Ok);
         assert_eq!(

@@ -13,7 +13,7 @@
 use bytes::{BufMut, Bytes, BytesMut};
 use converge_types::{
     BlocksReply, ClusterId, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, NodeId, ReadReply,
-    SlabIndex, Version, VolumeId, BLOCK_SIZE,
+    SettleRows, SlabIndex, Version, VolumeId, BLOCK_SIZE, SETTLE_ROWS_MAX,
 };
 use std::sync::Arc;
 
@@ -597,11 +597,29 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u64_le(epoch.0);
             (b, Bytes::new())
         }
-        ExtentOp::Release { key, epoch, upto } | ExtentOp::Settle { key, epoch, upto } => {
+        ExtentOp::Release { key, epoch, upto } => {
             let mut b = new_head(40);
             put_key(&mut b, drive, key);
             b.put_u64_le(epoch.0);
             b.put_u64_le(upto.0);
+            (b, Bytes::new())
+        }
+        ExtentOp::Settle {
+            key,
+            epoch,
+            upto,
+            rows,
+        } => {
+            let mut b = new_head(44 + 16 * rows.len());
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(upto.0);
+            b.put_u32_le(rows.len() as u32);
+            for r in rows {
+                b.put_u32_le(r.first);
+                b.put_u32_le(r.count);
+                b.put_u64_le(r.upto.0);
+            }
             (b, Bytes::new())
         }
         ExtentOp::Revert {
@@ -879,6 +897,30 @@ impl Reader {
             .collect())
     }
 
+    /// A settle's row ranges: a u32 count (at most [`SETTLE_ROWS_MAX`]), then per range
+    /// its first block, block count (above 0) and version, each range inside an extent.
+    fn settle_rows(&mut self) -> Result<Vec<SettleRows>, WireError> {
+        let n = self.u32("settle rows")? as usize;
+        if n > SETTLE_ROWS_MAX {
+            return Err(WireError::Invalid(format!(
+                "a settle names {n} row ranges; at most {SETTLE_ROWS_MAX}"
+            )));
+        }
+        let mut out = Vec::with_capacity(n);
+        for _ in 0..n {
+            let first = self.u32("settle rows")?;
+            let count = self.u32("settle rows")?;
+            let upto = Version(self.u64("settle rows")?);
+            if count == 0 || first.checked_add(count).is_none() {
+                return Err(WireError::Invalid(format!(
+                    "a settle names rows {first}+{count}: not a range of blocks"
+                )));
+            }
+            out.push(SettleRows { first, count, upto });
+        }
+        Ok(out)
+    }
+
     fn u8(&mut self, f: &'static str) -> Result<u8, WireError> {
         Ok(self.take(1, f)?[0])
     }
@@ -1031,6 +1073,7 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             key,
             epoch: Epoch(r.u64("epoch")?),
             upto: Version(r.u64("upto")?),
+            rows: r.settle_rows()?,
         },
         msg::REVERT => ExtentOp::Revert {
             key,
@@ -1143,6 +1186,13 @@ mod tests {
                     key: key(rng),
                     epoch: Epoch(rng.gen()),
                     upto: Version(rng.gen()),
+                    rows: (0..rng.gen_range(0..4))
+                        .map(|_| SettleRows {
+                            first: rng.gen_range(0..1 << 20),
+                            count: rng.gen_range(1..1 << 10),
+                            upto: Version(rng.gen()),
+                        })
+                        .collect(),
                 },
             },
             16 => Request::Extent {
@@ -1503,6 +1553,11 @@ mod tests {
                     key,
                     epoch,
                     upto: Version(0x6162_6364_6566_6768),
+                    rows: vec![SettleRows {
+                        first: 0x0102_0304,
+                        count: 0x0506_0708,
+                        upto: Version(0xb1b2_b3b4_b5b6_b7b8),
+                    }],
                 },
             },
             Request::Extent {
@@ -1594,7 +1649,7 @@ mod tests {
         "435652500100170011100f0e0d0c0b0a200000009db46e6500000000850d63900807060504030201181716151413121128272625242322213837363534333231",
         "435652500100180011100f0e0d0c0b0a280000007c26257700000000c463431208070605040302011817161514131211282726252423222138373635343332316867666564636261",
         "435652500100190011100f0e0d0c0b0a40000000ef06349000000000a94eb90508070605040302011817161514131211282726252423222138373635343332316867666564636261787776757473727101000000848382810400000064617461",
-        "4356525001001a0011100f0e0d0c0b0a280000007c26257700000000acbe68aa08070605040302011817161514131211282726252423222138373635343332316867666564636261",
+        "4356525001001a0011100f0e0d0c0b0a3c0000007ab7e72a00000000c80b15a808070605040302011817161514131211282726252423222138373635343332316867666564636261010000000403020108070605b8b7b6b5b4b3b2b1",
         "4356525001001b0011100f0e0d0c0b0a340000000e8a7bda00000000d8b9492908070605040302011817161514131211282726252423222138373635343332316867666564636261787776757473727194939291",
         "4356525001001c0011100f0e0d0c0b0a2c0000009f7fd93a000000000139dd3508070605040302011817161514131211282726252423222138373635343332317877767574737271c4c3c2c1",
         "435652500100200011100f0e0d0c0b0a14000000ab9aa36f00000000c7fcbb391817161514131211787776757473727194939291",

@@ -8,6 +8,17 @@ use bytes::Bytes;
 use std::fmt;
 use std::sync::Arc;
 
+/// Blocks `[first, first + count)` of an extent, settled up to `upto` ([`ExtentOp::Settle`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SettleRows {
+    pub first: u32,
+    pub count: u32,
+    pub upto: Version,
+}
+
+/// Most [`SettleRows`] one settle carries.
+pub const SETTLE_ROWS_MAX: usize = 1024;
+
 /// An operation on the copy of one slab that one drive holds. The drive is named by whoever
 /// routes the operation (the owner's `ExtentLoc`, the request on the wire), not here.
 ///
@@ -97,11 +108,13 @@ pub enum ExtentOp {
         data: Bytes,
     },
     /// Drop the priors of blocks at versions up to `upto` (their rows completed on every
-    /// chunk): [`ExtentReply::Ok`].
+    /// chunk), and of each of `rows`' blocks at versions up to its own (a completed write
+    /// newer than one still running): [`ExtentReply::Ok`].
     Settle {
         key: ExtentKey,
         epoch: Epoch,
         upto: Version,
+        rows: Vec<SettleRows>,
     },
     /// Put back the prior of every block of the range whose version is `version` (a row
     /// write that did not complete): [`ExtentReply::Written`] says how many went back.

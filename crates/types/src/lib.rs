@@ -7,7 +7,10 @@ use std::fmt;
 use std::str::FromStr;
 
 pub mod extent;
-pub use extent::{BadReply, BlocksReply, ExtentOp, ExtentReply, ReadReply, ReplyShape};
+pub use extent::{
+    BadReply, BlocksReply, ExtentOp, ExtentReply, ReadReply, ReplyShape, SettleRows,
+    SETTLE_ROWS_MAX,
+};
 
 /// Every internal I/O is in units of this many bytes (DESIGN.md: local engine).
 pub const BLOCK_SIZE: usize = 4096;

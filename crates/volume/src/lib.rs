@@ -440,6 +440,8 @@ pub struct Volume<R, A> {
     geometry: Option<Geometry>,
     /// Parity volumes: codecs (each keeps its work buffers), taken by one I/O at a time.
     codecs: std::sync::Mutex<Vec<Codec>>,
+    /// Parity volumes: rows of held writes in flight, bounded ([`parity_io::HELD_ROWS_IN_FLIGHT`]).
+    held_rows: tokio::sync::Semaphore,
 }
 
 /// Zero operations a large TRIM or WRITE_ZEROES has in flight at once.
@@ -512,6 +514,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Volume {
             geometry,
             codecs: std::sync::Mutex::new(Vec::new()),
+            held_rows: tokio::sync::Semaphore::new(parity_io::HELD_ROWS_IN_FLIGHT),
             size_bytes: AtomicU64::new(cfg.size_bytes),
             cfg,
             slabs: RwLock::new(slabs),

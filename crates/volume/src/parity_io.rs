@@ -13,7 +13,7 @@ use crate::{
     ReplicaIo, Retry, Slab, SlabAllocator, Volume, VolumeError, BS,
 };
 use bytes::{Bytes, BytesMut};
-use converge_types::{ExtentState, SlabIndex, Version};
+use converge_types::{ExtentState, SettleRows, SlabIndex, Version, SETTLE_ROWS_MAX};
 use std::collections::BTreeSet;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -23,6 +23,18 @@ use tokio::time::Instant;
 /// rows were written since the last settle: priors are bounded per drive (`held_max`), and
 /// a settle costs a journal record on every chunk.
 const SETTLE_ROWS: u64 = 32;
+
+/// How long a write keeps asking a chunk whose drive is busy (holds all the priors it may)
+/// when `degraded_write_wait` is shorter: the drive is up and frees priors as the owners
+/// settle, so waiting is better than failing the write.
+const BUSY_WAIT: std::time::Duration = std::time::Duration::from_secs(20);
+
+/// Rows of held writes one parity volume has in flight at most (per chunk: 1 MiB of priors
+/// with 4 KiB blocks). A drive refuses held writes beyond its own bound (`held_max`), and
+/// writes in flight hold priors on the chunks that took them while they wait for the others:
+/// without this bound, a client with hundreds of requests in flight filled every drive with
+/// half-done writes that each waited for a drive another one filled.
+pub(crate) const HELD_ROWS_IN_FLIGHT: usize = 256;
 
 /// Rows one held write covers at most (a larger request is written as several, each
 /// settled before the next): with 4 KiB blocks, 256 KiB of priors per chunk.
@@ -77,10 +89,12 @@ impl Drop for RowGuard<'_> {
 }
 
 /// Row writes of one slab in flight, by version sequence: the chunks may drop the priors of
-/// every version below the oldest one still running.
+/// every version below the oldest one still running, and of the rows of every write that
+/// completed since the last settle (`done`: first row, rows, version sequence).
 #[derive(Default)]
 pub(crate) struct RowWrites {
     flight: Mutex<BTreeSet<u64>>,
+    done: Mutex<Vec<(u64, u64, u64)>>,
     since_settle: AtomicU64,
     settling: AtomicBool,
 }
@@ -243,13 +257,18 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let extents = self.chunks(g, idx, slab)?;
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
+        let _room = self
+            .held_rows
+            .acquire_many(n.min(HELD_ROWS_IN_FLIGHT as u64) as u32)
+            .await
+            .expect("the semaphore is never closed");
         let version = self.begin_row_write(slab);
         let targets: Vec<ExtentLoc> = extents
             .iter()
             .filter(|e| e.state != ExtentState::Stale)
             .copied()
             .collect();
-        let busy_until = Instant::now() + self.cfg.degraded_write_wait;
+        let busy_until = Instant::now() + self.cfg.degraded_write_wait.max(BUSY_WAIT);
         let r = self
             .replicate(idx, slab, targets, |at| {
                 let c = extents
@@ -274,6 +293,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                                     self.cfg.name,
                                     at.node
                                 );
+                                // The priors this slab's completed writes hold may be what
+                                // fills the drive: settle them now.
+                                self.maybe_settle(idx, slab, SETTLE_ROWS).await;
                                 tokio::time::sleep(pause).await;
                                 pause = (pause * 2).min(std::time::Duration::from_millis(50));
                             }
@@ -283,11 +305,17 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 }
             })
             .await;
+        let seq = version.0 & 0xffff_ffff;
+        if r.is_ok() {
+            // Before it leaves `flight`, so a settle sees it in one or the other.
+            let mut done = slab.row_writes.done.lock().expect("row writes poisoned");
+            done.push((r0, n, seq));
+        }
         slab.row_writes
             .flight
             .lock()
             .expect("row writes poisoned")
-            .remove(&(version.0 & 0xffff_ffff));
+            .remove(&seq);
         r
     }
 
@@ -325,9 +353,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     /// Once [`SETTLE_ROWS`] rows were written since the last settle (`rows` more just
     /// now), tells the chunks to drop the priors of every version below the oldest row
-    /// write still running. Skipped while the slab is suspect
-    /// (a write failed everywhere: its rows may need their priors). A failed settle only
-    /// leaves priors for the next one.
+    /// write still running, and those of the rows of every write that completed since the
+    /// last settle (a write still running keeps its own: its rows are not among them, and
+    /// a later write of the same rows has a newer version). Skipped while the slab is
+    /// suspect (a write failed everywhere: its rows may need their priors). A failed settle
+    /// only leaves priors for the next one (the oldest-write bound covers them once it
+    /// passes them).
     async fn maybe_settle(&self, idx: SlabIndex, slab: &Slab, rows: u64) {
         let w = &slab.row_writes;
         if w.since_settle.fetch_add(rows, Ordering::AcqRel) + rows < SETTLE_ROWS
@@ -337,23 +368,41 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let _settling = Settling(&w.settling);
         w.since_settle.store(0, Ordering::Release);
-        let upto = {
+        let epoch = self.cfg.epoch.0 << 32;
+        let (below, done) = {
             let flight = w.flight.lock().expect("row writes poisoned");
-            let seq = match flight.first() {
+            let below = match flight.first() {
                 Some(oldest) => oldest - 1,
                 None => slab.seq.load(Ordering::Acquire),
             };
-            Version(self.cfg.epoch.0 << 32 | seq)
+            let done = std::mem::take(&mut *w.done.lock().expect("row writes poisoned"));
+            (below, done)
         };
         if slab.suspect.load(Ordering::Acquire) {
             return;
         }
-        self.settle_chunks(idx, slab, upto).await;
+        let rows: Vec<SettleRows> = done
+            .into_iter()
+            .filter(|&(_, _, seq)| seq > below)
+            .map(|(first, count, seq)| SettleRows {
+                first: first as u32,
+                count: count as u32,
+                upto: Version(epoch | seq),
+            })
+            .collect();
+        self.settle_chunks(idx, slab, Version(epoch | below), &rows)
+            .await;
     }
 
-    /// Settles every chunk that is not stale up to `upto` (failures are logged: the
-    /// priors stay until the next settle).
-    pub(crate) async fn settle_chunks(&self, idx: SlabIndex, slab: &Slab, upto: Version) {
+    /// Settles every chunk that is not stale up to `upto`, and `rows` each up to its own
+    /// version (failures are logged: the priors stay until the next settle).
+    pub(crate) async fn settle_chunks(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        upto: Version,
+        rows: &[SettleRows],
+    ) {
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
         let targets: Vec<ExtentLoc> = slab
@@ -366,8 +415,27 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             targets
                 .iter()
                 .map(|&at| async move {
-                    let op = ExtentOp::Settle { key, epoch, upto };
-                    (at, self.ask(at, op, ExtentReply::into_ok).await)
+                    let mut r = Ok(());
+                    // The first op also settles below `upto`; each carries a bounded list.
+                    for (i, part) in rows.chunks(SETTLE_ROWS_MAX).enumerate() {
+                        let op = ExtentOp::Settle {
+                            key,
+                            epoch,
+                            upto: if i == 0 { upto } else { Version(0) },
+                            rows: part.to_vec(),
+                        };
+                        r = r.and(self.ask(at, op, ExtentReply::into_ok).await);
+                    }
+                    if rows.is_empty() {
+                        let op = ExtentOp::Settle {
+                            key,
+                            epoch,
+                            upto,
+                            rows: Vec::new(),
+                        };
+                        r = self.ask(at, op, ExtentReply::into_ok).await;
+                    }
+                    (at, r)
                 })
                 .collect(),
         )

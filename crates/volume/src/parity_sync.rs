@@ -101,7 +101,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
         }
         let upto = Version(self.cfg.epoch.0 << 32 | slab.seq.load(Ordering::Acquire));
-        self.settle_chunks(idx, slab, upto).await;
+        self.settle_chunks(idx, slab, upto, &[]).await;
         Ok(report)
     }
 
@@ -461,10 +461,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     /// One scrub step of a parity slab: rows `[start, start + n)` read from every in-sync
-    /// chunk, with the rows' writes held back. A row's chunks must agree on its version,
-    /// hold it intact, and its parity must match its data (all K+M present). With
-    /// `repair`, bad blocks are decoded from the others and rewritten, and parity that does
-    /// not match intact data is recomputed from it.
+    /// chunk, with the rows' writes, and changes of the slab's chunks, held back. A row's
+    /// chunks must agree on its version, hold it intact, and its parity must match its data
+    /// (all K+M present). With `repair`, bad blocks are decoded from the others and
+    /// rewritten, and parity that does not match intact data is recomputed from it.
     pub(crate) async fn parity_scrub_step(
         &self,
         g: Geometry,
@@ -477,6 +477,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let k = usize::from(g.k());
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
+        // The gate (shared, as writes hold it) keeps the slab from being released, or its
+        // chunks replaced, while the step reads them: a TRIM freeing the chunks under the
+        // reads made them look like in-sync chunks that disagree.
+        let _gate = slab.gate.read().await;
         let _rows = slab.rows.lock(start, start + n).await;
         if slab.is_released() {
             return Ok(ScrubReport::default());

@@ -28,6 +28,8 @@ struct MemReplicas {
     /// A node whose client reads (`Read`) wait, once they arrived (the flag), until the
     /// notify lets them run: a read delayed in flight.
     paused_reads: Mutex<Option<PausedReads>>,
+    /// The same for `ReadBlocks` (scrub, resync, degraded parity reads).
+    paused_read_blocks: Mutex<Option<PausedReads>>,
     /// Held blocks' priors (parity chunks), as the engine keeps them: (version, crc,
     /// data); a block never written has version 0 and zeros.
     priors: Mutex<Blocks>,
@@ -110,8 +112,12 @@ impl MemReplicas {
         {
             std::future::pending::<()>().await;
         }
-        let pause = self.paused_reads.lock().unwrap().clone();
-        if let (ExtentOp::Read { .. }, Some((node, arrived, go))) = (&op, pause) {
+        let pause = match op {
+            ExtentOp::Read { .. } => self.paused_reads.lock().unwrap().clone(),
+            ExtentOp::ReadBlocks { .. } => self.paused_read_blocks.lock().unwrap().clone(),
+            _ => None,
+        };
+        if let Some((node, arrived, go)) = pause {
             if node == at.node {
                 let released = go.notified();
                 arrived.store(true, Ordering::Release);
@@ -178,11 +184,20 @@ impl MemReplicas {
                 }
                 ExtentReply::Ok
             }
-            ExtentOp::Settle { upto, .. } => {
+            ExtentOp::Settle { upto, rows, .. } => {
                 self.settles.fetch_add(1, Ordering::Relaxed);
                 let m = self.blocks.lock().unwrap();
+                // As the engine: below `upto` everywhere, and each range below its own.
+                let settled = |b: u64, v: Version| {
+                    v <= upto
+                        || rows.iter().any(|r| {
+                            (u64::from(r.first)..u64::from(r.first) + u64::from(r.count))
+                                .contains(&b)
+                                && v <= r.upto
+                        })
+                };
                 self.priors.lock().unwrap().retain(|k, _| {
-                    k.0 != at.drive || k.1 != key || m.get(k).is_some_and(|b| b.0 > upto)
+                    k.0 != at.drive || k.1 != key || m.get(k).is_some_and(|b| !settled(k.2, b.0))
                 });
                 ExtentReply::Ok
             }

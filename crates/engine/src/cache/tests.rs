@@ -621,7 +621,9 @@ fn held_writes_go_around_the_cache_and_reverts_stay_reverted() {
                 vec![Version(1)],
                 "{case}"
             );
-            r.tier.settle_held(k, Epoch(1), Version(1)).expect("settle");
+            r.tier
+                .settle_held(k, Epoch(1), Version(1), &[])
+                .expect("settle");
             r.cache.stop();
         }
     }
