@@ -108,7 +108,7 @@ pub struct RunArgs {
     /// Data each worker touches: its volume's size, e.g. 1G.
     #[arg(long)]
     working_set: Option<String>,
-    /// Resiliency of the fleet's volumes: simple, mirror-2 or mirror-3 (default).
+    /// Resiliency of the fleet's volumes: simple, mirror-2, mirror-3 (default) or parity-K+M.
     #[arg(long)]
     resiliency: Option<String>,
     /// Warm-up per point, excluded from the measurements (e.g. 30s, 5m).
@@ -505,8 +505,8 @@ fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
     let copies = settings.resiliency.copies();
     if live.len() < copies {
         bail!(
-            "{} needs {copies} nodes for its copies but the cluster has {} live: use \
-             --resiliency with fewer copies, or add nodes",
+            "{} needs {copies} nodes for its copies or chunks but the cluster has {} live: \
+             use --resiliency with fewer, or add nodes",
             settings.resiliency,
             live.len()
         );

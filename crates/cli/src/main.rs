@@ -274,7 +274,8 @@ enum VolumeCmd {
         /// Size, e.g. 10G (binary units).
         #[arg(long)]
         size: String,
-        /// simple (one copy), mirror-2 or mirror-3.
+        /// simple (one copy), mirror-2, mirror-3, or parity-K+M (K data and M parity chunks
+        /// per slab, each on its own node; e.g. parity-2+1, parity-4+2; docs/adr/0008).
         #[arg(long, default_value = "mirror-3")]
         resiliency: String,
         /// Node that owns (serves) the volume; default: the node answering the API.
