@@ -27,8 +27,8 @@ use converge_engine::layout::{
 };
 use converge_engine::{Drive, DriveIdentity, EngineError, FormatOptions};
 use converge_types::{
-    ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex, Version,
-    VolumeId,
+    ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SettleRows, SlabIndex,
+    Version, VolumeId,
 };
 use std::collections::BTreeSet;
 use std::sync::{Arc, OnceLock};
@@ -151,7 +151,12 @@ pub fn populate(d: &Drive) {
     };
     let first = held(0, 4);
     let second = held(2, 2);
-    d.settle(h, Epoch(1), Version(first))
+    let rows = [SettleRows {
+        first: 2,
+        count: 1,
+        upto: Version(second),
+    }];
+    d.settle(h, Epoch(1), Version(first), &rows)
         .expect("fixture settle");
     d.revert(h, Epoch(1), Version(second), 0, 4 * BLOCK)
         .expect("fixture revert");
