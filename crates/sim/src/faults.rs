@@ -63,7 +63,19 @@ pub(crate) async fn drain_one(w: Arc<World>, after: std::time::Duration) {
     if w.stopping() {
         return;
     }
-    let n = random_node(&w);
+    let mut n = random_node(&w);
+    // With parity volumes, a drain takes one chunk of each slab on the node out of its
+    // redundancy while it is rebuilt elsewhere (see `World::within_budget`): only a node
+    // the fault budget allows, as for any fault (tried again a little later).
+    let parity = lock(&w.vols).iter().any(|r| r.spec.resiliency.is_parity());
+    while parity && !w.may_impair(n) {
+        w.trace(|| format!("operator: drain of node {n} put off (fault budget)"));
+        tokio::time::sleep(w.ms(10, 50)).await;
+        if w.stopping() {
+            return;
+        }
+        n = random_node(&w);
+    }
     lock(&w.ctl).drain(n);
     w.count("nodes drained");
     w.trace(|| format!("operator: node {n} is drained for removal"));

@@ -4,6 +4,11 @@
 //! clients with a checked history, and a nemesis that crashes nodes and owners, partitions,
 //! drops and delays messages and rots bits. One seed replays a whole run.
 //!
+//! Volumes are mirrors, and with [`Options::parity`] one is a parity volume (parity-K+M):
+//! the checkers then judge its slabs row by row (`rows.rs`: versions K chunks hold intact,
+//! parity verified, rows decoded from K chunks checked against the history) instead of copy
+//! by copy, and the fault budget leaves K of its K+M chunks healthy.
+//!
 //! [`simulate`] must run on a current-thread tokio runtime with paused time (the tests
 //! build one): time is then virtual and every interleaving follows from the seed.
 //! docs/SIMULATION.md describes the fault model and the invariants.
@@ -18,6 +23,7 @@ mod faults;
 pub mod history;
 mod owner;
 mod replicas;
+mod rows;
 mod workload;
 mod world;
 
@@ -129,6 +135,14 @@ pub struct Options {
     /// remove`): its copies move elsewhere, copy before drop, under the same faults; after
     /// healing it must hold none. Off by default (variant `drain`).
     pub drain: bool,
+    /// The second volume is `parity_volume` instead (variant `parity`): its slabs are K+M
+    /// chunks, written in whole rows with held priors, and the checkers judge them row by
+    /// row (decoded from K chunks, parity verified) instead of copy by copy.
+    pub parity: bool,
+    /// The parity volume of variant `parity`: parity-2+1, 2+2 or 3+1, drawn from the seed
+    /// (every shape fits the 4–5 nodes; with K+M = nodes a lost chunk has nowhere else to
+    /// go and waits for its node).
+    pub parity_volume: VolumeSpec,
 }
 
 impl Options {
@@ -154,6 +168,7 @@ impl Options {
                 slabs: r.gen_range(2..=4),
             }
         });
+        let second_slabs = volumes[1].slabs;
         Options {
             seed,
             verbose: false,
@@ -194,7 +209,40 @@ impl Options {
             locality_pct: [0, 10, 25, 100][r.gen_range(0..4)],
             drive_failures_max: 1,
             drain: false,
+            parity: false,
+            // Drawn last, so the draws above (and the runs of earlier seeds) stay as they were.
+            parity_volume: parity_volume(&mut r, second_slabs),
         }
+    }
+
+    /// The volumes the run has: `volumes`, with the second one replaced by
+    /// `parity_volume` in variant `parity`.
+    pub fn effective_volumes(&self) -> Vec<VolumeSpec> {
+        let mut v = self.volumes.clone();
+        if self.parity {
+            match v.get_mut(1) {
+                Some(second) => *second = self.parity_volume.clone(),
+                None => v.push(self.parity_volume.clone()),
+            }
+        }
+        v
+    }
+}
+
+/// A parity volume's shape for a seed: 2+1 (min_replicas 2) half the time, else 2+2
+/// (min_replicas 2 or 3) or 3+1 (min_replicas 3). `min_replicas` ≥ K: a row acked on fewer
+/// than K chunks could not be read back.
+fn parity_volume(r: &mut StdRng, slabs: u64) -> VolumeSpec {
+    let (k, m, min_replicas) = match r.gen_range(0..6) {
+        0..=2 => (2, 1, 2),
+        3 => (2, 2, 2),
+        4 => (2, 2, 3),
+        _ => (3, 1, 3),
+    };
+    VolumeSpec {
+        resiliency: Resiliency::parity(k, m).expect("a supported parity shape"),
+        min_replicas,
+        slabs,
     }
 }
 
@@ -272,6 +320,9 @@ fn variant_env(o: &Options) -> String {
     if o.drain {
         v.push("drain");
     }
+    if o.parity {
+        v.push("parity");
+    }
     if v.is_empty() {
         String::new()
     } else {
@@ -280,7 +331,8 @@ fn variant_env(o: &Options) -> String {
 }
 
 /// Runs one simulation. Call it on a current-thread runtime with paused time.
-pub async fn simulate(opts: Options) -> Result<Report, Failure> {
+pub async fn simulate(mut opts: Options) -> Result<Report, Failure> {
+    opts.volumes = opts.effective_volumes();
     let world = match World::new(opts.clone()) {
         Ok(w) => w,
         Err(e) => {
@@ -504,7 +556,7 @@ async fn final_checks(w: &Arc<World>) {
         .enumerate()
         .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
         .collect();
-    check_copies(w, "after healing");
+    check_copies(w, "after healing", true);
     if !w.opts.short_owner_partitions {
         let vols: Vec<(VolumeId, converge_types::Epoch)> = owners
             .iter()
@@ -601,7 +653,7 @@ async fn cache_final_checks(w: &Arc<World>) {
     for (v, o) in &owners {
         read_back(w, *v, o, "after a whole-cluster power loss").await;
     }
-    check_copies(w, "after a whole-cluster power loss");
+    check_copies(w, "after a whole-cluster power loss", true);
     for (v, o) in &owners {
         workload::scrub(w, *v, o, true, &throttle).await;
     }
@@ -611,22 +663,123 @@ async fn cache_final_checks(w: &Arc<World>) {
     compare_copies(w, true);
 }
 
+/// The run's volumes by id: index, content tag, resiliency.
+fn volumes_by_id(w: &World) -> BTreeMap<VolumeId, (usize, u64, Resiliency)> {
+    lock(&w.vols)
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.id, (i, r.id.0, r.spec.resiliency)))
+        .collect()
+}
+
+/// A parity volume's (K, M).
+fn parity_shape(res: Resiliency) -> Option<(usize, usize)> {
+    match res {
+        Resiliency::Parity { data, parity } => Some((usize::from(data), usize::from(parity))),
+        _ => None,
+    }
+}
+
+/// The chunks of a parity slab that `pick` selects, each read whole from its drive (through
+/// its tier, or from the capacity drive alone); those that cannot be read are passed to
+/// `unreadable`.
+fn read_chunks(
+    w: &Arc<World>,
+    key: converge_types::ExtentKey,
+    extents: &[converge_volume::ExtentLoc],
+    pick: impl Fn(&converge_volume::ExtentLoc) -> bool,
+    capacity_only: bool,
+    mut unreadable: impl FnMut(&converge_volume::ExtentLoc, String),
+) -> Vec<rows::Chunk> {
+    let blocks = w.opts.slab_blocks;
+    extents
+        .iter()
+        .enumerate()
+        .filter(|(_, e)| pick(e))
+        .filter_map(
+            |(c, e)| match w.read_copy_from(e.node, e.drive, key, blocks, capacity_only) {
+                Ok((data, versions, bad)) => Some(rows::Chunk {
+                    c,
+                    node: e.node,
+                    drive: e.drive,
+                    data,
+                    versions,
+                    bad,
+                }),
+                Err(err) => {
+                    unreadable(e, err);
+                    None
+                }
+            },
+        )
+        .collect()
+}
+
+/// Fails the run for every chunk whose block disagrees with what K chunks at its row's
+/// version decode to.
+fn fail_mismatches(w: &World, what: &str, judged: &rows::Judged, chunks: &[rows::Chunk]) {
+    for mm in &judged.mismatches {
+        let node = chunks
+            .iter()
+            .find(|ch| ch.c == mm.chunk)
+            .map_or(NodeId(0), |ch| ch.node);
+        w.fail(format!(
+            "{what} row {}: chunk {} on node {node} holds version {} but not what chunks {:?} at that version decode to (parity does not verify)",
+            mm.row, mm.chunk, mm.version, mm.from
+        ));
+    }
+}
+
+/// Checks blocks of volume `v` (first block, content) against the history as a read at
+/// this instant would be checked; fails the run for each bad one.
+fn check_now(w: &World, v: usize, tag: u64, blocks: &[(u64, &[u8])], what: &dyn Fn() -> String) {
+    let mut bad = Vec::new();
+    {
+        let mut hist = lock(&w.hist);
+        let now = hist.tick();
+        for (first, data) in blocks {
+            bad.extend(hist.check_read(v, tag, *first, data, now, now, true));
+        }
+    }
+    for (b, why) in bad {
+        let writes = describe_block(w, v, b);
+        w.fail(format!("{}: {why}\n{writes}", what()));
+    }
+}
+
 /// Every in-sync copy, read alone straight from its drive, must pass the clients' read
 /// check: any of them may serve the next read, so each must hold every acked write (or a
 /// later unacked one) and nothing else. Blocks that fail their checksum are skipped (reads
-/// never return them; scrub repairs them).
-pub(crate) fn check_copies(w: &Arc<World>, when: &str) {
+/// never return them; scrub repairs them). Parity slabs: see [`check_chunks`].
+pub(crate) fn check_copies(w: &Arc<World>, when: &str, settled: bool) {
     let blocks = w.opts.slab_blocks;
     let records = lock(&w.ctl).all();
-    let tags: BTreeMap<VolumeId, (usize, u64)> = lock(&w.vols)
+    let vols = volumes_by_id(w);
+    // The slabs each volume's current owner serves. One whose record was just created is
+    // not taken up until its copies are zeroed (`Volume::adopt`), and until then its drives
+    // may still hold a released incarnation's blocks (a copy replaced while its node was
+    // away and never freed; every chunk of a released parity slab, which is not zeroed
+    // before its record goes, and in other places of the row): not judged yet.
+    let served: BTreeMap<VolumeId, BTreeSet<converge_types::SlabIndex>> = lock(&w.vols)
         .iter()
-        .enumerate()
-        .map(|(i, r)| (r.id, (i, r.id.0)))
+        .filter_map(|r| {
+            let o = r.current.as_ref()?;
+            Some((r.id, o.vol.slab_map().into_keys().collect()))
+        })
         .collect();
     for ((vol, slab), extents) in records {
-        let Some(&(v, tag)) = tags.get(&vol) else {
+        let Some(&(v, tag, res)) = vols.get(&vol) else {
             continue;
         };
+        let adopting = served.get(&vol).is_some_and(|s| !s.contains(&slab));
+        if let Some((k, m)) = parity_shape(res) {
+            // With no owner (a takeover running), the next one reconciles the chunks
+            // first, and `check_agree` follows it.
+            if served.contains_key(&vol) && !adopting {
+                check_chunks(w, when, settled, (v, tag), (k, m), (vol, slab), &extents);
+            }
+            continue;
+        }
         for e in extents
             .iter()
             .filter(|e| e.state == converge_types::ExtentState::InSync)
@@ -656,7 +809,9 @@ pub(crate) fn check_copies(w: &Arc<World>, when: &str) {
             drop(hist);
             w.count("copy checks");
             for (b, why) in verdicts {
-                if skip[(b - first) as usize] {
+                // (A slab being taken up is read and checked all the same, so the run goes
+                // as before, but not judged.)
+                if skip[(b - first) as usize] || adopting {
                     continue;
                 }
                 let writes = describe_block(w, v, b);
@@ -669,14 +824,128 @@ pub(crate) fn check_copies(w: &Arc<World>, when: &str) {
     }
 }
 
+/// Invariant 3 for a parity slab: its in-sync chunks, read straight from their drives,
+/// judged row by row. Any K of them may serve the next read of a row (decoded), and a
+/// healthy read takes a data chunk's block as it is, so: (a) at every version of a row
+/// that K in-sync chunks hold intact, every chunk holding it agrees with what K of them
+/// decode to (parity verifies), and the row's data decoded at it passes the clients' read
+/// check; (b) every intact block of an in-sync data chunk passes it too; (c) once
+/// `settled` (no write in flight, every takeover done), every row has such a version.
+/// During the run a row being written may have none for a moment (3+1 with a write that
+/// reached 2 chunks): counted.
+fn check_chunks(
+    w: &Arc<World>,
+    when: &str,
+    settled: bool,
+    (v, tag): (usize, u64),
+    (k, m): (usize, usize),
+    (vol, slab): (VolumeId, converge_types::SlabIndex),
+    extents: &[converge_volume::ExtentLoc],
+) {
+    let rows = w.opts.slab_blocks as usize;
+    let key = world::slab_key(vol, slab.0);
+    let in_sync = |e: &converge_volume::ExtentLoc| e.state == converge_types::ExtentState::InSync;
+    // A chunk that is down cannot serve reads either.
+    let chunks = read_chunks(w, key, extents, in_sync, false, |_, _| {});
+    for ch in &chunks {
+        for _ in &ch.bad {
+            w.count("bad blocks seen on in-sync copies");
+        }
+        w.count("chunk checks");
+    }
+    let judged = rows::judge(k, m, rows, &chunks);
+    let what = format!("{when}: vol {vol} slab {slab}");
+    fail_mismatches(w, &what, &judged, &chunks);
+    // The slab's first volume block: K blocks per row.
+    let first = slab.0 * (rows * k) as u64;
+    let row_first = |r: usize| first + (r * k) as u64;
+    let decoded: Vec<(u64, &[u8])> = judged
+        .versions
+        .iter()
+        .map(|rv| (row_first(rv.row), &rv.data[..]))
+        .collect();
+    check_now(w, v, tag, &decoded, &|| {
+        format!("{what}: a row decoded from its in-sync chunks")
+    });
+    // Data blocks at a version K chunks do not hold (a row being written) are read as they
+    // are by a healthy read; the others were just judged decoded.
+    for ch in chunks.iter().filter(|ch| ch.c < k) {
+        let alone: Vec<(u64, &[u8])> = (0..rows)
+            .filter(|&r| ch.intact(r))
+            .filter(|&r| {
+                !judged
+                    .versions
+                    .iter()
+                    .any(|rv| rv.row == r && rv.holders.contains(&ch.c))
+            })
+            .map(|r| (row_first(r) + ch.c as u64, ch.block(r)))
+            .collect();
+        check_now(w, v, tag, &alone, &|| {
+            format!(
+                "{what}: in-sync data chunk {} on node {} drive {}",
+                ch.c, ch.node, ch.drive
+            )
+        });
+    }
+    for &r in &judged.undecodable {
+        if settled {
+            let held: Vec<String> = chunks
+                .iter()
+                .map(|ch| {
+                    format!(
+                        "chunk {} node {}: version {}{}",
+                        ch.c,
+                        ch.node,
+                        ch.versions[r],
+                        if ch.intact(r) { "" } else { " (bad)" }
+                    )
+                })
+                .collect();
+            w.fail(format!(
+                "{what} row {r}: no version is held intact by {k} in-sync chunks ({})",
+                held.join(", ")
+            ));
+        } else {
+            w.count("parity rows without K chunks at one version (mid-write)");
+        }
+    }
+}
+
 /// Right after a takeover's reconcile (before the new owner serves anything) and once the
 /// cluster has healed, the in-sync copies of every slab of `volume` must agree block by
 /// block (DESIGN: unacked writes may resolve to old or new, but every copy agrees). Blocks
-/// failing their crc are skipped.
+/// failing their crc are skipped. A parity slab's in-sync chunks must agree on every
+/// row's version, and parity must verify at it.
 pub(crate) fn check_agree(w: &Arc<World>, volume: VolumeId, epoch: converge_types::Epoch) {
     let blocks = w.opts.slab_blocks;
+    let shape = volumes_by_id(w)
+        .get(&volume)
+        .and_then(|&(_, _, res)| parity_shape(res));
     let slabs = lock(&w.ctl).slabs_of(volume);
     for (slab, extents) in slabs {
+        if let Some((k, m)) = shape {
+            let key = world::slab_key(volume, slab.0);
+            let in_sync =
+                |e: &converge_volume::ExtentLoc| e.state == converge_types::ExtentState::InSync;
+            let chunks = read_chunks(w, key, &extents, in_sync, false, |_, _| {});
+            for r in 0..blocks as usize {
+                let intact: Vec<&rows::Chunk> = chunks.iter().filter(|ch| ch.intact(r)).collect();
+                if let Some(c0) = intact.first() {
+                    for ch in &intact[1..] {
+                        if ch.versions[r] != c0.versions[r] {
+                            w.fail(format!(
+                                "vol {volume} slab {slab} row {r}: at epoch {epoch}, in-sync chunks {} on node {} (version {}) and {} on node {} (version {}) disagree",
+                                c0.c, c0.node, c0.versions[r], ch.c, ch.node, ch.versions[r]
+                            ));
+                        }
+                    }
+                }
+            }
+            let judged = rows::judge(k, m, blocks as usize, &chunks);
+            let what = format!("at epoch {epoch}: vol {volume} slab {slab}");
+            fail_mismatches(w, &what, &judged, &chunks);
+            continue;
+        }
         let mut copies = Vec::new();
         for e in extents
             .iter()
@@ -711,6 +980,8 @@ pub(crate) fn check_agree(w: &Arc<World>, volume: VolumeId, epoch: converge_type
 
 /// Every copy of every slab holds the same bytes and versions, with no bad block. Read
 /// through each node's cache tier, or (`capacity_only`) from the capacity drives alone.
+/// A parity slab's chunks: readable, no bad block, equal versions, parity verifies at
+/// every row, and every row's data, decoded, passes the clients' read check.
 fn compare_copies(w: &Arc<World>, capacity_only: bool) {
     let what = if capacity_only {
         "capacity copy"
@@ -719,7 +990,14 @@ fn compare_copies(w: &Arc<World>, capacity_only: bool) {
     };
     let blocks = w.opts.slab_blocks;
     let records = lock(&w.ctl).all();
+    let vols = volumes_by_id(w);
     for ((vol, slab), extents) in records {
+        if let Some(&(v, tag, res)) = vols.get(&vol) {
+            if let Some((k, m)) = parity_shape(res) {
+                compare_chunks(w, capacity_only, (v, tag), (k, m), (vol, slab), &extents);
+                continue;
+            }
+        }
         let mut first: Option<(
             converge_types::NodeId,
             Vec<u8>,
@@ -761,6 +1039,69 @@ fn compare_copies(w: &Arc<World>, capacity_only: bool) {
             }
         }
     }
+}
+
+/// [`compare_copies`] for a parity slab.
+fn compare_chunks(
+    w: &Arc<World>,
+    capacity_only: bool,
+    (v, tag): (usize, u64),
+    (k, m): (usize, usize),
+    (vol, slab): (VolumeId, converge_types::SlabIndex),
+    extents: &[converge_volume::ExtentLoc],
+) {
+    let what = if capacity_only {
+        "capacity chunk"
+    } else {
+        "chunk"
+    };
+    let rows = w.opts.slab_blocks as usize;
+    let key = world::slab_key(vol, slab.0);
+    let chunks = read_chunks(
+        w,
+        key,
+        extents,
+        |_| true,
+        capacity_only,
+        |e, err| {
+            w.fail(format!(
+                "vol {vol} slab {slab}: {what} on node {} unreadable: {err}",
+                e.node
+            ))
+        },
+    );
+    for ch in &chunks {
+        if !ch.bad.is_empty() {
+            w.fail(format!(
+                "vol {vol} slab {slab}: {what} {} on node {} has bad blocks {:?} after healing",
+                ch.c, ch.node, ch.bad
+            ));
+        }
+        if ch.versions != chunks[0].versions {
+            w.fail(format!(
+                "vol {vol} slab {slab}: versions differ between {what}s {} on node {} and {} on node {}: {:?} vs {:?}",
+                chunks[0].c, chunks[0].node, ch.c, ch.node, chunks[0].versions, ch.versions
+            ));
+        }
+    }
+    if chunks.len() < extents.len() {
+        return;
+    }
+    let judged = rows::judge(k, m, rows, &chunks);
+    let place = format!("vol {vol} slab {slab} ({what}s)");
+    fail_mismatches(w, &place, &judged, &chunks);
+    for &r in &judged.undecodable {
+        w.fail(format!(
+            "{place} row {r}: no version is held intact by {k} chunks"
+        ));
+    }
+    let first = slab.0 * (rows * k) as u64;
+    let decoded: Vec<(u64, &[u8])> = judged
+        .versions
+        .iter()
+        .map(|rv| (first + (rv.row * k) as u64, &rv.data[..]))
+        .collect();
+    check_now(w, v, tag, &decoded, &|| format!("{place}: a row decoded"));
 }
 
 /// Reads the whole volume through `o` and checks every block against the history.

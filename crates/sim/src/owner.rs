@@ -87,8 +87,14 @@ pub(crate) struct VolRt {
     pub pins: Vec<Option<Arc<Owner>>>,
 }
 
+/// Volume blocks one slab of `spec` holds: the extent's blocks, times K for a parity
+/// slab (`Resiliency::slab_span`).
+pub(crate) fn span_blocks(w: &World, spec: &VolumeSpec) -> u64 {
+    spec.resiliency.slab_span(w.opts.slab_blocks)
+}
+
 pub(crate) fn volume_blocks(w: &World, spec: &VolumeSpec) -> u64 {
-    spec.slabs * w.opts.slab_blocks
+    spec.slabs * span_blocks(w, spec)
 }
 
 fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owner> {
@@ -357,6 +363,11 @@ async fn takeover(w: &Arc<World>, v: usize) {
         match (installed, r) {
             (Some(tick), Some(Ok(rep))) => {
                 w.count("takeovers");
+                if lock(&w.vols)[v].spec.resiliency.is_parity() {
+                    *lock(&w.stats)
+                        .entry("parity rows made to agree by takeovers")
+                        .or_insert(0) += rep.blocks_differing;
+                }
                 crate::check_agree(w, id, epoch);
                 w.trace(|| {
                     format!(

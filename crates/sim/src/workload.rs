@@ -7,7 +7,7 @@
 
 use crate::control::SimKv;
 use crate::history::Outcome;
-use crate::owner::{is_current, volume_blocks, Owner};
+use crate::owner::{is_current, span_blocks, volume_blocks, Owner};
 use crate::replicas::SimReplicas;
 use crate::world::{lock, World};
 use converge_allocator::drive_loads;
@@ -46,9 +46,15 @@ enum Op {
 }
 
 pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
-    let (blocks, tag) = {
+    let (blocks, tag, slab_blocks, parity) = {
         let vols = lock(&w.vols);
-        (volume_blocks(&w, &vols[v].spec), vols[v].id.0)
+        let spec = &vols[v].spec;
+        (
+            volume_blocks(&w, spec),
+            vols[v].id.0,
+            span_blocks(&w, spec),
+            spec.resiliency.is_parity(),
+        )
     };
     while !w.stopping() {
         tokio::time::sleep(w.us(0, w.opts.think_us)).await;
@@ -56,7 +62,6 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
             tokio::time::sleep(Duration::from_millis(5)).await;
             continue;
         };
-        let slab_blocks = w.opts.slab_blocks;
         let (op, first, n) = w.rng(|r| {
             let n = r.gen_range(1..=w.opts.io_blocks_max.min(blocks));
             let first = r.gen_range(0..=blocks - n);
@@ -115,7 +120,17 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
                     )
                 });
                 let mut outcome = outcome;
-                if let (Some(Ok(())), Some(t)) = (&r, owner.superseded_at()) {
+                if trim && parity && outcome == Outcome::Acked {
+                    // A TRIM of a parity slab is a hint: the slab is released (reads zeros)
+                    // only with every chunk in sync, else left as it is (a zero of part of
+                    // a row would be a row write). Either may be read back: it is recorded
+                    // as an unacked zero. (So a deposed owner may ack one: it changed
+                    // nothing, since releasing the slab is fenced by the owner's epoch.)
+                    w.count("parity TRIMs acked (hints: recorded as unacked)");
+                    outcome = Outcome::Failed("a TRIM of a parity volume is a hint".into());
+                }
+                let hint = trim && parity;
+                if let (Some(Ok(())), Some(t), false) = (&r, owner.superseded_at(), hint) {
                     let known = owner.vol.slab_map();
                     let untouched = zero
                         && (first / slab_blocks..=(first + n - 1) / slab_blocks)
@@ -223,7 +238,7 @@ pub(crate) async fn repairer(w: Arc<World>) {
             .enumerate()
             .filter_map(|(v, r)| r.current.clone().map(|o| (v, o)))
             .collect();
-        crate::check_copies(&w, "during the run");
+        crate::check_copies(&w, "during the run", false);
         report_failed_drives(&w).await;
         for (v, o) in owners {
             if is_current(&w, v, &o) {
@@ -367,6 +382,9 @@ async fn resync_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
     })
     .await;
     w.count("resyncs");
+    if matches!(r, Some(Ok(_))) && o.vol.config().resiliency.is_parity() {
+        w.count("parity chunks resynced");
+    }
     w.trace(|| match r {
         Some(Ok(rep)) => format!(
             "vol{v} epoch {}: RESYNC slab {idx} node {} drive {drive}: {} differed, {} written",
@@ -440,6 +458,14 @@ async fn rebuild_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc, cause: Option<Ca
         } else {
             "evacuations done"
         });
+        if o.vol.config().resiliency.is_parity() {
+            // A parity chunk's evacuation is a rebuild in its place (`Volume::evacuate`).
+            w.count(if cause != "Evacuate" {
+                "parity chunks rebuilt"
+            } else {
+                "parity chunks evacuated"
+            });
+        }
         free_one(j, idx, e).await;
     }
 }

@@ -19,7 +19,7 @@ use converge_engine::{
 };
 use converge_types::{
     CacheMode, ClusterId, DriveId, DriveRole, Epoch, ExtentKey, ExtentOp, ExtentReply, ExtentState,
-    MediaType, NodeId, SlabIndex, Version, VolumeId, BLOCK_SIZE,
+    MediaType, NodeId, Resiliency, SlabIndex, Version, VolumeId, BLOCK_SIZE,
 };
 use converge_volume::ExtentLoc;
 use rand::rngs::StdRng;
@@ -96,6 +96,26 @@ pub(crate) struct Rot {
     pub drive: DriveId,
     pub key: ExtentKey,
     pub block: u32,
+}
+
+/// What the fault budget holds against copies at one moment (`World::health`).
+struct Health {
+    bad_nodes: BTreeSet<NodeId>,
+    bad_copies: BTreeSet<(VolumeId, NodeId)>,
+    rots: Vec<Rot>,
+    failed: BTreeSet<DriveId>,
+}
+
+impl Health {
+    /// In sync, on a node that is not impaired, not recently hit, free of rot in its slab,
+    /// on a drive that has not failed.
+    fn healthy(&self, key: ExtentKey, e: &ExtentLoc) -> bool {
+        e.state == ExtentState::InSync
+            && !self.bad_nodes.contains(&e.node)
+            && !self.bad_copies.contains(&(key.volume, e.node))
+            && !self.rots.iter().any(|r| r.drive == e.drive && r.key == key)
+            && !self.failed.contains(&e.drive)
+    }
 }
 
 /// One copy read whole: data, every block's version, and the blocks failing their crc.
@@ -1131,24 +1151,61 @@ impl World {
         keep
     }
 
+    /// What keeps a copy from counting as healthy now: impaired nodes, copies recently
+    /// hit, live rot, failed drives.
+    fn health(self: &Arc<Self>) -> Health {
+        let now = Instant::now();
+        Health {
+            bad_nodes: self.impaired_nodes(),
+            bad_copies: lock(&self.recently_hit_copies)
+                .iter()
+                .filter(|(_, &t)| now < t)
+                .map(|(k, _)| *k)
+                .collect(),
+            rots: self.live_rots(),
+            failed: lock(&self.failed_drives).keys().copied().collect(),
+        }
+    }
+
+    /// Copies of a slab of each volume that must stay healthy: `healthy_copies_min` of a
+    /// mirror's; a parity slab's K chunks more than that, less one (at most M of its K+M
+    /// chunks impaired at once, by default: K are needed to read a row). And whether the
+    /// volume is a parity one.
+    fn healthy_needed(&self) -> BTreeMap<VolumeId, (usize, bool)> {
+        let min = self.opts.healthy_copies_min;
+        lock(&self.vols)
+            .iter()
+            .map(|r| {
+                let res = r.spec.resiliency;
+                (r.id, (res.needed() + min - 1, res.is_parity()))
+            })
+            .collect()
+    }
+
     /// May a fault now hit the copies `hit` selects (on top of what is impaired already)?
-    /// Every slab must keep at least one copy that is in sync, on a healthy node and free
-    /// of rot: with none, no copy could ever be brought back in sync (the volume has no
-    /// way out of that; see docs/SIMULATION.md), so the fault model stops short of it.
+    /// Every slab must keep at least one copy (K chunks of a parity slab) that is in sync,
+    /// on a healthy node and free of rot: with fewer, no copy could ever be brought back in
+    /// sync (the volume has no way out of that; see docs/SIMULATION.md), so the fault model
+    /// stops short of it.
+    ///
+    /// A parity slab's chunk on a draining node does not count as healthy either: its
+    /// evacuation replaces it in its place and rebuilds it from the others (ADR 0008: the
+    /// slab is one chunk short while it is rebuilt, as after a failed drive), so the drain
+    /// is one of the M impairments the slab can take, and `drain_one` only drains a node
+    /// the budget allows. (With one more chunk out of reach during that rebuild, the slab
+    /// waits for it: I/O fails meanwhile.)
     pub(crate) fn within_budget(
         self: &Arc<Self>,
         hit: impl Fn(ExtentKey, &ExtentLoc) -> bool,
     ) -> bool {
-        let bad_nodes = self.impaired_nodes();
-        let now = Instant::now();
-        let bad_copies: BTreeSet<(VolumeId, NodeId)> = lock(&self.recently_hit_copies)
-            .iter()
-            .filter(|(_, &t)| now < t)
-            .map(|(k, _)| *k)
-            .collect();
-        let rots = self.live_rots();
-        let failed: BTreeSet<DriveId> = lock(&self.failed_drives).keys().copied().collect();
+        let health = self.health();
+        let needed = self.healthy_needed();
         let records = lock(&self.ctl).all();
+        let draining = if needed.values().any(|n| n.1) {
+            lock(&self.ctl).draining()
+        } else {
+            BTreeSet::new()
+        };
         records.iter().all(|((v, s), extents)| {
             let key = ExtentKey {
                 volume: *v,
@@ -1157,18 +1214,16 @@ impl World {
             if !extents.iter().any(|e| hit(key, e)) {
                 return true;
             }
+            let (min, parity) = needed
+                .get(v)
+                .copied()
+                .unwrap_or((self.opts.healthy_copies_min, false));
             let healthy = extents
                 .iter()
-                .filter(|e| {
-                    !hit(key, e)
-                        && e.state == ExtentState::InSync
-                        && !bad_nodes.contains(&e.node)
-                        && !bad_copies.contains(&(key.volume, e.node))
-                        && !rots.iter().any(|r| r.drive == e.drive && r.key == key)
-                        && !failed.contains(&e.drive)
-                })
+                .filter(|e| !hit(key, e) && health.healthy(key, e))
+                .filter(|e| !parity || !draining.contains(&e.node))
                 .count();
-            healthy >= self.opts.healthy_copies_min
+            healthy >= min
         })
     }
 
@@ -1379,7 +1434,32 @@ impl World {
         if !known || !self.within_budget(|k, e| (k, e.drive) == target) {
             return None;
         }
-        if !self.opts.rot_sole_newest {
+        let parity_k = lock(&self.vols)
+            .iter()
+            .find(|r| r.id == blk.key.volume)
+            .and_then(|r| match r.spec.resiliency {
+                Resiliency::Parity { data, .. } => Some(usize::from(data)),
+                _ => None,
+            });
+        if let Some(k) = parity_k {
+            // A chunk's block is one row's: K other chunks, healthy, must hold that row
+            // at this very version, so it still decodes (whatever `rot_sole_newest` says:
+            // a row K chunks cannot give back is lost, not a takeover's problem).
+            let off = u64::from(blk.block) * BLOCK_SIZE as u64;
+            let key = blk.key;
+            let health = self.health();
+            let holders = extents
+                .iter()
+                .filter(|e| e.drive != *drive && health.healthy(key, e))
+                .filter(|e| {
+                    matches!(self.exec(e.node, e.drive, move |d| d.block_versions(key, off, 1)),
+                        Delivery::Done(Ok(v)) if v.first() == Some(&blk.version))
+                })
+                .count();
+            if holders < k {
+                return None;
+            }
+        } else if !self.opts.rot_sole_newest {
             // Another healthy in-sync copy must hold this very version of the block (not
             // just an older one): see `Options::rot_sole_newest`.
             let off = u64::from(blk.block) * BLOCK_SIZE as u64;

@@ -987,6 +987,28 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         {
             return Ok(());
         }
+        if let (Some(g), ExtentState::Stale) = (self.geometry, to) {
+            // A parity slab keeps K chunks in sync, as a mirror keeps its last in-sync copy
+            // (`settle`, `fence_and_compare`): below K no chunk can be resynced or rebuilt
+            // (each is filled from K others) and none could ever come back, even once every
+            // chunk's node does. Such a chunk stays in sync, out of reach: I/O waits for it.
+            let leaving = current
+                .iter()
+                .any(|e| e.drive == drive && e.state == ExtentState::InSync);
+            let staying = current
+                .iter()
+                .filter(|e| e.drive != drive && e.state == ExtentState::InSync)
+                .count();
+            if leaving && staying < usize::from(g.k()) {
+                return Err(self.copy_error(
+                    idx,
+                    format!(
+                        "the chunk on drive {drive} stays in sync: without it {staying} chunks are, and {} are needed to bring any back",
+                        g.k()
+                    ),
+                ));
+            }
+        }
         self.apply_change(
             idx,
             slab,
@@ -1109,15 +1131,23 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// a growing pause, until `read_wait`. A read fails only when nothing answered within
     /// it, or when a block is bad everywhere it could come from.
     async fn read_piece(&self, p: Piece) -> Result<Bytes, VolumeError> {
+        if let Some(g) = self.geometry {
+            // Each round takes the slab afresh: a TRIM may release it meanwhile (it reads
+            // as zeros from then on), and a write take it up again, a new incarnation
+            // whose chunks may be on the same drives in other places of the row.
+            return self
+                .read_with_retries(p.slab, || async move {
+                    match self.slab(p.slab) {
+                        Some(slab) => self.parity_read_round(g, p, &slab).await,
+                        None => Ok(Bytes::from(vec![0u8; p.len as usize])),
+                    }
+                })
+                .await;
+        }
         let Some(slab) = self.slab(p.slab) else {
             // Never written: thin provisioning reads zeros.
             return Ok(Bytes::from(vec![0u8; p.len as usize]));
         };
-        if let Some(g) = self.geometry {
-            return self
-                .read_with_retries(p.slab, || self.parity_read_round(g, p, &slab))
-                .await;
-        }
         self.read_with_retries(p.slab, || self.mirror_read_round(p, &slab))
             .await
     }

@@ -193,13 +193,24 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         loop {
             let slab = self.slab_or_allocate(p.slab).await?;
             self.wait_min_replicas(p.slab, &slab).await?;
-            let _gate = slab.gate.read().await;
+            let gate = slab.gate.read().await;
             if slab.is_released() {
                 continue;
             }
             let span = g.row_span(p.offset, p.len);
             let (r0, n) = (span.first_row, span.row_count);
-            let _rows = slab.rows.lock(r0, r0 + n).await;
+            let locked = slab.rows.lock(r0, r0 + n).await;
+            if slab.suspect.load(Ordering::Acquire) {
+                // A write of the slab failed and may have left in-sync chunks that disagree
+                // on its rows: the chunks it reached may need their priors, and a chunk
+                // keeps one prior per block. A held write over them would replace it,
+                // leaving a takeover only the failed write's version to go back to (or the
+                // zero rule). The slab's rows are made to agree first.
+                drop(locked);
+                drop(gate);
+                self.reconcile_if_suspect(p.slab, &slab).await?;
+                continue;
+            }
             let rb = g.row_bytes();
             let mut merged = None;
             if span.first_partial || span.last_partial {
@@ -230,7 +241,16 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             for first in (0..n).step_by(GROUP_ROWS as usize) {
                 let count = GROUP_ROWS.min(n - first);
                 let part = &rows[(first * rb) as usize..((first + count) * rb) as usize];
-                self.write_rows(g, p.slab, &slab, r0 + first, part).await?;
+                if let Err(e) = self.write_rows(g, p.slab, &slab, r0 + first, part).await {
+                    // Below min_replicas the chunks that failed are stale and the others
+                    // hold the rows (or none does, and the slab is suspect already). Any
+                    // other failure (fenced: deposed; a chunk that failed could not be
+                    // marked stale) may leave in-sync chunks that disagree on the rows.
+                    if !matches!(e, VolumeError::Degraded { .. }) {
+                        slab.suspect.store(true, Ordering::Release);
+                    }
+                    return Err(e);
+                }
                 self.maybe_settle(p.slab, &slab, count).await;
             }
             return Ok(());
@@ -535,6 +555,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     .collect(),
             )
             .await;
+            if slab.is_released() {
+                return Err(released_meanwhile());
+            }
             let mut whole = true;
             for (a, (j, _, _)) in answers.iter().zip(&reads) {
                 match a {
@@ -576,6 +599,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let (r0, r1) = (b0 / k, (b1 - 1) / k + 1);
         let _rows = slab.rows.lock(r0, r1).await;
         let rows = self.read_rows_round(g, p.slab, slab, r0, r1 - r0).await?;
+        if slab.is_released() {
+            return Err(released_meanwhile());
+        }
         let at = (p.offset - r0 * g.row_bytes()) as usize;
         Ok(Bytes::from(rows).slice(at..at + p.len as usize))
     }
@@ -818,6 +844,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         Ok(out)
     }
+}
+
+/// A read of a slab that a TRIM released while the chunks answered: what they said may be
+/// a later incarnation's (a chunk's drive may hold another place of its rows by then), so
+/// the read starts again from the slab map.
+fn released_meanwhile() -> Retry {
+    Retry::Again("the slab was released while it was read".into())
 }
 
 /// K chunks' blocks of `n` rows laid out as the volume sees them: row by row, chunk 0

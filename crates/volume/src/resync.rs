@@ -129,6 +129,22 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(n)
     }
 
+    /// Reconciles one slab if it is suspect (as `reconcile_suspect` does, for a parity
+    /// write that must not hold a row over a failed one); returns the blocks written.
+    pub(crate) async fn reconcile_if_suspect(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+    ) -> Result<u64, VolumeError> {
+        let _g = slab.gate.write().await;
+        if slab.is_released() || !slab.suspect.load(Ordering::Acquire) {
+            return Ok(0);
+        }
+        let r = self.reconcile_slab(idx, slab).await?;
+        slab.suspect.store(false, Ordering::Release);
+        Ok(r.blocks_written)
+    }
+
     /// Adopts the slab's record as the control plane holds it. A copy that is `syncing`
     /// there but was not here had its copy job end before it learnt the outcome: it is
     /// abandoned (resync takes it up).

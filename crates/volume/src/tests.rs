@@ -379,6 +379,8 @@ struct FixedAlloc {
     changes_left: Mutex<Option<u64>>,
     /// Record changes are applied but their answer is lost (the caller sees an error).
     lose_answers: std::sync::atomic::AtomicBool,
+    /// The nodes allocations place extents on, in order (None: 1, 2, 3, ...).
+    nodes_next: Mutex<Option<Vec<u32>>>,
 }
 
 impl SlabAllocator for FixedAlloc {
@@ -390,7 +392,10 @@ impl SlabAllocator for FixedAlloc {
         copies: usize,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
-        let v: Vec<ExtentLoc> = (1..=copies as u32)
+        let nodes = self.nodes_next.lock().unwrap().clone();
+        let v: Vec<ExtentLoc> = nodes
+            .unwrap_or_else(|| (1..=copies as u32).collect())
+            .into_iter()
             .map(|n| ExtentLoc {
                 node: NodeId(n),
                 drive: DriveId(n as u64 * 10),
