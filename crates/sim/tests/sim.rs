@@ -278,7 +278,7 @@ fn drain() {
 }
 
 /// Seeds of the parity sweep in CI: a third of them with caches, a third with a drain.
-const PARITY_SEEDS: u64 = 150;
+const PARITY_SEEDS: u64 = 120;
 
 /// The second volume is parity-2+1, 2+2 or 3+1 (drawn from the seed): whole-row held
 /// writes, takeovers that make half-written rows agree, resync and rebuild by
