@@ -290,6 +290,37 @@ struct ExtIdx {
     cv: Condvar,
 }
 
+impl ExtIdx {
+    /// Claims blocks `[first, first + count)` for an operation through the tier: waits
+    /// until no other claim overlaps them; refused if the extent was dropped meanwhile.
+    /// Returns the index lock, still held.
+    fn claim(
+        &self,
+        key: ExtentKey,
+        first: u32,
+        count: u32,
+    ) -> Result<std::sync::MutexGuard<'_, ExtState>, EngineError> {
+        let mut m = lock(&self.m);
+        while m.overlaps(first, count) {
+            m = self.cv.wait(m).expect("cache index lock poisoned");
+        }
+        if m.dropped {
+            return Err(EngineError::Released { key });
+        }
+        m.busy.push((first, count));
+        Ok(m)
+    }
+
+    /// Ends a claim, under the index lock `m`, and wakes the operations waiting for it.
+    fn unclaim(&self, mut m: std::sync::MutexGuard<'_, ExtState>, first: u32, count: u32) {
+        if let Some(p) = m.busy.iter().position(|&r| r == (first, count)) {
+            m.busy.swap_remove(p);
+        }
+        drop(m);
+        self.cv.notify_all();
+    }
+}
+
 type IdxKey = (DriveId, ExtentKey);
 /// A live dirty block: (capacity drive, extent, block, log offset, version, crc).
 type LiveBlock = (DriveId, ExtentKey, u32, u64, u64, u32);
@@ -1877,26 +1908,12 @@ impl Tier {
         c.check_failed()?;
         self.cap.prepare_write(key, epoch)?;
         let idx = c.ext((self.me(), key), true).expect("created");
-        let mut m = lock(&idx.m);
-        while m.overlaps(first, count) {
-            m = idx.cv.wait(m).expect("cache index lock poisoned");
-        }
-        if m.dropped {
-            return Err(EngineError::Released { key });
-        }
-        m.busy.push((first, count));
+        let m = idx.claim(key, first, count)?;
         let logged: Vec<Option<u64>> = (first..first + count)
             .map(|b| m.entries.get(&b).map(|e| e.version))
             .collect();
         drop(m);
-        let release = || {
-            let mut m = lock(&idx.m);
-            if let Some(p) = m.busy.iter().position(|&r| r == (first, count)) {
-                m.busy.swap_remove(p);
-            }
-            drop(m);
-            idx.cv.notify_all();
-        };
+        let release = || idx.unclaim(lock(&idx.m), first, count);
         let res = (|| {
             // A compare-and-set copy may roll a block back to an older version (resync and
             // reconcile replacing a deposed owner's unacked write with the acked one). The
@@ -2162,22 +2179,10 @@ impl Tier {
         let Some(c) = self.cache() else {
             return self.cap.zero(key, epoch, version, offset, len);
         };
-        // The range as blocks (`op` validates it; a revert or priors may span a slab).
-        let first = u32::try_from(offset / BS).unwrap_or(u32::MAX);
-        let count = u32::try_from(len.div_ceil(BS))
-            .unwrap_or(u32::MAX)
-            .min(u32::MAX - first);
+        let (first, count) = self.cap.range(key, offset, len)?;
         c.check_failed()?;
         let idx = c.ext((self.me(), key), true).expect("created");
-        let mut m = lock(&idx.m);
-        while m.overlaps(first, count) {
-            m = idx.cv.wait(m).expect("cache index lock poisoned");
-        }
-        if m.dropped {
-            return Err(EngineError::Released { key });
-        }
-        m.busy.push((first, count));
-        drop(m);
+        drop(idx.claim(key, first, count)?);
         let r = self.cap.zero(key, epoch, version, offset, len);
         let mut m = lock(&idx.m);
         if r.is_ok() {
@@ -2189,11 +2194,7 @@ impl Tier {
                 }
             }
         }
-        if let Some(p) = m.busy.iter().position(|&x| x == (first, count)) {
-            m.busy.swap_remove(p);
-        }
-        drop(m);
-        idx.cv.notify_all();
+        idx.unclaim(m, first, count);
         r
     }
 
@@ -2223,14 +2224,7 @@ impl Tier {
             .min(u32::MAX - first);
         c.check_failed()?;
         let idx = c.ext((self.me(), key), true).expect("created");
-        let mut m = lock(&idx.m);
-        while m.overlaps(first, count) {
-            m = idx.cv.wait(m).expect("cache index lock poisoned");
-        }
-        if m.dropped {
-            return Err(EngineError::Released { key });
-        }
-        m.busy.push((first, count));
+        let m = idx.claim(key, first, count)?;
         let within = |b: u32| b >= first && b - first < count;
         let dirty = m.entries.iter().any(|(&b, e)| within(b) && e.dirty);
         drop(m);
@@ -2249,11 +2243,7 @@ impl Tier {
                 !within(b)
             });
         }
-        if let Some(p) = m.busy.iter().position(|&x| x == (first, count)) {
-            m.busy.swap_remove(p);
-        }
-        drop(m);
-        idx.cv.notify_all();
+        idx.unclaim(m, first, count);
         res
     }
 

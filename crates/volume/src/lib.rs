@@ -484,6 +484,16 @@ fn split(offset: u64, len: u64, slab_size: u64) -> impl Iterator<Item = Piece> {
     })
 }
 
+/// The copies (or chunks) a write goes to: every one of `extents` that is not stale
+/// (`syncing` ones too: a fill copies only what they lack).
+pub(crate) fn writable(extents: &[ExtentLoc]) -> Vec<ExtentLoc> {
+    extents
+        .iter()
+        .filter(|e| e.state != ExtentState::Stale)
+        .copied()
+        .collect()
+}
+
 /// crc32c of every block of `data` (a multiple of the block size).
 pub fn block_crcs(data: &[u8]) -> Arc<[u32]> {
     data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect()
@@ -658,12 +668,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
         let size = self.cfg.slab_size_bytes;
-        let targets: Vec<ExtentLoc> = slab
-            .extents()
-            .iter()
-            .filter(|e| e.state != ExtentState::Stale)
-            .copied()
-            .collect();
+        let targets = writable(&slab.extents());
         self.replicate(idx, slab, targets, |at| async move {
             // One operation covers at most MAX_IO_BYTES.
             let mut off = 0;
@@ -764,11 +769,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let crcs = block_crcs(&data);
             let key = self.key(p.slab);
             let epoch = self.cfg.epoch;
-            let targets: Vec<ExtentLoc> = extents
-                .iter()
-                .filter(|e| e.state != ExtentState::Stale)
-                .copied()
-                .collect();
+            let targets = writable(&extents);
             return self
                 .replicate(p.slab, &slab, targets, |at| {
                     let op = ExtentOp::Write {
@@ -1563,11 +1564,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let extents = slab.extents();
             let version = self.next_version(&slab);
             let key = self.key(p.slab);
-            let targets: Vec<ExtentLoc> = extents
-                .iter()
-                .filter(|e| e.state != ExtentState::Stale)
-                .copied()
-                .collect();
+            let targets = writable(&extents);
             self.replicate(p.slab, &slab, targets, |at| {
                 let op = ExtentOp::Zero {
                     key,

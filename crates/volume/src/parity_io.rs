@@ -9,8 +9,8 @@
 
 use crate::parity::{Codec, Geometry, Shard};
 use crate::{
-    block_crcs, join_all, BlocksReply, ExtentLoc, ExtentOp, ExtentReply, Piece, ReplicaError,
-    ReplicaIo, Retry, Slab, SlabAllocator, Volume, VolumeError, BS,
+    block_crcs, join_all, writable, BlocksReply, ExtentLoc, ExtentOp, ExtentReply, Piece,
+    ReplicaError, ReplicaIo, Retry, Slab, SlabAllocator, Volume, VolumeError, BS,
 };
 use bytes::{Bytes, BytesMut};
 use converge_types::{ExtentState, SettleRows, SlabIndex, Version, SETTLE_ROWS_MAX};
@@ -283,11 +283,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .await
             .expect("the semaphore is never closed");
         let version = self.begin_row_write(slab);
-        let targets: Vec<ExtentLoc> = extents
-            .iter()
-            .filter(|e| e.state != ExtentState::Stale)
-            .copied()
-            .collect();
+        let targets = writable(&extents);
         let busy_until = Instant::now() + self.cfg.degraded_write_wait.max(BUSY_WAIT);
         let r = self
             .replicate(idx, slab, targets, |at| {
@@ -425,35 +421,24 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     ) {
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
-        let targets: Vec<ExtentLoc> = slab
-            .extents()
-            .iter()
-            .filter(|e| e.state != ExtentState::Stale)
-            .copied()
-            .collect();
+        let targets = writable(&slab.extents());
         let answers = join_all(
             targets
                 .iter()
                 .map(|&at| async move {
                     let mut r = Ok(());
-                    // The first op also settles below `upto`; each carries a bounded list.
-                    for (i, part) in rows.chunks(SETTLE_ROWS_MAX).enumerate() {
+                    // The first op also settles below `upto`; each carries a bounded list
+                    // (one op with none when there are no rows).
+                    let parts = rows.chunks(SETTLE_ROWS_MAX).map(<[_]>::to_vec);
+                    let parts = parts.chain(rows.is_empty().then(Vec::new));
+                    for (i, part) in parts.enumerate() {
                         let op = ExtentOp::Settle {
                             key,
                             epoch,
                             upto: if i == 0 { upto } else { Version(0) },
-                            rows: part.to_vec(),
+                            rows: part,
                         };
                         r = r.and(self.ask(at, op, ExtentReply::into_ok).await);
-                    }
-                    if rows.is_empty() {
-                        let op = ExtentOp::Settle {
-                            key,
-                            epoch,
-                            upto,
-                            rows: Vec::new(),
-                        };
-                        r = self.ask(at, op, ExtentReply::into_ok).await;
                     }
                     (at, r)
                 })
