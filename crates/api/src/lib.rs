@@ -102,6 +102,10 @@ pub struct DriveInfo {
     /// For a capacity drive: the cache drive it is bound to (if its node has one).
     #[serde(default)]
     pub cache: Option<DriveId>,
+    /// Bytes of blocks holding data in the drive's extents (every copy and chunk counts);
+    /// present in `/v1/status` for drives of live nodes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -109,6 +113,21 @@ pub struct ExtentInfo {
     pub drive: DriveId,
     pub node: NodeId,
     pub state: ExtentState,
+    /// Bytes of blocks holding data in this copy or chunk (absent: its node did not
+    /// answer).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_bytes: Option<u64>,
+}
+
+/// One extent on a node's capacity drive, as `GET /v1/extents` lists them (the node's
+/// own drives only; `/v1/volumes/NAME` and `/v1/status` gather them from every node).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalExtent {
+    pub drive: DriveId,
+    pub volume: VolumeId,
+    pub slab: u64,
+    /// Bytes of blocks holding data (written and not zeroed or trimmed since).
+    pub written_bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -134,6 +153,12 @@ pub struct VolumeInfo {
     pub slabs_allocated: u64,
     /// Bytes of slabs allocated (thin provisioning), per copy.
     pub allocated_bytes: u64,
+    /// Volume bytes that hold data (written and not trimmed or zeroed since): per slab,
+    /// the data blocks of its fullest copy, or of its data chunks. In `/v1/volumes/NAME`
+    /// and `/v1/status`; absent when a node holding the only copies that tell is down.
+    /// Writes still in a write-back cache's log count once destaged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_bytes: Option<u64>,
     /// Extents not in sync.
     pub degraded_extents: u64,
     /// Present in `GET /v1/volumes/NAME`, absent in lists.
@@ -173,6 +198,10 @@ pub struct Capacity {
     /// copies.
     #[serde(default)]
     pub allocated_bytes: u64,
+    /// Volume data written (the volumes' `written_bytes` summed); absent when one of them
+    /// is unknown.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_bytes: Option<u64>,
     /// What must stay free on the other nodes for the copies of the node holding the most
     /// to be rebuilt if it failed: that node's used bytes, and the node.
     #[serde(default)]

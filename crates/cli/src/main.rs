@@ -853,7 +853,17 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
                 v.slabs_allocated,
                 format_size(v.slab_size_bytes)
             );
-            let mut t = Table::new(&["SLAB", "DRIVE", "NODE", "STATE"]);
+            match v.written_bytes {
+                Some(w) => println!(
+                    "written     {} ({:.0}% of allocated; TRIMmed and zeroed blocks do not count)",
+                    format_size(w),
+                    100.0 * w as f64 / v.allocated_bytes.max(1) as f64
+                ),
+                None => println!(
+                    "written     unknown: the nodes holding some slab's copies did not answer"
+                ),
+            }
+            let mut t = Table::new(&["SLAB", "DRIVE", "NODE", "STATE", "WRITTEN"]);
             for s in v.slabs.iter().flatten() {
                 for e in &s.extents {
                     t.row(vec![
@@ -861,6 +871,7 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
                         format!("{:016x}", e.drive.0),
                         e.node.to_string(),
                         e.state.to_string(),
+                        e.written_bytes.map_or("-".into(), format_size),
                     ]);
                 }
             }
@@ -1308,6 +1319,7 @@ fn drives_table(v: &[DriveInfo]) -> String {
         "MEDIA",
         "SIZE",
         "SLABS USED",
+        "WRITTEN",
         "CACHE",
         "PATH",
     ]);
@@ -1323,6 +1335,7 @@ fn drives_table(v: &[DriveInfo]) -> String {
             } else {
                 format!("{}/{}", d.extents_used, d.extents_total)
             },
+            d.written_bytes.map_or("-".into(), format_size),
             match (d.role, d.cache) {
                 (DriveRole::Cache, _) => "cache".into(),
                 (_, Some(c)) => cache::short_id(c),
@@ -1341,6 +1354,7 @@ fn volumes_table(v: &[VolumeInfo]) -> String {
         "RESILIENCY",
         "OWNER",
         "ALLOCATED",
+        "WRITTEN",
         "DEGRADED",
         "URI",
     ]);
@@ -1351,6 +1365,7 @@ fn volumes_table(v: &[VolumeInfo]) -> String {
             x.resiliency.to_string(),
             x.owner_name.clone(),
             format_size(x.allocated_bytes),
+            x.written_bytes.map_or("-".into(), format_size),
             x.degraded_extents.to_string(),
             x.uri.clone(),
         ]);
@@ -1365,12 +1380,13 @@ fn print_status(s: &Status) {
     println!("nodes     {live}/{} live", s.nodes.len());
     let c = &s.capacity;
     println!(
-        "capacity  {} used of {} raw, {} free ({} provisioned, {} of volume data allocated)",
+        "capacity  {} used of {} raw, {} free ({} provisioned, {} of volume data allocated, {} written)",
         format_size(c.used_bytes),
         format_size(c.total_bytes),
         format_size(c.free_bytes),
         format_size(c.provisioned_bytes),
-        format_size(c.allocated_bytes)
+        format_size(c.allocated_bytes),
+        c.written_bytes.map_or("?".into(), format_size)
     );
     if !c.usable_bytes.is_empty() {
         let per: Vec<String> = c
@@ -1528,6 +1544,7 @@ mod tests {
             slab_size_bytes: 256 << 20,
             failed: None,
             cache: cache.map(DriveId),
+            written_bytes: None,
         }
     }
 

@@ -700,6 +700,32 @@ fn an_fstrim_sized_trim_returns_whole_slabs_to_the_pool_on_every_copy() {
     };
     assert_eq!(allocated(&lab), 3 * 64 * M);
     assert_eq!(engine_extents(&lab), 6, "three slabs, two copies each");
+    // Written bytes: what holds data, per volume (once), per copy, per drive (each copy).
+    let written = |lab: &Lab| {
+        let s = lab.json(&["status"]);
+        let drives: u64 = s["drives"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|d| d["written_bytes"].as_u64())
+            .sum();
+        let show = lab.json(&["volume", "show", "reclaim"]);
+        let copies: Vec<u64> = show["slabs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|s| s["extents"].as_array().unwrap().iter())
+            .map(|e| e["written_bytes"].as_u64().unwrap())
+            .collect();
+        assert_eq!(
+            show["written_bytes"], s["volumes"][0]["written_bytes"],
+            "{show}"
+        );
+        assert_eq!(s["capacity"]["written_bytes"], show["written_bytes"], "{s}");
+        assert_eq!(metric_sum(lab, "converge_drive_data_bytes"), drives);
+        (show["written_bytes"].as_u64().unwrap(), copies, drives)
+    };
+    assert_eq!(written(&lab), (192 * M, vec![64 * M; 6], 2 * 192 * M));
 
     // What a guest's fstrim sends: one discard over free space, here 32 MiB..160 MiB. It
     // covers slab 1 whole, which goes back to the pool on both copies; the parts of slabs
@@ -712,6 +738,13 @@ fn an_fstrim_sized_trim_returns_whole_slabs_to_the_pool_on_every_copy() {
     let show = lab.json(&["volume", "show", "reclaim"]);
     assert_eq!(show["slabs_allocated"], 2, "{show}");
     assert_eq!(metric_sum(&lab, "converge_volume_slabs_released_total"), 1);
+    // Slab 0 keeps 32 MiB of data, slab 2 its last 32 MiB.
+    assert_eq!(written(&lab), (64 * M, vec![32 * M; 4], 2 * 64 * M));
+    let text = lab.must(&["volume", "show", "reclaim"]);
+    assert!(
+        text.contains("written     64 MiB (50% of allocated"),
+        "{text}"
+    );
 
     // The volume reads what was written outside the discard and zeros inside it.
     let back = tmp.path().join("back.img");

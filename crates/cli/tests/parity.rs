@@ -126,6 +126,19 @@ fn parity_volumes_serve_real_clients_and_lose_nothing_with_m_nodes_down() {
     assert!(all_in_sync(&lab, "p21") && all_in_sync(&lab, "p22"));
     let st = lab.json(&["status"]);
     assert_eq!(st["health"], "healthy", "{st}");
+    // Written bytes count volume data once, from the data chunks (every chunk of every
+    // slab was written whole: parity chunks hold as much, and are not counted).
+    assert_eq!(st["capacity"]["written_bytes"], 384 << 20, "{st}");
+    let v = lab.json(&["volume", "show", "p21"]);
+    assert_eq!(v["written_bytes"], 256 << 20, "{v}");
+    for e in v["slabs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|s| s["extents"].as_array().unwrap())
+    {
+        assert_eq!(e["written_bytes"], 64 << 20, "{v}");
+    }
 
     // Node 2 and 3 down (the owner, node 1, stays): 2+2 reads decode around both.
     lab.must(&["lab", "fault", "kill", "2"]);

@@ -45,6 +45,9 @@ pub struct ExtentInfo {
     pub key: ExtentKey,
     pub epoch: Epoch,
     pub bytes_allocated: u64,
+    /// Bytes of blocks holding data (durably written and not zeroed since): what the
+    /// extent's volume wrote to it. Priors of held writes are not counted.
+    pub bytes_written: u64,
 }
 
 /// One run of consecutive blocks for [`Drive::destage`].
@@ -97,6 +100,8 @@ pub(crate) struct ExtentMeta {
     /// chunk's), kept with its physical block until settled or reverted, so a row write
     /// that did not complete on every chunk can be undone (docs/adr/0008).
     pub held: HashMap<u32, BlockMeta>,
+    /// Blocks of `blocks` that hold data (kept up to date with them).
+    pub data_blocks: u32,
 }
 
 /// One block's share of an extent's version digest.
@@ -218,6 +223,11 @@ impl ExtentMeta {
             if slot.has_data() && !names(meta) && !kept.is_some_and(names) {
                 gone.push(slot.phys);
             }
+            match (slot.has_data(), meta.has_data()) {
+                (false, true) => self.data_blocks += 1,
+                (true, false) => self.data_blocks -= 1,
+                _ => {}
+            }
             *slot = meta;
         }
         self.unpend(b);
@@ -256,6 +266,7 @@ impl Extent {
             epoch_seq: AtomicU64::new(seq),
             meta: Mutex::new(ExtentMeta {
                 digest: version_digest(blocks.iter().map(|m| m.version)),
+                data_blocks: blocks.iter().filter(|m| m.has_data()).count() as u32,
                 blocks,
                 overlay: HashMap::new(),
                 waiters: 0,
@@ -1757,6 +1768,7 @@ impl Drive {
                 key: e.key,
                 epoch: Epoch(e.epoch.load(Ordering::Acquire)),
                 bytes_allocated: self.layout.slab_size_bytes,
+                bytes_written: u64::from(lock(&e.meta).data_blocks) * BLOCK,
             })
             .collect();
         v.sort_by_key(|e| e.key);

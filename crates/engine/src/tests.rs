@@ -63,6 +63,15 @@ fn read_all(d: &Drive, k: ExtentKey, off: u64, len: usize) -> (Vec<u8>, crate::R
 fn model_round_trip(file: Arc<dyn BlockFile>, drive: Drive, seed: u64, ops: usize) {
     let mut rng = StdRng::seed_from_u64(seed);
     let mut model: HashMap<ExtentKey, Vec<u8>> = HashMap::new();
+    // Blocks holding data per extent: what `extents()` must count as written.
+    let mut written: HashMap<ExtentKey, std::collections::BTreeSet<u64>> = HashMap::new();
+    let check_written =
+        |drive: &Drive, written: &HashMap<ExtentKey, std::collections::BTreeSet<u64>>| {
+            for e in drive.extents() {
+                let want = written.get(&e.key).map_or(0, |w| w.len() as u64) * BLOCK;
+                assert_eq!(e.bytes_written, want, "written bytes of {:?}", e.key);
+            }
+        };
     let mut drive = drive;
     for op in 0..ops {
         let version = op as u64 + 1;
@@ -76,21 +85,33 @@ fn model_round_trip(file: Arc<dyn BlockFile>, drive: Drive, seed: u64, ops: usiz
                 .zero(k, Epoch(1), Version(version), first * BLOCK, (n * B) as u64)
                 .expect("zero");
             m[at..at + n * B].fill(0);
+            let w = written.entry(k).or_default();
+            (first..first + n as u64).for_each(|b| {
+                w.remove(&b);
+            });
         } else {
             let (data, crcs) = blocks(&mut rng, n);
             drive
                 .write(k, Epoch(1), Version(version), first * BLOCK, &data, &crcs)
                 .expect("write");
             m[at..at + n * B].copy_from_slice(&data);
+            written
+                .entry(k)
+                .or_default()
+                .extend(first..first + n as u64);
         }
         if op == ops / 2 {
+            check_written(&drive, &written);
             drop(drive);
             drive = Drive::open(file.clone()).expect("reopen");
+            check_written(&drive, &written);
         }
     }
+    check_written(&drive, &written);
     drive.checkpoint().expect("checkpoint");
     drop(drive);
     let drive = Drive::open(file).expect("reopen at end");
+    check_written(&drive, &written);
     for (k, m) in &model {
         let (buf, info) = read_all(&drive, *k, 0, SLAB as usize);
         assert!(info.bad_blocks.is_empty());
@@ -942,6 +963,8 @@ fn held_writes_keep_priors_until_settled_and_revert_to_them() {
     let (w, wc) = blocks(&mut rng, 2);
     // U everywhere (unheld), then V held over blocks 0..4.
     d.write(k, Epoch(1), Version(10), 0, &u, &uc).unwrap();
+    let written = |d: &Drive| d.extents()[0].bytes_written / BLOCK;
+    assert_eq!(written(&d), 4);
     let free0 = free_phys(&d);
     d.write_held(k, Epoch(1), Version(20), 0, &v, &vc).unwrap();
     assert_eq!(d.held_blocks(), 4);
@@ -1040,6 +1063,28 @@ fn held_writes_keep_priors_until_settled_and_revert_to_them() {
     assert_eq!(free_phys(&d) - before, 2);
     assert_eq!(d.revert(k, Epoch(1), Version(20), 0, BLOCK).unwrap(), 0);
     assert_eq!(&read_all(&d, k, 0, B).0, &v[..B]);
+
+    // Written bytes count data blocks, not priors: a held write over never-written blocks
+    // adds them, and its revert takes them away again (also after a reopen).
+    assert_eq!(written(&d), 4);
+    d.write_held(k, Epoch(1), Version(35), 8 * BLOCK, &w, &wc)
+        .unwrap();
+    assert_eq!(written(&d), 6);
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert_eq!(written(&d), 6);
+    assert_eq!(
+        d.revert(k, Epoch(1), Version(35), 8 * BLOCK, 2 * BLOCK)
+            .unwrap(),
+        2
+    );
+    assert_eq!(written(&d), 4);
+    d.zero(k, Epoch(1), Version(36), 0, BLOCK).unwrap();
+    assert_eq!(written(&d), 3);
+    d.zero(k, Epoch(1), Version(37), 0, BLOCK).unwrap();
+    d.write(k, Epoch(1), Version(38), 0, &u[..B], &uc[..1])
+        .unwrap();
+    assert_eq!(written(&d), 4);
 
     // An unheld write drops a prior; freeing the extent frees its priors.
     d.write_held(k, Epoch(1), Version(40), 0, &u[..2 * B], &uc[..2])

@@ -11,7 +11,7 @@ use converge_types::{ExtentState, NodeId, VolumeId, BLOCK_SIZE};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::Arc;
 
 use crate::cache_api;
@@ -192,7 +192,16 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::GET, ["v1", "status"]) => ok(&status(node).await?),
         (&Method::GET, ["v1", "nodes"]) => ok(&nodes(node).await?),
         (&Method::GET, ["v1", "drives"]) => ok(&drives(node).await?),
-        (&Method::GET, ["v1", "volumes"]) => ok(&volumes(node, false).await?),
+        (&Method::GET, ["v1", "extents"]) => ok(&crate::usage::local(node, None)),
+        (&Method::GET, ["v1", "extents", id]) => {
+            let id = id.parse::<u64>().map_err(|_| {
+                ApiError::bad(format!(
+                    "{id:?} is not a volume id (a number, as `converge volume show` prints it)"
+                ))
+            })?;
+            ok(&crate::usage::local(node, Some(VolumeId(id))))
+        }
+        (&Method::GET, ["v1", "volumes"]) => ok(&volumes(node, false, None).await?),
         (&Method::POST, ["v1", "volumes"]) => {
             let req: CreateVolume = serde_json::from_slice(body)
                 .map_err(|e| ApiError::bad(format!("bad volume create request: {e}")))?;
@@ -432,6 +441,7 @@ async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<Driv
             slab_size_bytes: d.slab_size_bytes,
             failed: failed.get(&d.id).cloned(),
             cache: None,
+            written_bytes: None,
         })
         .collect();
     cache_api::annotate_drives(&mut v, caches);
@@ -461,6 +471,7 @@ fn volume_info(
     slabs: &BTreeMap<converge_types::SlabIndex, SlabRecord>,
     nodes: &[NodeInfo],
     detail: bool,
+    written: Option<&crate::usage::Gathered>,
 ) -> VolumeInfo {
     let owner = nodes.iter().find(|n| n.id == rec.owner && n.live);
     let (uri, uri_tcp) = uri_of(rec, owner);
@@ -479,6 +490,8 @@ fn volume_info(
         uri_tcp,
         slabs_allocated: slabs.len() as u64,
         allocated_bytes: slabs.len() as u64 * rec.slab_size_bytes,
+        written_bytes: written
+            .and_then(|g| crate::usage::volume_written(rec.id, rec.resiliency, slabs, g)),
         degraded_extents: slabs
             .values()
             .flat_map(|s| s.extents.iter())
@@ -496,6 +509,7 @@ fn volume_info(
                             drive: e.drive,
                             node: e.node,
                             state: e.state,
+                            written_bytes: written.and_then(|g| g.of(e, rec.id, *i)),
                         })
                         .collect(),
                 })
@@ -518,7 +532,11 @@ pub(crate) async fn slab_map(
         .collect())
 }
 
-async fn volumes(node: &Node, detail: bool) -> Result<Vec<VolumeInfo>, ApiError> {
+async fn volumes(
+    node: &Node,
+    detail: bool,
+    written: Option<&crate::usage::Gathered>,
+) -> Result<Vec<VolumeInfo>, ApiError> {
     let ns = nodes(node).await?;
     let mut out = Vec::new();
     for rec in node
@@ -528,7 +546,7 @@ async fn volumes(node: &Node, detail: bool) -> Result<Vec<VolumeInfo>, ApiError>
         .map_err(ApiError::unavailable)?
     {
         let slabs = slab_map(node, rec.id).await?;
-        out.push(volume_info(&rec, &slabs, &ns, detail));
+        out.push(volume_info(&rec, &slabs, &ns, detail, written));
     }
     out.sort_by(|a, b| a.name.cmp(&b.name));
     Ok(out)
@@ -547,15 +565,30 @@ async fn volume(node: &Node, name: &str) -> Result<VolumeInfo, ApiError> {
     let (rec, _) = volume_record(node, name).await?;
     let ns = nodes(node).await?;
     let slabs = slab_map(node, rec.id).await?;
-    Ok(volume_info(&rec, &slabs, &ns, true))
+    // Written bytes from the nodes holding its copies.
+    let holders: BTreeSet<NodeId> = slabs
+        .values()
+        .flat_map(|s| s.extents.iter().map(|e| e.node))
+        .collect();
+    let g = crate::usage::gather(node, Some(&holders), Some(rec.id)).await;
+    Ok(volume_info(&rec, &slabs, &ns, true, Some(&g)))
 }
 
 async fn status(node: &Node) -> Result<Status, ApiError> {
     let ns = nodes(node).await?;
     let caches = cache_api::read(node).await?;
-    let ds = drives_with(node, &caches).await?;
+    let mut ds = drives_with(node, &caches).await?;
     let caches = caches.current();
-    let vs = volumes(node, false).await?;
+    let g = crate::usage::gather(node, None, None).await;
+    let vs = volumes(node, false, Some(&g)).await?;
+    let per_drive = g.per_drive();
+    for d in ds
+        .iter_mut()
+        .filter(|d| d.role == converge_types::DriveRole::Capacity && d.failed.is_none())
+        .filter(|d| g.answered.contains(&d.node))
+    {
+        d.written_bytes = Some(per_drive.get(&d.id).copied().unwrap_or(0));
+    }
     let capacity = crate::capacity::account(&ns, &ds, &vs);
     let mut problems = Vec::new();
     let down: Vec<String> = ns

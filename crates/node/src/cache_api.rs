@@ -117,6 +117,7 @@ pub fn annotate_drives(drives: &mut Vec<DriveInfo>, caches: &Caches) {
             slab_size_bytes: 0,
             failed: c.failed.clone(),
             cache: None,
+            written_bytes: None,
         });
     }
     drives.sort_by(|a, b| (a.node, &a.path).cmp(&(b.node, &b.path)));
@@ -301,6 +302,7 @@ mod tests {
             slab_size_bytes: 256 << 20,
             failed: None,
             cache: None,
+            written_bytes: None,
         }
     }
 

@@ -116,6 +116,7 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
             .sum(),
         free_bytes: total.saturating_sub(used.values().sum()),
         allocated_bytes: vols.iter().map(|v| v.allocated_bytes).sum(),
+        written_bytes: vols.iter().map(|v| v.written_bytes).sum(),
         rebuild_reserve_bytes: fullest.map_or(0, |f| f.1),
         rebuild_reserve_node: fullest.map(|f| f.0),
         usable_bytes: usable,
@@ -165,6 +166,7 @@ mod tests {
             slab_size_bytes: G,
             failed: None,
             cache: None,
+            written_bytes: None,
         }
     }
 

@@ -18,6 +18,7 @@ mod orphans;
 mod repair;
 mod scrub;
 mod tiering;
+mod usage;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;

@@ -126,6 +126,8 @@ pub async fn render(node: &Node) -> String {
             "converge_drive_metadata_written_bytes_total{{{l}}} {}",
             s.metadata_write_bytes
         );
+        let data: u64 = d.extents().iter().map(|e| e.bytes_written).sum();
+        let _ = writeln!(o, "converge_drive_data_bytes{{{l}}} {data}");
         let c = d.capacity();
         let _ = writeln!(o, "converge_drive_extents_total{{{l}}} {}", c.extents_total);
         let _ = writeln!(o, "converge_drive_extents_used{{{l}}} {}", c.extents_used);

@@ -1,0 +1,286 @@
+//! Written bytes: how much of each volume, extent and drive holds data, as opposed to
+//! what is allocated (whole slabs). Every drive counts the blocks of its extents that hold
+//! data (the engine keeps the count with the block map); each node lists its own at
+//! `GET /v1/extents`, and `volume show` and `status` gather the lists from the live nodes
+//! and fold them with the slab maps: a mirror slab's written bytes are its fullest copy's,
+//! a parity slab's are its data chunks' sum (parity chunks hold no volume data).
+
+use crate::node::Node;
+use converge_api::LocalExtent;
+use converge_control::model::{ExtentRecord, SlabRecord};
+use converge_types::{DriveId, ExtentState, NodeId, Resiliency, SlabIndex, VolumeId};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+
+/// A node that has not listed its extents within this long counts as not answering
+/// (`status` must not hang on a node that is cut off but not yet declared down).
+const ASK_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// This node's extents on its working capacity drives (of `volume` only, if given).
+pub fn local(node: &Node, volume: Option<VolumeId>) -> Vec<LocalExtent> {
+    let mut out = Vec::new();
+    for (id, t) in &node.drives {
+        if t.failure().is_some() {
+            continue;
+        }
+        out.extend(
+            t.extents()
+                .into_iter()
+                .filter(|e| volume.is_none_or(|v| e.key.volume == v))
+                .map(|e| LocalExtent {
+                    drive: *id,
+                    volume: e.key.volume,
+                    slab: e.key.slab.0,
+                    written_bytes: e.bytes_written,
+                }),
+        );
+    }
+    out.sort_by_key(|e| (e.volume, e.slab, e.drive));
+    out
+}
+
+/// Written bytes of the extents the asked nodes hold, by (drive, volume, slab).
+#[derive(Default)]
+pub struct Gathered {
+    pub written: HashMap<(DriveId, VolumeId, u64), u64>,
+    /// Nodes that answered: an extent they did not list has nothing written (the slab is
+    /// placed, but no write reached that copy yet).
+    pub answered: BTreeSet<NodeId>,
+}
+
+impl Gathered {
+    /// Written bytes of the copy `e` of `volume`'s slab, if its node answered.
+    pub fn of(&self, e: &ExtentRecord, volume: VolumeId, slab: SlabIndex) -> Option<u64> {
+        self.answered.contains(&e.node).then(|| {
+            self.written
+                .get(&(e.drive, volume, slab.0))
+                .map_or(0, |w| *w)
+        })
+    }
+
+    /// Sum per drive (every copy and chunk counts).
+    pub fn per_drive(&self) -> HashMap<DriveId, u64> {
+        let mut m: HashMap<DriveId, u64> = HashMap::new();
+        for ((d, _, _), w) in &self.written {
+            *m.entry(*d).or_default() += w;
+        }
+        m
+    }
+}
+
+type Ask<'a> = Pin<Box<dyn Future<Output = (NodeId, Option<Vec<LocalExtent>>)> + Send + 'a>>;
+
+/// Asks `nodes` (all live nodes when `None`) for their extents (of `volume` only, if
+/// given), at once: this node answers from its own drives.
+pub async fn gather(
+    node: &Node,
+    nodes: Option<&BTreeSet<NodeId>>,
+    volume: Option<VolumeId>,
+) -> Gathered {
+    let mut g = Gathered::default();
+    let live = match node.cluster.live_nodes().await {
+        Ok(l) => l,
+        Err(e) => {
+            log::warn!("written bytes: listing live nodes: {e}");
+            return g;
+        }
+    };
+    let path = match volume {
+        Some(v) => format!("/v1/extents/{v}"),
+        None => "/v1/extents".to_string(),
+    };
+    let mut asks: Vec<Ask<'_>> = Vec::new();
+    let wanted = |id: NodeId| nodes.is_none_or(|n| n.contains(&id));
+    for n in live.into_iter().filter(|n| wanted(n.id)) {
+        if n.id == node.cfg.node_id {
+            g.add(local(node, volume));
+            g.answered.insert(n.id);
+            continue;
+        }
+        let path = path.clone();
+        asks.push(Box::pin(async move {
+            let got = tokio::time::timeout(
+                ASK_TIMEOUT,
+                crate::http_client::request(node, &n, "GET", &path, b""),
+            )
+            .await;
+            let list = match got {
+                Ok(Ok((200, body))) => match serde_json::from_slice::<Vec<LocalExtent>>(&body) {
+                    Ok(l) => Some(l),
+                    Err(e) => {
+                        log::warn!("written bytes: node {}'s extent list: {e}", n.id);
+                        None
+                    }
+                },
+                Ok(Ok((status, _))) => {
+                    log::warn!("written bytes: node {} answered {status}", n.id);
+                    None
+                }
+                Ok(Err(e)) => {
+                    log::warn!("written bytes: asking node {}: {e}", n.id);
+                    None
+                }
+                Err(_) => {
+                    log::warn!(
+                        "written bytes: node {} did not answer in {ASK_TIMEOUT:?}",
+                        n.id
+                    );
+                    None
+                }
+            };
+            (n.id, list)
+        }));
+    }
+    for (id, list) in join_all(asks).await {
+        if let Some(l) = list {
+            g.add(l);
+            g.answered.insert(id);
+        }
+    }
+    g
+}
+
+impl Gathered {
+    fn add(&mut self, list: Vec<LocalExtent>) {
+        for e in list {
+            self.written
+                .insert((e.drive, e.volume, e.slab), e.written_bytes);
+        }
+    }
+}
+
+/// Runs the futures concurrently and returns their outputs in order.
+async fn join_all<T>(mut fs: Vec<Pin<Box<dyn Future<Output = T> + Send + '_>>>) -> Vec<T> {
+    let mut out: Vec<Option<T>> = fs.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, o) in fs.iter_mut().zip(out.iter_mut()) {
+            if o.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *o = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter()
+        .map(|o| o.expect("every future finished"))
+        .collect()
+}
+
+/// A volume's written bytes from its slab map and what its extents' nodes answered: per
+/// slab, a mirror's fullest in-sync copy that answered (else its fullest copy), a parity slab's data chunks summed (chunk `j < K` of the record). `None`
+/// when a slab has no copy that answered, or a data chunk did not.
+pub fn volume_written(
+    volume: VolumeId,
+    resiliency: Resiliency,
+    slabs: &BTreeMap<SlabIndex, SlabRecord>,
+    g: &Gathered,
+) -> Option<u64> {
+    let mut total = 0u64;
+    for (idx, s) in slabs {
+        let of = |e: &ExtentRecord| g.of(e, volume, *idx);
+        total += match resiliency {
+            Resiliency::Parity { data, .. } => s
+                .extents
+                .iter()
+                .take(usize::from(data))
+                .map(of)
+                .sum::<Option<u64>>()?,
+            // In-sync copies tell; a stale one may miss writes or keep trimmed blocks.
+            _ => s
+                .extents
+                .iter()
+                .filter(|e| e.state == ExtentState::InSync)
+                .filter_map(of)
+                .max()
+                .or_else(|| s.extents.iter().filter_map(of).max())?,
+        };
+    }
+    Some(total)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn slab(drives: &[u64]) -> SlabRecord {
+        SlabRecord {
+            extents: drives
+                .iter()
+                .map(|d| ExtentRecord {
+                    drive: DriveId(*d),
+                    node: NodeId(*d as u32),
+                    state: ExtentState::InSync,
+                })
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn mirrors_count_their_fullest_copy_and_parity_its_data_chunks() {
+        let v = VolumeId(9);
+        let mut g = Gathered::default();
+        // Nodes 1..=4 (drive d on node d) answered; slab 0 on drives 1, 2, 3; slab 1 on drives 2, 3, 4.
+        for (d, s, w) in [
+            (1, 0, 40),
+            (2, 0, 40),
+            (3, 0, 36),
+            (2, 1, 8),
+            (3, 1, 8),
+            (4, 1, 8),
+        ] {
+            g.written.insert((DriveId(d), v, s), w);
+            g.answered.insert(NodeId(d as u32));
+        }
+        let slabs: BTreeMap<SlabIndex, SlabRecord> = [
+            (SlabIndex(0), slab(&[1, 2, 3])),
+            (SlabIndex(1), slab(&[2, 3, 4])),
+        ]
+        .into();
+        assert_eq!(volume_written(v, Resiliency::Mirror3, &slabs, &g), Some(48));
+        // A stale copy counts only when no in-sync copy answered.
+        let mut stale = slabs.clone();
+        stale.get_mut(&SlabIndex(0)).unwrap().extents[0].state = ExtentState::Stale;
+        g.written.insert((DriveId(1), v, 0), 64);
+        assert_eq!(volume_written(v, Resiliency::Mirror3, &stale, &g), Some(48));
+        g.answered.remove(&NodeId(2));
+        g.answered.remove(&NodeId(3));
+        // Only slab 0's stale copy answered: better than nothing.
+        assert_eq!(
+            volume_written(v, Resiliency::Mirror3, &stale, &g),
+            Some(64 + 8)
+        );
+        g.answered.extend([NodeId(2), NodeId(3)]);
+        g.written.insert((DriveId(1), v, 0), 40);
+        // As parity-2+1, drive 3 (chunk 2) is parity: slab 0 = 40 + 40, slab 1 = 8 + 8.
+        let p = Resiliency::Parity { data: 2, parity: 1 };
+        assert_eq!(volume_written(v, p, &slabs, &g), Some(96));
+        // An extent a node that answered does not hold has nothing written.
+        g.written.remove(&(DriveId(1), v, 0));
+        assert_eq!(volume_written(v, p, &slabs, &g), Some(40 + 8 + 8));
+        g.written.insert((DriveId(1), v, 0), 40);
+        // A parity chunk whose node is down does not matter; a data chunk's does.
+        // (drive 3 is slab 0's parity chunk, drive 4 slab 1's).
+        g.answered.remove(&NodeId(4));
+        assert_eq!(volume_written(v, p, &slabs, &g), Some(96));
+        g.answered.remove(&NodeId(2));
+        assert_eq!(volume_written(v, p, &slabs, &g), None);
+        // A mirror needs one copy of each slab whose node answered.
+        assert_eq!(volume_written(v, Resiliency::Mirror3, &slabs, &g), Some(48));
+        g.answered.remove(&NodeId(3));
+        assert_eq!(volume_written(v, Resiliency::Mirror3, &slabs, &g), None);
+        // Another volume's extents never count.
+        g.written.insert((DriveId(2), VolumeId(10), 1), 4096);
+        assert_eq!(volume_written(v, Resiliency::Mirror3, &slabs, &g), None);
+        assert_eq!(g.per_drive()[&DriveId(2)], 40 + 8 + 4096);
+    }
+}
