@@ -37,6 +37,13 @@ pub struct WorkerSpec {
     pub ramp_s: u64,
     /// Measured seconds (`Measure` only).
     pub runtime_s: u64,
+    /// Share of every written buffer that is a fixed, compressible pattern, 0..=100 (fio's
+    /// `buffer_compress_percentage`; 0: fio's random data).
+    #[serde(default)]
+    pub compress_pct: u8,
+    /// Share of written buffers that repeat earlier ones, 0..=100 (`dedupe_percentage`).
+    #[serde(default)]
+    pub dedupe_pct: u8,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -151,7 +151,8 @@ pub struct VolumeInfo {
     /// `nbd://HOST:PORT/NAME` when the owner listens on TCP.
     pub uri_tcp: Option<String>,
     pub slabs_allocated: u64,
-    /// Bytes of slabs allocated (thin provisioning), per copy.
+    /// Volume bytes in allocated slabs (thin provisioning), each slab counted once: a
+    /// mirror slab spans one extent, a parity-K+M slab K extents (its data chunks).
     pub allocated_bytes: u64,
     /// Volume bytes that hold data (written and not trimmed or zeroed since): per slab,
     /// the data blocks of its fullest copy, or of its data chunks. In `/v1/volumes/NAME`

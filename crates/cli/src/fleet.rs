@@ -80,7 +80,7 @@ pub enum FleetCmd {
     Clean,
 }
 
-#[derive(Args)]
+#[derive(Args, Clone)]
 pub struct RunArgs {
     /// small-block, large-block, vm-scaling, oltp, exchange or seq.
     #[arg(long)]
@@ -109,8 +109,16 @@ pub struct RunArgs {
     #[arg(long)]
     working_set: Option<String>,
     /// Resiliency of the fleet's volumes: simple, mirror-2, mirror-3 (default) or parity-K+M.
+    /// With --study density: the resiliencies to compare, e.g. mirror-3,parity-2+1.
     #[arg(long)]
     resiliency: Option<String>,
+    /// Run a study instead of one sweep. `density`: the same profile and data on each
+    /// resiliency in turn (default: mirror-3, mirror-2, parity-2+1, and parity-4+2 with 6
+    /// or more nodes; --resiliency picks others), each run in OUT/<resiliency>/, then
+    /// OUT/compare.md and compare.html lay them side by side with a density-vs-performance
+    /// table (usable capacity, IOPS, latency, CPU per I/O, write amplification).
+    #[arg(long, value_name = "STUDY")]
+    study: Option<String>,
     /// Warm-up per point, excluded from the measurements (e.g. 30s, 5m).
     #[arg(long)]
     warmup: Option<String>,
@@ -142,6 +150,13 @@ pub struct RunArgs {
     /// in effect, as they are.
     #[arg(long, value_parser = parse_cache_mode)]
     cache_mode: Option<CacheMode>,
+    /// The data written, in % of every buffer that is a fixed pattern a compressor removes
+    /// (fio's buffer_compress_percentage; pre-fill included). Default 0: random bytes.
+    #[arg(long, value_name = "PCT")]
+    compressible: Option<u64>,
+    /// % of written buffers that repeat earlier ones (fio's dedupe_percentage). Default 0.
+    #[arg(long, value_name = "PCT")]
+    dedupe: Option<u64>,
 }
 
 fn parse_cache_mode(s: &str) -> Result<CacheMode, String> {
@@ -314,6 +329,7 @@ fn flush_all(nodes: &[NodeCtx], when: &str) -> Result<Vec<Value>> {
 
 pub fn run(cmd: &FleetCmd, json: bool, api: impl Fn() -> Result<String>) -> Result<()> {
     match cmd {
+        FleetCmd::Run(a) if a.study.is_some() => run_study(a, json, &api()?),
         FleetCmd::Run(a) => run_fleet(a, json, &api()?),
         FleetCmd::Report { dirs, out } => report_cmd(dirs, out.as_deref(), json),
         FleetCmd::Profiles => {
@@ -416,6 +432,8 @@ fn overrides(a: &RunArgs) -> Result<Overrides> {
         cooldown_s: dur(&a.cooldown).context("--cooldown")?,
         repeat: a.repeat,
         quick: a.quick,
+        compress_pct: a.compressible,
+        dedupe_pct: a.dedupe,
     })
 }
 
@@ -638,6 +656,7 @@ fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
             // Stated again once --cache-mode is in effect (see run_fleet).
             cache_mode: describe_caches(&status.caches, &drives),
         },
+        capacity: None,
         nodes: nodes
             .iter()
             .map(|n| NodeConfig {
@@ -1049,6 +1068,85 @@ fn run_fleet(a: &RunArgs, json: bool, api: &str) -> Result<()> {
     }
 }
 
+/// The resiliencies a density study compares by default: those the cluster's live nodes
+/// can place (every copy or chunk of a slab on its own node).
+fn density_defaults(api: &str) -> Result<Vec<Resiliency>> {
+    let st: converge_api::Status = http::call(api, "GET", "/v1/status", None)?;
+    let live = st.nodes.iter().filter(|n| n.live).count();
+    let all = [
+        Resiliency::Mirror3,
+        Resiliency::Mirror2,
+        Resiliency::Parity { data: 2, parity: 1 },
+        Resiliency::Parity { data: 4, parity: 2 },
+    ];
+    Ok(all.into_iter().filter(|r| r.copies() <= live).collect())
+}
+
+/// `--study density`: one run per resiliency, then the comparison.
+fn run_study(a: &RunArgs, json: bool, api: &str) -> Result<()> {
+    let study = a.study.as_deref().unwrap_or_default();
+    if study != "density" {
+        bail!(
+            "--study {study:?}: the studies are `density` (the same profile on several \
+             resiliencies, side by side)"
+        );
+    }
+    check_out_dir(&a.out)?;
+    let list: Vec<Resiliency> = match &a.resiliency {
+        Some(s) => s
+            .split(',')
+            .map(|r| {
+                r.trim()
+                    .parse::<Resiliency>()
+                    .map_err(|e| anyhow!("--resiliency: {e}"))
+            })
+            .collect::<Result<_>>()?,
+        None => density_defaults(api)?,
+    };
+    let mut unique = list.clone();
+    unique.sort_by_key(|r| r.to_string());
+    unique.dedup();
+    if unique.len() < 2 || unique.len() != list.len() {
+        bail!(
+            "--study density compares two or more different resiliencies; got {} (give \
+             --resiliency mirror-3,parity-2+1, or use a cluster with 3 or more nodes)",
+            list.iter()
+                .map(|r| r.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    // Every run's own checks (profile, flags) before the first one starts.
+    let mut check = a.clone();
+    check.resiliency = None;
+    profile::resolve(&a.profile, &overrides(&check)?).map_err(|e| anyhow!("{e}"))?;
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut dirs = Vec::new();
+    for (i, r) in list.iter().enumerate() {
+        println!(
+            "density study: run {} of {}: {r} -> {}",
+            i + 1,
+            list.len(),
+            a.out.join(r.to_string()).display()
+        );
+        let mut one = a.clone();
+        one.study = None;
+        one.resiliency = Some(r.to_string());
+        one.out = a.out.join(r.to_string());
+        if let Err(e) = run_fleet(&one, false, api) {
+            if !dirs.is_empty() {
+                let _ = report_cmd(&dirs, Some(&a.out), false);
+            }
+            return Err(e.context(format!(
+                "density study: the {r} run failed; the runs before it are compared in {}",
+                a.out.display()
+            )));
+        }
+        dirs.push(one.out);
+    }
+    report_cmd(&dirs, Some(&a.out), json)
+}
+
 fn print_tail(s: &RunSummary, out: &Path) {
     let wp: Vec<_> = s.measured().filter(|(p, _)| p.write_pct > 0).collect();
     if !wp.is_empty() {
@@ -1081,6 +1179,37 @@ fn print_tail(s: &RunSummary, out: &Path) {
         fmt::duration_s(s.wall_s),
         out.display()
     );
+}
+
+/// The fleet's volumes in the cluster's capacity accounting, once pre-filled.
+fn capacity_after_prefill(
+    api: &str,
+    settings: &Settings,
+    volumes: &[String],
+) -> Result<converge_fleet::model::RunCapacity> {
+    let st: converge_api::Status = http::call(api, "GET", "/v1/status", None)?;
+    let r = settings.resiliency;
+    let ours: Vec<&converge_api::VolumeInfo> = st
+        .volumes
+        .iter()
+        .filter(|v| volumes.contains(&v.name))
+        .collect();
+    let allocated: u64 = ours.iter().map(|v| v.allocated_bytes).sum();
+    Ok(converge_fleet::model::RunCapacity {
+        pool_raw_bytes: st.capacity.total_bytes,
+        pool_usable_bytes: st
+            .capacity
+            .usable_bytes
+            .get(&r.to_string())
+            .copied()
+            .unwrap_or(0),
+        provisioned_bytes: ours.iter().map(|v| v.size_bytes).sum(),
+        allocated_bytes: allocated,
+        written_bytes: ours.iter().map(|v| v.written_bytes).sum(),
+        // Every allocated slab holds copies (or K+M chunks for K chunks of data).
+        raw_used_bytes: (u128::from(allocated) * r.copies() as u128 / r.needed() as u128) as u64,
+        compression_saved_bytes: 0,
+    })
 }
 
 /// Power of two ≤ 1 MiB dividing `ws` (a multiple of 4 KiB): the pre-fill block size.
@@ -1142,6 +1271,8 @@ fn sweep(
                 size_bytes: ws,
                 ramp_s: 0,
                 runtime_s: 0,
+                compress_pct: settings.compress_pct,
+                dedupe_pct: settings.dedupe_pct,
             };
             session.start_worker(ni, &spec)?;
         }
@@ -1185,6 +1316,12 @@ fn sweep(
         format_size(ws),
         fmt::duration_s(tp.elapsed().as_secs_f64())
     ));
+    match capacity_after_prefill(session.api, settings, &session.created) {
+        Ok(c) => summary.config.capacity = Some(c),
+        Err(e) => progress.line(&format!(
+            "warning: no capacity figures in the report: reading /v1/status: {e:#}"
+        )),
+    }
 
     let mut done = 0usize;
     let sweep_start = Instant::now();
@@ -1286,6 +1423,8 @@ fn measure_point(
                 size_bytes: s.working_set_bytes,
                 ramp_s: s.warmup_s,
                 runtime_s: s.duration_s,
+                compress_pct: s.compress_pct,
+                dedupe_pct: s.dedupe_pct,
             };
             let w = session.start_worker(ni, &spec)?;
             slots.push((ni, k, w.id, spec.volume));

@@ -478,6 +478,31 @@ fn bad_input_is_refused_before_anything_starts() {
     assert!(e.contains("raid5"), "{e}");
     let e = run(&["--profile", "small-block", "--nodes", "9"]);
     assert!(e.contains("--nodes 9"), "{e}");
+    let e = run(&["--profile", "small-block", "--compressible", "101"]);
+    assert!(
+        e.contains("--compressible 101") && e.contains("0..=100"),
+        "{e}"
+    );
+    let e = run(&["--profile", "small-block", "--study", "speed"]);
+    assert!(e.contains("`density`"), "{e}");
+    let e = run(&[
+        "--profile",
+        "small-block",
+        "--study",
+        "density",
+        "--resiliency",
+        "mirror-2",
+    ]);
+    assert!(e.contains("two or more different resiliencies"), "{e}");
+    let e = run(&[
+        "--profile",
+        "small-block",
+        "--study",
+        "density",
+        "--qd",
+        "0",
+    ]);
+    assert!(e.contains("--qd 0"), "{e}");
     // 4 nodes × 2 workers × 2 GiB × 3 copies = 48 GiB on an 8 GiB lab.
     let e = run(&[
         "--profile",
@@ -513,4 +538,89 @@ fn bad_input_is_refused_before_anything_starts() {
     // `fleet report` of something that is not a run.
     let e = lab.fails(&["fleet", "report", out.path().to_str().unwrap()]);
     assert!(e.contains("summary.json"), "{e}");
+}
+
+/// `--study density`: the same quick sweep on mirror-2 and parity-2+1 with half-compressible
+/// data, each run in its own directory with its capacity figures, and a comparison with
+/// the density-vs-performance table; fio got the data pattern.
+#[test]
+fn a_density_study_compares_resiliencies_side_by_side() {
+    let lab = Lab::up(3, &["--ram"]);
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("density");
+    lab.must(&[
+        "fleet",
+        "run",
+        "--profile",
+        "small-block",
+        "--quick",
+        "--study",
+        "density",
+        "--resiliency",
+        "mirror-2,parity-2+1",
+        "--qd",
+        "4",
+        "--write-pct",
+        "0,100",
+        "--warmup",
+        "1",
+        "--duration",
+        "2",
+        "--compressible",
+        "50",
+        // A parity-2+1 slab spans 128 MiB: volumes of whole slabs are written whole.
+        "--working-set",
+        "128M",
+        "--out",
+        dir.to_str().unwrap(),
+    ]);
+    const M: u64 = 1 << 20;
+    for (r, usable, raw_per_written) in [("mirror-2", 0.5, 2.0), ("parity-2+1", 2.0 / 3.0, 1.5)] {
+        let s = report::load(&dir.join(r)).unwrap();
+        assert_eq!(s.status, RunStatus::Complete, "{r}: {:?}", s.status);
+        assert_eq!(s.config.settings.resiliency.to_string(), r);
+        assert_eq!(s.config.settings.compress_pct, 50);
+        let c = s.config.capacity.clone().expect("capacity figures");
+        // 3 equal nodes: the pool measures the theory.
+        let u = c.usable_per_raw().unwrap();
+        assert!((u - usable).abs() < 0.01, "{r}: usable/raw {u}: {c:?}");
+        // One 128 MiB volume per node, pre-filled whole: all of it written.
+        assert_eq!(c.provisioned_bytes, 3 * 128 * M, "{r}: {c:?}");
+        assert_eq!(c.allocated_bytes, c.provisioned_bytes, "{r}: {c:?}");
+        assert_eq!(c.written_bytes, Some(c.allocated_bytes), "{r}: {c:?}");
+        let rp = c.raw_per_written().unwrap();
+        assert!((rp - raw_per_written).abs() < 1e-9, "{r}: {rp}: {c:?}");
+        let md = std::fs::read_to_string(dir.join(r).join("report.md")).unwrap();
+        assert!(
+            md.contains("## Capacity") && md.contains("50 % compressible"),
+            "{md}"
+        );
+        // fio was given the pattern.
+        let raw = dir.join(r).join("raw");
+        let point = std::fs::read_dir(&raw)
+            .unwrap()
+            .next()
+            .unwrap()
+            .unwrap()
+            .path();
+        let worker = point.join("r1").join("node1-w1.json");
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&worker).unwrap()).unwrap();
+        assert_eq!(
+            v["jobs"][0]["job options"]["buffer_compress_percentage"], "50",
+            "{worker:?}"
+        );
+    }
+    let cmp = std::fs::read_to_string(dir.join("compare.md")).unwrap();
+    assert!(cmp.contains("Density vs performance"), "{cmp}");
+    for want in [
+        "| mirror-2 |",
+        "| parity-2+1 |",
+        "0.50 (0.50 in theory)",
+        "0.67 (0.67 in theory)",
+    ] {
+        assert!(cmp.contains(want), "{want:?} in {cmp}");
+    }
+    assert!(dir.join("compare.html").exists());
+    assert!(fleet_volumes(&lab).is_empty(), "{:?}", fleet_volumes(&lab));
 }

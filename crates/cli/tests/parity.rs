@@ -131,6 +131,9 @@ fn parity_volumes_serve_real_clients_and_lose_nothing_with_m_nodes_down() {
     assert_eq!(st["capacity"]["written_bytes"], 384 << 20, "{st}");
     let v = lab.json(&["volume", "show", "p21"]);
     assert_eq!(v["written_bytes"], 256 << 20, "{v}");
+    // Two slabs of two 64 MiB data chunks each.
+    assert_eq!(v["allocated_bytes"], 256 << 20, "{v}");
+    assert_eq!(v["slabs_allocated"], 2, "{v}");
     for e in v["slabs"]
         .as_array()
         .unwrap()

@@ -21,9 +21,10 @@ pub struct Run {
 type Attr = (&'static str, fn(&RunSummary) -> String);
 
 /// What may differ between runs, in the order labels name it.
-const ATTRS: [Attr; 9] = [
+const ATTRS: [Attr; 10] = [
     ("profile", |s| s.config.settings.profile.to_string()),
     ("resiliency", |s| s.config.settings.resiliency.to_string()),
+    ("data", |s| s.config.settings.data_pattern()),
     ("cache", |s| s.config.cluster.cache_mode.clone()),
     ("working set", |s| {
         format_size(s.config.settings.working_set_bytes)
@@ -198,6 +199,7 @@ pub fn sections(runs: &[Run]) -> Vec<Section> {
         runs.first().map(|r| r.label.as_str()).unwrap_or("")
     )));
     out.push(sec);
+    out.push(density(runs));
     let ks = keys(runs);
     let many = {
         let mut b: Vec<(u64, u32)> = ks
@@ -274,6 +276,102 @@ pub fn sections(runs: &[Run]) -> Vec<Section> {
     )));
     out.push(msec);
     out
+}
+
+/// Mean of `f` over a run's measured points that `which` selects.
+fn mean_of(r: &Run, which: fn(&Point) -> bool, f: fn(&PointStats) -> Option<f64>) -> Option<f64> {
+    let v: Vec<f64> = r
+        .summary
+        .measured()
+        .filter(|(p, _)| which(p))
+        .filter_map(|(_, s)| f(s))
+        .collect();
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+}
+
+/// Density vs performance, one row per run: what each resiliency (and data pattern) keeps
+/// of the raw capacity beside what it costs in IOPS, latency, CPU and write amplification
+/// — the table vendors publish for their storage policies.
+fn density(runs: &[Run]) -> Section {
+    let mut t = Table::new(
+        "Density vs performance",
+        &[
+            "run",
+            "resiliency",
+            "data",
+            "usable / raw",
+            "raw per written byte",
+            "read IOPS",
+            "write IOPS",
+            "mean latency",
+            "CPU µs per I/O",
+            "WA total (floor)",
+        ],
+    );
+    let opt = |v: Option<f64>, f: fn(f64) -> String| v.map_or(NOT_MEASURED.to_string(), f);
+    for r in runs {
+        let st = &r.summary.config.settings;
+        let cap = r.summary.config.capacity.as_ref();
+        let floor = mean_of_floor(r);
+        t.row(vec![
+            r.label.clone(),
+            st.resiliency.to_string(),
+            st.data_pattern(),
+            format!(
+                "{} ({:.2} in theory)",
+                opt(cap.and_then(|c| c.usable_per_raw()), |v| format!("{v:.2}")),
+                crate::report::usable_per_raw(st.resiliency)
+            ),
+            opt(cap.and_then(|c| c.raw_per_written()), |v| format!("{v:.2}")),
+            opt(
+                mean_of(r, |p| p.write_pct == 0, |s| Some(s.iops)),
+                fmt::iops,
+            ),
+            opt(
+                mean_of(r, |p| p.write_pct == 100, |s| Some(s.iops)),
+                fmt::iops,
+            ),
+            opt(mean_of(r, |_| true, |s| s.lat_mean_us), fmt::lat_us),
+            opt(mean_of(r, |_| true, |s| s.cpu_us_per_io), fmt::sig3),
+            format!(
+                "{} ({})",
+                opt(
+                    mean_of(r, |p| p.write_pct > 0, |s| s.wa.total),
+                    |v| format!("{v:.2}")
+                ),
+                opt(floor, |v| format!("{v:.2}"))
+            ),
+        ]);
+    }
+    Section {
+        id: "density".into(),
+        title: "Density vs performance".into(),
+        items: vec![
+            Item::Table(t),
+            Item::Text(
+                "Usable / raw: what the pool holds at the run's resiliency when empty, over \
+                 its raw bytes (measured by the cluster; in theory 1 ÷ copies, or K ÷ (K+M)). \
+                 Raw per written byte: the drives' bytes the fleet's volumes took after \
+                 pre-fill over the bytes they hold (whole slabs are allocated). Read and \
+                 write IOPS: means over the read-only and write-only points; latency, CPU \
+                 and WA: means over all points (WA: over the write points, with the mean \
+                 data floor of the resiliency at those points' block sizes). Compression: \
+                 converge does not compress yet, so the data pattern changes nothing stored."
+                    .into(),
+            ),
+        ],
+    }
+}
+
+fn mean_of_floor(r: &Run) -> Option<f64> {
+    let res = r.summary.config.settings.resiliency;
+    let v: Vec<f64> = r
+        .summary
+        .measured()
+        .filter(|(p, _)| p.write_pct > 0)
+        .map(|(p, _)| crate::report::wa_floor(res, p.bs_bytes))
+        .collect();
+    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
 pub fn title(runs: &[Run]) -> String {

@@ -66,6 +66,43 @@ pub struct RunConfig {
     pub settings: Settings,
     /// Volumes the fleet created (one per worker slot per node).
     pub volumes: Vec<String>,
+    /// What the fleet's volumes cost in capacity, read after pre-fill (absent in runs
+    /// made before it was recorded, and in runs stopped before pre-fill ended).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<RunCapacity>,
+}
+
+/// The density side of a run: what its resiliency (and data) cost in capacity, from the
+/// cluster's own accounting (`/v1/status`) once every volume was pre-filled.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct RunCapacity {
+    /// Raw bytes of the pool's capacity drives.
+    pub pool_raw_bytes: u64,
+    /// Volume data the empty pool holds at the run's resiliency (every copy or chunk of a
+    /// slab on its own node).
+    pub pool_usable_bytes: u64,
+    /// Sum of the fleet's volume sizes.
+    pub provisioned_bytes: u64,
+    /// The fleet's volume bytes in allocated slabs.
+    pub allocated_bytes: u64,
+    /// The fleet's volume bytes holding data; `None` if a node did not answer.
+    pub written_bytes: Option<u64>,
+    /// Raw bytes the pool's drives gave the fleet's volumes (every copy or chunk).
+    pub raw_used_bytes: u64,
+    /// Bytes compression saved on the drives (converge does not compress yet: 0).
+    pub compression_saved_bytes: u64,
+}
+
+impl RunCapacity {
+    /// Usable bytes per raw byte as the pool measured it (pool usable ÷ raw).
+    pub fn usable_per_raw(&self) -> Option<f64> {
+        ratio(self.pool_usable_bytes as f64, self.pool_raw_bytes as f64)
+    }
+
+    /// Raw bytes per written volume byte, as the fleet's volumes measured it.
+    pub fn raw_per_written(&self) -> Option<f64> {
+        ratio(self.raw_used_bytes as f64, self.written_bytes? as f64)
+    }
 }
 
 impl RunConfig {
@@ -722,6 +759,7 @@ pub(crate) mod tests {
             drives,
             settings,
             volumes: vec![],
+            capacity: None,
         }
     }
 

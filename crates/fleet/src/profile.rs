@@ -110,6 +110,8 @@ impl Profile {
             cooldown_s: 0,
             repeat: 1,
             quick: false,
+            compress_pct: 0,
+            dedupe_pct: 0,
         };
         match self {
             Profile::SmallBlock => base,
@@ -205,9 +207,27 @@ pub struct Settings {
     pub cooldown_s: u64,
     pub repeat: u32,
     pub quick: bool,
+    /// The data the workers write (fio's `buffer_compress_percentage`): this share of
+    /// every buffer is a fixed pattern a compressor removes; 0 = fio's default, random
+    /// bytes that do not compress.
+    #[serde(default)]
+    pub compress_pct: u8,
+    /// Share of written buffers that repeat an earlier one (fio's `dedupe_percentage`).
+    #[serde(default)]
+    pub dedupe_pct: u8,
 }
 
 impl Settings {
+    /// The data pattern in words, as the report and comparisons show it.
+    pub fn data_pattern(&self) -> String {
+        match (self.compress_pct, self.dedupe_pct) {
+            (0, 0) => "random (incompressible)".into(),
+            (c, 0) => format!("{c} % compressible"),
+            (0, d) => format!("random, {d} % duplicate buffers"),
+            (c, d) => format!("{c} % compressible, {d} % duplicate buffers"),
+        }
+    }
+
     /// Volumes each node needs: the most workers any point runs there.
     pub fn volumes_per_node(&self) -> u32 {
         self.workers_per_node.iter().copied().max().unwrap_or(1)
@@ -237,6 +257,8 @@ pub struct Overrides {
     pub cooldown_s: Option<u64>,
     pub repeat: Option<u64>,
     pub quick: bool,
+    pub compress_pct: Option<u64>,
+    pub dedupe_pct: Option<u64>,
 }
 
 fn sorted_unique<T: Ord + Copy>(v: &[T]) -> Vec<T> {
@@ -367,6 +389,21 @@ pub fn resolve(profile: &str, o: &Overrides) -> Result<Settings, PlanError> {
             format!("{} s / {} s", s.warmup_s, s.cooldown_s),
             "must be at most 24 h",
         ));
+    }
+    for (flag, v, out) in [
+        ("--compressible", o.compress_pct, &mut s.compress_pct),
+        ("--dedupe", o.dedupe_pct, &mut s.dedupe_pct),
+    ] {
+        if let Some(v) = v {
+            if v > 100 {
+                return Err(invalid(
+                    flag,
+                    v,
+                    "a share of the written data in %: 0..=100",
+                ));
+            }
+            *out = v as u8;
+        }
     }
     if let Some(r) = o.repeat {
         if r == 0 || r > REPEAT_MAX as u64 {
@@ -578,6 +615,29 @@ mod tests {
         assert_eq!(q.queue_depths, vec![1, 8]);
         assert_eq!(q.write_pcts, vec![0, 100]);
         assert_eq!(q.duration_s, 3);
+        assert_eq!(q.data_pattern(), "random (incompressible)");
+        let d = |c, d| Overrides {
+            compress_pct: c,
+            dedupe_pct: d,
+            ..o()
+        };
+        let s = resolve("small-block", &d(Some(50), Some(20))).unwrap();
+        assert_eq!((s.compress_pct, s.dedupe_pct), (50, 20));
+        assert_eq!(
+            s.data_pattern(),
+            "50 % compressible, 20 % duplicate buffers"
+        );
+        for (c, dd) in [(Some(101), None), (None, Some(300))] {
+            let e = resolve("small-block", &d(c, dd)).unwrap_err().to_string();
+            assert!(e.contains("0..=100"), "{e}");
+        }
+        // Runs recorded before the setting existed read as random data.
+        let mut v = serde_json::to_value(&s).unwrap();
+        let m = v.as_object_mut().unwrap();
+        m.remove("compress_pct");
+        m.remove("dedupe_pct");
+        let old: Settings = serde_json::from_value(v).unwrap();
+        assert_eq!(old.data_pattern(), "random (incompressible)");
         assert_eq!(points(&q).len(), 4);
     }
 

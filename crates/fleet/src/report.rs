@@ -9,7 +9,7 @@ use crate::model::{PointStats, RunStatus, RunSummary, WaBasis, WriteAmp};
 use crate::profile::Point;
 use crate::svg::{Chart, CurveChart, GroupedChart, Series};
 use crate::table::{blocks, html_escape as esc, ra_tables, Block, Table};
-use converge_types::{format_size, DriveRole};
+use converge_types::{format_size, DriveRole, Resiliency, BLOCK_SIZE};
 use std::fmt::Write as _;
 use std::path::Path;
 
@@ -173,6 +173,15 @@ fn configuration(s: &RunSummary) -> Section {
                 ),
             ),
             ("resiliency", st.resiliency.to_string()),
+            (
+                "data pattern",
+                format!(
+                    "{} (fio buffer_compress_percentage {}, dedupe_percentage {})",
+                    st.data_pattern(),
+                    st.compress_pct,
+                    st.dedupe_pct
+                ),
+            ),
             ("cache mode", c.cluster.cache_mode.clone()),
             (
                 "load generator",
@@ -660,8 +669,15 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
         queue_split(st),
         fmt::sig3(st.drive_ql_max),
     ));
-    // Writes: the formula counts client I/Os, the drives see one operation per copy.
-    let copies = s.config.settings.resiliency.copies() as f64;
+    // Writes: the formula counts client I/Os, the drives see one operation per copy (a
+    // parity write: its data chunk and the M parity chunks of its row).
+    let (copies, whose) = match s.config.settings.resiliency {
+        Resiliency::Parity { parity, .. } => (
+            f64::from(1 + parity),
+            "drives (its data chunk's and its row's parity chunks')",
+        ),
+        r => (r.copies() as f64, "copies' drives"),
+    };
     let heaviest_write = pts.iter().filter(|(p, _)| p.write_pct > 0).max_by(|a, b| {
         (a.1.drive_ql_expected, a.0.write_pct)
             .partial_cmp(&(b.1.drive_ql_expected, b.0.write_pct))
@@ -672,8 +688,7 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
         let fanned = st.drive_ql_expected * ((1.0 - w) + w * copies);
         let held = drive_queue_all_tiers(st);
         out.push(format!(
-            "Writes fan out: each client write is one operation on each of {copies} copies' \
-             drives. At the heaviest write point ({}), the drives held {} outstanding \
+            "Writes fan out: each client write is one operation on each of {copies} {whose}. At the heaviest write point ({}), the drives held {} outstanding \
              operations per capacity drive against {} expected by the formula, or {} once \
              each write counts {copies} times ({} of that): {}.",
             p.label(),
@@ -819,16 +834,58 @@ fn write_points(s: &RunSummary) -> Vec<(&Point, &PointStats)> {
     s.measured().filter(|(p, _)| p.write_pct > 0).collect()
 }
 
+/// The data write amplification a resiliency cannot go below for writes of `bs` bytes
+/// (aligned): a mirror writes every block once per copy; a parity-K+M slab writes each
+/// block and, for every row the write touches, its M parity blocks.
+pub fn wa_floor(r: Resiliency, bs: u64) -> f64 {
+    match r {
+        Resiliency::Parity { data, parity } => {
+            let n = bs.div_ceil(BLOCK_SIZE as u64).max(1);
+            let rows = n.div_ceil(u64::from(data));
+            (n + rows * u64::from(parity)) as f64 / n as f64
+        }
+        _ => r.copies() as f64,
+    }
+}
+
+/// The floor in words, for the WA section.
+fn wa_floor_text(s: &RunSummary) -> String {
+    let r = s.config.settings.resiliency;
+    match r {
+        Resiliency::Parity { data, parity } => {
+            let floors: Vec<String> = s
+                .config
+                .settings
+                .block_sizes
+                .iter()
+                .map(|b| format!("{:.2} at {}", wa_floor(r, *b), format_size(*b)))
+                .collect();
+            format!(
+                "{r} writes each block once and, for every row of {data} blocks a write \
+                 touches, {parity} parity block{}: a floor of {} for writes smaller than a \
+                 row, ({data}+{parity})/{data} = {:.2} for whole rows; this run's floors: {}",
+                if parity == 1 { "" } else { "s" },
+                1 + parity,
+                f64::from(data + parity) / f64::from(data),
+                floors.join(", ")
+            )
+        }
+        _ => format!(
+            "{r} ({} copies) has a floor of {}.0",
+            r.copies(),
+            r.copies()
+        ),
+    }
+}
+
 fn write_amp(s: &RunSummary) -> Section {
     let mut sec = Section::new("wa", "Write amplification");
-    let copies = s.config.settings.resiliency.copies();
     sec.text(format!(
         "Bytes written to drives per byte the workers wrote, by tier. {} The capacity \
          tier counts every byte (data + journal + metadata); its data share alone is what \
-         the resiliency costs: {} ({copies} copies) has a floor of {copies}.0. The cache \
-         tier: {}.",
+         the resiliency costs: {}. The cache tier: {}.",
         wa_basis_text(s),
-        s.config.settings.resiliency,
+        wa_floor_text(s),
         if s.config.drives.iter().any(|d| d.role == DriveRole::Cache) {
             format!(
                 "cache drives, bytes written to them per byte the workers wrote, in the last \
@@ -916,7 +973,11 @@ fn write_amp(s: &RunSummary) -> Section {
     let datas: Vec<f64> = wp.iter().filter_map(|(_, st)| st.wa.data).collect();
     if !totals.is_empty() {
         let m = |v: &[f64]| v.iter().sum::<f64>() / v.len() as f64;
-        let floor = copies as f64;
+        let floors: Vec<f64> = wp
+            .iter()
+            .map(|(p, _)| wa_floor(s.config.settings.resiliency, p.bs_bytes))
+            .collect();
+        let floor = m(&floors);
         sec.text(format!(
             "Mean over the write points: total {:.2} ({:+.1} % over the {floor:.1} floor), \
              data only {:.2} ({:+.1} %). {}",
@@ -994,6 +1055,75 @@ fn wa_tier_note(s: &RunSummary) -> String {
          destaged to capacity once, and the cache tier's WA is shown separately."
             .to_string()
     }
+}
+
+/// Usable bytes per raw byte of a resiliency: 1 ÷ copies, or K ÷ (K+M).
+pub fn usable_per_raw(r: Resiliency) -> f64 {
+    r.needed() as f64 / r.copies() as f64
+}
+
+/// What the run's resiliency and data cost in capacity: the density half of density vs
+/// performance.
+fn capacity(s: &RunSummary) -> Section {
+    let mut sec = Section::new("capacity", "Capacity");
+    let r = s.config.settings.resiliency;
+    let Some(c) = &s.config.capacity else {
+        sec.text(format!(
+            "{r} keeps {} usable bytes per raw byte in theory. This run has no capacity \
+             figures (made before they were recorded, or stopped before its volumes were pre-filled).",
+            fmt::sig3(usable_per_raw(r))
+        ));
+        return sec;
+    };
+    let opt = |v: Option<f64>| v.map_or_else(|| "unknown".to_string(), |v| format!("{v:.2}"));
+    sec.table(kv(
+        "Capacity",
+        vec![
+            (
+                "usable per raw byte",
+                format!(
+                    "{} measured by the pool (usable at {r} ÷ raw), {:.2} in theory \
+                     ({} ÷ {}); a volume byte costs {:.2} raw bytes",
+                    opt(c.usable_per_raw()),
+                    usable_per_raw(r),
+                    r.needed(),
+                    r.copies(),
+                    1.0 / usable_per_raw(r)
+                ),
+            ),
+            (
+                "pool",
+                format!(
+                    "{} raw; {} usable at {r} when empty (every copy or chunk of a slab on \
+                     its own node)",
+                    format_size(c.pool_raw_bytes),
+                    format_size(c.pool_usable_bytes)
+                ),
+            ),
+            (
+                "the fleet's volumes after pre-fill",
+                format!(
+                    "{} provisioned, {} allocated, {} written, {} raw used on the drives \
+                     ({} raw per written byte)",
+                    format_size(c.provisioned_bytes),
+                    format_size(c.allocated_bytes),
+                    c.written_bytes
+                        .map_or_else(|| "unknown".to_string(), format_size),
+                    format_size(c.raw_used_bytes),
+                    opt(c.raw_per_written())
+                ),
+            ),
+            ("data pattern", s.config.settings.data_pattern()),
+            (
+                "saved by compression",
+                format!(
+                    "{} — converge does not compress yet: every block is stored as written",
+                    format_size(c.compression_saved_bytes)
+                ),
+            ),
+        ],
+    ));
+    sec
 }
 
 fn endurance(s: &RunSummary) -> Section {
@@ -1137,6 +1267,7 @@ pub fn sections(s: &RunSummary) -> Vec<Section> {
         cpu(s),
         queues(s),
         write_amp(s),
+        capacity(s),
         endurance(s),
     ];
     v.extend(repeats(s));
@@ -1615,6 +1746,20 @@ mod tests {
         // Cache drives in mode none absorb nothing.
         s.config.cluster.cache_mode = "none (4 cache drives, 256 MiB each, bound 1:1)".into();
         assert!(markdown(&s).contains("no cache drive absorbed the writes"));
+    }
+
+    #[test]
+    fn wa_floors_follow_copies_or_rows() {
+        let p = |k, m| Resiliency::Parity { data: k, parity: m };
+        assert_eq!(wa_floor(Resiliency::Mirror3, 4096), 3.0);
+        assert_eq!(wa_floor(Resiliency::Mirror2, 128 << 10), 2.0);
+        assert_eq!(wa_floor(p(2, 1), 4096), 2.0);
+        assert_eq!(wa_floor(p(2, 1), 128 << 10), 1.5);
+        assert_eq!(wa_floor(p(4, 2), 4096), 3.0);
+        assert_eq!(wa_floor(p(4, 2), 8192), 2.0);
+        assert_eq!(wa_floor(p(4, 2), 128 << 10), 1.5);
+        assert!((usable_per_raw(p(4, 2)) - 2.0 / 3.0).abs() < 1e-12);
+        assert!((usable_per_raw(Resiliency::Mirror3) - 1.0 / 3.0).abs() < 1e-12);
     }
 
     #[test]

@@ -489,7 +489,8 @@ fn volume_info(
         uri,
         uri_tcp,
         slabs_allocated: slabs.len() as u64,
-        allocated_bytes: slabs.len() as u64 * rec.slab_size_bytes,
+        // A parity slab holds K extents' worth of volume data.
+        allocated_bytes: slabs.len() as u64 * rec.resiliency.slab_span(rec.slab_size_bytes),
         written_bytes: written
             .and_then(|g| crate::usage::volume_written(rec.id, rec.resiliency, slabs, g)),
         degraded_extents: slabs

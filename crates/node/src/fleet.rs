@@ -370,10 +370,10 @@ async fn check_spec(node: &Node, s: &WorkerSpec) -> Result<(), (StatusCode, Stri
             s.qd
         )));
     }
-    if s.write_pct > 100 || s.random_pct > 100 {
+    if s.write_pct > 100 || s.random_pct > 100 || s.compress_pct > 100 || s.dedupe_pct > 100 {
         return Err(bad(format!(
-            "write_pct {} and random_pct {} must be 0..=100",
-            s.write_pct, s.random_pct
+            "write_pct {}, random_pct {}, compress_pct {} and dedupe_pct {} must be 0..=100",
+            s.write_pct, s.random_pct, s.compress_pct, s.dedupe_pct
         )));
     }
     if s.size_bytes < s.bs_bytes || !s.size_bytes.is_multiple_of(bs) {
@@ -444,6 +444,14 @@ fn fio_args(node: &Node, s: &WorkerSpec, output: &Path) -> Vec<String> {
         "--lat_percentiles=1".to_string(),
         format!("--percentile_list={FIO_PERCENTILES}"),
     ];
+    // The data pattern, for pre-fill and measured writes alike.
+    if s.compress_pct > 0 {
+        a.push(format!("--buffer_compress_percentage={}", s.compress_pct));
+        a.push("--refill_buffers".to_string());
+    }
+    if s.dedupe_pct > 0 {
+        a.push(format!("--dedupe_percentage={}", s.dedupe_pct));
+    }
     match s.kind {
         WorkerKind::Prefill => {
             a.push("--rw=write".to_string());

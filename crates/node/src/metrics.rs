@@ -246,7 +246,11 @@ pub async fn render(node: &Node) -> String {
         let _ = writeln!(
             o,
             "converge_volume_allocated_bytes{{{l}}} {}",
-            map.len() as u64 * vols[name].config().slab_size_bytes
+            map.len() as u64
+                * vols[name]
+                    .config()
+                    .resiliency
+                    .slab_span(vols[name].config().slab_size_bytes)
         );
         let stale = map
             .values()
