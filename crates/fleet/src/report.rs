@@ -670,12 +670,9 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
         fmt::sig3(st.drive_ql_max),
     ));
     // Writes: the formula counts client I/Os, the drives see one operation per copy (a
-    // parity write: its data chunk and the M parity chunks of its row).
+    // parity write: one on each chunk of its rows).
     let (copies, whose) = match s.config.settings.resiliency {
-        Resiliency::Parity { parity, .. } => (
-            f64::from(1 + parity),
-            "drives (its data chunk's and its row's parity chunks')",
-        ),
+        r @ Resiliency::Parity { .. } => (r.copies() as f64, "chunks' drives"),
         r => (r.copies() as f64, "copies' drives"),
     };
     let heaviest_write = pts.iter().filter(|(p, _)| p.write_pct > 0).max_by(|a, b| {
@@ -835,14 +832,14 @@ fn write_points(s: &RunSummary) -> Vec<(&Point, &PointStats)> {
 }
 
 /// The data write amplification a resiliency cannot go below for writes of `bs` bytes
-/// (aligned): a mirror writes every block once per copy; a parity-K+M slab writes each
-/// block and, for every row the write touches, its M parity blocks.
+/// (aligned): a mirror writes every block once per copy; a parity-K+M slab writes every
+/// row a write touches whole, its K data and M parity blocks (docs/adr/0008).
 pub fn wa_floor(r: Resiliency, bs: u64) -> f64 {
     match r {
         Resiliency::Parity { data, parity } => {
             let n = bs.div_ceil(BLOCK_SIZE as u64).max(1);
             let rows = n.div_ceil(u64::from(data));
-            (n + rows * u64::from(parity)) as f64 / n as f64
+            (rows * u64::from(data + parity)) as f64 / n as f64
         }
         _ => r.copies() as f64,
     }
@@ -861,11 +858,11 @@ fn wa_floor_text(s: &RunSummary) -> String {
                 .map(|b| format!("{:.2} at {}", wa_floor(r, *b), format_size(*b)))
                 .collect();
             format!(
-                "{r} writes each block once and, for every row of {data} blocks a write \
-                 touches, {parity} parity block{}: a floor of {} for writes smaller than a \
-                 row, ({data}+{parity})/{data} = {:.2} for whole rows; this run's floors: {}",
+                "{r} writes every row a write touches whole, {data} data and {parity} parity \
+                 block{} (docs/adr/0008): a floor of {} for a 4 KiB write, \
+                 ({data}+{parity})/{data} = {:.2} for whole rows; this run's floors: {}",
                 if parity == 1 { "" } else { "s" },
-                1 + parity,
+                data + parity,
                 f64::from(data + parity) / f64::from(data),
                 floors.join(", ")
             )
@@ -1753,10 +1750,11 @@ mod tests {
         let p = |k, m| Resiliency::Parity { data: k, parity: m };
         assert_eq!(wa_floor(Resiliency::Mirror3, 4096), 3.0);
         assert_eq!(wa_floor(Resiliency::Mirror2, 128 << 10), 2.0);
-        assert_eq!(wa_floor(p(2, 1), 4096), 2.0);
+        // Whole rows: a 4 KiB write costs K+M blocks, 8 KiB on 4+2 one row of 6 for 2.
+        assert_eq!(wa_floor(p(2, 1), 4096), 3.0);
         assert_eq!(wa_floor(p(2, 1), 128 << 10), 1.5);
-        assert_eq!(wa_floor(p(4, 2), 4096), 3.0);
-        assert_eq!(wa_floor(p(4, 2), 8192), 2.0);
+        assert_eq!(wa_floor(p(4, 2), 4096), 6.0);
+        assert_eq!(wa_floor(p(4, 2), 8192), 3.0);
         assert_eq!(wa_floor(p(4, 2), 128 << 10), 1.5);
         assert!((usable_per_raw(p(4, 2)) - 2.0 / 3.0).abs() < 1e-12);
         assert!((usable_per_raw(Resiliency::Mirror3) - 1.0 / 3.0).abs() < 1e-12);
