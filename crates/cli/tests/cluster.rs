@@ -745,6 +745,43 @@ fn an_fstrim_sized_trim_returns_whole_slabs_to_the_pool_on_every_copy() {
         text.contains("written     64 MiB (50% of allocated"),
         "{text}"
     );
+    // Each node lists its own extents; a volume id that is not a number is refused.
+    let apis: Vec<String> = lab.lab_json()["nodes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| {
+            n["api"]
+                .as_str()
+                .unwrap()
+                .trim_start_matches("https://")
+                .to_string()
+        })
+        .collect();
+    let bad = http_get(&lab, &apis[0], "/v1/extents/reclaim", Some(&lab.token()));
+    assert!(
+        bad.starts_with("HTTP/1.1 400") && bad.contains("is not a volume id"),
+        "{bad}"
+    );
+    let mut listed = Vec::new();
+    for api in &apis {
+        let r = http_get(
+            &lab,
+            api,
+            &format!("/v1/extents/{}", show["id"]),
+            Some(&lab.token()),
+        );
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        let body: serde_json::Value =
+            serde_json::from_str(r.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+        listed.extend(
+            body.as_array()
+                .unwrap()
+                .iter()
+                .map(|e| e["written_bytes"].as_u64().unwrap()),
+        );
+    }
+    assert_eq!(listed, vec![32 * M; 4], "two slabs, two copies each");
 
     // The volume reads what was written outside the discard and zeros inside it.
     let back = tmp.path().join("back.img");
