@@ -155,8 +155,8 @@ pub struct VolumeInfo {
     /// mirror slab spans one extent, a parity-K+M slab K extents (its data chunks).
     pub allocated_bytes: u64,
     /// Volume bytes that hold data (written and not trimmed or zeroed since): per slab,
-    /// the data blocks of its fullest copy, or of its data chunks. In `/v1/volumes/NAME`
-    /// and `/v1/status`; absent when a node holding the only copies that tell is down.
+    /// the data blocks of its fullest copy, or of its data chunks. Absent when a node
+    /// holding the only copies that tell is down.
     /// Writes still in a write-back cache's log count once destaged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_bytes: Option<u64>,

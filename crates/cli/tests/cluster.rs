@@ -722,6 +722,8 @@ fn an_fstrim_sized_trim_returns_whole_slabs_to_the_pool_on_every_copy() {
             "{show}"
         );
         assert_eq!(s["capacity"]["written_bytes"], show["written_bytes"], "{s}");
+        let list = lab.json(&["volume", "list"]);
+        assert_eq!(list[0]["written_bytes"], show["written_bytes"], "{list}");
         assert_eq!(metric_sum(lab, "converge_drive_data_bytes"), drives);
         (show["written_bytes"].as_u64().unwrap(), copies, drives)
     };

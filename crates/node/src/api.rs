@@ -201,7 +201,10 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
             })?;
             ok(&crate::usage::local(node, Some(VolumeId(id))))
         }
-        (&Method::GET, ["v1", "volumes"]) => ok(&volumes(node, false, None).await?),
+        (&Method::GET, ["v1", "volumes"]) => {
+            let g = crate::usage::gather(node, None, None).await;
+            ok(&volumes(node, false, Some(&g)).await?)
+        }
         (&Method::POST, ["v1", "volumes"]) => {
             let req: CreateVolume = serde_json::from_slice(body)
                 .map_err(|e| ApiError::bad(format!("bad volume create request: {e}")))?;
