@@ -1207,7 +1207,7 @@ fn capacity_after_prefill(
         allocated_bytes: allocated,
         written_bytes: ours.iter().map(|v| v.written_bytes).sum(),
         // Every allocated slab holds copies (or K+M chunks for K chunks of data).
-        raw_used_bytes: (u128::from(allocated) * r.copies() as u128 / r.needed() as u128) as u64,
+        raw_used_bytes: r.raw_bytes(allocated),
         compression_saved_bytes: 0,
     })
 }

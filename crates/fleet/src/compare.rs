@@ -278,14 +278,9 @@ pub fn sections(runs: &[Run]) -> Vec<Section> {
     out
 }
 
-/// Mean of `f` over a run's measured points that `which` selects.
-fn mean_of(r: &Run, which: fn(&Point) -> bool, f: fn(&PointStats) -> Option<f64>) -> Option<f64> {
-    let v: Vec<f64> = r
-        .summary
-        .measured()
-        .filter(|(p, _)| which(p))
-        .filter_map(|(_, s)| f(s))
-        .collect();
+/// Mean of `f` over a run's measured points (a point where it is `None` does not count).
+fn mean_of(r: &Run, f: impl Fn(&Point, &PointStats) -> Option<f64>) -> Option<f64> {
+    let v: Vec<f64> = r.summary.measured().filter_map(|(p, s)| f(p, s)).collect();
     (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
@@ -312,7 +307,9 @@ fn density(runs: &[Run]) -> Section {
     for r in runs {
         let st = &r.summary.config.settings;
         let cap = r.summary.config.capacity.as_ref();
-        let floor = mean_of_floor(r);
+        let floor = mean_of(r, |p, _| {
+            (p.write_pct > 0).then(|| crate::report::wa_floor(st.resiliency, p.bs_bytes))
+        });
         t.row(vec![
             r.label.clone(),
             st.resiliency.to_string(),
@@ -324,19 +321,19 @@ fn density(runs: &[Run]) -> Section {
             ),
             opt(cap.and_then(|c| c.raw_per_written()), |v| format!("{v:.2}")),
             opt(
-                mean_of(r, |p| p.write_pct == 0, |s| Some(s.iops)),
+                mean_of(r, |p, s| (p.write_pct == 0).then_some(s.iops)),
                 fmt::iops,
             ),
             opt(
-                mean_of(r, |p| p.write_pct == 100, |s| Some(s.iops)),
+                mean_of(r, |p, s| (p.write_pct == 100).then_some(s.iops)),
                 fmt::iops,
             ),
-            opt(mean_of(r, |_| true, |s| s.lat_mean_us), fmt::lat_us),
-            opt(mean_of(r, |_| true, |s| s.cpu_us_per_io), fmt::sig3),
+            opt(mean_of(r, |_, s| s.lat_mean_us), fmt::lat_us),
+            opt(mean_of(r, |_, s| s.cpu_us_per_io), fmt::sig3),
             format!(
                 "{} ({})",
                 opt(
-                    mean_of(r, |p| p.write_pct > 0, |s| s.wa.total),
+                    mean_of(r, |p, s| s.wa.total.filter(|_| p.write_pct > 0)),
                     |v| format!("{v:.2}")
                 ),
                 opt(floor, |v| format!("{v:.2}"))
@@ -361,17 +358,6 @@ fn density(runs: &[Run]) -> Section {
             ),
         ],
     }
-}
-
-fn mean_of_floor(r: &Run) -> Option<f64> {
-    let res = r.summary.config.settings.resiliency;
-    let v: Vec<f64> = r
-        .summary
-        .measured()
-        .filter(|(p, _)| p.write_pct > 0)
-        .map(|(p, _)| crate::report::wa_floor(res, p.bs_bytes))
-        .collect();
-    (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
 }
 
 pub fn title(runs: &[Run]) -> String {

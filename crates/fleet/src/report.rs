@@ -1056,7 +1056,7 @@ fn wa_tier_note(s: &RunSummary) -> String {
 
 /// Usable bytes per raw byte of a resiliency: 1 ÷ copies, or K ÷ (K+M).
 pub fn usable_per_raw(r: Resiliency) -> f64 {
-    r.needed() as f64 / r.copies() as f64
+    1.0 / r.capacity_multiplier()
 }
 
 /// What the run's resiliency and data cost in capacity: the density half of density vs
@@ -1085,7 +1085,7 @@ fn capacity(s: &RunSummary) -> Section {
                     usable_per_raw(r),
                     r.needed(),
                     r.copies(),
-                    1.0 / usable_per_raw(r)
+                    r.capacity_multiplier()
                 ),
             ),
             (

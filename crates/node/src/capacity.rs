@@ -109,10 +109,7 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
         used_bytes: used_all,
         provisioned_bytes: vols
             .iter()
-            .map(|v| {
-                let r = v.resiliency;
-                (u128::from(v.size_bytes) * r.copies() as u128 / r.needed() as u128) as u64
-            })
+            .map(|v| v.resiliency.raw_bytes(v.size_bytes))
             .sum(),
         free_bytes: total.saturating_sub(used.values().sum()),
         allocated_bytes: vols.iter().map(|v| v.allocated_bytes).sum(),

@@ -10,8 +10,6 @@ use converge_api::LocalExtent;
 use converge_control::model::{ExtentRecord, SlabRecord};
 use converge_types::{DriveId, ExtentState, NodeId, Resiliency, SlabIndex, VolumeId};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::future::Future;
-use std::pin::Pin;
 use std::time::Duration;
 
 /// A node that has not listed its extents within this long counts as not answering
@@ -60,6 +58,13 @@ impl Gathered {
         })
     }
 
+    fn add(&mut self, list: Vec<LocalExtent>) {
+        for e in list {
+            self.written
+                .insert((e.drive, e.volume, e.slab), e.written_bytes);
+        }
+    }
+
     /// Sum per drive (every copy and chunk counts).
     pub fn per_drive(&self) -> HashMap<DriveId, u64> {
         let mut m: HashMap<DriveId, u64> = HashMap::new();
@@ -69,8 +74,6 @@ impl Gathered {
         m
     }
 }
-
-type Ask<'a> = Pin<Box<dyn Future<Output = (NodeId, Option<Vec<LocalExtent>>)> + Send + 'a>>;
 
 /// Asks `nodes` (all live nodes when `None`) for their extents (of `volume` only, if
 /// given), at once: this node answers from its own drives.
@@ -91,7 +94,7 @@ pub async fn gather(
         Some(v) => format!("/v1/extents/{v}"),
         None => "/v1/extents".to_string(),
     };
-    let mut asks: Vec<Ask<'_>> = Vec::new();
+    let mut asks = Vec::new();
     let wanted = |id: NodeId| nodes.is_none_or(|n| n.contains(&id));
     for n in live.into_iter().filter(|n| wanted(n.id)) {
         if n.id == node.cfg.node_id {
@@ -100,7 +103,7 @@ pub async fn gather(
             continue;
         }
         let path = path.clone();
-        asks.push(Box::pin(async move {
+        asks.push(async move {
             let got = tokio::time::timeout(
                 ASK_TIMEOUT,
                 crate::http_client::request(node, &n, "GET", &path, b""),
@@ -131,49 +134,15 @@ pub async fn gather(
                 }
             };
             (n.id, list)
-        }));
+        });
     }
-    for (id, list) in join_all(asks).await {
+    for (id, list) in converge_volume::join_all(asks).await {
         if let Some(l) = list {
             g.add(l);
             g.answered.insert(id);
         }
     }
     g
-}
-
-impl Gathered {
-    fn add(&mut self, list: Vec<LocalExtent>) {
-        for e in list {
-            self.written
-                .insert((e.drive, e.volume, e.slab), e.written_bytes);
-        }
-    }
-}
-
-/// Runs the futures concurrently and returns their outputs in order.
-async fn join_all<T>(mut fs: Vec<Pin<Box<dyn Future<Output = T> + Send + '_>>>) -> Vec<T> {
-    let mut out: Vec<Option<T>> = fs.iter().map(|_| None).collect();
-    std::future::poll_fn(|cx| {
-        let mut pending = false;
-        for (f, o) in fs.iter_mut().zip(out.iter_mut()) {
-            if o.is_none() {
-                match f.as_mut().poll(cx) {
-                    std::task::Poll::Ready(v) => *o = Some(v),
-                    std::task::Poll::Pending => pending = true,
-                }
-            }
-        }
-        if pending {
-            std::task::Poll::Pending
-        } else {
-            std::task::Poll::Ready(())
-        }
-    })
-    .await;
-    out.into_iter()
-        .map(|o| o.expect("every future finished"))
-        .collect()
 }
 
 /// A volume's written bytes from its slab map and what its extents' nodes answered: per

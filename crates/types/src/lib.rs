@@ -192,6 +192,12 @@ impl Resiliency {
         self.copies() as f64 / self.needed() as f64
     }
 
+    /// Raw bytes that `volume_bytes` of volume data take: every copy, or K+M chunks for K
+    /// chunks of data (exact in integers).
+    pub fn raw_bytes(self, volume_bytes: u64) -> u64 {
+        (u128::from(volume_bytes) * self.copies() as u128 / self.needed() as u128) as u64
+    }
+
     pub fn is_parity(self) -> bool {
         matches!(self, Resiliency::Parity { .. })
     }
@@ -625,6 +631,8 @@ mod tests {
         assert_eq!(p.capacity_multiplier(), 1.5);
         assert_eq!(p.slab_span(64 << 20), 256 << 20);
         assert_eq!(Resiliency::Mirror3.capacity_multiplier(), 3.0);
+        assert_eq!(p.raw_bytes(256 << 20), 384 << 20);
+        assert_eq!(Resiliency::Mirror2.raw_bytes(1 << 30), 2 << 30);
         let e = "raid5".parse::<Resiliency>().unwrap_err();
         assert!(e.0.contains("raid5"));
         for bad in [

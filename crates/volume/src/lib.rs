@@ -1757,8 +1757,8 @@ where
 }
 
 /// A small join-all: polls every future each wake-up (the sets here are tiny: one future
-/// per copy or per slab touched).
-async fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
+/// per copy or per slab touched; the node's API uses it for one request per node).
+pub async fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
     use std::pin::Pin;
     use std::task::Poll;
     let mut futs: Vec<Pin<Box<F>>> = futs.into_iter().map(Box::pin).collect();
