@@ -198,11 +198,11 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
     async fn release(
         &self,
         volume: VolumeId,
-        slab: SlabIndex,
+        slabs: &[SlabIndex],
         epoch: Epoch,
     ) -> Result<(), VolumeError> {
         self.cluster
-            .release_slab_as_owner(volume, slab, self.owner(epoch))
+            .release_slab_as_owner(volume, slabs, self.owner(epoch))
             .await
             .map_err(|e| fenced(volume, epoch, e, "release its slabs"))
     }

@@ -28,7 +28,7 @@
 use converge_control::kv::Kv;
 use converge_control::model::{Cluster, ControlError};
 use converge_control::placement::{self, DriveLoad};
-use converge_types::{DriveId, ExtentState, NodeId, SlabIndex};
+use converge_types::{DriveId, ExtentState, NodeId, Resiliency, SlabIndex};
 use converge_volume::ExtentLoc;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::time::Duration;
@@ -170,19 +170,20 @@ pub fn plan(
         .collect()
 }
 
-/// The copies on draining nodes and what to do with each, for a volume that keeps
-/// `copies` copies of a slab: drop it (whatever its state) if the slab has `copies`
-/// in-sync copies on other nodes; else, if it is in sync and so is every copy of the slab
+/// The copies on draining nodes and what to do with each, for a volume of `resiliency`
+/// (a slab keeps its [`Resiliency::of_slab`] count of copies): drop it (whatever its
+/// state) if the slab has that many in-sync copies on other nodes; else, if it is in sync and so is every copy of the slab
 /// (no repair under way, which comes first), evacuate it; else leave it for now. One step
 /// per slab and round.
 pub fn evacuations(
     slabs: &BTreeMap<SlabIndex, Vec<ExtentLoc>>,
     view: &View,
-    copies: usize,
+    resiliency: Resiliency,
 ) -> Vec<Step> {
     slabs
         .iter()
         .filter_map(|(idx, ex)| {
+            let copies = resiliency.of_slab(*idx).copies();
             let leaving = *ex.iter().find(|e| view.draining.contains(&e.node))?;
             let staying = ex
                 .iter()
@@ -210,12 +211,12 @@ pub fn round(
     down: &DownClock,
     repair_delay: Duration,
     now: Instant,
-    copies: usize,
+    resiliency: Resiliency,
 ) -> Vec<Step> {
     let moves = if view.draining.is_empty() {
         Vec::new()
     } else {
-        evacuations(slabs, view, copies)
+        evacuations(slabs, view, resiliency)
     };
     let dropped: HashSet<(SlabIndex, DriveId)> = moves
         .iter()
@@ -386,7 +387,7 @@ mod tests {
             vec![loc(1, 10, InSync), loc(2, 20, InSync), loc(4, 40, InSync)],
         );
         assert_eq!(
-            evacuations(&slabs, &v, 3),
+            evacuations(&slabs, &v, Resiliency::Mirror3),
             vec![
                 Step::Evacuate(SlabIndex(0), loc(3, 30, InSync)),
                 Step::Drop(SlabIndex(2), loc(3, 30, InSync)),
@@ -426,7 +427,7 @@ mod tests {
             ],
         );
         assert_eq!(
-            round(&five, &stale, &v, &down, delay, now, 3),
+            round(&five, &stale, &v, &down, delay, now, Resiliency::Mirror3),
             vec![Step::Drop(SlabIndex(5), loc(3, 31, Stale))]
         );
     }

@@ -132,8 +132,30 @@ pub struct LocalExtent {
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct SlabInfo {
+    /// The slab's index: byte offset / slab span, or for a mirror-part slab of a volume
+    /// with a mirror part, bit 62 set and byte offset / extent size (shown as `m<n>`).
     pub index: u64,
     pub extents: Vec<ExtentInfo>,
+}
+
+/// A parity volume's mirror part (mirror-accelerated parity, docs/adr/0009), from its
+/// slab records.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MirrorPartInfo {
+    /// Volume bytes the mirror part may hold.
+    pub size_bytes: u64,
+    /// The mirror it uses (mirror-2 for parity-K+1, mirror-3 for parity-K+2).
+    pub resiliency: Resiliency,
+    /// Volume bytes held in the mirror part (allocated extents).
+    pub mirror_bytes: u64,
+    /// Volume bytes held in parity (allocated spans of K extents).
+    pub parity_bytes: u64,
+    /// Spans the owner rotated into parity and the bytes they held, in its current term
+    /// (absent when the node that answered does not serve the volume).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotations: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rotated_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -162,6 +184,9 @@ pub struct VolumeInfo {
     pub written_bytes: Option<u64>,
     /// Extents not in sync.
     pub degraded_extents: u64,
+    /// Mirror-accelerated parity: the mirror part and what each part holds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mirror_part: Option<MirrorPartInfo>,
     /// Present in `GET /v1/volumes/NAME`, absent in lists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slabs: Option<Vec<SlabInfo>>,
@@ -177,6 +202,10 @@ pub struct CreateVolume {
     pub owner: Option<NodeId>,
     #[serde(default)]
     pub min_replicas: Option<usize>,
+    /// Mirror-accelerated parity: volume bytes of a mirror part (parity-K+1 and
+    /// parity-K+2 only), rounded up to whole extents. Absent or 0: none.
+    #[serde(default)]
+    pub mirror_part_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -1249,6 +1249,7 @@ fn sweep(
                 resiliency: settings.resiliency,
                 owner: Some(nodes[ni].id),
                 min_replicas: None,
+                mirror_part_bytes: None,
             })?;
             let _: Value = http::call(session.api, "POST", "/v1/volumes", Some(&body))
                 .with_context(|| format!("creating volume {name}"))?;

@@ -281,6 +281,13 @@ enum VolumeCmd {
         /// Node that owns (serves) the volume; default: the node answering the API.
         #[arg(long)]
         owner: Option<u32>,
+        /// Mirror-accelerated parity (parity-K+1 and parity-K+2 only): a mirror part of
+        /// this size (e.g. 20G) or share of the volume (e.g. 20%), rounded up to whole
+        /// extents. New data lands mirrored (mirror-2 / mirror-3) while the part has room;
+        /// when it is over 85 % full, the least recently written data is rotated into
+        /// parity in the background until it is at 70 % (docs/adr/0009).
+        #[arg(long, value_name = "SIZE|PCT%")]
+        mirror_part: Option<String>,
     },
     /// List volumes.
     List,
@@ -778,6 +785,21 @@ fn run(cli: Cli) -> Result<()> {
     Ok(())
 }
 
+/// A size (`20G`) or a share of `whole` (`20%`, 1 to 100), in bytes.
+fn parse_share(s: &str, whole: u64) -> Result<u64> {
+    if let Some(pct) = s.strip_suffix('%') {
+        let p: f64 = pct
+            .trim()
+            .parse()
+            .map_err(|_| anyhow::anyhow!("{s:?} is not a share: expected e.g. 20%"))?;
+        if !(p > 0.0 && p <= 100.0) {
+            bail!("{s:?}: a share must be above 0 % and at most 100 %");
+        }
+        return Ok((whole as f64 * p / 100.0).ceil() as u64);
+    }
+    Ok(parse_size(s)?)
+}
+
 fn check_name(name: &str) -> Result<()> {
     let ok = !name.is_empty()
         && name.len() <= 128
@@ -798,16 +820,22 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
             size,
             resiliency,
             owner,
+            mirror_part,
         } => {
             check_name(name)?;
             let size_bytes = parse_size(size)?;
             let resiliency: Resiliency = resiliency.parse()?;
+            let mirror_part_bytes = mirror_part
+                .as_deref()
+                .map(|m| parse_share(m, size_bytes))
+                .transpose()?;
             let body = serde_json::to_value(CreateVolume {
                 name: name.clone(),
                 size_bytes,
                 resiliency,
                 owner: owner.map(converge_types::NodeId),
                 min_replicas: None,
+                mirror_part_bytes,
             })?;
             let v: VolumeInfo = http::call(&api_base(cli)?, "POST", "/v1/volumes", Some(&body))?;
             if cli.json {
@@ -863,11 +891,29 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
                     "written     unknown: the nodes holding some slab's copies did not answer"
                 ),
             }
+            if let Some(m) = &v.mirror_part {
+                println!(
+                    "mirror part {} ({}): {} used ({:.0}%), parity {} (rotates at {}% full, down to {}%)",
+                    format_size(m.size_bytes),
+                    m.resiliency,
+                    format_size(m.mirror_bytes),
+                    100.0 * m.mirror_bytes as f64 / m.size_bytes.max(1) as f64,
+                    format_size(m.parity_bytes),
+                    converge_types::ROTATE_HIGH_PCT,
+                    converge_types::ROTATE_LOW_PCT,
+                );
+                if let (Some(n), Some(b)) = (m.rotations, m.rotated_bytes) {
+                    println!(
+                        "rotations   {n} span(s), {} moved into parity by this owner",
+                        format_size(b)
+                    );
+                }
+            }
             let mut t = Table::new(&["SLAB", "DRIVE", "NODE", "STATE", "WRITTEN"]);
             for s in v.slabs.iter().flatten() {
                 for e in &s.extents {
                     t.row(vec![
-                        s.index.to_string(),
+                        converge_types::SlabIndex(s.index).to_string(),
                         format!("{:016x}", e.drive.0),
                         e.node.to_string(),
                         e.state.to_string(),

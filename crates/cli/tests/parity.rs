@@ -227,3 +227,161 @@ fn scrub_and_rebuild_of_parity_chunks_count_exactly() {
     assert_copies_agree(&lab, "s");
     lab.must(&["lab", "fault", "restart", &victim.to_string()]);
 }
+
+/// The slabs of `vol` as `volume show` names them (`0`, `m2`, …) with their copy count.
+fn slab_layout(lab: &Lab, vol: &str) -> Vec<(String, usize)> {
+    let v = lab.json(&["volume", "show", vol]);
+    v["slabs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let idx = converge_types::SlabIndex(s["index"].as_u64().unwrap());
+            (idx.to_string(), s["extents"].as_array().unwrap().len())
+        })
+        .collect()
+}
+
+/// Mirror-accelerated parity (docs/adr/0009) on 3 nodes: parity-2+1 with a mirror part of
+/// half the volume (4 extents of 64 MiB, mirror-2). New data lands mirrored; when the part
+/// is full the coldest span rotates into parity in the background (a job of its owner),
+/// and every byte fio wrote verifies before, after, and with a node killed.
+#[test]
+fn mirror_accelerated_parity_lands_writes_mirrored_and_rotates_cold_data_into_parity() {
+    let lab = Lab::up(3, &["--ram"]);
+    for (args, why) in [
+        (
+            vec!["--resiliency", "mirror-3", "--mirror-part", "64M"],
+            "needs a parity-K+1 or parity-K+2",
+        ),
+        (
+            vec!["--resiliency", "parity-2+1", "--mirror-part", "1G"],
+            "larger than the volume",
+        ),
+        (
+            vec!["--resiliency", "parity-2+1", "--mirror-part", "150%"],
+            "at most 100 %",
+        ),
+        (
+            vec!["--resiliency", "parity-2+1", "--mirror-part", "x%"],
+            "is not a share",
+        ),
+    ] {
+        let mut a = vec!["volume", "create", "bad", "--size", "512M"];
+        a.extend(args);
+        let e = lab.fails(&a);
+        assert!(e.contains(why), "{a:?}: {e}");
+    }
+    lab.must(&[
+        "volume",
+        "create",
+        "map",
+        "--size",
+        "512M",
+        "--resiliency",
+        "parity-2+1",
+        "--mirror-part",
+        "50%",
+        "--owner",
+        "1",
+    ]);
+    let v = lab.json(&["volume", "show", "map"]);
+    assert_eq!(v["mirror_part"]["size_bytes"], 256 << 20, "{v}");
+    assert_eq!(v["mirror_part"]["resiliency"], "mirror-2", "{v}");
+    let uri = lab.uri("map");
+    // fio jobs that write (and verify) one 128 MiB span each, and read it back alone.
+    let job = |offset: &'static str, rw: &'static str, only: bool| {
+        let mut a = vec![
+            rw,
+            "--bs=64k",
+            "--iodepth=8",
+            offset,
+            "--size=128M",
+            "--verify=crc32c",
+            "--verify_fatal=1",
+            "--randseed=7",
+        ];
+        a.push(if only {
+            "--verify_only"
+        } else {
+            "--do_verify=1"
+        });
+        a
+    };
+    // Span 0 (128 MiB): two extents in the mirror part, half of it.
+    let a = fio(&uri, &job("--offset=0", "--rw=write", false));
+    assert_eq!(fio_errors(&a), 0, "{a}\n{}", lab.logs());
+    assert_eq!(
+        slab_layout(&lab, "map"),
+        [("m0".to_string(), 2), ("m1".to_string(), 2)]
+    );
+    let v = lab.json(&["volume", "show", "map"]);
+    assert_eq!(v["mirror_part"]["mirror_bytes"], 128 << 20, "{v}");
+    assert_eq!(v["mirror_part"]["parity_bytes"], 0, "{v}");
+    assert_eq!(v["allocated_bytes"], 128 << 20, "{v}");
+    // Span 1 fills the part: above 85 %, span 0 (written longer ago) rotates into
+    // parity, down to 50 %.
+    let b = fio(&uri, &job("--offset=128M", "--rw=randwrite", false));
+    assert_eq!(fio_errors(&b), 0, "{b}\n{}", lab.logs());
+    lab.wait_for("the rotation of span 0", 3 * MIN, || {
+        lab.json(&["volume", "show", "map"])["mirror_part"]["rotations"] == 1
+    });
+    assert_eq!(
+        slab_layout(&lab, "map"),
+        [
+            ("0".to_string(), 3),
+            ("m2".to_string(), 2),
+            ("m3".to_string(), 2)
+        ]
+    );
+    let v = lab.json(&["volume", "show", "map"]);
+    let mp = &v["mirror_part"];
+    assert_eq!(
+        (
+            &mp["mirror_bytes"],
+            &mp["parity_bytes"],
+            &mp["rotated_bytes"]
+        ),
+        (
+            &(128u64 << 20).into(),
+            &(128u64 << 20).into(),
+            &(128u64 << 20).into()
+        ),
+        "{v}"
+    );
+    assert_eq!(v["allocated_bytes"], 256 << 20, "{v}");
+    assert_eq!(v["written_bytes"], 256 << 20, "{v}");
+    assert_eq!(lab.metric(1, "converge_volume_rotations_total"), 1);
+    assert_eq!(
+        lab.metric_where(1, "converge_volume_mirror_part_bytes", "part=\"mirror\"") as u64,
+        128 << 20
+    );
+    // The mirror part's copies were freed: 2 extents × 2 copies of span 1 and 3 chunks of
+    // span 0 are all that the drives hold.
+    let st = lab.json(&["status"]);
+    assert_eq!(st["capacity"]["used_bytes"], 7 * (64u64 << 20), "{st}");
+    for (off, what) in [
+        ("--offset=0", "span 0, from parity"),
+        ("--offset=128M", "span 1, mirrored"),
+    ] {
+        let r = fio(&uri, &job(off, "--rw=read", true));
+        assert_eq!(fio_errors(&r), 0, "{what}: {r}");
+        assert_eq!(r["jobs"][0]["read"]["io_bytes"], 128 << 20, "{what}: {r}");
+    }
+    // A node down: span 0 decodes around it, span 1 reads its other copy; a write to each
+    // goes on.
+    lab.must(&["lab", "fault", "kill", "3"]);
+    for (off, what) in [("--offset=0", "span 0"), ("--offset=128M", "span 1")] {
+        let r = fio(&uri, &job(off, "--rw=read", true));
+        assert_eq!(fio_errors(&r), 0, "{what} with node 3 down: {r}");
+    }
+    qemu_io(&uri, "write -P 0x44 4096 8192");
+    qemu_io(&uri, "write -P 0x45 134221824 8192");
+    lab.must(&["lab", "fault", "restart", "3"]);
+    lab.wait_for("the copies to catch up", 3 * MIN, || {
+        all_in_sync(&lab, "map")
+    });
+    assert_copies_agree(&lab, "map");
+    qemu_io(&uri, "read -P 0x44 4096 8192");
+    qemu_io(&uri, "read -P 0x45 134221824 8192");
+}

@@ -178,11 +178,19 @@ pub struct VolumeRecord {
     pub name: String,
     pub size_bytes: u64,
     pub resiliency: Resiliency,
+    /// Mirror-accelerated parity (docs/adr/0009): volume bytes that may be held in the
+    /// mirror part ([`Resiliency::mirror_part`]); 0 for none. A multiple of the extent size.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub mirror_part_bytes: u64,
     pub min_replicas: usize,
     pub slab_size_bytes: u64,
     /// Preferred owner (where it was created); the serving owner is in [`OwnerRecord`].
     pub owner: NodeId,
     pub created_unix: u64,
+}
+
+fn is_zero(n: &u64) -> bool {
+    *n == 0
 }
 
 /// One copy of a slab.
@@ -943,7 +951,7 @@ impl<K: Kv> Cluster<K> {
     pub async fn release_slab_as_owner(
         &self,
         volume: VolumeId,
-        slab: SlabIndex,
+        slabs: &[SlabIndex],
         owner: OwnerRecord,
     ) -> Result<(), ControlError> {
         let okey = keys::owner(volume);
@@ -952,7 +960,10 @@ impl<K: Kv> Cluster<K> {
             .etcd
             .txn(Txn {
                 compare: vec![Compare::Value(okey.clone(), ovalue)],
-                success: vec![Op::Delete(keys::slab(volume, slab))],
+                success: slabs
+                    .iter()
+                    .map(|&s| Op::Delete(keys::slab(volume, s)))
+                    .collect(),
                 failure: vec![Op::Get(okey)],
             })
             .await?;

@@ -266,33 +266,54 @@ pub fn can_place_volume(
     extent_size: u64,
     candidates: &[DriveLoad],
 ) -> Result<(), PlacementError> {
-    let copies = resiliency.copies();
+    can_place_parts(&[(resiliency, size_bytes)], extent_size, candidates)
+}
+
+/// [`can_place_volume`] for a volume in parts of different resiliencies (a parity volume
+/// and its mirror part): `(resiliency, bytes)` each, placed together.
+pub fn can_place_parts(
+    parts: &[(Resiliency, u64)],
+    extent_size: u64,
+    candidates: &[DriveLoad],
+) -> Result<(), PlacementError> {
+    let copies = parts.iter().map(|p| p.0.copies()).max().unwrap_or(0);
     if copies == 0 {
         return Err(PlacementError::NoCopies { copies });
     }
     if extent_size == 0 {
         return Err(PlacementError::ZeroSlabSize);
     }
-    let slab_size = resiliency.slab_span(extent_size);
+    let layout = parts
+        .iter()
+        .map(|p| p.0.to_string())
+        .collect::<Vec<_>>()
+        .join(" + ");
     let nodes = summarize(candidates, &[]);
     let with_space = nodes.values().filter(|n| n.live && n.free > 0).count();
     if with_space < copies {
         return Err(PlacementError::NotEnoughNodes {
-            layout: resiliency.to_string(),
+            layout,
             copies,
             available: with_space,
             detail: describe(&nodes),
         });
     }
-    let slabs = size_bytes.div_ceil(slab_size);
+    // The volume's size: the first part (a mirror part is more room for some of it).
+    let size_bytes = parts.first().map_or(0, |p| p.1);
+    let slabs_of = |(r, bytes): &(Resiliency, u64)| bytes.div_ceil(r.slab_span(extent_size));
+    let slabs: u64 = parts.iter().map(slabs_of).sum();
     // S slabs of c copies on distinct nodes fit iff sum over nodes of min(free, S) >= c*S:
     // a node can hold at most one copy of each slab, so its space beyond S is no use.
+    // (With parts of different copies, S counts all their slabs: a sufficient bound.)
     let usable: u128 = nodes
         .values()
         .filter(|n| n.live)
         .map(|n| u128::from(n.free.min(slabs)))
         .sum();
-    let needed = u128::from(slabs) * copies as u128;
+    let needed: u128 = parts
+        .iter()
+        .map(|p| u128::from(slabs_of(p)) * p.0.copies() as u128)
+        .sum();
     if usable < needed {
         let detail = nodes
             .iter()
@@ -302,7 +323,7 @@ pub fn can_place_volume(
             .join(", ");
         return Err(PlacementError::NotEnoughCapacity {
             size: format_size(size_bytes),
-            layout: resiliency.to_string(),
+            layout,
             copies,
             slabs,
             needed,

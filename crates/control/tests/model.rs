@@ -32,6 +32,7 @@ fn volume(id: u64, name: &str) -> VolumeRecord {
         name: name.into(),
         size_bytes: 1 << 30,
         resiliency: Resiliency::Mirror3,
+        mirror_part_bytes: 0,
         min_replicas: 2,
         slab_size_bytes: 256 << 20,
         owner: NodeId(1),

@@ -469,6 +469,27 @@ fn uri_of(rec: &VolumeRecord, owner: Option<&NodeInfo>) -> (String, Option<Strin
     }
 }
 
+/// A volume's mirror part as its slab records show it (rotation counts are the owner's).
+fn mirror_part_info(
+    rec: &VolumeRecord,
+    slabs: &BTreeMap<converge_types::SlabIndex, SlabRecord>,
+) -> Option<converge_api::MirrorPartInfo> {
+    let m = rec
+        .resiliency
+        .mirror_part()
+        .filter(|_| rec.mirror_part_bytes > 0)?;
+    let mirror = slabs.keys().filter(|i| i.is_mirror_part()).count() as u64;
+    let parity = slabs.len() as u64 - mirror;
+    Some(converge_api::MirrorPartInfo {
+        size_bytes: rec.mirror_part_bytes,
+        resiliency: m,
+        mirror_bytes: mirror * rec.slab_size_bytes,
+        parity_bytes: parity * rec.resiliency.slab_span(rec.slab_size_bytes),
+        rotations: None,
+        rotated_bytes: None,
+    })
+}
+
 fn volume_info(
     rec: &VolumeRecord,
     slabs: &BTreeMap<converge_types::SlabIndex, SlabRecord>,
@@ -492,8 +513,11 @@ fn volume_info(
         uri,
         uri_tcp,
         slabs_allocated: slabs.len() as u64,
-        // A parity slab holds K extents' worth of volume data.
-        allocated_bytes: slabs.len() as u64 * rec.resiliency.slab_span(rec.slab_size_bytes),
+        // A parity slab holds K extents' worth of volume data, a mirror-part slab one.
+        allocated_bytes: rec
+            .resiliency
+            .allocated_bytes(rec.slab_size_bytes, slabs.keys().copied()),
+        mirror_part: mirror_part_info(rec, slabs),
         written_bytes: written
             .and_then(|g| crate::usage::volume_written(rec.id, rec.resiliency, slabs, g)),
         degraded_extents: slabs
@@ -575,7 +599,14 @@ async fn volume(node: &Node, name: &str) -> Result<VolumeInfo, ApiError> {
         .flat_map(|s| s.extents.iter().map(|e| e.node))
         .collect();
     let g = crate::usage::gather(node, Some(&holders), Some(rec.id)).await;
-    Ok(volume_info(&rec, &slabs, &ns, true, Some(&g)))
+    let mut info = volume_info(&rec, &slabs, &ns, true, Some(&g));
+    let served = node.volumes.lock().await.get(name).cloned();
+    if let (Some(mp), Some(v)) = (info.mirror_part.as_mut(), served) {
+        let s = v.stats();
+        mp.rotations = Some(s.rotations);
+        mp.rotated_bytes = Some(s.rotated_bytes);
+    }
+    Ok(info)
 }
 
 async fn status(node: &Node) -> Result<Status, ApiError> {
@@ -719,10 +750,17 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
         )));
     }
     let slab = node.cluster_rec.slab_size_bytes;
+    let mirror_part_bytes = mirror_part_of(&req, slab)?;
     let loads = drive_loads(&node.cluster)
         .await
         .map_err(ApiError::unavailable)?;
-    placement::can_place_volume(req.resiliency, req.size_bytes, slab, &loads).map_err(|e| {
+    // A mirror part counts full, on top of the whole volume in parity (a span in both
+    // layouts while it rotates).
+    let mut parts = vec![(req.resiliency, req.size_bytes)];
+    if let (Some(m), true) = (req.resiliency.mirror_part(), mirror_part_bytes > 0) {
+        parts.push((m, mirror_part_bytes));
+    }
+    placement::can_place_parts(&parts, slab, &loads).map_err(|e| {
         ApiError(
             StatusCode::CONFLICT,
             format!("cannot create volume {}: {e}", req.name),
@@ -733,6 +771,7 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
         name: req.name.clone(),
         size_bytes: req.size_bytes,
         resiliency: req.resiliency,
+        mirror_part_bytes,
         min_replicas,
         slab_size_bytes: slab,
         owner,
@@ -758,6 +797,36 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
         rec.resiliency
     );
     volume(node, &req.name).await
+}
+
+/// A create request's mirror part in bytes (whole extents of `extent` bytes; 0 for none),
+/// or why it cannot have one.
+fn mirror_part_of(req: &CreateVolume, extent: u64) -> Result<u64, ApiError> {
+    let asked = req.mirror_part_bytes.unwrap_or(0);
+    if asked == 0 {
+        return Ok(0);
+    }
+    let Some(m) = req.resiliency.mirror_part() else {
+        return Err(ApiError::bad(format!(
+            "a mirror part needs a parity-K+1 or parity-K+2 volume (its mirror part is then \
+             mirror-2 or mirror-3, surviving as many failures as the parity); {} has none",
+            req.resiliency
+        )));
+    };
+    let bytes = asked.div_ceil(extent) * extent;
+    if bytes > req.size_bytes {
+        return Err(ApiError::bad(format!(
+            "the mirror part ({asked} bytes, {bytes} in whole {extent}-byte extents) is larger \
+             than the volume ({} bytes)",
+            req.size_bytes
+        )));
+    }
+    log::info!(
+        "volume {}: a mirror part of {bytes} bytes ({m}, {} extents)",
+        req.name,
+        bytes / extent
+    );
+    Ok(bytes)
 }
 
 /// The node serving the volume now (its owner record), else its preferred owner.

@@ -107,10 +107,7 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
     Capacity {
         total_bytes: total,
         used_bytes: used_all,
-        provisioned_bytes: vols
-            .iter()
-            .map(|v| v.resiliency.raw_bytes(v.size_bytes))
-            .sum(),
+        provisioned_bytes: vols.iter().map(provisioned).sum(),
         free_bytes: total.saturating_sub(used.values().sum()),
         allocated_bytes: vols.iter().map(|v| v.allocated_bytes).sum(),
         written_bytes: vols.iter().map(|v| v.written_bytes).sum(),
@@ -118,6 +115,19 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
         rebuild_reserve_node: fullest.map(|f| f.0),
         usable_bytes: usable,
         warnings,
+    }
+}
+
+/// Raw bytes a volume takes written full: a mirror part's bytes at its mirror, the rest at
+/// the volume's resiliency.
+fn provisioned(v: &VolumeInfo) -> u64 {
+    match &v.mirror_part {
+        Some(m) => {
+            m.resiliency.raw_bytes(m.size_bytes)
+                + v.resiliency
+                    .raw_bytes(v.size_bytes.saturating_sub(m.size_bytes))
+        }
+        None => v.resiliency.raw_bytes(v.size_bytes),
     }
 }
 

@@ -81,6 +81,7 @@ pub async fn drain(node: &Arc<Node>, id: &str, body: &[u8]) -> Out {
         .await
         .map_err(ApiError::unavailable)?;
     for v in &vols {
+        // A mirror part's slabs need fewer nodes than the parity ones.
         let copies = v.resiliency.copies();
         if copies > to.len() {
             let slabs = slab_map(node, v.id).await?;

@@ -16,6 +16,7 @@ mod metrics;
 mod node;
 mod orphans;
 mod repair;
+mod rotate;
 mod scrub;
 mod tiering;
 mod usage;
@@ -346,6 +347,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let repairer = tokio::spawn(repair::run(node.clone()));
     let publisher = tokio::spawn(repair::publish(node.clone()));
     let caches = tokio::spawn(tiering::run(node.clone()));
+    let rotator = tokio::spawn(rotate::run(node.clone()));
     // Copies deleted or moved away while this node was down are freed now.
     let sweep = {
         let node = node.clone();
@@ -366,6 +368,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     repairer.abort();
     publisher.abort();
     caches.abort();
+    rotator.abort();
     nbd.abort();
     if let Some(t) = nbd_tcp {
         t.abort();

@@ -243,15 +243,31 @@ pub async fn render(node: &Node) -> String {
             s.slabs_released
         );
         let map = vols[name].slab_map();
+        let cfg = vols[name].config();
         let _ = writeln!(
             o,
             "converge_volume_allocated_bytes{{{l}}} {}",
-            map.len() as u64
-                * vols[name]
-                    .config()
-                    .resiliency
-                    .slab_span(vols[name].config().slab_size_bytes)
+            cfg.resiliency
+                .allocated_bytes(cfg.slab_size_bytes, map.keys().copied())
         );
+        if let Some(u) = vols[name].mirror_part_usage() {
+            for (part, v) in [
+                ("limit", u.limit_bytes),
+                ("mirror", u.mirror_bytes),
+                ("parity", u.parity_bytes),
+            ] {
+                let _ = writeln!(
+                    o,
+                    "converge_volume_mirror_part_bytes{{{l},part=\"{part}\"}} {v}"
+                );
+            }
+            let _ = writeln!(o, "converge_volume_rotations_total{{{l}}} {}", s.rotations);
+            let _ = writeln!(
+                o,
+                "converge_volume_rotated_bytes_total{{{l}}} {}",
+                s.rotated_bytes
+            );
+        }
         let stale = map
             .values()
             .flatten()

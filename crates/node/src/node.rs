@@ -188,6 +188,7 @@ impl Node {
                 size_bytes: rec.size_bytes,
                 slab_size_bytes: rec.slab_size_bytes,
                 resiliency: rec.resiliency,
+                mirror_part_bytes: rec.mirror_part_bytes,
                 epoch,
                 local_node: self.cfg.node_id,
                 min_replicas: rec.min_replicas.max(1),

@@ -256,9 +256,9 @@ pub async fn run(node: Arc<Node>) {
                 }
             }
             let stale = v.stale_extents();
-            let copies = v.config().resiliency.copies();
+            let resiliency = v.config().resiliency;
             let delay = Duration::from_secs(delay);
-            let steps = repair::round(&v.slab_map(), &stale, &view, &down, delay, now, copies);
+            let steps = repair::round(&v.slab_map(), &stale, &view, &down, delay, now, resiliency);
             for step in steps {
                 match step {
                     Step::Resync(idx, e) => {

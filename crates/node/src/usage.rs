@@ -157,7 +157,7 @@ pub fn volume_written(
     let mut total = 0u64;
     for (idx, s) in slabs {
         let of = |e: &ExtentRecord| g.of(e, volume, *idx);
-        total += match resiliency {
+        total += match resiliency.of_slab(*idx) {
             Resiliency::Parity { data, .. } => s
                 .extents
                 .iter()

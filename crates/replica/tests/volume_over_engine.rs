@@ -103,10 +103,13 @@ impl SlabAllocator for Records {
     async fn release(
         &self,
         _volume: VolumeId,
-        slab: SlabIndex,
+        slabs: &[SlabIndex],
         _epoch: Epoch,
     ) -> Result<(), VolumeError> {
-        self.0.lock().unwrap().remove(&slab);
+        let mut r = self.0.lock().unwrap();
+        for s in slabs {
+            r.remove(s);
+        }
         Ok(())
     }
 }
@@ -209,6 +212,7 @@ async fn one_run(seed: u64, resiliency: Resiliency) {
         size_bytes: size,
         slab_size_bytes: SLAB,
         resiliency,
+        mirror_part_bytes: 0,
         epoch: Epoch(1),
         local_node: NodeId(1),
         min_replicas: copies as usize,

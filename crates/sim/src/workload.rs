@@ -339,7 +339,7 @@ pub(crate) async fn repair_volume(
     }
     let stale = o.vol.stale_extents();
     let job = Job { w, v, o, throttle };
-    let copies = o.vol.config().resiliency.copies();
+    let resiliency = o.vol.config().resiliency;
     let slabs = o.vol.slab_map();
     let steps = repair::round(
         &slabs,
@@ -348,7 +348,7 @@ pub(crate) async fn repair_volume(
         down,
         w.opts.repair_delay,
         now,
-        copies,
+        resiliency,
     );
     for step in steps {
         if !is_current(w, v, o) {

@@ -45,10 +45,48 @@ id_type!(
     /// A volume, unique in the cluster (random; the name is the user-facing handle).
     VolumeId(u64)
 );
-id_type!(
-    /// Index of a slab within its volume (byte offset / slab size).
-    SlabIndex(u64)
-);
+/// Index of a slab within its volume (byte offset / slab span).
+///
+/// A volume with a mirror part (mirror-accelerated parity, docs/adr/0009) has two kinds:
+/// a parity span's index (byte offset / (K × extent size)), and a mirror-part slab's
+/// ([`SlabIndex::mirror_part`]): bit 62 set, the rest the byte offset / extent size. Its
+/// text form is `m<n>`.
+#[derive(
+    Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, Default,
+)]
+#[serde(transparent)]
+pub struct SlabIndex(pub u64);
+
+impl SlabIndex {
+    const MIRROR_PART: u64 = 1 << 62;
+
+    /// The mirror-part slab holding volume bytes `[n × extent, (n + 1) × extent)`.
+    pub fn mirror_part(n: u64) -> SlabIndex {
+        assert!(n < Self::MIRROR_PART, "mirror-part slab index out of range");
+        SlabIndex(Self::MIRROR_PART | n)
+    }
+
+    /// Whether this is a mirror-part slab of a volume with a mirror part.
+    pub fn is_mirror_part(self) -> bool {
+        self.0 & Self::MIRROR_PART != 0
+    }
+
+    /// The extent-sized piece of the volume a mirror-part slab holds (`n` of
+    /// [`SlabIndex::mirror_part`]), or the span index of any other slab.
+    pub fn position(self) -> u64 {
+        self.0 & !Self::MIRROR_PART
+    }
+}
+
+impl fmt::Display for SlabIndex {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_mirror_part() {
+            write!(f, "m{}", self.position())
+        } else {
+            write!(f, "{}", self.0)
+        }
+    }
+}
 id_type!(
     /// Fencing number of an ownership term. Replicas refuse older epochs.
     Epoch(u64)
@@ -113,6 +151,12 @@ pub const PARITY_CHUNKS_MIN: u8 = 1;
 pub const PARITY_CHUNKS_MAX: u8 = 4;
 /// Most chunks (data + parity) of one slab, i.e. the nodes one slab needs.
 pub const PARITY_ALL_MAX: u8 = 20;
+
+/// Mirror-accelerated parity: the owner rotates spans from a volume's mirror part into
+/// parity when the part is fuller than this (percent of its size)...
+pub const ROTATE_HIGH_PCT: u64 = 85;
+/// ...until it is at most this full.
+pub const ROTATE_LOW_PCT: u64 = 70;
 
 /// How a volume survives failures.
 ///
@@ -200,6 +244,50 @@ impl Resiliency {
 
     pub fn is_parity(self) -> bool {
         matches!(self, Resiliency::Parity { .. })
+    }
+
+    /// Volume bytes the allocated slabs `idxs` of a volume with this resiliency hold,
+    /// each slab counted once: a parity slab its K extents, a mirror (or mirror-part)
+    /// slab one.
+    pub fn allocated_bytes(
+        self,
+        extent_bytes: u64,
+        idxs: impl IntoIterator<Item = SlabIndex>,
+    ) -> u64 {
+        idxs.into_iter()
+            .map(|i| self.of_slab(i).slab_span(extent_bytes))
+            .sum()
+    }
+
+    /// The mirror a parity-K+M volume's mirror part uses (mirror-accelerated parity,
+    /// docs/adr/0009): M+1 copies, so it survives the M failures its parity part does.
+    /// Only M = 1 (mirror-2) and M = 2 (mirror-3) have one.
+    pub fn mirror_part(self) -> Option<Resiliency> {
+        match self {
+            Resiliency::Parity { parity: 1, .. } => Some(Resiliency::Mirror2),
+            Resiliency::Parity { parity: 2, .. } => Some(Resiliency::Mirror3),
+            _ => None,
+        }
+    }
+
+    /// How slab `idx` of a volume with this resiliency is laid out: a mirror-part slab is
+    /// the [`Resiliency::mirror_part`] mirror, any other slab the volume's resiliency.
+    pub fn of_slab(self, idx: SlabIndex) -> Resiliency {
+        match (idx.is_mirror_part(), self.mirror_part()) {
+            (true, Some(m)) => m,
+            _ => self,
+        }
+    }
+
+    /// `min_replicas` for slab `idx`: a mirror-part slab keeps as many copies short of
+    /// all as the volume's parity slabs keep chunks short of all (one, by default).
+    pub fn min_replicas_of_slab(self, idx: SlabIndex, min_replicas: usize) -> usize {
+        let slab = self.of_slab(idx);
+        if slab == self {
+            return min_replicas;
+        }
+        let short = self.copies().saturating_sub(min_replicas);
+        slab.copies().saturating_sub(short).max(1)
     }
 }
 
@@ -606,6 +694,31 @@ mod tests {
         assert!(parse_size("12X").is_err());
         assert!(parse_size("-1G").is_err());
         assert!(parse_size("99999999999T").is_err());
+    }
+
+    #[test]
+    fn mirror_part_slabs_are_mirrors_of_one_more_copy_than_parity_chunks() {
+        let idx = SlabIndex::mirror_part(5);
+        assert!(idx.is_mirror_part() && !SlabIndex(5).is_mirror_part());
+        assert_eq!((idx.position(), idx.to_string()), (5, "m5".to_string()));
+        assert!(
+            idx > SlabIndex(u64::MAX >> 2),
+            "mirror-part keys sort after spans"
+        );
+        let p21 = Resiliency::parity(2, 1).unwrap();
+        let p42 = Resiliency::parity(4, 2).unwrap();
+        assert_eq!(p21.mirror_part(), Some(Resiliency::Mirror2));
+        assert_eq!(p42.mirror_part(), Some(Resiliency::Mirror3));
+        assert_eq!(Resiliency::parity(4, 3).unwrap().mirror_part(), None);
+        assert_eq!(Resiliency::Mirror3.mirror_part(), None);
+        assert_eq!(p42.of_slab(idx), Resiliency::Mirror3);
+        assert_eq!(p42.of_slab(SlabIndex(5)), p42);
+        // One short of all, as the parity slabs' default; all of them when parity needs all.
+        assert_eq!(p42.min_replicas_of_slab(idx, 5), 2);
+        assert_eq!(p42.min_replicas_of_slab(idx, 6), 3);
+        assert_eq!(p42.min_replicas_of_slab(idx, 4), 1);
+        assert_eq!(p42.min_replicas_of_slab(SlabIndex(5), 5), 5);
+        assert_eq!(p21.min_replicas_of_slab(idx, 2), 1);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 //! and new slabs are placed through [`SlabAllocator`], so the same code runs in the node
 //! daemon and in the deterministic simulator.
 
+mod mirror_part;
 pub mod parity;
 mod parity_io;
 mod parity_sync;
@@ -28,6 +29,7 @@ use std::sync::{Arc, RwLock};
 // simulator (and in tests with paused time); in production the two are the same.
 use tokio::time::Instant;
 
+pub use mirror_part::{MirrorPartUsage, Rotated};
 pub use tenure::Tenure;
 
 use parity::{Codec, Geometry};
@@ -178,14 +180,15 @@ pub trait SlabAllocator: Send + Sync + 'static {
         change: SlabChange,
     ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
 
-    /// Deletes the slab's record (thin reclaim: the owner zeroed it whole and freed its
-    /// copies), so the slab reads as never written and its space counts as free. Only the
-    /// owner at `epoch` may: a deposed owner gets [`VolumeError::Fenced`]. A slab with no
-    /// record is `Ok`.
+    /// Deletes the slabs' records, all or none (thin reclaim: the owner zeroed a slab whole
+    /// and frees its copies; a rotation of mirror-accelerated parity: the span's data is in
+    /// its parity slab, docs/adr/0009), so a slab reads as never written and its space
+    /// counts as free. Only the owner at `epoch` may: a deposed owner gets
+    /// [`VolumeError::Fenced`]. A slab with no record is `Ok`.
     fn release(
         &self,
         volume: VolumeId,
-        slab: SlabIndex,
+        slabs: &[SlabIndex],
         epoch: Epoch,
     ) -> impl Future<Output = Result<(), VolumeError>> + Send;
 }
@@ -247,6 +250,9 @@ pub struct VolumeConfig {
     pub size_bytes: u64,
     pub slab_size_bytes: u64,
     pub resiliency: Resiliency,
+    /// Mirror-accelerated parity (docs/adr/0009): volume bytes the mirror part may hold,
+    /// whole extents; 0 for none (and for anything but parity-K+1 or parity-K+2).
+    pub mirror_part_bytes: u64,
     /// This owner's term; stamped on every replica request.
     pub epoch: Epoch,
     /// The node this owner runs on: its extents are read first (data locality).
@@ -298,6 +304,9 @@ pub(crate) struct Slab {
     /// Parity slabs: row writes in flight, for the version up to which chunks may drop
     /// their priors (settle).
     row_writes: RowWrites,
+    /// Mirror-part slabs: when this owner last wrote it (ms on the volume's clock; 0:
+    /// not since it took the volume), for which span a rotation moves first.
+    touched_ms: AtomicU64,
 }
 
 /// The blocks of a slab known to read zeros since this owner's zeroes, built by TRIMs that
@@ -384,6 +393,7 @@ impl Slab {
             zeroed: Zeroed::default(),
             rows: RowLocks::default(),
             row_writes: RowWrites::default(),
+            touched_ms: AtomicU64::new(0),
         }
     }
 
@@ -442,6 +452,8 @@ pub struct Volume<R, A> {
     codecs: std::sync::Mutex<Vec<Codec>>,
     /// Parity volumes: rows of held writes in flight, bounded ([`parity_io::HELD_ROWS_IN_FLIGHT`]).
     held_rows: tokio::sync::Semaphore,
+    /// Volumes with a mirror part (mirror-accelerated parity).
+    map: Option<mirror_part::MirrorPart>,
 }
 
 /// Zero operations a large TRIM or WRITE_ZEROES has in flight at once.
@@ -521,7 +533,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .into_iter()
             .map(|(i, extents)| (i, Arc::new(Slab::new(extents, 0))))
             .collect();
+        let map = (cfg.mirror_part_bytes > 0 && cfg.resiliency.mirror_part().is_some())
+            .then(|| mirror_part::MirrorPart::new(cfg.mirror_part_bytes));
         Volume {
+            map,
             geometry,
             codecs: std::sync::Mutex::new(Vec::new()),
             held_rows: tokio::sync::Semaphore::new(parity_io::HELD_ROWS_IN_FLIGHT),
@@ -649,14 +664,16 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if let Some(s) = self.slab(idx) {
             return Ok(s);
         }
+        self.allocate_locked(idx).await
+    }
+
+    /// Places slab `idx` (its copies or chunks) and takes it up. The caller holds
+    /// `alloc_lock`.
+    async fn allocate_locked(&self, idx: SlabIndex) -> Result<Arc<Slab>, VolumeError> {
+        let copies = self.cfg.resiliency.of_slab(idx).copies();
         let extents = self
             .alloc
-            .allocate(
-                self.cfg.id,
-                idx,
-                self.cfg.epoch,
-                self.cfg.resiliency.copies(),
-            )
+            .allocate(self.cfg.id, idx, self.cfg.epoch, copies)
             .await?;
         self.adopt(idx, extents).await
     }
@@ -694,6 +711,22 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let seq = slab.seq.fetch_add(1, Ordering::Relaxed) + 1;
         assert!(seq < 1 << 32, "version sequence exhausted within one epoch");
         Version(self.cfg.epoch.0 << 32 | seq)
+    }
+
+    /// In-sync copies a write of slab `idx` must reach (a mirror-part slab's own count).
+    fn min_replicas_of(&self, idx: SlabIndex) -> usize {
+        self.cfg
+            .resiliency
+            .min_replicas_of_slab(idx, self.cfg.min_replicas)
+    }
+
+    /// Where volume bytes live in slab `idx`'s chunks, if it is a parity slab.
+    pub(crate) fn geometry_of(&self, idx: SlabIndex) -> Option<Geometry> {
+        if idx.is_mirror_part() {
+            None
+        } else {
+            self.geometry
+        }
     }
 
     pub(crate) fn key(&self, slab: SlabIndex) -> ExtentKey {
@@ -753,8 +786,16 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     async fn write_piece(&self, p: Piece, data: Bytes) -> Result<(), VolumeError> {
         if let Some(g) = self.geometry {
+            if self.map.is_some() {
+                return self.map_write_piece(g, p, data).await;
+            }
             return self.parity_write_piece(g, p, data).await;
         }
+        self.mirror_write_piece(p, data).await.map(|_| ())
+    }
+
+    /// A write within one mirror slab; the slab it went to.
+    async fn mirror_write_piece(&self, p: Piece, data: Bytes) -> Result<Arc<Slab>, VolumeError> {
         loop {
             let slab = self.slab_or_allocate(p.slab).await?;
             self.wait_min_replicas(p.slab, &slab).await?;
@@ -770,19 +811,19 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let key = self.key(p.slab);
             let epoch = self.cfg.epoch;
             let targets = writable(&extents);
-            return self
-                .replicate(p.slab, &slab, targets, |at| {
-                    let op = ExtentOp::Write {
-                        key,
-                        epoch,
-                        version,
-                        offset: p.offset,
-                        crcs: crcs.clone(),
-                        data: data.clone(),
-                    };
-                    self.ask(at, op, ExtentReply::into_ok)
-                })
-                .await;
+            self.replicate(p.slab, &slab, targets, |at| {
+                let op = ExtentOp::Write {
+                    key,
+                    epoch,
+                    version,
+                    offset: p.offset,
+                    crcs: crcs.clone(),
+                    data: data.clone(),
+                };
+                self.ask(at, op, ExtentReply::into_ok)
+            })
+            .await?;
+            return Ok(slab.clone());
         }
     }
 
@@ -854,7 +895,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
             let in_sync_failed = failed.iter().any(|(at, _)| at.state == ExtentState::InSync);
             if failed.is_empty()
-                || ok_in_sync >= self.cfg.min_replicas
+                || ok_in_sync >= self.min_replicas_of(idx)
                 || !in_sync_failed
                 || Instant::now() >= deadline
             {
@@ -910,12 +951,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     .fetch_add(1, Ordering::Relaxed);
             }
         }
-        if ok_in_sync < self.cfg.min_replicas {
+        if ok_in_sync < self.min_replicas_of(idx) {
             return Err(VolumeError::Degraded {
                 volume: self.cfg.name.clone(),
                 slab: idx,
                 in_sync: ok_in_sync,
-                min_replicas: self.cfg.min_replicas,
+                min_replicas: self.min_replicas_of(idx),
             });
         }
         Ok(())
@@ -932,13 +973,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Below `min_replicas` in-sync copies a write waits (bounded) for resync or rebuild to
     /// bring copies back, then fails: nothing is acked on fewer copies than the policy says.
     async fn wait_min_replicas(&self, idx: SlabIndex, slab: &Slab) -> Result<(), VolumeError> {
-        if slab.in_sync() >= self.cfg.min_replicas {
+        if slab.in_sync() >= self.min_replicas_of(idx) {
             return Ok(());
         }
         let deadline = Instant::now() + self.cfg.degraded_write_wait;
         loop {
             let n = slab.in_sync();
-            if n >= self.cfg.min_replicas {
+            if n >= self.min_replicas_of(idx) {
                 return Ok(());
             }
             if Instant::now() >= deadline {
@@ -946,7 +987,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     volume: self.cfg.name.clone(),
                     slab: idx,
                     in_sync: n,
-                    min_replicas: self.cfg.min_replicas,
+                    min_replicas: self.min_replicas_of(idx),
                 });
             }
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;
@@ -988,7 +1029,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         {
             return Ok(());
         }
-        if let (Some(g), ExtentState::Stale) = (self.geometry, to) {
+        if let (Some(g), ExtentState::Stale) = (self.geometry_of(idx), to) {
             // A parity slab keeps K chunks in sync, as a mirror keeps its last in-sync copy
             // (`settle`, `fence_and_compare`): below K no chunk can be resynced or rebuilt
             // (each is filled from K others) and none could ever come back, even once every
@@ -1074,16 +1115,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     pub fn allocation(&self, offset: u64, len: u64) -> Result<Vec<(u64, bool)>, VolumeError> {
         self.check_range(offset, len)?;
         self.check_serving()?;
-        let slabs = self.slabs.read().expect("slab map lock poisoned");
         let mut runs: Vec<(u64, bool)> = Vec::new();
         for p in split(offset, len, self.slab_span()) {
-            let allocated = slabs.contains_key(&p.slab);
-            match runs.last_mut() {
-                Some((n, a)) if *a == allocated => *n += p.len,
-                _ => runs.push((p.len, allocated)),
+            let parts = if self.map.is_some() {
+                self.map_allocated(p)
+            } else {
+                vec![(p.len, self.slab(p.slab).is_some())]
+            };
+            for (n_bytes, allocated) in parts {
+                match runs.last_mut() {
+                    Some((n, a)) if *a == allocated => *n += n_bytes,
+                    _ => runs.push((n_bytes, allocated)),
+                }
             }
         }
-        drop(slabs);
         self.check_serving()?;
         Ok(runs)
     }
@@ -1132,19 +1177,27 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// a growing pause, until `read_wait`. A read fails only when nothing answered within
     /// it, or when a block is bad everywhere it could come from.
     async fn read_piece(&self, p: Piece) -> Result<Bytes, VolumeError> {
-        if let Some(g) = self.geometry {
-            // Each round takes the slab afresh: a TRIM may release it meanwhile (it reads
-            // as zeros from then on), and a write take it up again, a new incarnation
-            // whose chunks may be on the same drives in other places of the row.
-            return self
-                .read_with_retries(p.slab, || async move {
-                    match self.slab(p.slab) {
-                        Some(slab) => self.parity_read_round(g, p, &slab).await,
-                        None => Ok(Bytes::from(vec![0u8; p.len as usize])),
-                    }
-                })
-                .await;
+        match self.geometry {
+            Some(g) if self.map.is_some() => self.map_read_piece(g, p).await,
+            Some(g) => self.parity_read_piece(g, p).await,
+            None => self.mirror_read_piece(p).await,
         }
+    }
+
+    async fn parity_read_piece(&self, g: Geometry, p: Piece) -> Result<Bytes, VolumeError> {
+        // Each round takes the slab afresh: a TRIM may release it meanwhile (it reads
+        // as zeros from then on), and a write take it up again, a new incarnation
+        // whose chunks may be on the same drives in other places of the row.
+        self.read_with_retries(p.slab, || async move {
+            match self.slab(p.slab) {
+                Some(slab) => self.parity_read_round(g, p, &slab).await,
+                None => Ok(Bytes::from(vec![0u8; p.len as usize])),
+            }
+        })
+        .await
+    }
+
+    async fn mirror_read_piece(&self, p: Piece) -> Result<Bytes, VolumeError> {
         let Some(slab) = self.slab(p.slab) else {
             // Never written: thin provisioning reads zeros.
             return Ok(Bytes::from(vec![0u8; p.len as usize]));
@@ -1457,6 +1510,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         for group in tasks.chunks(ZERO_PIECES_IN_FLIGHT) {
             join_all_ok(group.iter().map(|t| async move {
+                if let (Some(g), Some(_)) = (self.geometry, &self.map) {
+                    return match *t {
+                        ZeroTask::Piece(p) => self.map_zero(g, p, false, trim).await,
+                        ZeroTask::Release(idx) => {
+                            let p = Piece {
+                                slab: idx,
+                                offset: 0,
+                                len: size,
+                                at: 0,
+                            };
+                            self.map_zero(g, p, true, trim).await
+                        }
+                    };
+                }
                 match (*t, self.geometry) {
                     (ZeroTask::Piece(p), None) => self.zero_piece(p).await,
                     (ZeroTask::Release(idx), None) => self.release_slab(idx, false).await,
@@ -1619,7 +1686,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             return Ok(());
         }
         let epoch = self.cfg.epoch;
-        let deleted = match self.alloc.release(self.cfg.id, idx, epoch).await {
+        let deleted = match self.alloc.release(self.cfg.id, &[idx], epoch).await {
             Err(e @ VolumeError::Fenced { .. }) => return Err(e),
             r => r,
         };
@@ -1655,6 +1722,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// something newer than `upto`); a copy not freed is left to its node's orphan reclaim.
     pub(crate) async fn free_released(&self, idx: SlabIndex, extents: &[ExtentLoc], upto: Version) {
         self.counters.slabs_released.fetch_add(1, Ordering::Relaxed);
+        self.free_extents(idx, extents, upto).await;
+    }
+
+    /// Frees the copies of a slab whose record was deleted (each unless it holds something
+    /// newer than `upto`); a copy not freed is left to its node's orphan reclaim.
+    pub(crate) async fn free_extents(&self, idx: SlabIndex, extents: &[ExtentLoc], upto: Version) {
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
         let answers = join_all(

@@ -488,7 +488,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let upto = Version(self.cfg.epoch.0 << 32 | slab.seq.load(Ordering::Acquire));
         let epoch = self.cfg.epoch;
-        let deleted = self.alloc.release(self.cfg.id, idx, epoch).await;
+        let deleted = self.alloc.release(self.cfg.id, &[idx], epoch).await;
         // Whatever the answer, no write may go to these chunks under this handle: if the
         // record is still there, the next write takes the slab up again (zeroing it).
         self.forget_released(idx, &slab);

@@ -287,7 +287,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let _g = slab.gate.write().await;
             let _c = slab.change.lock().await;
             self.check_not_released(idx, &slab)?;
-            if self.geometry.is_some() && slab.extents().iter().any(|e| e.node == new.node) {
+            if self.geometry_of(idx).is_some() && slab.extents().iter().any(|e| e.node == new.node)
+            {
                 // Each chunk of a parity slab on its own node.
                 return Err(self.copy_error(
                     idx,
@@ -321,7 +322,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         progress: &Progress,
     ) -> Result<CopyReport, VolumeError> {
         let slab = self.slab_or_err(idx)?;
-        if self.geometry.is_some() {
+        if self.geometry_of(idx).is_some() {
             // A parity slab's chunks are ordered (the record's order is the row layout):
             // a chunk beside the others has no place in it. The leaving chunk is replaced
             // in its place and rebuilt from the others, only when every chunk is in sync
@@ -379,7 +380,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// and later ones no longer reach it. The caller frees the extent afterwards.
     pub async fn drop_copy(&self, idx: SlabIndex, drive: DriveId) -> Result<(), VolumeError> {
         let slab = self.slab_or_err(idx)?;
-        let keep = self.cfg.resiliency.copies();
+        let keep = self.cfg.resiliency.of_slab(idx).copies();
         let _g = slab.gate.write().await;
         let _c = slab.change.lock().await;
         self.check_not_released(idx, &slab)?;
@@ -471,7 +472,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         throttle: &Throttle,
         progress: &Progress,
     ) -> Result<CopyReport, VolumeError> {
-        if let Some(g) = self.geometry {
+        if let Some(g) = self.geometry_of(idx) {
             return self
                 .parity_fill(g, idx, slab, drive, throttle, progress)
                 .await;
@@ -661,7 +662,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     async fn reconcile_slab(&self, idx: SlabIndex, slab: &Slab) -> Result<CopyReport, VolumeError> {
         let differ = self.fence_and_compare(idx, slab).await?;
-        if let Some(g) = self.geometry {
+        if let Some(g) = self.geometry_of(idx) {
             return self.parity_reconcile_slab(g, idx, slab, differ).await;
         }
         if !differ {
@@ -903,7 +904,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     .filter(|e| e.state == ExtentState::InSync)
                     .count() as u64;
                 throttle.take(n * BS * copies).await;
-                let r = match self.geometry {
+                let r = match self.geometry_of(idx) {
                     Some(g) => {
                         self.parity_scrub_step(g, idx, &slab, start, n, repair)
                             .await?

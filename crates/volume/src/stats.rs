@@ -61,6 +61,10 @@ pub struct VolumeCounters {
     pub extents_marked_stale: AtomicU64,
     /// Slabs a TRIM or WRITE_ZEROES covered whole and returned to the pool.
     pub slabs_released: AtomicU64,
+    /// Mirror-accelerated parity: spans rotated from the mirror part into parity, and the
+    /// volume bytes they held.
+    pub rotations: AtomicU64,
+    pub rotated_bytes: AtomicU64,
     pub read_latency: Histogram,
     pub write_latency: Histogram,
 }
@@ -77,6 +81,10 @@ pub struct VolumeStats {
     pub extents_marked_stale: u64,
     #[serde(default)]
     pub slabs_released: u64,
+    #[serde(default)]
+    pub rotations: u64,
+    #[serde(default)]
+    pub rotated_bytes: u64,
     pub read_latency: HistogramSnapshot,
     pub write_latency: HistogramSnapshot,
 }
@@ -93,6 +101,8 @@ impl VolumeCounters {
             repaired_blocks: self.repaired_blocks.load(Relaxed),
             extents_marked_stale: self.extents_marked_stale.load(Relaxed),
             slabs_released: self.slabs_released.load(Relaxed),
+            rotations: self.rotations.load(Relaxed),
+            rotated_bytes: self.rotated_bytes.load(Relaxed),
             read_latency: self.read_latency.snapshot(),
             write_latency: self.write_latency.snapshot(),
         }

@@ -446,10 +446,13 @@ impl SlabAllocator for FixedAlloc {
     async fn release(
         &self,
         _volume: VolumeId,
-        slab: SlabIndex,
+        slabs: &[SlabIndex],
         _epoch: Epoch,
     ) -> Result<(), VolumeError> {
-        self.records.lock().unwrap().remove(&slab);
+        let mut r = self.records.lock().unwrap();
+        for s in slabs {
+            r.remove(s);
+        }
         Ok(())
     }
 }
@@ -463,6 +466,7 @@ fn config(size: u64, slab: u64, epoch: u64) -> VolumeConfig {
         size_bytes: size,
         slab_size_bytes: slab,
         resiliency: Resiliency::Mirror3,
+        mirror_part_bytes: 0,
         epoch: Epoch(epoch),
         local_node: NodeId(2),
         min_replicas: 2,
@@ -1487,4 +1491,5 @@ async fn an_owner_past_its_tenure_or_retired_answers_nothing() {
     ));
 }
 
+mod mirror_part;
 mod parity;
