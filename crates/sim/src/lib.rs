@@ -50,6 +50,8 @@ pub struct VolumeSpec {
     pub resiliency: Resiliency,
     pub min_replicas: usize,
     pub slabs: u64,
+    /// Mirror-accelerated parity (docs/adr/0009): extents of a mirror part (0: none).
+    pub mirror_part_extents: u64,
 }
 
 /// Everything a run depends on besides the seed (and [`Options::for_seed`] derives these
@@ -139,6 +141,10 @@ pub struct Options {
     /// chunks, written in whole rows with held priors, and the checkers judge them row by
     /// row (decoded from K chunks, parity verified) instead of copy by copy.
     pub parity: bool,
+    /// With `parity`: the parity volume has a mirror part of half its extents (mirror-
+    /// accelerated parity, docs/adr/0009); the repair loop also runs the owner's rotation
+    /// job, so spans move from the mirror part into parity under every fault.
+    pub mirror_part: bool,
     /// The parity volume of variant `parity`: parity-2+1, 2+2 or 3+1, drawn from the seed
     /// (every shape fits the 4–5 nodes; with K+M = nodes a lost chunk has nowhere else to
     /// go and waits for its node).
@@ -154,18 +160,21 @@ impl Options {
             resiliency: Resiliency::Mirror3,
             min_replicas: 2,
             slabs: r.gen_range(3..=5),
+            mirror_part_extents: 0,
         }];
         volumes.push(if r.gen_bool(0.5) {
             VolumeSpec {
                 resiliency: Resiliency::Mirror2,
                 min_replicas: 1,
                 slabs: r.gen_range(2..=4),
+                mirror_part_extents: 0,
             }
         } else {
             VolumeSpec {
                 resiliency: Resiliency::Mirror3,
                 min_replicas: 2,
                 slabs: r.gen_range(2..=4),
+                mirror_part_extents: 0,
             }
         });
         let second_slabs = volumes[1].slabs;
@@ -210,6 +219,7 @@ impl Options {
             drive_failures_max: 1,
             drain: false,
             parity: false,
+            mirror_part: false,
             // Drawn last, so the draws above (and the runs of earlier seeds) stay as they were.
             parity_volume: parity_volume(&mut r, second_slabs),
         }
@@ -220,9 +230,13 @@ impl Options {
     pub fn effective_volumes(&self) -> Vec<VolumeSpec> {
         let mut v = self.volumes.clone();
         if self.parity {
+            let mut p = self.parity_volume.clone();
+            if self.mirror_part {
+                p.mirror_part_extents = p.slabs * p.resiliency.needed() as u64 / 2;
+            }
             match v.get_mut(1) {
-                Some(second) => *second = self.parity_volume.clone(),
-                None => v.push(self.parity_volume.clone()),
+                Some(second) => *second = p,
+                None => v.push(p),
             }
         }
         v
@@ -243,6 +257,7 @@ fn parity_volume(r: &mut StdRng, slabs: u64) -> VolumeSpec {
         resiliency: Resiliency::parity(k, m).expect("a supported parity shape"),
         min_replicas,
         slabs,
+        mirror_part_extents: 0,
     }
 }
 
@@ -673,6 +688,33 @@ fn volumes_by_id(w: &World) -> BTreeMap<VolumeId, (usize, u64, Resiliency)> {
 }
 
 /// A parity volume's (K, M).
+/// The parity slabs that are not the truth of their span: a parity slab beside mirror-part
+/// records of the same span (a rotation that has not flipped, docs/adr/0009) holds what a
+/// copy in progress, or a cut one, left; reads see the mirror part. Not judged.
+fn shadowed(
+    records: &[(
+        (VolumeId, converge_types::SlabIndex),
+        Vec<converge_volume::ExtentLoc>,
+    )],
+    vols: &BTreeMap<VolumeId, (usize, u64, Resiliency)>,
+) -> BTreeSet<(VolumeId, converge_types::SlabIndex)> {
+    records
+        .iter()
+        .map(|(k, _)| *k)
+        .filter(|(_, s)| s.is_mirror_part())
+        .filter_map(|(vol, s)| {
+            let k = vols.get(&vol)?.2.needed() as u64;
+            Some((vol, converge_types::SlabIndex(s.position() / k)))
+        })
+        .collect()
+}
+
+/// A slab's first volume block, given its blocks per extent: a mirror-part slab's
+/// extent-sized piece, else its span's.
+fn first_block(res: Resiliency, slab: converge_types::SlabIndex, extent_blocks: u64) -> u64 {
+    slab.position() * res.of_slab(slab).slab_span(extent_blocks)
+}
+
 fn parity_shape(res: Resiliency) -> Option<(usize, usize)> {
     match res {
         Resiliency::Parity { data, parity } => Some((usize::from(data), usize::from(parity))),
@@ -767,10 +809,16 @@ pub(crate) fn check_copies(w: &Arc<World>, when: &str, settled: bool) {
             Some((r.id, o.vol.slab_map().into_keys().collect()))
         })
         .collect();
+    let shadowed = shadowed(&records, &vols);
     for ((vol, slab), extents) in records {
         let Some(&(v, tag, res)) = vols.get(&vol) else {
             continue;
         };
+        if shadowed.contains(&(vol, slab)) {
+            w.count("parity slabs of spans still in the mirror part (not judged)");
+            continue;
+        }
+        let res = res.of_slab(slab);
         let adopting = served.get(&vol).is_some_and(|s| !s.contains(&slab));
         if let Some((k, m)) = parity_shape(res) {
             // With no owner (a takeover running), the next one reconciles the chunks
@@ -788,7 +836,7 @@ pub(crate) fn check_copies(w: &Arc<World>, when: &str, settled: bool) {
             let Ok((mut data, _, bad)) = w.read_copy(e.node, e.drive, key, blocks) else {
                 continue; // down: it cannot serve reads either
             };
-            let first = slab.0 * blocks;
+            let first = first_block(res, slab, blocks);
             // Bad blocks are never served; make them pass as the block's current content
             // would not be judged at all.
             let mut hist = lock(&w.hist);
@@ -918,12 +966,10 @@ fn check_chunks(
 /// row's version, and parity must verify at it.
 pub(crate) fn check_agree(w: &Arc<World>, volume: VolumeId, epoch: converge_types::Epoch) {
     let blocks = w.opts.slab_blocks;
-    let shape = volumes_by_id(w)
-        .get(&volume)
-        .and_then(|&(_, _, res)| parity_shape(res));
+    let res = volumes_by_id(w).get(&volume).map(|&(_, _, res)| res);
     let slabs = lock(&w.ctl).slabs_of(volume);
     for (slab, extents) in slabs {
-        if let Some((k, m)) = shape {
+        if let Some((k, m)) = res.and_then(|r| parity_shape(r.of_slab(slab))) {
             let key = world::slab_key(volume, slab.0);
             let in_sync =
                 |e: &converge_volume::ExtentLoc| e.state == converge_types::ExtentState::InSync;
@@ -991,9 +1037,13 @@ fn compare_copies(w: &Arc<World>, capacity_only: bool) {
     let blocks = w.opts.slab_blocks;
     let records = lock(&w.ctl).all();
     let vols = volumes_by_id(w);
+    let shadowed = shadowed(&records, &vols);
     for ((vol, slab), extents) in records {
+        if shadowed.contains(&(vol, slab)) {
+            continue;
+        }
         if let Some(&(v, tag, res)) = vols.get(&vol) {
-            if let Some((k, m)) = parity_shape(res) {
+            if let Some((k, m)) = parity_shape(res.of_slab(slab)) {
                 compare_chunks(w, capacity_only, (v, tag), (k, m), (vol, slab), &extents);
                 continue;
             }

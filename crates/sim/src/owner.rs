@@ -110,7 +110,7 @@ fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owne
         size_bytes: volume_blocks(w, &spec) * BLOCK_SIZE as u64,
         slab_size_bytes: w.opts.slab_blocks * BLOCK_SIZE as u64,
         resiliency: spec.resiliency,
-        mirror_part_bytes: 0,
+        mirror_part_bytes: spec.mirror_part_extents * w.opts.slab_blocks * BLOCK_SIZE as u64,
         epoch,
         local_node: node,
         min_replicas: spec.min_replicas,

@@ -269,6 +269,7 @@ pub(crate) async fn repairer(w: Arc<World>) {
                 *clock = (incarnation, DownClock::default());
             }
             repair_volume(&w, v, &o, &mut clock.1, &throttle).await;
+            rotate_volume(&w, v, &o, &throttle).await;
             if round.is_multiple_of(w.opts.scrub_every_rounds) && is_current(&w, v, &o) {
                 scrub(&w, v, &o, true, &throttle).await;
                 if w.is_up(o.node) {
@@ -301,6 +302,40 @@ async fn on_owner<T: Send + 'static>(
     f: impl std::future::Future<Output = T> + Send + 'static,
 ) -> Option<T> {
     o.spawn(f)?.await.ok()
+}
+
+/// The owner's rotation job (mirror-accelerated parity): while the mirror part is above its
+/// watermarks, its coldest spans move into parity, each as one of the owner's tasks (so a
+/// crash of the owner cuts it wherever it is).
+async fn rotate_volume(w: &Arc<World>, v: usize, o: &Arc<Owner>, throttle: &Arc<Throttle>) {
+    if o.vol.mirror_part_usage().is_none() {
+        return;
+    }
+    let mut continuing = false;
+    while is_current(w, v, o) {
+        let (vol, t) = (o.vol.clone(), throttle.clone());
+        let r = on_owner(o, async move {
+            let progress = converge_volume::resync::Progress::default();
+            vol.rotate_once(continuing, &t, &progress).await
+        })
+        .await;
+        w.trace(|| format!("vol{v} epoch {}: rotation: {r:?}", o.epoch));
+        match r {
+            Some(Ok(converge_volume::Rotated::Span { .. })) => {
+                w.count("spans rotated into parity");
+                continuing = true;
+            }
+            Some(Ok(converge_volume::Rotated::Nothing)) => return,
+            Some(Err(_)) => {
+                w.count("rotations stopped by an error");
+                return;
+            }
+            None => {
+                w.count("rotations cut by the owner's end");
+                return;
+            }
+        }
+    }
 }
 
 /// One round of the repair policy for volume `v`, as its owner's node runs it.

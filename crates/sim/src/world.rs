@@ -1167,18 +1167,11 @@ impl World {
         }
     }
 
-    /// Copies of a slab of each volume that must stay healthy: `healthy_copies_min` of a
-    /// mirror's; a parity slab's K chunks more than that, less one (at most M of its K+M
-    /// chunks impaired at once, by default: K are needed to read a row). And whether the
-    /// volume is a parity one.
-    fn healthy_needed(&self) -> BTreeMap<VolumeId, (usize, bool)> {
-        let min = self.opts.healthy_copies_min;
+    /// Each volume's resiliency, from which [`healthy_needed`] tells a slab's.
+    fn resiliencies(&self) -> BTreeMap<VolumeId, Resiliency> {
         lock(&self.vols)
             .iter()
-            .map(|r| {
-                let res = r.spec.resiliency;
-                (r.id, (res.needed() + min - 1, res.is_parity()))
-            })
+            .map(|r| (r.id, r.spec.resiliency))
             .collect()
     }
 
@@ -1199,9 +1192,9 @@ impl World {
         hit: impl Fn(ExtentKey, &ExtentLoc) -> bool,
     ) -> bool {
         let health = self.health();
-        let needed = self.healthy_needed();
+        let res = self.resiliencies();
         let records = lock(&self.ctl).all();
-        let draining = if needed.values().any(|n| n.1) {
+        let draining = if res.values().any(|r| r.is_parity()) {
             lock(&self.ctl).draining()
         } else {
             BTreeSet::new()
@@ -1214,10 +1207,11 @@ impl World {
             if !extents.iter().any(|e| hit(key, e)) {
                 return true;
             }
-            let (min, parity) = needed
+            let (min, parity) = res
                 .get(v)
-                .copied()
-                .unwrap_or((self.opts.healthy_copies_min, false));
+                .map_or((self.opts.healthy_copies_min, false), |r| {
+                    healthy_needed(r.of_slab(*s), self.opts.healthy_copies_min)
+                });
             let healthy = extents
                 .iter()
                 .filter(|e| !hit(key, e) && health.healthy(key, e))
@@ -1437,7 +1431,7 @@ impl World {
         let parity_k = lock(&self.vols)
             .iter()
             .find(|r| r.id == blk.key.volume)
-            .and_then(|r| match r.spec.resiliency {
+            .and_then(|r| match r.spec.resiliency.of_slab(blk.key.slab) {
                 Resiliency::Parity { data, .. } => Some(usize::from(data)),
                 _ => None,
             });
@@ -1567,4 +1561,12 @@ impl World {
             })
             .collect()
     }
+}
+
+/// Copies of a slab laid out as `res` that must stay healthy: `min` (the run's
+/// `healthy_copies_min`) of a mirror's; a parity slab's K chunks more than that, less one
+/// (at most M of its K+M chunks impaired at once, by default: K are needed to read a row).
+/// And whether the slab is a parity one.
+fn healthy_needed(res: Resiliency, min: usize) -> (usize, bool) {
+    (res.needed() + min - 1, res.is_parity())
 }

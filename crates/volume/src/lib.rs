@@ -1666,6 +1666,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let Some(slab) = self.known_slab(idx).await? else {
             return Ok(());
         };
+        if self.shadows_parity(idx) {
+            // Zeroed below, but kept: see `shadows_parity`.
+            let _gate = slab.gate.read().await;
+            if !slab.is_released() && !if_zeroed {
+                self.zero_whole(idx, &slab).await?;
+            }
+            return Ok(());
+        }
         self.wait_min_replicas(idx, &slab).await?;
         let _gate = slab.gate.write().await;
         if slab.is_released() || (if_zeroed && !slab.zeroed.all(self.cfg.slab_size_bytes / BS)) {

@@ -122,6 +122,19 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
     }
 
+    /// Whether `idx` is a mirror-part slab whose span also has a parity slab (a rotation's,
+    /// not flipped yet or cut): the mirror part is the span's truth only while one of its
+    /// slabs exists, so such a slab is zeroed, never released, until that parity slab is
+    /// gone (releasing the span's last one would make the parity slab's stale rows the
+    /// span's content).
+    pub(crate) fn shadows_parity(&self, idx: SlabIndex) -> bool {
+        self.map.is_some()
+            && idx.is_mirror_part()
+            && self
+                .slab(SlabIndex(idx.position() / self.span_extents()))
+                .is_some()
+    }
+
     /// The mirror part's size and use.
     pub fn mirror_part_usage(&self) -> Option<MirrorPartUsage> {
         let m = self.map.as_ref()?;
@@ -262,17 +275,19 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         match self.layout(p.slab.0) {
             None => Ok(()),
             Some(Layout::Mirror) => {
-                // Extents it covers whole are released, the rest zeroed; a leftover parity
-                // slab (a rotation that did not flip) goes with a whole-span zero.
+                // A leftover parity slab (a rotation that did not flip) goes first with a
+                // whole-span zero; while one stays, no extent of the mirror part is released
+                // (`shadows_parity`). Extents the zero covers whole are released, the rest
+                // zeroed.
+                if whole && self.slab(p.slab).is_some() {
+                    self.parity_release(p.slab).await?;
+                }
                 for s in self.sub_pieces(p) {
                     if s.offset == 0 && s.len == self.cfg.slab_size_bytes {
                         self.release_slab(s.slab, false).await?;
                     } else {
                         self.zero_piece(s).await?;
                     }
-                }
-                if whole {
-                    self.parity_release(p.slab).await?;
                 }
                 Ok(())
             }
