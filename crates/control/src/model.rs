@@ -10,7 +10,7 @@
 //! | `/converge/nodes/<node id>` | [`NodeRecord`] | bound to the node's lease: present = live |
 //! | `/converge/drives/<drive id>` | [`DriveRecord`] | persistent |
 //! | `/converge/volumes/<name>` | [`VolumeRecord`] | persistent; the name is the user's handle |
-//! | `/converge/slabs/<volume id>/<slab index, 20-digit zero-padded>` | [`SlabRecord`] | created on first write; padding makes key order = slab order |
+//! | `/converge/slabs/<volume id>/<slab index, 20-digit zero-padded>` | [`SlabRecord`] | created on first write; padding makes key order = slab order (a mirror part's slabs, bit 62 set, after the spans) |
 //! | `/converge/owners/<volume id>` | [`OwnerRecord`] | bound to the owner's lease |
 //! | `/converge/epochs/<volume id>` | JSON number | highest epoch ever granted; survives the owner's lease so epochs never repeat |
 //! | `/converge/placement-seq` | empty | rewritten by every slab allocation; its mod revision orders allocations ([`Cluster::allocate_slab`]) |

@@ -676,9 +676,14 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
 }
 
 /// Repairs under way make the cluster degraded (copies are being brought back); a scrub
-/// only checks copies that are in sync, so it is listed among the jobs but is no problem.
+/// only checks copies that are in sync, and a rotation (mirror-accelerated parity) moves
+/// data between layouts at full redundancy, so they are listed among the jobs but are no
+/// problem.
 fn jobs_problem(jobs: &[JobInfo]) -> Option<String> {
-    let repairs = jobs.iter().filter(|j| j.kind != "scrub").count();
+    let repairs = jobs
+        .iter()
+        .filter(|j| j.kind != "scrub" && j.kind != "rotate")
+        .count();
     (repairs > 0).then(|| format!("{repairs} repair jobs running"))
 }
 
@@ -1190,7 +1195,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn scrubs_alone_leave_the_cluster_healthy() {
+    fn scrubs_and_rotations_leave_the_cluster_healthy() {
         let job = |kind: &str| JobInfo {
             kind: kind.into(),
             node: NodeId(1),
@@ -1203,7 +1208,7 @@ mod tests {
             eta_s: None,
         };
         assert_eq!(jobs_problem(&[]), None);
-        assert_eq!(jobs_problem(&[job("scrub"), job("scrub")]), None);
+        assert_eq!(jobs_problem(&[job("scrub"), job("rotate")]), None);
         assert_eq!(
             jobs_problem(&[job("scrub"), job("resync"), job("rebuild")]).as_deref(),
             Some("2 repair jobs running")
