@@ -406,6 +406,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // The parity slab: a new one is zeroed as it is taken up, so the span's extents
         // that were never written need no copy; one left by an earlier rotation is written
         // whole.
+        let started = Instant::now();
         let fresh = self.slab(SlabIndex(span)).is_none();
         self.slab_or_allocate(SlabIndex(span)).await?;
         let row = g.row_bytes();
@@ -456,10 +457,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         self.counters
             .rotated_bytes
             .fetch_add(copied, Ordering::Relaxed);
+        let secs = started.elapsed().as_secs_f64();
         log::info!(
-            "volume {}: span {span} rotated from the mirror part into parity ({} MiB copied)",
+            "volume {}: span {span} rotated from the mirror part into parity: {} MiB copied in {secs:.2} s ({:.0} MiB/s)",
             self.cfg.name,
-            copied >> 20
+            copied >> 20,
+            copied as f64 / (1 << 20) as f64 / secs.max(1e-6)
         );
         Ok(Some(copied))
     }
