@@ -43,6 +43,11 @@ def main():
     ap.add_argument("images", nargs="+")
     ap.add_argument("--json", help="write the figures here too")
     ap.add_argument("--groups", default="1,4,16", help="group sizes in blocks")
+    ap.add_argument(
+        "--base",
+        help="the template image the others were made from: blocks it holds are also "
+        "counted apart (what clones of it share without any dedup index)",
+    )
     a = ap.parse_args()
     try:
         import lz4.frame
@@ -59,7 +64,14 @@ def main():
         "zstd-1": lambda d: len(z1.compress(d)),
         "zstd-3": lambda d: len(z3.compress(d)),
     }
+    base = set()
+    if a.base:
+        for b in blocks(a.base):
+            if b != ZERO:
+                base.add(hashlib.blake2b(b, digest_size=16).digest())
     everywhere = set()
+    beyond = set()  # unique blocks not in the template
+    beyond_total = 0
     per_image = []
     comp = {(c, g): [0, 0.0] for c in codecs for g in groups}  # stored bytes, seconds
     data_total = 0
@@ -89,6 +101,9 @@ def main():
             h = hashlib.blake2b(b, digest_size=16).digest()
             seen.add(h)
             everywhere.add(h)
+            if h not in base:
+                beyond.add(h)
+                beyond_total += 1
             for g in groups:
                 buf[g].append(b)
                 flush(g)
@@ -109,6 +124,9 @@ def main():
         "unique_bytes_all": len(everywhere) * BS,
         "dedup_ratio": data_total / max(1, len(everywhere)),
         "dedup_index_bytes": len(everywhere) * 40,
+        "base": a.base,
+        "beyond_base_bytes": beyond_total * BS,
+        "beyond_base_unique_bytes": len(beyond) * BS,
         "compression": [
             {
                 "codec": c,
@@ -133,6 +151,11 @@ def main():
         f"dedup {out['dedup_ratio']:.2f}:1, index {mib(out['dedup_index_bytes'])} "
         "(40 B per unique block)\n"
     )
+    if a.base:
+        print(
+            f"not in the template: {mib(beyond_total * BS)}, of which {mib(len(beyond) * BS)} "
+            f"unique: dedup beyond what clones share {beyond_total / max(1, len(beyond)):.2f}:1\n"
+        )
     print("| codec | group | stored | saved | CPU s per GiB |")
     print("|---|---:|---:|---:|---:|")
     for r in out["compression"]:
