@@ -242,6 +242,11 @@ pub async fn render(node: &Node) -> String {
             "converge_volume_slabs_released_total{{{l}}} {}",
             s.slabs_released
         );
+        let _ = writeln!(
+            o,
+            "converge_volume_hedged_reads_total{{{l}}} {}",
+            s.hedged_reads
+        );
         let map = vols[name].slab_map();
         let cfg = vols[name].config();
         let _ = writeln!(

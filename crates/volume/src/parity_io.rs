@@ -502,7 +502,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// One round of a read of a parity slab. Healthy: each data chunk the piece touches
     /// reads its blocks (one request per chunk; a 4 KiB read asks one chunk). Otherwise
     /// (a data chunk not in sync, an error, a bad block) the rows are read whole under
-    /// their lock and what is missing decoded.
+    /// their lock and what is missing decoded. A data chunk that has not answered within
+    /// `read_hedge` is hedged: the rows are read from the other chunks (not asking it) and
+    /// its blocks decoded, so one hung node costs a read `read_hedge`, not a timeout.
     pub(crate) async fn parity_read_round(
         &self,
         g: Geometry,
@@ -525,21 +527,45 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         {
             let key = self.key(p.slab);
             let epoch = self.cfg.epoch;
-            let answers = join_all(
+            let answered: Vec<AtomicBool> = reads.iter().map(|_| AtomicBool::new(false)).collect();
+            let mut healthy = std::pin::pin!(join_all(
                 reads
                     .iter()
-                    .map(|&(j, rs, re)| {
+                    .zip(&answered)
+                    .map(|(&(j, rs, re), answered)| {
                         let op = ExtentOp::Read {
                             key,
                             epoch,
                             offset: rs * BS,
                             len: ((re - rs) * BS) as u32,
                         };
-                        self.ask(ex[j as usize], op, ExtentReply::into_read)
+                        let at = ex[j as usize];
+                        async move {
+                            let r = self.ask(at, op, ExtentReply::into_read).await;
+                            answered.store(true, Ordering::Release);
+                            r
+                        }
                     })
                     .collect(),
-            )
-            .await;
+            ));
+            let answers = match tokio::time::timeout(self.cfg.read_hedge, &mut healthy).await {
+                Ok(answers) => answers,
+                Err(_) => {
+                    // Hedge: the data chunks that have not answered are left out, if the
+                    // others still make K (at most M left out); else wait for them.
+                    let avoid = reads
+                        .iter()
+                        .zip(&answered)
+                        .filter(|(_, a)| !a.load(Ordering::Acquire))
+                        .fold(0u32, |m, (&(j, _, _), _)| m | bit(j as usize));
+                    if avoid.count_ones() > u32::from(g.m()) {
+                        healthy.await
+                    } else {
+                        self.counters.hedged_reads.fetch_add(1, Ordering::Relaxed);
+                        return self.parity_read_rows(g, p, slab, avoid).await;
+                    }
+                }
+            };
             if slab.is_released() {
                 return Err(released_meanwhile());
             }
@@ -581,9 +607,25 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 return Ok(out.freeze());
             }
         }
+        self.parity_read_rows(g, p, slab, 0).await
+    }
+
+    /// Piece `p` read as whole rows under their lock, decoded where a data chunk falls
+    /// short; the data chunks in `avoid` (a bit each) are not asked.
+    async fn parity_read_rows(
+        &self,
+        g: Geometry,
+        p: Piece,
+        slab: &Slab,
+        avoid: u32,
+    ) -> Result<Bytes, Retry> {
+        let k = u64::from(g.k());
+        let (b0, b1) = (p.offset / BS, (p.offset + p.len) / BS);
         let (r0, r1) = (b0 / k, (b1 - 1) / k + 1);
         let _rows = slab.rows.lock(r0, r1).await;
-        let rows = self.read_rows_round(g, p.slab, slab, r0, r1 - r0).await?;
+        let rows = self
+            .read_rows_round_avoiding(g, p.slab, slab, r0, r1 - r0, avoid)
+            .await?;
         if slab.is_released() {
             return Err(released_meanwhile());
         }
@@ -603,6 +645,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         r0: u64,
         n: u64,
     ) -> Result<Vec<u8>, Retry> {
+        self.read_rows_round_avoiding(g, idx, slab, r0, n, 0).await
+    }
+
+    /// [`Self::read_rows_round`], not asking the chunks in `avoid` (a bit each: a hedged
+    /// read's chunks that did not answer in time).
+    async fn read_rows_round_avoiding(
+        &self,
+        g: Geometry,
+        idx: SlabIndex,
+        slab: &Slab,
+        r0: u64,
+        n: u64,
+        avoid: u32,
+    ) -> Result<Vec<u8>, Retry> {
         let ex = self.chunks(g, idx, slab).map_err(Retry::Fail)?;
         let k = usize::from(g.k());
         let all = ex.len();
@@ -613,7 +669,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // Data chunks first; the parity chunks only when some data chunk falls short.
         for phase in [0..k, k..all] {
             let want: Vec<usize> = phase
-                .filter(|&c| ex[c].state == ExtentState::InSync)
+                .filter(|&c| ex[c].state == ExtentState::InSync && avoid & bit(c) == 0)
                 .collect();
             self.read_blocks_into(idx, &ex, &want, r0, n, &mut got, &mut errors)
                 .await?;

@@ -65,6 +65,9 @@ pub struct VolumeCounters {
     /// volume bytes they held.
     pub rotations: AtomicU64,
     pub rotated_bytes: AtomicU64,
+    /// Parity reads whose data chunks did not all answer within `read_hedge`, read from
+    /// the other chunks instead.
+    pub hedged_reads: AtomicU64,
     pub read_latency: Histogram,
     pub write_latency: Histogram,
 }
@@ -85,6 +88,8 @@ pub struct VolumeStats {
     pub rotations: u64,
     #[serde(default)]
     pub rotated_bytes: u64,
+    #[serde(default)]
+    pub hedged_reads: u64,
     pub read_latency: HistogramSnapshot,
     pub write_latency: HistogramSnapshot,
 }
@@ -103,6 +108,7 @@ impl VolumeCounters {
             slabs_released: self.slabs_released.load(Relaxed),
             rotations: self.rotations.load(Relaxed),
             rotated_bytes: self.rotated_bytes.load(Relaxed),
+            hedged_reads: self.hedged_reads.load(Relaxed),
             read_latency: self.read_latency.snapshot(),
             write_latency: self.write_latency.snapshot(),
         }

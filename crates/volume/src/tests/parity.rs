@@ -684,3 +684,24 @@ async fn a_parity_slab_keeps_k_chunks_in_sync_and_comes_back() {
     let read = v.read(0, size).await.unwrap();
     assert!(read == model, "the acked rows came back other than written");
 }
+
+/// A data chunk whose node takes reads and never answers (a paused process): a healthy
+/// read of its blocks is hedged after `read_hedge` and decoded from the other chunks, so it
+/// answers, with the right data, instead of waiting for the chunk.
+#[tokio::test(start_paused = true)]
+async fn a_parity_read_is_hedged_past_a_data_chunk_that_does_not_answer() {
+    let (v, io, _) = parity_volume(2, 1, 2 * CHUNK);
+    let data = pattern(2 * CHUNK as usize, 5);
+    v.write(0, data.clone()).await.unwrap();
+    // Chunk 0 (node 1) holds the even blocks: block 4's read asks it alone.
+    io.hung.lock().unwrap().push(NodeId(1));
+    let got = tokio::time::timeout(std::time::Duration::from_secs(30), v.read(4 * BS, 4096))
+        .await
+        .expect("the read is hedged, not left waiting for the hung chunk")
+        .unwrap();
+    assert_eq!(&got[..], &data[4 * BS as usize..5 * BS as usize]);
+    // A read over both data chunks: the hung one's blocks decoded, the other's read.
+    let got = v.read(0, 2 * CHUNK).await.unwrap();
+    assert_eq!(got, data);
+    assert_eq!(v.stats().hedged_reads, 2);
+}
