@@ -9,25 +9,9 @@
 #
 #   bench/parity/map.sh            (needs a release build: cargo build --release --bins)
 set -euo pipefail
-root="$(cd "$(dirname "$0")/../.." && pwd)"
-C="$root/target/release/converge"
 export CONVERGE_LAB_DIR="${CONVERGE_LAB_DIR:-/tmp/converge-map-lab}"
-"$C" lab down --purge >/dev/null 2>&1 || true
-rm -rf "$CONVERGE_LAB_DIR"
-"$C" lab up --nodes 3 --drives-per-node 1 --drive-size 2G --slab-size 64M --ram >/dev/null
-trap '"$C" lab down --purge >/dev/null 2>&1 || true' EXIT
-TOKEN=$(cat "$CONVERGE_LAB_DIR/admin.token")
-CA="$CONVERGE_LAB_DIR/pki/ca.crt"
-apis=$(python3 -c "import json;[print(n['api']) for n in json.load(open('$CONVERGE_LAB_DIR/lab.json'))['nodes']]")
-metric() {
-  local sum=0 v
-  for api in $apis; do
-    v=$(curl -s --cacert "$CA" -H "Authorization: Bearer $TOKEN" "$api/metrics" |
-      awk -v m="$1" '$1 ~ "^"m"({|$)" {s+=$2} END {printf "%.3f", s}')
-    sum=$(python3 -c "print($sum + $v)")
-  done
-  echo "$sum"
-}
+. "$(dirname "$0")/lab.sh"
+lab_up 3
 printf '%-22s %8s %10s %10s %12s %12s\n' volume "WA 4K" "rd IOPS" "wr IOPS" "rd CPU us/IO" "wr CPU us/IO"
 for spec in "mirror-2:" "parity-2+1:" "parity-2+1:256M"; do
   r=${spec%%:*}

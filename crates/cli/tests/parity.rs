@@ -73,22 +73,15 @@ fn parity_volumes_serve_real_clients_and_lose_nothing_with_m_nodes_down() {
 
     // fio random writes with crc32c verify, then a separate read-back verify pass.
     let args = |only: bool| {
-        let mut a = vec![
+        let a = vec![
             "--rw=randwrite",
             "--bs=4k",
             "--iodepth=16",
             "--size=256M",
             "--io_size=16M",
-            "--verify=crc32c",
-            "--verify_fatal=1",
             "--randseed=43",
         ];
-        a.push(if only {
-            "--verify_only"
-        } else {
-            "--do_verify=1"
-        });
-        a
+        verify_pass(&a, only)
     };
     let w = fio(&uri, &args(false));
     assert_eq!(fio_errors(&w), 0, "fio write+verify: {w}\n{}", lab.logs());
@@ -291,22 +284,15 @@ fn mirror_accelerated_parity_lands_writes_mirrored_and_rotates_cold_data_into_pa
     let uri = lab.uri("map");
     // fio jobs that write (and verify) one 128 MiB span each, and read it back alone.
     let job = |offset: &'static str, rw: &'static str, only: bool| {
-        let mut a = vec![
+        let a = vec![
             rw,
             "--bs=64k",
             "--iodepth=8",
             offset,
             "--size=128M",
-            "--verify=crc32c",
-            "--verify_fatal=1",
             "--randseed=7",
         ];
-        a.push(if only {
-            "--verify_only"
-        } else {
-            "--do_verify=1"
-        });
-        a
+        verify_pass(&a, only)
     };
     // Span 0 (128 MiB): two extents in the mirror part, half of it.
     let a = fio(&uri, &job("--offset=0", "--rw=write", false));
@@ -415,22 +401,15 @@ fn a_rotation_cut_by_kill_9_leaves_the_mirror_the_truth() {
     ]);
     let uri = lab.uri("cut");
     let job = |only: bool| {
-        let mut a = vec![
+        let a = vec![
             "--rw=randwrite",
             "--bs=16k",
             "--iodepth=8",
             "--size=128M",
             "--io_size=32M",
-            "--verify=crc32c",
-            "--verify_fatal=1",
             "--randseed=9",
         ];
-        a.push(if only {
-            "--verify_only"
-        } else {
-            "--do_verify=1"
-        });
-        a
+        verify_pass(&a, only)
     };
     let w = fio(&uri, &job(false));
     assert_eq!(fio_errors(&w), 0, "{w}\n{}", lab.logs());

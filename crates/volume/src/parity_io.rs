@@ -225,7 +225,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                         continue;
                     }
                     let row = self
-                        .read_with_retries(p.slab, || self.read_rows_round(g, p.slab, &slab, r, 1))
+                        .read_with_retries(p.slab, || {
+                            self.read_rows_round(g, p.slab, &slab, r, 1, 0)
+                        })
                         .await?;
                     let at = ((r - r0) * rb) as usize;
                     buf[at..at + rb as usize].copy_from_slice(&row);
@@ -624,7 +626,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let (r0, r1) = (b0 / k, (b1 - 1) / k + 1);
         let _rows = slab.rows.lock(r0, r1).await;
         let rows = self
-            .read_rows_round_avoiding(g, p.slab, slab, r0, r1 - r0, avoid)
+            .read_rows_round(g, p.slab, slab, r0, r1 - r0, avoid)
             .await?;
         if slab.is_released() {
             return Err(released_meanwhile());
@@ -636,21 +638,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Rows `[r0, r0 + n)` whole (row-major, as the volume sees them), read from the data
     /// chunks, or decoded from any K chunks holding the row at its version when a data
     /// chunk cannot give them. Blocks that failed their checksum on an in-sync chunk are
-    /// rewritten from the decoded row. The caller holds the rows' lock.
+    /// rewritten from the decoded row. The caller holds the rows' lock. The chunks in
+    /// `avoid` (a bit each: a hedged read's chunks that did not answer in time) are not
+    /// asked.
     pub(crate) async fn read_rows_round(
-        &self,
-        g: Geometry,
-        idx: SlabIndex,
-        slab: &Slab,
-        r0: u64,
-        n: u64,
-    ) -> Result<Vec<u8>, Retry> {
-        self.read_rows_round_avoiding(g, idx, slab, r0, n, 0).await
-    }
-
-    /// [`Self::read_rows_round`], not asking the chunks in `avoid` (a bit each: a hedged
-    /// read's chunks that did not answer in time).
-    async fn read_rows_round_avoiding(
         &self,
         g: Geometry,
         idx: SlabIndex,

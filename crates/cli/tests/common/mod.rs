@@ -439,6 +439,19 @@ pub fn write_marked_and_flip(
     (src, flipped)
 }
 
+/// fio arguments `job` as a crc32c-verified pass: writing and verifying (`only` false), or
+/// reading back and verifying what an earlier pass of the same job wrote (`only` true).
+pub fn verify_pass<'a>(job: &[&'a str], only: bool) -> Vec<&'a str> {
+    let mut a = job.to_vec();
+    a.extend(["--verify=crc32c", "--verify_fatal=1"]);
+    a.push(if only {
+        "--verify_only"
+    } else {
+        "--do_verify=1"
+    });
+    a
+}
+
 /// qemu-img compare of a volume against the image it should hold.
 pub fn compare(uri: &str, expected: &std::path::Path, what: &str) {
     let o = run(Command::new("qemu-img").args([
