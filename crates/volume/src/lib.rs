@@ -1225,8 +1225,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 Err(Retry::Fail(e)) => return Err(e),
                 Err(Retry::Again(why)) => why,
             };
+            // A lost lease or a retired term ends the retries with the error that makes
+            // the client (or the node forwarding to us) re-route to the new owner, never
+            // an I/O error: a partitioned owner's read must not fail what the next owner
+            // can serve (thrash seed 2001: a parity owner cut off from its chunks).
+            self.check_serving()?;
             let now = Instant::now();
-            if now >= deadline || self.is_retired() {
+            if now >= deadline {
                 return Err(VolumeError::Unreadable {
                     volume: self.cfg.name.clone(),
                     slab: idx,
@@ -1238,7 +1243,6 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
             tokio::time::sleep(pause.min(deadline - now)).await;
             pause = (pause * 2).min(std::time::Duration::from_millis(500));
-            // A lost lease ends the retries here: the client re-routes to the new owner.
             self.check_serving()?;
         }
     }

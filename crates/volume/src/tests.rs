@@ -1452,6 +1452,38 @@ async fn a_read_fails_once_no_copy_answered_within_read_wait() {
     }
 }
 
+/// A read that waits for copies while its owner's term ends (retired, as after a lost
+/// lease) fails with `Fenced`, which makes the client or the forwarding node re-route to
+/// the new owner, never with an I/O error (thrash seed 2001: a parity owner cut off from
+/// its chunks answered a redirected read with EIO).
+#[tokio::test(start_paused = true)]
+async fn a_read_waiting_for_copies_when_the_term_ends_is_re_routed_not_failed() {
+    let (v, io) = volume(1 << 20, 1 << 20);
+    v.write(0, pattern(4096, 5)).await.unwrap();
+    // Every copy but node 1's is down; node 1's read is held in flight.
+    *io.failed.lock().unwrap() = vec![NodeId(2), NodeId(3)];
+    let (arrived, go) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(tokio::sync::Notify::new()),
+    );
+    *io.paused_reads.lock().unwrap() = Some((NodeId(1), arrived.clone(), go.clone()));
+    let v = Arc::new(v);
+    let (v2, io2) = (v.clone(), io.clone());
+    tokio::spawn(async move {
+        while !arrived.load(Ordering::Acquire) {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        // The term ends while the round waits; then its last copy fails too.
+        v2.retire();
+        io2.failed.lock().unwrap().push(NodeId(1));
+        go.notify_one();
+    });
+    match v.read(0, 4096).await {
+        Err(VolumeError::Fenced { .. }) => {}
+        other => panic!("expected Fenced, got {other:?}"),
+    }
+}
+
 /// An owner answers nothing once its tenure (lease) may have ended or it was retired:
 /// a partitioned owner must not serve reads from its own copy after a new owner could
 /// have taken over.
