@@ -14,8 +14,8 @@ use converge_rpc::wire::{
 };
 use converge_rpc::{ErrorCode, Hello, Request, Response, PROTOCOL_VERSION};
 use converge_types::{
-    BlocksReply, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, NodeId, ReadReply, SlabIndex,
-    Version, VolumeId,
+    BlocksReply, Compression, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, NodeId, ReadReply,
+    SettleRows, SlabIndex, Version, VolumeId,
 };
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -103,6 +103,19 @@ fn requests() -> Vec<(&'static str, Request)> {
                 offset: 8192,
                 crcs: crcs.clone(),
                 data: data.clone(),
+                codec: Compression::None,
+            }),
+        ),
+        (
+            "write-packed",
+            ext(ExtentOp::Write {
+                key: k,
+                epoch: e,
+                version: Version(5),
+                offset: 8192,
+                crcs: crcs.clone(),
+                data: data.clone(),
+                codec: Compression::Zstd,
             }),
         ),
         (
@@ -114,6 +127,7 @@ fn requests() -> Vec<(&'static str, Request)> {
                 offset: 0,
                 crcs: crcs0.clone(),
                 data: data0.clone(),
+                codec: Compression::None,
             }),
         ),
         (
@@ -161,6 +175,11 @@ fn requests() -> Vec<(&'static str, Request)> {
                 key: k,
                 epoch: e,
                 upto: Version(8),
+                rows: vec![SettleRows {
+                    first: 4,
+                    count: 2,
+                    upto: Version(7),
+                }],
             }),
         ),
         (
@@ -201,6 +220,7 @@ fn requests() -> Vec<(&'static str, Request)> {
                 versions: vec![Version(9)],
                 expect: vec![Version(0)],
                 data,
+                codec: Compression::Lz4,
             }),
         ),
         (

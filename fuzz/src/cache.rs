@@ -57,6 +57,7 @@ pub fn fixture() -> &'static Fixture {
                 ident(CAP_DRIVE, DriveRole::Capacity),
                 FormatOptions {
                     journal_bytes: Some(JOURNAL_BYTES),
+                    ..Default::default()
                 },
             )
             .expect("format the fixture capacity drive"),

@@ -92,6 +92,7 @@ pub fn fixture() -> &'static Fixture {
             ident(7, DriveRole::Capacity),
             FormatOptions {
                 journal_bytes: Some(JOURNAL_BYTES),
+                ..Default::default()
             },
         )
         .expect("format the fixture drive");

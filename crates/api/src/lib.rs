@@ -4,7 +4,8 @@
 
 pub use converge_types::Role;
 use converge_types::{
-    CacheMode, ClusterId, DriveId, DriveRole, ExtentState, MediaType, NodeId, Resiliency, VolumeId,
+    CacheMode, ClusterId, Compression, DriveId, DriveRole, ExtentState, MediaType, NodeId,
+    Resiliency, VolumeId,
 };
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -106,6 +107,9 @@ pub struct DriveInfo {
     /// present in `/v1/status` for drives of live nodes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_bytes: Option<u64>,
+    /// Bytes that data takes on the drive (compressed groups take less).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -117,6 +121,9 @@ pub struct ExtentInfo {
     /// answer).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_bytes: Option<u64>,
+    /// Bytes of its drive this copy's data takes (compressed groups take less).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_bytes: Option<u64>,
 }
 
 /// One extent on a node's capacity drive, as `GET /v1/extents` lists them (the node's
@@ -128,6 +135,10 @@ pub struct LocalExtent {
     pub slab: u64,
     /// Bytes of blocks holding data (written and not zeroed or trimmed since).
     pub written_bytes: u64,
+    /// Bytes of the drive that data takes (less than written where compression saves);
+    /// absent from nodes of older builds.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -173,6 +184,9 @@ pub struct VolumeInfo {
     /// `nbd://HOST:PORT/NAME` when the owner listens on TCP.
     pub uri_tcp: Option<String>,
     pub slabs_allocated: u64,
+    /// How the copies compress the volume's data (docs/adr/0010).
+    #[serde(default)]
+    pub compression: Compression,
     /// Volume bytes in allocated slabs (thin provisioning), each slab counted once: a
     /// mirror slab spans one extent, a parity-K+M slab K extents (its data chunks).
     pub allocated_bytes: u64,
@@ -182,6 +196,10 @@ pub struct VolumeInfo {
     /// Writes still in a write-back cache's log count once destaged.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_bytes: Option<u64>,
+    /// Bytes one copy of that data takes on its drive (the copy that gave
+    /// `written_bytes`): less than written where compression saves.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_bytes: Option<u64>,
     /// Extents not in sync.
     pub degraded_extents: u64,
     /// Mirror-accelerated parity: the mirror part and what each part holds.
@@ -206,6 +224,19 @@ pub struct CreateVolume {
     /// parity-K+2 only), rounded up to whole extents. Absent or 0: none.
     #[serde(default)]
     pub mirror_part_bytes: Option<u64>,
+    /// How the copies compress the volume's data (mirror and simple volumes). Absent:
+    /// none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<Compression>,
+}
+
+/// `POST /v1/volumes/NAME/settings`: what to change (absent: unchanged).
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VolumeSettings {
+    /// How later writes are compressed; stored data keeps its form until written again.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression: Option<Compression>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -232,6 +263,14 @@ pub struct Capacity {
     /// is unknown.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub written_bytes: Option<u64>,
+    /// Bytes the volumes' data takes on the drives, every copy and chunk counted (the
+    /// drives' stored bytes summed); absent when a node did not answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_bytes: Option<u64>,
+    /// Bytes compression saves on the drives, every copy counted: what the copies hold
+    /// written less what they store.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub compression_saved_bytes: Option<u64>,
     /// What must stay free on the other nodes for the copies of the node holding the most
     /// to be rebuilt if it failed: that node's used bytes, and the node.
     #[serde(default)]

@@ -23,7 +23,7 @@ use converge_fleet::model::{ClusterConfig, DriveConfig, NodeConfig, FORMAT_VERSI
 use converge_fleet::profile::{self, Overrides, Point, Profile, Settings};
 use converge_fleet::report;
 use converge_fleet::{PointRecord, RunConfig, RunStatus, RunSummary};
-use converge_types::{format_size, parse_size, CacheMode, NodeId, Resiliency};
+use converge_types::{format_size, parse_size, CacheMode, Compression, NodeId, Resiliency};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::Write as _;
@@ -109,14 +109,17 @@ pub struct RunArgs {
     #[arg(long)]
     working_set: Option<String>,
     /// Resiliency of the fleet's volumes: simple, mirror-2, mirror-3 (default) or parity-K+M.
-    /// With --study density: the resiliencies to compare, e.g. mirror-3,parity-2+1.
+    /// With --study density: the policies to compare, each a resiliency with an optional
+    /// `:CODEC`, e.g. mirror-3,mirror-3:zstd,parity-2+1.
     #[arg(long)]
     resiliency: Option<String>,
     /// Run a study instead of one sweep. `density`: the same profile and data on each
-    /// resiliency in turn (default: mirror-3, mirror-2, parity-2+1, and parity-4+2 with 6
-    /// or more nodes; --resiliency picks others), each run in OUT/<resiliency>/, then
-    /// OUT/compare.md and compare.html lay them side by side with a density-vs-performance
-    /// table (usable capacity, IOPS, latency, CPU per I/O, write amplification).
+    /// policy in turn (default: mirror-3, mirror-3:zstd (compressed), mirror-2, parity-2+1,
+    /// and parity-4+2 with 6 or more nodes; --resiliency picks others), each run in
+    /// OUT/<policy>/, then OUT/compare.md and compare.html lay them side by side with a
+    /// density-vs-performance table (usable capacity, raw per written byte, IOPS, latency,
+    /// CPU per I/O, write amplification). Give --compressible for data compression can
+    /// shrink (fio's default is random bytes).
     #[arg(long, value_name = "STUDY")]
     study: Option<String>,
     /// Warm-up per point, excluded from the measurements (e.g. 30s, 5m).
@@ -157,6 +160,11 @@ pub struct RunArgs {
     /// % of written buffers that repeat earlier ones (fio's dedupe_percentage). Default 0.
     #[arg(long, value_name = "PCT")]
     dedupe: Option<u64>,
+    /// The workers' volumes compress their data: none (default), lz4 or zstd (mirror and
+    /// simple resiliencies; docs/adr/0010). Use with --compressible: fio's default data is
+    /// random and does not compress.
+    #[arg(long, value_name = "CODEC")]
+    compression: Option<String>,
 }
 
 fn parse_cache_mode(s: &str) -> Result<CacheMode, String> {
@@ -434,6 +442,14 @@ fn overrides(a: &RunArgs) -> Result<Overrides> {
         quick: a.quick,
         compress_pct: a.compressible,
         dedupe_pct: a.dedupe,
+        compression: a
+            .compression
+            .as_deref()
+            .map(|c| {
+                c.parse::<Compression>()
+                    .map_err(|e| anyhow!("--compression: {e}"))
+            })
+            .transpose()?,
     })
 }
 
@@ -1068,18 +1084,71 @@ fn run_fleet(a: &RunArgs, json: bool, api: &str) -> Result<()> {
     }
 }
 
-/// The resiliencies a density study compares by default: those the cluster's live nodes
-/// can place (every copy or chunk of a slab on its own node).
-fn density_defaults(api: &str) -> Result<Vec<Resiliency>> {
+/// One policy a density study compares: a resiliency, and how its volumes compress.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Policy {
+    resiliency: Resiliency,
+    compression: Compression,
+}
+
+impl std::fmt::Display for Policy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.compression.is_none() {
+            write!(f, "{}", self.resiliency)
+        } else {
+            write!(f, "{}:{}", self.resiliency, self.compression)
+        }
+    }
+}
+
+impl std::str::FromStr for Policy {
+    type Err = anyhow::Error;
+    fn from_str(s: &str) -> Result<Policy> {
+        let (r, c) = match s.trim().split_once(':') {
+            Some((r, c)) => (r, c.parse::<Compression>()?),
+            None => (s.trim(), Compression::None),
+        };
+        let resiliency: Resiliency = r.parse()?;
+        if resiliency.is_parity() && !c.is_none() {
+            bail!("{s}: parity volumes store their chunks as written; compress mirror volumes");
+        }
+        Ok(Policy {
+            resiliency,
+            compression: c,
+        })
+    }
+}
+
+impl Policy {
+    /// The run's directory under the study's: `mirror-3`, `mirror-3-zstd`.
+    fn dir(&self) -> String {
+        self.to_string().replace(':', "-")
+    }
+}
+
+/// The policies a density study compares by default: those the cluster's live nodes can
+/// place (every copy or chunk of a slab on its own node), and mirror-3 compressed.
+fn density_defaults(api: &str) -> Result<Vec<Policy>> {
     let st: converge_api::Status = http::call(api, "GET", "/v1/status", None)?;
     let live = st.nodes.iter().filter(|n| n.live).count();
+    let plain = |resiliency| Policy {
+        resiliency,
+        compression: Compression::None,
+    };
     let all = [
-        Resiliency::Mirror3,
-        Resiliency::Mirror2,
-        Resiliency::Parity { data: 2, parity: 1 },
-        Resiliency::Parity { data: 4, parity: 2 },
+        plain(Resiliency::Mirror3),
+        Policy {
+            resiliency: Resiliency::Mirror3,
+            compression: Compression::Zstd,
+        },
+        plain(Resiliency::Mirror2),
+        plain(Resiliency::Parity { data: 2, parity: 1 }),
+        plain(Resiliency::Parity { data: 4, parity: 2 }),
     ];
-    Ok(all.into_iter().filter(|r| r.copies() <= live).collect())
+    Ok(all
+        .into_iter()
+        .filter(|p| p.resiliency.copies() <= live)
+        .collect())
 }
 
 /// `--study density`: one run per resiliency, then the comparison.
@@ -1092,12 +1161,17 @@ fn run_study(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         );
     }
     check_out_dir(&a.out)?;
-    let list: Vec<Resiliency> = match &a.resiliency {
+    if a.compression.is_some() {
+        bail!(
+            "--compression with --study density: name each policy's codec in --resiliency \
+             instead, e.g. --resiliency mirror-3,mirror-3:zstd"
+        );
+    }
+    let list: Vec<Policy> = match &a.resiliency {
         Some(s) => s
             .split(',')
             .map(|r| {
-                r.trim()
-                    .parse::<Resiliency>()
+                r.parse::<Policy>()
                     .map_err(|e| anyhow!("--resiliency: {e}"))
             })
             .collect::<Result<_>>()?,
@@ -1108,7 +1182,7 @@ fn run_study(a: &RunArgs, json: bool, api: &str) -> Result<()> {
     unique.dedup();
     if unique.len() < 2 || unique.len() != list.len() {
         bail!(
-            "--study density compares two or more different resiliencies; got {} (give \
+            "--study density compares two or more different policies; got {} (give \
              --resiliency mirror-3,parity-2+1, or use a cluster with 3 or more nodes)",
             list.iter()
                 .map(|r| r.to_string())
@@ -1122,17 +1196,24 @@ fn run_study(a: &RunArgs, json: bool, api: &str) -> Result<()> {
     profile::resolve(&a.profile, &overrides(&check)?).map_err(|e| anyhow!("{e}"))?;
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let mut dirs = Vec::new();
+    if a.compressible.unwrap_or(0) == 0 && list.iter().any(|p| !p.compression.is_none()) {
+        println!(
+            "density study: the workers write random bytes (fio's default), which do not \
+             compress: give --compressible PCT to see what compression saves"
+        );
+    }
     for (i, r) in list.iter().enumerate() {
         println!(
             "density study: run {} of {}: {r} -> {}",
             i + 1,
             list.len(),
-            a.out.join(r.to_string()).display()
+            a.out.join(r.dir()).display()
         );
         let mut one = a.clone();
         one.study = None;
-        one.resiliency = Some(r.to_string());
-        one.out = a.out.join(r.to_string());
+        one.resiliency = Some(r.resiliency.to_string());
+        one.compression = (!r.compression.is_none()).then(|| r.compression.to_string());
+        one.out = a.out.join(r.dir());
         if let Err(e) = run_fleet(&one, false, api) {
             if !dirs.is_empty() {
                 let _ = report_cmd(&dirs, Some(&a.out), false);
@@ -1195,6 +1276,17 @@ fn capacity_after_prefill(
         .filter(|v| volumes.contains(&v.name))
         .collect();
     let allocated: u64 = ours.iter().map(|v| v.allocated_bytes).sum();
+    let written: Option<u64> = ours.iter().map(|v| v.written_bytes).sum();
+    let stored: Option<u64> = ours.iter().map(|v| v.stored_bytes).sum();
+    // A compressed volume's copies take what they store; a plain one's, whole slabs.
+    let raw_used = match (settings.compression.is_none(), stored) {
+        (false, Some(st)) => r.raw_bytes(st),
+        _ => r.raw_bytes(allocated),
+    };
+    let saved = match (written, stored) {
+        (Some(w), Some(st)) => r.raw_bytes(w.saturating_sub(st)),
+        _ => 0,
+    };
     Ok(converge_fleet::model::RunCapacity {
         pool_raw_bytes: st.capacity.total_bytes,
         pool_usable_bytes: st
@@ -1205,10 +1297,10 @@ fn capacity_after_prefill(
             .unwrap_or(0),
         provisioned_bytes: ours.iter().map(|v| v.size_bytes).sum(),
         allocated_bytes: allocated,
-        written_bytes: ours.iter().map(|v| v.written_bytes).sum(),
-        // Every allocated slab holds copies (or K+M chunks for K chunks of data).
-        raw_used_bytes: r.raw_bytes(allocated),
-        compression_saved_bytes: 0,
+        written_bytes: written,
+        raw_used_bytes: raw_used,
+        compression_saved_bytes: saved,
+        stored_bytes: stored,
     })
 }
 
@@ -1250,6 +1342,7 @@ fn sweep(
                 owner: Some(nodes[ni].id),
                 min_replicas: None,
                 mirror_part_bytes: None,
+                compression: (!settings.compression.is_none()).then_some(settings.compression),
             })?;
             let _: Value = http::call(session.api, "POST", "/v1/volumes", Some(&body))
                 .with_context(|| format!("creating volume {name}"))?;

@@ -295,6 +295,7 @@ fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
         offset: 0,
         crcs: crcs.clone(),
         data: block.clone(),
+        codec: converge_types::Compression::None,
     };
     let refused = |what: &str, node: u64, req: Request, because: &str| {
         let r = rt.block_on(client(node).call(req));

@@ -22,8 +22,8 @@ use crate::etcd::{Compare, Etcd, EtcdError, KeyValue, LeaseId, Op, Txn};
 use crate::kv::Kv;
 use crate::placement::{self, DriveLoad, PlacementError};
 use converge_types::{
-    ClusterId, DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency, Role,
-    SlabIndex, VolumeId,
+    ClusterId, Compression, DriveId, DriveRole, Epoch, ExtentState, MediaType, NodeId, Resiliency,
+    Role, SlabIndex, VolumeId,
 };
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -187,6 +187,10 @@ pub struct VolumeRecord {
     /// Preferred owner (where it was created); the serving owner is in [`OwnerRecord`].
     pub owner: NodeId,
     pub created_unix: u64,
+    /// How the copies compress the volume's data (docs/adr/0010); mirror and simple
+    /// volumes only. Changed live by `volume set`; applies to data written afterwards.
+    #[serde(default, skip_serializing_if = "Compression::is_none_ref")]
+    pub compression: Compression,
 }
 
 fn is_zero(n: &u64) -> bool {

@@ -37,6 +37,7 @@ fn volume(id: u64, name: &str) -> VolumeRecord {
         slab_size_bytes: 256 << 20,
         owner: NodeId(1),
         created_unix: 1,
+        compression: converge_types::Compression::None,
     }
 }
 

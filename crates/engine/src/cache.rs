@@ -1754,6 +1754,22 @@ impl Tier {
         self.cap.extents()
     }
 
+    /// Sets how the capacity drive compresses the extent's later writes, destaged ones
+    /// included ([`Drive::set_codec`]); the cache drive's log keeps blocks as written.
+    pub fn set_codec(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        codec: converge_types::Compression,
+    ) -> Result<(), EngineError> {
+        self.cap.set_codec(key, epoch, codec)
+    }
+
+    /// How the extent's later writes are compressed.
+    pub fn codec_of(&self, key: ExtentKey) -> converge_types::Compression {
+        self.cap.codec_of(key)
+    }
+
     /// Whether the capacity drive holds the extent.
     pub fn has_extent(&self, key: ExtentKey) -> bool {
         self.cap.has_extent(key)

@@ -302,15 +302,16 @@ impl Drive {
                     version,
                     phys,
                     hold,
+                    pack,
                 } => {
-                    let meta = BlockMeta::data(version, crc, phys);
+                    let meta = BlockMeta::data_packed(version, crc, phys, pack);
                     let blocks = Some((block, 1));
                     self.apply_blocks(
                         ld,
                         &mut cache,
                         slot,
                         blocks,
-                        Some(phys),
+                        meta.run(),
                         &mut gone,
                         |m, b, g| {
                             if hold {
@@ -368,6 +369,7 @@ impl Drive {
                         in_use: true,
                         key: Some(key),
                         epoch: epoch.0,
+                        codec: converge_types::Compression::None,
                     };
                     ld.dirty_table.insert(slot / EXT_PER_PAGE);
                     // The slot's metadata pages still hold a previous extent's: reset them.
@@ -381,17 +383,36 @@ impl Drive {
                     e.epoch = e.epoch.max(epoch.0);
                     ld.dirty_table.insert(slot / EXT_PER_PAGE);
                 }
+                Record::Codec { slot, codec } => {
+                    let mut t = lock(&self.table);
+                    let e = &mut t.slots[slot as usize].entry;
+                    if e.in_use {
+                        e.codec = codec;
+                        ld.dirty_table.insert(slot / EXT_PER_PAGE);
+                    }
+                }
                 Record::Free { slot } => {
                     cache = None;
                     let mut t = lock(&self.table);
                     let s = &mut t.slots[slot as usize];
                     if let Some(ext) = s.durable.take() {
                         let mut m = lock(&ext.meta);
-                        gone.extend(m.blocks.iter().filter(|b| b.has_data()).map(|b| b.phys));
-                        gone.extend(m.held.values().filter(|b| b.has_data()).map(|b| b.phys));
+                        // Every block and prior gives back its storage; a stream named by
+                        // several members, once.
+                        let mut streams = std::collections::BTreeSet::new();
+                        for st in m.blocks.iter().chain(m.held.values()) {
+                            if let Some((first, len)) = st.run() {
+                                if !st.is_packed() || streams.insert(first) {
+                                    gone.extend(first..first + len);
+                                }
+                            }
+                        }
                         self.held_blocks
                             .fetch_sub(m.held.len() as u64, Ordering::Relaxed);
                         m.held.clear();
+                        self.stored_of(&ext)
+                            .fetch_sub(u64::from(m.stored_blocks), Ordering::Relaxed);
+                        m.stored_blocks = 0;
                     }
                     s.entry = ExtentEntry::default();
                     if s.live.is_none() {
@@ -400,6 +421,14 @@ impl Drive {
                     ld.dirty_table.insert(slot / EXT_PER_PAGE);
                 }
             }
+        }
+        if !ld.orphans.is_empty() {
+            ld.orphans.sort_unstable();
+            ld.orphans.dedup();
+            for &(first, len) in &ld.orphans {
+                gone.extend(first..first + len);
+            }
+            ld.orphans.clear();
         }
         if !gone.is_empty() {
             let mut pool = lock(&self.pool);
@@ -411,10 +440,20 @@ impl Drive {
         ld.gone = gone;
     }
 
+    /// The drive's count of stored blocks `ext` belongs to: thin (with a codec) or plain.
+    pub(crate) fn stored_of(&self, ext: &Extent) -> &std::sync::atomic::AtomicU64 {
+        if ext.codec().is_none() {
+            &self.plain_stored
+        } else {
+            &self.thin_stored
+        }
+    }
+
     /// Applies `op` to each block of `blocks` (first, count) of the durable extent in
     /// `slot`, marking their metadata pages dirty, or once (`None`: a record that changes
-    /// no block's state: a prior, a settle); keeps the drive's count of priors. If the
-    /// extent was freed meanwhile, `orphan` (the physical block the record wrote) is free.
+    /// no block's state: a prior, a settle); keeps the drive's count of priors and of
+    /// stored blocks. If the extent was freed meanwhile, `orphan` (the physical blocks
+    /// the record wrote: a block, or a stream every member's record names) is free.
     #[allow(clippy::too_many_arguments)]
     fn apply_blocks(
         &self,
@@ -422,7 +461,7 @@ impl Drive {
         cache: &mut Option<(u32, Option<Arc<Extent>>)>,
         slot: u32,
         blocks: Option<(u32, u32)>,
-        orphan: Option<u32>,
+        orphan: Option<(u32, u32)>,
         gone: &mut Vec<u32>,
         mut op: impl FnMut(&mut ExtentMeta, u32, &mut Vec<u32>),
     ) {
@@ -435,12 +474,16 @@ impl Drive {
             }
         };
         let Some(ext) = ext else {
-            // The extent was freed meanwhile: nothing names this block's new data.
-            gone.extend(orphan);
+            // The extent was freed meanwhile: nothing names this block's new data (a
+            // stream's members all name it: given back once, see `apply_records`).
+            if let Some((first, len)) = orphan {
+                ld.orphans.push((first, len));
+            }
             return;
         };
         let mut m = lock(&ext.meta);
         let held_before = m.held.len();
+        let stored_before = m.stored_blocks;
         match blocks {
             None => op(&mut m, 0, gone),
             Some((block, count)) => {
@@ -450,6 +493,13 @@ impl Drive {
             }
         }
         let held_after = m.held.len();
+        let stored_after = m.stored_blocks;
+        let stored = self.stored_of(&ext);
+        if stored_after >= stored_before {
+            stored.fetch_add(u64::from(stored_after - stored_before), Ordering::Relaxed);
+        } else {
+            stored.fetch_sub(u64::from(stored_before - stored_after), Ordering::Relaxed);
+        }
         drop(m);
         if held_after >= held_before {
             self.held_blocks

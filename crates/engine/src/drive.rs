@@ -9,13 +9,14 @@ use crate::layout::{
 use crate::pool::Pool;
 use crate::stats::{Counters, DriveStats, OpKind, OpStart};
 use converge_types::{
-    Epoch, ExtentKey, SettleRows, Version, BLOCK_SIZE, MAX_IO_BYTES, SETTLE_ROWS_MAX,
+    Compression, Epoch, ExtentKey, SettleRows, Version, BLOCK_SIZE, COMPRESSION_GROUP_BLOCKS,
+    MAX_IO_BYTES, SETTLE_ROWS_MAX,
 };
 use serde::Serialize;
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// A read retries this many times when a block's crc mismatches because a write raced it.
@@ -27,6 +28,11 @@ pub struct FormatOptions {
     /// Size of the metadata journal; default: 1/128 of the drive, between 1 and 128 MiB.
     /// Small journals checkpoint more often (tests use this to exercise checkpoints).
     pub journal_bytes: Option<u64>,
+    /// Extent slots per extent the data region holds (default
+    /// [`crate::layout::DEFAULT_OVERCOMMIT`]; 1: as many slots as data extents, the
+    /// version-2 layout). Compressed extents store less than their size, so a thin drive
+    /// holds more of them.
+    pub overcommit: Option<u32>,
 }
 
 /// What a read found besides the data.
@@ -48,6 +54,11 @@ pub struct ExtentInfo {
     /// Bytes of blocks holding data (durably written and not zeroed since): what the
     /// extent's volume wrote to it. Priors of held writes are not counted.
     pub bytes_written: u64,
+    /// Bytes of the drive those blocks occupy: as `bytes_written` for plain blocks, less
+    /// for compressed groups (a stream counted once).
+    pub bytes_stored: u64,
+    /// How later writes of the extent are compressed.
+    pub compression: Compression,
 }
 
 /// One run of consecutive blocks for [`Drive::destage`].
@@ -63,10 +74,25 @@ pub struct DestageRun<'a> {
 /// Space of the drive in extents (slabs) and bytes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 pub struct Capacity {
+    /// Extents the data region holds uncompressed.
     pub extents_total: u64,
+    /// Extents allocated (slots in use).
     pub extents_used: u64,
     pub bytes_total: u64,
     pub bytes_used: u64,
+    /// Extent slots (more than `extents_total` on a thin drive: compressed extents take
+    /// only the blocks they store).
+    pub slots_total: u64,
+    /// Bytes the allocated extents have claimed: plain ones whole, compressed ones what
+    /// they store. A new extent is taken only while one more whole extent fits.
+    pub bytes_committed: u64,
+    /// Bytes the extents' current data occupies.
+    pub bytes_stored: u64,
+    /// Bytes of the data region no block, stream or prior occupies (nor a write in
+    /// flight).
+    pub bytes_free: u64,
+    /// Bytes the priors of unsettled parity writes occupy (docs/adr/0008).
+    pub bytes_held: u64,
 }
 
 /// A block with a write in progress: the metadata a reader or a later writer must see.
@@ -102,6 +128,9 @@ pub(crate) struct ExtentMeta {
     pub held: HashMap<u32, BlockMeta>,
     /// Blocks of `blocks` that hold data (kept up to date with them).
     pub data_blocks: u32,
+    /// Physical blocks the current states of `blocks` occupy: one per plain block, a
+    /// stream's blocks once however many members name it (kept up to date with them).
+    pub stored_blocks: u32,
 }
 
 /// One block's share of an extent's version digest.
@@ -120,6 +149,18 @@ pub(crate) fn version_digest(versions: impl Iterator<Item = u64>) -> u64 {
     versions
         .enumerate()
         .fold(0u64, |d, (b, v)| d.wrapping_add(digest_term(b as u32, v)))
+}
+
+/// Physical blocks a block map's states occupy (each stream once).
+fn stored_of(blocks: &[BlockMeta]) -> u32 {
+    let mut streams = BTreeSet::new();
+    blocks
+        .iter()
+        .filter_map(|m| {
+            let (first, len) = m.run()?;
+            (!m.is_packed() || streams.insert(first)).then_some(len)
+        })
+        .sum()
 }
 
 /// Whether a settle of `rows` (`None`: every block) covers block `b`.
@@ -141,41 +182,35 @@ impl ExtentMeta {
     }
 
     /// Applies a durable record's effect (called in journal order): an unheld write or
-    /// zero, which also drops the block's prior. Pushes the physical blocks the block no
-    /// longer uses (free from now on) onto `gone`.
+    /// zero, which also drops the block's prior. Pushes the physical blocks no state names
+    /// any more (free from now on) onto `gone`.
     pub fn apply(&mut self, b: u32, meta: BlockMeta, gone: &mut Vec<u32>) {
         // Mirror copies never hold priors: skip the lookup.
         if let Some(p) = (!self.held.is_empty())
             .then(|| self.held.remove(&b))
             .flatten()
         {
-            if p.has_data() && !(meta.has_data() && meta.phys == p.phys) {
-                gone.push(p.phys);
-            }
+            self.drop_state(b, p, gone);
         }
-        self.set(b, meta, None, gone);
+        self.set(b, meta, gone);
     }
 
     /// Applies a Prior record: `prior` is block `b`'s prior from now on (an older one is
     /// dropped). Queued before a held write (naming the block's state before it), or
     /// re-logged by a checkpoint (naming the same prior again).
     pub fn apply_prior(&mut self, b: u32, prior: BlockMeta, gone: &mut Vec<u32>) {
-        let Some(cur) = self.blocks.get(b as usize).copied() else {
+        if self.blocks.get(b as usize).is_none() {
             return;
-        };
+        }
         if let Some(old) = self.held.insert(b, prior) {
-            let named = |m: BlockMeta| m.has_data() && m.phys == old.phys;
-            if old.has_data() && !named(prior) && !named(cur) {
-                gone.push(old.phys);
-            }
+            self.drop_state(b, old, gone);
         }
     }
 
     /// Applies a held write: the block's prior (if any) keeps its physical block, which
     /// may be the one the block held until now.
     pub fn apply_held(&mut self, b: u32, meta: BlockMeta, gone: &mut Vec<u32>) {
-        let kept = self.held.get(&b).copied();
-        self.set(b, meta, kept, gone);
+        self.set(b, meta, gone);
     }
 
     /// Applies a revert: a block at `version` with a prior goes back to it (its current
@@ -187,8 +222,9 @@ impl ExtentMeta {
             .is_some_and(|c| c.version == version);
         match self.held.get(&b).copied() {
             Some(p) if at_version => {
+                // The prior becomes the block's state: its storage stays named throughout.
+                self.set(b, p, gone);
                 self.held.remove(&b);
-                self.set(b, p, Some(p), gone);
                 true
             }
             _ => {
@@ -201,34 +237,83 @@ impl ExtentMeta {
     /// Drops the priors of blocks whose current version is at most `upto`.
     pub fn apply_settle(&mut self, upto: u64, rows: Option<(u32, u32)>, gone: &mut Vec<u32>) {
         let blocks = &self.blocks;
-        self.held.retain(|&b, p| {
-            let keep =
-                !settles(rows, b) || blocks.get(b as usize).is_some_and(|c| c.version > upto);
-            if !keep && p.has_data() {
-                gone.push(p.phys);
-            }
-            keep
-        });
+        let dropped: Vec<(u32, BlockMeta)> = self
+            .held
+            .iter()
+            .filter(|&(&b, _)| {
+                settles(rows, b) && blocks.get(b as usize).is_none_or(|c| c.version <= upto)
+            })
+            .map(|(&b, &p)| (b, p))
+            .collect();
+        for &(b, _) in &dropped {
+            self.held.remove(&b);
+        }
+        for (b, p) in dropped {
+            self.drop_state(b, p, gone);
+        }
     }
 
-    /// Sets block `b` to `meta`; its old physical block is gone unless `meta` or `kept`
-    /// (a prior) still names it.
-    fn set(&mut self, b: u32, meta: BlockMeta, kept: Option<BlockMeta>, gone: &mut Vec<u32>) {
-        if let Some(slot) = self.blocks.get_mut(b as usize) {
+    /// The blocks of `old`'s compressed group (block `b` being one of its members).
+    fn group_of(&self, b: u32, old: BlockMeta) -> std::ops::Range<u32> {
+        let g0 = b.saturating_sub(old.member());
+        g0..(g0 + old.group_blocks()).min(self.blocks.len() as u32)
+    }
+
+    /// Whether a current state (`current_only`) or a current state or prior names the
+    /// physical storage of `old`, block `b`'s state until now: the block itself or a
+    /// prior of it for a plain block; any member of its group for a packed one.
+    fn named(&self, b: u32, old: BlockMeta, current_only: bool) -> bool {
+        let names = |m: u32| {
+            self.blocks
+                .get(m as usize)
+                .is_some_and(|s| s.same_storage(&old))
+                || (!current_only
+                    && !self.held.is_empty()
+                    && self.held.get(&m).is_some_and(|p| p.same_storage(&old)))
+        };
+        if old.is_packed() {
+            self.group_of(b, old).any(names)
+        } else {
+            names(b)
+        }
+    }
+
+    /// A state of block `b` (current or prior) is gone: its physical blocks are free
+    /// unless another state still names them (a packed block's group shares a stream).
+    fn drop_state(&self, b: u32, old: BlockMeta, gone: &mut Vec<u32>) {
+        if let Some((first, len)) = old.run() {
+            if !self.named(b, old, false) {
+                gone.extend(first..first + len);
+            }
+        }
+    }
+
+    /// Sets block `b` to `meta`; the storage of its old state is gone unless a state
+    /// still names it (`meta`, a prior, or another member of its compressed group).
+    fn set(&mut self, b: u32, meta: BlockMeta, gone: &mut Vec<u32>) {
+        if let Some(old) = self.blocks.get(b as usize).copied() {
             self.digest = self
                 .digest
-                .wrapping_sub(digest_term(b, slot.version))
+                .wrapping_sub(digest_term(b, old.version))
                 .wrapping_add(digest_term(b, meta.version));
-            let names = |m: BlockMeta| m.has_data() && m.phys == slot.phys;
-            if slot.has_data() && !names(meta) && !kept.is_some_and(names) {
-                gone.push(slot.phys);
+            let new_already_stored = meta.run().is_some() && self.named(b, meta, true);
+            self.blocks[b as usize] = meta;
+            if let Some((_, len)) = old.run() {
+                if !self.named(b, old, true) {
+                    self.stored_blocks -= len;
+                }
             }
-            match (slot.has_data(), meta.has_data()) {
+            if let Some((_, len)) = meta.run() {
+                if !new_already_stored {
+                    self.stored_blocks += len;
+                }
+            }
+            self.drop_state(b, old, gone);
+            match (old.has_data(), meta.has_data()) {
                 (false, true) => self.data_blocks += 1,
                 (true, false) => self.data_blocks -= 1,
                 _ => {}
             }
-            *slot = meta;
         }
         self.unpend(b);
     }
@@ -255,9 +340,16 @@ pub(crate) struct Extent {
     pub epoch_seq: AtomicU64,
     pub meta: Mutex<ExtentMeta>,
     pub cv: Condvar,
+    /// How the extent's volume wants its writes compressed ([`Compression::code`]):
+    /// durable in the extent table (set by [`Drive::set_codec`]).
+    pub codec: AtomicU8,
 }
 
 impl Extent {
+    pub fn codec(&self) -> Compression {
+        Compression::from_code(self.codec.load(Ordering::Relaxed)).unwrap_or_default()
+    }
+
     pub fn new(key: ExtentKey, slot: u32, epoch: u64, seq: u64, blocks: Vec<BlockMeta>) -> Extent {
         Extent {
             key,
@@ -267,6 +359,7 @@ impl Extent {
             meta: Mutex::new(ExtentMeta {
                 digest: version_digest(blocks.iter().map(|m| m.version)),
                 data_blocks: blocks.iter().filter(|m| m.has_data()).count() as u32,
+                stored_blocks: stored_of(&blocks),
                 blocks,
                 overlay: HashMap::new(),
                 waiters: 0,
@@ -274,6 +367,7 @@ impl Extent {
                 held: HashMap::new(),
             }),
             cv: Condvar::new(),
+            codec: AtomicU8::new(0),
         }
     }
 }
@@ -337,6 +431,9 @@ pub(crate) struct LeaderState {
     pub dirty_table: BTreeSet<u32>,
     /// Physical blocks a batch being applied makes unused (reused buffer).
     pub gone: Vec<u32>,
+    /// Storage written for extents freed before the batch applied: (first, blocks), a
+    /// stream once per member record (deduplicated before it is given back).
+    pub orphans: Vec<(u32, u32)>,
 }
 
 #[derive(Clone, Copy)]
@@ -366,6 +463,16 @@ pub struct Drive {
     pub(crate) batch_records_max: usize,
     /// Priors held (durable, all extents): bounded by [`Drive::held_max`].
     pub(crate) held_blocks: AtomicU64,
+    /// The drive's format stores compressed groups (version 3); a version-2 drive stores
+    /// every block as is, whatever its extents' codec.
+    pub(crate) packing: bool,
+    /// Live extents without a codec: each may fill its whole size, so a thin drive keeps
+    /// room for what they have not written yet (see `check_thin_room`).
+    pub(crate) plain_extents: AtomicU64,
+    /// Physical blocks the durable states of extents without a codec occupy.
+    pub(crate) plain_stored: AtomicU64,
+    /// Physical blocks the durable states of extents with a codec occupy.
+    pub(crate) thin_stored: AtomicU64,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -382,6 +489,8 @@ struct Scratch {
     metas: Vec<BlockMeta>,
     metas2: Vec<BlockMeta>,
 }
+
+mod packed;
 
 thread_local! {
     // Per-thread buffers reused across I/Os, so the hot path does not allocate per request.
@@ -565,9 +674,23 @@ impl Drive {
             }
             return Ok(ext);
         }
-        let slot = t.free.pop().ok_or(EngineError::NoSpace {
-            extents_total: u64::from(self.layout.extents_total),
-        })?;
+        if t.free.is_empty() {
+            return Err(EngineError::NoSpace {
+                extents_total: u64::from(self.layout.extents_total),
+            });
+        }
+        // A thin drive (more slots than data extents) takes a new extent only while one
+        // more whole extent fits beside what the others hold: plain extents count whole,
+        // compressed ones what they store (the new one may be written incompressibly).
+        let bpe = u64::from(self.layout.blocks_per_extent);
+        if self.layout.overcommit > 1 && self.committed_blocks() + bpe > self.layout.extent_blocks()
+        {
+            return Err(EngineError::Full {
+                committed_bytes: self.committed_blocks() * BLOCK,
+                capacity_bytes: self.layout.extent_blocks() * BLOCK,
+            });
+        }
+        let slot = t.free.pop().expect("checked above");
         Record::Alloc { slot, key, epoch }.encode(&mut rec);
         let seq = match self.enqueue(&rec, true) {
             Ok(s) => s,
@@ -576,6 +699,7 @@ impl Drive {
                 return Err(e);
             }
         };
+        self.plain_extents.fetch_add(1, Ordering::Relaxed);
         let blocks = vec![BlockMeta::default(); self.layout.blocks_per_extent as usize];
         let ext = Arc::new(Extent::new(key, slot, epoch.0, seq, blocks));
         t.slots[slot as usize].live = Some(ext.clone());
@@ -592,7 +716,7 @@ impl Drive {
         ext: &Extent,
         first: u32,
         count: u32,
-        new: impl Fn(usize) -> BlockMeta,
+        new: impl Fn(usize, &BlockMeta) -> BlockMeta,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
         applied: &mut Vec<bool>,
         mut before: Option<&mut Vec<BlockMeta>>,
@@ -609,8 +733,8 @@ impl Drive {
         let mut need_seq = 0;
         for i in 0..count as usize {
             let b = first + i as u32;
-            let nm = new(i);
             let cur = m.current(b);
+            let nm = new(i, &cur);
             if let Some(v) = before.as_deref_mut() {
                 v.push(cur);
             }
@@ -661,15 +785,53 @@ impl Drive {
     /// Ends a claim: the blocks' records are queued in batch `seq` (0: nothing queued),
     /// and `phys` (if given) names, in order, the physical block of each applied block.
     fn release(&self, ext: &Extent, first: u32, applied: &[bool], seq: u64, phys: &[u32]) {
+        self.release_with(ext, first, applied, seq, |k, m| {
+            if let Some(&p) = phys.get(k) {
+                m.phys = p;
+            }
+        });
+    }
+
+    /// [`Drive::release`] that lets `finish(k, meta)` set the final metadata of the `k`th
+    /// applied block (what readers see until its record is applied).
+    fn release_with(
+        &self,
+        ext: &Extent,
+        first: u32,
+        applied: &[bool],
+        seq: u64,
+        finish: impl Fn(usize, &mut BlockMeta),
+    ) {
         let mut m = lock(&ext.meta);
         for (k, i) in applied_indexes(applied).enumerate() {
             if let Entry::Occupied(mut o) = m.overlay.entry(first + i as u32) {
                 let ov = o.get_mut();
                 ov.busy = false;
                 ov.seq = ov.seq.max(seq);
-                if let Some(&p) = phys.get(k) {
-                    ov.meta.phys = p;
+                finish(k, &mut ov.meta);
+                if ov.pending == 0 {
+                    o.remove();
                 }
+            }
+        }
+        let wake = m.waiters > 0;
+        drop(m);
+        if wake {
+            ext.cv.notify_all();
+        }
+    }
+
+    /// Undoes a claim whose write was refused before anything was written or queued:
+    /// each applied block gets back the state it had when claimed (`before`, indexed
+    /// from `first`) and one claim fewer waits on it.
+    fn unclaim(&self, ext: &Extent, first: u32, applied: &[bool], before: &[BlockMeta]) {
+        let mut m = lock(&ext.meta);
+        for i in applied_indexes(applied) {
+            if let Entry::Occupied(mut o) = m.overlay.entry(first + i as u32) {
+                let ov = o.get_mut();
+                ov.busy = false;
+                ov.meta = before[i];
+                ov.pending = ov.pending.saturating_sub(1);
                 if ov.pending == 0 {
                     o.remove();
                 }
@@ -698,26 +860,33 @@ impl Drive {
             if lock(&self.pool).take(homes.clone(), out) {
                 return Ok(());
             }
-            let mut st = lock(&self.commit);
-            if let Some(reason) = &st.failed {
-                return Err(EngineError::Failed {
-                    reason: reason.clone(),
-                });
-            }
-            // Blocks are given back by the leader before it takes this lock again.
-            if lock(&self.pool).free() >= n {
-                continue;
-            }
-            if st.leader_active {
-                drop(self.commit_wait(st));
-            } else if !st.pending.is_empty() {
-                drop(self.lead_one(st));
-            } else {
-                st.pool_waiters += 1;
-                let mut st = self.commit_wait(st);
-                st.pool_waiters -= 1;
-            }
+            self.wait_free_blocks(n)?;
         }
+    }
+
+    /// One round of waiting for `n` free physical blocks (see [`Drive::take_blocks`]):
+    /// commits the queued batch, or waits for the leader's, or for the next enqueue.
+    pub(crate) fn wait_free_blocks(&self, n: u64) -> Result<(), EngineError> {
+        let mut st = lock(&self.commit);
+        if let Some(reason) = &st.failed {
+            return Err(EngineError::Failed {
+                reason: reason.clone(),
+            });
+        }
+        // Blocks are given back by the leader before it takes this lock again.
+        if lock(&self.pool).free() >= n {
+            return Ok(());
+        }
+        if st.leader_active {
+            drop(self.commit_wait(st));
+        } else if !st.pending.is_empty() {
+            drop(self.lead_one(st));
+        } else {
+            st.pool_waiters += 1;
+            let mut st = self.commit_wait(st);
+            st.pool_waiters -= 1;
+        }
+        Ok(())
     }
 
     /// Locks the extent's metadata once no write of blocks [first, first + count) has its
@@ -830,8 +999,7 @@ impl Drive {
     /// journal can re-log at a checkpoint (which then always fits beside the window it
     /// retires, see `relog_priors`).
     pub fn held_max(&self) -> u64 {
-        let spare = self.layout.data_blocks
-            - u64::from(self.layout.extents_total) * u64::from(self.layout.blocks_per_extent);
+        let spare = self.layout.spare_blocks();
         let relog = (self.layout.journal_len / 8)
             .saturating_sub(BATCH_HEADER as u64 + self.journal_sector as u64)
             / RECORD as u64;
@@ -935,7 +1103,7 @@ impl Drive {
                     &ext,
                     first,
                     count,
-                    |i| prior[i].unwrap_or_default(),
+                    |i, _| prior[i].unwrap_or_default(),
                     |i, cur, _| prior[i].is_some() && cur.version == version.0,
                     &mut s.applied,
                     None,
@@ -1096,8 +1264,7 @@ impl Drive {
     /// so other writers' records fit beside them) and whose new physical blocks stay well
     /// within the spare ones (see [`Drive::take_blocks`]).
     fn piece_blocks(&self) -> u32 {
-        let spare = self.layout.data_blocks
-            - u64::from(self.layout.extents_total) * u64::from(self.layout.blocks_per_extent);
+        let spare = self.layout.spare_blocks();
         ((self.batch_records_max / RECORD) / 2)
             .min((spare / 4) as usize)
             .max(1) as u32
@@ -1119,22 +1286,52 @@ impl Drive {
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
         hold: bool,
     ) -> Result<(u32, u64), EngineError> {
-        let piece = self.piece_blocks();
+        let codec = self.codec_for(ext, hold);
+        let group = if codec.is_none() {
+            1
+        } else {
+            COMPRESSION_GROUP_BLOCKS
+        };
+        let piece = self.piece_blocks().max(group);
         let (mut n, mut seq) = (0, 0);
         let mut at = 0u32;
         while at < count {
-            let len = piece.min(count - at);
+            let mut len = piece.min(count - at);
+            if at + len < count {
+                // Pieces of a compressed write end on group boundaries: a group written
+                // whole is compressed whole.
+                let end = first + at + len;
+                let aligned = end - end % group;
+                if aligned > first + at {
+                    len = aligned - (first + at);
+                }
+            }
             let (i0, b0) = (at as usize, at as usize * BLOCK_SIZE);
-            let (pn, ps) = self.write_piece(
-                ext,
-                first + at,
-                len,
-                &data[b0..b0 + len as usize * BLOCK_SIZE],
-                &crcs[i0..i0 + len as usize],
-                |i| version_of(i0 + i),
-                |i, cur, new| accept(i0 + i, cur, new),
-                hold,
-            )?;
+            let piece_data = &data[b0..b0 + len as usize * BLOCK_SIZE];
+            let piece_crcs = &crcs[i0..i0 + len as usize];
+            let (pn, ps) = if codec.is_none() {
+                self.write_piece(
+                    ext,
+                    first + at,
+                    len,
+                    piece_data,
+                    piece_crcs,
+                    |i| version_of(i0 + i),
+                    |i, cur, new| accept(i0 + i, cur, new),
+                    hold,
+                )?
+            } else {
+                self.write_piece_packed(
+                    ext,
+                    first + at,
+                    len,
+                    piece_data,
+                    piece_crcs,
+                    |i| version_of(i0 + i),
+                    |i, cur, new| accept(i0 + i, cur, new),
+                    codec,
+                )?
+            };
             n += pn;
             seq = seq.max(ps);
             at += len;
@@ -1168,7 +1365,7 @@ impl Drive {
                 ext,
                 first,
                 count,
-                |i| BlockMeta::data(version_of(i), crcs[i], 0),
+                |i, _| BlockMeta::data(version_of(i), crcs[i], 0),
                 accept,
                 &mut s.applied,
                 hold.then_some(&mut s.metas),
@@ -1212,6 +1409,7 @@ impl Drive {
                             version,
                             phys: p,
                             hold,
+                            pack: 0,
                         }
                         .push(records);
                     }
@@ -1281,6 +1479,14 @@ impl Drive {
             ranges.push(self.range(r.key, u64::from(r.first) * BLOCK, r.data.len() as u64)?);
         }
         let cap = self.piece_blocks();
+        // Runs of extents with a codec are compressed on the way, each on its own.
+        let compressed: Vec<bool> = runs
+            .iter()
+            .map(|r| {
+                self.lookup(r.key)
+                    .is_some_and(|e| !self.codec_for(&e, false).is_none())
+            })
+            .collect();
         let mut seq = 0;
         let mut written = 0u64;
         let mut i = 0;
@@ -1296,14 +1502,14 @@ impl Drive {
                         && ranges[j].0 < f + c
                         && f < ranges[j].0 + ranges[j].1
                 });
-                if end > i && (blocks + c > cap || overlaps) {
+                if end > i && (blocks + c > cap || overlaps || compressed[end] || compressed[i]) {
                     break;
                 }
                 blocks += c;
                 end += 1;
             }
-            if end == i + 1 && blocks > cap {
-                // One run too big for a batch: write it in pieces.
+            if end == i + 1 && (blocks > cap || compressed[i]) {
+                // One run too big for a batch (or to compress): write it in pieces.
                 let r = &runs[i];
                 if let Some(ext) = self.lookup(r.key) {
                     let t = self.counters.begin();
@@ -1366,7 +1572,7 @@ impl Drive {
                 &ext,
                 first,
                 count,
-                |i| BlockMeta::data(r.versions[i], r.crcs[i], 0),
+                |i, _| BlockMeta::data(r.versions[i], r.crcs[i], 0),
                 |_, cur, new| new.version >= cur.version,
                 &mut applied,
                 None,
@@ -1411,6 +1617,7 @@ impl Drive {
                                 version: r.versions[i],
                                 phys: p,
                                 hold: false,
+                                pack: 0,
                             }
                             .push(&mut records);
                         }
@@ -1551,6 +1758,9 @@ impl Drive {
             for attempt in 0..READ_RETRIES {
                 Self::snapshot(&ext, first, count, &mut s.metas);
                 self.read_runs(&s.metas, buf)?;
+                if s.metas.iter().any(|m| m.is_packed()) {
+                    self.read_packed(&s.metas, buf)?;
+                }
                 bad.clear();
                 for (i, (m, blk)) in s
                     .metas
@@ -1591,7 +1801,8 @@ impl Drive {
     /// Reads the blocks of `metas` that hold data into their places in `buf`: one pread
     /// per run that is consecutive both in `buf` and on the device.
     fn read_runs(&self, metas: &[BlockMeta], buf: &mut [u8]) -> Result<(), EngineError> {
-        let held = |m: &BlockMeta| m.has_data() && !m.is_bad();
+        // Packed blocks are read by `read_packed`, a stream at a time.
+        let held = |m: &BlockMeta| m.has_data() && !m.is_bad() && !m.is_packed();
         let mut i = 0;
         while i < metas.len() {
             if !held(&metas[i]) {
@@ -1662,7 +1873,7 @@ impl Drive {
                 &ext,
                 first,
                 count,
-                |_| new,
+                |_, _| new,
                 |_, cur, new| new.version >= cur.version,
                 &mut s.applied,
                 None,
@@ -1764,11 +1975,16 @@ impl Drive {
             .by_key
             .values()
             .filter_map(|&s| t.slots[s as usize].live.as_ref())
-            .map(|e| ExtentInfo {
-                key: e.key,
-                epoch: Epoch(e.epoch.load(Ordering::Acquire)),
-                bytes_allocated: self.layout.slab_size_bytes,
-                bytes_written: u64::from(lock(&e.meta).data_blocks) * BLOCK,
+            .map(|e| {
+                let m = lock(&e.meta);
+                ExtentInfo {
+                    key: e.key,
+                    epoch: Epoch(e.epoch.load(Ordering::Acquire)),
+                    bytes_allocated: self.layout.slab_size_bytes,
+                    bytes_written: u64::from(m.data_blocks) * BLOCK,
+                    bytes_stored: u64::from(m.stored_blocks) * BLOCK,
+                    compression: e.codec(),
+                }
             })
             .collect();
         v.sort_by_key(|e| e.key);
@@ -1837,7 +2053,11 @@ impl Drive {
     /// to wait for. The slot is reused once that is durable (commit).
     fn free_slot(&self, t: &mut Table, key: ExtentKey, slot: u32) -> Result<u64, EngineError> {
         t.by_key.remove(&key);
-        t.slots[slot as usize].live = None;
+        if let Some(ext) = t.slots[slot as usize].live.take() {
+            if ext.codec().is_none() {
+                self.plain_extents.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
         let mut rec = [0u8; RECORD];
         Record::Free { slot }.encode(&mut rec);
         self.enqueue(&rec, true)
@@ -1863,13 +2083,107 @@ impl Drive {
 
     pub fn capacity(&self) -> Capacity {
         let used = lock(&self.table).by_key.len() as u64;
-        let total = u64::from(self.layout.extents_total);
+        let total = u64::from(self.layout.data_extents);
         Capacity {
             extents_total: total,
             extents_used: used,
             bytes_total: total * self.layout.slab_size_bytes,
             bytes_used: used * self.layout.slab_size_bytes,
+            slots_total: u64::from(self.layout.extents_total),
+            bytes_committed: self.committed_blocks() * BLOCK,
+            bytes_stored: (self.plain_stored.load(Ordering::Relaxed)
+                + self.thin_stored.load(Ordering::Relaxed))
+                * BLOCK,
+            bytes_free: lock(&self.pool).free() * BLOCK,
+            bytes_held: self.held_storage_blocks() * BLOCK,
         }
+    }
+
+    /// Physical blocks the priors occupy beyond what current states name.
+    fn held_storage_blocks(&self) -> u64 {
+        if self.held_blocks.load(Ordering::Relaxed) == 0 {
+            return 0;
+        }
+        let extents: Vec<Arc<Extent>> = {
+            let t = lock(&self.table);
+            t.slots.iter().filter_map(|s| s.durable.clone()).collect()
+        };
+        let mut n = 0u64;
+        for e in extents {
+            let m = lock(&e.meta);
+            let mut streams = BTreeSet::new();
+            for (&b, p) in &m.held {
+                if let Some((first, len)) = p.run() {
+                    if m.named(b, *p, true) || (p.is_packed() && !streams.insert(first)) {
+                        continue;
+                    }
+                    n += u64::from(len);
+                }
+            }
+        }
+        n
+    }
+
+    /// Physical blocks the allocated extents have claimed: plain ones whole, thin ones
+    /// (with a codec) what they store.
+    pub(crate) fn committed_blocks(&self) -> u64 {
+        self.plain_extents.load(Ordering::Relaxed) * u64::from(self.layout.blocks_per_extent)
+            + self.thin_stored.load(Ordering::Relaxed)
+    }
+
+    /// How the extent's later writes are compressed (none if the drive does not hold it).
+    pub fn codec_of(&self, key: ExtentKey) -> Compression {
+        self.lookup(key).map(|e| e.codec()).unwrap_or_default()
+    }
+
+    /// Sets how later writes of the extent are compressed (docs/adr/0010), allocating it
+    /// as a write would if the drive does not hold it. The owner's writes carry their
+    /// volume's codec and the replica service sets it before writing when it differs;
+    /// the extent table keeps it for the cache tier's destage. On a version-2 drive the
+    /// setting is kept but writes are stored as is.
+    pub fn set_codec(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        codec: Compression,
+    ) -> Result<(), EngineError> {
+        self.check_failed()?;
+        let ext = self.extent_for_write(key, epoch)?;
+        if ext.codec() == codec {
+            return Ok(());
+        }
+        // Under the table lock (one change at a time, and after the extent's Alloc) and
+        // the extent's (the drive's stored counts move with it, as `apply` moves them).
+        let _t = lock(&self.table);
+        let m = lock(&ext.meta);
+        let old = ext.codec();
+        if old == codec || m.freed {
+            return Ok(());
+        }
+        let mut rec = [0u8; RECORD];
+        Record::Codec {
+            slot: ext.slot,
+            codec,
+        }
+        .encode(&mut rec);
+        let seq = self.enqueue(&rec, true)?;
+        // Acks of later writes wait for it, as for an epoch: a destage after a crash then
+        // knows the codec.
+        ext.epoch_seq.fetch_max(seq, Ordering::AcqRel);
+        let stored = u64::from(m.stored_blocks);
+        let (from, to) = if old.is_none() {
+            self.plain_extents.fetch_sub(1, Ordering::Relaxed);
+            (&self.plain_stored, &self.thin_stored)
+        } else if codec.is_none() {
+            self.plain_extents.fetch_add(1, Ordering::Relaxed);
+            (&self.thin_stored, &self.plain_stored)
+        } else {
+            (&self.thin_stored, &self.thin_stored)
+        };
+        from.fetch_sub(stored, Ordering::Relaxed);
+        to.fetch_add(stored, Ordering::Relaxed);
+        ext.codec.store(codec.code(), Ordering::Relaxed);
+        Ok(())
     }
 
     pub fn stats(&self) -> DriveStats {

@@ -36,6 +36,11 @@ pub enum EngineError {
     HeldFull { held: u64 },
     #[error("no free extent on this drive (all {extents_total} in use); place the slab on another drive or free extents")]
     NoSpace { extents_total: u64 },
+    #[error("drive is full: {committed_bytes} of its {capacity_bytes} data bytes are claimed by its extents (plain extents count whole, compressed ones what they store); place the slab or copy on another drive, or free space")]
+    Full {
+        committed_bytes: u64,
+        capacity_bytes: u64,
+    },
     #[error("invalid I/O on extent {key:?}: {reason} (offset {offset}, length {len})")]
     InvalidIo {
         key: ExtentKey,

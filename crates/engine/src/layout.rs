@@ -3,13 +3,23 @@
 
 use crate::error::EngineError;
 use converge_types::{
-    ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex, VolumeId,
-    BLOCK_SIZE,
+    ClusterId, Compression, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex,
+    VolumeId, BLOCK_SIZE,
 };
 use serde::{Deserialize, Serialize};
 
-/// Engine on-disk format version; bumped on any incompatible change.
-pub const FORMAT_VERSION: u32 = 2;
+/// Engine on-disk format version; bumped on any incompatible change. Version 3 added
+/// compressed block groups and thin drives (more extent slots than data extents); a
+/// version-2 drive still opens, with one slot per data extent, and stores every block as is.
+pub const FORMAT_VERSION: u32 = 3;
+/// The oldest format version this build opens.
+pub const FORMAT_VERSION_MIN: u32 = 2;
+/// Extent slots per data extent of a new drive by default (docs/adr/0010): a drive may
+/// hold twice the extents its data region holds uncompressed, so what compression saves
+/// can hold other data. Costs another 0.5 % of the drive for the slots' metadata.
+pub const DEFAULT_OVERCOMMIT: u32 = 2;
+/// Most extent slots per data extent a drive may be formatted with.
+pub const MAX_OVERCOMMIT: u32 = 8;
 pub const SB_MAGIC: [u8; 8] = *b"CVGDRIV1";
 /// Bytes of the superblock covered by its crc (the rest of block 0/1 is zero).
 pub const SB_BYTES: usize = 256;
@@ -40,6 +50,15 @@ pub const SPARE_MAX_BLOCKS: u64 = 1 << 18;
 pub const F_DATA: u32 = 1;
 /// Block metadata flag: the metadata itself was lost (rotted sector); contents untrusted.
 pub const F_BAD: u32 = 2;
+/// Block metadata flag (format 3): the block is one member of a compressed group: its
+/// content is slice `member` of the stream in physical blocks `[phys, phys + c)`,
+/// c = ceil(stream bytes / 4096). The rest of the flags word says how (see [`BlockMeta`]).
+pub const F_PACKED: u32 = 4;
+/// The flag bits a block's metadata may carry.
+const F_KNOWN: u32 = F_DATA | F_BAD | F_PACKED | PACK_FIELDS;
+/// Bits 4..32 of a packed block's flags: codec (4..8), member index (8..12), group blocks
+/// minus one (12..16), stream bytes (16..32).
+const PACK_FIELDS: u32 = !0xf;
 
 /// Who this drive is, written in the superblock.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -58,7 +77,13 @@ pub struct Layout {
     pub len_bytes: u64,
     pub slab_size_bytes: u64,
     pub blocks_per_extent: u32,
+    /// Extent slots: the extents the drive may hold (table and metadata are sized for
+    /// them). `overcommit` × `data_extents`.
     pub extents_total: u32,
+    /// Extents the data region holds uncompressed: each has home blocks there.
+    pub data_extents: u32,
+    /// Extent slots per data extent (1 on a version-2 drive).
+    pub overcommit: u32,
     pub table_off: u64,
     pub table_len: u64,
     pub journal_off: u64,
@@ -78,7 +103,20 @@ pub fn spare_blocks(len: u64) -> u64 {
 }
 
 impl Layout {
-    pub fn compute(len_bytes: u64, slab: u64, journal_len: u64) -> Result<Layout, EngineError> {
+    /// The layout of a device of `len_bytes` with `overcommit` extent slots per extent its
+    /// data region holds (1: a version-2 layout).
+    pub fn compute(
+        len_bytes: u64,
+        slab: u64,
+        journal_len: u64,
+        overcommit: u32,
+    ) -> Result<Layout, EngineError> {
+        if !(1..=MAX_OVERCOMMIT).contains(&overcommit) {
+            return Err(EngineError::InvalidArgument(format!(
+                "overcommit {overcommit} must be between 1 and {MAX_OVERCOMMIT} extent slots per data extent"
+            )));
+        }
+        let k = u64::from(overcommit);
         if slab == 0 || !slab.is_multiple_of(BLOCK) || slab / BLOCK > u64::from(u32::MAX / 2) {
             return Err(EngineError::InvalidArgument(format!(
                 "slab size {slab} must be a non-zero multiple of {BLOCK} bytes"
@@ -98,7 +136,8 @@ impl Layout {
         // Saturating: the sizes may come from a damaged superblock. Past the `needed`
         // check, everything below is bounded by `len_bytes`.
         let fixed = (2 * BLOCK + spare * BLOCK).saturating_add(journal_len);
-        let per_extent = slab + u64::from(spe) * SECTOR as u64;
+        // Each data extent brings `overcommit` slots of metadata.
+        let per_extent = slab + k * u64::from(spe) * SECTOR as u64;
         let needed = fixed.saturating_add(BLOCK + per_extent);
         if len_bytes < needed {
             return Err(EngineError::TooSmall {
@@ -109,10 +148,10 @@ impl Layout {
         // Physical data blocks are numbered with a u32 (16 TiB of data per drive).
         let max_e = (u64::from(u32::MAX) - spare) / u64::from(bpe);
         let mut e = ((len_bytes - fixed) / per_extent)
-            .min(u64::from(u32::MAX / 2))
+            .min(u64::from(u32::MAX / 2) / k)
             .min(max_e);
         loop {
-            let table_len = e.div_ceil(u64::from(EXT_PER_PAGE)) * BLOCK;
+            let table_len = (k * e).div_ceil(u64::from(EXT_PER_PAGE)) * BLOCK;
             if fixed.saturating_add(table_len + e * per_extent) <= len_bytes || e == 0 {
                 break;
             }
@@ -124,16 +163,19 @@ impl Layout {
                 needed_bytes: needed,
             });
         }
-        let table_len = e.div_ceil(u64::from(EXT_PER_PAGE)) * BLOCK;
+        let slots = k * e;
+        let table_len = slots.div_ceil(u64::from(EXT_PER_PAGE)) * BLOCK;
         let table_off = 2 * BLOCK;
         let journal_off = table_off + table_len;
         let meta_off = journal_off + journal_len;
-        let data_off = meta_off + e * u64::from(spe) * SECTOR as u64;
+        let data_off = meta_off + slots * u64::from(spe) * SECTOR as u64;
         Ok(Layout {
             len_bytes,
             slab_size_bytes: slab,
             blocks_per_extent: bpe,
-            extents_total: e as u32,
+            extents_total: slots as u32,
+            data_extents: e as u32,
+            overcommit,
             table_off,
             table_len,
             journal_off,
@@ -161,9 +203,24 @@ impl Layout {
     }
 
     /// Where a block of an extent slot is placed when it can be (its first write, if
-    /// that physical block is free): extents then start out laid out sequentially.
+    /// that physical block is free): extents then start out laid out sequentially. Slots
+    /// beyond the data extents (a thin drive's) have no home: `u32::MAX`.
     pub fn home_block(&self, slot: u32, block: u32) -> u32 {
-        slot * self.blocks_per_extent + block
+        if slot < self.data_extents {
+            slot * self.blocks_per_extent + block
+        } else {
+            u32::MAX
+        }
+    }
+
+    /// Physical blocks that are nobody's home: the room out-of-place writes need.
+    pub fn spare_blocks(&self) -> u64 {
+        self.data_blocks - u64::from(self.data_extents) * u64::from(self.blocks_per_extent)
+    }
+
+    /// Physical blocks the data extents have (the drive's capacity for volume data).
+    pub fn extent_blocks(&self) -> u64 {
+        u64::from(self.data_extents) * u64::from(self.blocks_per_extent)
     }
 
     /// Device offset of physical data block `phys`.
@@ -200,6 +257,8 @@ pub struct Superblock {
     pub journal_tail_seq: u64,
     /// Unit (512 or 4096) in which journal batches were padded and written.
     pub journal_sector: u32,
+    /// Format version the drive was written with (2 or 3); a version-2 drive keeps it.
+    pub format_version: u32,
 }
 
 fn role_code(r: DriveRole) -> u8 {
@@ -234,7 +293,7 @@ impl Superblock {
         let id = &self.identity;
         let l = &self.layout;
         b[0..8].copy_from_slice(&SB_MAGIC);
-        put_u32(b, 8, FORMAT_VERSION);
+        put_u32(b, 8, self.format_version);
         put_u32(b, 12, SB_BYTES as u32);
         put_u64(b, 16, self.generation);
         b[24..40].copy_from_slice(&id.cluster.0.to_le_bytes());
@@ -258,6 +317,9 @@ impl Superblock {
         put_u64(b, 144, self.journal_tail);
         put_u64(b, 152, self.journal_tail_seq);
         put_u64(b, 160, l.data_blocks);
+        if self.format_version >= 3 {
+            put_u32(b, 168, l.overcommit);
+        }
         let crc = crc32c::crc32c(&b[..SB_BYTES - 4]);
         put_u32(b, SB_BYTES - 4, crc);
     }
@@ -271,7 +333,7 @@ impl Superblock {
         if crc32c::crc32c(&b[..SB_BYTES - 4]) != get_u32(b, SB_BYTES - 4) {
             return Err(EngineError::Corrupt("superblock checksum mismatch".into()));
         }
-        if version != FORMAT_VERSION {
+        if !(FORMAT_VERSION_MIN..=FORMAT_VERSION).contains(&version) {
             return Err(EngineError::UnsupportedVersion {
                 found: version,
                 supported: FORMAT_VERSION,
@@ -293,10 +355,13 @@ impl Superblock {
             role,
             media,
         };
+        let overcommit = if version >= 3 { get_u32(b, 168) } else { 1 };
         let layout = Layout {
             len_bytes: get_u64(b, 64),
             slab_size_bytes: identity.slab_size_bytes,
             extents_total: get_u32(b, 72),
+            data_extents: get_u32(b, 72) / overcommit.max(1),
+            overcommit,
             blocks_per_extent: get_u32(b, 76),
             table_off: get_u64(b, 80),
             table_len: get_u64(b, 88),
@@ -309,8 +374,13 @@ impl Superblock {
         };
         // The layout is a pure function of three numbers: recomputing it validates every
         // offset at once, so later code can trust them.
-        let expect = Layout::compute(layout.len_bytes, layout.slab_size_bytes, layout.journal_len)
-            .map_err(|e| EngineError::Corrupt(format!("superblock layout invalid: {e}")))?;
+        let expect = Layout::compute(
+            layout.len_bytes,
+            layout.slab_size_bytes,
+            layout.journal_len,
+            overcommit,
+        )
+        .map_err(|e| EngineError::Corrupt(format!("superblock layout invalid: {e}")))?;
         if expect != layout {
             return Err(EngineError::Corrupt(
                 "superblock layout does not match its sizes".into(),
@@ -340,12 +410,20 @@ impl Superblock {
             journal_tail,
             journal_tail_seq,
             journal_sector,
+            format_version: version,
         }))
     }
 }
 
 /// Metadata of one 4 KiB block of an extent: crc32c of its content, version, flags, and
 /// the physical data block holding it (meaningful with [`F_DATA`] only).
+///
+/// A *packed* block ([`F_PACKED`], format 3) is one member of a compressed group: `phys`
+/// is the first of the `c` consecutive physical blocks holding the group's stream, and
+/// the flags say the rest: codec (bits 4..8), the member's index in its group (8..12),
+/// the group's blocks minus one (12..16) and the stream's length in bytes (16..32). Every
+/// member of a stream names it whole, so each block's metadata alone finds its content;
+/// the stream's blocks are free once no member (and no prior) names them.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BlockMeta {
     pub version: u64,
@@ -370,6 +448,16 @@ impl BlockMeta {
             phys,
         }
     }
+    /// A Data record's block: plain, or packed when `pack` ([`BlockMeta::pack_bits`]) is
+    /// not 0.
+    pub fn data_packed(version: u64, crc: u32, phys: u32, pack: u32) -> BlockMeta {
+        BlockMeta {
+            version,
+            crc,
+            flags: F_DATA | pack,
+            phys,
+        }
+    }
     /// The block reads as zeros at `version`.
     pub fn zero(version: u64) -> BlockMeta {
         BlockMeta {
@@ -377,11 +465,109 @@ impl BlockMeta {
             ..BlockMeta::default()
         }
     }
+    /// Member `member` of a group of `group` blocks whose stream of `len` bytes, made by
+    /// `codec`, starts at physical block `phys`.
+    pub fn packed(
+        version: u64,
+        crc: u32,
+        phys: u32,
+        codec: Compression,
+        member: u32,
+        group: u32,
+        len: u32,
+    ) -> BlockMeta {
+        debug_assert!(member < group && (2..=16).contains(&group));
+        debug_assert!(len > 0 && len < group * BLOCK as u32 && len <= 0xffff);
+        BlockMeta {
+            version,
+            crc,
+            flags: F_DATA
+                | F_PACKED
+                | u32::from(codec.code()) << 4
+                | member << 8
+                | (group - 1) << 12
+                | len << 16,
+            phys,
+        }
+    }
     pub fn has_data(&self) -> bool {
         self.flags & F_DATA != 0
     }
     pub fn is_bad(&self) -> bool {
         self.flags & F_BAD != 0
+    }
+    /// A member of a compressed group (see [`BlockMeta`]).
+    pub fn is_packed(&self) -> bool {
+        self.flags & (F_PACKED | F_DATA | F_BAD) == F_PACKED | F_DATA
+    }
+    /// The codec of a packed block's stream.
+    pub fn codec(&self) -> Compression {
+        Compression::from_code(((self.flags >> 4) & 0xf) as u8).unwrap_or(Compression::None)
+    }
+    /// A packed block's index in its group.
+    pub fn member(&self) -> u32 {
+        (self.flags >> 8) & 0xf
+    }
+    /// Blocks of a packed block's group.
+    pub fn group_blocks(&self) -> u32 {
+        ((self.flags >> 12) & 0xf) + 1
+    }
+    /// Bytes of a packed block's stream.
+    pub fn stream_len(&self) -> u32 {
+        self.flags >> 16
+    }
+    /// Physical blocks the block's content occupies: `(first, count)`; its own block, or
+    /// its group's stream. None for a block without data (or with lost metadata).
+    pub fn run(&self) -> Option<(u32, u32)> {
+        if !self.has_data() || self.is_bad() {
+            None
+        } else if self.is_packed() {
+            Some((self.phys, self.stream_len().div_ceil(BLOCK as u32)))
+        } else {
+            Some((self.phys, 1))
+        }
+    }
+    /// Whether `other` holds its content in the same physical blocks (the same block, or
+    /// the same stream).
+    pub fn same_storage(&self, other: &BlockMeta) -> bool {
+        match (self.run(), other.run()) {
+            (Some((a, _)), Some((b, _))) => a == b && self.is_packed() == other.is_packed(),
+            _ => false,
+        }
+    }
+    /// Whether flags read from a drive describe a block this build understands: a packed
+    /// block's codec is known, its member within its group, and its stream at least one
+    /// block shorter than the group.
+    pub fn flags_valid(flags: u32) -> bool {
+        if flags & !F_KNOWN != 0 {
+            return false;
+        }
+        if flags & F_PACKED == 0 {
+            return flags & PACK_FIELDS == 0;
+        }
+        let m = BlockMeta {
+            flags,
+            ..BlockMeta::default()
+        };
+        let group = m.group_blocks();
+        flags & F_DATA != 0
+            && !matches!(
+                Compression::from_code(((flags >> 4) & 0xf) as u8),
+                None | Some(Compression::None)
+            )
+            && group >= 2
+            && m.member() < group
+            && m.stream_len() > 0
+            && m.stream_len().div_ceil(BLOCK as u32) < group
+    }
+    /// The packing part of a packed block's flags (0 for a plain one): what a Data record
+    /// carries besides the block's crc, version and physical block.
+    pub fn pack_bits(&self) -> u32 {
+        if self.is_packed() {
+            self.flags & (F_PACKED | PACK_FIELDS)
+        } else {
+            0
+        }
     }
 }
 
@@ -416,11 +602,17 @@ pub fn decode_meta_sector(b: &[u8], slot: u32, sector: u32, metas: &mut [BlockMe
     }
     for (i, m) in metas.iter_mut().take(META_PER_SECTOR as usize).enumerate() {
         let at = i * META_ENTRY;
-        *m = BlockMeta {
-            version: get_u64(b, at),
-            crc: get_u32(b, at + 8),
-            flags: get_u32(b, at + 12) & (F_DATA | F_BAD),
-            phys: get_u32(b, at + 16),
+        let flags = get_u32(b, at + 12);
+        *m = if BlockMeta::flags_valid(flags) {
+            BlockMeta {
+                version: get_u64(b, at),
+                crc: get_u32(b, at + 8),
+                flags,
+                phys: get_u32(b, at + 16),
+            }
+        } else {
+            // Flags this build does not know: the block's content cannot be found.
+            BlockMeta::BAD
         };
     }
     true
@@ -432,6 +624,9 @@ pub struct ExtentEntry {
     pub in_use: bool,
     pub key: Option<ExtentKey>,
     pub epoch: u64,
+    /// How the extent's volume asked its writes to be compressed (format 3; bits 8..16
+    /// of the flags word): the cache tier's destage compresses with it.
+    pub codec: Compression,
 }
 
 /// Encodes one extent-table sector: entries for slots [sector*15, sector*15+15).
@@ -443,7 +638,7 @@ pub fn encode_table_sector(out: &mut [u8], sector: u32, entries: &[ExtentEntry])
             put_u64(out, at, k.volume.0);
             put_u64(out, at + 8, k.slab.0);
             put_u64(out, at + 16, e.epoch);
-            put_u32(out, at + 24, 1);
+            put_u32(out, at + 24, 1 | u32::from(e.codec.code()) << 8);
         }
     }
     put_u32(out, 480, sector);
@@ -461,7 +656,8 @@ pub fn decode_table_sector(b: &[u8], sector: u32, entries: &mut [ExtentEntry]) -
     }
     for (i, e) in entries.iter_mut().take(EXT_PER_SECTOR as usize).enumerate() {
         let at = i * 32;
-        let in_use = get_u32(b, at + 24) & 1 == 1;
+        let flags = get_u32(b, at + 24);
+        let in_use = flags & 1 == 1;
         *e = ExtentEntry {
             in_use,
             key: in_use.then(|| ExtentKey {
@@ -469,6 +665,9 @@ pub fn decode_table_sector(b: &[u8], sector: u32, entries: &mut [ExtentEntry]) -
                 slab: SlabIndex(get_u64(b, at + 8)),
             }),
             epoch: get_u64(b, at + 16),
+            // An unknown codec (a newer build's) is treated as none: it only decides how
+            // later writes are stored.
+            codec: Compression::from_code((flags >> 8) as u8).unwrap_or_default(),
         };
     }
     true
@@ -489,6 +688,9 @@ pub enum Record {
         version: u64,
         phys: u32,
         hold: bool,
+        /// 0, or a packed block's packing flags ([`BlockMeta::pack_bits`]): the block is a
+        /// member of the compressed stream starting at `phys` (format 3).
+        pack: u32,
     },
     /// Blocks [block, block+count) read as zeros at this version (TRIM / WRITE_ZEROES).
     Zero {
@@ -528,6 +730,9 @@ pub enum Record {
     /// Block `block` of extent `slot` goes back to its prior if its current version is
     /// `version` (a write that did not complete on its row is undone).
     Revert { slot: u32, block: u32, version: u64 },
+    /// Later writes of the extent in `slot` are compressed with `codec` (format 3): kept
+    /// in the extent table for the cache tier's destage, which has no request in hand.
+    Codec { slot: u32, codec: Compression },
 }
 
 impl Record {
@@ -541,6 +746,7 @@ impl Record {
                 version,
                 phys,
                 hold,
+                pack,
             } => {
                 out[0] = 1;
                 out[1] = u8::from(hold);
@@ -549,6 +755,7 @@ impl Record {
                 put_u32(out, 12, crc);
                 put_u64(out, 16, version);
                 put_u32(out, 24, phys);
+                put_u32(out, 28, pack);
             }
             Record::Zero {
                 slot,
@@ -609,6 +816,11 @@ impl Record {
                 put_u32(out, 8, block);
                 put_u64(out, 16, version);
             }
+            Record::Codec { slot, codec } => {
+                out[0] = 9;
+                put_u32(out, 4, slot);
+                out[8] = codec.code();
+            }
         }
     }
 
@@ -625,14 +837,23 @@ impl Record {
         }
         let slot = get_u32(b, 4);
         Some(match b[0] {
-            1 => Record::Data {
-                slot,
-                block: get_u32(b, 8),
-                crc: get_u32(b, 12),
-                version: get_u64(b, 16),
-                phys: get_u32(b, 24),
-                hold: b[1] & 1 != 0,
-            },
+            1 => {
+                let pack = get_u32(b, 28);
+                // A packing word this build does not understand is a record it cannot
+                // apply: refuse it, as an unknown kind.
+                if pack != 0 && !BlockMeta::flags_valid(pack | F_DATA) {
+                    return None;
+                }
+                Record::Data {
+                    slot,
+                    block: get_u32(b, 8),
+                    crc: get_u32(b, 12),
+                    version: get_u64(b, 16),
+                    phys: get_u32(b, 24),
+                    hold: b[1] & 1 != 0,
+                    pack,
+                }
+            }
             2 => Record::Zero {
                 slot,
                 block: get_u32(b, 8),
@@ -655,11 +876,18 @@ impl Record {
             6 => Record::Prior {
                 slot,
                 block: get_u32(b, 8),
-                meta: BlockMeta {
-                    crc: get_u32(b, 12),
-                    version: get_u64(b, 16),
-                    phys: get_u32(b, 24),
-                    flags: get_u32(b, 28),
+                meta: {
+                    let flags = get_u32(b, 28);
+                    if BlockMeta::flags_valid(flags) {
+                        BlockMeta {
+                            crc: get_u32(b, 12),
+                            version: get_u64(b, 16),
+                            phys: get_u32(b, 24),
+                            flags,
+                        }
+                    } else {
+                        BlockMeta::BAD
+                    }
                 },
             },
             7 => Record::Settle {
@@ -672,6 +900,10 @@ impl Record {
                 slot,
                 block: get_u32(b, 8),
                 version: get_u64(b, 16),
+            },
+            9 => Record::Codec {
+                slot,
+                codec: Compression::from_code(b[8])?,
             },
             _ => return None,
         })
@@ -716,7 +948,7 @@ mod tests {
     use super::*;
 
     fn sb() -> Superblock {
-        let layout = Layout::compute(64 << 20, 1 << 20, 1 << 20).unwrap();
+        let layout = Layout::compute(64 << 20, 1 << 20, 1 << 20, 2).unwrap();
         Superblock {
             identity: DriveIdentity {
                 cluster: ClusterId(0xabc),
@@ -732,17 +964,22 @@ mod tests {
             journal_tail: 4096,
             journal_tail_seq: 12,
             journal_sector: 512,
+            format_version: FORMAT_VERSION,
         }
     }
 
     #[test]
     fn layout_fits_and_regions_do_not_overlap() {
-        for (len, slab, j) in [
-            (64u64 << 20, 1u64 << 20, 1u64 << 20),
-            (1 << 40, 256 << 20, 128 << 20),
-            (10 << 20, 4096, 64 << 10),
+        for (len, slab, j, k) in [
+            (64u64 << 20, 1u64 << 20, 1u64 << 20, 1),
+            (64u64 << 20, 1u64 << 20, 1u64 << 20, 2),
+            (1 << 40, 256 << 20, 128 << 20, 1),
+            (1 << 40, 256 << 20, 128 << 20, 4),
+            (10 << 20, 4096, 64 << 10, 2),
         ] {
-            let l = Layout::compute(len, slab, j).unwrap();
+            let l = Layout::compute(len, slab, j, k).unwrap();
+            assert_eq!(l.extents_total, k * l.data_extents);
+            assert!(l.table_len >= u64::from(l.extents_total).div_ceil(120) * 4096);
             assert!(l.table_off + l.table_len <= l.journal_off);
             assert!(l.journal_off + l.journal_len <= l.meta_off);
             assert!(
@@ -751,7 +988,12 @@ mod tests {
                     <= l.data_off
             );
             assert!(l.data_off + l.data_blocks * BLOCK <= len);
-            assert!(l.data_blocks >= u64::from(l.extents_total) * slab / BLOCK + SPARE_MIN_BLOCKS);
+            assert!(l.data_blocks >= u64::from(l.data_extents) * slab / BLOCK + SPARE_MIN_BLOCKS);
+            assert_eq!(
+                l.home_block(l.data_extents, 0),
+                u32::MAX,
+                "thin slots have no home"
+            );
             assert_eq!(l.data_off % 4096, 0);
             assert!(
                 u64::from(l.meta_sectors_per_extent) * u64::from(META_PER_SECTOR)
@@ -759,9 +1001,16 @@ mod tests {
             );
         }
         assert!(matches!(
-            Layout::compute(1 << 20, 1 << 20, 1 << 20),
+            Layout::compute(1 << 20, 1 << 20, 1 << 20, 1),
             Err(EngineError::TooSmall { .. })
         ));
+        assert!(Layout::compute(64 << 20, 1 << 20, 1 << 20, 0).is_err());
+        assert!(Layout::compute(64 << 20, 1 << 20, 1 << 20, MAX_OVERCOMMIT + 1).is_err());
+        // Twice the slots cost the data region only the extra slots' metadata.
+        let one = Layout::compute(1 << 40, 256 << 20, 128 << 20, 1).unwrap();
+        let two = Layout::compute(1 << 40, 256 << 20, 128 << 20, 2).unwrap();
+        assert!(two.data_extents < one.data_extents);
+        assert!(two.data_extents * 1000 > one.data_extents * 993);
     }
 
     #[test]
@@ -797,7 +1046,7 @@ mod tests {
             assert!(Superblock::decode(&b).is_err(), "case {i}");
         }
         for (len, j) in [(u64::MAX, 1 << 20), (64 << 20, u64::MAX - 4095)] {
-            let _ = Layout::compute(len, 1 << 20, j);
+            let _ = Layout::compute(len, 1 << 20, j, 2);
         }
     }
 
@@ -815,6 +1064,7 @@ mod tests {
                 version: 4,
                 phys: 0,
                 hold: false,
+                pack: 0,
             },
             Record::Data {
                 slot: 1,
@@ -823,6 +1073,20 @@ mod tests {
                 version: 4,
                 phys: 0x8765_4321,
                 hold: true,
+                pack: 0,
+            },
+            Record::Data {
+                slot: 1,
+                block: 7,
+                crc: 3,
+                version: 4,
+                phys: 99,
+                hold: false,
+                pack: BlockMeta::packed(4, 3, 99, Compression::Zstd, 3, 4, 9000).pack_bits(),
+            },
+            Record::Codec {
+                slot: 4,
+                codec: Compression::Lz4,
             },
             Record::Prior {
                 slot: 3,
@@ -874,6 +1138,85 @@ mod tests {
             assert_eq!(Record::decode(&v), Some(r));
         }
         assert_eq!(Record::decode(&[0u8; 32]), None);
+        // A packing word this build does not understand is refused, as an unknown kind.
+        let mut v = Vec::new();
+        Record::Data {
+            slot: 1,
+            block: 2,
+            crc: 3,
+            version: 4,
+            phys: 5,
+            hold: false,
+            pack: F_PACKED | 0xf << 4 | 3 << 12 | 100 << 16,
+        }
+        .push(&mut v);
+        assert_eq!(Record::decode(&v), None);
+    }
+
+    #[test]
+    fn packed_metadata_describes_its_stream() {
+        let m = BlockMeta::packed(7, 0xabc, 1000, Compression::Lz4, 2, 4, 8193);
+        assert!(m.is_packed() && m.has_data() && !m.is_bad());
+        assert_eq!(m.codec(), Compression::Lz4);
+        assert_eq!((m.member(), m.group_blocks(), m.stream_len()), (2, 4, 8193));
+        assert_eq!(m.run(), Some((1000, 3)));
+        assert!(BlockMeta::flags_valid(m.flags));
+        let other = BlockMeta::packed(8, 1, 1000, Compression::Lz4, 0, 4, 8193);
+        assert!(m.same_storage(&other));
+        assert!(!m.same_storage(&BlockMeta::data(7, 0xabc, 1000)));
+        assert_eq!(BlockMeta::data(1, 2, 3).run(), Some((3, 1)));
+        assert_eq!(BlockMeta::zero(1).run(), None);
+        // A stream as long as its group saves nothing: never valid; nor an unknown codec.
+        assert!(!BlockMeta::flags_valid(
+            F_DATA | F_PACKED | 1 << 4 | 3 << 12 | 16384 << 16
+        ));
+        assert!(!BlockMeta::flags_valid(
+            F_DATA | F_PACKED | 9 << 4 | 3 << 12 | 100 << 16
+        ));
+        assert!(!BlockMeta::flags_valid(
+            F_DATA | F_PACKED | 1 << 4 | 5 << 8 | 3 << 12 | 1 << 16
+        ));
+        assert!(
+            !BlockMeta::flags_valid(F_DATA | 1 << 20),
+            "packing bits on a plain block"
+        );
+        // Round trip through a metadata sector; unknown flags read as a bad block.
+        let metas = [m, BlockMeta::data(1, 2, 3), BlockMeta::zero(4)];
+        let mut b = [0u8; 512];
+        encode_meta_sector(&mut b, 1, 0, &metas);
+        let mut back = vec![BlockMeta::default(); 24];
+        assert!(decode_meta_sector(&b, 1, 0, &mut back));
+        assert_eq!(&back[..3], &metas);
+        put_u32(&mut b, 12, F_DATA | 1 << 30);
+        let crc = crc32c::crc32c(&b[..508]);
+        put_u32(&mut b, 508, crc);
+        assert!(decode_meta_sector(&b, 1, 0, &mut back));
+        assert_eq!(back[0], BlockMeta::BAD);
+    }
+
+    #[test]
+    fn version_2_superblocks_still_open() {
+        let mut s = sb();
+        s.format_version = 2;
+        s.layout = Layout::compute(64 << 20, 1 << 20, 1 << 20, 1).unwrap();
+        let mut b = vec![0u8; 4096];
+        s.encode(&mut b);
+        let back = Superblock::decode(&b).unwrap().unwrap();
+        assert_eq!(back, s);
+        assert_eq!(back.layout.overcommit, 1);
+        // A version-3 superblock whose overcommit does not fit its layout is refused.
+        let mut t = sb();
+        t.encode(&mut b);
+        put_u32(&mut b, 168, 3);
+        let crc = crc32c::crc32c(&b[..SB_BYTES - 4]);
+        put_u32(&mut b, SB_BYTES - 4, crc);
+        assert!(Superblock::decode(&b).is_err());
+        t.format_version = 4;
+        t.encode(&mut b);
+        assert!(matches!(
+            Superblock::decode(&b),
+            Err(EngineError::UnsupportedVersion { .. })
+        ));
     }
 
     #[test]

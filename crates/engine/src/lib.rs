@@ -8,6 +8,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod cache;
+mod codec;
 mod commit;
 mod drive;
 mod durable;

@@ -6,6 +6,14 @@
 //!
 //! The map lives only in memory; `open` rebuilds it from the durable metadata.
 
+/// What [`Pool::take_runs`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Take {
+    Taken,
+    Short,
+    Fragmented,
+}
+
 /// A bitmap of the data region's physical blocks (set = in use) with a next-fit cursor.
 pub(crate) struct Pool {
     used: Vec<u64>,
@@ -50,6 +58,11 @@ impl Pool {
         for p in first..end {
             self.written[(p / 64) as usize] |= 1 << (p % 64);
         }
+    }
+
+    /// Physical blocks in the map.
+    pub fn total(&self) -> u32 {
+        self.total
     }
 
     pub fn free(&self) -> u64 {
@@ -100,8 +113,14 @@ impl Pool {
     /// The first block from the cursor (wrapping) that is free (and written, with
     /// `written_only`).
     fn scan(&self, written_only: bool) -> Option<u32> {
+        self.scan_from(self.cursor, written_only)
+    }
+
+    /// The first block from `start` (wrapping) that is free (and written, with
+    /// `written_only`).
+    fn scan_from(&self, start: u32, written_only: bool) -> Option<u32> {
         let words = self.used.len();
-        let mut p = self.cursor;
+        let mut p = start;
         for _ in 0..=words {
             if p >= self.total {
                 p = 0;
@@ -120,6 +139,79 @@ impl Pool {
             p = (w as u32 + 1) * 64;
         }
         None
+    }
+
+    /// Whether `[first, first + len)` is in range and free.
+    fn run_free(&self, first: u32, len: u32) -> bool {
+        first
+            .checked_add(len)
+            .is_some_and(|end| end <= self.total && (first..end).all(|p| !self.is_used(p)))
+    }
+
+    /// The first run of `len` free blocks from the cursor (wrapping once; written blocks
+    /// first, as [`Pool::take`]), if free space is not too fragmented for one.
+    fn find_run(&self, len: u32) -> Option<u32> {
+        for written_only in [true, false] {
+            let mut p = self.cursor;
+            let mut visited = 0u64;
+            while visited <= u64::from(self.total) {
+                let Some(q) = self.scan_from(p, written_only) else {
+                    break;
+                };
+                // Distance moved, wrapping.
+                visited += u64::from(if q >= p { q - p } else { self.total - p + q }) + 1;
+                let whole = q.checked_add(len).is_some_and(|end| end <= self.total)
+                    && (q..q + len).all(|x| {
+                        !self.is_used(x)
+                            && (!written_only
+                                || self.written[(x / 64) as usize] & (1 << (x % 64)) != 0)
+                    });
+                if whole {
+                    return Some(q);
+                }
+                p = if q + 1 >= self.total { 0 } else { q + 1 };
+            }
+        }
+        None
+    }
+
+    /// Takes, per request `(home, len)`, `len` consecutive free blocks: from `home` when
+    /// they are all free, else the first such run from the cursor. Pushes each run's first
+    /// block onto `out`, in order. All or nothing: [`Take::Short`] when fewer blocks are
+    /// free than asked for, [`Take::Fragmented`] when some run cannot be found although
+    /// enough blocks are free (the caller stores that data in single blocks instead).
+    pub fn take_runs(&mut self, reqs: &[(u32, u32)], out: &mut Vec<u32>) -> Take {
+        let need: u64 = reqs.iter().map(|&(_, l)| u64::from(l)).sum();
+        if need > self.free {
+            return Take::Short;
+        }
+        let at = out.len();
+        for &(home, len) in reqs {
+            let first = if self.run_free(home, len) {
+                home
+            } else if let Some(p) = self.find_run(len) {
+                self.cursor = p + len;
+                p
+            } else {
+                // Give back what this call took.
+                for (k, &p) in out[at..].iter().enumerate() {
+                    for x in p..p + reqs[k].1 {
+                        self.release(x);
+                    }
+                }
+                out.truncate(at);
+                return Take::Fragmented;
+            };
+            for p in first..first + len {
+                let fresh = self.mark(p);
+                debug_assert!(fresh);
+            }
+            out.push(first);
+        }
+        if self.cursor >= self.total {
+            self.cursor = 0;
+        }
+        Take::Taken
     }
 
     /// Takes one block per entry of `homes`: the home when it is free, else the next free
@@ -210,6 +302,46 @@ mod tests {
         assert!(p.take(5..10, &mut out));
         assert_eq!(out, [101, 0, 1, 2, 3]);
         assert!(out.iter().all(|&b| !(11..100).contains(&b)), "{out:?}");
+    }
+
+    /// Compressed streams take consecutive blocks: at home when free, else the first run
+    /// from the cursor; all or nothing.
+    #[test]
+    fn runs_home_then_next_fit_all_or_nothing() {
+        let mut p = Pool::new(40, 32);
+        let mut out = Vec::new();
+        assert_eq!(p.take_runs(&[(0, 3), (4, 2)], &mut out), Take::Taken);
+        assert_eq!(out, [0, 4]);
+        // Home 1..4 is partly used: the spare area's first run.
+        out.clear();
+        assert_eq!(p.take_runs(&[(1, 3)], &mut out), Take::Taken);
+        assert_eq!(out, [32]);
+        assert_eq!(p.free(), 40 - 8);
+        // Fragment the rest: free blocks but no run of 4 from the spare area on.
+        out.clear();
+        assert_eq!(p.take_runs(&[(u32::MAX, 1); 5], &mut out), Take::Taken);
+        let free_before = p.free();
+        // Used: 0..3, 4..6, 32..40. Free: 3, 6..32 → a run of 4 exists at 6.
+        out.clear();
+        assert_eq!(p.take_runs(&[(u32::MAX, 4)], &mut out), Take::Taken);
+        assert_eq!(out, [6]);
+        for x in 6..10 {
+            p.release(x);
+        }
+        assert_eq!(p.free(), free_before);
+        // Every other block used: runs of 2 cannot be found; nothing is taken.
+        let mut q = Pool::new(8, 8);
+        for x in [0, 2, 4, 6] {
+            assert!(q.mark(x));
+        }
+        out.clear();
+        assert_eq!(
+            q.take_runs(&[(u32::MAX, 1), (u32::MAX, 2)], &mut out),
+            Take::Fragmented
+        );
+        assert!(out.is_empty());
+        assert_eq!(q.free(), 4, "the single block taken first was given back");
+        assert_eq!(q.take_runs(&[(u32::MAX, 5)], &mut out), Take::Short);
     }
 
     #[test]

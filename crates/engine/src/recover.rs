@@ -8,13 +8,14 @@ use crate::file::{AlignedBuf, BlockFile};
 use crate::layout::{
     batch_crc_ok, batch_header, decode_meta_sector, decode_table_sector, BlockMeta, DriveIdentity,
     ExtentEntry, Layout, Record, Superblock, BATCH_HEADER, BLOCK, BLOCKS_PER_META_PAGE,
-    EXT_PER_PAGE, EXT_PER_SECTOR, META_PER_SECTOR, RECORD, SECTOR,
+    DEFAULT_OVERCOMMIT, EXT_PER_PAGE, EXT_PER_SECTOR, FORMAT_VERSION, META_PER_SECTOR, RECORD,
+    SECTOR,
 };
 use crate::pool::Pool;
 use crate::stats::Counters;
-use converge_types::ExtentKey;
+use converge_types::{Compression, ExtentKey};
 use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
 /// Upper bound of records per journal batch (bytes), whatever the journal size.
@@ -102,6 +103,7 @@ fn held_of(exts: &[Option<RExtent>], slot: u32, block: u32) -> Option<BlockMeta>
 struct RExtent {
     key: ExtentKey,
     epoch: u64,
+    codec: Compression,
     blocks: Vec<BlockMeta>,
     /// Priors of held writes (docs/adr/0008): from Prior records only, never in pages.
     held: HashMap<u32, BlockMeta>,
@@ -109,8 +111,10 @@ struct RExtent {
 
 /// Picks the metadata a block gets after a crash. `cands` are its states in order: the one
 /// before the last journal batch (durable: every earlier batch was synced), then one per
-/// record of the last batch, which may not have been synced. `crc_at(phys)` is the crc of
-/// what physical block `phys` holds now (None: out of range).
+/// record of the last batch, which may not have been synced. `crc_of(state)` is the crc of
+/// the content the state names as the device holds it now: its physical block's, or its
+/// slice of its compressed stream (None: out of range, or a stream that does not
+/// decompress).
 ///
 /// Writes go out of place and a block's previous physical block is not reused before the
 /// record replacing it is durable, so every state's data is still where it names unless
@@ -122,22 +126,49 @@ struct RExtent {
 /// Returns the index of the chosen state.
 pub(crate) fn choose(
     cands: &[BlockMeta],
-    crc_at: &mut dyn FnMut(u32) -> Result<Option<u32>, EngineError>,
+    crc_of: &mut dyn FnMut(&BlockMeta) -> Result<Option<u32>, EngineError>,
 ) -> Result<usize, EngineError> {
     let last = cands
         .len()
         .checked_sub(1)
         .expect("a touched block has candidates");
     for (i, c) in cands.iter().enumerate().skip(1).rev() {
-        if !c.has_data() || crc_at(c.phys)? == Some(c.crc) {
+        if !c.has_data() || crc_of(c)? == Some(c.crc) {
             return Ok(i);
         }
     }
     let pre = cands[0];
-    if !pre.has_data() || crc_at(pre.phys)? == Some(pre.crc) {
+    if !pre.has_data() || crc_of(&pre)? == Some(pre.crc) {
         return Ok(0);
     }
     Ok(last)
+}
+
+/// Marks the storage of state `m` used in `pool`: its block, or its stream (once for all
+/// the members naming it: `streams` holds the streams marked). False when it is out of
+/// range or overlaps storage another state names.
+fn mark_state(pool: &mut Pool, streams: &mut HashMap<u32, u32>, m: &BlockMeta) -> bool {
+    let Some((first, len)) = m.run() else {
+        return true;
+    };
+    if m.is_packed() {
+        if let Some(&l) = streams.get(&first) {
+            return l == len;
+        }
+        let Some(end) = first.checked_add(len) else {
+            return false;
+        };
+        if end > pool.total() || (first..end).any(|p| pool.is_used(p)) {
+            return false;
+        }
+        for p in first..end {
+            pool.mark(p);
+        }
+        streams.insert(first, len);
+        true
+    } else {
+        pool.mark(first)
+    }
 }
 
 impl Drive {
@@ -157,14 +188,14 @@ impl Drive {
         let jlen = opts
             .journal_bytes
             .unwrap_or_else(|| default_journal_bytes(len));
-        let layout = Layout::compute(len, id.slab_size_bytes, jlen)?;
+        let overcommit = opts.overcommit.unwrap_or(DEFAULT_OVERCOMMIT);
+        let layout = Layout::compute(len, id.slab_size_bytes, jlen, overcommit)?;
         let js = probe_journal_sector(&*file, layout.journal_off);
         if file.is_regular_file() {
             // Overwrites go to the spare blocks first: allocate them in the file now, so
             // the file system does not on the data path (on a sparse file the first write
             // of a block costs an allocation and a file-system journal commit at the sync).
-            let spare = layout.data_blocks
-                - u64::from(layout.extents_total) * u64::from(layout.blocks_per_extent);
+            let spare = layout.spare_blocks();
             let start = layout.phys_off((layout.data_blocks - spare) as u32);
             let zero = AlignedBuf::new(1 << 20);
             let end = start + spare * BLOCK;
@@ -194,6 +225,7 @@ impl Drive {
             journal_tail: 0,
             journal_tail_seq: 1,
             journal_sector: js as u32,
+            format_version: FORMAT_VERSION,
         };
         let mut b = AlignedBuf::new(BLOCK as usize);
         for g in 0..2u64 {
@@ -253,6 +285,7 @@ impl Drive {
                         exts[slot] = Some(RExtent {
                             key,
                             epoch: e.epoch,
+                            codec: e.codec,
                             blocks: Vec::new(),
                             held: HashMap::new(),
                         })
@@ -369,6 +402,7 @@ impl Drive {
                         version,
                         phys,
                         hold,
+                        pack,
                     } => {
                         let prior = hold.then(|| held_of(&exts, slot, block)).flatten();
                         touch(
@@ -377,7 +411,7 @@ impl Drive {
                             &mut dirty_meta,
                             slot,
                             block,
-                            BlockMeta::data(version, crc, phys),
+                            BlockMeta::data_packed(version, crc, phys, pack),
                             prior,
                         );
                     }
@@ -392,9 +426,10 @@ impl Drive {
                                 version,
                                 phys,
                                 hold: true,
+                                pack,
                             }) if s2 == slot && b2 == block => {
                                 i += 1;
-                                let m = BlockMeta::data(version, crc, phys);
+                                let m = BlockMeta::data_packed(version, crc, phys, pack);
                                 touch(
                                     &mut exts,
                                     &mut cands,
@@ -494,6 +529,7 @@ impl Drive {
                             exts[slot as usize] = Some(RExtent {
                                 key,
                                 epoch: epoch.0,
+                                codec: Compression::None,
                                 blocks: vec![BlockMeta::default(); bpe],
                                 held: HashMap::new(),
                             });
@@ -504,6 +540,11 @@ impl Drive {
                     Record::Epoch { slot, epoch } => {
                         if let Some(Some(e)) = exts.get_mut(slot as usize) {
                             e.epoch = e.epoch.max(epoch.0);
+                        }
+                    }
+                    Record::Codec { slot, codec } => {
+                        if let Some(Some(e)) = exts.get_mut(slot as usize) {
+                            e.codec = codec;
                         }
                     }
                     Record::Free { slot } => {
@@ -530,12 +571,38 @@ impl Drive {
         let mut check: Vec<(u32, u32)> = cands.keys().copied().collect();
         check.sort_unstable();
         let mut dbuf = AlignedBuf::new(BLOCK as usize);
-        let mut crc_at = |phys: u32| -> Result<Option<u32>, EngineError> {
-            if u64::from(phys) >= layout.data_blocks {
+        // Streams read so far (compressed groups' members share one), decompressed.
+        let mut streams_read: HashMap<(u32, u32), Option<Vec<u8>>> = HashMap::new();
+        let mut crc_of = |m: &BlockMeta| -> Result<Option<u32>, EngineError> {
+            let Some((first, len)) = m.run() else {
+                return Ok(None);
+            };
+            if u64::from(first) + u64::from(len) > layout.data_blocks {
                 return Ok(None);
             }
-            read(&mut dbuf, layout.phys_off(phys))?;
-            Ok(Some(crc32c::crc32c(&dbuf)))
+            if !m.is_packed() {
+                read(&mut dbuf, layout.phys_off(first))?;
+                return Ok(Some(crc32c::crc32c(&dbuf)));
+            }
+            if let std::collections::hash_map::Entry::Vacant(e) =
+                streams_read.entry((first, m.flags))
+            {
+                let mut raw = AlignedBuf::new(len as usize * BLOCK as usize);
+                read(&mut raw, layout.phys_off(first))?;
+                let mut plain = vec![0u8; m.group_blocks() as usize * BLOCK as usize];
+                let ok = crate::codec::decompress(
+                    m.codec(),
+                    &raw[..m.stream_len() as usize],
+                    &mut plain,
+                );
+                e.insert(ok.then_some(plain));
+            }
+            let at = m.member() as usize * BLOCK as usize;
+            Ok(streams_read
+                .get(&(first, m.flags))
+                .and_then(|p| p.as_ref())
+                .and_then(|p| p.get(at..at + BLOCK as usize))
+                .map(crc32c::crc32c))
         };
         for key in &check {
             let Some(list) = cands.get(key) else { continue };
@@ -543,7 +610,7 @@ impl Drive {
                 continue;
             };
             let metas: Vec<BlockMeta> = list.iter().map(|c| c.0).collect();
-            let chosen = choose(&metas, &mut crc_at)?;
+            let chosen = choose(&metas, &mut crc_of)?;
             e.blocks[key.1 as usize] = metas[chosen];
             match list[chosen].1 {
                 Some(p) => e.held.insert(key.1, p),
@@ -556,16 +623,21 @@ impl Drive {
         // rewrites it).
         let mut pool = Pool::new(
             layout.data_blocks as u32,
-            layout.extents_total * layout.blocks_per_extent,
+            layout.data_extents * layout.blocks_per_extent,
         );
         let mut lost = 0u64;
+        // Streams marked (first block → blocks): a stream's members all name it.
+        let mut streams: HashMap<u32, u32> = HashMap::new();
         for (slot, e) in exts.iter_mut().enumerate() {
             let Some(e) = e else { continue };
             // The homes of an allocated extent are (nearly always) written: relocated
             // blocks may go there without the file system allocating space.
-            pool.note_written(layout.home_block(slot as u32, 0), layout.blocks_per_extent);
+            let home = layout.home_block(slot as u32, 0);
+            if home != u32::MAX {
+                pool.note_written(home, layout.blocks_per_extent);
+            }
             for (b, m) in e.blocks.iter_mut().enumerate() {
-                if m.has_data() && !pool.mark(m.phys) {
+                if !mark_state(&mut pool, &mut streams, m) {
                     *m = BlockMeta::BAD;
                     lost += 1;
                     dirty_meta.insert((slot as u32, b as u32 / BLOCKS_PER_META_PAGE));
@@ -591,7 +663,7 @@ impl Drive {
                     .get(b as usize)
                     .is_some_and(|c| p.version < c.version)
                     && !p.is_bad()
-                    && (!p.has_data() || pool.mark(p.phys));
+                    && mark_state(&mut pool, &mut streams, p);
                 if !keep {
                     priors_dropped += 1;
                 }
@@ -612,6 +684,7 @@ impl Drive {
                 dirty_meta.insert((slot, p));
             }
         }
+        let (mut plain_extents, mut plain_stored, mut thin_stored) = (0u64, 0u64, 0u64);
         let mut slots = Vec::with_capacity(e_total);
         let mut by_key = HashMap::new();
         let mut free = Vec::new();
@@ -626,6 +699,15 @@ impl Drive {
                     }
                     let ext = Arc::new(Extent::new(e.key, slot as u32, e.epoch, 0, e.blocks));
                     ext.meta.lock().expect("fresh extent lock").held = e.held;
+                    ext.codec.store(e.codec.code(), Ordering::Relaxed);
+                    let stored =
+                        u64::from(ext.meta.lock().expect("fresh extent lock").stored_blocks);
+                    if e.codec.is_none() {
+                        plain_extents += 1;
+                        plain_stored += stored;
+                    } else {
+                        thin_stored += stored;
+                    }
                     slots.push(Slot {
                         live: Some(ext.clone()),
                         durable: Some(ext),
@@ -633,6 +715,7 @@ impl Drive {
                             in_use: true,
                             key: Some(e.key),
                             epoch: e.epoch,
+                            codec: e.codec,
                         },
                     });
                 }
@@ -691,11 +774,16 @@ impl Drive {
                 dirty_meta,
                 dirty_table,
                 gone: Vec::new(),
+                orphans: Vec::new(),
             }),
             counters,
             journal_sector: js_now,
             batch_records_max,
             held_blocks: AtomicU64::new(held_total),
+            packing: sb.format_version >= 3,
+            plain_extents: AtomicU64::new(plain_extents),
+            plain_stored: AtomicU64::new(plain_stored),
+            thin_stored: AtomicU64::new(thin_stored),
         };
         if batches > 0 {
             log::info!(
@@ -728,8 +816,12 @@ mod tests {
     }
     /// Picks with a disk on which exactly the physical blocks `landed` hold their data.
     fn pick(cands: &[BlockMeta], landed: &[u32]) -> BlockMeta {
-        let i = choose(cands, &mut |p| {
-            Ok(Some(if landed.contains(&p) { p } else { 0xdead }))
+        let i = choose(cands, &mut |m| {
+            Ok(Some(if landed.contains(&m.phys) {
+                m.phys
+            } else {
+                0xdead
+            }))
         })
         .unwrap();
         cands[i]
@@ -757,7 +849,7 @@ mod tests {
         assert_eq!(pick(&[BlockMeta::BAD, d(3, 3)], &[3]), d(3, 3));
         // An out-of-range block proves nothing.
         assert_eq!(
-            choose(&[d(1, 1), d(2, 2)], &mut |p| Ok((p == 1).then_some(1))).unwrap(),
+            choose(&[d(1, 1), d(2, 2)], &mut |m| Ok((m.phys == 1).then_some(1))).unwrap(),
             0
         );
     }

@@ -19,6 +19,10 @@ pub struct DataBlock {
     pub offset_bytes: u64,
     /// Version the block's metadata holds.
     pub version: Version,
+    /// Blocks of the extent whose content lives in the same physical storage, this one
+    /// included: just this block, or every member of its compressed group's stream
+    /// (docs/adr/0010), which a flipped bit there damages together.
+    pub members: Vec<u32>,
 }
 
 /// A uniform random sample of a drive's written blocks.
@@ -52,11 +56,20 @@ impl Drive {
                     continue;
                 }
                 seen += 1;
+                let members = if meta.is_packed() {
+                    let g0 = b - meta.member();
+                    (g0..(g0 + meta.group_blocks()).min(m.blocks.len() as u32))
+                        .filter(|&x| m.blocks[x as usize].same_storage(meta))
+                        .collect()
+                } else {
+                    vec![b]
+                };
                 let item = DataBlock {
                     key: ext.key,
                     block: b,
                     offset_bytes: self.layout.phys_off(meta.phys),
                     version: Version(meta.version),
+                    members,
                 };
                 if out.len() < count {
                     out.push(item);
@@ -105,6 +118,7 @@ mod tests {
         };
         let opts = FormatOptions {
             journal_bytes: Some(256 << 10),
+            ..Default::default()
         };
         let d = Drive::format_with(Arc::new(f.clone()), id, opts).unwrap();
         (f, d)

@@ -47,6 +47,7 @@ fn faulty(len: u64) -> (FaultyFile, Drive) {
         ident(SLAB),
         FormatOptions {
             journal_bytes: Some(256 << 10),
+            ..Default::default()
         },
     )
     .expect("format");
@@ -140,6 +141,7 @@ fn round_trip_direct_file_tmp_and_shm() {
             ident(SLAB),
             FormatOptions {
                 journal_bytes: Some(256 << 10),
+                ..Default::default()
             },
         )
         .expect("format");
@@ -264,9 +266,11 @@ fn free_realloc_and_no_space() {
             .unwrap();
     }
     assert_eq!(d.capacity().extents_used, cap.extents_total);
+    // A thin drive has more slots, but a plain extent claims its whole size: no room.
+    assert_eq!(cap.slots_total, 2 * cap.extents_total);
     assert!(matches!(
         d.write(key(2, 0), Epoch(1), Version(1), 0, &x, &xc),
-        Err(EngineError::NoSpace { .. })
+        Err(EngineError::Full { .. })
     ));
     d.free_extent(key(1, 0)).unwrap();
     d.free_extent(key(1, 0)).unwrap(); // idempotent
@@ -451,6 +455,7 @@ fn group_commit_batches_concurrent_writers() {
         ident(SLAB),
         FormatOptions {
             journal_bytes: Some(1 << 20),
+            ..Default::default()
         },
     )
     .expect("format");
@@ -582,6 +587,7 @@ fn unlanded_write_recovers_old_version_not_bad() {
         ident(SLAB),
         FormatOptions {
             journal_bytes: Some(256 << 10),
+            ..Default::default()
         },
     )
     .expect("format");
@@ -616,6 +622,7 @@ fn skipped_write_is_not_acked_before_the_newer_claim_is_durable() {
             ident(SLAB),
             FormatOptions {
                 journal_bytes: Some(256 << 10),
+                ..Default::default()
             },
         )
         .expect("format"),
@@ -845,6 +852,7 @@ fn a_batch_left_open_wakes_a_waiting_task_to_lead_it() {
         ident(SLAB),
         FormatOptions {
             journal_bytes: Some(256 << 10),
+            ..Default::default()
         },
     )
     .expect("format");
@@ -1131,3 +1139,5 @@ fn held_writes_are_bounded() {
     let k = key(5, 0);
     d.write_held(k, Epoch(1), Version(3), 0, &x, &xc).unwrap();
 }
+
+mod packed;

@@ -4,14 +4,15 @@
 //! device with atomic 4 KiB writes, and the process killed (every issued write persists).
 //! In every kind, every block must read back whole: an acked version or a newer unacked
 //! one, or zeros where that is allowed; never a bad block (writes go out of place, so the
-//! previous content of a block survives whatever happens to its new write).
+//! previous content of a block survives whatever happens to its new write). The same holds
+//! for compressed extents (docs/adr/0010), whose writes rewrite whole groups.
 
 use converge_engine::{
     BlockFile, CrashMode, Drive, DriveIdentity, EngineError, FaultyFile, FormatOptions,
 };
 use converge_types::{
-    ClusterId, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex, Version,
-    VolumeId,
+    ClusterId, Compression, DriveId, DriveRole, Epoch, ExtentKey, MediaType, NodeId, SlabIndex,
+    Version, VolumeId,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -43,11 +44,20 @@ fn key(s: u64) -> ExtentKey {
 }
 
 /// The content a write of `version` puts in `block`: self-describing, so a read tells
-/// exactly which write (if any) it came from.
-fn content(k: ExtentKey, block: u32, version: u64) -> Vec<u8> {
+/// exactly which write (if any) it came from. With `packed`, compressible: a 64-byte
+/// pattern repeated.
+fn content(k: ExtentKey, block: u32, version: u64, packed: bool) -> Vec<u8> {
     let mut rng = StdRng::seed_from_u64(k.slab.0 ^ (u64::from(block) << 20) ^ (version << 32));
     let mut b = vec![0u8; B];
-    rng.fill(&mut b[..]);
+    if packed {
+        let mut pat = [0u8; 64];
+        rng.fill(&mut pat[..]);
+        for (i, x) in b.iter_mut().enumerate() {
+            *x = pat[i % 64];
+        }
+    } else {
+        rng.fill(&mut b[..]);
+    }
     b[0..8].copy_from_slice(&0xC0FF_EE00_u64.to_le_bytes());
     b[8..16].copy_from_slice(&k.slab.0.to_le_bytes());
     b[16..20].copy_from_slice(&block.to_le_bytes());
@@ -73,7 +83,10 @@ struct RoundResult {
 
 /// `held`: half the writes keep priors (parity chunks' writes) and settles run among
 /// them; after the crash every prior must still be whole, and a revert must restore it.
-fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
+/// `codec`: every extent compresses its writes (compressible data, writes up to 8 blocks:
+/// whole groups and parts of groups).
+fn round(seed: u64, mode: CrashMode, held: bool, codec: Compression) -> RoundResult {
+    let packed = !codec.is_none();
     let mut rng = StdRng::seed_from_u64(seed);
     let f = FaultyFile::new(4 << 20);
     f.set_crash_mode(mode);
@@ -83,9 +96,15 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
         FormatOptions {
             // Smallest journal: checkpoints every few dozen batches, so crashes hit them.
             journal_bytes: Some(64 << 10),
+            ..Default::default()
         },
     )
     .expect("format");
+    if packed {
+        for s in 0..KEYS {
+            d.set_codec(key(s), Epoch(1), codec).expect("codec");
+        }
+    }
     let d = Arc::new(d);
     let log: Arc<Mutex<Vec<Op>>> = Arc::new(Mutex::new(Vec::new()));
     // Per extent, the highest version a settle was sent for (it may have applied).
@@ -113,7 +132,7 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
                 }
                 let k = key(trng.gen_range(0..KEYS));
                 let first = trng.gen_range(0..BLOCKS);
-                let n = trng.gen_range(1..=(BLOCKS - first).min(4));
+                let n = trng.gen_range(1..=(BLOCKS - first).min(if packed { 8 } else { 4 }));
                 let zero = trng.gen_bool(0.15);
                 // Sometimes an old version, as a resync racing new writes would send.
                 let mut version = next_version.fetch_add(1, Ordering::SeqCst);
@@ -144,7 +163,7 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
                 } else {
                     let mut data = Vec::with_capacity(n as usize * B);
                     for b in first..first + n {
-                        data.extend_from_slice(&content(k, b, version));
+                        data.extend_from_slice(&content(k, b, version, packed));
                     }
                     let crcs: Vec<u32> = data.chunks(B).map(crc32c::crc32c).collect();
                     let off = u64::from(first) * B as u64;
@@ -212,6 +231,13 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
     let file: Arc<dyn BlockFile> = Arc::new(f.reattach());
     let d = Drive::open(file.clone()).expect("reopen after crash");
     let log = log.lock().expect("log").clone();
+    // Every physical block is free, or held by exactly one state (a stream once) or prior.
+    let cap = d.capacity();
+    assert_eq!(
+        cap.bytes_free + cap.bytes_stored + cap.bytes_held,
+        d.layout().data_blocks * B as u64,
+        "{mode:?} seed {seed}: physical blocks leaked or counted twice"
+    );
     for s in 0..KEYS {
         let k = key(s);
         let mut buf = vec![0u8; SLAB as usize];
@@ -243,7 +269,7 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
                 let v = u64::from_le_bytes(got[20..28].try_into().expect("8 bytes"));
                 assert_eq!(
                     got,
-                    &content(k, b, v)[..],
+                    &content(k, b, v, packed)[..],
                     "wrong bytes with good crc: {}",
                     ctx()
                 );
@@ -312,7 +338,7 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
             } else {
                 assert_eq!(
                     got,
-                    content(k, b, prior.0),
+                    content(k, b, prior.0, packed),
                     "reverted to wrong bytes: {}",
                     ctx()
                 );
@@ -330,7 +356,7 @@ fn round(seed: u64, mode: CrashMode, held: bool) -> RoundResult {
         PRIORS_CHECKED.fetch_add(priors, Ordering::Relaxed);
     }
     // The recovered drive keeps working and survives a clean reopen.
-    let data = content(key(0), 0, 1 << 40);
+    let data = content(key(0), 0, 1 << 40, packed);
     d.write(
         key(0),
         Epoch(1),
@@ -363,6 +389,11 @@ fn note_settle(settled: &Mutex<HashMap<ExtentKey, u64>>, k: ExtentKey, upto: u64
 static PRIORS_CHECKED: AtomicU64 = AtomicU64::new(0);
 
 fn rounds(mode: CrashMode, held: bool) {
+    rounds_with(mode, held, false)
+}
+
+/// Rounds on compressed extents (lz4 and zstd in turn).
+fn rounds_with(mode: CrashMode, held: bool, packed: bool) {
     let rounds: u64 = std::env::var("CONVERGE_CRASH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -373,14 +404,19 @@ fn rounds(mode: CrashMode, held: bool) {
         .unwrap_or(0);
     let (mut acked, mut cps) = (0, 0);
     for seed in first..first + rounds {
-        let r = round(seed, mode, held);
+        let codec = match (packed, seed % 2) {
+            (false, _) => Compression::None,
+            (true, 0) => Compression::Lz4,
+            (true, _) => Compression::Zstd,
+        };
+        let r = round(seed, mode, held, codec);
         acked += r.acked;
         cps += r.checkpoints;
     }
     let priors = PRIORS_CHECKED.load(Ordering::Relaxed);
     eprintln!(
-        "crash test ({mode:?}, held {held}): {rounds} rounds, {acked} acked ops, \
-         {cps} checkpoints, {priors} priors reverted"
+        "crash test ({mode:?}, held {held}, compressed {packed}): {rounds} rounds, \
+         {acked} acked ops, {cps} checkpoints, {priors} priors reverted"
     );
     assert!(
         acked > 0 && cps > 0,
@@ -415,4 +451,19 @@ fn a_killed_process_leaves_every_block_whole_old_or_new() {
 #[test]
 fn a_killed_process_keeps_every_prior_of_held_writes_whole() {
     rounds(CrashMode::ProcessKill, true);
+}
+
+#[test]
+fn power_loss_keeps_compressed_groups_whole() {
+    rounds_with(CrashMode::PowerLoss { tear_bytes: 512 }, false, true);
+}
+
+#[test]
+fn power_loss_with_atomic_4k_writes_keeps_compressed_groups_whole() {
+    rounds_with(CrashMode::PowerLoss { tear_bytes: 4096 }, false, true);
+}
+
+#[test]
+fn a_killed_process_keeps_compressed_groups_whole() {
+    rounds_with(CrashMode::ProcessKill, false, true);
 }

@@ -21,9 +21,12 @@ pub struct Run {
 type Attr = (&'static str, fn(&RunSummary) -> String);
 
 /// What may differ between runs, in the order labels name it.
-const ATTRS: [Attr; 10] = [
+const ATTRS: [Attr; 11] = [
     ("profile", |s| s.config.settings.profile.to_string()),
     ("resiliency", |s| s.config.settings.resiliency.to_string()),
+    ("compression", |s| {
+        format!("compression {}", s.config.settings.compression)
+    }),
     ("data", |s| s.config.settings.data_pattern()),
     ("cache", |s| s.config.cluster.cache_mode.clone()),
     ("working set", |s| {
@@ -312,7 +315,11 @@ fn density(runs: &[Run]) -> Section {
         });
         t.row(vec![
             r.label.clone(),
-            st.resiliency.to_string(),
+            if st.compression.is_none() {
+                st.resiliency.to_string()
+            } else {
+                format!("{} + {}", st.resiliency, st.compression)
+            },
             st.data_pattern(),
             format!(
                 "{} ({:.2} in theory)",
@@ -349,11 +356,14 @@ fn density(runs: &[Run]) -> Section {
                 "Usable / raw: what the pool holds at the run's resiliency when empty, over \
                  its raw bytes (measured by the cluster; in theory 1 ÷ copies, or K ÷ (K+M)). \
                  Raw per written byte: the drives' bytes the fleet's volumes took after \
-                 pre-fill over the bytes they hold (whole slabs are allocated). Read and \
-                 write IOPS: means over the read-only and write-only points; latency, CPU \
-                 and WA: means over all points (WA: over the write points, with the mean \
-                 data floor of the resiliency at those points' block sizes). Compression: \
-                 converge does not compress yet, so the data pattern changes nothing stored."
+                 pre-fill over the bytes they hold (whole slabs for plain volumes, what the \
+                 copies store for compressed ones). Read and write IOPS: means over the \
+                 read-only and write-only points; latency, CPU and WA: means over all \
+                 points (WA: over the write points, with the mean data floor of the \
+                 resiliency at those points' block sizes; a compressed volume writes less \
+                 than the floor when its data compresses, and a 4 KiB write into a \
+                 compressed group rewrites the group). Compression saves only what the data \
+                 pattern lets it: random bytes (fio's default) do not compress."
                     .into(),
             ),
         ],

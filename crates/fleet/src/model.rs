@@ -87,10 +87,17 @@ pub struct RunCapacity {
     pub allocated_bytes: u64,
     /// The fleet's volume bytes holding data; `None` if a node did not answer.
     pub written_bytes: Option<u64>,
-    /// Raw bytes the pool's drives gave the fleet's volumes (every copy or chunk).
+    /// Raw bytes the pool's drives gave the fleet's volumes (every copy or chunk): whole
+    /// slabs for plain volumes, what the copies store for compressed ones.
     pub raw_used_bytes: u64,
-    /// Bytes compression saved on the drives (converge does not compress yet: 0).
+    /// Bytes compression saved on the drives, every copy counted (0 for volumes that do
+    /// not compress, or data that does not).
     pub compression_saved_bytes: u64,
+    /// Bytes one copy of the fleet's volumes takes on its drive (less than written where
+    /// compression saves); `None` from runs before compression or when a node did not
+    /// answer.
+    #[serde(default)]
+    pub stored_bytes: Option<u64>,
 }
 
 impl RunCapacity {

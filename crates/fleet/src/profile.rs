@@ -2,7 +2,7 @@
 //! expansion of a profile into the sweep points a run measures. Everything a run does is
 //! decided here, before anything touches the cluster.
 
-use converge_types::{format_size, Resiliency, BLOCK_SIZE, MAX_IO_BYTES};
+use converge_types::{format_size, Compression, Resiliency, BLOCK_SIZE, MAX_IO_BYTES};
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -112,6 +112,7 @@ impl Profile {
             quick: false,
             compress_pct: 0,
             dedupe_pct: 0,
+            compression: Compression::None,
         };
         match self {
             Profile::SmallBlock => base,
@@ -215,6 +216,9 @@ pub struct Settings {
     /// Share of written buffers that repeat an earlier one (fio's `dedupe_percentage`).
     #[serde(default)]
     pub dedupe_pct: u8,
+    /// How the workers' volumes compress their data (docs/adr/0010).
+    #[serde(default)]
+    pub compression: Compression,
 }
 
 impl Settings {
@@ -259,6 +263,7 @@ pub struct Overrides {
     pub quick: bool,
     pub compress_pct: Option<u64>,
     pub dedupe_pct: Option<u64>,
+    pub compression: Option<Compression>,
 }
 
 fn sorted_unique<T: Ord + Copy>(v: &[T]) -> Vec<T> {
@@ -366,6 +371,19 @@ pub fn resolve(profile: &str, o: &Overrides) -> Result<Settings, PlanError> {
     }
     if let Some(r) = o.resiliency {
         s.resiliency = r;
+    }
+    if let Some(c) = o.compression {
+        s.compression = c;
+    }
+    if s.resiliency.is_parity() && !s.compression.is_none() {
+        return Err(invalid(
+            "--compression",
+            s.compression,
+            format!(
+                "{} volumes store their chunks as written; compression works on mirror and simple volumes",
+                s.resiliency
+            ),
+        ));
     }
     if let Some(w) = o.warmup_s {
         s.warmup_s = w;

@@ -173,6 +173,7 @@ fn configuration(s: &RunSummary) -> Section {
                 ),
             ),
             ("resiliency", st.resiliency.to_string()),
+            ("compression", st.compression.to_string()),
             (
                 "data pattern",
                 format!(
@@ -1111,16 +1112,39 @@ fn capacity(s: &RunSummary) -> Section {
                 ),
             ),
             ("data pattern", s.config.settings.data_pattern()),
-            (
-                "saved by compression",
-                format!(
-                    "{} — converge does not compress yet: every block is stored as written",
-                    format_size(c.compression_saved_bytes)
-                ),
-            ),
+            ("saved by compression", compression_text(s)),
         ],
     ));
     sec
+}
+
+/// What compression saved the fleet's volumes, in words.
+fn compression_text(s: &RunSummary) -> String {
+    let codec = s.config.settings.compression;
+    let Some(c) = &s.config.capacity else {
+        return "-".into();
+    };
+    if codec.is_none() {
+        return format!(
+            "{} — the volumes do not compress (--compression none): every block is stored \
+             as written",
+            format_size(c.compression_saved_bytes)
+        );
+    }
+    match (c.written_bytes, c.stored_bytes) {
+        (Some(w), Some(st)) if w > 0 => format!(
+            "{} on the drives (every copy) with {codec}: a copy stores {} for {} written \
+             ({:.2} : 1)",
+            format_size(c.compression_saved_bytes),
+            format_size(st),
+            format_size(w),
+            w as f64 / st.max(1) as f64
+        ),
+        _ => format!(
+            "{} with {codec} (what each copy stores was not reported)",
+            format_size(c.compression_saved_bytes)
+        ),
+    }
 }
 
 fn endurance(s: &RunSummary) -> Section {

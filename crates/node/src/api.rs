@@ -7,7 +7,7 @@ use bytes::Bytes;
 use converge_api::*;
 use converge_control::model::{SlabRecord, VolumeRecord};
 use converge_control::placement;
-use converge_types::{ExtentState, NodeId, VolumeId, BLOCK_SIZE};
+use converge_types::{Compression, ExtentState, NodeId, Resiliency, VolumeId, BLOCK_SIZE};
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
@@ -217,6 +217,9 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::GET, ["v1", "volumes", name]) => ok(&volume(node, name).await?),
         (&Method::DELETE, ["v1", "volumes", name]) => delete_volume(node, name, body).await,
         (&Method::POST, ["v1", "volumes", name, "resize"]) => resize_volume(node, name, body).await,
+        (&Method::POST, ["v1", "volumes", name, "settings"]) => {
+            volume_settings(node, name, body).await
+        }
         (&Method::POST, ["v1", "volumes", name, "move"]) => move_volume(node, name, body).await,
         (&Method::POST, ["v1", "volumes", name, "open"]) => open_here(node, name).await,
         (&Method::POST, ["v1", "volumes", name, "scrub"]) => scrub(node, name, body).await,
@@ -445,6 +448,7 @@ async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<Driv
             failed: failed.get(&d.id).cloned(),
             cache: None,
             written_bytes: None,
+            stored_bytes: None,
         })
         .collect();
     cache_api::annotate_drives(&mut v, caches);
@@ -499,6 +503,7 @@ fn volume_info(
 ) -> VolumeInfo {
     let owner = nodes.iter().find(|n| n.id == rec.owner && n.live);
     let (uri, uri_tcp) = uri_of(rec, owner);
+    let usage = written.and_then(|g| crate::usage::volume_usage(rec.id, rec.resiliency, slabs, g));
     VolumeInfo {
         id: rec.id,
         name: rec.name.clone(),
@@ -513,13 +518,14 @@ fn volume_info(
         uri,
         uri_tcp,
         slabs_allocated: slabs.len() as u64,
+        compression: rec.compression,
         // A parity slab holds K extents' worth of volume data, a mirror-part slab one.
         allocated_bytes: rec
             .resiliency
             .allocated_bytes(rec.slab_size_bytes, slabs.keys().copied()),
         mirror_part: mirror_part_info(rec, slabs),
-        written_bytes: written
-            .and_then(|g| crate::usage::volume_written(rec.id, rec.resiliency, slabs, g)),
+        written_bytes: usage.map(|u| u.written),
+        stored_bytes: usage.map(|u| u.stored),
         degraded_extents: slabs
             .values()
             .flat_map(|s| s.extents.iter())
@@ -537,7 +543,12 @@ fn volume_info(
                             drive: e.drive,
                             node: e.node,
                             state: e.state,
-                            written_bytes: written.and_then(|g| g.of(e, rec.id, *i)),
+                            written_bytes: written
+                                .and_then(|g| g.of(e, rec.id, *i))
+                                .map(|u| u.written),
+                            stored_bytes: written
+                                .and_then(|g| g.of(e, rec.id, *i))
+                                .map(|u| u.stored),
                         })
                         .collect(),
                 })
@@ -622,7 +633,9 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
         .filter(|d| d.role == converge_types::DriveRole::Capacity && d.failed.is_none())
         .filter(|d| g.answered.contains(&d.node))
     {
-        d.written_bytes = Some(per_drive.get(&d.id).copied().unwrap_or(0));
+        let u = per_drive.get(&d.id).copied().unwrap_or_default();
+        d.written_bytes = Some(u.written);
+        d.stored_bytes = Some(u.stored);
     }
     let capacity = crate::capacity::account(&ns, &ds, &vs);
     let mut problems = Vec::new();
@@ -716,6 +729,18 @@ async fn rebuild_warnings(node: &Node, ns: &[NodeInfo]) -> Vec<String> {
     out
 }
 
+/// Compression is for mirror and simple volumes: a parity chunk's rows are written whole
+/// with held priors, which are kept as written (docs/adr/0010).
+fn check_compression(r: Resiliency, c: Compression) -> Result<(), ApiError> {
+    if r.is_parity() && !c.is_none() {
+        return Err(ApiError::bad(format!(
+            "compression {c} is not available for {r} volumes: parity chunks are stored as \
+             written (compression works on mirror-2, mirror-3 and simple volumes)"
+        )));
+    }
+    Ok(())
+}
+
 async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, ApiError> {
     if !converge_control::model::valid_volume_name(&req.name) {
         return Err(ApiError::bad(format!(
@@ -743,6 +768,8 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
             req.resiliency
         )));
     }
+    let compression = req.compression.unwrap_or_default();
+    check_compression(req.resiliency, compression)?;
     let owner = req.owner.unwrap_or(node.cfg.node_id);
     let live = node
         .cluster
@@ -784,6 +811,7 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0),
+        compression,
     };
     node.cluster
         .create_volume(&rec)
@@ -1128,6 +1156,52 @@ async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     node.free_extents(&rec, &slabs).await;
     log::info!("deleted volume {name}");
     ok(&serde_json::json!({"deleted": name}))
+}
+
+/// Changes a volume's settings live (compression): on the serving owner, which applies it
+/// to the writes that follow; what is stored keeps its form until written again.
+async fn volume_settings(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
+    let req: converge_api::VolumeSettings = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("bad volume settings request: {e}")))?;
+    if req.compression.is_none() {
+        return Err(ApiError::bad(
+            "nothing to change: give compression (none, lz4 or zstd)",
+        ));
+    }
+    let (mut rec, rev) = volume_record(node, name).await?;
+    if let Some(c) = req.compression {
+        check_compression(rec.resiliency, c)?;
+    }
+    if let Some(r) = forward_to_owner(
+        node,
+        serving_owner(node, &rec).await?,
+        "POST",
+        &format!("/v1/volumes/{name}/settings"),
+        body,
+    )
+    .await?
+    {
+        return Ok(r);
+    }
+    if let Some(c) = req.compression {
+        rec.compression = c;
+    }
+    if !node
+        .cluster
+        .update_volume(&rec, rev)
+        .await
+        .map_err(ApiError::unavailable)?
+    {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("volume {name} changed meanwhile; try again"),
+        ));
+    }
+    if let Some(v) = node.volumes.lock().await.get(name) {
+        v.set_compression(rec.compression);
+    }
+    log::info!("volume {name}: compression {}", rec.compression);
+    ok(&volume(node, name).await?)
 }
 
 async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {

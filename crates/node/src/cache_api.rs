@@ -118,6 +118,7 @@ pub fn annotate_drives(drives: &mut Vec<DriveInfo>, caches: &Caches) {
             failed: c.failed.clone(),
             cache: None,
             written_bytes: None,
+            stored_bytes: None,
         });
     }
     drives.sort_by(|a, b| (a.node, &a.path).cmp(&(b.node, &b.path)));
@@ -303,6 +304,7 @@ mod tests {
             failed: None,
             cache: None,
             written_bytes: None,
+            stored_bytes: None,
         }
     }
 

@@ -104,9 +104,24 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
             ));
         }
     }
+    // Stored and saved, from the drives that told (every copy counts).
+    let told: Vec<(u64, u64)> = drives
+        .iter()
+        .filter_map(|d| Some((d.written_bytes?, d.stored_bytes?)))
+        .collect();
+    let (stored_bytes, compression_saved_bytes) = if told.is_empty() {
+        (None, None)
+    } else {
+        (
+            Some(told.iter().map(|t| t.1).sum()),
+            Some(told.iter().map(|t| t.0.saturating_sub(t.1)).sum()),
+        )
+    };
     Capacity {
         total_bytes: total,
         used_bytes: used_all,
+        stored_bytes,
+        compression_saved_bytes,
         provisioned_bytes: vols.iter().map(provisioned).sum(),
         free_bytes: total.saturating_sub(used.values().sum()),
         allocated_bytes: vols.iter().map(|v| v.allocated_bytes).sum(),
@@ -174,6 +189,7 @@ mod tests {
             failed: None,
             cache: None,
             written_bytes: None,
+            stored_bytes: None,
         }
     }
 

@@ -256,6 +256,7 @@ mod tests {
                     block: b,
                     offset_bytes: u64::from(b) * 4096,
                     version: Version(1),
+                    members: vec![b],
                 })
                 .collect(),
             written_blocks: written,

@@ -126,11 +126,29 @@ pub async fn render(node: &Node) -> String {
             "converge_drive_metadata_written_bytes_total{{{l}}} {}",
             s.metadata_write_bytes
         );
-        let data: u64 = d.extents().iter().map(|e| e.bytes_written).sum();
+        let (data, stored) = d.extents().iter().fold((0u64, 0u64), |(w, st), e| {
+            (w + e.bytes_written, st + e.bytes_stored)
+        });
         let _ = writeln!(o, "converge_drive_data_bytes{{{l}}} {data}");
+        // What that data takes on the drive, and what compression saves (docs/adr/0010).
+        let _ = writeln!(o, "converge_drive_stored_bytes{{{l}}} {stored}");
+        let _ = writeln!(
+            o,
+            "converge_drive_compression_saved_bytes{{{l}}} {}",
+            data.saturating_sub(stored)
+        );
         let c = d.capacity();
         let _ = writeln!(o, "converge_drive_extents_total{{{l}}} {}", c.extents_total);
         let _ = writeln!(o, "converge_drive_extents_used{{{l}}} {}", c.extents_used);
+        // Thin drives: slots, and the data bytes extents have claimed (plain ones whole,
+        // compressed ones what they store) against what the data region holds.
+        let _ = writeln!(o, "converge_drive_extent_slots{{{l}}} {}", c.slots_total);
+        let _ = writeln!(
+            o,
+            "converge_drive_committed_bytes{{{l}}} {}",
+            c.bytes_committed
+        );
+        let _ = writeln!(o, "converge_drive_free_bytes{{{l}}} {}", c.bytes_free);
     }
     let mut caches: Vec<_> = node.caches.iter().collect();
     caches.sort_by_key(|(id, _)| **id);

@@ -198,6 +198,7 @@ impl Node {
                 read_wait: std::time::Duration::from_millis(self.cfg.knobs.read_wait_ms),
                 read_hedge: std::time::Duration::from_millis(self.cfg.knobs.read_hedge_ms),
                 tenure: self.tenure.clone(),
+                compression: rec.compression,
             },
             slabs,
             self.replicas.clone(),

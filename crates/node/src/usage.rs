@@ -1,9 +1,11 @@
-//! Written bytes: how much of each volume, extent and drive holds data, as opposed to
-//! what is allocated (whole slabs). Every drive counts the blocks of its extents that hold
-//! data (the engine keeps the count with the block map); each node lists its own at
-//! `GET /v1/extents`, and `volume show` and `status` gather the lists from the live nodes
-//! and fold them with the slab maps: a mirror slab's written bytes are its fullest copy's,
-//! a parity slab's are its data chunks' sum (parity chunks hold no volume data).
+//! Written and stored bytes: how much of each volume, extent and drive holds data, as
+//! opposed to what is allocated (whole slabs), and what that data takes on the drives
+//! (less than written where compression saves, docs/adr/0010). Every drive counts the
+//! blocks of its extents that hold data and the physical blocks they occupy (the engine
+//! keeps both with the block map); each node lists its own at `GET /v1/extents`, and
+//! `volume show` and `status` gather the lists from the live nodes and fold them with the
+//! slab maps: a mirror slab's figures are its fullest copy's, a parity slab's are its data
+//! chunks' sum (parity chunks hold no volume data).
 
 use crate::node::Node;
 use converge_api::LocalExtent;
@@ -32,6 +34,7 @@ pub fn local(node: &Node, volume: Option<VolumeId>) -> Vec<LocalExtent> {
                     volume: e.key.volume,
                     slab: e.key.slab.0,
                     written_bytes: e.bytes_written,
+                    stored_bytes: Some(e.bytes_stored),
                 }),
         );
     }
@@ -39,37 +42,67 @@ pub fn local(node: &Node, volume: Option<VolumeId>) -> Vec<LocalExtent> {
     out
 }
 
-/// Written bytes of the extents the asked nodes hold, by (drive, volume, slab).
+/// What one extent (or a sum of them) holds: bytes written, and bytes they take on the
+/// drive.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Usage {
+    pub written: u64,
+    pub stored: u64,
+}
+
+impl Usage {
+    fn add(self, o: Usage) -> Usage {
+        Usage {
+            written: self.written + o.written,
+            stored: self.stored + o.stored,
+        }
+    }
+
+    /// Bytes compression saves (0 when it saves nothing, or when a compressed group
+    /// partly zeroed takes more than its remaining blocks).
+    #[cfg(test)]
+    pub fn saved(&self) -> u64 {
+        self.written.saturating_sub(self.stored)
+    }
+}
+
+/// Written and stored bytes of the extents the asked nodes hold, by (drive, volume, slab).
 #[derive(Default)]
 pub struct Gathered {
-    pub written: HashMap<(DriveId, VolumeId, u64), u64>,
+    pub written: HashMap<(DriveId, VolumeId, u64), Usage>,
     /// Nodes that answered: an extent they did not list has nothing written (the slab is
     /// placed, but no write reached that copy yet).
     pub answered: BTreeSet<NodeId>,
 }
 
 impl Gathered {
-    /// Written bytes of the copy `e` of `volume`'s slab, if its node answered.
-    pub fn of(&self, e: &ExtentRecord, volume: VolumeId, slab: SlabIndex) -> Option<u64> {
+    /// What the copy `e` of `volume`'s slab holds, if its node answered.
+    pub fn of(&self, e: &ExtentRecord, volume: VolumeId, slab: SlabIndex) -> Option<Usage> {
         self.answered.contains(&e.node).then(|| {
             self.written
                 .get(&(e.drive, volume, slab.0))
-                .map_or(0, |w| *w)
+                .copied()
+                .unwrap_or_default()
         })
     }
 
     fn add(&mut self, list: Vec<LocalExtent>) {
         for e in list {
-            self.written
-                .insert((e.drive, e.volume, e.slab), e.written_bytes);
+            // A node of an older build does not say: its extents store what they hold.
+            let usage = Usage {
+                written: e.written_bytes,
+                stored: e.stored_bytes.unwrap_or(e.written_bytes),
+            };
+            self.written.insert((e.drive, e.volume, e.slab), usage);
         }
     }
 
     /// Sum per drive (every copy and chunk counts).
-    pub fn per_drive(&self) -> HashMap<DriveId, u64> {
-        let mut m: HashMap<DriveId, u64> = HashMap::new();
-        for ((d, _, _), w) in &self.written {
-            *m.entry(*d).or_default() += w;
+    pub fn per_drive(&self) -> HashMap<DriveId, Usage> {
+        let mut m: HashMap<DriveId, Usage> = HashMap::new();
+        for ((d, _, _), u) in &self.written {
+            let e = m.entry(*d).or_default();
+            *e = e.add(*u);
         }
         m
     }
@@ -145,34 +178,38 @@ pub async fn gather(
     g
 }
 
-/// A volume's written bytes from its slab map and what its extents' nodes answered: per
-/// slab, a mirror's fullest in-sync copy that answered (else its fullest copy), a parity slab's data chunks summed (chunk `j < K` of the record). `None`
-/// when a slab has no copy that answered, or a data chunk did not.
-pub fn volume_written(
+/// A volume's written and stored bytes from its slab map and what its extents' nodes
+/// answered: per slab, a mirror's fullest in-sync copy that answered (else its fullest
+/// copy), a parity slab's data chunks summed (chunk `j < K` of the record). `None` when a
+/// slab has no copy that answered, or a data chunk did not.
+pub fn volume_usage(
     volume: VolumeId,
     resiliency: Resiliency,
     slabs: &BTreeMap<SlabIndex, SlabRecord>,
     g: &Gathered,
-) -> Option<u64> {
-    let mut total = 0u64;
+) -> Option<Usage> {
+    let mut total = Usage::default();
     for (idx, s) in slabs {
         let of = |e: &ExtentRecord| g.of(e, volume, *idx);
-        total += match resiliency.of_slab(*idx) {
+        let fullest = |it: &mut dyn Iterator<Item = Usage>| it.max_by_key(|u| u.written);
+        let slab = match resiliency.of_slab(*idx) {
             Resiliency::Parity { data, .. } => s
                 .extents
                 .iter()
                 .take(usize::from(data))
                 .map(of)
-                .sum::<Option<u64>>()?,
+                .try_fold(Usage::default(), |acc, u| Some(acc.add(u?)))?,
             // In-sync copies tell; a stale one may miss writes or keep trimmed blocks.
-            _ => s
-                .extents
-                .iter()
-                .filter(|e| e.state == ExtentState::InSync)
-                .filter_map(of)
-                .max()
-                .or_else(|| s.extents.iter().filter_map(of).max())?,
+            _ => fullest(
+                &mut s
+                    .extents
+                    .iter()
+                    .filter(|e| e.state == ExtentState::InSync)
+                    .filter_map(of),
+            )
+            .or_else(|| fullest(&mut s.extents.iter().filter_map(of)))?,
         };
+        total = total.add(slab);
     }
     Some(total)
 }
@@ -194,6 +231,65 @@ mod tests {
         }
     }
 
+    /// Plain extents: what they store is what they hold.
+    fn u(w: u64) -> Usage {
+        Usage {
+            written: w,
+            stored: w,
+        }
+    }
+
+    fn written(
+        v: VolumeId,
+        r: Resiliency,
+        slabs: &BTreeMap<SlabIndex, SlabRecord>,
+        g: &Gathered,
+    ) -> Option<u64> {
+        volume_usage(v, r, slabs, g).map(|u| u.written)
+    }
+
+    /// Compressed copies: the chosen copy's stored bytes come with its written ones.
+    #[test]
+    fn stored_bytes_follow_the_copy_that_tells() {
+        let v = VolumeId(9);
+        let mut g = Gathered::default();
+        for (d, w, st) in [(1, 40, 10), (2, 40, 12), (3, 36, 9)] {
+            g.written.insert(
+                (DriveId(d), v, 0),
+                Usage {
+                    written: w,
+                    stored: st,
+                },
+            );
+            g.answered.insert(NodeId(d as u32));
+        }
+        let slabs: BTreeMap<SlabIndex, SlabRecord> = [(SlabIndex(0), slab(&[1, 2, 3]))].into();
+        let got = volume_usage(v, Resiliency::Mirror3, &slabs, &g).unwrap();
+        assert_eq!(got.written, 40);
+        assert!(got.stored == 10 || got.stored == 12);
+        assert_eq!(got.saved(), 40 - got.stored);
+        let d = g.per_drive();
+        assert_eq!((d[&DriveId(3)].written, d[&DriveId(3)].stored), (36, 9));
+        // An older node's list (no stored figure) stores what it holds.
+        let mut h = Gathered::default();
+        h.add(vec![LocalExtent {
+            drive: DriveId(1),
+            volume: v,
+            slab: 0,
+            written_bytes: 64,
+            stored_bytes: None,
+        }]);
+        assert_eq!(h.per_drive()[&DriveId(1)].stored, 64);
+        assert_eq!(
+            Usage {
+                written: 4,
+                stored: 9
+            }
+            .saved(),
+            0
+        );
+    }
+
     #[test]
     fn mirrors_count_their_fullest_copy_and_parity_its_data_chunks() {
         let v = VolumeId(9);
@@ -207,7 +303,7 @@ mod tests {
             (3, 1, 8),
             (4, 1, 8),
         ] {
-            g.written.insert((DriveId(d), v, s), w);
+            g.written.insert((DriveId(d), v, s), u(w));
             g.answered.insert(NodeId(d as u32));
         }
         let slabs: BTreeMap<SlabIndex, SlabRecord> = [
@@ -215,41 +311,38 @@ mod tests {
             (SlabIndex(1), slab(&[2, 3, 4])),
         ]
         .into();
-        assert_eq!(volume_written(v, Resiliency::Mirror3, &slabs, &g), Some(48));
+        assert_eq!(written(v, Resiliency::Mirror3, &slabs, &g), Some(48));
         // A stale copy counts only when no in-sync copy answered.
         let mut stale = slabs.clone();
         stale.get_mut(&SlabIndex(0)).unwrap().extents[0].state = ExtentState::Stale;
-        g.written.insert((DriveId(1), v, 0), 64);
-        assert_eq!(volume_written(v, Resiliency::Mirror3, &stale, &g), Some(48));
+        g.written.insert((DriveId(1), v, 0), u(64));
+        assert_eq!(written(v, Resiliency::Mirror3, &stale, &g), Some(48));
         g.answered.remove(&NodeId(2));
         g.answered.remove(&NodeId(3));
         // Only slab 0's stale copy answered: better than nothing.
-        assert_eq!(
-            volume_written(v, Resiliency::Mirror3, &stale, &g),
-            Some(64 + 8)
-        );
+        assert_eq!(written(v, Resiliency::Mirror3, &stale, &g), Some(64 + 8));
         g.answered.extend([NodeId(2), NodeId(3)]);
-        g.written.insert((DriveId(1), v, 0), 40);
+        g.written.insert((DriveId(1), v, 0), u(40));
         // As parity-2+1, drive 3 (chunk 2) is parity: slab 0 = 40 + 40, slab 1 = 8 + 8.
         let p = Resiliency::Parity { data: 2, parity: 1 };
-        assert_eq!(volume_written(v, p, &slabs, &g), Some(96));
+        assert_eq!(written(v, p, &slabs, &g), Some(96));
         // An extent a node that answered does not hold has nothing written.
         g.written.remove(&(DriveId(1), v, 0));
-        assert_eq!(volume_written(v, p, &slabs, &g), Some(40 + 8 + 8));
-        g.written.insert((DriveId(1), v, 0), 40);
+        assert_eq!(written(v, p, &slabs, &g), Some(40 + 8 + 8));
+        g.written.insert((DriveId(1), v, 0), u(40));
         // A parity chunk whose node is down does not matter; a data chunk's does.
         // (drive 3 is slab 0's parity chunk, drive 4 slab 1's).
         g.answered.remove(&NodeId(4));
-        assert_eq!(volume_written(v, p, &slabs, &g), Some(96));
+        assert_eq!(written(v, p, &slabs, &g), Some(96));
         g.answered.remove(&NodeId(2));
-        assert_eq!(volume_written(v, p, &slabs, &g), None);
+        assert_eq!(written(v, p, &slabs, &g), None);
         // A mirror needs one copy of each slab whose node answered.
-        assert_eq!(volume_written(v, Resiliency::Mirror3, &slabs, &g), Some(48));
+        assert_eq!(written(v, Resiliency::Mirror3, &slabs, &g), Some(48));
         g.answered.remove(&NodeId(3));
-        assert_eq!(volume_written(v, Resiliency::Mirror3, &slabs, &g), None);
+        assert_eq!(written(v, Resiliency::Mirror3, &slabs, &g), None);
         // Another volume's extents never count.
-        g.written.insert((DriveId(2), VolumeId(10), 1), 4096);
-        assert_eq!(volume_written(v, Resiliency::Mirror3, &slabs, &g), None);
-        assert_eq!(g.per_drive()[&DriveId(2)], 40 + 8 + 4096);
+        g.written.insert((DriveId(2), VolumeId(10), 1), u(4096));
+        assert_eq!(written(v, Resiliency::Mirror3, &slabs, &g), None);
+        assert_eq!(g.per_drive()[&DriveId(2)].written, 40 + 8 + 4096);
     }
 }

@@ -59,6 +59,21 @@ fn check_versions(op: &ExtentOp) -> Result<(), EngineError> {
 /// once the returned [`Durable`] has been waited for (blocking with `Durable::wait`, as
 /// [`execute`] does, or polled from a task). Only writes and zeroes return before they are
 /// durable; every other operation is whole when this returns.
+/// Keeps the extent's codec the one its owner writes with (docs/adr/0010): the drive
+/// compresses writes (destaged ones included) with it. One table lookup when it is
+/// unchanged; a change allocates the extent as the write would.
+fn set_codec(
+    tier: &Tier,
+    key: converge_types::ExtentKey,
+    epoch: converge_types::Epoch,
+    codec: converge_types::Compression,
+) -> Result<(), EngineError> {
+    if tier.codec_of(key) != codec {
+        tier.set_codec(key, epoch, codec)?;
+    }
+    Ok(())
+}
+
 pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), EngineError> {
     // A read's length comes from a peer: refuse what the engine would refuse before
     // allocating its buffer, so one request cannot make the node allocate gigabytes.
@@ -89,7 +104,9 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             offset,
             crcs,
             data,
+            codec,
         } => {
+            set_codec(tier, key, epoch, codec)?;
             durable = tier.write_begin(key, epoch, version, offset, &data, &crcs)?;
             ExtentReply::Ok
         }
@@ -141,7 +158,9 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             versions,
             expect,
             data,
+            codec,
         } => {
+            set_codec(tier, key, epoch, codec)?;
             let (n, d) =
                 tier.write_blocks_begin(key, epoch, offset, &data, &crcs, &versions, &expect)?;
             durable = d;
@@ -273,6 +292,7 @@ mod tests {
         let file = FaultyFile::new(2 << 20);
         let opts = FormatOptions {
             journal_bytes: Some(64 << 10),
+            ..Default::default()
         };
         let drive = Drive::format_with(Arc::new(file), ident, opts).expect("format");
         Tier::new(Arc::new(drive))
@@ -295,6 +315,7 @@ mod tests {
             offset,
             crcs,
             data,
+            codec: converge_types::Compression::None,
         }
     }
 
@@ -356,6 +377,7 @@ mod tests {
                 versions: vec![Version(5 << 32)],
                 expect: vec![Version(1 << 32 | 1)],
                 data,
+                codec: converge_types::Compression::None,
             },
         ] {
             let what = op.name();
@@ -405,6 +427,7 @@ mod tests {
             versions: vec![Version(9), Version(9)],
             expect: vec![Version(5), Version(4)],
             data,
+            codec: converge_types::Compression::None,
         };
         assert_eq!(run(&t, op), ExtentReply::Written(1));
         let op = ExtentOp::Zero {
@@ -486,6 +509,7 @@ mod tests {
             offset,
             crcs: Arc::from([0u32]),
             data,
+            codec: converge_types::Compression::None,
         };
         let e = execute(&t, op).expect_err("crc mismatch");
         assert!(matches!(replica_error(e), ReplicaError::Checksum(_)));

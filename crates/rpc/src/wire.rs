@@ -12,8 +12,8 @@
 
 use bytes::{BufMut, Bytes, BytesMut};
 use converge_types::{
-    BlocksReply, ClusterId, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, NodeId, ReadReply,
-    SettleRows, SlabIndex, Version, VolumeId, BLOCK_SIZE, SETTLE_ROWS_MAX,
+    BlocksReply, ClusterId, Compression, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, NodeId,
+    ReadReply, SettleRows, SlabIndex, Version, VolumeId, BLOCK_SIZE, SETTLE_ROWS_MAX,
 };
 use std::sync::Arc;
 
@@ -43,6 +43,12 @@ pub mod msg {
     pub const SETTLE: u8 = 0x1a;
     pub const REVERT: u8 = 0x1b;
     pub const PRIORS: u8 = 0x1c;
+    /// `WRITE` of a compressed volume: the same fields and a codec byte after the offset.
+    /// Sent only for volumes with compression, so a cluster without any never needs a
+    /// node that knows it (rolling upgrades).
+    pub const WRITE_PACKED: u8 = 0x1d;
+    /// `WRITE_BLOCKS` of a compressed volume: a codec byte after the offset.
+    pub const WRITE_BLOCKS_PACKED: u8 = 0x1e;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
@@ -399,11 +405,13 @@ pub fn request_type(req: &Request) -> u8 {
         Request::Hello(_) => msg::HELLO,
         Request::Ping => msg::PING,
         Request::Extent { op, .. } => match op {
+            ExtentOp::Write { codec, .. } if !codec.is_none() => msg::WRITE_PACKED,
             ExtentOp::Write { .. } => msg::WRITE,
             ExtentOp::Read { .. } => msg::READ,
             ExtentOp::Zero { .. } => msg::ZERO,
             ExtentOp::Free { .. } => msg::FREE_EXTENT,
             ExtentOp::ReadBlocks { .. } => msg::READ_BLOCKS,
+            ExtentOp::WriteBlocks { codec, .. } if !codec.is_none() => msg::WRITE_BLOCKS_PACKED,
             ExtentOp::WriteBlocks { .. } => msg::WRITE_BLOCKS,
             ExtentOp::Versions { .. } => msg::VERSIONS,
             ExtentOp::Digest { .. } => msg::DIGEST,
@@ -502,6 +510,7 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             offset,
             crcs,
             data,
+            codec: Compression::None,
         }
         | ExtentOp::WriteHeld {
             key,
@@ -516,6 +525,25 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u64_le(epoch.0);
             b.put_u64_le(version.0);
             b.put_u64_le(*offset);
+            put_u32_list(&mut b, crcs);
+            b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
+            (b, data.clone())
+        }
+        ExtentOp::Write {
+            key,
+            epoch,
+            version,
+            offset,
+            crcs,
+            data,
+            codec,
+        } => {
+            let mut b = new_head(57 + 4 * crcs.len());
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(version.0);
+            b.put_u64_le(*offset);
+            b.put_u8(codec.code());
             put_u32_list(&mut b, crcs);
             b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
             (b, data.clone())
@@ -567,11 +595,15 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             versions,
             expect,
             data,
+            codec,
         } => {
-            let mut b = new_head(60 + 20 * crcs.len());
+            let mut b = new_head(61 + 20 * crcs.len());
             put_key(&mut b, drive, key);
             b.put_u64_le(epoch.0);
             b.put_u64_le(*offset);
+            if !codec.is_none() {
+                b.put_u8(codec.code());
+            }
             put_u32_list(&mut b, crcs);
             put_versions(&mut b, versions);
             put_versions(&mut b, expect);
@@ -925,6 +957,17 @@ impl Reader {
         Ok(self.take(1, f)?[0])
     }
 
+    /// A packed write's codec: a known one other than none (the plain messages say none).
+    fn codec(&mut self) -> Result<Compression, WireError> {
+        let c = self.u8("codec")?;
+        match Compression::from_code(c) {
+            Some(codec) if !codec.is_none() => Ok(codec),
+            _ => Err(WireError::Invalid(format!(
+                "codec {c} is not one this node knows (1 lz4, 2 zstd)"
+            ))),
+        }
+    }
+
     fn drive_key(&mut self) -> Result<(DriveId, ExtentKey), WireError> {
         let drive = DriveId(self.u64("drive")?);
         let volume = VolumeId(self.u64("volume")?);
@@ -951,7 +994,7 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             protocol_version: r.u16("protocol_version")?,
         }),
         msg::PING => Request::Ping,
-        msg::WRITE..=msg::PRIORS => decode_extent_op(msg_type, &mut r)?,
+        msg::WRITE..=msg::WRITE_BLOCKS_PACKED => decode_extent_op(msg_type, &mut r)?,
         msg::VOL_READ => Request::VolRead {
             volume: VolumeId(r.u64("volume")?),
             offset: r.u64("offset")?,
@@ -985,18 +1028,23 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
     Ok(req)
 }
 
-/// Decodes the extent operation of type `msg_type` (one of `0x10..=0x1c`).
+/// Decodes the extent operation of type `msg_type` (one of `0x10..=0x1e`).
 fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> {
     let (drive, key) = r.drive_key()?;
     let op = match msg_type {
-        msg::WRITE | msg::WRITE_HELD => {
+        msg::WRITE | msg::WRITE_HELD | msg::WRITE_PACKED => {
             let epoch = Epoch(r.u64("epoch")?);
             let version = Version(r.u64("version")?);
             let offset = r.u64("offset")?;
+            let codec = if msg_type == msg::WRITE_PACKED {
+                r.codec()?
+            } else {
+                Compression::None
+            };
             let crcs = r.crcs("crcs")?;
             let len = r.u32("data length")? as usize;
             let data = r.take_bytes(len, "data")?;
-            if msg_type == msg::WRITE {
+            if msg_type != msg::WRITE_HELD {
                 ExtentOp::Write {
                     key,
                     epoch,
@@ -1004,6 +1052,7 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
                     offset,
                     crcs,
                     data,
+                    codec,
                 }
             } else {
                 ExtentOp::WriteHeld {
@@ -1036,9 +1085,14 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             offset: r.u64("offset")?,
             len: r.u32("len")?,
         },
-        msg::WRITE_BLOCKS => {
+        msg::WRITE_BLOCKS | msg::WRITE_BLOCKS_PACKED => {
             let epoch = Epoch(r.u64("epoch")?);
             let offset = r.u64("offset")?;
+            let codec = if msg_type == msg::WRITE_BLOCKS_PACKED {
+                r.codec()?
+            } else {
+                Compression::None
+            };
             let crcs = r.crcs("crcs")?;
             let versions = r.versions("versions")?;
             let expect = r.versions("expected versions")?;
@@ -1052,6 +1106,7 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
                 versions,
                 expect,
                 data,
+                codec,
             }
         }
         msg::VERSIONS => ExtentOp::Versions {
@@ -1178,6 +1233,11 @@ mod tests {
         (crcs, Bytes::from(d))
     }
 
+    fn random_codec(rng: &mut impl Rng) -> converge_types::Compression {
+        use converge_types::Compression::*;
+        [None, Lz4, Zstd][rng.gen_range(0..3)]
+    }
+
     fn random_request(rng: &mut impl Rng) -> Request {
         match rng.gen_range(0..18) {
             15 => Request::Extent {
@@ -1251,6 +1311,7 @@ mod tests {
                         expect: (0..blocks).map(|_| Version(rng.gen())).collect(),
                         crcs,
                         data,
+                        codec: random_codec(rng),
                     },
                 }
             }
@@ -1301,6 +1362,7 @@ mod tests {
                         offset,
                         crcs,
                         data,
+                        codec: random_codec(rng),
                     }
                 } else {
                     ExtentOp::WriteHeld {
@@ -1424,7 +1486,57 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 18, "every request type was exercised");
+        assert_eq!(seen.len(), 20, "every request type was exercised");
+    }
+
+    /// A write without compression keeps its message type and bytes (nodes of older
+    /// builds read it); with compression it is a `WRITE_PACKED` that carries the codec
+    /// after the offset, and a codec this node does not know (or none) is refused there.
+    #[test]
+    fn packed_writes_carry_their_codec_and_plain_ones_stay_as_they_were() {
+        use converge_types::Compression;
+        let k = ExtentKey {
+            volume: VolumeId(3),
+            slab: SlabIndex(4),
+        };
+        let data = Bytes::from(vec![7u8; BLOCK_SIZE]);
+        let crcs: Arc<[u32]> = Arc::from([crc32c::crc32c(&data)]);
+        let write = |codec| Request::Extent {
+            drive: DriveId(9),
+            op: ExtentOp::Write {
+                key: k,
+                epoch: Epoch(2),
+                version: Version(5),
+                offset: 8192,
+                crcs: crcs.clone(),
+                data: data.clone(),
+                codec,
+            },
+        };
+        let plain = encode_request(1, &write(Compression::None));
+        let packed = encode_request(1, &write(Compression::Zstd));
+        let (hp, pp, _) = decode_frame(&Bytes::from(plain.to_vec()), MAX).unwrap();
+        let (hz, pz, _) = decode_frame(&Bytes::from(packed.to_vec()), MAX).unwrap();
+        assert_eq!(hp.msg_type, msg::WRITE);
+        assert_eq!(hz.msg_type, msg::WRITE_PACKED);
+        assert_eq!(pz.len(), pp.len() + 1, "one codec byte more");
+        // The codec byte sits after drive, volume, slab, epoch, version and offset.
+        assert_eq!(pz[48], Compression::Zstd.code());
+        for bad in [0u8, 3, 0xff] {
+            let mut b = pz.to_vec();
+            b[48] = bad;
+            assert!(
+                matches!(
+                    decode_request(msg::WRITE_PACKED, Bytes::from(b)),
+                    Err(WireError::Invalid(_))
+                ),
+                "codec {bad}"
+            );
+        }
+        assert_eq!(
+            decode_request(hz.msg_type, pz).unwrap(),
+            write(Compression::Zstd)
+        );
     }
 
     #[test]
@@ -1469,6 +1581,7 @@ mod tests {
                     offset: 0x7172_7374_7576_7778,
                     crcs: Arc::from([0x8182_8384]),
                     data: data.clone(),
+                    codec: converge_types::Compression::None,
                 },
             },
             Request::Extent {
@@ -1513,6 +1626,7 @@ mod tests {
                     versions: vec![Version(0x6162_6364_6566_6768)],
                     expect: vec![Version(0xb1b2_b3b4_b5b6_b7b8)],
                     data: data.clone(),
+                    codec: converge_types::Compression::None,
                 },
             },
             Request::Extent {
@@ -1745,6 +1859,7 @@ mod tests {
                 offset: 0,
                 crcs,
                 data,
+                codec: converge_types::Compression::None,
             },
         };
         let buf = Bytes::from(encode_request(9, &req).to_vec());
@@ -1774,6 +1889,7 @@ mod tests {
                 offset: 0,
                 crcs: Arc::from([0; 2]),
                 data: Bytes::from(vec![0u8; BLOCK_SIZE]),
+                codec: converge_types::Compression::None,
             },
         };
         assert!(matches!(validate_request(&req), Err(WireError::Invalid(_))));
@@ -1796,6 +1912,7 @@ mod tests {
                 offset: 0,
                 crcs: Arc::from([0; 1]),
                 data: Bytes::from(vec![0u8; BLOCK_SIZE + 1]),
+                codec: converge_types::Compression::None,
             },
         };
         assert!(validate_request(&req).is_err());

@@ -151,6 +151,7 @@ fn write_with_crcs(drive: DriveId, offset: u64, data: Bytes, crcs: Vec<u32>) -> 
         offset,
         crcs: crcs.into(),
         data,
+        codec: converge_types::Compression::None,
     };
     Request::Extent { drive, op }
 }

@@ -27,6 +27,10 @@ fn mix(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
+/// Words of filler generated per block; the rest repeats them, so a compressed volume's
+/// groups shrink (variant `compress`) while every block stays unique to its write.
+const FILLER_WORDS: usize = 8;
+
 /// Appends the content of `block` of `volume` as written by write `write` (ids start at 1).
 pub fn push_block(out: &mut Vec<u8>, volume: u64, block: u64, write: u64) {
     let start = out.len();
@@ -35,9 +39,15 @@ pub fn push_block(out: &mut Vec<u8>, volume: u64, block: u64, write: u64) {
     out.extend_from_slice(&block.to_le_bytes());
     out.extend_from_slice(&write.to_le_bytes());
     let mut s = mix(volume ^ mix(block ^ mix(write)));
-    while out.len() - start < BLOCK_SIZE {
+    let mut words = [0u64; FILLER_WORDS];
+    for w in words.iter_mut() {
         s = mix(s);
-        out.extend_from_slice(&s.to_le_bytes());
+        *w = s;
+    }
+    let mut i = 0;
+    while out.len() - start < BLOCK_SIZE {
+        out.extend_from_slice(&words[i % FILLER_WORDS].to_le_bytes());
+        i += 1;
     }
 }
 

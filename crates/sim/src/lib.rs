@@ -32,7 +32,7 @@ pub use faults::FaultWeights;
 pub use owner::SimVolume;
 pub use replicas::SimReplicas;
 
-use converge_types::{NodeId, Resiliency, VolumeId, BLOCK_SIZE};
+use converge_types::{Compression, NodeId, Resiliency, VolumeId, BLOCK_SIZE};
 use converge_volume::resync::Throttle;
 use history::Outcome;
 use rand::rngs::StdRng;
@@ -52,6 +52,8 @@ pub struct VolumeSpec {
     pub slabs: u64,
     /// Mirror-accelerated parity (docs/adr/0009): extents of a mirror part (0: none).
     pub mirror_part_extents: u64,
+    /// How the copies compress the volume's data (docs/adr/0010; variant `compress`).
+    pub compression: Compression,
 }
 
 /// Everything a run depends on besides the seed (and [`Options::for_seed`] derives these
@@ -145,6 +147,11 @@ pub struct Options {
     /// accelerated parity, docs/adr/0009); the repair loop also runs the owner's rotation
     /// job, so spans move from the mirror part into parity under every fault.
     pub mirror_part: bool,
+    /// Mirror volumes compress their data (variant `compress`, docs/adr/0010): lz4 for
+    /// the first, zstd for the second; clients' blocks compress (a repeated pattern), so
+    /// writes, resyncs, rebuilds, scrubs and destages go through compressed groups and
+    /// their read-modify-writes under every fault.
+    pub compress: bool,
     /// The parity volume of variant `parity`: parity-2+1, 2+2 or 3+1, drawn from the seed
     /// (every shape fits the 4–5 nodes; with K+M = nodes a lost chunk has nowhere else to
     /// go and waits for its node).
@@ -161,6 +168,7 @@ impl Options {
             min_replicas: 2,
             slabs: r.gen_range(3..=5),
             mirror_part_extents: 0,
+            compression: Compression::None,
         }];
         volumes.push(if r.gen_bool(0.5) {
             VolumeSpec {
@@ -168,6 +176,7 @@ impl Options {
                 min_replicas: 1,
                 slabs: r.gen_range(2..=4),
                 mirror_part_extents: 0,
+                compression: Compression::None,
             }
         } else {
             VolumeSpec {
@@ -175,6 +184,7 @@ impl Options {
                 min_replicas: 2,
                 slabs: r.gen_range(2..=4),
                 mirror_part_extents: 0,
+                compression: Compression::None,
             }
         });
         let second_slabs = volumes[1].slabs;
@@ -220,6 +230,7 @@ impl Options {
             drain: false,
             parity: false,
             mirror_part: false,
+            compress: false,
             // Drawn last, so the draws above (and the runs of earlier seeds) stay as they were.
             parity_volume: parity_volume(&mut r, second_slabs),
         }
@@ -229,6 +240,11 @@ impl Options {
     /// `parity_volume` in variant `parity`.
     pub fn effective_volumes(&self) -> Vec<VolumeSpec> {
         let mut v = self.volumes.clone();
+        if self.compress {
+            for (i, spec) in v.iter_mut().enumerate() {
+                spec.compression = [Compression::Lz4, Compression::Zstd][i % 2];
+            }
+        }
         if self.parity {
             let mut p = self.parity_volume.clone();
             if self.mirror_part {
@@ -258,6 +274,7 @@ fn parity_volume(r: &mut StdRng, slabs: u64) -> VolumeSpec {
         min_replicas,
         slabs,
         mirror_part_extents: 0,
+        compression: Compression::None,
     }
 }
 
@@ -322,6 +339,9 @@ fn variant_env(o: &Options) -> String {
     let mut v = Vec::new();
     if o.short_owner_partitions {
         v.push("short-owner-partitions");
+    }
+    if o.compress {
+        v.push("compress");
     }
     if o.check_unallocated_zero_fencing {
         v.push("unallocated-zero-fencing");

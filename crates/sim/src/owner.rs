@@ -119,6 +119,7 @@ fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owne
         read_hedge: w.opts.read_hedge,
         // Owners here are deposed by the nemesis (zombies), not by time.
         tenure: Arc::new(converge_volume::Tenure::unbounded()),
+        compression: spec.compression,
     };
     let io = Arc::new(SimReplicas {
         world: w.clone(),

@@ -249,6 +249,7 @@ impl World {
                     ident,
                     FormatOptions {
                         journal_bytes: Some(opts.journal_bytes),
+                        ..Default::default()
                     },
                 )
                 .map_err(|e| format!("formatting simulated drive {id}: {e}"))?;
@@ -1455,32 +1456,45 @@ impl World {
             }
         } else if !self.opts.rot_sole_newest {
             // Another healthy in-sync copy must hold this very version of the block (not
-            // just an older one): see `Options::rot_sole_newest`.
-            let off = u64::from(blk.block) * BLOCK_SIZE as u64;
+            // just an older one): see `Options::rot_sole_newest`. A block of a compressed
+            // group shares its stream with the group's other members: the flipped bit may
+            // damage any of them, so each must be held elsewhere too.
             let key = blk.key;
             let bad_nodes = self.impaired_nodes();
-            let shared = extents
-                .iter()
-                .filter(|e| {
-                    e.drive != *drive
-                        && e.state == ExtentState::InSync
-                        && !bad_nodes.contains(&e.node)
-                })
-                .any(|e| {
-                    matches!(self.exec(e.node, e.drive, move |d| d.block_versions(key, off, 1)),
-                        Delivery::Done(Ok(v)) if v.first() == Some(&blk.version))
-                });
-            if !shared {
+            let blocks_per_slab = self.opts.slab_blocks as usize;
+            let Delivery::Done(Ok(mine)) = self.exec(node, *drive, move |d| {
+                d.block_versions(key, 0, blocks_per_slab)
+            }) else {
                 return None;
+            };
+            for &member in &blk.members {
+                let want = mine.get(member as usize).copied();
+                let off = u64::from(member) * BLOCK_SIZE as u64;
+                let shared = extents
+                    .iter()
+                    .filter(|e| {
+                        e.drive != *drive
+                            && e.state == ExtentState::InSync
+                            && !bad_nodes.contains(&e.node)
+                    })
+                    .any(|e| {
+                        matches!(self.exec(e.node, e.drive, move |d| d.block_versions(key, off, 1)),
+                            Delivery::Done(Ok(v)) if v.first().copied() == want)
+                    });
+                if !shared {
+                    return None;
+                }
             }
         }
         image.rot(blk.offset_bytes + byte, bit);
-        lock(&self.rots).push(Rot {
-            node,
-            drive: *drive,
-            key: blk.key,
-            block: blk.block,
-        });
+        for &member in &blk.members {
+            lock(&self.rots).push(Rot {
+                node,
+                drive: *drive,
+                key: blk.key,
+                block: member,
+            });
+        }
         self.count("rotted blocks");
         Some(format!(
             "node {node} drive {drive}: bit {bit} of byte {byte} ROTTED in vol {} slab {} block {} (version {})",

@@ -5,7 +5,8 @@
 //! * `CONVERGE_SIM_FIRST_SEED=<n>`: where `many_seeds` starts (default 1).
 //! * `CONVERGE_SIM_SEED=<n>`: the seed `replay` runs, printing every step.
 //! * `CONVERGE_SIM_VARIANT=short-owner-partitions,unallocated-zero-fencing,
-//!   rot-sole-newest,cache,drain,parity,mirror-part`: options the variant sweeps turn on,
+//!   rot-sole-newest,cache,drain,parity,mirror-part,compress`: options the variant sweeps
+//!   turn on,
 //!   for `replay` of one of their seeds.
 //! * `CONVERGE_SIM_CACHE_SEEDS=<n>`: how many seeds `cache_tier` runs (default below).
 
@@ -34,6 +35,7 @@ fn options(seed: u64) -> Options {
             "cache" => o.cache = true,
             "drain" => o.drain = true,
             "parity" => o.parity = true,
+            "compress" => o.compress = true,
             "mirror-part" => {
                 o.parity = true;
                 o.mirror_part = true;
@@ -279,6 +281,30 @@ fn drain() {
             "never happened: {what}: {counters:?}"
         );
     }
+}
+
+/// Seeds of the compression sweep in CI: half of them with caches.
+const COMPRESS_SEEDS: u64 = 150;
+
+/// Mirror volumes compress their data (lz4 and zstd, docs/adr/0010) and clients write
+/// compressible blocks: writes, their read-modify-writes of compressed groups, resyncs,
+/// rebuilds, scrubs and (odd seeds) destages from cache drives all store compressed groups,
+/// under every fault of the default model; every acked write must read back and copies
+/// must agree (docs/SIMULATION.md, "Compressed volumes").
+#[test]
+fn compress() {
+    let start = Instant::now();
+    let n = env_u64("CONVERGE_SIM_SEEDS").unwrap_or(COMPRESS_SEEDS);
+    let first = env_u64("CONVERGE_SIM_FIRST_SEED").unwrap_or(1);
+    let (failed, _) = sweep_counting(first, n, |o| {
+        o.compress = true;
+        o.cache = o.seed % 2 == 1;
+    });
+    eprintln!("{n} compress seeds from {first} in {:.1?}", start.elapsed());
+    assert!(
+        failed.is_empty(),
+        "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=compress[,cache] CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
+    );
 }
 
 /// Seeds of the parity sweep in CI: a third of them with caches, a third with a drain.

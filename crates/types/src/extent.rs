@@ -3,7 +3,7 @@
 //! runs on a drive, in the daemon and in the simulator alike. A field added here reaches
 //! every one of those layers from this one place.
 
-use crate::{Epoch, ExtentKey, Version, BLOCK_SIZE};
+use crate::{Compression, Epoch, ExtentKey, Version, BLOCK_SIZE};
 use bytes::Bytes;
 use std::fmt;
 use std::sync::Arc;
@@ -28,8 +28,9 @@ pub const SETTLE_ROWS_MAX: usize = 1024;
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum ExtentOp {
     /// Write `data` at `offset` with `version`; `crcs[i]` is the crc32c of block `i` of
-    /// `data` (the replica verifies them before it writes: end to end). Answered
-    /// [`ExtentReply::Ok`] once durable.
+    /// `data` (the replica verifies them before it writes: end to end). `codec`: how the
+    /// volume's data is compressed on the drive (docs/adr/0010; the replica keeps it for
+    /// the extent). Answered [`ExtentReply::Ok`] once durable.
     Write {
         key: ExtentKey,
         epoch: Epoch,
@@ -37,6 +38,7 @@ pub enum ExtentOp {
         offset: u64,
         crcs: Arc<[u32]>,
         data: Bytes,
+        codec: Compression,
     },
     /// Read `len` bytes at `offset`: [`ExtentReply::Read`].
     Read {
@@ -72,6 +74,7 @@ pub enum ExtentOp {
         versions: Vec<Version>,
         expect: Vec<Version>,
         data: Bytes,
+        codec: Compression,
     },
     /// Fence the extent at `epoch` (older owners are refused from then on), then answer the
     /// versions of `count` blocks from `offset`: [`ExtentReply::Versions`].
@@ -506,6 +509,7 @@ mod tests {
                     versions: vec![Version(2); 2],
                     expect: vec![Version(1); 2],
                     data: Bytes::from(vec![0u8; 2 * BLOCK_SIZE]),
+                    codec: Compression::None,
                 },
                 ExtentReply::Written(2),
             ),

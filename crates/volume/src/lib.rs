@@ -16,8 +16,8 @@ pub mod tenure;
 use bytes::{Bytes, BytesMut};
 pub use converge_types::{BlocksReply, ExtentOp, ExtentReply, ReadReply};
 use converge_types::{
-    DriveId, Epoch, ExtentKey, ExtentState, NodeId, Resiliency, SlabIndex, Version, VolumeId,
-    BLOCK_SIZE, MAX_IO_BYTES,
+    Compression, DriveId, Epoch, ExtentKey, ExtentState, NodeId, Resiliency, SlabIndex, Version,
+    VolumeId, BLOCK_SIZE, MAX_IO_BYTES,
 };
 use serde::{Deserialize, Serialize};
 use stats::{VolumeCounters, VolumeStats};
@@ -269,6 +269,9 @@ pub struct VolumeConfig {
     pub read_hedge: std::time::Duration,
     /// This node's right to serve in time (its lease); no I/O is answered past it.
     pub tenure: Arc<Tenure>,
+    /// How the copies compress what this owner writes (docs/adr/0010; changed live with
+    /// [`Volume::set_compression`]). Mirror volumes only: parity chunks are stored as is.
+    pub compression: Compression,
 }
 
 pub(crate) struct Slab {
@@ -443,6 +446,8 @@ pub struct Volume<R, A> {
     /// Set when this node stops serving the volume (deposed, moved, deleted, lease lost):
     /// handles still held by clients then fail with [`VolumeError::Fenced`] and re-route.
     retired: AtomicBool,
+    /// The codec writes carry ([`Compression::code`]): the config's, until changed live.
+    compression: std::sync::atomic::AtomicU8,
     /// The highest version sequence a released slab used in this term: a slab allocated
     /// afterwards starts above it, so nothing an earlier incarnation sent can outrank it.
     seq_floor: AtomicU64,
@@ -541,6 +546,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             codecs: std::sync::Mutex::new(Vec::new()),
             held_rows: tokio::sync::Semaphore::new(parity_io::HELD_ROWS_IN_FLIGHT),
             size_bytes: AtomicU64::new(cfg.size_bytes),
+            compression: std::sync::atomic::AtomicU8::new(cfg.compression.code()),
             cfg,
             slabs: RwLock::new(slabs),
             alloc_lock: tokio::sync::Mutex::new(()),
@@ -561,6 +567,21 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     pub fn is_retired(&self) -> bool {
         self.retired.load(Ordering::Acquire)
+    }
+
+    /// How the copies compress this owner's writes, resyncs and repairs: the volume's
+    /// setting for a mirror (or simple) volume, none for parity (chunks are stored as is).
+    pub fn compression(&self) -> Compression {
+        if self.geometry.is_some() {
+            return Compression::None;
+        }
+        Compression::from_code(self.compression.load(Ordering::Relaxed)).unwrap_or_default()
+    }
+
+    /// Changes how later writes are compressed (what is stored keeps its form until it is
+    /// written again).
+    pub fn set_compression(&self, c: Compression) {
+        self.compression.store(c.code(), Ordering::Relaxed);
     }
 
     /// Whether this owner may answer a client now: not retired, and its tenure (lease)
@@ -819,6 +840,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     offset: p.offset,
                     crcs: crcs.clone(),
                     data: data.clone(),
+                    codec: self.compression(),
                 };
                 self.ask(at, op, ExtentReply::into_ok)
             })
@@ -1415,6 +1437,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     offset: boff,
                     crcs: block_crcs(&good.data),
                     data: good.data,
+                    codec: self.compression(),
                 };
                 match self.ask(bad_at, op, ExtentReply::into_ok).await {
                     Ok(()) => {

@@ -741,6 +741,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     versions: vec![row_version],
                     expect: vec![seen],
                     data: block,
+                    codec: converge_types::Compression::None,
                 };
                 match self.ask(ex[c], op, ExtentReply::into_written).await {
                     Ok(_) => {

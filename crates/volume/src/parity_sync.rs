@@ -248,6 +248,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 versions: vec![version],
                 expect: vec![seen],
                 data,
+                codec: converge_types::Compression::None,
             };
             n += u64::from(
                 self.ask(ex[c], op, ExtentReply::into_written)
@@ -452,6 +453,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             versions: row_versions,
             expect,
             data,
+            codec: converge_types::Compression::None,
         };
         let written = self
             .ask(target, op, ExtentReply::into_written)
@@ -584,6 +586,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 versions: vec![row_versions[i]],
                 expect: vec![seen],
                 data,
+                codec: converge_types::Compression::None,
             };
             match self.ask(ex[c], op, ExtentReply::into_written).await {
                 Ok(w) => rep.repaired += u64::from(w),

@@ -635,6 +635,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             versions,
             expect,
             data,
+            codec: self.compression(),
         };
         self.ask(target, op, ExtentReply::into_written)
             .await
@@ -1019,6 +1020,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                         versions: vec![sr.versions[b]],
                         expect: vec![r.versions[b]],
                         data,
+                        codec: self.compression(),
                     };
                     let w = self
                         .ask(*e, op, ExtentReply::into_written)

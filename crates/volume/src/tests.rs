@@ -365,6 +365,7 @@ async fn write_copy(
         offset,
         crcs: block_crcs(&data),
         data,
+        codec: converge_types::Compression::None,
     };
     assert_eq!(io.call(at, op).await, Ok(ExtentReply::Ok));
 }
@@ -474,6 +475,7 @@ fn config(size: u64, slab: u64, epoch: u64) -> VolumeConfig {
         read_wait: std::time::Duration::from_millis(200),
         read_hedge: std::time::Duration::from_millis(20),
         tenure: Arc::new(crate::Tenure::unbounded()),
+        compression: converge_types::Compression::None,
     }
 }
 

@@ -50,6 +50,7 @@ fn rig_with(capf: FaultyFile, cachef: FaultyFile, fresh: bool) -> (Rig, OpenRepo
             ident(7, DriveRole::Capacity),
             FormatOptions {
                 journal_bytes: Some(1 << 20),
+                ..Default::default()
             },
         )
         .expect("format capacity")
@@ -150,6 +151,57 @@ fn writes_land_in_the_log_then_destage_to_capacity_once() {
     }
     let v = r.tier.block_versions(k, 0, 8).expect("versions");
     assert_eq!(v[3], Version(49 * 8 + 4));
+}
+
+/// A compressed extent's writes land in the log as written and are compressed when they
+/// are destaged (by a flush, or by the replay after a crash): the capacity drive stores
+/// less than was written, and every read returns what was written.
+#[test]
+fn destage_compresses_the_writes_of_compressed_extents() {
+    for (seed, flush) in [(1u64, true), (2, false)] {
+        let r = rig(32 << 20);
+        let k = key(1, 0);
+        r.tier
+            .set_codec(k, Epoch(1), converge_types::Compression::Zstd)
+            .expect("codec");
+        let mut data = vec![0u8; 64 * BLOCK_SIZE];
+        let mut rng = StdRng::seed_from_u64(seed);
+        for blk in data.chunks_mut(BLOCK_SIZE) {
+            let mut pat = [0u8; 32];
+            rng.fill(&mut pat[..]);
+            for (i, x) in blk.iter_mut().enumerate() {
+                *x = pat[i % 32];
+            }
+        }
+        let crcs: Vec<u32> = data.chunks(BLOCK_SIZE).map(crc32c::crc32c).collect();
+        r.tier
+            .write(k, Epoch(1), Version(1), 0, &data, &crcs)
+            .expect("write");
+        assert_eq!(r.cap.stats().data_write_bytes, 0, "in the log only");
+        let r = if flush {
+            r.cache.flush().expect("flush");
+            r
+        } else {
+            let (r, _) = reopen(r, seed);
+            r.cache.flush().expect("flush");
+            r
+        };
+        let e = r
+            .cap
+            .extents()
+            .into_iter()
+            .find(|e| e.key == k)
+            .expect("extent");
+        assert_eq!(e.bytes_written, 64 * BS);
+        assert_eq!(e.bytes_stored, 16 * BS, "each group of four in one block");
+        assert_eq!(r.tier.codec_of(k), converge_types::Compression::Zstd);
+        assert!(r.cap.stats().data_write_bytes <= 16 * BS);
+        for b in 0..64u64 {
+            let at = b as usize * BLOCK_SIZE;
+            assert_eq!(read_cap(&r.cap, k, b), &data[at..at + BLOCK_SIZE]);
+            assert_eq!(read_block(&r.tier, k, b).0, &data[at..at + BLOCK_SIZE]);
+        }
+    }
 }
 
 #[test]
@@ -275,6 +327,7 @@ fn the_digest_is_the_same_with_or_without_the_cache() {
         ident(8, DriveRole::Capacity),
         FormatOptions {
             journal_bytes: Some(1 << 20),
+            ..Default::default()
         },
     )
     .expect("format");

@@ -453,6 +453,7 @@ async fn scrub_finds_rot_and_wrong_parity_and_repairs_them() {
         versions: vec![ver],
         expect: vec![ver],
         data: junk,
+        codec: converge_types::Compression::None,
     };
     assert_eq!(io.call(chunk_at(2), op).await, Ok(ExtentReply::Written(1)));
     let t = resync::Throttle::new(1 << 30);
