@@ -109,11 +109,19 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
         slab: SlabIndex,
         epoch: Epoch,
         copies: usize,
+        thin: bool,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         let _serial = self.serial.lock().await;
         match self
             .cluster
-            .allocate_slab(volume, slab, copies, self.owner(epoch), self.locality_pct)
+            .allocate_slab_as(
+                volume,
+                slab,
+                copies,
+                self.owner(epoch),
+                self.locality_pct,
+                thin,
+            )
             .await
         {
             Ok((rec, _)) => Ok(extents_of(&rec)),

@@ -440,6 +440,8 @@ mod tests {
             node: NodeId(node),
             extents_total: 10,
             extents_used: used,
+            slots_total: 10,
+            slots_used: used,
             live,
             role: DriveRole::Capacity,
         };

@@ -34,6 +34,7 @@ async fn cluster_of(c: &Cluster, nodes: u32, lease: converge_control::LeaseId) {
             slab_size_bytes: 256 << 20,
             tbw_bytes: None,
             warranty_years: None,
+            slots_total: None,
         })
         .await
         .unwrap();
@@ -59,12 +60,12 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
     let old = Allocator::new(c.clone(), NodeId(1), 0);
 
     // The owner places copies on distinct live nodes, least-used first.
-    let a = old.allocate(vol, SlabIndex(0), e1, 3).await.unwrap();
+    let a = old.allocate(vol, SlabIndex(0), e1, 3, false).await.unwrap();
     let mut nodes: Vec<NodeId> = a.iter().map(|e| e.node).collect();
     nodes.sort();
     nodes.dedup();
     assert_eq!(nodes.len(), 3, "copies on distinct nodes: {a:?}");
-    let b = old.allocate(vol, SlabIndex(1), e1, 3).await.unwrap();
+    let b = old.allocate(vol, SlabIndex(1), e1, 3, false).await.unwrap();
     let unused = (1..=4)
         .map(NodeId)
         .find(|n| !a.iter().any(|e| e.node == *n))
@@ -74,10 +75,14 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
         "the node left out of slab 0 is least used: {b:?}"
     );
     // Create-if-absent: allocating again returns the record.
-    assert_eq!(old.allocate(vol, SlabIndex(0), e1, 3).await.unwrap(), a);
+    assert_eq!(
+        old.allocate(vol, SlabIndex(0), e1, 3, false).await.unwrap(),
+        a
+    );
     // Asking with another epoch than the one the node holds is refused too.
     fenced(
-        old.allocate(vol, SlabIndex(5), Epoch(e1.0 + 7), 3).await,
+        old.allocate(vol, SlabIndex(5), Epoch(e1.0 + 7), 3, false)
+            .await,
         Epoch(e1.0 + 7),
     );
 
@@ -86,7 +91,7 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
     let e2 = c.claim_ownership(vol, NodeId(2), lease).await.unwrap();
     assert!(e2 > e1);
 
-    fenced(old.allocate(vol, SlabIndex(2), e1, 3).await, e1);
+    fenced(old.allocate(vol, SlabIndex(2), e1, 3, false).await, e1);
     let stale = SlabChange::State {
         drive: a[0].drive,
         from: vec![ExtentState::InSync],
@@ -111,6 +116,6 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
         Some(after)
     );
     assert_eq!(new.lookup(vol, SlabIndex(2), e2).await.unwrap(), None);
-    new.allocate(vol, SlabIndex(2), e2, 2).await.unwrap();
+    new.allocate(vol, SlabIndex(2), e2, 2, false).await.unwrap();
     assert_eq!(c.slabs(vol).await.unwrap().len(), 3);
 }

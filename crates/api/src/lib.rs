@@ -110,6 +110,14 @@ pub struct DriveInfo {
     /// Bytes that data takes on the drive (compressed groups take less).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_bytes: Option<u64>,
+    /// A thin drive's extent slots (more than `extents_total`: compressed extents take
+    /// only what they store, docs/adr/0010); absent: as many as `extents_total`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots_total: Option<u64>,
+    /// Bytes its extents claim as its node last reported (plain extents whole, compressed
+    /// ones what they store): what counts as used.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub committed_bytes: Option<u64>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -1420,7 +1420,13 @@ fn drives_table(v: &[DriveInfo]) -> String {
             if d.role == DriveRole::Cache {
                 "-".into()
             } else {
-                format!("{}/{}", d.extents_used, d.extents_total)
+                match d.slots_total {
+                    // A thin drive: extents placed, and the slots it has.
+                    Some(slots) => {
+                        format!("{}/{} ({slots} slots)", d.extents_used, d.extents_total)
+                    }
+                    None => format!("{}/{}", d.extents_used, d.extents_total),
+                }
             },
             d.written_bytes.map_or("-".into(), format_size),
             d.stored_bytes.map_or("-".into(), format_size),
@@ -1663,6 +1669,8 @@ mod tests {
             cache: cache.map(DriveId),
             written_bytes: None,
             stored_bytes: None,
+            slots_total: None,
+            committed_bytes: None,
         }
     }
 

@@ -73,6 +73,9 @@ pub mod keys {
     /// Rewritten by every slab allocation, in the same transaction as the slab record: an
     /// allocation commits only if no other committed since it read the drives' use.
     pub const PLACEMENT_SEQ: &str = "/converge/placement-seq";
+    /// Each node's drives as their engines count them: `/converge/usage/<node id>`
+    /// ([`super::NodeUsage`]).
+    pub const USAGE: &str = "/converge/usage/";
 
     pub fn node(id: NodeId) -> String {
         format!("{NODES}{}", id.0)
@@ -163,12 +166,42 @@ pub struct DriveRecord {
     pub role: DriveRole,
     pub media: MediaType,
     pub size_bytes: u64,
-    /// Extents (slab-sized slots) the drive can hold.
+    /// Extents (slab-sized) the drive's data region holds uncompressed.
     pub extents_total: u64,
     pub slab_size_bytes: u64,
     /// Rated endurance, terabytes written, in bytes; None if unknown.
     pub tbw_bytes: Option<u64>,
     pub warranty_years: Option<f64>,
+    /// Extent slots of a thin drive (docs/adr/0010: more than `extents_total`, for
+    /// compressed extents); absent: as many as `extents_total`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots_total: Option<u64>,
+}
+
+/// What a node's drives hold as their engines count it, published every few seconds at
+/// [`keys::USAGE`]`<node>`: placement counts a thin drive's compressed extents by the
+/// room they take, not as whole extents (docs/adr/0010).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeUsage {
+    pub drives: BTreeMap<DriveId, DriveUsage>,
+}
+
+/// One drive of a [`NodeUsage`].
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DriveUsage {
+    /// Extents the drive holds.
+    pub extents_used: u64,
+    /// Bytes they claim: plain extents whole, compressed ones what they store.
+    pub committed_bytes: u64,
+}
+
+impl DriveUsage {
+    /// Extents' worth of room the drive's compressed extents do not take: what placement
+    /// takes off the count of extents placed on it.
+    pub fn saved_extents(&self, slab_bytes: u64) -> u64 {
+        self.extents_used
+            .saturating_sub(self.committed_bytes.div_ceil(slab_bytes.max(1)))
+    }
 }
 
 /// A volume.
@@ -863,17 +896,48 @@ impl<K: Kv> Cluster<K> {
             .collect();
         let failed = self.failed_drives().await?;
         let used = self.extents_used().await?;
+        let usage = self.drive_usage().await?;
         Ok(drives
             .iter()
-            .map(|d| DriveLoad {
-                drive: d.id,
-                node: d.node,
-                extents_total: d.extents_total,
-                extents_used: used.get(&d.id).copied().unwrap_or(0),
-                live: live.contains(&d.node) && !failed.contains_key(&d.id),
-                role: d.role,
+            .map(|d| {
+                let placed = used.get(&d.id).copied().unwrap_or(0);
+                // A thin drive's compressed extents take less than whole extents' room.
+                let saved = usage
+                    .get(&d.id)
+                    .map_or(0, |u| u.saved_extents(d.slab_size_bytes));
+                DriveLoad {
+                    drive: d.id,
+                    node: d.node,
+                    extents_total: d.extents_total,
+                    extents_used: placed.saturating_sub(saved),
+                    slots_total: d.slots_total.unwrap_or(d.extents_total),
+                    slots_used: placed,
+                    live: live.contains(&d.node) && !failed.contains_key(&d.id),
+                    role: d.role,
+                }
             })
             .collect())
+    }
+
+    /// Every node's last published drive usage ([`NodeUsage`]), by drive.
+    pub async fn drive_usage(&self) -> Result<HashMap<DriveId, DriveUsage>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::USAGE).await?;
+        let mut out = HashMap::new();
+        for kv in kvs {
+            // A record a newer build wrote in another shape is skipped, not fatal.
+            if let Ok(u) = serde_json::from_slice::<NodeUsage>(&kv.value) {
+                out.extend(u.drives);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Publishes this node's drive usage (see [`NodeUsage`]).
+    pub async fn put_usage(&self, node: NodeId, u: &NodeUsage) -> Result<(), ControlError> {
+        let key = format!("{}{}", keys::USAGE, node.0);
+        let v = encode(&key, "usage record", u)?;
+        self.etcd.put(&key, &v, None).await?;
+        Ok(())
     }
 
     /// Places a slab's `copies` (placement::place over [`Cluster::drive_loads`]) and records
@@ -900,6 +964,23 @@ impl<K: Kv> Cluster<K> {
         owner: OwnerRecord,
         locality_pct: u64,
     ) -> Result<(SlabRecord, i64), ControlError> {
+        self.allocate_slab_as(volume, slab, copies, owner, locality_pct, false)
+            .await
+    }
+
+    /// [`Cluster::allocate_slab`] for a slab of a compressed volume (`thin`) or not: a
+    /// compressed volume's slab is placed by extent slots (docs/adr/0010): its room on a
+    /// thin drive is what its data will store, which nothing knows before it is written
+    /// (the drive's engine refuses an extent it has no room for).
+    pub async fn allocate_slab_as(
+        &self,
+        volume: VolumeId,
+        slab: SlabIndex,
+        copies: usize,
+        owner: OwnerRecord,
+        locality_pct: u64,
+        thin: bool,
+    ) -> Result<(SlabRecord, i64), ControlError> {
         let near = (locality_pct > 0).then_some(placement::Near {
             node: owner.node,
             slack_pct: locality_pct,
@@ -914,7 +995,11 @@ impl<K: Kv> Cluster<K> {
                 .get(keys::PLACEMENT_SEQ)
                 .await?
                 .map_or(0, |kv| kv.mod_revision);
-            let rec = place_slab(copies, &self.drive_loads().await?, near)
+            let mut loads = self.drive_loads().await?;
+            if thin {
+                loads = loads.iter().map(DriveLoad::by_slots).collect();
+            }
+            let rec = place_slab(copies, &loads, near)
                 .map_err(|e| ControlError::Placement(Box::new(e)))?;
             let value = encode(&key, "slab record", &rec)?;
             let r = self

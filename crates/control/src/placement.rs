@@ -18,14 +18,24 @@ use std::cmp::Ordering;
 use std::collections::BTreeMap;
 
 /// A drive as placement sees it.
+///
+/// A thin drive (docs/adr/0010) has more extent slots than its data region holds extents
+/// uncompressed: its extents are counted by the room they claim (`extents_used`: plain
+/// ones whole, compressed ones what they store, as its node last reported), and by the
+/// slots they take (`slots_used`). Placement needs both: room for one more whole extent,
+/// and a free slot.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DriveLoad {
     pub drive: DriveId,
     pub node: NodeId,
-    /// Extents (slab-sized slots) the drive can hold.
+    /// Extents (slab-sized) the drive's data region holds uncompressed.
     pub extents_total: u64,
-    /// Extents allocated on it.
+    /// Extents' worth of room its extents claim.
     pub extents_used: u64,
+    /// Extent slots it has (at least `extents_total`).
+    pub slots_total: u64,
+    /// Extents placed on it (slab records).
+    pub slots_used: u64,
     /// Whether its node is live.
     pub live: bool,
     pub role: DriveRole,
@@ -33,10 +43,22 @@ pub struct DriveLoad {
 
 impl DriveLoad {
     fn free(&self) -> u64 {
-        self.extents_total.saturating_sub(self.extents_used)
+        self.extents_total
+            .saturating_sub(self.extents_used)
+            .min(self.slots_total.saturating_sub(self.slots_used))
     }
     fn usable(&self) -> bool {
         self.live && self.role == DriveRole::Capacity && self.free() > 0
+    }
+
+    /// The drive counted by slots alone: what a compressed volume may be provisioned on
+    /// (its data's room depends on how it compresses, which nothing knows in advance).
+    pub fn by_slots(&self) -> DriveLoad {
+        DriveLoad {
+            extents_total: self.slots_total,
+            extents_used: self.slots_used,
+            ..*self
+        }
     }
 }
 
@@ -344,6 +366,8 @@ mod tests {
 
     fn drive(id: u64, node: u32, total: u64, used: u64) -> DriveLoad {
         DriveLoad {
+            slots_total: total,
+            slots_used: used,
             drive: DriveId(id),
             node: NodeId(node),
             extents_total: total,
@@ -779,7 +803,9 @@ mod tests {
                 match place(copies, &c, &[]) {
                     Ok(p) => {
                         for id in p {
-                            c.iter_mut().find(|d| d.drive == id).unwrap().extents_used += 1;
+                            let d = c.iter_mut().find(|d| d.drive == id).unwrap();
+                            d.extents_used += 1;
+                            d.slots_used += 1;
                         }
                     }
                     Err(_) => {
@@ -793,5 +819,30 @@ mod tests {
                 assert!(ok, "case {case}: check refused a placeable volume");
             }
         }
+    }
+
+    /// A thin drive (docs/adr/0010) takes a copy only with room for one more whole extent
+    /// and a free slot; a compressed volume is provisioned by slots.
+    #[test]
+    fn thin_drives_need_room_and_a_slot() {
+        // Three nodes of 4 data extents and 8 slots. Node 1's drive: 6 extents placed,
+        // compressed to 2 extents' room. Node 2's: 8 placed (no slot left), 3 of room.
+        // Node 3's: 4 plain extents (no room left).
+        let thin = |id: u64, node: u32, room: u64, placed: u64| DriveLoad {
+            slots_total: 8,
+            slots_used: placed,
+            ..drive(id, node, 4, room)
+        };
+        let c = vec![thin(1, 1, 2, 6), thin(2, 2, 3, 8), thin(3, 3, 4, 4)];
+        assert_eq!(c[0].free(), 2);
+        assert_eq!(c[1].free(), 0, "no slot left");
+        assert_eq!(c[2].free(), 0, "no room left");
+        assert!(place(1, &c, &[]).unwrap() == vec![DriveId(1)]);
+        assert!(place(2, &c, &[]).is_err());
+        // Provisioning by slots: node 1 has 2 slots, node 3 four.
+        let by_slots: Vec<DriveLoad> = c.iter().map(DriveLoad::by_slots).collect();
+        assert!(can_place_volume(Resiliency::Mirror2, 2 * 4096, 4096, &by_slots).is_ok());
+        assert!(can_place_volume(Resiliency::Mirror2, 3 * 4096, 4096, &by_slots).is_err());
+        assert!(can_place_volume(Resiliency::Mirror2, 4096, 4096, &c).is_err());
     }
 }

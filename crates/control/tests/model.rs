@@ -145,6 +145,7 @@ async fn drives_round_trip() {
         slab_size_bytes: 256 << 20,
         tbw_bytes: Some(600 << 40),
         warranty_years: Some(5.0),
+        slots_total: None,
     };
     c.put_drive(&d).await.unwrap();
     let mut d2 = d.clone();
@@ -445,6 +446,7 @@ async fn concurrent_allocations_of_many_owners_still_balance() {
                 slab_size_bytes: 1 << 30,
                 tbw_bytes: None,
                 warranty_years: None,
+                slots_total: None,
             })
             .await
             .unwrap();

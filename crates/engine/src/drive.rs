@@ -418,6 +418,8 @@ pub(crate) struct LeaderState {
     pub head: u64,
     /// Journal bytes between the checkpoint tail and head (what replay would read).
     pub used: u64,
+    /// `used` right after the last checkpoint (its re-log of priors).
+    pub used_at_checkpoint: u64,
     pub next_seq: u64,
     /// Journal sequence numbers minus commit sequence numbers: a checkpoint's re-log
     /// batch of priors takes a journal number that no commit batch has.
@@ -473,6 +475,10 @@ pub struct Drive {
     pub(crate) plain_stored: AtomicU64,
     /// Physical blocks the durable states of extents with a codec occupy.
     pub(crate) thin_stored: AtomicU64,
+    /// Journal batches written since open, and that count when
+    /// [`Drive::checkpoint_if_quiet`] last looked.
+    pub(crate) batches_written: AtomicU64,
+    pub(crate) batches_seen_quiet: AtomicU64,
 }
 
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {

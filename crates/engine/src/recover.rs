@@ -766,6 +766,7 @@ impl Drive {
                 // checkpoint below can re-log priors without touching that window.
                 head: if pos >= jlen { 0 } else { pos },
                 used: 0,
+                used_at_checkpoint: 0,
                 next_seq: seq,
                 jseq_skew: 0,
                 spare: Vec::with_capacity(batch_records_max),
@@ -784,6 +785,8 @@ impl Drive {
             plain_extents: AtomicU64::new(plain_extents),
             plain_stored: AtomicU64::new(plain_stored),
             thin_stored: AtomicU64::new(thin_stored),
+            batches_written: AtomicU64::new(0),
+            batches_seen_quiet: AtomicU64::new(0),
         };
         if batches > 0 {
             log::info!(

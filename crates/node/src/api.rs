@@ -429,6 +429,11 @@ async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<Driv
         .failed_drives()
         .await
         .map_err(ApiError::unavailable)?;
+    let usage = node
+        .cluster
+        .drive_usage()
+        .await
+        .map_err(ApiError::unavailable)?;
     let mut v: Vec<DriveInfo> = node
         .cluster
         .drives()
@@ -449,6 +454,8 @@ async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<Driv
             cache: None,
             written_bytes: None,
             stored_bytes: None,
+            slots_total: d.slots_total,
+            committed_bytes: usage.get(&d.id).map(|u| u.committed_bytes),
         })
         .collect();
     cache_api::annotate_drives(&mut v, caches);
@@ -729,6 +736,22 @@ async fn rebuild_warnings(node: &Node, ns: &[NodeInfo]) -> Vec<String> {
     out
 }
 
+/// The drives as a create or resize of a volume compressed by `c` counts them: plain
+/// volumes by the room a full write would take, compressed ones by extent slots (what
+/// their data takes depends on how it compresses: thin drives hold up to twice as many
+/// extents as they hold plain, docs/adr/0010).
+async fn provisioning_loads(
+    cluster: &converge_control::Cluster,
+    c: Compression,
+) -> Result<Vec<converge_control::DriveLoad>, ApiError> {
+    let loads = drive_loads(cluster).await.map_err(ApiError::unavailable)?;
+    Ok(if c.is_none() {
+        loads
+    } else {
+        loads.iter().map(|d| d.by_slots()).collect()
+    })
+}
+
 /// Compression is for mirror and simple volumes: a parity chunk's rows are written whole
 /// with held priors, which are kept as written (docs/adr/0010).
 fn check_compression(r: Resiliency, c: Compression) -> Result<(), ApiError> {
@@ -783,9 +806,7 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
     }
     let slab = node.cluster_rec.slab_size_bytes;
     let mirror_part_bytes = mirror_part_of(&req, slab)?;
-    let loads = drive_loads(&node.cluster)
-        .await
-        .map_err(ApiError::unavailable)?;
+    let loads = provisioning_loads(&node.cluster, compression).await?;
     // A mirror part counts full, on top of the whole volume in parity (a span in both
     // layouts while it rotates).
     let mut parts = vec![(req.resiliency, req.size_bytes)];
@@ -1231,9 +1252,7 @@ async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     {
         return Ok(r);
     }
-    let loads = drive_loads(&node.cluster)
-        .await
-        .map_err(ApiError::unavailable)?;
+    let loads = provisioning_loads(&node.cluster, rec.compression).await?;
     let grow = req.size_bytes - rec.size_bytes;
     if grow > 0 {
         placement::can_place_volume(rec.resiliency, grow, rec.slab_size_bytes, &loads).map_err(

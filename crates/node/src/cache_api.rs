@@ -119,6 +119,8 @@ pub fn annotate_drives(drives: &mut Vec<DriveInfo>, caches: &Caches) {
             cache: None,
             written_bytes: None,
             stored_bytes: None,
+            slots_total: None,
+            committed_bytes: None,
         });
     }
     drives.sort_by(|a, b| (a.node, &a.path).cmp(&(b.node, &b.path)));
@@ -305,6 +307,8 @@ mod tests {
             cache: None,
             written_bytes: None,
             stored_bytes: None,
+            slots_total: None,
+            committed_bytes: None,
         }
     }
 

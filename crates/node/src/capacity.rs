@@ -38,19 +38,26 @@ fn size(b: u64) -> String {
 }
 
 /// The pool's capacity from its nodes, drives and volumes (see [`Capacity`]).
+/// A thin drive over this share of its data region is warned about.
+const THIN_FULL: f64 = 0.85;
+
 pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) -> Capacity {
     let capacity = |d: &&DriveInfo| d.role == DriveRole::Capacity && d.failed.is_none();
     let mut cap: BTreeMap<NodeId, u64> = BTreeMap::new();
     let mut used: BTreeMap<NodeId, u64> = BTreeMap::new();
+    // A drive's extents use what they claim: plain ones whole, compressed ones (on thin
+    // drives, docs/adr/0010) what they store, as its node last reported.
+    let claimed = |d: &DriveInfo| {
+        d.committed_bytes
+            .unwrap_or(d.extents_used * d.slab_size_bytes)
+            .min(d.extents_used * d.slab_size_bytes)
+    };
     for d in drives.iter().filter(capacity) {
         *cap.entry(d.node).or_default() += d.extents_total * d.slab_size_bytes;
-        *used.entry(d.node).or_default() += d.extents_used * d.slab_size_bytes;
+        *used.entry(d.node).or_default() += claimed(d);
     }
     let total: u64 = cap.values().sum();
-    let used_all: u64 = drives
-        .iter()
-        .map(|d| d.extents_used * d.slab_size_bytes)
-        .sum();
+    let used_all: u64 = drives.iter().map(claimed).sum();
     let caps: Vec<u64> = cap.values().copied().collect();
     // Every extent of a slab on its own node: a parity-K+M slab's K+M chunks fit like
     // K+M copies, and hold K chunks' worth of volume data.
@@ -80,6 +87,27 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
         .filter(|(_, u)| **u > 0)
         .map(|(n, u)| (*n, *u));
     let mut warnings = Vec::new();
+    // Thin drives (docs/adr/0010) holding more extents than they hold plain: compressed
+    // data that stops compressing needs room they may not have.
+    for d in drives.iter().filter(capacity) {
+        let cap_bytes = d.extents_total * d.slab_size_bytes;
+        let (Some(c), true) = (d.committed_bytes, d.extents_used > d.extents_total) else {
+            continue;
+        };
+        if cap_bytes > 0 && c as f64 >= cap_bytes as f64 * THIN_FULL {
+            warnings.push(format!(
+                "drive {:016x} (node {}) holds {} extents, more than the {} it holds \
+                 uncompressed, and is {:.0}% full: if their data stops compressing, writes \
+                 to them fail and their copies are rebuilt elsewhere; add drives or move \
+                 volumes away",
+                d.id.0,
+                d.node,
+                d.extents_used,
+                d.extents_total,
+                100.0 * c as f64 / cap_bytes as f64
+            ));
+        }
+    }
     if let Some((n, reserve)) = fullest {
         let live = |id: &NodeId| nodes.iter().any(|x| x.id == *id && x.live && !x.draining);
         let free_elsewhere: u64 = cap
@@ -190,7 +218,37 @@ mod tests {
             cache: None,
             written_bytes: None,
             stored_bytes: None,
+            slots_total: None,
+            committed_bytes: None,
         }
+    }
+
+    /// Thin drives (docs/adr/0010): compressed extents count what they claim, not whole
+    /// extents, and a drive holding more than it could plain is warned about when nearly
+    /// full.
+    #[test]
+    fn thin_drives_count_what_their_extents_claim() {
+        let nodes: Vec<NodeInfo> = (1..=3).map(|i| node(i, true)).collect();
+        let thin = |n: u32, placed: u64, committed_g: u64| DriveInfo {
+            slots_total: Some(20),
+            committed_bytes: Some(committed_g * G),
+            ..drive(n, 10, placed)
+        };
+        // Node 1: 14 extents placed (more than the 10 that fit plain) in 9 GiB; node 2: 14
+        // in 4 GiB; node 3: 3 plain extents.
+        let drives = [thin(1, 14, 9), thin(2, 14, 4), drive(3, 10, 3)];
+        let c = account(&nodes, &drives, &[]);
+        assert_eq!(c.used_bytes, (9 + 4 + 3) * G);
+        assert_eq!(c.free_bytes, (1 + 6 + 7) * G);
+        assert_eq!(c.warnings.len(), 1, "{:?}", c.warnings);
+        assert!(
+            c.warnings[0].contains("node 1") && c.warnings[0].contains("90% full"),
+            "{:?}",
+            c.warnings
+        );
+        // A stale report that claims more than whole extents counts as whole extents.
+        let c = account(&nodes, &[thin(1, 2, 9)], &[]);
+        assert_eq!(c.used_bytes, 2 * G);
     }
 
     #[test]

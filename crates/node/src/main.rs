@@ -348,6 +348,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let publisher = tokio::spawn(repair::publish(node.clone()));
     let caches = tokio::spawn(tiering::run(node.clone()));
     let rotator = tokio::spawn(rotate::run(node.clone()));
+    let usage = tokio::spawn(usage::publish(node.clone()));
     // Copies deleted or moved away while this node was down are freed now.
     let sweep = {
         let node = node.clone();
@@ -369,6 +370,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     publisher.abort();
     caches.abort();
     rotator.abort();
+    usage.abort();
     nbd.abort();
     if let Some(t) = nbd_tcp {
         t.abort();

@@ -73,21 +73,26 @@ fn check_owner(
 pub fn open_drives(cfg: &Config, cluster: ClusterId) -> Result<Opened> {
     let mut caps: HashMap<DriveId, Arc<Drive>> = HashMap::new();
     let mut records = Vec::new();
-    let mut record =
-        |id: &DriveIdentity, d: &crate::config::DriveConfig, size: u64, extents: u64| {
-            records.push(DriveRecord {
-                id: id.drive,
-                node: cfg.node_id,
-                path: d.path.display().to_string(),
-                role: id.role,
-                media: id.media,
-                size_bytes: size,
-                extents_total: extents,
-                slab_size_bytes: id.slab_size_bytes,
-                tbw_bytes: d.tbw_bytes,
-                warranty_years: d.warranty_years,
-            });
-        };
+    let mut record = |id: &DriveIdentity,
+                      d: &crate::config::DriveConfig,
+                      size: u64,
+                      extents: u64,
+                      slots: u64| {
+        records.push(DriveRecord {
+            id: id.drive,
+            node: cfg.node_id,
+            path: d.path.display().to_string(),
+            role: id.role,
+            media: id.media,
+            size_bytes: size,
+            extents_total: extents,
+            slab_size_bytes: id.slab_size_bytes,
+            tbw_bytes: d.tbw_bytes,
+            warranty_years: d.warranty_years,
+            // A thin drive's slots beyond its data extents (docs/adr/0010).
+            slots_total: (slots > extents).then_some(slots),
+        });
+    };
     let mut ids = BTreeSet::new();
     for d in cfg.drives.iter().filter(|d| d.role == DriveRole::Capacity) {
         let file = DirectFile::open(&d.path, d.size_bytes)
@@ -126,7 +131,7 @@ pub fn open_drives(cfg: &Config, cluster: ClusterId) -> Result<Opened> {
             );
         }
         let cap = drive.capacity();
-        record(&id, d, cap.bytes_total, cap.extents_total);
+        record(&id, d, cap.bytes_total, cap.extents_total, cap.slots_total);
         caps.insert(id.drive, Arc::new(drive));
     }
     let mut caches: HashMap<DriveId, Arc<Cache>> = HashMap::new();
@@ -200,7 +205,7 @@ pub fn open_drives(cfg: &Config, cluster: ClusterId) -> Result<Opened> {
             cfg.knobs.cache_low_watermark_pct,
             cfg.knobs.cache_high_watermark_pct,
         );
-        record(&id, d, cache.log_bytes(), 0);
+        record(&id, d, cache.log_bytes(), 0, 0);
         caches.insert(id.drive, cache);
     }
     // Bind: capacity drives round-robin over cache drives, both in id order.

@@ -66,6 +66,53 @@ impl Usage {
     }
 }
 
+/// This node's capacity drives as their engines count them: what placement needs to count
+/// a thin drive's compressed extents by the room they take (docs/adr/0010).
+pub fn node_usage(node: &Node) -> converge_control::model::NodeUsage {
+    let mut u = converge_control::model::NodeUsage::default();
+    for (id, t) in &node.drives {
+        if t.failure().is_some() {
+            continue;
+        }
+        let c = t.capacity();
+        u.drives.insert(
+            *id,
+            converge_control::model::DriveUsage {
+                extents_used: c.extents_used,
+                committed_bytes: c.bytes_committed,
+            },
+        );
+    }
+    u
+}
+
+/// Publishes [`node_usage`] when it changes (checked every 2 s) and at least every 30 s,
+/// so placement and `status` see what the drives hold within seconds; and checkpoints the
+/// drives that went quiet.
+pub async fn publish(node: std::sync::Arc<Node>) {
+    let mut last: Option<(converge_control::model::NodeUsage, std::time::Instant)> = None;
+    loop {
+        // A drive that wrote nothing since the last round folds its journal into its
+        // metadata pages (see `Drive::checkpoint_if_quiet`).
+        for t in node.drives.values().filter(|t| t.failure().is_none()) {
+            if let Err(e) = t.drive().checkpoint_if_quiet() {
+                log::warn!("drive {}: checkpoint: {e}", t.identity().drive);
+            }
+        }
+        let now = node_usage(&node);
+        let stale = last
+            .as_ref()
+            .is_none_or(|(u, at)| *u != now || at.elapsed() > Duration::from_secs(30));
+        if stale {
+            match node.cluster.put_usage(node.cfg.node_id, &now).await {
+                Ok(()) => last = Some((now, std::time::Instant::now())),
+                Err(e) => log::debug!("publishing drive usage: {e}"),
+            }
+        }
+        tokio::time::sleep(Duration::from_secs(2)).await;
+    }
+}
+
 /// Written and stored bytes of the extents the asked nodes hold, by (drive, volume, slab).
 #[derive(Default)]
 pub struct Gathered {

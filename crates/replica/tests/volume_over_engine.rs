@@ -66,6 +66,7 @@ impl SlabAllocator for Records {
         slab: SlabIndex,
         _epoch: Epoch,
         copies: usize,
+        _thin: bool,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         let v: Vec<ExtentLoc> = (1..=copies as u32)
             .map(|n| ExtentLoc {

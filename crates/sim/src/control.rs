@@ -180,6 +180,9 @@ impl Ctl {
             slab_size_bytes,
             tbw_bytes: None,
             warranty_years: None,
+            // Placement counts the simulated drives' extents whole (no usage is published):
+            // slots beyond their data extents are never used.
+            slots_total: None,
         };
         self.put_direct(&keys::drive(drive), json(&rec), None);
     }

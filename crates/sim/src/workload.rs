@@ -240,6 +240,9 @@ pub(crate) async fn repairer(w: Arc<World>) {
             .collect();
         crate::check_copies(&w, "during the run", false);
         report_failed_drives(&w).await;
+        // As the daemon's usage loop: drives that wrote nothing since the last round
+        // checkpoint their journal.
+        w.checkpoint_quiet_drives();
         for (v, o) in owners {
             if is_current(&w, v, &o) {
                 let vol = o.vol.clone();

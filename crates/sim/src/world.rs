@@ -1335,6 +1335,8 @@ impl World {
                     node: n.id,
                     extents_total: d.extents_total,
                     extents_used: used.get(&d.id).copied().unwrap_or(0),
+                    slots_total: d.extents_total,
+                    slots_used: used.get(&d.id).copied().unwrap_or(0),
                     live: d.id != drive,
                     role: DriveRole::Capacity,
                 })
@@ -1348,6 +1350,7 @@ impl World {
                 Ok(t) => {
                     if let Some(l) = loads.iter_mut().find(|l| l.drive == t.drive) {
                         l.extents_used += 1;
+                        l.slots_used += 1;
                     }
                 }
                 Err(_) => return false,
@@ -1378,6 +1381,46 @@ impl World {
                 Some((n, d, reason))
             })
             .collect()
+    }
+
+    /// Every up node's drives that wrote no journal batch since the last call checkpoint
+    /// (`Drive::checkpoint_if_quiet`, as the daemon does every few seconds). An armed
+    /// power loss may fire inside one: the node crashes, as for any engine write.
+    pub(crate) fn checkpoint_quiet_drives(self: &Arc<Self>) {
+        let nodes: Vec<NodeId> = lock(&self.nodes).iter().map(|n| n.id).collect();
+        for id in nodes {
+            let drives: Vec<Arc<Drive>> = self
+                .with_node(id, |n| {
+                    if !n.up {
+                        return Vec::new();
+                    }
+                    n.drives
+                        .iter()
+                        .filter_map(|d| d.tier.as_ref().map(|t| t.drive().clone()))
+                        .collect()
+                })
+                .unwrap_or_default();
+            for d in drives {
+                match d.checkpoint_if_quiet() {
+                    Ok(true) => {
+                        self.count("quiet checkpoints");
+                        let drive = d.identity().drive;
+                        self.trace(|| format!("node {id} drive {drive}: quiet checkpoint"));
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        let drive = d.identity().drive;
+                        self.trace(|| {
+                            format!("node {id} drive {drive}: quiet checkpoint failed: {e}")
+                        });
+                    }
+                }
+                if self.any_file_crashed(id) {
+                    self.crash_node(id, "armed power loss fired inside a quiet checkpoint");
+                    break;
+                }
+            }
+        }
     }
 
     /// Flips one bit, at rest, in a written data block of some drive of `node` whose other
@@ -1461,11 +1504,20 @@ impl World {
             // damage any of them, so each must be held elsewhere too.
             let key = blk.key;
             let bad_nodes = self.impaired_nodes();
-            let blocks_per_slab = self.opts.slab_blocks as usize;
-            let Delivery::Done(Ok(mine)) = self.exec(node, *drive, move |d| {
-                d.block_versions(key, 0, blocks_per_slab)
-            }) else {
-                return None;
+            // The versions of the stream's other members (a plain block: just its own, as
+            // the sample says, with no drive call).
+            let mine: Vec<converge_types::Version> = if blk.members.len() > 1 {
+                let blocks_per_slab = self.opts.slab_blocks as usize;
+                let Delivery::Done(Ok(v)) = self.exec(node, *drive, move |d| {
+                    d.block_versions(key, 0, blocks_per_slab)
+                }) else {
+                    return None;
+                };
+                v
+            } else {
+                let mut v = vec![converge_types::Version(0); blk.block as usize + 1];
+                v[blk.block as usize] = blk.version;
+                v
             };
             for &member in &blk.members {
                 let want = mine.get(member as usize).copied();

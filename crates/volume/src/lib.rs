@@ -149,12 +149,14 @@ pub trait SlabAllocator: Send + Sync + 'static {
     /// Places a new slab's `copies` and records it if it has no record yet (else returns
     /// the record another allocation made). Only the owner at `epoch` may allocate: a
     /// deposed owner gets [`VolumeError::Fenced`].
+    /// `thin`: the volume is compressed (placed by extent slots, docs/adr/0010).
     fn allocate(
         &self,
         volume: VolumeId,
         slab: SlabIndex,
         epoch: Epoch,
         copies: usize,
+        thin: bool,
     ) -> impl Future<Output = Result<Vec<ExtentLoc>, VolumeError>> + Send;
 
     /// The slab's record if it is allocated, asked as the owner at `epoch` (a deposed
@@ -694,7 +696,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let copies = self.cfg.resiliency.of_slab(idx).copies();
         let extents = self
             .alloc
-            .allocate(self.cfg.id, idx, self.cfg.epoch, copies)
+            .allocate(
+                self.cfg.id,
+                idx,
+                self.cfg.epoch,
+                copies,
+                !self.compression().is_none(),
+            )
             .await?;
         self.adopt(idx, extents).await
     }

@@ -391,6 +391,7 @@ impl SlabAllocator for FixedAlloc {
         _slab: SlabIndex,
         _epoch: Epoch,
         copies: usize,
+        _thin: bool,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         self.calls.fetch_add(1, Ordering::Relaxed);
         let nodes = self.nodes_next.lock().unwrap().clone();
