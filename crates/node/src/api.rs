@@ -927,17 +927,7 @@ pub(crate) async fn move_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Ou
         return Ok(r);
     }
     rec.owner = req.to;
-    if !node
-        .cluster
-        .update_volume(&rec, rev)
-        .await
-        .map_err(ApiError::unavailable)?
-    {
-        return Err(ApiError(
-            StatusCode::CONFLICT,
-            format!("volume {name} changed meanwhile; try again"),
-        ));
-    }
+    update_record(node, name, &rec, rev).await?;
     node.drop_volume(name).await;
     node.cluster
         .release_ownership(rec.id, node.cfg.node_id)
@@ -1179,6 +1169,28 @@ async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     ok(&serde_json::json!({"deleted": name}))
 }
 
+/// Writes a volume's changed record if it is still at revision `rev` (else 409: it
+/// changed meanwhile).
+async fn update_record(
+    node: &Node,
+    name: &str,
+    rec: &converge_control::model::VolumeRecord,
+    rev: i64,
+) -> Result<(), ApiError> {
+    if !node
+        .cluster
+        .update_volume(rec, rev)
+        .await
+        .map_err(ApiError::unavailable)?
+    {
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!("volume {name} changed meanwhile; try again"),
+        ));
+    }
+    Ok(())
+}
+
 /// Changes a volume's settings live (compression): on the serving owner, which applies it
 /// to the writes that follow; what is stored keeps its form until written again.
 async fn volume_settings(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
@@ -1207,17 +1219,7 @@ async fn volume_settings(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     if let Some(c) = req.compression {
         rec.compression = c;
     }
-    if !node
-        .cluster
-        .update_volume(&rec, rev)
-        .await
-        .map_err(ApiError::unavailable)?
-    {
-        return Err(ApiError(
-            StatusCode::CONFLICT,
-            format!("volume {name} changed meanwhile; try again"),
-        ));
-    }
+    update_record(node, name, &rec, rev).await?;
     if let Some(v) = node.volumes.lock().await.get(name) {
         v.set_compression(rec.compression);
     }
@@ -1265,17 +1267,7 @@ async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
         )?;
     }
     rec.size_bytes = req.size_bytes;
-    if !node
-        .cluster
-        .update_volume(&rec, rev)
-        .await
-        .map_err(ApiError::unavailable)?
-    {
-        return Err(ApiError(
-            StatusCode::CONFLICT,
-            format!("volume {name} changed meanwhile; try again"),
-        ));
-    }
+    update_record(node, name, &rec, rev).await?;
     if let Some(v) = node.volumes.lock().await.get(name) {
         v.grow(req.size_bytes)
             .map_err(|e| ApiError::bad(e.to_string()))?;

@@ -510,32 +510,6 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             offset,
             crcs,
             data,
-            codec: Compression::None,
-        }
-        | ExtentOp::WriteHeld {
-            key,
-            epoch,
-            version,
-            offset,
-            crcs,
-            data,
-        } => {
-            let mut b = new_head(56 + 4 * crcs.len());
-            put_key(&mut b, drive, key);
-            b.put_u64_le(epoch.0);
-            b.put_u64_le(version.0);
-            b.put_u64_le(*offset);
-            put_u32_list(&mut b, crcs);
-            b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
-            (b, data.clone())
-        }
-        ExtentOp::Write {
-            key,
-            epoch,
-            version,
-            offset,
-            crcs,
-            data,
             codec,
         } => {
             let mut b = new_head(57 + 4 * crcs.len());
@@ -543,11 +517,33 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u64_le(epoch.0);
             b.put_u64_le(version.0);
             b.put_u64_le(*offset);
-            b.put_u8(codec.code());
+            // WRITE_PACKED only: a plain write keeps WRITE's bytes.
+            if !codec.is_none() {
+                b.put_u8(codec.code());
+            }
             put_u32_list(&mut b, crcs);
             b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
             (b, data.clone())
         }
+        ExtentOp::WriteHeld {
+            key,
+            epoch,
+            version,
+            offset,
+            crcs,
+            data,
+        } => encode_extent_op(
+            drive,
+            &ExtentOp::Write {
+                key: *key,
+                epoch: *epoch,
+                version: *version,
+                offset: *offset,
+                crcs: crcs.clone(),
+                data: data.clone(),
+                codec: Compression::None,
+            },
+        ),
         ExtentOp::Read {
             key,
             epoch,
