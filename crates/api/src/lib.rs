@@ -114,8 +114,9 @@ pub struct DriveInfo {
     /// only what they store, docs/adr/0010); absent: as many as `extents_total`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots_total: Option<u64>,
-    /// Bytes its extents claim as its node last reported (plain extents whole, compressed
-    /// ones what they store): what counts as used.
+    /// Bytes its extents claim: the extents placed on it, whole, less the room its node
+    /// last reported its compressed extents do not take (an extent placed since counts
+    /// whole): what counts as used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub committed_bytes: Option<u64>,
 }

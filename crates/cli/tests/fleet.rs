@@ -493,7 +493,41 @@ fn bad_input_is_refused_before_anything_starts() {
         "--resiliency",
         "mirror-2",
     ]);
-    assert!(e.contains("two or more different resiliencies"), "{e}");
+    assert!(e.contains("two or more different policies"), "{e}");
+    // Compression: a codec it knows, on a resiliency that compresses; with a study, named
+    // in each policy.
+    let e = run(&["--profile", "small-block", "--compression", "gzip"]);
+    assert!(e.contains("--compression") && e.contains("gzip"), "{e}");
+    let e = run(&[
+        "--profile",
+        "small-block",
+        "--compression",
+        "zstd",
+        "--resiliency",
+        "parity-2+1",
+    ]);
+    assert!(
+        e.contains("--compression") && e.contains("parity-2+1"),
+        "{e}"
+    );
+    let e = run(&[
+        "--profile",
+        "small-block",
+        "--study",
+        "density",
+        "--compression",
+        "zstd",
+    ]);
+    assert!(e.contains("mirror-3:zstd"), "says how: {e}");
+    let e = run(&[
+        "--profile",
+        "small-block",
+        "--study",
+        "density",
+        "--resiliency",
+        "mirror-3,parity-2+1:lz4",
+    ]);
+    assert!(e.contains("parity") && e.contains("mirror"), "{e}");
     let e = run(&[
         "--profile",
         "small-block",

@@ -202,6 +202,12 @@ impl DriveUsage {
         self.extents_used
             .saturating_sub(self.committed_bytes.div_ceil(slab_bytes.max(1)))
     }
+
+    /// Bytes of room the drive's compressed extents do not take (the capacity report
+    /// takes it off the extents placed on the drive).
+    pub fn saved_bytes(&self, slab_bytes: u64) -> u64 {
+        (self.extents_used * slab_bytes).saturating_sub(self.committed_bytes)
+    }
 }
 
 /// A volume.
