@@ -196,6 +196,12 @@ pub struct VolumeInfo {
     /// How the copies compress the volume's data (docs/adr/0010).
     #[serde(default)]
     pub compression: Compression,
+    /// Encryption at rest (docs/adr/0011); absent: not encrypted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<EncryptionInfo>,
+    /// QoS limits and reservation (docs/QOS.md).
+    #[serde(default)]
+    pub qos: converge_types::Qos,
     /// Volume bytes in allocated slabs (thin provisioning), each slab counted once: a
     /// mirror slab spans one extent, a parity-K+M slab K extents (its data chunks).
     pub allocated_bytes: u64,
@@ -237,6 +243,28 @@ pub struct CreateVolume {
     /// none.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<Compression>,
+    /// Encrypt the volume at rest (AES-256-XTS, docs/adr/0011) with a new data key wrapped
+    /// by the receiving node's current cluster key. Not with compression.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub encrypt: bool,
+    /// QoS limits and reservation (docs/QOS.md). Absent: none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qos: Option<converge_types::Qos>,
+}
+
+/// An encrypted volume's cipher and the cluster key its data key is wrapped with.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EncryptionInfo {
+    pub cipher: String,
+    pub key_id: u32,
+}
+
+/// `POST /v1/volumes/NAME/rekey`: what re-wrapping did.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Rekeyed {
+    pub name: String,
+    pub from_key: u32,
+    pub to_key: u32,
 }
 
 /// `POST /v1/volumes/NAME/settings`: what to change (absent: unchanged).
@@ -246,6 +274,10 @@ pub struct VolumeSettings {
     /// How later writes are compressed; stored data keeps its form until written again.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub compression: Option<Compression>,
+    /// QoS settings, replacing the volume's whole (absent fields: none), in force for the
+    /// next I/O (docs/QOS.md).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub qos: Option<converge_types::Qos>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -7,6 +7,8 @@
 //! writes the report after every point — so Ctrl-C or a failure still leaves what was
 //! measured.
 
+mod qos;
+
 use crate::http;
 use anyhow::{anyhow, bail, Context, Result};
 use clap::{Args, Subcommand};
@@ -75,6 +77,11 @@ pub enum FleetCmd {
     },
     /// List the profiles with their parameters.
     Profiles,
+    /// The noisy-neighbour study (docs/QOS.md): on one node, a victim volume beside noisy
+    /// neighbours, alone, unprotected, with a reservation, and with the neighbours limited;
+    /// IOPS and latencies per phase, whether the reservation held, and how close each
+    /// neighbour came to its limit (OUT/qos.md, qos.json).
+    Qos(qos::QosArgs),
     /// After a crashed run: stop the fleet workers on every node and delete the fleet's
     /// volumes (fleet-n*-w*).
     Clean,
@@ -165,6 +172,10 @@ pub struct RunArgs {
     /// random and does not compress.
     #[arg(long, value_name = "CODEC")]
     compression: Option<String>,
+    /// The workers' volumes are encrypted at rest (AES-256-XTS on their owners,
+    /// docs/adr/0011): compare a run with and without it for encryption's CPU per I/O.
+    #[arg(long)]
+    encrypt: bool,
 }
 
 fn parse_cache_mode(s: &str) -> Result<CacheMode, String> {
@@ -345,6 +356,7 @@ pub fn run(cmd: &FleetCmd, json: bool, api: impl Fn() -> Result<String>) -> Resu
             Ok(())
         }
         FleetCmd::Clean => clean(&api()?),
+        FleetCmd::Qos(a) => qos::run(a, json, &api()?),
     }
 }
 
@@ -450,6 +462,7 @@ fn overrides(a: &RunArgs) -> Result<Overrides> {
                     .map_err(|e| anyhow!("--compression: {e}"))
             })
             .transpose()?,
+        encrypt: a.encrypt,
     })
 }
 
@@ -1343,6 +1356,8 @@ fn sweep(
                 min_replicas: None,
                 mirror_part_bytes: None,
                 compression: (!settings.compression.is_none()).then_some(settings.compression),
+                encrypt: settings.encrypt,
+                qos: None,
             })?;
             let _: Value = http::call(session.api, "POST", "/v1/volumes", Some(&body))
                 .with_context(|| format!("creating volume {name}"))?;

@@ -371,6 +371,11 @@ pub fn default_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from("converge-lab"))
 }
 
+/// The lab's cluster key file (docs/adr/0011), which every node of the lab names.
+pub fn key_file(dir: &Path) -> PathBuf {
+    dir.join("cluster.keys")
+}
+
 fn lab_file(dir: &Path) -> PathBuf {
     dir.join("lab.json")
 }
@@ -835,6 +840,12 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     // on real hosts (etcd wants a client certificate of the CA from every caller, members
     // of each other too).
     let ca = lab_ca(&dir)?;
+    // One cluster key file for the lab's nodes (they share this machine), so encrypted
+    // volumes work in any lab; kept across `lab down` with the rest of DIR.
+    if !key_file(&dir).exists() {
+        converge_pki::keys::Keyring::create(&key_file(&dir))
+            .map_err(|e| anyhow!("making the lab's cluster key: {e}"))?;
+    }
     let etcd_pki = dir.join("pki").join("etcd");
     let etcd_hosts: Vec<String> = members.iter().map(|m| m.ip.to_string()).collect();
     lab_etcd_cert(&ca, &etcd_pki, &etcd_hosts)?;
@@ -1023,8 +1034,9 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             dir.join("admin.token").display().to_string()
         ));
         toml.push_str(&format!(
-            "\n[tls]\ndir = {:?}\n",
-            ndir.join("pki").display().to_string()
+            "\n[tls]\ndir = {:?}\n\n[encryption]\nkey_file = {:?}\n",
+            ndir.join("pki").display().to_string(),
+            key_file(&dir).display().to_string()
         ));
         fs::write(&config, toml)?;
         let argv = vec![

@@ -7,6 +7,7 @@
 mod cache;
 mod fleet;
 mod http;
+mod key_cmd;
 mod lab;
 mod nemesis;
 mod netns;
@@ -97,6 +98,10 @@ enum Cmd {
     /// clients (qemu, nbdcopy over nbds://).
     #[command(subcommand)]
     Cert(pki_cmd::CertCmd),
+    /// Cluster keys: the key file (outside etcd, on every node) that wraps encrypted
+    /// volumes' data keys; make it, rotate it (docs/adr/0011).
+    #[command(subcommand)]
+    Key(key_cmd::KeyCmd),
     /// Benchmark the cluster the way vendors' reference architectures do: fio workers
     /// ("VMs") on every node swept over queue depths, read/write mixes and block sizes,
     /// with a report (tables, charts, CPU, queue length, write amplification, endurance).
@@ -295,6 +300,24 @@ enum VolumeCmd {
         /// (docs/adr/0010). `volume set` changes it later.
         #[arg(long, default_value = "none")]
         compression: String,
+        /// Encrypt the volume at rest: AES-256-XTS on the owner, so the drives, caches and
+        /// copies hold only ciphertext. Its data key is wrapped by the cluster key file
+        /// (`converge key`), which every node that may serve it needs. Not with
+        /// --compression (docs/adr/0011).
+        #[arg(long)]
+        encrypt: bool,
+        #[command(flatten)]
+        qos: QosArgs,
+    },
+    /// Wrap encrypted volumes' data keys again with the current cluster key (after
+    /// `converge key add`); the data is not rewritten.
+    Rekey {
+        /// The volume; or --all.
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        name: Option<String>,
+        /// Every encrypted volume.
+        #[arg(long)]
+        all: bool,
     },
     /// Change a volume's settings live: how later writes are compressed (what is stored
     /// keeps its form until it is written again).
@@ -302,7 +325,13 @@ enum VolumeCmd {
         name: String,
         /// none, lz4 or zstd.
         #[arg(long)]
-        compression: String,
+        compression: Option<String>,
+        /// Replace the volume's QoS with the --iops-limit, --bw-limit, --burst and
+        /// --iops-reserve given here (any left out: none); `--qos none` clears them all.
+        #[arg(long, value_name = "none")]
+        qos: Option<String>,
+        #[command(flatten)]
+        limits: QosArgs,
     },
     /// List volumes.
     List,
@@ -324,6 +353,53 @@ enum VolumeCmd {
         #[arg(long)]
         to: u32,
     },
+}
+
+/// Per-volume QoS (docs/QOS.md).
+#[derive(Args, Clone, Debug, Default)]
+struct QosArgs {
+    /// Most I/Os per second (every request counts one, whatever its size), enforced on the
+    /// owner.
+    #[arg(long, value_name = "IOPS")]
+    iops_limit: Option<u64>,
+    /// Most bytes per second, reads and writes together, e.g. 200M.
+    #[arg(long, value_name = "SIZE")]
+    bw_limit: Option<String>,
+    /// How far I/O may run ahead of the limits after a quiet spell, in seconds of them
+    /// (default 1; up to 60), e.g. 0.5.
+    #[arg(long, value_name = "SECONDS")]
+    burst: Option<f64>,
+    /// I/Os per second the volume keeps when the volumes its owner serves contend: the
+    /// owner holds back those without a reservation while this one falls short.
+    #[arg(long, value_name = "IOPS")]
+    iops_reserve: Option<u64>,
+}
+
+impl QosArgs {
+    fn given(&self) -> bool {
+        self.iops_limit.is_some()
+            || self.bw_limit.is_some()
+            || self.burst.is_some()
+            || self.iops_reserve.is_some()
+    }
+
+    fn to_qos(&self) -> Result<converge_types::Qos> {
+        let burst_ms = match self.burst {
+            Some(b) if !(0.0..=60.0).contains(&b) || b.is_nan() => {
+                bail!("--burst {b}: give seconds from 0 to 60")
+            }
+            Some(b) => Some((b * 1000.0).round() as u32),
+            None => None,
+        };
+        let q = converge_types::Qos {
+            iops_limit: self.iops_limit,
+            bytes_limit: self.bw_limit.as_deref().map(parse_size).transpose()?,
+            burst_ms,
+            iops_reserve: self.iops_reserve,
+        };
+        q.check().map_err(|e| anyhow::anyhow!("{e}"))?;
+        Ok(q)
+    }
 }
 
 #[derive(Args, Clone)]
@@ -737,6 +813,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
         Cmd::Token(c) => run_token(&cli, c)?,
         Cmd::Cert(c) => pki_cmd::run(c)?,
+        Cmd::Key(k) => key_cmd::run(k, api_base(&cli).ok().as_deref())?,
         Cmd::Cluster(ClusterCmd::Init { pki, node, hosts }) => pki_cmd::init(pki, *node, hosts)?,
         Cmd::Cluster(ClusterCmd::RollingRestart {
             exec,
@@ -837,6 +914,8 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
             owner,
             mirror_part,
             compression,
+            encrypt,
+            qos,
         } => {
             check_name(name)?;
             let size_bytes = parse_size(size)?;
@@ -854,6 +933,8 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
                 min_replicas: None,
                 mirror_part_bytes,
                 compression: (!compression.is_none()).then_some(compression),
+                encrypt: *encrypt,
+                qos: qos.given().then(|| qos.to_qos()).transpose()?,
             })?;
             let v: VolumeInfo = http::call(&api_base(cli)?, "POST", "/v1/volumes", Some(&body))?;
             if cli.json {
@@ -910,6 +991,14 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
                 ),
             }
             println!("compression {}", compression_line(&v));
+            match &v.encryption {
+                Some(e) => println!(
+                    "encryption  {} (data key wrapped by cluster key {})",
+                    e.cipher, e.key_id
+                ),
+                None => println!("encryption  none"),
+            }
+            println!("qos         {}", v.qos);
             if let Some(m) = &v.mirror_part {
                 println!(
                     "mirror part {} ({}): {} used ({:.0}%), parity {} (rotates at {}% full, down to {}%)",
@@ -971,12 +1060,30 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
             }
             println!("volume {} is now {}", v.name, format_size(v.size_bytes));
         }
-        VolumeCmd::Set { name, compression } => {
+        VolumeCmd::Set {
+            name,
+            compression,
+            qos,
+            limits,
+        } => {
             check_name(name)?;
-            let compression: converge_types::Compression = compression.parse()?;
-            let body = serde_json::to_value(converge_api::VolumeSettings {
-                compression: Some(compression),
-            })?;
+            let compression = compression
+                .as_deref()
+                .map(str::parse::<converge_types::Compression>)
+                .transpose()?;
+            let qos = match qos.as_deref() {
+                Some("none") if limits.given() => {
+                    bail!("--qos none clears every limit: give it alone")
+                }
+                Some("none") => Some(converge_types::Qos::default()),
+                Some(other) => bail!("--qos {other:?}: the only value is none"),
+                None if limits.given() => Some(limits.to_qos()?),
+                None => None,
+            };
+            if compression.is_none() && qos.is_none() {
+                bail!("nothing to change: give --compression, or QoS (--iops-limit, --bw-limit, --burst, --iops-reserve, or --qos none)");
+            }
+            let body = serde_json::to_value(converge_api::VolumeSettings { compression, qos })?;
             let v: VolumeInfo = http::call(
                 &api_base(cli)?,
                 "POST",
@@ -986,10 +1093,55 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
             if cli.json {
                 return print_json(&v);
             }
-            println!(
-                "volume {}: compression {} for the writes that follow (stored data keeps its form until written again)",
-                v.name, v.compression
-            );
+            if compression.is_some() {
+                println!(
+                    "volume {}: compression {} for the writes that follow (stored data keeps its form until written again)",
+                    v.name, v.compression
+                );
+            }
+            if qos.is_some() {
+                println!("volume {}: qos {}", v.name, v.qos);
+            }
+        }
+        VolumeCmd::Rekey { name, all } => {
+            let base = api_base(cli)?;
+            let names: Vec<String> = match name {
+                Some(n) => {
+                    check_name(n)?;
+                    vec![n.clone()]
+                }
+                None => {
+                    debug_assert!(*all);
+                    let v: Vec<VolumeInfo> = http::call(&base, "GET", "/v1/volumes", None)?;
+                    v.into_iter()
+                        .filter(|v| v.encryption.is_some())
+                        .map(|v| v.name)
+                        .collect()
+                }
+            };
+            let mut done = Vec::new();
+            for n in &names {
+                let r: converge_api::Rekeyed =
+                    http::call(&base, "POST", &format!("/v1/volumes/{n}/rekey"), None)
+                        .with_context(|| format!("re-keying volume {n}"))?;
+                if !cli.json {
+                    if r.from_key == r.to_key {
+                        println!("volume {n}: already wrapped by cluster key {}", r.to_key);
+                    } else {
+                        println!(
+                            "volume {n}: data key re-wrapped from cluster key {} to {}",
+                            r.from_key, r.to_key
+                        );
+                    }
+                }
+                done.push(r);
+            }
+            if cli.json {
+                return print_json(&done);
+            }
+            if names.is_empty() {
+                println!("no encrypted volumes");
+            }
         }
         VolumeCmd::Move { name, to } => {
             check_name(name)?;
@@ -1469,6 +1621,7 @@ fn volumes_table(v: &[VolumeInfo]) -> String {
         "WRITTEN",
         "STORED",
         "COMPRESSION",
+        "ENCRYPTION",
         "DEGRADED",
         "URI",
     ]);
@@ -1482,6 +1635,9 @@ fn volumes_table(v: &[VolumeInfo]) -> String {
             x.written_bytes.map_or("-".into(), format_size),
             x.stored_bytes.map_or("-".into(), format_size),
             x.compression.to_string(),
+            x.encryption
+                .as_ref()
+                .map_or("-".into(), |e| format!("key {}", e.key_id)),
             x.degraded_extents.to_string(),
             x.uri.clone(),
         ]);

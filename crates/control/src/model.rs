@@ -230,6 +230,25 @@ pub struct VolumeRecord {
     /// volumes only. Changed live by `volume set`; applies to data written afterwards.
     #[serde(default, skip_serializing_if = "Compression::is_none_ref")]
     pub compression: Compression,
+    /// Encryption at rest (docs/adr/0011): the volume's data key, wrapped by a cluster key
+    /// kept outside etcd. Absent: not encrypted. Set at creation only.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub encryption: Option<EncryptionRecord>,
+    /// QoS limits and reservation (docs/QOS.md); changed live by `volume set`.
+    #[serde(default, skip_serializing_if = "converge_types::Qos::is_none_ref")]
+    pub qos: converge_types::Qos,
+}
+
+/// How an encrypted volume's data key is kept (docs/adr/0011).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EncryptionRecord {
+    /// The data cipher: `aes-256-xts`.
+    pub cipher: String,
+    /// Which cluster key (the id in the nodes' key file) wraps the data key.
+    pub key_id: u32,
+    /// The data key wrapped with AES-256-GCM (nonce, ciphertext, tag), base64, bound to
+    /// the volume id.
+    pub wrapped_key: String,
 }
 
 fn is_zero(n: &u64) -> bool {

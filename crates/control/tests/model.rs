@@ -38,6 +38,8 @@ fn volume(id: u64, name: &str) -> VolumeRecord {
         owner: NodeId(1),
         created_unix: 1,
         compression: converge_types::Compression::None,
+        encryption: None,
+        qos: Default::default(),
     }
 }
 

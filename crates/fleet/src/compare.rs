@@ -21,11 +21,18 @@ pub struct Run {
 type Attr = (&'static str, fn(&RunSummary) -> String);
 
 /// What may differ between runs, in the order labels name it.
-const ATTRS: [Attr; 11] = [
+const ATTRS: [Attr; 12] = [
     ("profile", |s| s.config.settings.profile.to_string()),
     ("resiliency", |s| s.config.settings.resiliency.to_string()),
     ("compression", |s| {
         format!("compression {}", s.config.settings.compression)
+    }),
+    ("encryption", |s| {
+        if s.config.settings.encrypt {
+            "encrypted".into()
+        } else {
+            "not encrypted".into()
+        }
     }),
     ("data", |s| s.config.settings.data_pattern()),
     ("cache", |s| s.config.cluster.cache_mode.clone()),

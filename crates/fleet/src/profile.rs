@@ -113,6 +113,7 @@ impl Profile {
             compress_pct: 0,
             dedupe_pct: 0,
             compression: Compression::None,
+            encrypt: false,
         };
         match self {
             Profile::SmallBlock => base,
@@ -219,6 +220,9 @@ pub struct Settings {
     /// How the workers' volumes compress their data (docs/adr/0010).
     #[serde(default)]
     pub compression: Compression,
+    /// The workers' volumes are encrypted at rest (docs/adr/0011).
+    #[serde(default)]
+    pub encrypt: bool,
 }
 
 impl Settings {
@@ -264,6 +268,7 @@ pub struct Overrides {
     pub compress_pct: Option<u64>,
     pub dedupe_pct: Option<u64>,
     pub compression: Option<Compression>,
+    pub encrypt: bool,
 }
 
 fn sorted_unique<T: Ord + Copy>(v: &[T]) -> Vec<T> {
@@ -383,6 +388,14 @@ pub fn resolve(profile: &str, o: &Overrides) -> Result<Settings, PlanError> {
                 "{} volumes store their chunks as written; compression works on mirror and simple volumes",
                 s.resiliency
             ),
+        ));
+    }
+    s.encrypt |= o.encrypt;
+    if s.encrypt && !s.compression.is_none() {
+        return Err(invalid(
+            "--encrypt",
+            "with --compression",
+            "ciphertext does not compress: choose one of them",
         ));
     }
     if let Some(w) = o.warmup_s {

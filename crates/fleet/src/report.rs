@@ -175,6 +175,14 @@ fn configuration(s: &RunSummary) -> Section {
             ("resiliency", st.resiliency.to_string()),
             ("compression", st.compression.to_string()),
             (
+                "encryption",
+                if st.encrypt {
+                    "aes-256-xts (on the volumes' owners)".to_string()
+                } else {
+                    "none".to_string()
+                },
+            ),
+            (
                 "data pattern",
                 format!(
                     "{} (fio buffer_compress_percentage {}, dedupe_percentage {})",

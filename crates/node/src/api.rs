@@ -217,6 +217,7 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::GET, ["v1", "volumes", name]) => ok(&volume(node, name).await?),
         (&Method::DELETE, ["v1", "volumes", name]) => delete_volume(node, name, body).await,
         (&Method::POST, ["v1", "volumes", name, "resize"]) => resize_volume(node, name, body).await,
+        (&Method::POST, ["v1", "volumes", name, "rekey"]) => rekey_volume(node, name).await,
         (&Method::POST, ["v1", "volumes", name, "settings"]) => {
             volume_settings(node, name, body).await
         }
@@ -531,6 +532,14 @@ fn volume_info(
         uri_tcp,
         slabs_allocated: slabs.len() as u64,
         compression: rec.compression,
+        encryption: rec
+            .encryption
+            .as_ref()
+            .map(|e| converge_api::EncryptionInfo {
+                cipher: e.cipher.clone(),
+                key_id: e.key_id,
+            }),
+        qos: rec.qos,
         // A parity slab holds K extents' worth of volume data, a mirror-part slab one.
         allocated_bytes: rec
             .resiliency
@@ -798,6 +807,15 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
     }
     let compression = req.compression.unwrap_or_default();
     check_compression(req.resiliency, compression)?;
+    let qos = req.qos.unwrap_or_default();
+    qos.check()
+        .map_err(|e| ApiError::bad(format!("bad qos: {e}")))?;
+    if req.encrypt && !compression.is_none() {
+        return Err(ApiError::bad(
+            "an encrypted volume cannot be compressed: ciphertext does not compress (choose \
+             one of encryption and compression)",
+        ));
+    }
     let owner = req.owner.unwrap_or(node.cfg.node_id);
     let live = node
         .cluster
@@ -824,8 +842,19 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
             format!("cannot create volume {}: {e}", req.name),
         )
     })?;
+    let id = VolumeId(rand::random::<u64>() >> 1);
+    let encryption = if req.encrypt {
+        Some(crate::encryption::new_record(&node.cfg, id.0).map_err(|e| {
+            ApiError(
+                StatusCode::CONFLICT,
+                format!("cannot create encrypted volume {}: {e}", req.name),
+            )
+        })?)
+    } else {
+        None
+    };
     let rec = VolumeRecord {
-        id: VolumeId(rand::random::<u64>() >> 1),
+        id,
         name: req.name.clone(),
         size_bytes: req.size_bytes,
         resiliency: req.resiliency,
@@ -838,6 +867,8 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
             .map(|d| d.as_secs())
             .unwrap_or(0),
         compression,
+        encryption,
+        qos,
     };
     node.cluster
         .create_volume(&rec)
@@ -1201,14 +1232,24 @@ async fn update_record(
 async fn volume_settings(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     let req: converge_api::VolumeSettings = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("bad volume settings request: {e}")))?;
-    if req.compression.is_none() {
+    if req.compression.is_none() && req.qos.is_none() {
         return Err(ApiError::bad(
-            "nothing to change: give compression (none, lz4 or zstd)",
+            "nothing to change: give compression (none, lz4 or zstd) or qos",
         ));
+    }
+    if let Some(q) = &req.qos {
+        q.check()
+            .map_err(|e| ApiError::bad(format!("bad qos: {e}")))?;
     }
     let (mut rec, rev) = volume_record(node, name).await?;
     if let Some(c) = req.compression {
         check_compression(rec.resiliency, c)?;
+        if rec.encryption.is_some() && !c.is_none() {
+            return Err(ApiError::bad(format!(
+                "volume {name} is encrypted: ciphertext does not compress, so compression \
+                 stays none"
+            )));
+        }
     }
     if let Some(r) = forward_to_owner(
         node,
@@ -1224,12 +1265,43 @@ async fn volume_settings(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     if let Some(c) = req.compression {
         rec.compression = c;
     }
+    if let Some(q) = req.qos {
+        rec.qos = q;
+    }
     update_record(node, name, &rec, rev).await?;
     if let Some(v) = node.volumes.lock().await.get(name) {
         v.set_compression(rec.compression);
+        v.set_qos(rec.qos);
     }
-    log::info!("volume {name}: compression {}", rec.compression);
+    log::info!(
+        "volume {name}: compression {}, qos {}",
+        rec.compression,
+        rec.qos
+    );
     ok(&volume(node, name).await?)
+}
+
+/// Wraps an encrypted volume's data key again with this node's current cluster key (key
+/// rotation, docs/adr/0011). The data and its key stay as they are: the owner keeps
+/// serving, and any node whose key file has the new key can open it from now on.
+async fn rekey_volume(node: &Arc<Node>, name: &str) -> Out {
+    let (mut rec, rev) = volume_record(node, name).await?;
+    let Some(from) = rec.encryption.as_ref().map(|e| e.key_id) else {
+        return Err(ApiError::bad(format!("volume {name} is not encrypted")));
+    };
+    let e = crate::encryption::rewrap(&node.cfg, &rec)
+        .map_err(|e| ApiError(StatusCode::CONFLICT, format!("cannot re-key: {e}")))?;
+    let to = e.key_id;
+    if to != from {
+        rec.encryption = Some(e);
+        update_record(node, name, &rec, rev).await?;
+        log::info!("volume {name}: data key re-wrapped from cluster key {from} to {to}");
+    }
+    ok(&converge_api::Rekeyed {
+        name: name.to_string(),
+        from_key: from,
+        to_key: to,
+    })
 }
 
 async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {

@@ -194,6 +194,7 @@ pub fn required(method: &hyper::Method, parts: &[&str]) -> Option<Role> {
         (&Method::GET, _) => Some(Role::ReadOnly),
         (&Method::DELETE, ["v1", "volumes", ..])
         | (&Method::POST, ["v1", "settings"])
+        | (&Method::POST, ["v1", "volumes", _, "rekey"])
         | (&Method::POST, ["v1", "nodes", _, "drain"])
         | (&Method::DELETE, ["v1", "nodes", _]) => Some(Role::Admin),
         _ => Some(Role::Operator),
@@ -307,6 +308,7 @@ mod tests {
         assert_eq!(need(&Method::POST, "v1/fleet/run"), Some(Role::Operator));
         assert_eq!(need(&Method::DELETE, "v1/volumes/a"), Some(Role::Admin));
         assert_eq!(need(&Method::POST, "v1/settings"), Some(Role::Admin));
+        assert_eq!(need(&Method::POST, "v1/volumes/a/rekey"), Some(Role::Admin));
         assert_eq!(need(&Method::POST, "v1/nodes/3/drain"), Some(Role::Admin));
         assert_eq!(need(&Method::DELETE, "v1/nodes/3"), Some(Role::Admin));
         assert_eq!(

@@ -48,6 +48,15 @@ struct RawConfig {
     api: RawApi,
     #[serde(default)]
     tls: RawTls,
+    #[serde(default)]
+    encryption: RawEncryption,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawEncryption {
+    /// The cluster key file (docs/adr/0011): wraps encrypted volumes' data keys.
+    key_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -177,6 +186,9 @@ pub struct Config {
     pub fleet_api: bool,
     /// This node's PKI directory (default: `pki` beside the config file).
     pub tls_dir: PathBuf,
+    /// The cluster key file that wraps encrypted volumes' keys ([encryption] key_file);
+    /// `None`: this node cannot create or serve encrypted volumes.
+    pub key_file: Option<PathBuf>,
 }
 
 impl Config {
@@ -388,6 +400,7 @@ impl Config {
             lab_api: raw.api.lab,
             fleet_api: raw.api.fleet,
             tls_dir,
+            key_file: raw.encryption.key_file,
         })
     }
 }
@@ -425,6 +438,23 @@ size = "1G"
             c.etcd_tls.ca_file.as_deref(),
             Some(Path::new("/etc/converge/pki/ca.crt"))
         );
+    }
+
+    #[test]
+    fn the_cluster_key_file_is_optional() {
+        let c = Config::parse(Path::new("x.toml"), GOOD).unwrap();
+        assert_eq!(c.key_file, None);
+        let text = format!("{GOOD}\n[encryption]\nkey_file = \"/etc/converge/cluster.keys\"\n");
+        let c = Config::parse(Path::new("x.toml"), &text).unwrap();
+        assert_eq!(
+            c.key_file.as_deref(),
+            Some(Path::new("/etc/converge/cluster.keys"))
+        );
+        let bad = format!("{GOOD}\n[encryption]\nkey = \"x\"\n");
+        let e = Config::parse(Path::new("x.toml"), &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown field"), "{e}");
     }
 
     #[test]

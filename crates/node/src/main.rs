@@ -7,6 +7,7 @@ mod cache_api;
 mod capacity;
 mod config;
 mod drain;
+mod encryption;
 mod export;
 mod fleet;
 mod http_client;
@@ -15,6 +16,7 @@ mod lab_api;
 mod metrics;
 mod node;
 mod orphans;
+mod qos;
 mod repair;
 mod rotate;
 mod scrub;
@@ -269,6 +271,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         cache_paths,
         fenced: Default::default(),
         volumes: tokio::sync::Mutex::new(Default::default()),
+        qos_gate: Default::default(),
         jobs: repair::Jobs::default(),
         throttle: converge_volume::resync::Throttle::new(cfg.knobs.resync_bytes_per_s),
         scrub_throttle: converge_volume::resync::Throttle::new(cfg.knobs.scrub_bytes_per_s),
@@ -349,6 +352,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let caches = tokio::spawn(tiering::run(node.clone()));
     let rotator = tokio::spawn(rotate::run(node.clone()));
     let usage = tokio::spawn(usage::publish(node.clone()));
+    let qos = tokio::spawn(qos::run(node.clone()));
     // Copies deleted or moved away while this node was down are freed now.
     let sweep = {
         let node = node.clone();
@@ -371,6 +375,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     caches.abort();
     rotator.abort();
     usage.abort();
+    qos.abort();
     nbd.abort();
     if let Some(t) = nbd_tcp {
         t.abort();

@@ -74,6 +74,22 @@ pub async fn render(node: &Node) -> String {
         "converge_process_cpu_seconds_total{{node=\"{n}\"}} {}",
         process_cpu_seconds()
     );
+    // QoS (docs/QOS.md): the cap on this node's volumes without a reservation (0: none).
+    let (held, waited_us) = node.qos_gate.throttled();
+    let _ = writeln!(
+        o,
+        "converge_node_qos_best_effort_cap_iops{{node=\"{n}\"}} {}",
+        node.qos_gate.cap().unwrap_or(0)
+    );
+    let _ = writeln!(
+        o,
+        "converge_node_qos_best_effort_throttled_total{{node=\"{n}\"}} {held}"
+    );
+    let _ = writeln!(
+        o,
+        "converge_node_qos_best_effort_wait_seconds_total{{node=\"{n}\"}} {:.6}",
+        waited_us as f64 / 1e6
+    );
     let _ = writeln!(
         o,
         "# HELP converge_drive_read_ops_total Reads served by the drive."
@@ -264,6 +280,17 @@ pub async fn render(node: &Node) -> String {
             o,
             "converge_volume_hedged_reads_total{{{l}}} {}",
             s.hedged_reads
+        );
+        // QoS (docs/QOS.md): I/Os held back by the volume's limits or its node's gate.
+        let _ = writeln!(
+            o,
+            "converge_volume_qos_throttled_total{{{l}}} {}",
+            s.qos_throttled
+        );
+        let _ = writeln!(
+            o,
+            "converge_volume_qos_wait_seconds_total{{{l}}} {:.6}",
+            s.qos_waited_us as f64 / 1e6
         );
         let map = vols[name].slab_map();
         let cfg = vols[name].config();

@@ -44,6 +44,8 @@ pub struct Node {
     pub allocator: Arc<Allocator>,
     /// Volumes this node owns and serves, by name.
     pub volumes: tokio::sync::Mutex<HashMap<String, Arc<Vol>>>,
+    /// The gate this node's volumes without a QoS reservation pass (`qos.rs` narrows it).
+    pub qos_gate: Arc<converge_volume::qos::SharedGate>,
     /// Background copy jobs (resync, rebuild) of this node.
     pub jobs: crate::repair::Jobs,
     /// Shared by this node's copy jobs.
@@ -159,6 +161,12 @@ impl Node {
                 }
             }
         }
+        // An encrypted volume is served only by a node that can open its key: one that
+        // cannot never takes it (and so never holds it from a node that could).
+        let cipher = crate::encryption::cipher_of(&self.cfg, &rec).map_err(|e| {
+            log::error!("cannot serve volume {}: {e}", rec.name);
+            OpenError::Unavailable(e)
+        })?;
         let epoch = match self
             .cluster
             .claim_ownership(rec.id, self.cfg.node_id, self.lease())
@@ -199,6 +207,9 @@ impl Node {
                 read_hedge: std::time::Duration::from_millis(self.cfg.knobs.read_hedge_ms),
                 tenure: self.tenure.clone(),
                 compression: rec.compression,
+                cipher,
+                qos: rec.qos,
+                gate: Some(self.qos_gate.clone()),
             },
             slabs,
             self.replicas.clone(),

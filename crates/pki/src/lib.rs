@@ -15,6 +15,8 @@
 //! Keys are ECDSA P-256. A private key never leaves the host that generated it: a joining
 //! node sends only its public key ([`PublicKey`]) and gets its certificate back.
 
+pub mod keys;
+
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
     Issuer, KeyPair, KeyUsagePurpose, PublicKeyData, SanType, SerialNumber, SignatureAlgorithm,

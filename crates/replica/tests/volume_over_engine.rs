@@ -13,6 +13,7 @@ use converge_types::{
     ClusterId, Compression, DriveId, DriveRole, Epoch, ExtentOp, ExtentReply, ExtentState,
     MediaType, NodeId, Resiliency, SlabIndex, VolumeId, BLOCK_SIZE, MAX_IO_BYTES,
 };
+use converge_volume::crypt::{VolumeCipher, KEY_BYTES};
 use converge_volume::{
     ExtentLoc, ReplicaError, ReplicaIo, SlabAllocator, SlabChange, Tenure, Volume, VolumeConfig,
     VolumeError,
@@ -182,7 +183,7 @@ async fn random_requests_of_every_size_read_back_as_written() {
         Err(_) => vec![0x5eed_0b1a, 1, 2, 3],
     };
     for seed in seeds {
-        one_run(seed, Resiliency::Mirror2, Compression::None).await;
+        one_run(seed, Resiliency::Mirror2, Compression::None, None).await;
     }
 }
 
@@ -197,7 +198,7 @@ async fn random_requests_on_a_compressed_volume_read_back_as_written() {
     };
     for (i, seed) in seeds.into_iter().enumerate() {
         let codec = [Compression::Zstd, Compression::Lz4][i % 2];
-        one_run(seed, Resiliency::Mirror2, codec).await;
+        one_run(seed, Resiliency::Mirror2, codec, None).await;
     }
 }
 
@@ -212,11 +213,65 @@ async fn random_requests_on_a_parity_volume_read_back_as_written() {
         Err(_) => vec![0x5eed_0b1a, 1],
     };
     for seed in seeds {
-        one_run(seed, Resiliency::parity(2, 1).unwrap(), Compression::None).await;
+        one_run(
+            seed,
+            Resiliency::parity(2, 1).unwrap(),
+            Compression::None,
+            None,
+        )
+        .await;
     }
 }
 
-async fn one_run(seed: u64, resiliency: Resiliency, compression: Compression) {
+/// The same on encrypted volumes (docs/adr/0011), mirror and parity: clients read back
+/// what they wrote, and every copy or chunk holds its blocks sealed at their volume
+/// offsets (the drives' data opened with the key equals the model; a block that holds
+/// data never equals the plaintext).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_requests_on_encrypted_volumes_read_back_and_the_drives_hold_ciphertext() {
+    let seeds: Vec<u64> = match std::env::var("CONVERGE_TEST_SEED") {
+        Ok(s) => vec![s.parse().expect("CONVERGE_TEST_SEED is a number")],
+        Err(_) => vec![0x5eed_0b1a, 1],
+    };
+    for seed in seeds {
+        for r in [Resiliency::Mirror2, Resiliency::parity(2, 1).unwrap()] {
+            let key: Vec<u8> = (0..KEY_BYTES as u64)
+                .map(|i| (i * 37 + seed) as u8)
+                .collect();
+            let cipher = Arc::new(VolumeCipher::new(&key).unwrap());
+            one_run(seed, r, Compression::None, Some(cipher)).await;
+        }
+    }
+}
+
+/// `data` read from a drive, as the client sees it: opened with `cipher` when the volume
+/// is encrypted, block `i` of it being volume block `block_of(i)`. A block that opens to
+/// data must not have held it in plaintext.
+fn as_client_sees(
+    cipher: Option<&VolumeCipher>,
+    data: &[u8],
+    block_of: impl Fn(u64) -> u64,
+) -> Vec<u8> {
+    let mut v = data.to_vec();
+    if let Some(c) = cipher {
+        for (i, b) in v.chunks_mut(BS as usize).enumerate() {
+            let stored = b.to_vec();
+            c.open(block_of(i as u64), b);
+            assert!(
+                b.iter().all(|&x| x == 0) || b[..] != stored[..],
+                "a drive holds a block of an encrypted volume in plaintext"
+            );
+        }
+    }
+    v
+}
+
+async fn one_run(
+    seed: u64,
+    resiliency: Resiliency,
+    compression: Compression,
+    cipher: Option<Arc<VolumeCipher>>,
+) {
     let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
     let dir = tempfile::tempdir().expect("tempdir");
     let copies = resiliency.copies() as u32;
@@ -238,6 +293,9 @@ async fn one_run(seed: u64, resiliency: Resiliency, compression: Compression) {
         read_hedge: Duration::from_secs(1),
         tenure: Arc::new(Tenure::unbounded()),
         compression,
+        cipher: cipher.clone(),
+        qos: converge_types::Qos::default(),
+        gate: None,
     };
     let vol = Volume::new(
         cfg,
@@ -322,7 +380,7 @@ async fn one_run(seed: u64, resiliency: Resiliency, compression: Compression) {
         );
     }
     if resiliency.is_parity() {
-        check_chunks(&io, &model, resiliency, span, seed);
+        check_chunks(&io, &model, resiliency, span, seed, cipher.as_deref());
         return;
     }
     // A compressed volume's copies store less than they hold written (the payloads are a
@@ -361,8 +419,10 @@ async fn one_run(seed: u64, resiliency: Resiliency, compression: Compression) {
                 match converge_replica::execute(tier, op) {
                     Ok(ExtentReply::Read(r)) => {
                         assert!(r.bad_blocks.is_empty(), "drive {d}: bad blocks");
+                        let first = (s * SLAB + off) / BS;
+                        let data = as_client_sees(cipher.as_deref(), &r.data, |i| first + i);
                         assert!(
-                            r.data[..] == want[..],
+                            data[..] == want[..],
                             "seed {seed:#x}: drive {d} slab {s} differs at {off}"
                         );
                     }
@@ -376,7 +436,14 @@ async fn one_run(seed: u64, resiliency: Resiliency, compression: Compression) {
 /// Each data chunk holds its blocks of every row (block j of row r is volume byte
 /// (r·K + j)·4096 of the slab), and every row's parity matches, read from the drives
 /// directly.
-fn check_chunks(io: &Drives, model: &[u8], resiliency: Resiliency, span: u64, seed: u64) {
+fn check_chunks(
+    io: &Drives,
+    model: &[u8],
+    resiliency: Resiliency,
+    span: u64,
+    seed: u64,
+    cipher: Option<&VolumeCipher>,
+) {
     let Resiliency::Parity { data: k, parity: m } = resiliency else {
         unreachable!("a parity resiliency")
     };
@@ -410,8 +477,11 @@ fn check_chunks(io: &Drives, model: &[u8], resiliency: Resiliency, span: u64, se
                 let row = off / BS + i as u64;
                 for (j, chunk) in chunks.iter().take(usize::from(k)).enumerate() {
                     let at = (s * span + (row * u64::from(k) + j as u64) * BS) as usize;
+                    let block = as_client_sees(cipher, &chunk[i * 4096..(i + 1) * 4096], |_| {
+                        at as u64 / BS
+                    });
                     assert!(
-                        chunk[i * 4096..(i + 1) * 4096] == model[at..at + 4096],
+                        block[..] == model[at..at + 4096],
                         "seed {seed:#x}: slab {s} row {row} data chunk {j} differs"
                     );
                 }

@@ -120,6 +120,9 @@ fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owne
         // Owners here are deposed by the nemesis (zombies), not by time.
         tenure: Arc::new(converge_volume::Tenure::unbounded()),
         compression: spec.compression,
+        cipher: None,
+        qos: converge_types::Qos::default(),
+        gate: None,
     };
     let io = Arc::new(SimReplicas {
         world: w.clone(),

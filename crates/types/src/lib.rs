@@ -407,6 +407,98 @@ impl FromStr for CacheMode {
     }
 }
 
+/// Per-volume QoS (docs/QOS.md): limits the owner enforces before each client I/O, with a
+/// burst, and a reservation its node keeps under contention by holding back the volumes
+/// without one. Every request (read, write, TRIM, zero) counts as one I/O whatever its size.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Qos {
+    /// Most I/Os per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iops_limit: Option<u64>,
+    /// Most bytes per second (reads and writes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bytes_limit: Option<u64>,
+    /// How far I/O may run ahead of the limits after a quiet spell, in milliseconds of
+    /// them (default 1000: a second's worth at once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst_ms: Option<u32>,
+    /// I/Os per second the volume keeps when its node's volumes contend.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub iops_reserve: Option<u64>,
+}
+
+/// Longest QoS burst.
+pub const QOS_BURST_MAX_MS: u32 = 60_000;
+
+impl Qos {
+    pub fn burst_seconds(&self) -> f64 {
+        f64::from(self.burst_ms.unwrap_or(1000)) / 1000.0
+    }
+
+    /// No limit and no reservation.
+    pub fn is_none(&self) -> bool {
+        self.iops_limit.is_none() && self.bytes_limit.is_none() && self.iops_reserve.is_none()
+    }
+
+    pub fn is_none_ref(q: &Qos) -> bool {
+        q.is_none()
+    }
+
+    /// Why these settings make no sense, if they do not.
+    pub fn check(&self) -> Result<(), String> {
+        for (name, v) in [
+            ("iops_limit", self.iops_limit),
+            ("bytes_limit", self.bytes_limit),
+            ("iops_reserve", self.iops_reserve),
+        ] {
+            if v == Some(0) {
+                return Err(format!(
+                    "{name} 0 would stop the volume: leave it out for none"
+                ));
+            }
+        }
+        if let (Some(r), Some(l)) = (self.iops_reserve, self.iops_limit) {
+            if r > l {
+                return Err(format!(
+                    "iops_reserve {r} is above iops_limit {l}: a volume cannot be kept above its own limit"
+                ));
+            }
+        }
+        if self.bytes_limit.is_some_and(|b| b < BLOCK_SIZE as u64) {
+            return Err(format!(
+                "bytes_limit below {BLOCK_SIZE} bytes per second would hold every request for seconds"
+            ));
+        }
+        if self.burst_ms.is_some_and(|b| b > QOS_BURST_MAX_MS) {
+            return Err(format!("burst_ms is at most {QOS_BURST_MAX_MS} (a minute)"));
+        }
+        Ok(())
+    }
+}
+
+impl std::fmt::Display for Qos {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.is_none() {
+            return f.write_str("none");
+        }
+        let mut parts = Vec::new();
+        if let Some(i) = self.iops_limit {
+            parts.push(format!("limit {i} IOPS"));
+        }
+        if let Some(b) = self.bytes_limit {
+            parts.push(format!("limit {}/s", format_size(b)));
+        }
+        if self.iops_limit.is_some() || self.bytes_limit.is_some() {
+            parts.push(format!("burst {} s", self.burst_seconds()));
+        }
+        if let Some(r) = self.iops_reserve {
+            parts.push(format!("reserve {r} IOPS"));
+        }
+        f.write_str(&parts.join(", "))
+    }
+}
+
 /// How a volume's data is compressed on its drives (docs/adr/0010): per group of
 /// [`COMPRESSION_GROUP_BLOCKS`] blocks, by each copy's engine; a group that does not shrink
 /// by a whole block is stored as is.

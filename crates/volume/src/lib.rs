@@ -5,10 +5,12 @@
 //! and new slabs are placed through [`SlabAllocator`], so the same code runs in the node
 //! daemon and in the deterministic simulator.
 
+pub mod crypt;
 mod mirror_part;
 pub mod parity;
 mod parity_io;
 mod parity_sync;
+pub mod qos;
 pub mod resync;
 pub mod stats;
 pub mod tenure;
@@ -274,6 +276,14 @@ pub struct VolumeConfig {
     /// How the copies compress what this owner writes (docs/adr/0010; changed live with
     /// [`Volume::set_compression`]). Mirror volumes only: parity chunks are stored as is.
     pub compression: Compression,
+    /// Encryption at rest (docs/adr/0011): the volume's data key. The owner seals what
+    /// clients write and opens what they read; the copies only ever hold ciphertext.
+    pub cipher: Option<Arc<crypt::VolumeCipher>>,
+    /// QoS limits and reservation (changed live with [`Volume::set_qos`]).
+    pub qos: converge_types::Qos,
+    /// The node's gate for volumes without a reservation (its contention controller
+    /// narrows it while a reserved volume falls short); `None`: no such gate.
+    pub gate: Option<Arc<qos::SharedGate>>,
 }
 
 pub(crate) struct Slab {
@@ -450,6 +460,9 @@ pub struct Volume<R, A> {
     retired: AtomicBool,
     /// The codec writes carry ([`Compression::code`]): the config's, until changed live.
     compression: std::sync::atomic::AtomicU8,
+    /// QoS: the volume's limits, and its settings as last set.
+    limiter: qos::Limiter,
+    qos: std::sync::Mutex<converge_types::Qos>,
     /// The highest version sequence a released slab used in this term: a slab allocated
     /// afterwards starts above it, so nothing an earlier incarnation sent can outrank it.
     seq_floor: AtomicU64,
@@ -549,6 +562,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             held_rows: tokio::sync::Semaphore::new(parity_io::HELD_ROWS_IN_FLIGHT),
             size_bytes: AtomicU64::new(cfg.size_bytes),
             compression: std::sync::atomic::AtomicU8::new(cfg.compression.code()),
+            limiter: qos::Limiter::new(&cfg.qos),
+            qos: std::sync::Mutex::new(cfg.qos),
             cfg,
             slabs: RwLock::new(slabs),
             alloc_lock: tokio::sync::Mutex::new(()),
@@ -584,6 +599,34 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// written again).
     pub fn set_compression(&self, c: Compression) {
         self.compression.store(c.code(), Ordering::Relaxed);
+    }
+
+    /// The QoS settings in force.
+    pub fn qos(&self) -> converge_types::Qos {
+        *self.qos.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// New QoS settings, in force for the next I/O.
+    pub fn set_qos(&self, q: converge_types::Qos) {
+        self.limiter.set(&q);
+        *self.qos.lock().unwrap_or_else(|p| p.into_inner()) = q;
+    }
+
+    /// Waits for a client I/O's turn: the volume's own limits, then, for a volume without a
+    /// reservation, its node's best-effort gate.
+    async fn admit(&self, bytes: u64) {
+        let mut waited = self.limiter.admit(bytes).await;
+        if let Some(g) = &self.cfg.gate {
+            if self.qos().iops_reserve.is_none() {
+                waited += g.admit().await;
+            }
+        }
+        if !waited.is_zero() {
+            let c = &self.counters;
+            c.qos_throttled.fetch_add(1, Ordering::Relaxed);
+            c.qos_waited_us
+                .fetch_add(waited.as_micros() as u64, Ordering::Relaxed);
+        }
     }
 
     /// Whether this owner may answer a client now: not retired, and its tenure (lease)
@@ -772,7 +815,17 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         self.check_len(len)?;
         self.check_range(offset, len)?;
         self.check_serving()?;
+        self.admit(len).await;
+        self.check_serving()?;
         let r = if offset.is_multiple_of(BS) && len.is_multiple_of(BS) {
+            let data = match &self.cfg.cipher {
+                Some(c) => {
+                    let mut buf = BytesMut::from(&data[..]);
+                    c.seal(offset / BS, &mut buf);
+                    buf.freeze()
+                }
+                None => data,
+            };
             self.write_aligned(offset, data).await
         } else {
             self.write_unaligned(offset, data).await
@@ -1118,6 +1171,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let mut buf = BytesMut::from(&self.read_inner(start, end - start).await?[..]);
         let at = (offset - start) as usize;
         buf[at..at + data.len()].copy_from_slice(&data);
+        if let Some(c) = &self.cfg.cipher {
+            c.seal(start / BS, &mut buf);
+        }
         self.write_aligned(start, buf.freeze()).await
     }
 
@@ -1127,6 +1183,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let start = Instant::now();
         self.check_len(len)?;
         self.check_range(offset, len)?;
+        self.check_serving()?;
+        self.admit(len).await;
         self.check_serving()?;
         let r = match self.read_inner(offset, len).await {
             Ok(data) => self.check_serving().map(|()| data),
@@ -1163,6 +1221,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(runs)
     }
 
+    /// What clients read: whole blocks fetched, opened when the volume is encrypted, and
+    /// cut to the range.
     async fn read_inner(&self, offset: u64, len: u64) -> Result<Bytes, VolumeError> {
         if len == 0 {
             return Ok(Bytes::new());
@@ -1186,6 +1246,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 }
                 buf.freeze()
             };
+        let whole = match &self.cfg.cipher {
+            Some(c) => {
+                let mut buf = BytesMut::from(&whole[..]);
+                c.open(a_start / BS, &mut buf);
+                buf.freeze()
+            }
+            None => whole,
+        };
         let skip = (offset - a_start) as usize;
         Ok(whole.slice(skip..skip + len as usize))
     }
@@ -1494,6 +1562,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// for TRIM (a hint).
     pub async fn zero(&self, offset: u64, len: u64, trim: bool) -> Result<(), VolumeError> {
         self.check_range(offset, len)?;
+        self.check_serving()?;
+        self.admit(0).await;
         self.check_serving()?;
         let r = self
             .zero_inner(offset, len, trim)

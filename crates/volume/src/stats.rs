@@ -68,6 +68,10 @@ pub struct VolumeCounters {
     /// Parity reads whose data chunks did not all answer within `read_hedge`, read from
     /// the other chunks instead.
     pub hedged_reads: AtomicU64,
+    /// Client I/Os QoS held back (the volume's limits or its node's best-effort gate), and
+    /// for how long in all.
+    pub qos_throttled: AtomicU64,
+    pub qos_waited_us: AtomicU64,
     pub read_latency: Histogram,
     pub write_latency: Histogram,
 }
@@ -90,6 +94,10 @@ pub struct VolumeStats {
     pub rotated_bytes: u64,
     #[serde(default)]
     pub hedged_reads: u64,
+    #[serde(default)]
+    pub qos_throttled: u64,
+    #[serde(default)]
+    pub qos_waited_us: u64,
     pub read_latency: HistogramSnapshot,
     pub write_latency: HistogramSnapshot,
 }
@@ -109,6 +117,8 @@ impl VolumeCounters {
             rotations: self.rotations.load(Relaxed),
             rotated_bytes: self.rotated_bytes.load(Relaxed),
             hedged_reads: self.hedged_reads.load(Relaxed),
+            qos_throttled: self.qos_throttled.load(Relaxed),
+            qos_waited_us: self.qos_waited_us.load(Relaxed),
             read_latency: self.read_latency.snapshot(),
             write_latency: self.write_latency.snapshot(),
         }

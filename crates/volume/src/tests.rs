@@ -477,6 +477,9 @@ fn config(size: u64, slab: u64, epoch: u64) -> VolumeConfig {
         read_hedge: std::time::Duration::from_millis(20),
         tenure: Arc::new(crate::Tenure::unbounded()),
         compression: converge_types::Compression::None,
+        cipher: None,
+        qos: converge_types::Qos::default(),
+        gate: None,
     }
 }
 
