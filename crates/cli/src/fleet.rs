@@ -906,7 +906,17 @@ struct Session<'a> {
     keep: bool,
 }
 
-impl Session<'_> {
+impl<'a> Session<'a> {
+    fn new(api: &'a str, nodes: &'a [NodeCtx], keep: bool) -> Session<'a> {
+        Session {
+            api,
+            nodes,
+            created: Vec::new(),
+            workers: Vec::new(),
+            keep,
+        }
+    }
+
     fn start_worker(&mut self, ni: usize, spec: &WorkerSpec) -> Result<WorkerStatus> {
         let n = &self.nodes[ni];
         let body = serde_json::to_value(spec)?;
@@ -1041,13 +1051,7 @@ fn run_fleet(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         points: Vec::new(),
         notes,
     };
-    let mut session = Session {
-        api,
-        nodes: &nodes,
-        created: Vec::new(),
-        workers: Vec::new(),
-        keep: a.keep,
-    };
+    let mut session = Session::new(api, &nodes, a.keep);
     let result = sweep(
         &mut session,
         &settings,
@@ -1482,7 +1486,10 @@ fn sweep(
                 fmt::iops(st.iops),
                 fmt::sig3(st.mb_per_s),
                 fmt::lat_opt(st.lat_mean_us),
-                fmt::lat_opt(st.all_pct_us.get(3).copied().flatten()),
+                fmt::tail(
+                    st.all_pct_us.get(3).copied().flatten(),
+                    st.read_samples + st.write_samples
+                ),
                 w = points.len().to_string().len()
             ));
         }

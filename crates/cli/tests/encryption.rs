@@ -224,17 +224,7 @@ print("ok")
 
     // kill -9 of every node: the volumes open with key 2 alone and hold what was written.
     lab.kill_all_and_restart(3);
-    lab.wait_for("the volume to be served again", 2 * MIN, || {
-        run(Command::new("nbdinfo").arg(lab.uri("sec")))
-            .status
-            .success()
-    });
-    compare_head(
-        &lab.uri("sec"),
-        &img,
-        tmp.path(),
-        "sec after kill -9 of every node",
-    );
+    served_and_same(&lab, &img, tmp.path(), "sec after kill -9 of every node");
     let job = verify_pass(
         &[
             "--rw=randwrite",
@@ -274,23 +264,19 @@ print("ok")
     assert!(logs.contains("does not unwrap"), "{}", lab.logs());
     // The right file back: served again without a restart (the file is read at each open).
     converge_pki_write(&keys, &good);
-    lab.wait_for(
-        "the volume to be served with the right key",
-        2 * MIN,
-        || {
-            run(Command::new("nbdinfo").arg(lab.uri("sec")))
-                .status
-                .success()
-        },
-    );
-    compare_head(
-        &lab.uri("sec"),
-        &img,
-        tmp.path(),
-        "sec with the key file restored",
-    );
+    served_and_same(&lab, &img, tmp.path(), "sec with the key file restored");
     let found = files_with(&lab, CANARY);
     assert!(found.is_empty(), "plaintext after restarts in {found:?}");
+}
+
+/// Waits until `sec` is served again, then checks it holds `img`.
+fn served_and_same(lab: &Lab, img: &Path, tmp: &Path, what: &str) {
+    lab.wait_for(&format!("{what}: the volume to be served"), 2 * MIN, || {
+        run(Command::new("nbdinfo").arg(lab.uri("sec")))
+            .status
+            .success()
+    });
+    compare_head(&lab.uri("sec"), img, tmp, what);
 }
 
 /// The volume's first `expected`-length bytes equal the file (read out with nbdcopy).

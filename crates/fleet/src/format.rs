@@ -53,6 +53,16 @@ pub fn lat_opt(v: Option<f64>) -> String {
     v.map(lat_us).unwrap_or_else(|| "no I/O".into())
 }
 
+/// A latency percentile read from `samples` I/Os: absent with I/Os means too few of them
+/// to support it (`hist::supported`), marked instead of printed.
+pub fn tail(v: Option<f64>, samples: u64) -> String {
+    match v {
+        Some(u) => lat_us(u),
+        None if samples > 0 => "too few I/Os".into(),
+        None => "no I/O".into(),
+    }
+}
+
 pub fn pct(v: f64) -> String {
     format!("{v:.1} %")
 }

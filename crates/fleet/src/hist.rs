@@ -8,6 +8,18 @@ use std::collections::BTreeMap;
 
 /// Percentiles the tables show.
 pub const PERCENTILES: [f64; 6] = [50.0, 90.0, 99.0, 99.9, 99.99, 99.999];
+/// I/Os a percentile needs before it means anything: ten beyond it (10 / (1 − p)), so
+/// p99.9 needs 10,000 and p99.999 a million. The tables print a percentile only from that
+/// many I/Os and mark it otherwise.
+pub fn samples_needed(p: f64) -> u64 {
+    (10.0 / (1.0 - p / 100.0)).round() as u64
+}
+
+/// Whether `samples` I/Os support percentile `p`.
+pub fn supported(p: f64, samples: u64) -> bool {
+    samples >= samples_needed(p)
+}
+
 /// Percentiles of the per-worker latency curves (denser, for the charts).
 pub const CURVE_PERCENTILES: [f64; 14] = [
     1.0, 10.0, 25.0, 50.0, 75.0, 90.0, 95.0, 99.0, 99.5, 99.9, 99.95, 99.99, 99.995, 99.999,

@@ -124,7 +124,7 @@ impl RunConfig {
         h.len()
     }
 
-    fn drive(&self, id: DriveId) -> Option<&DriveConfig> {
+    pub fn drive(&self, id: DriveId) -> Option<&DriveConfig> {
         self.drives.iter().find(|d| d.id == id)
     }
 
@@ -256,9 +256,17 @@ pub struct PointStats {
     pub read_lat_mean_us: Option<f64>,
     pub write_lat_mean_us: Option<f64>,
     /// At `hist::PERCENTILES`, µs.
+    /// A percentile the I/Os measured do not support (fewer than
+    /// [`crate::hist::samples_needed`]) is `None`, as is one of a direction with no I/O:
+    /// the sample counts below tell them apart.
     pub read_pct_us: Vec<Option<f64>>,
     pub write_pct_us: Vec<Option<f64>>,
     pub all_pct_us: Vec<Option<f64>>,
+    /// I/Os behind the percentiles (0 in runs made before they were kept).
+    #[serde(default)]
+    pub read_samples: u64,
+    #[serde(default)]
+    pub write_samples: u64,
     /// Mean over hosts of host CPU utilisation.
     pub host_cpu_pct: Option<f64>,
     pub hosts: usize,
@@ -402,11 +410,29 @@ fn figures(cfg: &RunConfig, r: &RepeatMeasure) -> RepeatFigures {
     }
     let mut cache = 0.0;
     let mut have_cache = false;
+    // Wear: every byte the point cost a drive — its destage after the window included —
+    // over the time the point's load ran (warm-up and window), the basis of the WA table.
+    // A drive behind a write cache writes little in the window and the rest at the flush.
+    let load_s = (cfg.settings.warmup_s + cfg.settings.duration_s) as f64;
+    match (&r.point_bytes, load_s > 0.0) {
+        (Some(pb), true) => {
+            for d in &pb.drives {
+                if cfg.drive(d.id).is_some_and(|dc| dc.rating.is_some()) {
+                    f.drive_rates.push((d.id, d.write_bytes as f64 / load_s));
+                }
+            }
+        }
+        // Runs from before the point's bytes were counted: the window's rates.
+        _ => {
+            for d in &r.drives {
+                if cfg.drive(d.id).is_some_and(|dc| dc.rating.is_some()) {
+                    f.drive_rates.push((d.id, d.write_bytes_per_s()));
+                }
+            }
+        }
+    }
     for d in &r.drives {
         let Some(dc) = cfg.drive(d.id) else { continue };
-        if dc.rating.is_some() {
-            f.drive_rates.push((d.id, d.write_bytes_per_s()));
-        }
         match dc.role {
             DriveRole::Cache => {
                 have_cache = true;
@@ -521,8 +547,11 @@ fn weighted_lat_us(reps: &[RepeatMeasure], read: bool) -> Option<f64> {
 }
 
 fn pct_us(h: &Histogram) -> Vec<Option<f64>> {
+    let n = h.count();
     h.percentiles(&PERCENTILES)
         .into_iter()
+        .zip(PERCENTILES)
+        .map(|(v, p)| v.filter(|_| crate::hist::supported(p, n)))
         .map(|v| v.map(|ns| ns as f64 / 1000.0))
         .collect()
 }
@@ -625,6 +654,8 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
         read_pct_us: pct_us(&read_hist),
         write_pct_us: pct_us(&write_hist),
         all_pct_us: pct_us(&all_hist),
+        read_samples: read_hist.count(),
+        write_samples: write_hist.count(),
         host_cpu_pct: mean_opt(figs.iter().map(|f| f.host_cpu_pct)),
         hosts: figs.iter().map(|f| f.hosts).max().unwrap_or(0),
         converged_cores,
@@ -899,9 +930,54 @@ pub(crate) mod tests {
         assert_eq!(s.wa.total, None);
         assert_eq!(s.write_lat_mean_us, None);
         assert_eq!(s.read_pct_us.len(), PERCENTILES.len());
-        // Percentiles merged across workers: 100..400 µs, p50 = 200 µs.
+        // Percentiles merged across workers: 100..400 µs, p50 = 200 µs; 400 I/Os support
+        // p99 (1,000 needed: no), p90 (100: yes), and nothing beyond.
+        assert_eq!(s.read_samples, 400);
         assert_eq!(s.read_pct_us[0], Some(200.0));
-        assert_eq!(s.read_pct_us[5], Some(400.0));
+        assert_eq!(s.read_pct_us[1], Some(400.0));
+        assert_eq!(s.read_pct_us[2..], [None, None, None, None]);
+    }
+
+    /// A percentile is kept only from 10 / (1 − p) I/Os: p99.999 from a million.
+    #[test]
+    fn percentiles_beyond_the_data_are_left_out() {
+        use crate::hist::{samples_needed, supported};
+        assert_eq!(samples_needed(99.0), 1_000);
+        assert_eq!(samples_needed(99.9), 10_000);
+        assert_eq!(samples_needed(99.999), 1_000_000);
+        assert!(supported(50.0, 20) && !supported(50.0, 19));
+        let mut h = Histogram::default();
+        h.add(1_000, 9_995);
+        h.add(5_000_000, 5);
+        let p = pct_us(&h);
+        assert_eq!(p[3], Some(1.0), "p99.9 of 10,000 I/Os");
+        assert_eq!(p[4], None, "p99.99 needs 100,000");
+        assert_eq!(p[5], None);
+    }
+
+    /// Behind a write cache the capacity drives write little in the window and the rest
+    /// when the point's end flushes the cache: their wear comes from every byte of the
+    /// point over its load time, never from the window alone.
+    #[test]
+    fn wear_counts_what_destage_wrote_after_the_window() {
+        let cfg = config(vec![10], vec![1]);
+        let ps = points(&cfg.settings);
+        let mut r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
+        for d in &mut r.drives {
+            d.write_bytes = 0;
+            d.data_write_bytes = 0;
+        }
+        let s = point_stats(&cfg, &ps[0], &[r.clone()]).unwrap();
+        let e = s.endurance.expect("the drives wore");
+        let point_bytes: u64 = r.point_bytes.as_ref().unwrap().drives[0].write_bytes;
+        let load = (cfg.settings.warmup_s + cfg.settings.duration_s) as f64;
+        assert!(e.write_mb_per_s > 0.0);
+        assert!((e.write_mb_per_s - point_bytes as f64 / load / 1e6).abs() < 1e-9);
+        assert!(e.years[0].is_some());
+        // A run from before: the window's rates, zero here.
+        r.point_bytes = None;
+        let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        assert_eq!(s.endurance.unwrap().years[0], None);
     }
 
     #[test]
@@ -1149,15 +1225,18 @@ pub(crate) mod tests {
         let r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.0);
         let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
         let e = s.endurance.unwrap();
-        // Client writes 4000 × 4096 B/s, ×3 over 8 drives.
-        let rate = 4000.0 * 4096.0 * 3.0 / 8.0;
-        assert!((e.write_mb_per_s - rate / 1e6).abs() < 1e-6);
+        // Client writes 4000 × 4096 B/s, ×3 over 8 drives, in the 10 s window and the
+        // warm-up before it, over the point's load time (warm-up + duration).
+        let st = &cfg.settings;
+        let rate = 4000.0 * 4096.0 * 3.0 / 8.0 * (10.0 + st.warmup_s as f64)
+            / (st.warmup_s + st.duration_s) as f64;
+        assert!((e.write_mb_per_s - rate / 1e6).abs() < 1e-3, "{e:?}");
         // 1 DWPD-class 1 GB drive over 5 years = 1.825 TB.
         let years = 1.825e12 / (rate * 86400.0 * 365.0);
-        assert!((e.years[0].unwrap() - years).abs() < 1e-9 * years);
-        assert!((e.years[1].unwrap() - 2.0 * years).abs() < 1e-9 * years);
-        assert!((e.years[2].unwrap() - 3.0 * years).abs() < 1e-9 * years);
-        assert!((e.dwpd_needed[0] - rate * 86400.0 / 1e9).abs() < 1e-6);
+        assert!((e.years[0].unwrap() - years).abs() < 1e-6 * years);
+        assert!((e.years[1].unwrap() - 2.0 * years).abs() < 1e-6 * years);
+        assert!((e.years[2].unwrap() - 3.0 * years).abs() < 1e-6 * years);
+        assert!((e.dwpd_needed[0] - rate * 86400.0 / 1e9).abs() < 1e-3);
         let sus = 1.825e12 / (5.0 * 365.0 * 86400.0) / 1e6;
         assert!((e.sustainable_mb_per_s[0] - sus).abs() < 1e-12);
         assert!((e.sustainable_mb_per_s[2] - 3.0 * sus).abs() < 1e-12);

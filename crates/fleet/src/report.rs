@@ -466,13 +466,21 @@ fn latency(s: &RunSummary) -> Section {
     sec.text(
         "Percentiles of all I/Os of all workers (reads and writes together), read off the \
          workers' fio latency histograms merged bucket by bucket — never averaged across \
-         workers. Reads and writes separately are in the per-point table below.",
+         workers. Reads and writes separately are in the per-point table below. A \
+         percentile is printed only from 10 / (1 − p) I/Os or more (p99 from 1,000, p99.9 \
+         from 10,000, p99.99 from 100,000, p99.999 from 1,000,000); with fewer the cell \
+         says \"too few I/Os\": a longer --duration or more workers measure it.",
     );
     for (i, label) in TAIL {
         sec.tables(ra_tables(
             s,
             &format!("{label}th percentile latency"),
-            move |_, st| fmt::lat_opt(st.all_pct_us.get(i).copied().flatten()),
+            move |_, st| {
+                fmt::tail(
+                    st.all_pct_us.get(i).copied().flatten(),
+                    st.read_samples + st.write_samples,
+                )
+            },
         ));
     }
     for b in blocks(s) {
@@ -494,15 +502,25 @@ fn latency(s: &RunSummary) -> Section {
     header.extend(labels.iter().map(String::as_str));
     let mut t = Table::new("Latency by direction", &header);
     for (p, st) in s.measured() {
-        for (dir, mean, pcts) in [
-            ("read", st.read_lat_mean_us, &st.read_pct_us),
-            ("write", st.write_lat_mean_us, &st.write_pct_us),
+        for (dir, mean, pcts, n) in [
+            (
+                "read",
+                st.read_lat_mean_us,
+                &st.read_pct_us,
+                st.read_samples,
+            ),
+            (
+                "write",
+                st.write_lat_mean_us,
+                &st.write_pct_us,
+                st.write_samples,
+            ),
         ] {
             if mean.is_none() {
                 continue;
             }
             let mut row = vec![p.label(), dir.to_string(), fmt::lat_opt(mean)];
-            row.extend(pcts.iter().map(|v| fmt::lat_opt(*v)));
+            row.extend(pcts.iter().map(|v| fmt::tail(*v, n)));
             t.row(row);
         }
     }
@@ -1600,7 +1618,10 @@ pub fn headline_text(s: &RunSummary) -> String {
         format!(
             "{} / {}",
             fmt::lat_opt(st.lat_mean_us),
-            fmt::lat_opt(st.all_pct_us.get(3).copied().flatten())
+            fmt::tail(
+                st.all_pct_us.get(3).copied().flatten(),
+                st.read_samples + st.write_samples
+            )
         )
     };
     for t in first

@@ -147,13 +147,7 @@ pub fn run(a: &QosArgs, json: bool, api: &str) -> Result<()> {
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     install_signal_handlers();
     let mut progress = Progress::new();
-    let mut session = Session {
-        api,
-        nodes: &nodes,
-        created: Vec::new(),
-        workers: Vec::new(),
-        keep: a.keep,
-    };
+    let mut session = Session::new(api, &nodes, a.keep);
     let r = study(
         a,
         &mut session,
