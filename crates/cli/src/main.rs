@@ -320,7 +320,8 @@ enum VolumeCmd {
         all: bool,
     },
     /// Change a volume's settings live: how later writes are compressed (what is stored
-    /// keeps its form until it is written again).
+    /// keeps its form until it is written again), and its QoS limits and reservation (in
+    /// force for the next request; docs/QOS.md).
     Set {
         name: String,
         /// none, lz4 or zstd.
