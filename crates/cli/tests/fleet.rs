@@ -249,6 +249,8 @@ fn tiny_fleet_on_a_4_node_mirror3_lab_fills_every_table() {
         "| QD | read 100 % | read 0 % |",
         "cache mode write (4 cache drives",
         "WA counts every byte the point's writes cost on the drives",
+        "Warrantable client writes by drive class",
+        "| 10 DWPD: client MB/s per node |",
     ] {
         assert!(md.contains(want), "report.md lacks {want:?}");
     }

@@ -692,6 +692,60 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
     })
 }
 
+/// Drive classes the warrantable-throughput table compares, in drive writes per day.
+pub const DWPD_CLASSES: [f64; 3] = [1.0, 3.0, 10.0];
+
+/// What limits a warrantable write rate.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WearBound {
+    Capacity,
+    Cache,
+}
+
+/// The client writes per node (bytes/s) the run's drives would sustain for their warranty
+/// if every one were rated `dwpd` drive writes per day, at a point's measured write
+/// amplification: the capacity drives' daily writes (size × DWPD, all of them, as
+/// placement spreads the copies) over the capacity tier's WA, and likewise for flash
+/// cache drives over the cache tier's WA when there are any (RAM caches do not wear);
+/// the lower of the two, per node holding capacity drives. `None` without a WA (a point
+/// that writes nothing) or capacity drives.
+pub fn warrantable(cfg: &RunConfig, wa: &WriteAmp, dwpd: f64) -> Option<(f64, WearBound)> {
+    let nodes: std::collections::BTreeSet<u32> = cfg
+        .drives
+        .iter()
+        .filter(|d| d.role == DriveRole::Capacity)
+        .map(|d| d.node)
+        .collect();
+    let total = wa.total.filter(|w| *w > 0.0)?;
+    if nodes.is_empty() {
+        return None;
+    }
+    let day = 86_400.0;
+    let bytes = |role: DriveRole| -> f64 {
+        cfg.drives
+            .iter()
+            .filter(|d| d.role == role && d.media != converge_types::MediaType::Ram)
+            .map(|d| d.size_bytes as f64)
+            .sum()
+    };
+    let cap_all: f64 = cfg
+        .drives
+        .iter()
+        .filter(|d| d.role == DriveRole::Capacity)
+        .map(|d| d.size_bytes as f64)
+        .sum();
+    let cap = cap_all * dwpd / day / total;
+    let cache = match (bytes(DriveRole::Cache), wa.cache) {
+        (b, Some(c)) if b > 0.0 && c > 0.0 => Some(b * dwpd / day / c),
+        _ => None,
+    };
+    let (rate, bound) = match cache {
+        Some(c) if c < cap => (c, WearBound::Cache),
+        _ => (cap, WearBound::Capacity),
+    };
+    Some((rate / nodes.len() as f64, bound))
+}
+
 /// The rated drive that wears fastest (shortest life), averaged over repeats.
 fn endurance_of(cfg: &RunConfig, figs: &[RepeatFigures]) -> Option<Endurance> {
     let mut rates: BTreeMap<DriveId, Vec<f64>> = BTreeMap::new();
@@ -936,6 +990,47 @@ pub(crate) mod tests {
         assert_eq!(s.read_pct_us[0], Some(200.0));
         assert_eq!(s.read_pct_us[1], Some(400.0));
         assert_eq!(s.read_pct_us[2..], [None, None, None, None]);
+    }
+
+    /// 4 nodes × 2 capacity drives of 1 GB at WA 3.75: 8 GB a day at 1 DWPD is 92.6 KB/s
+    /// of drive writes, 24.7 KB/s of client writes, 6.17 KB/s per node; a flash cache tier
+    /// that writes each byte once binds only when it is the smaller budget.
+    #[test]
+    fn warrantable_client_writes_by_drive_class() {
+        let cfg = config(vec![100], vec![1]);
+        let ps = points(&cfg.settings);
+        let r = repeat(&cfg, &ps[0], 1000.0, 3.0, 0.75);
+        let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        let (rate, bound) = warrantable(&cfg, &s.wa, 1.0).unwrap();
+        let cap_bytes: f64 = cfg.drives.iter().map(|d| d.size_bytes as f64).sum();
+        assert!(
+            (rate - cap_bytes / 86_400.0 / 3.75 / 4.0).abs() < 1e-6,
+            "{rate}"
+        );
+        assert_eq!(bound, WearBound::Capacity);
+        let (r10, _) = warrantable(&cfg, &s.wa, 10.0).unwrap();
+        assert!((r10 - 10.0 * rate).abs() < 1e-6);
+        // A tiny flash cache tier with a heavy WA binds.
+        let mut cfg2 = cfg.clone();
+        cfg2.drives.push(DriveConfig {
+            id: DriveId(999),
+            node: 1,
+            path: "c".into(),
+            role: DriveRole::Cache,
+            media: converge_types::MediaType::Ssd,
+            size_bytes: 1 << 20,
+            rating: None,
+        });
+        let mut wa = s.wa.clone();
+        wa.cache = Some(1.0);
+        let (rc, bound) = warrantable(&cfg2, &wa, 1.0).unwrap();
+        assert_eq!(bound, WearBound::Cache);
+        assert!((rc - (1u64 << 20) as f64 / 86_400.0 / 4.0).abs() < 1e-9);
+        // A read-only point: nothing to say.
+        let r = repeat(&cfg, &ps[0], 1000.0, 0.0, 0.0);
+        let mut s = point_stats(&cfg, &ps[0], &[r]).unwrap();
+        s.wa.total = None;
+        assert_eq!(warrantable(&cfg, &s.wa, 1.0), None);
     }
 
     /// A percentile is kept only from 10 / (1 − p) I/Os: p99.999 from a million.

@@ -1173,6 +1173,32 @@ fn compression_text(s: &RunSummary) -> String {
     }
 }
 
+/// Client write MB/s per node by drive class (`model::warrantable`), one row per write
+/// point with a WA.
+fn warrantable_table(s: &RunSummary) -> Option<Table> {
+    use crate::model::{warrantable, WearBound, DWPD_CLASSES};
+    let heads: Vec<String> = DWPD_CLASSES
+        .iter()
+        .map(|d| format!("{d} DWPD: client MB/s per node"))
+        .collect();
+    let mut header = vec!["point", "WA (capacity)"];
+    header.extend(heads.iter().map(String::as_str));
+    let mut t = Table::new("Warrantable client writes by drive class", &header);
+    for (p, st) in write_points(s) {
+        let Some(total) = st.wa.total else { continue };
+        let mut row = vec![p.label(), fmt::sig3(total)];
+        for d in DWPD_CLASSES {
+            row.push(match warrantable(&s.config, &st.wa, d) {
+                Some((r, WearBound::Capacity)) => fmt::sig3(r / 1e6),
+                Some((r, WearBound::Cache)) => format!("{} (cache-bound)", fmt::sig3(r / 1e6)),
+                None => "-".into(),
+            });
+        }
+        t.row(row);
+    }
+    (!t.rows.is_empty()).then_some(t)
+}
+
 fn endurance(s: &RunSummary) -> Section {
     let mut sec = Section::new("endurance", "Endurance");
     sec.text(
@@ -1184,6 +1210,16 @@ fn endurance(s: &RunSummary) -> Section {
          would need to last (read-intensive drives are rated ~1 DWPD, mixed-use ~3, \
          write-intensive ~10).",
     );
+    if let Some(t) = warrantable_table(s) {
+        sec.text(
+            "Warrantable throughput: the client writes per node this cluster's drives would \
+             sustain for their whole warranty if every one were of the class named (drive \
+             writes per day), at each point's measured write amplification (the bytes of \
+             the WA table): the capacity drives' daily budget over the capacity tier's WA, \
+             and a flash cache tier's over its own, whichever is lower.",
+        );
+        sec.table(t);
+    }
     let wp: Vec<_> = write_points(s)
         .into_iter()
         .filter(|(_, st)| st.endurance.is_some())
