@@ -463,6 +463,9 @@ pub struct Volume<R, A> {
     /// QoS: the volume's limits, and its settings as last set.
     limiter: qos::Limiter,
     qos: std::sync::Mutex<converge_types::Qos>,
+    /// The settings have a reservation: this volume skips its node's best-effort gate (read
+    /// by every I/O, so kept apart from the settings' lock).
+    reserved: AtomicBool,
     /// The highest version sequence a released slab used in this term: a slab allocated
     /// afterwards starts above it, so nothing an earlier incarnation sent can outrank it.
     seq_floor: AtomicU64,
@@ -564,6 +567,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             compression: std::sync::atomic::AtomicU8::new(cfg.compression.code()),
             limiter: qos::Limiter::new(&cfg.qos),
             qos: std::sync::Mutex::new(cfg.qos),
+            reserved: AtomicBool::new(cfg.qos.iops_reserve.is_some()),
             cfg,
             slabs: RwLock::new(slabs),
             alloc_lock: tokio::sync::Mutex::new(()),
@@ -609,6 +613,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// New QoS settings, in force for the next I/O.
     pub fn set_qos(&self, q: converge_types::Qos) {
         self.limiter.set(&q);
+        self.reserved
+            .store(q.iops_reserve.is_some(), Ordering::Relaxed);
         *self.qos.lock().unwrap_or_else(|p| p.into_inner()) = q;
     }
 
@@ -617,7 +623,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     async fn admit(&self, bytes: u64) {
         let mut waited = self.limiter.admit(bytes).await;
         if let Some(g) = &self.cfg.gate {
-            if self.qos().iops_reserve.is_none() {
+            if !self.reserved.load(Ordering::Relaxed) {
                 waited += g.admit().await;
             }
         }
