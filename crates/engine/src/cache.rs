@@ -2125,8 +2125,10 @@ impl Tier {
                 continue;
             }
             // `hits` is in request order: drop capacity's verdict on the blocks it did not serve.
-            info.bad_blocks
-                .retain(|b| hits.binary_search_by_key(&(*b as usize), |h| h.0).is_err());
+            let served_by_capacity =
+                |b: &u32| hits.binary_search_by_key(&(*b as usize), |h| h.0).is_err();
+            info.bad_blocks.retain(served_by_capacity);
+            info.suspect.retain(served_by_capacity);
             info.bad_blocks.extend(bad_cache);
             info.bad_blocks.sort_unstable();
             let hv = hits.iter().map(|h| h.1.version).max().unwrap_or(0);
@@ -2171,7 +2173,11 @@ impl Tier {
         let v = versions.unwrap_or(&mut local);
         let info = self.cap.read_blocks(key, epoch, offset, buf, v)?;
         for (i, ver) in v.iter().enumerate() {
-            if ver.0 > 0 && !info.bad_blocks.contains(&(i as u32)) {
+            // A suspect block is not admitted: a hit would no longer say so.
+            if ver.0 > 0
+                && !info.bad_blocks.contains(&(i as u32))
+                && !info.suspect.contains(&(i as u32))
+            {
                 c.consider_admit(
                     self.me(),
                     key,

@@ -41,6 +41,11 @@ pub struct ReadInfo {
     /// Indexes (within this read) of blocks whose data does not match their crc; their
     /// bytes must not be used: read another copy and repair.
     pub bad_blocks: Vec<u32>,
+    /// Indexes of blocks whose data is sound but which recovery rolled back to an older
+    /// state (see [`crate::layout::F_SUSPECT`]): another copy may hold a newer, acked
+    /// version. Their bytes are the block's previous content; the owner compares them with
+    /// the other copies before it serves them.
+    pub suspect: Vec<u32>,
     /// Highest version among the blocks read (0 if none was ever written).
     pub versions: Version,
 }
@@ -1761,6 +1766,7 @@ impl Drive {
         Self::check_epoch(&ext, epoch)?;
         with_scratch(|s| {
             let mut bad = Vec::new();
+            let mut suspect = Vec::new();
             for attempt in 0..READ_RETRIES {
                 Self::snapshot(&ext, first, count, &mut s.metas);
                 self.read_runs(&s.metas, buf)?;
@@ -1768,6 +1774,7 @@ impl Drive {
                     self.read_packed(&s.metas, buf)?;
                 }
                 bad.clear();
+                suspect.clear();
                 for (i, (m, blk)) in s
                     .metas
                     .iter()
@@ -1776,8 +1783,12 @@ impl Drive {
                 {
                     if m.is_bad() || (m.has_data() && crc32c::crc32c(blk) != m.crc) {
                         bad.push(i as u32);
+                        continue;
                     } else if !m.has_data() {
                         blk.fill(0);
+                    }
+                    if m.is_suspect() {
+                        suspect.push(i as u32);
                     }
                 }
                 if bad.is_empty() || attempt + 1 == READ_RETRIES {
@@ -1792,6 +1803,11 @@ impl Drive {
             self.counters
                 .bad_blocks_reported
                 .fetch_add(bad.len() as u64, Ordering::Relaxed);
+            if !suspect.is_empty() {
+                self.counters
+                    .suspect_blocks_reported
+                    .fetch_add(suspect.len() as u64, Ordering::Relaxed);
+            }
             let versions = Version(s.metas.iter().map(|m| m.version).max().unwrap_or(0));
             if let Some(v) = block_versions {
                 v.clear();
@@ -1799,6 +1815,7 @@ impl Drive {
             }
             Ok(ReadInfo {
                 bad_blocks: bad,
+                suspect,
                 versions,
             })
         })

@@ -54,8 +54,13 @@ pub const F_BAD: u32 = 2;
 /// content is slice `member` of the stream in physical blocks `[phys, phys + c)`,
 /// c = ceil(stream bytes / 4096). The rest of the flags word says how (see [`BlockMeta`]).
 pub const F_PACKED: u32 = 4;
-/// The flag bits a block's metadata may carry.
-const F_KNOWN: u32 = F_DATA | F_BAD | F_PACKED | PACK_FIELDS;
+/// Block metadata flag: recovery went back to this state because the newer one the
+/// journal's last batch named did not match its crc. The batch may have been cut short by
+/// the crash (the write was never acked) or synced and acked with the block rotting since;
+/// recovery cannot tell which, so the block's content is a proven older state that other
+/// copies may have newer. Reads report it ([`crate::ReadInfo::suspect`]) and the owner
+/// checks it against the other copies; any write of the block clears it.
+pub const F_SUSPECT: u32 = 8;
 /// Bits 4..32 of a packed block's flags: codec (4..8), member index (8..12), group blocks
 /// minus one (12..16), stream bytes (16..32).
 const PACK_FIELDS: u32 = !0xf;
@@ -496,6 +501,17 @@ impl BlockMeta {
     pub fn is_bad(&self) -> bool {
         self.flags & F_BAD != 0
     }
+    /// Recovery rolled the block back to this state (see [`F_SUSPECT`]).
+    pub fn is_suspect(&self) -> bool {
+        self.flags & F_SUSPECT != 0
+    }
+    /// The same state, marked suspect.
+    pub fn suspect(self) -> BlockMeta {
+        BlockMeta {
+            flags: self.flags | F_SUSPECT,
+            ..self
+        }
+    }
     /// A member of a compressed group (see [`BlockMeta`]).
     pub fn is_packed(&self) -> bool {
         self.flags & (F_PACKED | F_DATA | F_BAD) == F_PACKED | F_DATA
@@ -535,13 +551,11 @@ impl BlockMeta {
             _ => false,
         }
     }
-    /// Whether flags read from a drive describe a block this build understands: a packed
-    /// block's codec is known, its member within its group, and its stream at least one
-    /// block shorter than the group.
+    /// Whether flags read from a drive describe a block this build understands (bits 0–3
+    /// are DATA, BAD, PACKED and SUSPECT; bits 4–31 belong to packed blocks only): a
+    /// packed block's codec is known, its member within its group, and its stream at least
+    /// one block shorter than the group.
     pub fn flags_valid(flags: u32) -> bool {
-        if flags & !F_KNOWN != 0 {
-            return false;
-        }
         if flags & F_PACKED == 0 {
             return flags & PACK_FIELDS == 0;
         }

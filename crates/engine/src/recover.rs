@@ -604,6 +604,7 @@ impl Drive {
                 .and_then(|p| p.get(at..at + BLOCK as usize))
                 .map(crc32c::crc32c))
         };
+        let mut rolled_back = 0u64;
         for key in &check {
             let Some(list) = cands.get(key) else { continue };
             let Some(Some(e)) = exts.get_mut(key.0 as usize) else {
@@ -611,13 +612,32 @@ impl Drive {
             };
             let metas: Vec<BlockMeta> = list.iter().map(|c| c.0).collect();
             let chosen = choose(&metas, &mut crc_of)?;
-            e.blocks[key.1 as usize] = metas[chosen];
+            // A newer state of the batch did not match its crc: the crash cut its write
+            // short, or its block rotted after an acked write. Keep the proven older state
+            // but mark it, so the owner checks it against the other copies first.
+            e.blocks[key.1 as usize] = if chosen + 1 < metas.len() {
+                rolled_back += 1;
+                metas[chosen].suspect()
+            } else {
+                metas[chosen]
+            };
             match list[chosen].1 {
                 Some(p) => e.held.insert(key.1, p),
                 None => e.held.remove(&key.1),
             };
         }
 
+        counters
+            .rolled_back_at_open
+            .store(rolled_back, Ordering::Relaxed);
+        if rolled_back > 0 {
+            log::warn!(
+                "drive {}: {rolled_back} blocks of the journal's last batch did not match \
+                 their checksum and went back to their previous state; they read as suspect \
+                 until their owner checks them against the other copies",
+                sb.identity.drive
+            );
+        }
         // The free-block map, from the metadata. A block naming a physical block that is
         // out of range or already named by another has lost its metadata: bad (resync
         // rewrites it).

@@ -39,6 +39,10 @@ pub struct DriveStats {
     pub skipped_blocks: u64,
     /// Blocks reported in ReadInfo::bad_blocks so far.
     pub bad_blocks_reported: u64,
+    /// Blocks reported in ReadInfo::suspect so far.
+    pub suspect_blocks_reported: u64,
+    /// Blocks the last open's recovery rolled back and marked suspect.
+    pub rolled_back_at_open: u64,
     /// Engine operations (read/write/zero) in progress now.
     pub inflight: u64,
     /// Integral over time of `inflight`, in ns: average queue depth over an interval is
@@ -62,6 +66,8 @@ pub(crate) struct Counters {
     pub checkpoints: AtomicU64,
     pub skipped_blocks: AtomicU64,
     pub bad_blocks_reported: AtomicU64,
+    pub suspect_blocks_reported: AtomicU64,
+    pub rolled_back_at_open: AtomicU64,
     read_hist: [AtomicU64; LATENCY_BUCKETS],
     write_hist: [AtomicU64; LATENCY_BUCKETS],
     // The queue-depth integral without a lock (Little's law): the time every finished
@@ -104,6 +110,8 @@ impl Counters {
             checkpoints: AtomicU64::new(0),
             skipped_blocks: AtomicU64::new(0),
             bad_blocks_reported: AtomicU64::new(0),
+            suspect_blocks_reported: AtomicU64::new(0),
+            rolled_back_at_open: AtomicU64::new(0),
             read_hist: std::array::from_fn(|_| AtomicU64::new(0)),
             write_hist: std::array::from_fn(|_| AtomicU64::new(0)),
             inflight: AtomicU64::new(0),
@@ -176,6 +184,8 @@ impl Counters {
             checkpoints: self.checkpoints.load(Relaxed),
             skipped_blocks: self.skipped_blocks.load(Relaxed),
             bad_blocks_reported: self.bad_blocks_reported.load(Relaxed),
+            suspect_blocks_reported: self.suspect_blocks_reported.load(Relaxed),
+            rolled_back_at_open: self.rolled_back_at_open.load(Relaxed),
             inflight,
             inflight_time_ns: integral,
             read_latency_us: hist(&self.read_hist),

@@ -1142,17 +1142,24 @@ fn held_writes_are_bounded() {
 
 mod packed;
 
-/// A drive gone quiet checkpoints its journal (`checkpoint_if_quiet`, called by the node
-/// every few seconds): bit rot in a block written last, then a power loss, is then
-/// reported as a bad block (the owner repairs it from another copy). Without that
-/// checkpoint, the block's write is still in the journal's last batch, which recovery
-/// cannot tell from one the crash cut short, and the block goes back to its previous
-/// state: the limit the quiet checkpoint closes for drives that stay idle.
+/// Bit rot in a block written last, then a power loss. A drive gone quiet has checkpointed
+/// its journal (`checkpoint_if_quiet`, called by the node every few seconds), so the rot is
+/// reported as a bad block (the owner repairs it from another copy). Otherwise the block's
+/// write is still in the journal's last batch, which recovery cannot tell from one the
+/// crash cut short: the block goes back to its previous state *marked suspect*, reads say
+/// so (the owner checks it against the other copies), the mark survives another reopen,
+/// and a write of the block clears it.
 #[test]
-fn a_quiet_drive_checkpoints_so_rot_after_a_crash_is_reported_not_rolled_back() {
+fn rot_in_the_last_batch_then_power_loss_reads_suspect_or_bad_never_silently_old() {
     let mut rng = StdRng::seed_from_u64(21);
-    let (x, xc) = blocks(&mut rng, 1);
-    let (y, yc) = blocks(&mut rng, 1);
+    let (x, xc) = blocks(&mut rng, 2);
+    let (y, yc) = blocks(&mut rng, 2);
+    let power_loss = |f: &FaultyFile, d: Drive| {
+        f.set_crash_mode(crate::CrashMode::PowerLoss { tear_bytes: 512 });
+        f.crash(3);
+        drop(d);
+        Drive::open(Arc::new(f.reattach())).unwrap()
+    };
     for quiet in [false, true] {
         let (f, d) = faulty(8 << 20);
         let k = key(5, 0);
@@ -1167,18 +1174,39 @@ fn a_quiet_drive_checkpoints_so_rot_after_a_crash_is_reported_not_rolled_back() 
             assert!(d.checkpoint_if_quiet().unwrap(), "quiet since: checkpoint");
             assert!(!d.checkpoint_if_quiet().unwrap(), "nothing new to fold in");
         }
+        // Block 0 rots; block 1 (same batch) does not.
         f.rot(d.block_offset(k, 0).unwrap() + 7, 2);
-        f.set_crash_mode(crate::CrashMode::PowerLoss { tear_bytes: 512 });
-        f.crash(3);
-        drop(d);
-        let d = Drive::open(Arc::new(f.reattach())).unwrap();
-        let (buf, info) = read_all(&d, k, 0, B);
+        let d = power_loss(&f, d);
+        let (buf, info) = read_all(&d, k, 0, 2 * B);
+        assert_eq!(&buf[B..], &y[B..], "the sound block keeps the acked write");
         if quiet {
             assert_eq!(info.bad_blocks, vec![0], "reported bad");
-        } else {
-            // The open limit: taken for a cut write, back to version 1.
-            assert!(info.bad_blocks.is_empty());
-            assert_eq!(buf, x);
+            assert!(info.suspect.is_empty());
+            continue;
         }
+        // Taken for a cut write: version 1's bytes, and said to be suspect.
+        assert_eq!(d.stats().rolled_back_at_open, 1);
+        assert_eq!(d.stats().suspect_blocks_reported, 1);
+        assert!(info.bad_blocks.is_empty());
+        assert_eq!(info.suspect, vec![0]);
+        assert_eq!(&buf[..B], &x[..B]);
+        assert_eq!(
+            d.block_versions(k, 0, 2).unwrap(),
+            vec![Version(1), Version(2)]
+        );
+        // The mark is in the metadata the open checkpointed: another crash keeps it.
+        let d = power_loss(&f, d);
+        assert_eq!(read_all(&d, k, 0, 2 * B).1.suspect, vec![0]);
+        // The owner's repair rewrites the block: no longer suspect, across a reopen too.
+        d.write(k, Epoch(1), Version(2), 0, &y[..B], &yc[..1])
+            .unwrap();
+        let (buf, info) = read_all(&d, k, 0, 2 * B);
+        assert!(info.suspect.is_empty() && info.bad_blocks.is_empty());
+        assert_eq!(buf, y);
+        d.checkpoint().unwrap();
+        let d = power_loss(&f, d);
+        let (buf, info) = read_all(&d, k, 0, 2 * B);
+        assert!(info.suspect.is_empty() && info.bad_blocks.is_empty());
+        assert_eq!(buf, y);
     }
 }

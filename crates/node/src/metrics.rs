@@ -114,6 +114,21 @@ pub async fn render(node: &Node) -> String {
             s.data_write_bytes
         );
         let _ = writeln!(o, "converge_drive_flushes_total{{{l}}} {}", s.flushes);
+        let _ = writeln!(
+            o,
+            "converge_drive_bad_blocks_reported_total{{{l}}} {}",
+            s.bad_blocks_reported
+        );
+        let _ = writeln!(
+            o,
+            "converge_drive_suspect_blocks_reported_total{{{l}}} {}",
+            s.suspect_blocks_reported
+        );
+        let _ = writeln!(
+            o,
+            "converge_drive_rolled_back_at_open{{{l}}} {}",
+            s.rolled_back_at_open
+        );
         let _ = writeln!(o, "converge_drive_inflight{{{l}}} {}", s.inflight);
         let _ = writeln!(
             o,

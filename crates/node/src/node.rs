@@ -641,6 +641,7 @@ impl RpcHandler {
                 Response::Extent(ExtentReply::Read(ReadReply {
                     data,
                     bad_blocks: Vec::new(),
+                    suspect: vec![],
                     version: Version(0),
                 }))
             }),

@@ -122,6 +122,7 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             ExtentReply::Read(ReadReply {
                 data: Bytes::from_owner(buf),
                 bad_blocks: info.bad_blocks,
+                suspect: info.suspect,
                 version: info.versions,
             })
         }
@@ -147,6 +148,7 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             ExtentReply::Blocks(BlocksReply {
                 data: Bytes::from_owner(buf),
                 bad_blocks: info.bad_blocks,
+                suspect: info.suspect,
                 versions,
             })
         }

@@ -235,6 +235,7 @@ mod tests {
             let resp = Response::Extent(ExtentReply::Read(ReadReply {
                 data: Bytes::from(vec![i as u8; 100]),
                 bad_blocks: vec![i as u32],
+                suspect: vec![],
                 version: converge_types::Version(i),
             }));
             let f = wire::encode_response(i, &resp);
@@ -285,6 +286,7 @@ mod tests {
             &Response::Extent(ExtentReply::Read(ReadReply {
                 data: Bytes::from(vec![0u8; 4096]),
                 bad_blocks: vec![],
+                suspect: vec![],
                 version: converge_types::Version(0),
             })),
         )

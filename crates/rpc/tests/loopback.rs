@@ -90,6 +90,7 @@ impl Handler for Store {
                 Response::Extent(ExtentReply::Read(ReadReply {
                     data,
                     bad_blocks: vec![],
+                    suspect: vec![],
                     version,
                 }))
             }

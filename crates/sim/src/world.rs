@@ -118,7 +118,8 @@ impl Health {
     }
 }
 
-/// One copy read whole: data, every block's version, and the blocks failing their crc.
+/// One copy read whole: data, every block's version, and the blocks failing their crc or
+/// suspect (rolled back by the drive's recovery, not yet checked by their owner).
 pub(crate) type CopyImage = (Vec<u8>, Vec<Version>, Vec<u32>);
 
 /// What an engine request delivered to a node came to.
@@ -791,6 +792,12 @@ impl World {
                     let file: Arc<dyn BlockFile> = Arc::new(d.live.clone());
                     match Drive::open(file) {
                         Ok(dr) => {
+                            let rolled_back = dr.stats().rolled_back_at_open;
+                            if rolled_back > 0 {
+                                *lock(&self.stats)
+                                    .entry("blocks rolled back by recovery (marked suspect)")
+                                    .or_default() += rolled_back;
+                            }
                             let dr = Arc::new(dr);
                             caps.push((d.id, dr.clone()));
                             d.tier = Some(Arc::new(Tier::new(dr)));
@@ -1574,7 +1581,13 @@ impl World {
             } else {
                 t.read_blocks(key, Epoch(u64::MAX), 0, &mut buf, &mut v)?
             };
-            Ok((buf, v, info.bad_blocks))
+            // A suspect block (rolled back by the drive's recovery) is not yet judged:
+            // the owner checks it against the other copies before serving it.
+            let mut bad = info.bad_blocks;
+            bad.extend(info.suspect);
+            bad.sort_unstable();
+            bad.dedup();
+            Ok((buf, v, bad))
         }) {
             Delivery::Done(Ok(x)) => Ok(x),
             Delivery::Done(Err(e)) => Err(format!("node {node} drive {drive}: {e}")),

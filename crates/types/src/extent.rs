@@ -246,6 +246,11 @@ pub struct ReadReply {
     /// Indexes (within this read) of blocks whose checksum did not match: their bytes must
     /// not be used.
     pub bad_blocks: Vec<u32>,
+    /// Indexes of blocks that read soundly but that the replica's recovery rolled back to
+    /// an older state after a power loss (the newer write it had in its last journal batch
+    /// did not check out): another copy may hold a newer, acked version. The owner checks
+    /// them against the other copies before it serves their bytes.
+    pub suspect: Vec<u32>,
     /// Highest block version among the blocks read (a repair rewrites a bad copy with the
     /// good copy's version, so that it is not newer than the write it holds).
     pub version: Version,
@@ -256,6 +261,8 @@ pub struct ReadReply {
 pub struct BlocksReply {
     pub data: Bytes,
     pub bad_blocks: Vec<u32>,
+    /// As [`ReadReply::suspect`].
+    pub suspect: Vec<u32>,
     pub versions: Vec<Version>,
 }
 
@@ -377,12 +384,15 @@ impl ReplyShape {
                 true
             }
             (ReplyShape::Read { len }, ExtentReply::Read(r)) => {
-                r.data.len() == len as usize && bad_ok(&r.bad_blocks, len)
+                r.data.len() == len as usize
+                    && bad_ok(&r.bad_blocks, len)
+                    && bad_ok(&r.suspect, len)
             }
             (ReplyShape::Blocks { len }, ExtentReply::Blocks(r)) => {
                 r.data.len() == len as usize
                     && r.versions.len() == blocks_in(len)
                     && bad_ok(&r.bad_blocks, len)
+                    && bad_ok(&r.suspect, len)
             }
             (ReplyShape::Written { blocks }, ExtentReply::Written(n)) => *n <= blocks,
             (ReplyShape::Versions { count }, ExtentReply::Versions(v)) => v.len() == count as usize,
@@ -455,6 +465,7 @@ mod tests {
         ExtentReply::Read(ReadReply {
             data: Bytes::from(vec![0u8; len]),
             bad_blocks: bad,
+            suspect: vec![],
             version: Version(1),
         })
     }
@@ -463,6 +474,7 @@ mod tests {
         ExtentReply::Blocks(BlocksReply {
             data: Bytes::from(vec![0u8; len]),
             bad_blocks: bad,
+            suspect: vec![],
             versions: vec![Version(1); versions],
         })
     }

@@ -1368,7 +1368,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     order[i].drive
                 )))
             }
-            Ok((_, reply)) if reply.bad_blocks.is_empty() => Ok(reply.data),
+            Ok((_, reply)) if reply.bad_blocks.is_empty() && reply.suspect.is_empty() => {
+                Ok(reply.data)
+            }
             Ok((i, reply)) => {
                 let others: Vec<ExtentLoc> = order
                     .iter()
@@ -1474,7 +1476,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
     }
 
-    /// Replace each bad block of `reply` with a good copy's, and rewrite it on `bad_at`.
+    /// Replaces each bad block of `reply` with a good copy's, and rewrites it on `bad_at`.
+    ///
+    /// A *suspect* block of `reply` (its replica's recovery rolled it back after a power
+    /// loss; docs/FORMAT-engine.md, "Recovery") reads soundly but may be older than an acked
+    /// write, so it is checked the same way: the first other copy holding the block neither
+    /// bad nor suspect gives it. Only when every copy answered and none does is a suspect
+    /// version served: the newest one any copy holds (a write that every copy's recovery
+    /// took back was never acked), and `bad_at` is rewritten with it, which clears its mark.
     async fn repair(
         &self,
         p: Piece,
@@ -1484,19 +1493,33 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     ) -> Result<Bytes, RepairFailed> {
         let key = self.key(p.slab);
         let mut buf = BytesMut::from(&reply.data[..]);
-        for &b in &reply.bad_blocks {
+        let mut blocks: Vec<(u32, bool)> = reply.bad_blocks.iter().map(|&b| (b, false)).collect();
+        blocks.extend(
+            reply
+                .suspect
+                .iter()
+                .filter(|b| !reply.bad_blocks.contains(b))
+                .map(|&b| (b, true)),
+        );
+        let read_one = |at: ExtentLoc, boff: u64| {
+            let op = ExtentOp::Read {
+                key,
+                epoch: self.cfg.epoch,
+                offset: boff,
+                len: BLOCK_SIZE as u32,
+            };
+            self.ask(at, op, ExtentReply::into_read)
+        };
+        for (b, suspect) in blocks {
             let boff = p.offset + b as u64 * BS;
-            let mut fixed = false;
             let mut unanswered = Vec::new();
-            for &src in others {
-                let op = ExtentOp::Read {
-                    key,
-                    epoch: self.cfg.epoch,
-                    offset: boff,
-                    len: BLOCK_SIZE as u32,
-                };
-                let good = match self.ask(src, op, ExtentReply::into_read).await {
-                    Ok(good) => good,
+            // The first intact copy; else the newest sound suspect one (own copy included).
+            let mut intact: Option<(ExtentLoc, ReadReply)> = None;
+            let mut newest_suspect: Option<(ExtentLoc, ReadReply)> = None;
+            let own = suspect.then_some(bad_at);
+            for &src in others.iter().chain(own.iter()) {
+                let got = match read_one(src, boff).await {
+                    Ok(got) => got,
                     Err(ReplicaError::StaleEpoch(why)) => {
                         return Err(RepairFailed::Lost(self.fenced(why)))
                     }
@@ -1505,59 +1528,83 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                         continue;
                     }
                 };
-                if !good.bad_blocks.is_empty() {
+                if !got.bad_blocks.is_empty() {
                     continue;
                 }
-                let at = b as usize * BLOCK_SIZE;
-                buf[at..at + BLOCK_SIZE].copy_from_slice(&good.data);
-                // Rewrite with the good copy's version so the repaired block is not newer
-                // than the write it holds.
-                let op = ExtentOp::Write {
-                    key,
-                    epoch: self.cfg.epoch,
-                    version: good.version,
-                    offset: boff,
-                    crcs: block_crcs(&good.data),
-                    data: good.data,
-                    codec: self.compression(),
-                };
-                match self.ask(bad_at, op, ExtentReply::into_ok).await {
-                    Ok(()) => {
-                        self.counters
-                            .repaired_blocks
-                            .fetch_add(1, Ordering::Relaxed);
-                        log::warn!(
-                            "volume {}: repaired block at slab {} offset {} on node {} drive {} from node {}",
-                            self.cfg.name, p.slab, boff, bad_at.node, bad_at.drive, src.node
-                        );
-                    }
-                    Err(e) => log::error!(
-                        "volume {}: could not rewrite bad block on node {} drive {}: {e}",
-                        self.cfg.name,
-                        bad_at.node,
-                        bad_at.drive
-                    ),
+                if got.suspect.is_empty() && src.drive != bad_at.drive {
+                    intact = Some((src, got));
+                    break;
                 }
-                fixed = true;
-                break;
+                if newest_suspect
+                    .as_ref()
+                    .is_none_or(|(_, n)| got.version > n.version)
+                {
+                    newest_suspect = Some((src, got));
+                }
             }
-            if !fixed {
-                let why = format!(
-                    "block at offset {boff} fails its checksum on node {}",
-                    bad_at.node
-                );
-                if unanswered.is_empty() {
-                    // Every other in-sync copy answered, and none has the block intact.
-                    return Err(RepairFailed::Lost(VolumeError::Unreadable {
-                        volume: self.cfg.name.clone(),
-                        slab: p.slab,
-                        why: format!("{why} and no other copy has it intact"),
-                    }));
+            let what = if suspect {
+                "was rolled back by a power loss"
+            } else {
+                "fails its checksum"
+            };
+            let (src, good) = match (intact, newest_suspect) {
+                (Some(i), _) => i,
+                (None, Some(n)) if unanswered.is_empty() => {
+                    log::warn!(
+                        "volume {}: block at slab {} offset {boff} {what} on node {} and no copy \
+                         holds it unsuspected: serving the newest version the copies hold ({})",
+                        self.cfg.name,
+                        p.slab,
+                        bad_at.node,
+                        n.1.version.0
+                    );
+                    n
                 }
-                return Err(RepairFailed::Unavailable(format!(
-                    "{why}; the other copies did not answer ({})",
-                    unanswered.join("; ")
-                )));
+                (None, _) => {
+                    let why = format!("block at offset {boff} {what} on node {}", bad_at.node);
+                    if unanswered.is_empty() {
+                        // Every other in-sync copy answered, and none has the block intact.
+                        return Err(RepairFailed::Lost(VolumeError::Unreadable {
+                            volume: self.cfg.name.clone(),
+                            slab: p.slab,
+                            why: format!("{why} and no other copy has it intact"),
+                        }));
+                    }
+                    return Err(RepairFailed::Unavailable(format!(
+                        "{why}; the other copies did not answer ({})",
+                        unanswered.join("; ")
+                    )));
+                }
+            };
+            let at = b as usize * BLOCK_SIZE;
+            buf[at..at + BLOCK_SIZE].copy_from_slice(&good.data);
+            // Rewrite with the source's version so the repaired block is not newer than
+            // the write it holds (an equal version is taken: it clears a suspect mark).
+            let op = ExtentOp::Write {
+                key,
+                epoch: self.cfg.epoch,
+                version: good.version,
+                offset: boff,
+                crcs: block_crcs(&good.data),
+                data: good.data,
+                codec: self.compression(),
+            };
+            match self.ask(bad_at, op, ExtentReply::into_ok).await {
+                Ok(()) => {
+                    self.counters
+                        .repaired_blocks
+                        .fetch_add(1, Ordering::Relaxed);
+                    log::warn!(
+                        "volume {}: repaired block at slab {} offset {boff} ({what}) on node {} drive {} from node {}",
+                        self.cfg.name, p.slab, bad_at.node, bad_at.drive, src.node
+                    );
+                }
+                Err(e) => log::error!(
+                    "volume {}: could not rewrite block on node {} drive {}: {e}",
+                    self.cfg.name,
+                    bad_at.node,
+                    bad_at.drive
+                ),
             }
         }
         Ok(buf.freeze())

@@ -574,7 +574,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let mut whole = true;
             for (a, (j, _, _)) in answers.iter().zip(&reads) {
                 match a {
-                    Ok(r) if r.bad_blocks.is_empty() => {}
+                    // A suspect block (rolled back by its replica's recovery) may be older
+                    // than the row: the slow path compares the chunks' versions.
+                    Ok(r) if r.bad_blocks.is_empty() && r.suspect.is_empty() => {}
                     Ok(_) => whole = false,
                     Err(ReplicaError::StaleEpoch(why)) => {
                         return Err(Retry::Fail(self.fenced(why.clone())))
@@ -665,8 +667,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             self.read_blocks_into(idx, &ex, &want, r0, n, &mut got, &mut errors)
                 .await?;
             asked |= want.iter().fold(0, |m, &c| m | bit(c));
-            let data_whole =
-                (0..k).all(|c| got[c].as_ref().is_some_and(|r| r.bad_blocks.is_empty()));
+            let data_whole = (0..k).all(|c| {
+                got[c]
+                    .as_ref()
+                    .is_some_and(|r| r.bad_blocks.is_empty() && r.suspect.is_empty())
+            });
             if data_whole {
                 return Ok(interleave(k, n_us, |c, i| {
                     &got[c].as_ref().expect("checked").data[i * BSZ..]
@@ -711,8 +716,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 .as_ref()
                 .is_some_and(|r| r.bad_blocks.contains(&(i as u32)))
         };
+        let suspect = |i: usize, c: usize| {
+            got[c]
+                .as_ref()
+                .is_some_and(|r| r.suspect.contains(&(i as u32)))
+        };
         let decoded = self
-            .decode_rows(g, &got, &versions, &|i, c| c < k || bad(i, c))
+            .decode_rows(g, &got, &versions, &|i, c| {
+                c < k || bad(i, c) || suspect(i, c)
+            })
             .map_err(|why| Retry::Fail(self.copy_error(idx, why)))?;
         let rows = interleave(k, n_us, |c, i| {
             if good_at(&got, c, i, versions[i]) {
@@ -721,17 +733,22 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 &decoded[c].as_ref().expect("decoded")[i * BSZ..]
             }
         });
-        // Read repair: rewrite each bad block at its row's version, unless it changed.
+        // Read repair: rewrite each bad or suspect block at its row's version, unless it
+        // changed (a suspect block that agrees with its row is rewritten as it is, which
+        // clears its mark).
         let key = self.key(idx);
         let epoch = self.cfg.epoch;
         for c in 0..all {
             for (i, &row_version) in versions.iter().enumerate() {
-                if !bad(i, c) {
+                if !bad(i, c) && !suspect(i, c) {
                     continue;
                 }
-                let block = Bytes::copy_from_slice(
-                    &decoded[c].as_ref().expect("decoded")[i * BSZ..(i + 1) * BSZ],
-                );
+                let from: &[u8] = if good_at(&got, c, i, row_version) {
+                    &got[c].as_ref().expect("good").data
+                } else {
+                    decoded[c].as_ref().expect("decoded")
+                };
+                let block = Bytes::copy_from_slice(&from[i * BSZ..(i + 1) * BSZ]);
                 let seen = got[c].as_ref().expect("bad implies read").versions[i];
                 let op = ExtentOp::WriteBlocks {
                     key,

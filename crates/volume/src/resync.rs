@@ -586,8 +586,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let mut data = bytes::BytesMut::from(&r.data[..]);
         let mut versions = r.versions;
         let mut expect: Vec<Version> = run.iter().map(|d| d.expect).collect();
-        for &b in &r.bad_blocks {
-            // Take this block from another in-sync copy.
+        // Bad blocks, and suspect ones (rolled back by the source's recovery: maybe older
+        // than an acked write), are taken from another in-sync copy that holds them intact.
+        let suspect = r.suspect.iter().filter(|b| !r.bad_blocks.contains(b));
+        for (&b, is_suspect) in r
+            .bad_blocks
+            .iter()
+            .map(|b| (b, false))
+            .chain(suspect.map(|b| (b, true)))
+        {
             let boff = off + u64::from(b) * BS;
             let mut fixed = false;
             for other in slab.extents().iter() {
@@ -604,7 +611,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     len: BS as u32,
                 };
                 if let Ok(g) = self.ask(*other, op, ExtentReply::into_blocks).await {
-                    if g.bad_blocks.is_empty() {
+                    if g.bad_blocks.is_empty() && g.suspect.is_empty() {
                         let at = b as usize * BS as usize;
                         data[at..at + BS as usize].copy_from_slice(&g.data);
                         versions[b as usize] = g.versions[0];
@@ -612,6 +619,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                         break;
                     }
                 }
+            }
+            if !fixed && is_suspect {
+                // No copy holds it unsuspected: the source's sound bytes are the newest
+                // there are.
+                continue;
             }
             if !fixed {
                 // No good copy of this block exists (e.g. an unacked write torn on every
@@ -972,8 +984,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 |(_, r): &&(ExtentLoc, crate::BlocksReply)| !r.bad_blocks.contains(&(b as u32));
             let bad_here = copies.iter().filter(|c| !good(c)).count() as u64;
             rep.bad_checksums += u64::from(bad_here > 0);
-            // The reference: a good copy with the highest version; among equals, the bytes
-            // most copies hold (a majority outvotes one silently different copy).
+            // The reference: a good copy with the highest version, preferring copies not
+            // suspect (a suspect one was rolled back by its recovery: maybe older than an
+            // acked write); among equals, the bytes most copies hold (a majority outvotes
+            // one silently different copy). A suspect copy is rewritten even when it
+            // agrees, which clears its mark.
+            let unsuspected = |r: &crate::BlocksReply| !r.suspect.contains(&(b as u32));
             let same = |x: &crate::BlocksReply| {
                 copies
                     .iter()
@@ -987,7 +1003,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let Some((src, sr)) = copies
                 .iter()
                 .filter(good)
-                .max_by_key(|(_, r)| (r.versions[b], same(r)))
+                .max_by_key(|(_, r)| (unsuspected(r), r.versions[b], same(r)))
             else {
                 if bad_here > 0 {
                     log::error!(
@@ -1001,13 +1017,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let sdata = &sr.data[b * bsz..(b + 1) * bsz];
             let mut mismatch = false;
             for (e, r) in &copies {
-                let ok = !r.bad_blocks.contains(&(b as u32))
+                let agrees = !r.bad_blocks.contains(&(b as u32))
                     && r.versions[b] == sr.versions[b]
                     && &r.data[b * bsz..(b + 1) * bsz] == sdata;
-                if ok {
+                if agrees && unsuspected(r) {
                     continue;
                 }
-                if !r.bad_blocks.contains(&(b as u32)) {
+                // A suspect copy may legitimately be behind: rewritten, not a divergence.
+                if !agrees && !r.bad_blocks.contains(&(b as u32)) && unsuspected(r) {
                     mismatch = true;
                 }
                 if repair {

@@ -36,12 +36,22 @@ struct MemReplicas {
     held_writes: AtomicU64,
     settles: AtomicU64,
     reverts: AtomicU64,
+    /// Blocks a replica's recovery rolled back (reads list them as suspect until written).
+    suspect: Mutex<std::collections::HashSet<(DriveId, ExtentKey, u64)>>,
 }
 
 /// The node whose reads wait, the flag a read sets on arrival, and what lets it go on.
 type PausedReads = (NodeId, Arc<AtomicBool>, Arc<tokio::sync::Notify>);
 
 impl MemReplicas {
+    /// What a power loss whose recovery took back the block's last write does: the block
+    /// holds `(version, data)` again, marked suspect.
+    fn roll_back(&self, drive: DriveId, key: ExtentKey, block: u64, version: Version, data: &[u8]) {
+        let crc = crc32c::crc32c(data);
+        let mut m = self.blocks.lock().unwrap();
+        m.insert((drive, key, block), (version, crc, data.to_vec()));
+        self.suspect.lock().unwrap().insert((drive, key, block));
+    }
     fn rot(&self, drive: DriveId, key: ExtentKey, block: u64) {
         let mut m = self.blocks.lock().unwrap();
         let e = m.get_mut(&(drive, key, block)).expect("block exists");
@@ -83,14 +93,18 @@ impl MemReplicas {
     /// A read of whole blocks, after the checks.
     fn read_now(&self, at: ExtentLoc, key: ExtentKey, offset: u64, len: u32) -> ReadReply {
         let m = self.blocks.lock().unwrap();
+        let sus = self.suspect.lock().unwrap();
         let mut data = Vec::with_capacity(len as usize);
         let mut bad = Vec::new();
+        let mut suspect = Vec::new();
         let mut version = Version(0);
         for i in 0..(len as u64 / BS) {
             match m.get(&(at.drive, key, offset / BS + i)) {
                 Some((v, crc, d)) => {
                     if crc32c::crc32c(d) != *crc {
                         bad.push(i as u32);
+                    } else if sus.contains(&(at.drive, key, offset / BS + i)) {
+                        suspect.push(i as u32);
                     }
                     version = version.max(*v);
                     data.extend_from_slice(d);
@@ -101,6 +115,7 @@ impl MemReplicas {
         ReadReply {
             data: Bytes::from(data),
             bad_blocks: bad,
+            suspect,
             version,
         }
     }
@@ -150,6 +165,7 @@ impl MemReplicas {
                     if version >= cur {
                         m.insert((at.drive, key, b), (version, crcs[i], chunk.to_vec()));
                         self.priors.lock().unwrap().remove(&(at.drive, key, b));
+                        self.suspect.lock().unwrap().remove(&(at.drive, key, b));
                     }
                 }
                 ExtentReply::Ok
@@ -259,6 +275,7 @@ impl MemReplicas {
                     if version >= cur {
                         m.insert((at.drive, key, b), (version, crc, zero.clone()));
                         self.priors.lock().unwrap().remove(&(at.drive, key, b));
+                        self.suspect.lock().unwrap().remove(&(at.drive, key, b));
                     }
                 }
                 ExtentReply::Ok
@@ -271,6 +288,7 @@ impl MemReplicas {
                 ExtentReply::Blocks(BlocksReply {
                     data: r.data,
                     bad_blocks: r.bad_blocks,
+                    suspect: r.suspect,
                     versions,
                 })
             }
@@ -291,6 +309,7 @@ impl MemReplicas {
                     if cur == expect[i] {
                         m.insert((at.drive, key, b), (versions[i], crcs[i], chunk.to_vec()));
                         self.priors.lock().unwrap().remove(&(at.drive, key, b));
+                        self.suspect.lock().unwrap().remove(&(at.drive, key, b));
                         n += 1;
                     }
                 }
@@ -698,6 +717,89 @@ async fn bad_block_is_served_from_another_copy_and_repaired() {
     let r = read_copy(&io, at, key, 64 << 10).await;
     assert!(r.bad_blocks.is_empty());
     assert_eq!(&r.data[8192..8192 + 16384], &data[..]);
+}
+
+/// A power loss whose recovery took a block back to its previous state (the write of the
+/// journal's last batch did not check out: cut short, or acked and rotted) marks it suspect.
+/// The owner must not serve it from that copy when another holds it unsuspected: the read
+/// returns the acked write and rewrites the rolled-back copy, which clears its mark.
+#[tokio::test]
+async fn a_rolled_back_block_is_taken_from_a_copy_that_holds_it_unsuspected() {
+    let (v, io) = volume(1 << 20, 64 << 10);
+    let old = pattern(16384, 8);
+    let new = pattern(16384, 9);
+    v.write(8192, old.clone()).await.unwrap();
+    let key = v.key(SlabIndex(0));
+    let before = io.version(DriveId(20), key, 3);
+    v.write(8192, new.clone()).await.unwrap();
+    // The local copy (node 2, read first) loses power and takes block 3 back.
+    io.roll_back(DriveId(20), key, 3, before, &old[4096..8192]);
+    assert_eq!(
+        v.read(8192, 16384).await.unwrap(),
+        new,
+        "never the older state"
+    );
+    assert_eq!(v.stats().repaired_blocks, 1);
+    let at = ExtentLoc {
+        node: NodeId(2),
+        drive: DriveId(20),
+        state: ExtentState::InSync,
+    };
+    let r = read_copy(&io, at, key, 64 << 10).await;
+    assert!(r.suspect.is_empty() && r.bad_blocks.is_empty());
+    assert_eq!(&r.data[8192..8192 + 16384], &new[..]);
+    assert_copies_identical(&v, &io);
+}
+
+/// When every copy took the write back (a power loss of every node before it was acked),
+/// no copy holds the block unsuspected: the read serves the newest version the copies
+/// hold, never an error, and clears the read copy's mark.
+#[tokio::test]
+async fn a_block_every_copy_rolled_back_reads_its_newest_sound_version() {
+    let (v, io) = volume(1 << 20, 64 << 10);
+    let (a, b) = (pattern(4096, 10), pattern(4096, 11));
+    v.write(0, a.clone()).await.unwrap();
+    let key = v.key(SlabIndex(0));
+    let va = io.version(DriveId(10), key, 0);
+    v.write(0, b.clone()).await.unwrap();
+    let vb = io.version(DriveId(10), key, 0);
+    v.write(0, pattern(4096, 12)).await.unwrap();
+    // Nodes 2 and 3 went back to `a`, node 1 to `b` (the newest any copy proves).
+    io.roll_back(DriveId(10), key, 0, vb, &b);
+    io.roll_back(DriveId(20), key, 0, va, &a);
+    io.roll_back(DriveId(30), key, 0, va, &a);
+    assert_eq!(v.read(0, 4096).await.unwrap(), b);
+    let local = ExtentLoc {
+        node: NodeId(2),
+        drive: DriveId(20),
+        state: ExtentState::InSync,
+    };
+    let r = read_copy(&io, local, key, 4096).await;
+    assert!(r.suspect.is_empty(), "the read copy was rewritten");
+    assert_eq!(r.data, b);
+}
+
+/// Scrub takes its reference from an unsuspected copy and rewrites every suspect one, also
+/// one that agrees (its mark goes); a suspect copy behind the others is not a divergence.
+#[tokio::test]
+async fn scrub_rewrites_suspect_copies_from_an_unsuspected_one() {
+    let (v, io) = volume(1 << 20, 64 << 10);
+    let old = pattern(8192, 13);
+    let new = pattern(8192, 14);
+    v.write(0, old.clone()).await.unwrap();
+    let key = v.key(SlabIndex(0));
+    let before = io.version(DriveId(30), key, 0);
+    v.write(0, new.clone()).await.unwrap();
+    let now = io.version(DriveId(30), key, 1);
+    io.roll_back(DriveId(30), key, 0, before, &old[..4096]);
+    io.roll_back(DriveId(10), key, 1, now, &new[4096..]);
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let r = v.scrub(true, &t, &p).await.unwrap();
+    assert_eq!((r.bad_checksums, r.mismatches, r.repaired), (0, 0, 2));
+    assert!(io.suspect.lock().unwrap().is_empty());
+    assert_copies_identical(&v, &io);
+    assert_eq!(v.read(0, 8192).await.unwrap(), new);
 }
 
 #[tokio::test]
