@@ -271,6 +271,7 @@ fn responses() -> Vec<(&'static str, Response)> {
             Response::Extent(ExtentReply::Read(ReadReply {
                 data: Bytes::from(vec![7u8; 100]),
                 bad_blocks: vec![1, 5],
+                suspect: vec![3],
                 version: Version(12),
             })),
         ),
@@ -279,6 +280,7 @@ fn responses() -> Vec<(&'static str, Response)> {
             Response::Extent(ExtentReply::Blocks(BlocksReply {
                 data: Bytes::from(vec![9u8; 64]),
                 bad_blocks: vec![0],
+                suspect: vec![1],
                 versions: vec![Version(1), Version(2)],
             })),
         ),

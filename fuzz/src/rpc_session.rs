@@ -55,6 +55,7 @@ impl Handler for Stub {
             } => Response::Extent(ExtentReply::Read(ReadReply {
                 data: data(u64::from(len)),
                 bad_blocks: vec![0],
+                suspect: vec![],
                 version: Version(7),
             })),
             Request::Extent {
@@ -63,6 +64,7 @@ impl Handler for Stub {
             } => Response::Extent(ExtentReply::Blocks(BlocksReply {
                 data: data(u64::from(len)),
                 bad_blocks: vec![],
+                suspect: vec![],
                 versions: vec![Version(3); (len as usize / 4096).min(1024)],
             })),
             Request::Extent {

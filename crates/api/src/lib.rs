@@ -119,6 +119,59 @@ pub struct DriveInfo {
     /// whole): what counts as used.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub committed_bytes: Option<u64>,
+    /// Lifetime writes and the endurance forecast (`/v1/status`; absent until the drive's
+    /// node has counted it once).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub wear: Option<DriveWear>,
+}
+
+/// A drive's lifetime writes, as its node keeps them across restarts, and what its write
+/// rates do to its rated endurance (docs/ENDURANCE.md).
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct DriveWear {
+    /// Bytes written to the device since converge first counted it (data, journal,
+    /// metadata: what wears it).
+    pub lifetime_written_bytes: u64,
+    /// When converge first counted it (unix seconds); the warranty is counted from here.
+    pub first_seen_unix: u64,
+    /// When its node last counted it.
+    pub updated_unix: u64,
+    /// Write rates, bytes per second, over the last hour, day and week (`1h`, `24h`,
+    /// `7d`), each with the seconds it was measured over (shorter while the history is).
+    pub write_rates: Vec<WearRate>,
+    /// Rated endurance, bytes (the drive's `tbw`, else its media's default; none for RAM).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rated_tbw_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warranty_years: Option<f64>,
+    /// Share of the rated TBW written so far, percent.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub used_pct: Option<f64>,
+    /// Days until the rated TBW is written at the rate of `rate_window` (absent: no rating,
+    /// or no writes).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub days_to_rated_tbw: Option<f64>,
+    /// The longest window with a rate: the one the forecast uses.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate_window: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warranty_ends_unix: Option<u64>,
+    /// At that rate the drive reaches its rated TBW before its warranty ends.
+    pub wears_out_before_warranty: bool,
+    /// Seconds of history the forecast's rate comes from; `status` warns only from an
+    /// hour or more.
+    #[serde(default)]
+    pub forecast_span_s: u64,
+}
+
+/// One write rate of a [`DriveWear`].
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct WearRate {
+    /// `1h`, `24h` or `7d`.
+    pub window: String,
+    pub bytes_per_s: f64,
+    /// Seconds it was measured over.
+    pub over_s: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

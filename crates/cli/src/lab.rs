@@ -156,6 +156,9 @@ pub struct UpOptions {
     pub ram: bool,
     /// Media written into the config for capacity drives (default ssd, ram with --ram).
     pub capacity_media: Option<String>,
+    /// Rated endurance written into the config for capacity drives (`tbw`, bytes; default:
+    /// none, the media's default rating).
+    pub capacity_tbw: Option<u64>,
     /// Cache drives per node (0: no cache tier).
     pub cache_drives: u32,
     pub cache_size: Option<u64>,
@@ -1012,6 +1015,9 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
                 "capacity",
                 &lab_drives.capacity_media,
             ));
+            if let Some(t) = o.capacity_tbw {
+                toml.push_str(&format!("tbw = {t}\n"));
+            }
         }
         for d in &cache_drives {
             toml.push_str(&drive_toml(
@@ -1022,9 +1028,9 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             ));
         }
         // Failure detection tuned for rehearsing failures on one machine: a dead node is
-        // noticed in seconds, not minutes.
+        // noticed in seconds, not minutes; drives' wear counted every few seconds.
         toml.push_str(&format!(
-            "\n[knobs]\nnode_lease_ttl_s = 6\nreplica_timeout_ms = 3000\nrepair_delay_s = {}\n",
+            "\n[knobs]\nnode_lease_ttl_s = 6\nreplica_timeout_ms = 3000\nrepair_delay_s = {}\nwear_record_s = 5\n",
             o.repair_delay_s
         ));
         // The lab's own admin token (whichever node starts first writes it), and the lab's
@@ -1422,6 +1428,7 @@ mod tests {
             drive_size: 2 << 30,
             ram: false,
             capacity_media: None,
+            capacity_tbw: None,
             cache_drives: 0,
             cache_size: None,
             cache_in_ram: false,

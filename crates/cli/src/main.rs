@@ -439,6 +439,11 @@ enum LabCmd {
         /// --ram). It picks the default cache mode: read-write for hdd, write otherwise.
         #[arg(long, value_parser = ["ssd", "hdd", "nvme"])]
         capacity_media: Option<String>,
+        /// Rated endurance (terabytes written, e.g. 600T) given to the capacity drives in
+        /// the nodes' configs; default: the media's (flash: 1 drive write a day for 5
+        /// years). `converge status` forecasts each drive's wear against it.
+        #[arg(long)]
+        drive_tbw: Option<String>,
         /// Cache drives per node (0 to 8; default 0: no cache tier). Each node binds its
         /// capacity drives to them; see `converge cache --help` for the modes.
         #[arg(long, default_value_t = 0)]
@@ -1173,6 +1178,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             drive_size,
             ram,
             capacity_media,
+            drive_tbw,
             cache_drives,
             cache_size,
             cache_in_ram,
@@ -1193,6 +1199,10 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 drive_size: parse_size(drive_size)?,
                 ram: *ram,
                 capacity_media: capacity_media.clone(),
+                capacity_tbw: drive_tbw
+                    .as_deref()
+                    .map(|s| parse_size(s).map_err(|e| anyhow::anyhow!("--drive-tbw: {e}")))
+                    .transpose()?,
                 cache_drives: *cache_drives,
                 cache_size: cache_size
                     .as_deref()
@@ -1691,11 +1701,93 @@ fn print_status(s: &Status) {
     if !s.caches.is_empty() {
         println!("CACHES\n{}", cache::status_table(&s.caches));
     }
+    if s.drives.iter().any(|d| d.wear.is_some()) {
+        println!("ENDURANCE\n{}", endurance_table(&s.drives));
+    }
     if !s.jobs.is_empty() {
         println!("JOBS\n{}", jobs_table(&s.jobs));
     }
     for w in &s.warnings {
         println!("warning: {w}");
+    }
+}
+
+/// Each drive's lifetime writes, write rate per day over the last hour, day and week, and
+/// what the longest of them does to its rated endurance (docs/ENDURANCE.md).
+fn endurance_table(drives: &[DriveInfo]) -> String {
+    let mut t = table::Table::new(&[
+        "DRIVE", "NODE", "WRITTEN", "1H/DAY", "24H/DAY", "7D/DAY", "RATED", "USED", "LEFT",
+        "WARRANTY",
+    ]);
+    let per_day = |w: &converge_api::DriveWear, name: &str| {
+        w.write_rates
+            .iter()
+            .find(|r| r.window == name)
+            .map_or("-".into(), |r| {
+                let v = format_size((r.bytes_per_s * 86_400.0) as u64);
+                // A window the history does not fill yet says over how long it was measured.
+                let full = match name {
+                    "1h" => 3600,
+                    "24h" => 86_400,
+                    _ => 7 * 86_400,
+                };
+                if r.over_s + 300 < full {
+                    format!("{v} ({})", human_secs(r.over_s))
+                } else {
+                    v
+                }
+            })
+    };
+    for d in drives {
+        let Some(w) = &d.wear else { continue };
+        let left = match (w.days_to_rated_tbw, w.rated_tbw_bytes) {
+            // Under an hour of history the forecast is said to be one, not warned on.
+            (Some(days), _) if w.forecast_span_s < 3600 => {
+                format!(
+                    "{days:.0} days ({} of history)",
+                    human_secs(w.forecast_span_s)
+                )
+            }
+            (Some(days), _) => format!(
+                "{days:.0} days{}",
+                if w.wears_out_before_warranty {
+                    " (!)"
+                } else {
+                    ""
+                }
+            ),
+            (None, Some(_)) => "no writes".into(),
+            (None, None) => "unrated".into(),
+        };
+        let warranty = w.warranty_ends_unix.map_or("-".into(), |e| {
+            format!(
+                "{:.0} days",
+                e.saturating_sub(w.updated_unix) as f64 / 86_400.0
+            )
+        });
+        t.row(vec![
+            format!("{:016x}", d.id.0),
+            d.node.to_string(),
+            format_size(w.lifetime_written_bytes),
+            per_day(w, "1h"),
+            per_day(w, "24h"),
+            per_day(w, "7d"),
+            w.rated_tbw_bytes.map_or("-".into(), format_size),
+            w.used_pct.map_or("-".into(), |p| format!("{p:.3} %")),
+            left,
+            warranty,
+        ]);
+    }
+    t.render()
+}
+
+/// `90 s`, `12 min`, `5 h`, `3 d`.
+fn human_secs(s: u64) -> String {
+    match s {
+        s if s < 120 => format!("{s} s"),
+        s if s < 7200 => format!("{} min", s / 60),
+        s if s < 2 * 86_400 => format!("{} h", s / 3600),
+        s => format!("{} d", s / 86_400),
     }
 }
 
@@ -1828,6 +1920,7 @@ mod tests {
             stored_bytes: None,
             slots_total: None,
             committed_bytes: None,
+            wear: None,
         }
     }
 

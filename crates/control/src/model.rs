@@ -76,6 +76,9 @@ pub mod keys {
     /// Each node's drives as their engines count them: `/converge/usage/<node id>`
     /// ([`super::NodeUsage`]).
     pub const USAGE: &str = "/converge/usage/";
+    /// Each drive's lifetime writes and their samples, kept by its node across restarts:
+    /// `/converge/wear/<drive id>` (`converge_fleet::endurance::WearHistory`).
+    pub const WEAR: &str = "/converge/wear/";
 
     pub fn node(id: NodeId) -> String {
         format!("{NODES}{}", id.0)
@@ -955,6 +958,33 @@ impl<K: Kv> Cluster<K> {
             }
         }
         Ok(out)
+    }
+
+    /// Every drive's wear record ([`keys::WEAR`]), by drive; a record that does not decode
+    /// as `T` (another build's shape) is left out.
+    pub async fn wear_records<T: DeserializeOwned>(
+        &self,
+    ) -> Result<HashMap<DriveId, T>, ControlError> {
+        let (kvs, _) = self.etcd.get_prefix(keys::WEAR).await?;
+        Ok(kvs
+            .iter()
+            .filter_map(|kv| {
+                let id = kv.key.strip_prefix(keys::WEAR)?.parse().ok()?;
+                Some((DriveId(id), serde_json::from_slice(&kv.value).ok()?))
+            })
+            .collect())
+    }
+
+    /// Stores one drive's wear record ([`keys::WEAR`]).
+    pub async fn put_wear<T: Serialize>(
+        &self,
+        drive: DriveId,
+        rec: &T,
+    ) -> Result<(), ControlError> {
+        let key = format!("{}{}", keys::WEAR, drive.0);
+        let v = encode(&key, "wear record", rec)?;
+        self.etcd.put(&key, &v, None).await?;
+        Ok(())
     }
 
     /// Publishes this node's drive usage (see [`NodeUsage`]).

@@ -462,6 +462,7 @@ async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<Driv
                 let placed = used.get(&d.id).copied().unwrap_or(0) * d.slab_size_bytes;
                 placed.saturating_sub(u.saved_bytes(d.slab_size_bytes))
             }),
+            wear: None,
         })
         .collect();
     cache_api::annotate_drives(&mut v, caches);
@@ -686,6 +687,7 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     problems.extend(jobs_problem(&jobs));
     let mut warnings = rebuild_warnings(node, &ns).await;
     warnings.extend(capacity.warnings.iter().cloned());
+    warnings.extend(crate::wear::annotate(node, &mut ds).await);
     let c = &node.cluster_rec;
     Ok(Status {
         caches,

@@ -121,6 +121,7 @@ pub fn annotate_drives(drives: &mut Vec<DriveInfo>, caches: &Caches) {
             stored_bytes: None,
             slots_total: None,
             committed_bytes: None,
+            wear: None,
         });
     }
     drives.sort_by(|a, b| (a.node, &a.path).cmp(&(b.node, &b.path)));
@@ -309,6 +310,7 @@ mod tests {
             stored_bytes: None,
             slots_total: None,
             committed_bytes: None,
+            wear: None,
         }
     }
 

@@ -220,6 +220,7 @@ mod tests {
             stored_bytes: None,
             slots_total: None,
             committed_bytes: None,
+            wear: None,
         }
     }
 
@@ -232,6 +233,7 @@ mod tests {
         let thin = |n: u32, placed: u64, committed_g: u64| DriveInfo {
             slots_total: Some(20),
             committed_bytes: Some(committed_g * G),
+            wear: None,
             ..drive(n, 10, placed)
         };
         // Node 1: 14 extents placed (more than the 10 that fit plain) in 9 GiB; node 2: 14

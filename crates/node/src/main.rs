@@ -22,6 +22,7 @@ mod rotate;
 mod scrub;
 mod tiering;
 mod usage;
+mod wear;
 
 use anyhow::{anyhow, bail, Context, Result};
 use clap::Parser;
@@ -272,6 +273,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         fenced: Default::default(),
         volumes: tokio::sync::Mutex::new(Default::default()),
         qos_gate: Default::default(),
+        wear: Default::default(),
         jobs: repair::Jobs::default(),
         throttle: converge_volume::resync::Throttle::new(cfg.knobs.resync_bytes_per_s),
         scrub_throttle: converge_volume::resync::Throttle::new(cfg.knobs.scrub_bytes_per_s),
@@ -353,6 +355,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let rotator = tokio::spawn(rotate::run(node.clone()));
     let usage = tokio::spawn(usage::publish(node.clone()));
     let qos = tokio::spawn(qos::run(node.clone()));
+    let wear = tokio::spawn(wear::run(node.clone()));
     // Copies deleted or moved away while this node was down are freed now.
     let sweep = {
         let node = node.clone();
@@ -376,6 +379,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     rotator.abort();
     usage.abort();
     qos.abort();
+    wear.abort();
     nbd.abort();
     if let Some(t) = nbd_tcp {
         t.abort();
@@ -383,6 +387,8 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     // No new I/O from here: destage the caches so a removed cache drive costs nothing.
     rpc.abort();
     tiering::shutdown(&node, Duration::from_secs(60)).await;
+    // The destage's writes counted too: a clean restart keeps every byte of the count.
+    wear::record(&node).await;
     api.abort();
     // Every acked write is already durable; leaving the cluster promptly lets others see
     // this node as down now rather than when the lease expires.

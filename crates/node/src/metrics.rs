@@ -90,6 +90,35 @@ pub async fn render(node: &Node) -> String {
         "converge_node_qos_best_effort_wait_seconds_total{{node=\"{n}\"}} {:.6}",
         waited_us as f64 / 1e6
     );
+    let forecasts = node.wear.forecasts();
+    if !forecasts.is_empty() {
+        let _ = writeln!(o, "# HELP converge_drive_lifetime_written_bytes Bytes written to the device since converge first counted it (kept across restarts).");
+        let _ = writeln!(o, "# TYPE converge_drive_lifetime_written_bytes counter");
+        let _ = writeln!(o, "# HELP converge_drive_write_rate_bytes_per_second Device writes per second over the last 1h, 24h or 7d.");
+        let _ = writeln!(o, "# TYPE converge_drive_write_rate_bytes_per_second gauge");
+        let _ = writeln!(o, "# HELP converge_drive_days_to_rated_tbw Days until the drive's rated TBW is written at its longest measured rate.");
+        let _ = writeln!(o, "# TYPE converge_drive_days_to_rated_tbw gauge");
+    }
+    for (id, _, f) in &forecasts {
+        let l = format!("node=\"{n}\",drive=\"{:016x}\"", id.0);
+        let _ = writeln!(
+            o,
+            "converge_drive_lifetime_written_bytes{{{l}}} {}",
+            f.lifetime_bytes
+        );
+        for ((name, _), r) in converge_fleet::endurance::RATE_WINDOWS.iter().zip(&f.rates) {
+            if let Some(r) = r {
+                let _ = writeln!(
+                    o,
+                    "converge_drive_write_rate_bytes_per_second{{{l},window=\"{name}\"}} {}",
+                    r.bytes_per_s
+                );
+            }
+        }
+        if let Some(d) = f.days_to_rated {
+            let _ = writeln!(o, "converge_drive_days_to_rated_tbw{{{l}}} {d}");
+        }
+    }
     let _ = writeln!(
         o,
         "# HELP converge_drive_read_ops_total Reads served by the drive."

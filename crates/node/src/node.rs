@@ -46,6 +46,8 @@ pub struct Node {
     pub volumes: tokio::sync::Mutex<HashMap<String, Arc<Vol>>>,
     /// The gate this node's volumes without a QoS reservation pass (`qos.rs` narrows it).
     pub qos_gate: Arc<converge_volume::qos::SharedGate>,
+    /// The local drives' lifetime writes (docs/ENDURANCE.md).
+    pub wear: crate::wear::WearBook,
     /// Background copy jobs (resync, rebuild) of this node.
     pub jobs: crate::repair::Jobs,
     /// Shared by this node's copy jobs.

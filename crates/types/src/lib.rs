@@ -696,6 +696,10 @@ pub struct Knobs {
     /// many percentage points above the least-used node's; beyond that, and with 0,
     /// placement goes by balance alone.
     pub placement_locality_pct: u64,
+    /// How often a node counts its drives' lifetime writes into their wear records in etcd
+    /// (seconds; also at a clean shutdown). A node killed loses at most this much of the
+    /// count.
+    pub wear_record_s: u64,
 }
 
 /// What an API token may do. Each role may do what the ones before it may.
@@ -801,6 +805,7 @@ impl Knobs {
             0,
             100,
         )?;
+        within("wear_record_s", self.wear_record_s, 1, 3600)?;
         Ok(())
     }
 }
@@ -826,6 +831,7 @@ impl Default for Knobs {
             cache_low_watermark_pct: 25,
             cache_high_watermark_pct: 80,
             placement_locality_pct: 25,
+            wear_record_s: 60,
         }
     }
 }
