@@ -538,6 +538,23 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     for (c, r) in got.iter().enumerate().skip(k) {
                         fix.push((i, c, r.as_ref().expect("present").versions[i]));
                     }
+                } else {
+                    // A row that verifies, with chunks their recovery marked suspect (rolled
+                    // back by a power loss): rewritten as they are, from the others, which
+                    // clears the marks — when the others are enough to decode them.
+                    let suspect: Vec<usize> = got
+                        .iter()
+                        .enumerate()
+                        .filter(|(_, r)| {
+                            r.as_ref().is_some_and(|r| r.suspect.contains(&(i as u32)))
+                        })
+                        .map(|(c, _)| c)
+                        .collect();
+                    if !suspect.is_empty() && suspect.len() <= got.len() - k {
+                        for c in suspect {
+                            fix.push((i, c, got[c].as_ref().expect("present").versions[i]));
+                        }
+                    }
                 }
             }
             rep.mismatches += u64::from(mismatch);

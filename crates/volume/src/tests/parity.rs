@@ -469,6 +469,49 @@ async fn scrub_finds_rot_and_wrong_parity_and_repairs_them() {
     assert_eq!(v.read(0, size).await.unwrap(), data);
 }
 
+/// A data chunk's block that its replica's recovery rolled back after a power loss (marked
+/// suspect): a read compares the row's versions instead of trusting the chunk (its data
+/// comes from the other chunks), and rewrites it; a suspect block that agrees with its row
+/// is rewritten by scrub as it is, which clears the mark.
+#[tokio::test]
+async fn a_rolled_back_chunk_block_is_decoded_from_the_others_and_rewritten() {
+    let size = 2 * CHUNK;
+    let (v, io, _) = parity_volume(2, 1, size);
+    let old = pattern(size as usize, 70);
+    let new = pattern(size as usize, 71);
+    v.write(0, old.clone()).await.unwrap();
+    let before = io.version(chunk_drive(0), key(0), 3);
+    let old_chunk_block = io.copy_of(chunk_drive(0), key(0))[3].2.clone();
+    v.write(0, new.clone()).await.unwrap();
+    // Chunk 0 takes row 3 back (its previous data at its previous version); chunk 1 keeps
+    // row 5, marked suspect though it agrees with its row.
+    io.roll_back(chunk_drive(0), key(0), 3, before, &old_chunk_block);
+    let agree = io.copy_of(chunk_drive(1), key(0))[5].clone();
+    io.roll_back(chunk_drive(1), key(0), 5, agree.1, &agree.2);
+    // Row 3 alone (volume blocks 6 and 7 of a 2+1 layout).
+    let row3 = 6 * BS as usize..8 * BS as usize;
+    assert_eq!(
+        v.read(row3.start as u64, 2 * BS).await.unwrap(),
+        new.slice(row3),
+        "never the rolled-back row"
+    );
+    assert_eq!(
+        *io.suspect.lock().unwrap(),
+        [(chunk_drive(1), key(0), 5)].into_iter().collect(),
+        "the read rewrote the rolled-back block, and only it"
+    );
+    let t = resync::Throttle::new(1 << 30);
+    let p = resync::Progress::default();
+    let r = v.scrub(true, &t, &p).await.unwrap();
+    assert_eq!((r.bad_checksums, r.mismatches), (0, 0));
+    assert!(
+        io.suspect.lock().unwrap().is_empty(),
+        "scrub cleared the agreeing mark"
+    );
+    assert_rows_consistent(&v, &io, 2, 1);
+    assert_eq!(v.read(0, size).await.unwrap(), new);
+}
+
 /// A drain moves a parity chunk in its place, rebuilt from the others, and only from a
 /// slab whose chunks are all in sync.
 #[tokio::test]
