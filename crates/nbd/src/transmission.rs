@@ -593,7 +593,10 @@ where
                 Err(_) => log::error!("nbd: a read request panicked; answering EIO"),
             }
         } else {
-            tokio::spawn(request);
+            // Boxed first: the request's future is several KiB (the volume's whole write
+            // path), and a task stores its future inline, so spawning it unboxed copies it
+            // into the task and copies the task's stage again when it finishes.
+            tokio::spawn(Box::pin(request));
         }
     }
 }

@@ -308,13 +308,16 @@ async fn serve_stream<H, R, W>(
             _permit: permit,
         };
         let handler = handler.clone();
-        tokio::spawn(async move {
+        // Boxed first: a handler's future is several KiB (7 KiB for a node's), and a task
+        // stores its future inline, so spawning it unboxed copies it into the task and
+        // copies the task's stage again when it finishes.
+        tokio::spawn(Box::pin(async move {
             let resp = handler.handle(peer, req).await;
             if let Some(tx) = guard.tx.take() {
                 let _ = tx.send(Outgoing::Frame(encode_reply(id, &resp, max))).await;
             }
             drop(guard);
-        });
+        }));
     }
     drop(tx);
     log::debug!("rpc server: node {peer} at {addr} disconnected");
