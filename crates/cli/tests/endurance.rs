@@ -50,6 +50,14 @@ fn per_node(lab: &Lab) -> BTreeMap<u64, u64> {
     out
 }
 
+/// When the newest of these drives' counts was taken (unix seconds).
+fn newest_count(wear: &BTreeMap<u64, serde_json::Value>) -> u64 {
+    wear.values()
+        .map(|w| w["updated_unix"].as_u64().unwrap())
+        .max()
+        .unwrap()
+}
+
 /// Waits until every capacity drive was counted after `since` (unix seconds).
 fn counted_after(lab: &Lab, since: u64, drives: usize) {
     lab.wait_for("every drive counted again", Duration::from_secs(90), || {
@@ -154,12 +162,7 @@ fn drive_wear_is_counted_forecast_and_kept_across_restarts() {
         });
     }
     assert_eq!(stopped.len(), 6);
-    let since = stopped
-        .values()
-        .map(|w| w["updated_unix"].as_u64().unwrap())
-        .max()
-        .unwrap();
-    counted_after(&lab, since, 6);
+    counted_after(&lab, newest_count(&stopped), 6);
     let after = wear(&lab);
     for (id, w) in &after {
         let (b, s) = (&before[id], &stopped[id]);
@@ -175,12 +178,7 @@ fn drive_wear_is_counted_forecast_and_kept_across_restarts() {
 
     // kill -9 of every node: what was counted before stays counted.
     lab.kill_all_and_restart(3);
-    let since = after
-        .values()
-        .map(|w| w["updated_unix"].as_u64().unwrap())
-        .max()
-        .unwrap();
-    counted_after(&lab, since, 6);
+    counted_after(&lab, newest_count(&after), 6);
     for (id, w) in wear(&lab) {
         assert!(
             lifetime(&w) >= lifetime(&after[&id]),
