@@ -695,6 +695,15 @@ async fn a_read_longer_than_one_request_is_refused_before_anything_is_read() {
     assert_eq!(&v.read(0, 8192).await.unwrap()[..], &pattern(8192, 5)[..]);
 }
 
+/// The owner's own copy (node 2, drive 20): the one its reads ask first.
+fn local_copy() -> ExtentLoc {
+    ExtentLoc {
+        node: NodeId(2),
+        drive: DriveId(20),
+        state: ExtentState::InSync,
+    }
+}
+
 #[tokio::test]
 async fn bad_block_is_served_from_another_copy_and_repaired() {
     let (v, io) = volume(1 << 20, 64 << 10);
@@ -709,11 +718,7 @@ async fn bad_block_is_served_from_another_copy_and_repaired() {
     assert_eq!(v.read(8192, 16384).await.unwrap(), data);
     assert_eq!(v.stats().repaired_blocks, 1);
     // Repaired in place: the local copy now reads clean.
-    let at = ExtentLoc {
-        node: NodeId(2),
-        drive: DriveId(20),
-        state: ExtentState::InSync,
-    };
+    let at = local_copy();
     let r = read_copy(&io, at, key, 64 << 10).await;
     assert!(r.bad_blocks.is_empty());
     assert_eq!(&r.data[8192..8192 + 16384], &data[..]);
@@ -740,11 +745,7 @@ async fn a_rolled_back_block_is_taken_from_a_copy_that_holds_it_unsuspected() {
         "never the older state"
     );
     assert_eq!(v.stats().repaired_blocks, 1);
-    let at = ExtentLoc {
-        node: NodeId(2),
-        drive: DriveId(20),
-        state: ExtentState::InSync,
-    };
+    let at = local_copy();
     let r = read_copy(&io, at, key, 64 << 10).await;
     assert!(r.suspect.is_empty() && r.bad_blocks.is_empty());
     assert_eq!(&r.data[8192..8192 + 16384], &new[..]);
@@ -769,11 +770,7 @@ async fn a_block_every_copy_rolled_back_reads_its_newest_sound_version() {
     io.roll_back(DriveId(20), key, 0, va, &a);
     io.roll_back(DriveId(30), key, 0, va, &a);
     assert_eq!(v.read(0, 4096).await.unwrap(), b);
-    let local = ExtentLoc {
-        node: NodeId(2),
-        drive: DriveId(20),
-        state: ExtentState::InSync,
-    };
+    let local = local_copy();
     let r = read_copy(&io, local, key, 4096).await;
     assert!(r.suspect.is_empty(), "the read copy was rewritten");
     assert_eq!(r.data, b);
@@ -919,11 +916,7 @@ async fn a_late_write_of_a_released_slab_never_shows_in_its_next_incarnation() {
     // lands on one copy afterwards (a retried write's first attempt): the drive creates
     // the extent again under the same key.
     let key = v.key(SlabIndex(0));
-    let late = ExtentLoc {
-        node: NodeId(2),
-        drive: DriveId(20),
-        state: ExtentState::InSync,
-    };
+    let late = local_copy();
     write_copy(
         &io,
         late,
