@@ -176,6 +176,12 @@ pub struct RunArgs {
     /// docs/adr/0011): compare a run with and without it for encryption's CPU per I/O.
     #[arg(long)]
     encrypt: bool,
+    /// Find each series' saturation instead of assuming it: the queue depth doubles
+    /// 1,2,4,…,64 per worker (or runs the --qd values in rising order) and a series (block
+    /// size, workers, write share) stops at the first depth that adds less than 10 % IOPS
+    /// over the best below it. The report's Saturation section names each knee.
+    #[arg(long)]
+    saturate: bool,
 }
 
 fn parse_cache_mode(s: &str) -> Result<CacheMode, String> {
@@ -463,6 +469,7 @@ fn overrides(a: &RunArgs) -> Result<Overrides> {
             })
             .transpose()?,
         encrypt: a.encrypt,
+        saturate: a.saturate,
     })
 }
 
@@ -1339,7 +1346,7 @@ fn sweep(
     summary: &mut RunSummary,
     progress: &mut Progress,
     t0: Instant,
-    total: usize,
+    mut total: usize,
 ) -> Result<()> {
     let nodes = session.nodes;
     let workers: Vec<usize> = (0..nodes.len())
@@ -1438,7 +1445,20 @@ fn sweep(
 
     let mut done = 0usize;
     let sweep_start = Instant::now();
+    // Series a saturation search has finished, with their knees.
+    let mut saturated: Vec<((u64, u32, u8), u32)> = Vec::new();
     for point in points {
+        let series = profile::series_of(point);
+        if let Some(&(_, knee)) = saturated.iter().find(|(k, _)| *k == series) {
+            // Past the knee: not run, and not planned any more.
+            total -= settings.repeat as usize;
+            summary.points_planned -= 1;
+            progress.line(&format!(
+                "{}: not run, the series saturated at QD {knee}",
+                point.label()
+            ));
+            continue;
+        }
         let mut rec = PointRecord {
             point: point.clone(),
             repeats: Vec::new(),
@@ -1481,7 +1501,7 @@ fn sweep(
             progress.line(&format!(
                 "[{:>w$}/{}] {}: {} IOPS, {} MB/s, mean {}, p99.9 {}",
                 summary.points.len() + 1,
-                points.len(),
+                summary.points_planned,
                 point.label(),
                 fmt::iops(st.iops),
                 fmt::sig3(st.mb_per_s),
@@ -1494,6 +1514,21 @@ fn sweep(
             ));
         }
         summary.points.push(rec);
+        if settings.saturate {
+            let curve: Vec<(u32, f64)> = summary
+                .measured()
+                .filter(|(p, _)| profile::series_of(p) == series)
+                .map(|(p, st)| (p.qd, st.iops))
+                .collect();
+            if let Some(knee) = profile::saturated_at(&curve) {
+                saturated.push((series, knee));
+                progress.line(&format!(
+                    "saturated at QD {knee}: QD {} added less than {:.0} % IOPS",
+                    point.qd,
+                    100.0 * profile::SATURATION_GAIN
+                ));
+            }
+        }
         // The report so far, after every point: a crash or Ctrl-C keeps it.
         summary.wall_s = t0.elapsed().as_secs_f64();
         report::write_all(out, summary)

@@ -1,7 +1,8 @@
 //! End-to-end: `converge fleet` on a real 4-node mirror-3 lab with a write cache — fio
 //! workers started by every node's daemon, a report whose every table is filled, write
 //! amplification (counted over whole points, caches flushed) against mirror-3's floor, the
-//! HTML rendered by headless Chromium; without a cache, write amplification at most 3.06;
+//! HTML rendered by headless Chromium; without a cache, write amplification at most 3.06
+//! and three drive writes per volume write; a saturation search stopping at its knee;
 //! Ctrl-C keeping what was measured; and bad input refused before anything starts.
 
 #![allow(clippy::unwrap_used)]
@@ -383,6 +384,24 @@ fn without_a_cache_mirror3_random_writes_cost_the_capacity_drives_at_most_3_06()
         st.iops
     );
     assert!(data >= 2.999, "every replica wrote every block: {wa:?}");
+    // Counted at two layers: every client write is one engine write on each of the 3
+    // copies' drives; nothing is read. (The nodes' counters are sampled one after the
+    // other, so the window's edges differ by the sampling's few milliseconds.)
+    let l = st
+        .io_layers
+        .as_ref()
+        .expect("volume ops counted by direction");
+    assert!(
+        l.volume_write_iops > 0.0 && l.volume_read_iops == 0.0,
+        "{l:?}"
+    );
+    assert_eq!(l.capacity_read_iops, 0.0, "{l:?}");
+    let fan = l.capacity_write_iops / l.volume_write_iops;
+    assert!(
+        (2.85..=3.15).contains(&fan),
+        "drive writes per volume write {fan}: {l:?}"
+    );
+    assert_eq!(l.expected_drive_iops, 3.0 * l.volume_write_iops);
     assert!(metadata >= 0.0, "checkpoints are measured: {wa:?}");
     assert!(
         total <= 3.06,
@@ -390,6 +409,85 @@ fn without_a_cache_mirror3_random_writes_cost_the_capacity_drives_at_most_3_06()
          {:.1} writes per journal batch per drive; metadata checkpoints {metadata:.4})",
         p.label(),
         3.0 * 512.0 / 4096.0 / journal.max(1e-9)
+    );
+}
+
+/// `--saturate`: the queue depth doubles 1 → 64 and the series stops at its knee. Where the
+/// knee falls depends on the machine; what must hold anywhere is the rule itself, on the
+/// numbers the run measured: every doubling run before the last added at least 10 %, the
+/// last (if the search stopped) added less, and nothing past it ran or stays planned.
+#[test]
+fn a_saturation_search_stops_each_series_at_its_knee() {
+    let lab = Lab::up(4, &["--ram", "--drive-size", "1G"]);
+    let out = tempfile::tempdir().unwrap();
+    let dir = out.path().join("run");
+    let o = run(&mut lab.cmd(&[
+        "fleet",
+        "run",
+        "--profile",
+        "small-block",
+        "--quick",
+        "--saturate",
+        "--write-pct",
+        "100",
+        "--warmup",
+        "1",
+        "--duration",
+        "2",
+        "--working-set",
+        "64M",
+        "--out",
+        dir.to_str().unwrap(),
+    ]));
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let s = report::load(&dir).unwrap();
+    assert_eq!(s.status, RunStatus::Complete, "{:?}", s.status);
+    assert!(s.config.settings.saturate);
+    let curve: Vec<(u32, f64)> = s.measured().map(|(p, st)| (p.qd, st.iops)).collect();
+    let qds: Vec<u32> = curve.iter().map(|c| c.0).collect();
+    assert_eq!(
+        qds,
+        [1, 2, 4, 8, 16, 32, 64][..qds.len()],
+        "a prefix of the doublings"
+    );
+    assert!(qds.len() >= 2, "{curve:?}");
+    assert_eq!(
+        s.points_planned,
+        curve.len(),
+        "points past the knee are not planned"
+    );
+    assert!(s.measured().all(|(_, st)| st.errors == 0));
+    let rows = converge_fleet::model::saturation(&s);
+    assert_eq!(rows.len(), 1);
+    let gained = |i: usize| curve[i].1 / curve[i - 1].1 - 1.0;
+    for i in 1..curve.len() - 1 {
+        assert!(
+            gained(i) >= 0.10,
+            "QD {} gained {:.3}: {curve:?}",
+            curve[i].0,
+            gained(i)
+        );
+    }
+    let last = curve.len() - 1;
+    match rows[0].knee {
+        Some(k) => {
+            assert_eq!(k, curve[last - 1].0, "{curve:?}");
+            assert!(gained(last) < 0.10, "{curve:?}");
+            assert!(stderr.contains(&format!("saturated at QD {k}")), "{stderr}");
+            if k < 32 {
+                assert!(stderr.contains("not run, the series saturated"), "{stderr}");
+            }
+        }
+        None => {
+            assert_eq!(qds.len(), 7, "not saturated: every depth ran: {curve:?}");
+            assert!(gained(last) >= 0.10, "{curve:?}");
+        }
+    }
+    let md = std::fs::read_to_string(dir.join("report.md")).unwrap();
+    assert!(
+        md.contains("## Saturation") && md.contains("## I/O at two layers"),
+        "{md}"
     );
 }
 

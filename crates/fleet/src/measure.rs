@@ -66,6 +66,11 @@ pub struct NodeMeasure {
     /// Client I/O the node's volumes served over the window (all its volumes).
     #[serde(default)]
     pub volume_ops: u64,
+    /// `volume_ops` by direction (both 0 in runs made before they were kept).
+    #[serde(default)]
+    pub volume_read_ops: u64,
+    #[serde(default)]
+    pub volume_write_ops: u64,
     #[serde(default)]
     pub volume_write_bytes: u64,
 }
@@ -249,14 +254,15 @@ pub fn measure(
             return Err(MeasureError::CounterReset { node });
         }
         // A volume first opened inside the window counts from zero.
-        let mut volume_ops = 0u64;
+        let (mut volume_read_ops, mut volume_write_ops) = (0u64, 0u64);
         for vb in &b.volumes {
-            let ops0 = a
+            let (r0, w0) = a
                 .volumes
                 .iter()
                 .find(|v| v.name == vb.name)
-                .map_or(0, |v| v.read_ops + v.write_ops);
-            volume_ops += delta(node, ops0, vb.read_ops + vb.write_ops)?;
+                .map_or((0, 0), |v| (v.read_ops, v.write_ops));
+            volume_read_ops += delta(node, r0, vb.read_ops)?;
+            volume_write_ops += delta(node, w0, vb.write_ops)?;
         }
         let volume_write_bytes = volume_write_bytes(node, a, b)?;
         m.nodes.push(NodeMeasure {
@@ -266,7 +272,9 @@ pub fn measure(
             host_busy_ticks: delta(node, a.host_busy_ticks, b.host_busy_ticks)?,
             host_total_ticks: delta(node, a.host_total_ticks, b.host_total_ticks)?,
             converged_cpu_s: cpu,
-            volume_ops,
+            volume_ops: volume_read_ops + volume_write_ops,
+            volume_read_ops,
+            volume_write_ops,
             volume_write_bytes,
         });
         for da in &a.drives {

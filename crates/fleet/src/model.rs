@@ -5,9 +5,9 @@
 
 use crate::endurance::{self, Rating, DUTY_HOURS};
 use crate::hist::{Histogram, PERCENTILES};
-use crate::measure::{per_s, RepeatMeasure};
+use crate::measure::{per_s, NodeMeasure, RepeatMeasure};
 use crate::profile::{Point, Settings};
-use converge_types::{DriveId, DriveRole, MediaType};
+use converge_types::{DriveId, DriveRole, MediaType, Resiliency};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -305,6 +305,50 @@ pub struct PointStats {
     pub endurance: Option<Endurance>,
     /// Sum of fio error codes of the workers (0 = none).
     pub errors: i64,
+    /// I/O counted at two layers over the window: what the volumes served and what the
+    /// drives did. None in runs made before the volumes' counts were kept by direction.
+    #[serde(default)]
+    pub io_layers: Option<IoLayers>,
+}
+
+/// Operations per second at the volumes (client I/O before replication) and at the drives
+/// (engine operations: a mirrored write is one on each copy's drive), over the same window.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct IoLayers {
+    pub volume_read_iops: f64,
+    pub volume_write_iops: f64,
+    /// Capacity drives together.
+    pub capacity_read_iops: f64,
+    pub capacity_write_iops: f64,
+    /// Cache drives together; None without cache drives.
+    pub cache_read_iops: Option<f64>,
+    pub cache_write_iops: Option<f64>,
+    /// Drive operations the resiliency alone needs for the volumes' I/O: reads + copies ×
+    /// writes for a mirror, reads + (K+M) × writes for parity-K+M (every chunk of the row a
+    /// write touches; reads of a row's other chunks come on top).
+    pub expected_drive_iops: f64,
+}
+
+impl IoLayers {
+    pub fn volume_iops(&self) -> f64 {
+        self.volume_read_iops + self.volume_write_iops
+    }
+    /// Both tiers' operations together.
+    pub fn drive_iops(&self) -> f64 {
+        self.capacity_read_iops
+            + self.capacity_write_iops
+            + self.cache_read_iops.unwrap_or(0.0)
+            + self.cache_write_iops.unwrap_or(0.0)
+    }
+}
+
+/// Drive operations per volume write the resiliency alone costs (see
+/// [`IoLayers::expected_drive_iops`]).
+pub fn write_fan_out(r: Resiliency) -> f64 {
+    match r {
+        Resiliency::Parity { data, parity } => f64::from(data + parity),
+        _ => r.copies() as f64,
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -365,6 +409,12 @@ struct RepeatFigures {
     /// Client I/Os and written bytes per second as the volumes counted them.
     volume_iops: f64,
     volume_write_bps: f64,
+    /// By direction; None when the run did not count them so.
+    volume_dir_iops: Option<(f64, f64)>,
+    cap_read_iops: f64,
+    cap_write_iops: f64,
+    cache_read_iops: f64,
+    cache_write_iops: f64,
     fio_cores: f64,
     drive_iops: Vec<f64>,
     drive_write_bps: Vec<f64>,
@@ -404,6 +454,15 @@ fn figures(cfg: &RunConfig, r: &RepeatMeasure) -> RepeatFigures {
         f.volume_iops += per_s(n.volume_ops, n.window_s);
         f.volume_write_bps += per_s(n.volume_write_bytes, n.window_s);
     }
+    let by_dir = |n: &NodeMeasure| n.volume_read_ops + n.volume_write_ops == n.volume_ops;
+    if r.nodes.iter().any(|n| n.volume_ops > 0) && r.nodes.iter().all(by_dir) {
+        f.volume_dir_iops = Some(r.nodes.iter().fold((0.0, 0.0), |(rd, wr), n| {
+            (
+                rd + per_s(n.volume_read_ops, n.window_s),
+                wr + per_s(n.volume_write_ops, n.window_s),
+            )
+        }));
+    }
     f.hosts = by_host.len();
     if !by_host.is_empty() {
         f.host_cpu_pct = Some(by_host.values().sum::<f64>() / by_host.len() as f64);
@@ -438,9 +497,13 @@ fn figures(cfg: &RunConfig, r: &RepeatMeasure) -> RepeatFigures {
                 have_cache = true;
                 cache += d.write_bytes_per_s();
                 f.cache_ql.push(d.queue_len);
+                f.cache_read_iops += per_s(d.read_ops, d.window_s);
+                f.cache_write_iops += per_s(d.write_ops, d.window_s);
             }
             DriveRole::Capacity => {
                 f.drive_iops.push(d.iops());
+                f.cap_read_iops += per_s(d.read_ops, d.window_s);
+                f.cap_write_iops += per_s(d.write_ops, d.window_s);
                 f.drive_write_bps.push(d.write_bytes_per_s());
                 f.drive_ql.push(d.queue_len);
                 f.cap_write_bps += d.write_bytes_per_s();
@@ -689,7 +752,98 @@ pub fn point_stats(cfg: &RunConfig, point: &Point, reps: &[RepeatMeasure]) -> Op
             .iter()
             .flat_map(|r| r.workers.iter().map(|w| w.error))
             .sum(),
+        io_layers: io_layers(cfg, &figs),
     })
+}
+
+/// The two layers' operation rates, averaged over repeats; None unless every repeat
+/// counted the volumes' operations by direction.
+fn io_layers(cfg: &RunConfig, figs: &[RepeatFigures]) -> Option<IoLayers> {
+    let dirs: Vec<(f64, f64)> = figs
+        .iter()
+        .map(|f| f.volume_dir_iops)
+        .collect::<Option<_>>()?;
+    let volume_read_iops = mean(dirs.iter().map(|d| d.0));
+    let volume_write_iops = mean(dirs.iter().map(|d| d.1));
+    let cache = cfg.drives.iter().any(|d| d.role == DriveRole::Cache);
+    Some(IoLayers {
+        volume_read_iops,
+        volume_write_iops,
+        capacity_read_iops: mean(figs.iter().map(|f| f.cap_read_iops)),
+        capacity_write_iops: mean(figs.iter().map(|f| f.cap_write_iops)),
+        cache_read_iops: cache.then(|| mean(figs.iter().map(|f| f.cache_read_iops))),
+        cache_write_iops: cache.then(|| mean(figs.iter().map(|f| f.cache_write_iops))),
+        expected_drive_iops: volume_read_iops
+            + write_fan_out(cfg.settings.resiliency) * volume_write_iops,
+    })
+}
+
+/// One series of a queue-depth sweep (block size, workers per node and write share fixed)
+/// and where its throughput stopped rising ([`crate::profile::saturated_at`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct SaturationRow {
+    pub bs_bytes: u64,
+    pub workers_per_node: u32,
+    pub write_pct: u8,
+    /// (queue depth per worker, IOPS) of the measured points, in rising depth.
+    pub curve: Vec<(u32, f64)>,
+    /// The knee: None while every doubling measured added at least the gain.
+    pub knee: Option<u32>,
+    /// The knee's point (else the highest depth measured).
+    pub at_iops: f64,
+    pub at_lat_mean_us: Option<f64>,
+    /// p99 of all I/Os at that point, where the I/Os support it.
+    pub at_p99_us: Option<f64>,
+}
+
+/// Every series of the run with at least two queue depths measured, in run order.
+pub fn saturation(s: &RunSummary) -> Vec<SaturationRow> {
+    let mut rows: Vec<(SaturationRow, Vec<&PointStats>)> = Vec::new();
+    for (p, st) in s.measured() {
+        let key = crate::profile::series_of(p);
+        let i = match rows
+            .iter()
+            .position(|(r, _)| (r.bs_bytes, r.workers_per_node, r.write_pct) == key)
+        {
+            Some(i) => i,
+            None => {
+                rows.push((
+                    SaturationRow {
+                        bs_bytes: p.bs_bytes,
+                        workers_per_node: p.workers_per_node,
+                        write_pct: p.write_pct,
+                        curve: Vec::new(),
+                        knee: None,
+                        at_iops: 0.0,
+                        at_lat_mean_us: None,
+                        at_p99_us: None,
+                    },
+                    Vec::new(),
+                ));
+                rows.len() - 1
+            }
+        };
+        rows[i].0.curve.push((p.qd, st.iops));
+        rows[i].1.push(st);
+    }
+    rows.into_iter()
+        .filter(|(r, _)| r.curve.len() >= 2)
+        .map(|(mut r, mut sts)| {
+            let mut order: Vec<usize> = (0..r.curve.len()).collect();
+            order.sort_by_key(|&i| r.curve[i].0);
+            r.curve = order.iter().map(|&i| r.curve[i]).collect();
+            sts = order.iter().map(|&i| sts[i]).collect();
+            r.knee = crate::profile::saturated_at(&r.curve);
+            let at = match r.knee {
+                Some(k) => r.curve.iter().position(|c| c.0 == k).unwrap_or(0),
+                None => r.curve.len() - 1,
+            };
+            r.at_iops = r.curve[at].1;
+            r.at_lat_mean_us = sts[at].lat_mean_us;
+            r.at_p99_us = sts[at].all_pct_us.get(2).copied().flatten();
+            r
+        })
+        .collect()
 }
 
 /// Drive classes the warrantable-throughput table compares, in drive writes per day.
@@ -790,7 +944,7 @@ fn endurance_of(cfg: &RunConfig, figs: &[RepeatFigures]) -> Option<Endurance> {
 pub(crate) mod tests {
     use super::*;
     use crate::endurance::RatingSource;
-    use crate::measure::{DriveBytes, DriveMeasure, NodeMeasure, PointBytes, WorkerMeasure};
+    use crate::measure::{DriveBytes, DriveMeasure, PointBytes, WorkerMeasure};
     use crate::profile::{points, resolve, Overrides};
 
     /// A 4-node config with 2 capacity drives of 1 GB each per node.
@@ -1256,6 +1410,82 @@ pub(crate) mod tests {
         let s = point_stats(&cfg, &ps[0], &[r]).unwrap();
         assert_eq!(s.wa.client_write_bytes, client as u64);
         assert!((s.wa.data.unwrap() - 3.0).abs() < 1e-6, "{:?}", s.wa);
+    }
+
+    /// A summary whose points ran at the given IOPS (in `points` order).
+    pub fn summary_at(cfg: &RunConfig, iops: &[f64]) -> RunSummary {
+        let ps = points(&cfg.settings);
+        let mut sum = RunSummary {
+            config: cfg.clone(),
+            status: RunStatus::Complete,
+            wall_s: 1.0,
+            points_planned: ps.len(),
+            points: ps
+                .iter()
+                .zip(iops)
+                .map(|(p, &i)| PointRecord {
+                    point: p.clone(),
+                    repeats: vec![repeat(cfg, p, i, 3.0, 0.5)],
+                    stats: None,
+                })
+                .collect(),
+            notes: vec![],
+        };
+        sum.restat();
+        sum
+    }
+
+    #[test]
+    fn saturation_finds_each_series_knee_from_its_points() {
+        let cfg = config(vec![0, 100], vec![1, 2, 4, 8]);
+        // Reads rise to 8; writes stop rising after 2 (4 adds 5 %), and 8 was not run.
+        let sum = summary_at(&cfg, &[100.0, 200.0, 380.0, 700.0, 50.0, 90.0, 94.5]);
+        let rows = saturation(&sum);
+        assert_eq!(rows.len(), 2);
+        assert_eq!(rows[0].write_pct, 0);
+        assert_eq!(rows[0].knee, None);
+        assert_eq!(rows[0].curve.len(), 4);
+        assert!((rows[0].at_iops - 4.0 * 700.0).abs() < 1e-6, "4 workers");
+        assert_eq!(rows[1].write_pct, 100);
+        assert_eq!(rows[1].knee, Some(2));
+        assert_eq!(
+            rows[1].curve.iter().map(|c| c.0).collect::<Vec<_>>(),
+            [1, 2, 4]
+        );
+        assert!((rows[1].at_iops - 4.0 * 90.0).abs() < 1e-6);
+        assert!(rows[1].at_lat_mean_us.is_some());
+        // A single depth is no series.
+        let one = config(vec![0, 100], vec![4]);
+        assert!(saturation(&summary_at(&one, &[1.0, 2.0])).is_empty());
+    }
+
+    #[test]
+    fn io_layers_put_the_volumes_ops_beside_the_drives_ops() {
+        let cfg = config(vec![30], vec![1]);
+        let p = &points(&cfg.settings)[0];
+        let mut r = repeat(&cfg, p, 1000.0, 3.0, 0.5);
+        // Without the volumes' counts by direction (older runs): no figures.
+        assert!(point_stats(&cfg, p, std::slice::from_ref(&r))
+            .unwrap()
+            .io_layers
+            .is_none());
+        // Each node's volumes: 700 reads/s and 300 writes/s over 10 s.
+        for n in &mut r.nodes {
+            n.volume_read_ops = 7000;
+            n.volume_write_ops = 3000;
+            n.volume_ops = 10_000;
+        }
+        let l = point_stats(&cfg, p, &[r]).unwrap().io_layers.unwrap();
+        assert!((l.volume_read_iops - 2800.0).abs() < 1e-6, "{l:?}");
+        assert!((l.volume_write_iops - 1200.0).abs() < 1e-6, "{l:?}");
+        // The synthetic drives did reads once and writes three times (mirror-3).
+        assert!((l.capacity_read_iops - 2800.0).abs() < 1.0, "{l:?}");
+        assert!((l.capacity_write_iops - 3600.0).abs() < 1.0, "{l:?}");
+        assert_eq!(l.cache_read_iops, None);
+        assert!((l.expected_drive_iops - (2800.0 + 3.0 * 1200.0)).abs() < 1e-6);
+        assert!((l.drive_iops() / l.volume_iops() - 1.6).abs() < 1e-3);
+        assert_eq!(write_fan_out("parity-4+2".parse().unwrap()), 6.0);
+        assert_eq!(write_fan_out("mirror-2".parse().unwrap()), 2.0);
     }
 
     #[test]

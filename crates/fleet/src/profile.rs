@@ -20,6 +20,13 @@ pub const DURATION_S_MAX: u64 = 24 * 3600;
 pub const PAUSE_S_MAX: u64 = 24 * 3600;
 /// Most points in one run.
 pub const POINTS_MAX: usize = 10_000;
+/// Queue depths a saturation search (`--saturate`) doubles through unless `--qd` names
+/// others: 1 → 64 per worker, as the reference architectures sweep them.
+pub const SATURATION_QDS: [u32; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// A doubling of the queue depth that adds less than this share of IOPS over the best
+/// lower queue depth ends the search: throughput stopped rising. 10 %: above the spread of
+/// repeated points on a quiet cluster, well below what a doubling gives before the knee.
+pub const SATURATION_GAIN: f64 = 0.10;
 
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum PlanError {
@@ -114,6 +121,7 @@ impl Profile {
             dedupe_pct: 0,
             compression: Compression::None,
             encrypt: false,
+            saturate: false,
         };
         match self {
             Profile::SmallBlock => base,
@@ -223,6 +231,11 @@ pub struct Settings {
     /// The workers' volumes are encrypted at rest (docs/adr/0011).
     #[serde(default)]
     pub encrypt: bool,
+    /// Saturation search: each series (block size, workers, write share) runs its queue
+    /// depths in rising order and stops at the first that adds less than
+    /// [`SATURATION_GAIN`] IOPS over the best below it ([`saturated_at`]).
+    #[serde(default)]
+    pub saturate: bool,
 }
 
 impl Settings {
@@ -269,6 +282,7 @@ pub struct Overrides {
     pub dedupe_pct: Option<u64>,
     pub compression: Option<Compression>,
     pub encrypt: bool,
+    pub saturate: bool,
 }
 
 fn sorted_unique<T: Ord + Copy>(v: &[T]) -> Vec<T> {
@@ -442,6 +456,20 @@ pub fn resolve(profile: &str, o: &Overrides) -> Result<Settings, PlanError> {
         }
         s.repeat = r as u32;
     }
+    if o.saturate {
+        s.saturate = true;
+        if o.qd.is_none() {
+            s.queue_depths = SATURATION_QDS.to_vec();
+        }
+        if s.queue_depths.len() < 2 {
+            return Err(invalid(
+                "--saturate",
+                format!("--qd {}", s.queue_depths[0]),
+                "a saturation search doubles the queue depth: give at least two --qd values, \
+                 or none for 1,2,4,8,16,32,64",
+            ));
+        }
+    }
     let n = points(&s).len();
     if n > POINTS_MAX {
         return Err(invalid(
@@ -539,6 +567,32 @@ pub fn points(s: &Settings) -> Vec<Point> {
     out
 }
 
+/// What makes points one series of a saturation search: all but the queue depth.
+pub fn series_of(p: &Point) -> (u64, u32, u8) {
+    (p.bs_bytes, p.workers_per_node, p.write_pct)
+}
+
+/// Where a series' throughput stopped rising: given its measured (queue depth, IOPS) in
+/// rising queue depth, the queue depth at the knee — the last before the first that adds
+/// less than [`SATURATION_GAIN`] over the best IOPS below it — or None while every step
+/// still added at least that much (the series is not saturated by its highest depth).
+pub fn saturated_at(series: &[(u32, f64)]) -> Option<u32> {
+    let mut best: Option<(u32, f64)> = None;
+    let mut prev_qd = None;
+    for &(qd, iops) in series {
+        if let Some((_, b)) = best {
+            if b > 0.0 && iops / b - 1.0 < SATURATION_GAIN || b <= 0.0 && iops <= 0.0 {
+                return prev_qd;
+            }
+        }
+        if best.is_none_or(|(_, b)| iops > b) {
+            best = Some((qd, iops));
+        }
+        prev_qd = Some(qd);
+    }
+    None
+}
+
 /// Seconds: `90`, `90s`, `5m`, `1h`, `1h30m`.
 pub fn parse_duration_s(text: &str) -> Result<u64, PlanError> {
     let t = text.trim();
@@ -607,6 +661,69 @@ mod tests {
         assert!(p.iter().enumerate().all(|(i, x)| x.index == i));
         assert_eq!(p[5].slug(), "p06-4k-w2-qd2-r90");
         assert_eq!(p[5].label(), "4 KiB, 2 workers/node, QD 2, read 90 %");
+    }
+
+    #[test]
+    fn saturate_doubles_the_queue_depth_from_1_to_64_unless_told() {
+        let s = resolve(
+            "small-block",
+            &Overrides {
+                saturate: true,
+                ..o()
+            },
+        )
+        .unwrap();
+        assert!(s.saturate);
+        assert_eq!(s.queue_depths, SATURATION_QDS.to_vec());
+        // 4 write shares x 7 depths, each series contiguous in rising depth.
+        let p = points(&s);
+        assert_eq!(p.len(), 28);
+        for w in p.windows(2) {
+            if series_of(&w[0]) == series_of(&w[1]) {
+                assert!(w[0].qd < w[1].qd);
+            }
+        }
+        let s = resolve(
+            "small-block",
+            &Overrides {
+                saturate: true,
+                qd: Some(vec![16, 4, 1]),
+                ..o()
+            },
+        )
+        .unwrap();
+        assert_eq!(s.queue_depths, vec![1, 4, 16]);
+        let e = resolve(
+            "small-block",
+            &Overrides {
+                saturate: true,
+                qd: Some(vec![8]),
+                ..o()
+            },
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("--saturate") && e.contains("at least two"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn saturation_is_the_depth_before_the_first_doubling_that_adds_under_10_pct() {
+        // Rising by more than 10 % at every step: not saturated.
+        assert_eq!(saturated_at(&[(1, 100.0), (2, 190.0), (4, 300.0)]), None);
+        // 4 → 8 adds 5 %: the knee is 4.
+        assert_eq!(
+            saturated_at(&[(1, 100.0), (2, 190.0), (4, 300.0), (8, 315.0)]),
+            Some(4)
+        );
+        // Falling counts as not rising.
+        assert_eq!(saturated_at(&[(1, 100.0), (2, 80.0)]), Some(1));
+        // Exactly 10 % more still rises.
+        assert_eq!(saturated_at(&[(1, 100.0), (2, 110.0)]), None);
+        assert_eq!(saturated_at(&[(1, 100.0)]), None);
+        assert_eq!(saturated_at(&[]), None);
     }
 
     #[test]

@@ -6,7 +6,7 @@ use crate::endurance::{RatingSource, DUTY_HOURS};
 use crate::format as fmt;
 use crate::hist::{CURVE_PERCENTILES, PERCENTILES};
 use crate::model::{PointStats, RunStatus, RunSummary, WaBasis, WriteAmp};
-use crate::profile::Point;
+use crate::profile::{Point, SATURATION_GAIN};
 use crate::svg::{Chart, CurveChart, GroupedChart, Series};
 use crate::table::{blocks, html_escape as esc, ra_tables, Block, Table};
 use converge_types::{format_size, DriveRole, Resiliency, BLOCK_SIZE};
@@ -1304,6 +1304,144 @@ fn endurance(s: &RunSummary) -> Section {
     sec
 }
 
+/// Where each series' throughput stopped rising as the queue depth grew.
+fn saturation(s: &RunSummary) -> Option<Section> {
+    let rows = crate::model::saturation(s);
+    if rows.is_empty() {
+        return None;
+    }
+    let mut sec = Section::new("saturation", "Saturation");
+    let gain = format!("{:.0} %", 100.0 * SATURATION_GAIN);
+    sec.text(if s.config.settings.saturate {
+        format!(
+            "A saturation search: each series ran its queue depths (per worker) in rising \
+             order and stopped at the first that added less than {gain} IOPS over the best \
+             below it; the knee is the depth before it. Depths past the knee were not run."
+        )
+    } else {
+        format!(
+            "The sweep's queue depths were fixed (run with --saturate to search 1 → 64 and \
+             stop at the knee). The knee is the depth before the first that added less than \
+             {gain} IOPS over the best below it."
+        )
+    });
+    let mut t = Table::new(
+        "",
+        &[
+            "series",
+            "IOPS by queue depth",
+            "saturated at",
+            "IOPS there",
+            "mean latency",
+            "p99",
+        ],
+    );
+    for r in &rows {
+        t.row(vec![
+            format!(
+                "{}, {} worker{}/node, read {} %",
+                format_size(r.bs_bytes),
+                r.workers_per_node,
+                if r.workers_per_node == 1 { "" } else { "s" },
+                100 - r.write_pct
+            ),
+            r.curve
+                .iter()
+                .map(|(qd, iops)| format!("{qd}: {}", fmt::iops(*iops)))
+                .collect::<Vec<_>>()
+                .join(", "),
+            match r.knee {
+                Some(k) => format!("QD {k}"),
+                None => format!(
+                    "not by QD {} (still rising)",
+                    r.curve.last().map_or(0, |c| c.0)
+                ),
+            },
+            fmt::iops(r.at_iops),
+            fmt::lat_opt(r.at_lat_mean_us),
+            r.at_p99_us
+                .map(|v| fmt::lat_opt(Some(v)))
+                .unwrap_or_else(|| "too few I/Os".into()),
+        ]);
+    }
+    sec.table(t);
+    Some(sec)
+}
+
+/// I/O counted where the volumes saw it and where the drives did it.
+fn io_layers(s: &RunSummary) -> Option<Section> {
+    let pts: Vec<(&Point, &PointStats, &crate::model::IoLayers)> = s
+        .measured()
+        .filter_map(|(p, st)| st.io_layers.as_ref().map(|l| (p, st, l)))
+        .collect();
+    if pts.is_empty() {
+        return None;
+    }
+    let r = s.config.settings.resiliency;
+    let fan = crate::model::write_fan_out(r);
+    let cache = pts.iter().any(|(_, _, l)| l.cache_read_iops.is_some());
+    let mut sec = Section::new("io-layers", "I/O at two layers");
+    sec.text(format!(
+        "Operations per second over the measured window where the volumes served them \
+         (client I/O, before replication) and where the drives did them (engine operations, \
+         all drives together). {r} alone needs reads + {} × writes at the drives{}. A ratio \
+         above that is the stack's own work (repairs, a cache's destage); below it, I/O \
+         {}.",
+        fmt::sig3(fan),
+        if r.is_parity() {
+            " (every chunk of the row a write touches; reads of the row's other chunks \
+             come on top)"
+        } else {
+            ""
+        },
+        if cache {
+            "the cache tier absorbed: a write cache logs each copy once and destages after \
+             the window, a read cache serves hits"
+        } else {
+            "that did not reach the drives in the window"
+        }
+    ));
+    let mut head = vec![
+        "point",
+        "volume reads/s",
+        "volume writes/s",
+        "capacity reads/s",
+        "capacity writes/s",
+    ];
+    if cache {
+        head.extend(["cache reads/s", "cache writes/s"]);
+    }
+    head.extend(["drive ops ÷ volume ops", "expected"]);
+    let mut t = Table::new("", &head);
+    for (p, _, l) in &pts {
+        let mut row = vec![
+            p.label(),
+            fmt::iops(l.volume_read_iops),
+            fmt::iops(l.volume_write_iops),
+            fmt::iops(l.capacity_read_iops),
+            fmt::iops(l.capacity_write_iops),
+        ];
+        if cache {
+            row.push(fmt::iops(l.cache_read_iops.unwrap_or(0.0)));
+            row.push(fmt::iops(l.cache_write_iops.unwrap_or(0.0)));
+        }
+        let v = l.volume_iops();
+        row.push(if v > 0.0 {
+            format!("{:.2}", l.drive_iops() / v)
+        } else {
+            "no I/O".into()
+        });
+        row.push(if v > 0.0 {
+            format!("{:.2}", l.expected_drive_iops / v)
+        } else {
+            "–".into()
+        });
+        t.row(row);
+    }
+    sec.table(t);
+    Some(sec)
+}
+
 fn repeats(s: &RunSummary) -> Option<Section> {
     if s.config.settings.repeat <= 1 {
         return None;
@@ -1353,6 +1491,8 @@ pub fn sections(s: &RunSummary) -> Vec<Section> {
         capacity(s),
         endurance(s),
     ];
+    v.extend(saturation(s));
+    v.extend(io_layers(s));
     v.extend(repeats(s));
     v.extend(notes(s));
     v
@@ -1733,6 +1873,38 @@ mod tests {
     use crate::model::tests::{config, repeat};
     use crate::model::PointRecord;
     use crate::profile::points;
+
+    #[test]
+    fn a_saturation_search_and_the_two_layers_are_reported() {
+        let mut cfg = config(vec![100], vec![1, 2, 4]);
+        cfg.settings.saturate = true;
+        let mut sum = crate::model::tests::summary_at(&cfg, &[100.0, 200.0, 205.0]);
+        for p in &mut sum.points {
+            for r in &mut p.repeats {
+                for n in &mut r.nodes {
+                    n.volume_write_ops = 1000;
+                    n.volume_ops = 1000;
+                }
+            }
+        }
+        sum.restat();
+        let md = markdown(&sum);
+        assert!(md.contains("## Saturation"), "{md}");
+        assert!(md.contains("A saturation search"), "{md}");
+        assert!(md.contains("| QD 2 |"), "{md}");
+        assert!(md.contains("## I/O at two layers"), "{md}");
+        assert!(md.contains("| 3.00 |"), "mirror-3's expected ratio: {md}");
+        // Fixed depths still show the knee, and say how to search.
+        cfg.settings.saturate = false;
+        let sum = crate::model::tests::summary_at(&cfg, &[100.0, 200.0, 400.0]);
+        let md = markdown(&sum);
+        assert!(md.contains("run with --saturate"), "{md}");
+        assert!(md.contains("not by QD 4 (still rising)"), "{md}");
+        assert!(
+            !md.contains("## I/O at two layers"),
+            "no counts by direction: {md}"
+        );
+    }
 
     pub fn summary(write: Vec<u64>, qd: Vec<u64>) -> RunSummary {
         let cfg = config(write, qd);
