@@ -24,6 +24,7 @@ use converge_fleet::measure::{self, WorkerRun};
 use converge_fleet::model::{ClusterConfig, DriveConfig, NodeConfig, FORMAT_VERSION};
 use converge_fleet::profile::{self, Overrides, Point, Profile, Settings};
 use converge_fleet::report;
+use converge_fleet::timeline::{self, Timeline};
 use converge_fleet::{PointRecord, RunConfig, RunStatus, RunSummary};
 use converge_types::{format_size, parse_size, CacheMode, Compression, NodeId, Resiliency};
 use serde_json::Value;
@@ -306,6 +307,63 @@ fn sample_all(nodes: &[NodeCtx]) -> Result<Vec<FleetSample>> {
                 .with_context(|| format!("sampling node {}", n.id))
         })
         .collect()
+}
+
+/// The run's timeline (`converge_fleet::timeline`), sampled once a second by a thread of
+/// its own while the sweep runs; the sweep marks where each point began.
+struct Recorder {
+    start: Instant,
+    tl: std::sync::Mutex<Timeline>,
+    stop: std::sync::atomic::AtomicBool,
+}
+
+impl Recorder {
+    fn new() -> Recorder {
+        Recorder {
+            start: Instant::now(),
+            tl: std::sync::Mutex::new(Timeline::new()),
+            stop: std::sync::atomic::AtomicBool::new(false),
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Timeline> {
+        // A panic elsewhere must not lose the report: the timeline is plain data.
+        self.tl.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn mark(&self, what: impl Into<String>) {
+        let t = self.start.elapsed().as_secs_f64();
+        self.lock().mark(t, what);
+    }
+
+    fn snapshot(&self) -> Timeline {
+        self.lock().clone()
+    }
+
+    fn stopped(&self) -> bool {
+        self.stop.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Samples every node once a second until stopped. A second in which some node does
+    /// not answer adds no tick; the next one spans both (its rates use the daemons' own
+    /// clocks).
+    fn record(&self, nodes: &[NodeCtx]) {
+        let mut prev = sample_all(nodes).unwrap_or_default();
+        let mut next = Instant::now() + Duration::from_secs(1);
+        while !self.stopped() {
+            let now = Instant::now();
+            if now < next {
+                std::thread::sleep((next - now).min(Duration::from_millis(100)));
+                continue;
+            }
+            next += Duration::from_secs(1);
+            if let Ok(cur) = sample_all(nodes) {
+                let t = self.start.elapsed().as_secs_f64();
+                self.lock().push(timeline::tick(t, &prev, &cur));
+                prev = cur;
+            }
+        }
+    }
 }
 
 /// Destage everything every node's caches hold (`POST /v1/cache/flush`, all nodes at
@@ -1057,18 +1115,27 @@ fn run_fleet(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         points_planned: points.len(),
         points: Vec::new(),
         notes,
+        timeline: None,
     };
     let mut session = Session::new(api, &nodes, a.keep);
-    let result = sweep(
-        &mut session,
-        &settings,
-        &points,
-        &a.out,
-        &mut summary,
-        &mut progress,
-        t0,
-        total,
-    );
+    let rec = Recorder::new();
+    let result = std::thread::scope(|sc| {
+        sc.spawn(|| rec.record(&nodes));
+        let r = sweep(
+            &mut session,
+            &settings,
+            &points,
+            &a.out,
+            &mut summary,
+            &mut progress,
+            t0,
+            total,
+            &rec,
+        );
+        rec.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        r
+    });
+    summary.timeline = Some(rec.snapshot());
     session.cleanup(&mut progress);
     if let Some(msg) = cache_guard.as_mut().and_then(|g| g.restore()) {
         progress.line(&msg);
@@ -1347,6 +1414,7 @@ fn sweep(
     progress: &mut Progress,
     t0: Instant,
     mut total: usize,
+    recorder: &Recorder,
 ) -> Result<()> {
     let nodes = session.nodes;
     let workers: Vec<usize> = (0..nodes.len())
@@ -1376,6 +1444,7 @@ fn sweep(
         }
     }
     // Pre-fill every volume once, all at the same time.
+    recorder.mark("pre-fill");
     let tp = Instant::now();
     let ws = settings.working_set_bytes;
     for &ni in &workers {
@@ -1485,6 +1554,11 @@ fn sweep(
                 },
                 w = total.to_string().len()
             );
+            recorder.mark(if settings.repeat > 1 {
+                format!("{} (repeat {rep})", point.label())
+            } else {
+                point.label()
+            });
             let m = measure_point(session, settings, point, rep, out, progress, &head, &eta)?;
             rec.repeats.push(m);
             done += 1;
@@ -1531,6 +1605,7 @@ fn sweep(
         }
         // The report so far, after every point: a crash or Ctrl-C keeps it.
         summary.wall_s = t0.elapsed().as_secs_f64();
+        summary.timeline = Some(recorder.snapshot());
         report::write_all(out, summary)
             .with_context(|| format!("writing the report into {}", out.display()))?;
     }

@@ -274,6 +274,42 @@ fn tiny_fleet_on_a_4_node_mirror3_lab_fills_every_table() {
             raw.display()
         );
     }
+    // The timeline: a tick a second from the pre-fill to the end, every node's CPU and
+    // every drive (capacity and cache) in each, and a mark where each point began.
+    let tl = s.timeline.as_ref().expect("a timeline");
+    assert_eq!(tl.interval_s, 1.0);
+    let marks: Vec<&str> = tl.marks.iter().map(|m| m.1.as_str()).collect();
+    assert_eq!(marks[0], "pre-fill", "{marks:?}");
+    assert_eq!(marks.len(), 3, "pre-fill and the 2 points: {marks:?}");
+    let last_mark = tl.marks.last().unwrap().0;
+    assert!(
+        tl.ticks.last().unwrap().t_s > last_mark,
+        "ticks go on through the last point: {:?} vs mark at {last_mark}",
+        tl.ticks.last()
+    );
+    // Each point ran 1 s of warm-up and 3 s measured: at least as many ticks.
+    assert!(tl.ticks.len() >= 8, "{} ticks", tl.ticks.len());
+    let full: Vec<_> = tl.ticks.iter().filter(|t| t.nodes.len() == 4).collect();
+    assert!(full.len() >= 8, "ticks with all 4 nodes: {}", full.len());
+    assert!(
+        full.iter().all(|t| t.drives.len() == 12),
+        "8 capacity + 4 cache drives"
+    );
+    let busy = |lo: f64, hi: f64| {
+        tl.ticks
+            .iter()
+            .filter(|t| t.t_s > lo && t.t_s <= hi)
+            .flat_map(|t| &t.drives)
+            .map(|d| d.iops)
+            .sum::<f64>()
+    };
+    assert!(
+        busy(tl.marks[1].0, tl.marks[2].0) > 0.0,
+        "drives busy in point 1"
+    );
+    assert!(busy(last_mark, f64::MAX) > 0.0, "drives busy in point 2");
+    assert!(md.contains("## Timeline"), "{md}");
+
     // Re-rendering gives the same report.
     lab.must(&["fleet", "report", d]);
     assert_eq!(std::fs::read_to_string(dir.join("report.md")).unwrap(), md);
@@ -283,6 +319,16 @@ fn tiny_fleet_on_a_4_node_mirror3_lab_fills_every_table() {
     let page = std::fs::read_to_string(&html).unwrap();
     assert!(!page.contains("<script"), "the report needs no scripts");
     assert!(page.matches("<svg").count() >= 6, "charts are inline SVG");
+    for chart in [
+        "each drive&#39;s IOPS",
+        "each drive&#39;s latency",
+        "converged CPU of each node",
+    ] {
+        assert!(
+            page.contains(chart),
+            "report.html lacks the timeline chart {chart:?}"
+        );
+    }
     let shot = out.path().join("report.png");
     let o = Command::new("timeout")
         .arg("120")

@@ -455,6 +455,7 @@ mod tests {
                 })
                 .collect(),
             notes: vec![],
+            timeline: None,
         };
         s.restat();
         s

@@ -367,6 +367,10 @@ pub struct RunSummary {
     pub points_planned: usize,
     pub points: Vec<PointRecord>,
     pub notes: Vec<String>,
+    /// Every drive and node second by second through the run (None in runs made before
+    /// timelines were kept).
+    #[serde(default)]
+    pub timeline: Option<crate::timeline::Timeline>,
 }
 
 impl RunSummary {
@@ -1430,6 +1434,7 @@ pub(crate) mod tests {
                 })
                 .collect(),
             notes: vec![],
+            timeline: None,
         };
         sum.restat();
         sum
@@ -1511,6 +1516,7 @@ pub(crate) mod tests {
                 })
                 .collect(),
             notes: vec![],
+            timeline: None,
         };
         sum.restat();
         // summary.json as a run before this change wrote it: no point bytes, no basis.
@@ -1601,6 +1607,7 @@ pub(crate) mod tests {
                 })
                 .collect(),
             notes: vec![],
+            timeline: None,
         };
         sum.restat();
         let j = serde_json::to_string(&sum).unwrap();

@@ -1304,6 +1304,102 @@ fn endurance(s: &RunSummary) -> Section {
     sec
 }
 
+/// Every drive of one node and every node's CPU, second by second through the run.
+fn timeline(s: &RunSummary) -> Option<Section> {
+    let tl = s.timeline.as_ref().filter(|t| !t.ticks.is_empty())?;
+    let nodes = tl.nodes();
+    // The drives of one node: the first that runs workers (its volumes' owner side).
+    let node = s
+        .config
+        .nodes
+        .iter()
+        .find(|n| n.runs_workers && nodes.contains(&n.id))
+        .map(|n| n.id)
+        .or_else(|| nodes.first().copied())?;
+    let drives = tl.drives_of(node);
+    let role = |id: converge_types::DriveId| match s.config.drive(id).map(|d| d.role) {
+        Some(DriveRole::Cache) => "cache",
+        _ => "capacity",
+    };
+    let mut sec = Section::new("timeline", "Timeline");
+    sec.text(format!(
+        "Second by second through the whole run (one tick every {} s), from the same \
+         counters as the points' windows: each drive of node {node} — engine operations per \
+         second, the mean time an operation was outstanding (Little's law: queue ÷ IOPS) \
+         and the queue length — and each node's converged CPU and host CPU. Dashed lines \
+         mark where the pre-fill and each point (repeat) began; hover for which. \
+         summary.json keeps every node's drives.",
+        tl.interval_s
+    ));
+    let chart = |title: &str, unit: &str, series, f: fn(f64) -> String| {
+        Chart::Time(crate::svg::TimeChart {
+            title: title.into(),
+            unit: unit.into(),
+            series,
+            marks: tl.marks.clone(),
+            fmt: f,
+            gap_s: 1.5 * tl.interval_s,
+            width: 1100.0,
+            height: 260.0,
+        })
+    };
+    let name = |id| format!("drive {id} ({})", role(id));
+    sec.items.push(Item::Legend(
+        drives
+            .iter()
+            .enumerate()
+            .map(|(i, &id)| (name(id), crate::svg::color(i).to_string()))
+            .collect(),
+    ));
+    type Fig = fn(&crate::timeline::DriveTick) -> Option<f64>;
+    type Figure<'a> = (&'a str, &'a str, Fig, fn(f64) -> String);
+    let figs: [Figure; 3] = [
+        ("IOPS", "IOPS", |d| Some(d.iops), f_iops),
+        ("latency", "µs", |d| d.lat_us, f_sig),
+        ("queue length", "outstanding", |d| Some(d.queue), f_sig),
+    ];
+    for (what, unit, f, vf) in figs {
+        let series = drives
+            .iter()
+            .map(|&id| (name(id), tl.drive_series(id, f)))
+            .collect();
+        sec.chart(chart(
+            &format!("Node {node}: each drive's {what}"),
+            unit,
+            series,
+            vf,
+        ));
+    }
+    sec.items.push(Item::Legend(
+        nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| (format!("node {n}"), crate::svg::color(i).to_string()))
+            .collect(),
+    ));
+    let cores = nodes
+        .iter()
+        .map(|&n| {
+            (
+                format!("node {n}"),
+                tl.node_series(n, |x| Some(x.converged_cores)),
+            )
+        })
+        .collect();
+    sec.chart(chart("converged CPU of each node", "cores", cores, f_sig));
+    let host = nodes
+        .iter()
+        .map(|&n| (format!("node {n}"), tl.node_series(n, |x| x.host_busy_pct)))
+        .collect();
+    sec.chart(chart(
+        "Host CPU busy, as each node sees it (lab nodes share a host)",
+        "%",
+        host,
+        f_sig,
+    ));
+    Some(sec)
+}
+
 /// Where each series' throughput stopped rising as the queue depth grew.
 fn saturation(s: &RunSummary) -> Option<Section> {
     let rows = crate::model::saturation(s);
@@ -1481,16 +1577,9 @@ fn notes(s: &RunSummary) -> Option<Section> {
 }
 
 pub fn sections(s: &RunSummary) -> Vec<Section> {
-    let mut v = vec![
-        configuration(s),
-        headline(s),
-        latency(s),
-        cpu(s),
-        queues(s),
-        write_amp(s),
-        capacity(s),
-        endurance(s),
-    ];
+    let mut v = vec![configuration(s), headline(s), latency(s), cpu(s), queues(s)];
+    v.extend(timeline(s));
+    v.extend([write_amp(s), capacity(s), endurance(s)]);
     v.extend(saturation(s));
     v.extend(io_layers(s));
     v.extend(repeats(s));
@@ -1875,6 +1964,67 @@ mod tests {
     use crate::profile::points;
 
     #[test]
+    fn the_timeline_charts_one_nodes_drives_and_every_nodes_cpu() {
+        use crate::timeline::{DriveTick, NodeTick, Tick, Timeline};
+        let cfg = config(vec![100], vec![1]);
+        let mut sum = crate::model::tests::summary_at(&cfg, &[100.0]);
+        assert!(
+            !markdown(&sum).contains("## Timeline"),
+            "no timeline, no section"
+        );
+        let mut tl = Timeline::new();
+        tl.mark(0.0, "pre-fill");
+        tl.mark(2.0, "4 KiB, 1 worker/node, QD 1, read 0 %");
+        for i in 1..=5 {
+            tl.push(Tick {
+                t_s: f64::from(i),
+                nodes: (1..=4)
+                    .map(|n| NodeTick {
+                        node: n,
+                        converged_cores: 0.5,
+                        host_busy_pct: Some(80.0),
+                    })
+                    .collect(),
+                drives: cfg
+                    .drives
+                    .iter()
+                    .map(|d| DriveTick {
+                        node: d.node,
+                        id: d.id,
+                        iops: 100.0 * f64::from(i),
+                        lat_us: Some(50.0),
+                        queue: 0.5,
+                    })
+                    .collect(),
+            });
+        }
+        sum.timeline = Some(tl);
+        let md = markdown(&sum);
+        assert!(
+            md.contains("## Timeline") && md.contains("each drive of node 1"),
+            "{md}"
+        );
+        let page = html(&sum);
+        for c in [
+            "Node 1: each drive&#39;s IOPS",
+            "Node 1: each drive&#39;s latency",
+        ] {
+            assert!(page.contains(c), "{c}");
+        }
+        assert!(page.contains("Node 1: each drive&#39;s queue length"));
+        assert!(page.contains("converged CPU of each node"));
+        // Node 1's two drives in the legend, not the other nodes'.
+        let sec = sections(&sum)
+            .into_iter()
+            .find(|s| s.id == "timeline")
+            .unwrap();
+        let Item::Legend(keys) = &sec.items[1] else {
+            panic!("a legend first")
+        };
+        assert_eq!(keys.len(), 2, "{keys:?}");
+    }
+
+    #[test]
     fn a_saturation_search_and_the_two_layers_are_reported() {
         let mut cfg = config(vec![100], vec![1, 2, 4]);
         cfg.settings.saturate = true;
@@ -1923,6 +2073,7 @@ mod tests {
                 })
                 .collect(),
             notes: vec![],
+            timeline: None,
         };
         s.restat();
         s

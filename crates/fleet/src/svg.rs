@@ -73,10 +73,31 @@ pub struct CurveChart {
     pub height: f64,
 }
 
+/// Values against time, one line per series, on linear axes from 0, with thin vertical
+/// marks (their labels as tooltips) where something began: the run's points.
+#[derive(Clone, Debug)]
+pub struct TimeChart {
+    pub title: String,
+    /// The y axis' unit, e.g. "IOPS".
+    pub unit: String,
+    /// (name, [(seconds, value)]).
+    pub series: Vec<(String, Vec<(f64, f64)>)>,
+    pub marks: Vec<(f64, String)>,
+    /// Tick and tooltip formatting of values.
+    pub fmt: fn(f64) -> String,
+    /// A line breaks where two neighbouring values are further apart than this, in
+    /// seconds (a series without a value there: a drive with no operations has no
+    /// latency); 0: never.
+    pub gap_s: f64,
+    pub width: f64,
+    pub height: f64,
+}
+
 #[derive(Clone, Debug)]
 pub enum Chart {
     Grouped(GroupedChart),
     Curves(CurveChart),
+    Time(TimeChart),
 }
 
 impl Chart {
@@ -84,6 +105,7 @@ impl Chart {
         match self {
             Chart::Grouped(g) => grouped(g),
             Chart::Curves(c) => curves(c),
+            Chart::Time(t) => time(t),
         }
     }
 
@@ -91,6 +113,7 @@ impl Chart {
         match self {
             Chart::Grouped(g) => &g.title,
             Chart::Curves(c) => &c.title,
+            Chart::Time(t) => &t.title,
         }
     }
 }
@@ -471,9 +494,148 @@ fn curves(c: &CurveChart) -> String {
     o
 }
 
+fn time(c: &TimeChart) -> String {
+    let (w, h) = (c.width, c.height);
+    let (ml, mr, mt, mb) = (64.0, 16.0, 30.0, 40.0);
+    let (pw, ph) = (w - ml - mr, h - mt - mb);
+    let mut o = String::new();
+    let _ = write!(
+        o,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="{w}" height="{h}" font-family="sans-serif" font-size="11" role="img"><title>{}</title>"#,
+        esc(&c.title)
+    );
+    let _ = write!(o, r##"<rect width="{w}" height="{h}" fill="#fff"/>"##);
+    text(
+        &mut o,
+        w / 2.0,
+        18.0,
+        "middle",
+        r#"font-weight="bold""#,
+        &c.title,
+    );
+    let finite = |v: &f64| v.is_finite();
+    let t_max = c
+        .series
+        .iter()
+        .flat_map(|(_, v)| v.iter().map(|p| p.0))
+        .chain(c.marks.iter().map(|m| m.0))
+        .filter(finite)
+        .fold(0.0, f64::max);
+    let y_max = c
+        .series
+        .iter()
+        .flat_map(|(_, v)| v.iter().map(|p| p.1))
+        .filter(finite)
+        .fold(0.0, f64::max);
+    let (x_top, x_step) = axis(t_max);
+    let (y_top, y_step) = axis(y_max);
+    let x_of = |t: f64| ml + t.max(0.0) / x_top * pw;
+    let y_of = |v: f64| mt + ph - v.max(0.0) / y_top * ph;
+    let mut y = 0.0;
+    while y <= y_top + y_step * 1e-9 {
+        let py = y_of(y);
+        let _ = write!(
+            o,
+            r##"<line x1="{ml}" x2="{:.1}" y1="{py:.1}" y2="{py:.1}" stroke="#e5e5e5"/>"##,
+            ml + pw
+        );
+        text(&mut o, ml - 5.0, py + 4.0, "end", "", &(c.fmt)(y));
+        y += y_step;
+    }
+    let mut x = 0.0;
+    while x <= x_top + x_step * 1e-9 {
+        text(
+            &mut o,
+            x_of(x),
+            mt + ph + 14.0,
+            "middle",
+            "",
+            &crate::format::duration_s(x),
+        );
+        x += x_step;
+    }
+    text(
+        &mut o,
+        ml + pw / 2.0,
+        h - 6.0,
+        "middle",
+        "",
+        "time into the run",
+    );
+    text(&mut o, 12.0, mt - 8.0, "start", "", &c.unit);
+    for (t, what) in &c.marks {
+        let px = x_of(*t);
+        let _ = write!(
+            o,
+            r##"<line x1="{px:.1}" x2="{px:.1}" y1="{mt}" y2="{:.1}" stroke="#bbb" stroke-dasharray="2,3"><title>{}</title></line>"##,
+            mt + ph,
+            esc(what)
+        );
+    }
+    let _ = write!(
+        o,
+        r##"<rect x="{ml}" y="{mt}" width="{pw:.1}" height="{ph:.1}" fill="none" stroke="#333"/>"##
+    );
+    for (i, (name, pts)) in c.series.iter().enumerate() {
+        let pts: Vec<&(f64, f64)> = pts
+            .iter()
+            .filter(|(t, v)| t.is_finite() && v.is_finite())
+            .collect();
+        let mut runs: Vec<Vec<String>> = Vec::new();
+        let mut last: Option<f64> = None;
+        for (t, v) in pts {
+            if last.is_none_or(|l| c.gap_s > 0.0 && t - l > c.gap_s) {
+                runs.push(Vec::new());
+            }
+            if let Some(r) = runs.last_mut() {
+                r.push(format!("{:.1},{:.1}", x_of(*t), y_of(*v)));
+            }
+            last = Some(*t);
+        }
+        for run in runs {
+            let _ = write!(
+                o,
+                r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="1.2"><title>{}</title></polyline>"#,
+                run.join(" "),
+                color(i),
+                esc(name)
+            );
+        }
+    }
+    o.push_str("</svg>");
+    o
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_time_chart_draws_a_line_per_series_and_a_mark_per_point() {
+        let c = TimeChart {
+            title: "drive <IOPS>".into(),
+            unit: "IOPS".into(),
+            series: vec![
+                (
+                    "drive 1".into(),
+                    vec![(1.0, 10.0), (2.0, 30.0), (3.0, f64::NAN), (5.0, 1.0)],
+                ),
+                ("drive 2".into(), vec![(1.0, 5.0), (2.0, 7.0)]),
+                ("idle".into(), vec![]),
+            ],
+            marks: vec![(0.5, "QD 1".into()), (2.5, "QD 2".into())],
+            fmt: |v| format!("{v}"),
+            gap_s: 1.5,
+            width: 600.0,
+            height: 200.0,
+        };
+        let s = Chart::Time(c).render();
+        // drive 1 breaks after 2 s (no value until 5 s): two lines; drive 2 one.
+        assert_eq!(s.matches("<polyline").count(), 3);
+        assert_eq!(s.matches("stroke-dasharray").count(), 2);
+        assert!(s.contains("drive &lt;IOPS&gt;"));
+        assert!(!s.contains("NaN"));
+    }
 
     fn f(v: f64) -> String {
         format!("{v}")

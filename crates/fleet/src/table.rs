@@ -267,6 +267,7 @@ mod tests {
                 })
                 .collect(),
             notes: vec![],
+            timeline: None,
         };
         s.restat();
         s
