@@ -593,3 +593,28 @@ pub struct Joined {
     pub cert_pem: String,
     pub ca_pem: String,
 }
+
+/// `GET /v1/cache/advice` (one node): what the node's working-set estimator saw of the
+/// client I/O its capacity drives served since it started (docs/CACHE.md, "Cache advice").
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct CacheAdvice {
+    pub node: NodeId,
+    /// The node's cache drives' logs together, bytes; 0 without cache drives.
+    pub cache_bytes: u64,
+    pub cache_drives: usize,
+    /// The cache drives' modes (`none`, `write`, `read-write`), one per cache drive.
+    pub cache_modes: Vec<String>,
+    /// Block accesses (4 KiB) counted since the node started, all of them.
+    pub accesses: u64,
+    /// Over every access of the node (what a cache in front of all its capacity drives
+    /// sees).
+    pub mrc: converge_types::mrc::Mrc,
+    /// Per volume, over its accesses on this node.
+    pub volumes: Vec<VolumeMrc>,
+}
+
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct VolumeMrc {
+    pub volume: VolumeId,
+    pub mrc: converge_types::mrc::Mrc,
+}

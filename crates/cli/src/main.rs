@@ -4,6 +4,7 @@
 //! (comma-separated, tried in turn until one can be reached); without them, every node of
 //! the lab directory. Human tables by default, `--json` everywhere.
 
+mod advise;
 mod cache;
 mod fleet;
 mod http;
@@ -87,6 +88,10 @@ enum Cmd {
     /// none, write (default for flash capacity) or read-write (default for HDD).
     #[command(subcommand)]
     Cache(cache::CacheCmd),
+    /// Advice from what the cluster measured: `advise cache` gives the hit ratio a cache
+    /// of each size would have had on each node's workload, and the mode that suits it.
+    #[command(subcommand)]
+    Advise(advise::AdviseCmd),
     /// A whole cluster on this machine: etcd plus N converged on 127.0.0.x (or each in
     /// its own network namespace), with faults to rehearse failures.
     #[command(subcommand)]
@@ -816,6 +821,7 @@ fn run(cli: Cli) -> Result<()> {
         }
         Cmd::Volume(v) => run_volume(&cli, v)?,
         Cmd::Cache(c) => cache::run(c, cli.json, &api_base(&cli)?)?,
+        Cmd::Advise(c) => advise::run(c, cli.json, &api_base(&cli)?)?,
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
         Cmd::Token(c) => run_token(&cli, c)?,
         Cmd::Cert(c) => pki_cmd::run(c)?,

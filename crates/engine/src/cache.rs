@@ -1679,6 +1679,9 @@ fn read_sb(file: &dyn BlockFile) -> Result<Option<CacheSb>, EngineError> {
 pub struct Tier {
     cap: Arc<Drive>,
     cache: RwLock<Option<Arc<Cache>>>,
+    /// The node's working-set estimator, fed with the client I/O this drive serves
+    /// ([`Tier::sample`]); unset in tools and tests that do not ask.
+    sampler: std::sync::OnceLock<Arc<crate::shards::AccessSampler>>,
 }
 
 /// How a write through the tier decides per block (plain write vs. compare-and-set copy).
@@ -1707,6 +1710,21 @@ impl Tier {
         Tier {
             cap,
             cache: RwLock::new(None),
+            sampler: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// Feeds the client I/O of this drive to `sampler` from now on (once; later calls are
+    /// ignored).
+    pub fn set_sampler(&self, sampler: Arc<crate::shards::AccessSampler>) {
+        let _ = self.sampler.set(sampler);
+    }
+
+    /// A client read or write of `len` bytes at `offset` of extent `key`: each 4 KiB block
+    /// it covers is one access for the working-set estimator, if one is set.
+    pub fn sample(&self, key: ExtentKey, offset: u64, len: u64, read: bool) {
+        if let Some(s) = self.sampler.get() {
+            s.io(key, offset, len, read);
         }
     }
 

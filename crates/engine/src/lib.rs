@@ -19,6 +19,7 @@ pub mod layout;
 mod pool;
 mod recover;
 mod sample;
+pub mod shards;
 mod stats;
 
 pub use cache::{Cache, CacheStats, OpenReport, Tier, CACHE_MIN_BYTES};

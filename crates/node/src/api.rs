@@ -245,6 +245,7 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
             }
         }
         (&Method::GET, ["v1", "caches"]) => ok(&cache_api::read(node).await?.current()),
+        (&Method::GET, ["v1", "cache", "advice"]) => ok(&cache_api::advice(node)),
         (&Method::POST, ["v1", "cache", "mode"]) => ok(&cache_api::set_mode(node, body).await?),
         (&Method::GET, ["v1", "scrub"]) => ok(&crate::scrub::results(node).await),
         (&Method::GET, ["v1", "tokens"]) => ok(&tokens(node).await?),

@@ -270,6 +270,28 @@ pub async fn set_mode(node: &Node, body: &[u8]) -> Result<Settings, CacheApiErro
     Ok(s)
 }
 
+/// `GET /v1/cache/advice`: this node's working-set curves and its cache drives.
+pub fn advice(node: &Node) -> converge_api::CacheAdvice {
+    let (mrc, volumes) = node.sampler.curves();
+    let mut ids: Vec<_> = node.caches.keys().copied().collect();
+    ids.sort();
+    converge_api::CacheAdvice {
+        node: node.cfg.node_id,
+        cache_bytes: node.caches.values().map(|c| c.log_bytes()).sum(),
+        cache_drives: node.caches.len(),
+        cache_modes: ids
+            .iter()
+            .map(|id| node.caches[id].mode().to_string())
+            .collect(),
+        accesses: node.sampler.accesses(),
+        mrc,
+        volumes: volumes
+            .into_iter()
+            .map(|(volume, mrc)| converge_api::VolumeMrc { volume, mrc })
+            .collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

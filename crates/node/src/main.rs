@@ -248,7 +248,12 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     tenure.extend(lease_sent + Node::lease_margin(cfg.knobs.node_lease_ttl_s.max(3)));
     let local = Arc::new(LocalDrives::new(drives.clone(), cluster.clone()));
     let hello = Hello::new(cluster_rec.cluster_id, cfg.node_id);
+    let sampler = Arc::new(converge_engine::shards::AccessSampler::new());
+    for t in drives.values() {
+        t.set_sampler(sampler.clone());
+    }
     let node = Arc::new(Node {
+        sampler,
         replicas: Arc::new(Replicas::new(
             cfg.node_id,
             local.clone(),

@@ -48,6 +48,9 @@ pub struct Node {
     pub qos_gate: Arc<converge_volume::qos::SharedGate>,
     /// The local drives' lifetime writes (docs/ENDURANCE.md).
     pub wear: crate::wear::WearBook,
+    /// The working-set estimator every capacity drive's client I/O feeds
+    /// (`GET /v1/cache/advice`).
+    pub sampler: Arc<converge_engine::shards::AccessSampler>,
     /// Background copy jobs (resync, rebuild) of this node.
     pub jobs: crate::repair::Jobs,
     /// Shared by this node's copy jobs.

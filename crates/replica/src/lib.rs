@@ -94,6 +94,19 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
         }
     }
     check_versions(&op)?;
+    // Client I/O (not repair's block copies) feeds the node's working-set estimator.
+    match &op {
+        ExtentOp::Read {
+            key, offset, len, ..
+        } => tier.sample(*key, *offset, u64::from(*len), true),
+        ExtentOp::Write {
+            key, offset, data, ..
+        }
+        | ExtentOp::WriteHeld {
+            key, offset, data, ..
+        } => tier.sample(*key, *offset, data.len() as u64, false),
+        _ => {}
+    }
     let shape = op.reply_shape();
     let mut durable = Durable::done();
     let reply = match op {

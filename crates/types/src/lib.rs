@@ -7,6 +7,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub mod extent;
+pub mod mrc;
 pub use extent::{
     BadReply, BlocksReply, ExtentOp, ExtentReply, ReadReply, ReplyShape, SettleRows,
     SETTLE_ROWS_MAX,

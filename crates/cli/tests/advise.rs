@@ -1,0 +1,138 @@
+//! End-to-end: `converge advise cache` on a real 3-node lab with cache drives (issue 18,
+//! the working-set estimator). A mirror-3 volume owned by node 1 is written once whole
+//! (256 MiB: every node's copy takes the writes), then fio reads 4 KiB blocks at random
+//! from its first 64 MiB, 4 passes. Every node counts each block access exactly; the curves come from
+//! a 1 % sample of blocks, so what is checked of them is what a sample of ~160 blocks
+//! supports: the working set near 256 MiB, few read hits from a cache far smaller than the
+//! 64 MiB read, most from one larger, never fewer from a larger cache, and the advice.
+
+#![allow(clippy::unwrap_used)]
+
+mod common;
+
+use common::*;
+
+const MIB: u64 = 1 << 20;
+/// fio reads the 64 MiB (16,384 blocks) 4 times, each pass every block once in random order.
+const READS: u64 = 4 * 16_384;
+
+fn hit(curve: &serde_json::Value, bytes: u64) -> f64 {
+    curve
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c[0].as_u64() == Some(bytes))
+        .unwrap_or_else(|| panic!("no {bytes} in {curve}"))[1]
+        .as_f64()
+        .unwrap()
+}
+
+#[test]
+fn advise_cache_estimates_each_nodes_working_set_and_hit_ratios() {
+    require_tools();
+    let lab = Lab::up(
+        3,
+        &[
+            "--ram",
+            "--drive-size",
+            "1G",
+            "--cache-drives",
+            "1",
+            "--cache-size",
+            "256M",
+            "--cache-in-ram",
+        ],
+    );
+    // Before any I/O: said so, not a curve of nothing.
+    let quiet = lab.must(&["advise", "cache", "--node", "1"]);
+    assert!(quiet.contains("no client I/O seen"), "{quiet}");
+
+    lab.create_owned("v", "256M", "mirror-3", 1);
+    let uri = lab.uri("v");
+    let w = fio(
+        &uri,
+        &["--rw=write", "--bs=1M", "--iodepth=4", "--size=256M"],
+    );
+    assert_eq!(fio_errors(&w), 0);
+    let r = fio(
+        &uri,
+        &[
+            "--rw=randread",
+            "--bs=4k",
+            "--iodepth=8",
+            "--size=64M",
+            "--loops=4",
+        ],
+    );
+    assert_eq!(fio_errors(&r), 0);
+    assert_eq!(r["jobs"][0]["read"]["total_ios"].as_u64(), Some(READS));
+
+    let all = lab.json(&["advise", "cache", "--size", "16M,128M"]);
+    let nodes = all.as_array().unwrap();
+    assert_eq!(nodes.len(), 3);
+    for n in nodes {
+        let id = n["node"].as_u64().unwrap();
+        let a = &n["advice"];
+        let m = &a["mrc"];
+        assert_eq!(a["cache_drives"], 1);
+        let cache_mib = a["cache_bytes"].as_u64().unwrap() >> 20;
+        assert!((250..=256).contains(&cache_mib), "{a}");
+        // Every copy took the whole volume's writes: 65,536 blocks. Reads are served by
+        // the owner's copy: exactly fio's.
+        let reads = m["reads"].as_f64().unwrap();
+        let writes = m["refs"].as_f64().unwrap() - reads;
+        assert_eq!(writes, 65_536.0, "node {id}: {m}");
+        let ws = m["blocks"].as_f64().unwrap() * 4096.0 / MIB as f64;
+        assert!(
+            (180.0..=340.0).contains(&ws),
+            "node {id}: working set {ws} MiB"
+        );
+        let curve = &n["curve"];
+        let hits: Vec<f64> = curve
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(|c| c[1].as_f64())
+            .collect();
+        if id == 1 {
+            assert_eq!(reads, READS as f64, "{m}");
+            assert_eq!(
+                hits.len(),
+                curve.as_array().unwrap().len(),
+                "every size has reads"
+            );
+            assert!(hits.windows(2).all(|w| w[0] <= w[1] + 1e-12), "{hits:?}");
+            // The first pass reuses blocks the fill wrote up to 256 MiB before; the other 3
+            // reuse the 64 MiB read just before: 3/4 of the reads hit 128 MiB of LRU.
+            let (small, big) = (hit(curve, 16 * MIB), hit(curve, 128 * MIB));
+            eprintln!(
+                "node 1: working set {ws:.0} MiB, read hit 16 MiB {small:.3}, 128 MiB {big:.3}"
+            );
+            assert!(small <= 0.45, "16 MiB of a 64 MiB read set: {small}");
+            assert!((0.55..=0.9).contains(&big), "128 MiB holds it all: {big}");
+            assert_eq!(n["mode"], "read-write", "{n}");
+            assert_eq!(a["volumes"].as_array().unwrap().len(), 1);
+        } else {
+            assert_eq!(reads, 0.0, "node {id} only holds a copy: {m}");
+            assert!(hits.is_empty(), "no reads, no read hit ratio: {curve}");
+            assert_eq!(n["mode"], "write", "{n}");
+        }
+    }
+    let text = lab.must(&["advise", "cache", "--node", "1"]);
+    for want in [
+        "(now)",
+        "READ HIT",
+        "advice: read-write",
+        "per volume",
+        "unbounded",
+    ] {
+        assert!(text.contains(want), "{want:?} in {text}");
+    }
+    // Bad input: refused with the reason.
+    let e = lab.fails(&["advise", "cache", "--node", "9"]);
+    assert!(e.contains("no node 9"), "{e}");
+    let e = lab.fails(&["advise", "cache", "--size", "1K"]);
+    assert!(e.contains("at least one 4 KiB block"), "{e}");
+    let e = lab.fails(&["advise", "cache", "--size", "lots"]);
+    assert!(e.contains("--size lots"), "{e}");
+}
