@@ -255,9 +255,10 @@ pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
         }
     }
     println!(
-        "\nHit ratios are an LRU cache's over the I/O since each node started; the cache tier \
-         admits a block on its second miss and evicts FIFO with a second chance, which \
-         hits somewhat less (docs/CACHE.md, \"Cache advice\")."
+        "\nHit ratios are an LRU cache's over the I/O since each node started: what a cache \
+         of that size could give. The cache tier admits a block only on its second miss and \
+         evicts FIFO with a second chance, so it gives less today, by up to tens of points \
+         (docs/studies/cache-advice.md)."
     );
     Ok(())
 }
