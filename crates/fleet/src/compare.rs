@@ -432,33 +432,13 @@ pub fn text(runs: &[Run]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::{config, repeat};
-    use crate::model::{PointRecord, RunStatus};
-    use crate::profile::points;
+    use crate::model::tests::{config, summary_from};
     use converge_types::Resiliency;
 
     fn run(res: Resiliency, iops: f64) -> RunSummary {
         let mut cfg = config(vec![0, 100], vec![1, 4]);
         cfg.settings.resiliency = res;
-        let ps = points(&cfg.settings);
-        let mut s = RunSummary {
-            config: cfg.clone(),
-            status: RunStatus::Complete,
-            wall_s: 1.0,
-            points_planned: ps.len(),
-            points: ps
-                .iter()
-                .map(|p| PointRecord {
-                    point: p.clone(),
-                    repeats: vec![repeat(&cfg, p, iops, 3.0, 0.5)],
-                    stats: None,
-                })
-                .collect(),
-            notes: vec![],
-            timeline: None,
-        };
-        s.restat();
-        s
+        summary_from(&cfg, usize::MAX, |_, _| iops)
     }
 
     #[test]

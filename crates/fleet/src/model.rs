@@ -1416,8 +1416,13 @@ pub(crate) mod tests {
         assert!((s.wa.data.unwrap() - 3.0).abs() < 1e-6, "{:?}", s.wa);
     }
 
-    /// A summary whose points ran at the given IOPS (in `points` order).
-    pub fn summary_at(cfg: &RunConfig, iops: &[f64]) -> RunSummary {
+    /// A summary of `cfg`'s sweep whose first `measured` points ran, point `i` at
+    /// `iops(i, point)`.
+    pub fn summary_from(
+        cfg: &RunConfig,
+        measured: usize,
+        iops: impl Fn(usize, &Point) -> f64,
+    ) -> RunSummary {
         let ps = points(&cfg.settings);
         let mut sum = RunSummary {
             config: cfg.clone(),
@@ -1426,10 +1431,11 @@ pub(crate) mod tests {
             points_planned: ps.len(),
             points: ps
                 .iter()
-                .zip(iops)
-                .map(|(p, &i)| PointRecord {
+                .take(measured)
+                .enumerate()
+                .map(|(i, p)| PointRecord {
                     point: p.clone(),
-                    repeats: vec![repeat(cfg, p, i, 3.0, 0.5)],
+                    repeats: vec![repeat(cfg, p, iops(i, p), 3.0, 0.5)],
                     stats: None,
                 })
                 .collect(),
@@ -1438,6 +1444,11 @@ pub(crate) mod tests {
         };
         sum.restat();
         sum
+    }
+
+    /// A summary whose points ran at the given IOPS (in `points` order).
+    pub fn summary_at(cfg: &RunConfig, iops: &[f64]) -> RunSummary {
+        summary_from(cfg, iops.len(), |i, _| iops[i])
     }
 
     #[test]

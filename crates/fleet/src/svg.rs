@@ -397,15 +397,13 @@ pub fn nines(p: f64) -> f64 {
     -rest.log10()
 }
 
-fn curves(c: &CurveChart) -> String {
-    let (w, h) = (c.width, c.height);
-    let (ml, mr, mt, mb) = (58.0, 24.0, 30.0, 40.0);
-    let (pw, ph) = (w - ml - mr, h - mt - mb);
+/// An SVG of `w` × `h` on white, titled (tooltip and heading).
+fn open(w: f64, h: f64, title: &str) -> String {
     let mut o = String::new();
     let _ = write!(
         o,
         r#"<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="{w}" height="{h}" font-family="sans-serif" font-size="11" role="img"><title>{}</title>"#,
-        esc(&c.title)
+        esc(title)
     );
     let _ = write!(o, r##"<rect width="{w}" height="{h}" fill="#fff"/>"##);
     text(
@@ -414,8 +412,26 @@ fn curves(c: &CurveChart) -> String {
         18.0,
         "middle",
         r#"font-weight="bold""#,
-        &c.title,
+        title,
     );
+    o
+}
+
+/// A line through `pts` ("x,y" each), named by its tooltip.
+fn polyline(o: &mut String, pts: &[String], stroke: &str, width: f64, name: &str) {
+    let _ = write!(
+        o,
+        r#"<polyline points="{}" fill="none" stroke="{stroke}" stroke-width="{width}"><title>{}</title></polyline>"#,
+        pts.join(" "),
+        esc(name)
+    );
+}
+
+fn curves(c: &CurveChart) -> String {
+    let (w, h) = (c.width, c.height);
+    let (ml, mr, mt, mb) = (58.0, 24.0, 30.0, 40.0);
+    let (pw, ph) = (w - ml - mr, h - mt - mb);
+    let mut o = open(w, h, &c.title);
     let all: Vec<f64> = c
         .series
         .iter()
@@ -479,16 +495,9 @@ fn curves(c: &CurveChart) -> String {
             .filter(|(_, l)| l.is_finite() && *l > 0.0)
             .map(|(p, l)| format!("{:.1},{:.1}", x_of(*p), y_of(*l)))
             .collect();
-        if pts.is_empty() {
-            continue;
+        if !pts.is_empty() {
+            polyline(&mut o, &pts, color(i), 1.5, name);
         }
-        let _ = write!(
-            o,
-            r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="1.5"><title>{}</title></polyline>"#,
-            pts.join(" "),
-            color(i),
-            esc(name)
-        );
     }
     o.push_str("</svg>");
     o
@@ -498,21 +507,7 @@ fn time(c: &TimeChart) -> String {
     let (w, h) = (c.width, c.height);
     let (ml, mr, mt, mb) = (64.0, 16.0, 30.0, 40.0);
     let (pw, ph) = (w - ml - mr, h - mt - mb);
-    let mut o = String::new();
-    let _ = write!(
-        o,
-        r#"<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 {w} {h}" width="{w}" height="{h}" font-family="sans-serif" font-size="11" role="img"><title>{}</title>"#,
-        esc(&c.title)
-    );
-    let _ = write!(o, r##"<rect width="{w}" height="{h}" fill="#fff"/>"##);
-    text(
-        &mut o,
-        w / 2.0,
-        18.0,
-        "middle",
-        r#"font-weight="bold""#,
-        &c.title,
-    );
+    let mut o = open(w, h, &c.title);
     let finite = |v: &f64| v.is_finite();
     let t_max = c
         .series
@@ -593,13 +588,7 @@ fn time(c: &TimeChart) -> String {
             last = Some(*t);
         }
         for run in runs {
-            let _ = write!(
-                o,
-                r#"<polyline points="{}" fill="none" stroke="{}" stroke-width="1.2"><title>{}</title></polyline>"#,
-                run.join(" "),
-                color(i),
-                esc(name)
-            );
+            polyline(&mut o, &run, color(i), 1.2, name);
         }
     }
     o.push_str("</svg>");

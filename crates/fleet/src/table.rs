@@ -245,32 +245,10 @@ pub fn ra_tables(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::tests::{config, repeat};
-    use crate::model::{PointRecord, RunStatus};
-    use crate::profile::points;
+    use crate::model::tests::{config, summary_from};
 
     fn summary(write: Vec<u64>, qd: Vec<u64>, measured: usize) -> RunSummary {
-        let cfg = config(write, qd);
-        let ps = points(&cfg.settings);
-        let mut s = RunSummary {
-            config: cfg.clone(),
-            status: RunStatus::Complete,
-            wall_s: 1.0,
-            points_planned: ps.len(),
-            points: ps
-                .iter()
-                .take(measured)
-                .map(|p| PointRecord {
-                    point: p.clone(),
-                    repeats: vec![repeat(&cfg, p, 100.0 * f64::from(p.qd), 3.0, 0.5)],
-                    stats: None,
-                })
-                .collect(),
-            notes: vec![],
-            timeline: None,
-        };
-        s.restat();
-        s
+        summary_from(&config(write, qd), measured, |_, p| 100.0 * f64::from(p.qd))
     }
 
     #[test]
