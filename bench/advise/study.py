@@ -54,7 +54,7 @@ def one(conv, cache, read_set, passes, vol_size):
             "--iodepth=4", f"--size={vol_size}", "--output-format=terse"])
         sh([conv, "cache", "flush"], env)
         sh(["fio", "--name=read", "--ioengine=nbd", f"--uri={uri}", "--rw=randread",
-            "--bs=4k", "--iodepth=8", f"--size={read_set}", f"--loops={passes}",
+            "--bs=4k", "--iodepth=8", f"--size={read_set}", f"--loops={passes}", "--randrepeat=0",
             "--output-format=terse"])
         lab = json.load(open(os.path.join(labdir, "lab.json")))
         api = lab["nodes"][0]["api"]
