@@ -35,6 +35,9 @@ struct NodeAdvice {
     advice: CacheAdvice,
     /// (cache bytes, read hit ratio, hit ratio of all accesses).
     curve: Vec<(u64, Option<f64>, Option<f64>)>,
+    /// Cache bytes the advice and the per-volume hit ratios are judged at: the node's
+    /// cache now, else the first `--size`, else 1 GiB.
+    at_bytes: u64,
     mode: &'static str,
     why: String,
 }
@@ -174,6 +177,7 @@ pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
             node: n.id,
             advice: a,
             curve,
+            at_bytes: at,
             mode,
             why,
         });
@@ -230,11 +234,7 @@ pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
             println!("  {l}");
         }
         println!("  advice: {} — {}", na.mode, na.why);
-        let at = blocks(if a.cache_bytes > 0 {
-            a.cache_bytes
-        } else {
-            1 << 30
-        });
+        let at = blocks(na.at_bytes);
         let mut vt = Table::new(&["VOLUME", "WORKING SET", "READS", "READ HIT ALONE"]);
         for v in &a.volumes {
             vt.row(vec![

@@ -127,6 +127,12 @@ impl Shards {
         self.total_reads += reads;
     }
 
+    /// The totals, for a caller that counts accesses itself (outside its lock).
+    fn set_totals(&mut self, all: u64, reads: u64) {
+        self.total = all;
+        self.total_reads = reads;
+    }
+
     /// An access, looked at only if its block is sampled; not counted in the totals.
     pub fn sampled_access(&mut self, key: u64, read: bool) {
         let h = mix(key) % MODULUS;
@@ -309,9 +315,7 @@ impl AccessSampler {
             let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
             // The counts are kept outside the lock: hand the estimator their totals.
             let (all, reads) = (self.accesses(), self.reads.load(Ordering::Relaxed));
-            n.total = 0;
-            n.total_reads = 0;
-            n.count(all, reads);
+            n.set_totals(all, reads);
             n.mrc()
         };
         let vols = self.volumes.lock().unwrap_or_else(|e| e.into_inner());
