@@ -365,12 +365,14 @@ impl Drive {
                     cache = None;
                     let mut t = lock(&self.table);
                     let s = &mut t.slots[slot as usize];
-                    s.durable = s.live.clone().filter(|e| e.key == key);
+                    s.durable = s.live.clone().filter(|e| e.key == key && e.shadow == 0);
                     s.entry = ExtentEntry {
                         in_use: true,
                         key: Some(key),
                         epoch: epoch.0,
                         codec: converge_types::Compression::None,
+                        shadow: false,
+                        aux: 0,
                     };
                     ld.dirty_table.insert(slot / EXT_PER_PAGE);
                     // The slot's metadata pages still hold a previous extent's: reset them.
@@ -392,9 +394,68 @@ impl Drive {
                         ld.dirty_table.insert(slot / EXT_PER_PAGE);
                     }
                 }
+                Record::Shadow { slot, key, epoch } => {
+                    cache = None;
+                    let mut t = lock(&self.table);
+                    let s = &mut t.slots[slot as usize];
+                    s.durable = s.live.clone().filter(|e| e.key == key && e.shadow == epoch);
+                    s.entry = ExtentEntry {
+                        in_use: true,
+                        key: Some(key),
+                        epoch: 0,
+                        codec: converge_types::Compression::None,
+                        shadow: true,
+                        aux: epoch,
+                    };
+                    t.durable_shadows.insert((key, epoch), slot);
+                    ld.dirty_table.insert(slot / EXT_PER_PAGE);
+                    for p in 0..self.layout.meta_pages_per_extent() {
+                        ld.dirty_meta.insert((slot, p));
+                    }
+                }
+                Record::Floor { slot, floor } => {
+                    let mut t = lock(&self.table);
+                    let e = &mut t.slots[slot as usize].entry;
+                    if e.in_use && !e.shadow {
+                        e.aux = floor;
+                        ld.dirty_table.insert(slot / EXT_PER_PAGE);
+                    }
+                }
+                Record::Preserve {
+                    slot,
+                    block,
+                    snapshot,
+                    meta,
+                } => self.apply_preserve(ld, slot, block, snapshot, meta, &mut gone),
+                Record::Retire { slot } => {
+                    let mut t = lock(&self.table);
+                    if let Some(sh) = t.slots.get(slot as usize).and_then(|s| s.durable.clone()) {
+                        if sh.shadow != 0
+                            && t.durable_shadows.get(&(sh.key, sh.shadow)) == Some(&slot)
+                        {
+                            t.durable_shadows.remove(&(sh.key, sh.shadow));
+                        }
+                    }
+                }
+                Record::Keep {
+                    slot,
+                    block,
+                    from,
+                    meta,
+                } => self.apply_keep(ld, slot, block, from, meta, &mut gone),
+                Record::DropShadow { slot } => {
+                    cache = None;
+                    self.apply_drop_shadow(ld, slot, &mut gone);
+                }
                 Record::Free { slot } => {
                     cache = None;
                     let mut t = lock(&self.table);
+                    if let Some(ext) = &t.slots[slot as usize].durable {
+                        if ext.shadow != 0 {
+                            let k = (ext.key, ext.shadow);
+                            t.durable_shadows.remove(&k);
+                        }
+                    }
                     let s = &mut t.slots[slot as usize];
                     if let Some(ext) = s.durable.take() {
                         let mut m = lock(&ext.meta);
@@ -441,9 +502,173 @@ impl Drive {
         ld.gone = gone;
     }
 
+    /// Applies a Preserve record: block `block` of the live extent in `slot` moves its
+    /// durable state (`state`, what the writer saw) into the shadow of `snapshot`, or,
+    /// that shadow being gone (its snapshot deleted after the write was planned), into
+    /// the shadow of the extent's floor if that snapshot reads the state. With neither,
+    /// nothing moves (the write that follows frees the state).
+    fn apply_preserve(
+        &self,
+        ld: &mut LeaderState,
+        slot: u32,
+        block: u32,
+        snapshot: u32,
+        state: BlockMeta,
+        gone: &mut Vec<u32>,
+    ) {
+        let found = {
+            let t = lock(&self.table);
+            let Some(live) = t.slots.get(slot as usize).and_then(|s| s.durable.clone()) else {
+                return;
+            };
+            if live.shadow != 0 {
+                return;
+            }
+            let floor = t.slots[slot as usize].entry.aux;
+            let target = match t.durable_shadows.get(&(live.key, snapshot)) {
+                Some(&s) => Some((s, u32::MAX)),
+                None if floor > 0 && floor < snapshot => t
+                    .durable_shadows
+                    .get(&(live.key, floor))
+                    .map(|&s| (s, floor)),
+                None => None,
+            };
+            target.and_then(|(s, upto)| {
+                t.slots[s as usize]
+                    .durable
+                    .clone()
+                    .map(|sh| (live, s, sh, upto))
+            })
+        };
+        let Some((live, tslot, shadow, upto)) = found else {
+            return;
+        };
+        let mut m = lock(&live.meta);
+        let Some(&cur) = m.blocks.get(block as usize) else {
+            return;
+        };
+        // The writer saw the state its record names; nothing else changes the block
+        // between its claim and this record.
+        debug_assert_eq!(cur, state, "a Preserve names the block's durable state");
+        if cur != state
+            || cur == BlockMeta::default()
+            || crate::drive::epoch_of(&cur) > u64::from(upto)
+        {
+            return;
+        }
+        let Some(state) = m.take_preserved(block) else {
+            return;
+        };
+        if let Some((_, len)) = state.run() {
+            self.stored_of(&live)
+                .fetch_sub(u64::from(len), Ordering::Relaxed);
+        }
+        let mut sm = lock(&shadow.meta);
+        let before = sm.stored_blocks;
+        sm.put_preserved(block, state, gone);
+        let after = sm.stored_blocks;
+        drop(sm);
+        drop(m);
+        if after >= before {
+            self.shadow_stored
+                .fetch_add(u64::from(after - before), Ordering::Relaxed);
+        } else {
+            self.shadow_stored
+                .fetch_sub(u64::from(before - after), Ordering::Relaxed);
+        }
+        let page = block / BLOCKS_PER_META_PAGE;
+        ld.dirty_meta.insert((slot, page));
+        ld.dirty_meta.insert((tslot, page));
+    }
+
+    /// Applies a Keep record: block `block`'s state `state` moves from the retired
+    /// shadow in `from` into the shadow in `slot`, if `from` still holds it.
+    fn apply_keep(
+        &self,
+        ld: &mut LeaderState,
+        slot: u32,
+        block: u32,
+        from: u32,
+        state: BlockMeta,
+        gone: &mut Vec<u32>,
+    ) {
+        let (src, dst) = {
+            let t = lock(&self.table);
+            let get = |s: u32| {
+                t.slots
+                    .get(s as usize)
+                    .and_then(|x| x.durable.clone())
+                    .filter(|e| e.shadow != 0)
+            };
+            match (get(from), get(slot)) {
+                (Some(a), Some(b)) if a.key == b.key && from != slot => (a, b),
+                _ => return,
+            }
+        };
+        let mut sm = lock(&src.meta);
+        if sm.blocks.get(block as usize) != Some(&state) {
+            return;
+        }
+        let mut dm = lock(&dst.meta);
+        let before = sm.stored_blocks + dm.stored_blocks;
+        sm.take_preserved(block);
+        dm.put_preserved(block, state, gone);
+        let after = sm.stored_blocks + dm.stored_blocks;
+        drop(dm);
+        drop(sm);
+        if after >= before {
+            self.shadow_stored
+                .fetch_add(u64::from(after - before), Ordering::Relaxed);
+        } else {
+            self.shadow_stored
+                .fetch_sub(u64::from(before - after), Ordering::Relaxed);
+        }
+        let page = block / BLOCKS_PER_META_PAGE;
+        ld.dirty_meta.insert((from, page));
+        ld.dirty_meta.insert((slot, page));
+    }
+
+    /// Applies a DropShadow record: the shadow in `slot` goes and what it still holds is
+    /// free (what a younger snapshot's deletion kept moved out with Keep records first).
+    fn apply_drop_shadow(&self, ld: &mut LeaderState, slot: u32, gone: &mut Vec<u32>) {
+        let mut t = lock(&self.table);
+        let Some(sh) = t.slots.get(slot as usize).and_then(|s| s.durable.clone()) else {
+            return;
+        };
+        if sh.shadow == 0 {
+            return;
+        }
+        if t.durable_shadows.get(&(sh.key, sh.shadow)) == Some(&slot) {
+            t.durable_shadows.remove(&(sh.key, sh.shadow));
+        }
+        {
+            let mut m = lock(&sh.meta);
+            for c in &m.blocks {
+                if let Some((first, len)) = c.run() {
+                    gone.extend(first..first + len);
+                }
+            }
+            self.shadow_stored
+                .fetch_sub(u64::from(m.stored_blocks), Ordering::Relaxed);
+            m.stored_blocks = 0;
+            m.data_blocks = 0;
+            m.blocks.fill(BlockMeta::default());
+            m.freed = true;
+        }
+        let s = &mut t.slots[slot as usize];
+        s.durable = None;
+        s.entry = ExtentEntry::default();
+        if s.live.is_none() {
+            t.free.push(slot);
+        }
+        ld.dirty_table.insert(slot / EXT_PER_PAGE);
+    }
+
     /// The drive's count of stored blocks `ext` belongs to: thin (with a codec) or plain.
     pub(crate) fn stored_of(&self, ext: &Extent) -> &std::sync::atomic::AtomicU64 {
-        if ext.codec().is_none() {
+        if ext.shadow != 0 {
+            &self.shadow_stored
+        } else if ext.codec().is_none() {
             &self.plain_stored
         } else {
             &self.thin_stored

@@ -15,8 +15,8 @@ use converge_types::{
 use serde::Serialize;
 use std::cell::RefCell;
 use std::collections::hash_map::Entry;
-use std::collections::{BTreeSet, HashMap};
-use std::sync::atomic::{AtomicU64, AtomicU8, Ordering};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// A read retries this many times when a block's crc mismatches because a write raced it.
@@ -64,6 +64,22 @@ pub struct ExtentInfo {
     pub bytes_stored: u64,
     /// How later writes of the extent are compressed.
     pub compression: Compression,
+    /// The newest snapshot epoch whose states the extent preserves (0: none;
+    /// [`Drive::set_snapshot_floor`]).
+    pub snapshot_floor: u32,
+    /// Bytes of the drive that the extent's preserved states occupy (its shadows').
+    pub bytes_preserved: u64,
+}
+
+/// A shadow extent: the preserved states of one extent for one snapshot (docs/adr/0012).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ShadowInfo {
+    /// The snapshot's epoch.
+    pub snapshot: u32,
+    /// Blocks it holds a state of.
+    pub blocks: u32,
+    /// Bytes of the drive those states occupy.
+    pub bytes_stored: u64,
 }
 
 /// One run of consecutive blocks for [`Drive::destage`].
@@ -98,6 +114,9 @@ pub struct Capacity {
     pub bytes_free: u64,
     /// Bytes the priors of unsettled parity writes occupy (docs/adr/0008).
     pub bytes_held: u64,
+    /// Bytes the states preserved for snapshots occupy (docs/adr/0012); counted in
+    /// `bytes_committed`, not in `bytes_stored`.
+    pub bytes_preserved: u64,
 }
 
 /// A block with a write in progress: the metadata a reader or a later writer must see.
@@ -323,6 +342,44 @@ impl ExtentMeta {
         self.unpend(b);
     }
 
+    /// Moves block `b`'s durable state out of this (live) extent, storage and all, for a
+    /// shadow to keep (a Preserve record): the block is never-written until the write
+    /// that follows the record in its batch sets it. Returns the state.
+    pub fn take_preserved(&mut self, b: u32) -> Option<BlockMeta> {
+        let old = *self.blocks.get(b as usize)?;
+        self.digest = self
+            .digest
+            .wrapping_sub(digest_term(b, old.version))
+            .wrapping_add(digest_term(b, 0));
+        self.blocks[b as usize] = BlockMeta::default();
+        if let Some((_, len)) = old.run() {
+            self.stored_blocks -= len;
+        }
+        if old.has_data() {
+            self.data_blocks -= 1;
+        }
+        Some(old)
+    }
+
+    /// Keeps `state` (taken from the live extent) as block `b`'s state in this shadow.
+    /// A shadow holding a state of the block already keeps the newer of the two (only
+    /// copies written out of order, as a resync's, get here); the other's storage is gone.
+    pub fn put_preserved(&mut self, b: u32, state: BlockMeta, gone: &mut Vec<u32>) {
+        let Some(&held) = self.blocks.get(b as usize) else {
+            if let Some((first, len)) = state.run() {
+                gone.extend(first..first + len);
+            }
+            return;
+        };
+        if held != BlockMeta::default() && held.version > state.version {
+            if let Some((first, len)) = state.run() {
+                gone.extend(first..first + len);
+            }
+            return;
+        }
+        self.set(b, state, gone);
+    }
+
     /// A record of block `b` is applied: one claim fewer waits for durability.
     fn unpend(&mut self, b: u32) {
         if let Entry::Occupied(mut o) = self.overlay.entry(b) {
@@ -348,6 +405,12 @@ pub(crate) struct Extent {
     /// How the extent's volume wants its writes compressed ([`Compression::code`]):
     /// durable in the extent table (set by [`Drive::set_codec`]).
     pub codec: AtomicU8,
+    /// A live extent's snapshot floor as writers see it (durable once its Floor record
+    /// is; `epoch_seq` covers it): writes replacing a state of an epoch at most this one
+    /// preserve it into the shadow of this snapshot.
+    pub floor: AtomicU32,
+    /// 0: a live extent. Else a shadow: the snapshot epoch whose replaced states it holds.
+    pub shadow: u32,
 }
 
 impl Extent {
@@ -373,8 +436,33 @@ impl Extent {
             }),
             cv: Condvar::new(),
             codec: AtomicU8::new(0),
+            floor: AtomicU32::new(0),
+            shadow: 0,
         }
     }
+
+    /// A shadow extent of `key` for snapshot `snapshot`, every block absent.
+    pub fn new_shadow(key: ExtentKey, slot: u32, snapshot: u32, blocks: Vec<BlockMeta>) -> Extent {
+        Extent {
+            shadow: snapshot,
+            ..Extent::new(key, slot, 0, 0, blocks)
+        }
+    }
+}
+
+/// The epoch a block state was written in (the upper half of its version).
+pub(crate) fn epoch_of(m: &BlockMeta) -> u64 {
+    m.version >> 32
+}
+
+/// Whether a write of `new_version` replacing state `cur` must first preserve it for the
+/// snapshot at `floor`: `cur` is a state (not a never-written block) that snapshot reads
+/// (its epoch is at most the floor) and the write comes after the snapshot.
+pub(crate) fn must_preserve(floor: u32, cur: &BlockMeta, new_version: u64) -> bool {
+    floor > 0
+        && *cur != BlockMeta::default()
+        && epoch_of(cur) <= u64::from(floor)
+        && new_version >> 32 > u64::from(floor)
 }
 
 pub(crate) struct Slot {
@@ -388,7 +476,15 @@ pub(crate) struct Slot {
 
 pub(crate) struct Table {
     pub slots: Vec<Slot>,
+    /// Live extents.
     pub by_key: HashMap<ExtentKey, u32>,
+    /// Shadow extents as writers and snapshot operations see them: (key, snapshot) →
+    /// slot. A shadow is added when allocated, removed when its drop is queued.
+    pub shadows: BTreeMap<(ExtentKey, u32), u32>,
+    /// Shadow extents as the durable journal sees them (what reads at a snapshot and the
+    /// journal's Preserve records use): added when the Shadow record is applied, removed
+    /// when its Retire, DropShadow or Free record is.
+    pub durable_shadows: BTreeMap<(ExtentKey, u32), u32>,
     /// Free slots, popped from the end (lowest slot first).
     pub free: Vec<u32>,
 }
@@ -480,6 +576,10 @@ pub struct Drive {
     pub(crate) plain_stored: AtomicU64,
     /// Physical blocks the durable states of extents with a codec occupy.
     pub(crate) thin_stored: AtomicU64,
+    /// Physical blocks the shadow extents' preserved states occupy.
+    pub(crate) shadow_stored: AtomicU64,
+    /// Snapshot deletions run one at a time (each is two journal steps).
+    pub(crate) snapshot_ops: Mutex<()>,
     /// Journal batches written since open, and that count when
     /// [`Drive::checkpoint_if_quiet`] last looked.
     pub(crate) batches_written: AtomicU64,
@@ -502,6 +602,7 @@ struct Scratch {
 }
 
 mod packed;
+mod snapshot;
 
 thread_local! {
     // Per-thread buffers reused across I/Os, so the hot path does not allocate per request.
@@ -1266,6 +1367,11 @@ impl Drive {
             }
         }
         let ext = self.extent_for_write(key, epoch)?;
+        if hold && ext.floor.load(Ordering::Acquire) > 0 {
+            return Err(EngineError::InvalidArgument(
+                "held (parity) writes to an extent with snapshots are not supported yet".into(),
+            ));
+        }
         let (n, seq) =
             self.write_claimed(&ext, first, count, data, crcs, version_of, accept, hold)?;
         Ok((n, seq.max(ext.epoch_seq.load(Ordering::Acquire))))
@@ -1372,6 +1478,7 @@ impl Drive {
         hold: bool,
     ) -> Result<(u32, u64), EngineError> {
         with_scratch(|s| {
+            let snapshots = ext.floor.load(Ordering::Acquire) > 0;
             let (n, need_seq) = self.claim(
                 ext,
                 first,
@@ -1379,7 +1486,7 @@ impl Drive {
                 |i, _| BlockMeta::data(version_of(i), crcs[i], 0),
                 accept,
                 &mut s.applied,
-                hold.then_some(&mut s.metas),
+                (hold || snapshots).then_some(&mut s.metas),
             )?;
             self.counters
                 .skipped_blocks
@@ -1388,6 +1495,17 @@ impl Drive {
             if n == 0 {
                 return Ok((0, seq));
             }
+            let floor = if snapshots && !hold {
+                match self.plan_preserves(ext, &s.applied, &s.metas, &version_of) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        self.unclaim(ext, first, &s.applied, &s.metas);
+                        return Err(e);
+                    }
+                }
+            } else {
+                0
+            };
             let Scratch {
                 applied,
                 records,
@@ -1401,6 +1519,7 @@ impl Drive {
                 .and_then(|()| self.write_runs(data, applied, phys))
                 .and_then(|()| {
                     records.clear();
+                    self.push_preserves(ext, first, floor, applied, metas, &version_of, records);
                     for (i, &p) in applied_indexes(applied).zip(phys.iter()) {
                         let (block, version) = (first + i as u32, version_of(i));
                         // A held write names the block's state before it (the prior);
@@ -1434,6 +1553,101 @@ impl Drive {
             seq = seq.max(res?);
             Ok((n, seq))
         })
+    }
+
+    /// For a claim on an extent with a snapshot floor (`before`: each block's state when
+    /// claimed): the floor its writes preserve for, once the shadow extent of that
+    /// snapshot exists (allocated here, its record queued before the caller's), or 0 when
+    /// no applied block replaces a state the snapshot reads. Refused when the drive has no
+    /// slot left for the shadow, or no room for the preserved blocks beside what the live
+    /// extents may still write.
+    fn plan_preserves(
+        &self,
+        ext: &Extent,
+        applied: &[bool],
+        before: &[BlockMeta],
+        version_of: &impl Fn(usize) -> u64,
+    ) -> Result<u32, EngineError> {
+        // Under the table lock: the floor and its shadow are read together, as
+        // `drop_snapshot` changes them.
+        let mut t = lock(&self.table);
+        let floor = ext.floor.load(Ordering::Acquire);
+        let n = applied_indexes(applied)
+            .filter(|&i| must_preserve(floor, &before[i], version_of(i)))
+            .count() as u64;
+        if n == 0 {
+            return Ok(0);
+        }
+        if self.committed_blocks() + n > self.layout.extent_blocks() {
+            return Err(EngineError::Full {
+                committed_bytes: self.committed_blocks() * BLOCK,
+                capacity_bytes: self.layout.extent_blocks() * BLOCK,
+            });
+        }
+        if !t.shadows.contains_key(&(ext.key, floor)) {
+            self.alloc_shadow(&mut t, ext.key, floor)?;
+        }
+        Ok(floor)
+    }
+
+    /// Queues the Shadow record of a new shadow extent of `key` for snapshot `snapshot`
+    /// (under the table lock, so it precedes every record that names it).
+    fn alloc_shadow(
+        &self,
+        t: &mut Table,
+        key: ExtentKey,
+        snapshot: u32,
+    ) -> Result<u32, EngineError> {
+        let Some(slot) = t.free.pop() else {
+            return Err(EngineError::NoSpace {
+                extents_total: u64::from(self.layout.extents_total),
+            });
+        };
+        let mut rec = [0u8; RECORD];
+        Record::Shadow {
+            slot,
+            key,
+            epoch: snapshot,
+        }
+        .encode(&mut rec);
+        if let Err(e) = self.enqueue(&rec, true) {
+            t.free.push(slot);
+            return Err(e);
+        }
+        let blocks = vec![BlockMeta::default(); self.layout.blocks_per_extent as usize];
+        let shadow = Arc::new(Extent::new_shadow(key, slot, snapshot, blocks));
+        t.slots[slot as usize].live = Some(shadow);
+        t.shadows.insert((key, snapshot), slot);
+        Ok(slot)
+    }
+
+    /// Appends a Preserve record for each applied block whose write replaces a state the
+    /// snapshot at `floor` reads (none when `floor` is 0).
+    #[allow(clippy::too_many_arguments)]
+    fn push_preserves(
+        &self,
+        ext: &Extent,
+        first: u32,
+        floor: u32,
+        applied: &[bool],
+        before: &[BlockMeta],
+        version_of: &impl Fn(usize) -> u64,
+        records: &mut Vec<u8>,
+    ) {
+        if floor == 0 {
+            return;
+        }
+        for i in applied_indexes(applied) {
+            if must_preserve(floor, &before[i], version_of(i)) {
+                Record::Preserve {
+                    slot: ext.slot,
+                    block: first + i as u32,
+                    snapshot: floor,
+                    meta: before[i],
+                }
+                .push(records);
+            }
+        }
     }
 
     /// The home physical block of each applied block of a claim (where it goes if free).
@@ -1491,11 +1705,13 @@ impl Drive {
         }
         let cap = self.piece_blocks();
         // Runs of extents with a codec are compressed on the way, each on its own.
+        // So are runs of extents with snapshots (their writes may preserve states first).
         let compressed: Vec<bool> = runs
             .iter()
             .map(|r| {
-                self.lookup(r.key)
-                    .is_some_and(|e| !self.codec_for(&e, false).is_none())
+                self.lookup(r.key).is_some_and(|e| {
+                    !self.codec_for(&e, false).is_none() || e.floor.load(Ordering::Acquire) > 0
+                })
             })
             .collect();
         let mut seq = 0;
@@ -1765,59 +1981,74 @@ impl Drive {
         };
         Self::check_epoch(&ext, epoch)?;
         with_scratch(|s| {
-            let mut bad = Vec::new();
-            let mut suspect = Vec::new();
-            for attempt in 0..READ_RETRIES {
-                Self::snapshot(&ext, first, count, &mut s.metas);
-                self.read_runs(&s.metas, buf)?;
-                if s.metas.iter().any(|m| m.is_packed()) {
-                    self.read_packed(&s.metas, buf)?;
-                }
-                bad.clear();
-                suspect.clear();
-                for (i, (m, blk)) in s
-                    .metas
-                    .iter()
-                    .zip(buf.chunks_exact_mut(BLOCK_SIZE))
-                    .enumerate()
-                {
-                    if m.is_bad() || (m.has_data() && crc32c::crc32c(blk) != m.crc) {
-                        bad.push(i as u32);
-                        continue;
-                    } else if !m.has_data() {
-                        blk.fill(0);
-                    }
-                    if m.is_suspect() {
-                        suspect.push(i as u32);
-                    }
-                }
-                if bad.is_empty() || attempt + 1 == READ_RETRIES {
-                    break;
-                }
-                // A mismatch is real only if no write changed these blocks meanwhile.
-                Self::snapshot(&ext, first, count, &mut s.metas2);
-                if s.metas == s.metas2 {
-                    break;
-                }
-            }
-            self.counters
-                .bad_blocks_reported
-                .fetch_add(bad.len() as u64, Ordering::Relaxed);
-            if !suspect.is_empty() {
-                self.counters
-                    .suspect_blocks_reported
-                    .fetch_add(suspect.len() as u64, Ordering::Relaxed);
-            }
-            let versions = Version(s.metas.iter().map(|m| m.version).max().unwrap_or(0));
-            if let Some(v) = block_versions {
-                v.clear();
-                v.extend(s.metas.iter().map(|m| Version(m.version)));
-            }
-            Ok(ReadInfo {
-                bad_blocks: bad,
-                suspect,
-                versions,
+            self.read_checked(buf, s, block_versions, &|out: &mut Vec<BlockMeta>| {
+                Self::snapshot(&ext, first, count, out)
             })
+        })
+    }
+
+    /// Reads the blocks whose states `states` gives into `buf` and checks each against
+    /// its crc; a mismatch is retried while the states change under it (a write raced
+    /// the read). Zeros for blocks without data.
+    fn read_checked(
+        &self,
+        buf: &mut [u8],
+        s: &mut Scratch,
+        block_versions: Option<&mut Vec<Version>>,
+        states: &dyn Fn(&mut Vec<BlockMeta>),
+    ) -> Result<ReadInfo, EngineError> {
+        let mut bad = Vec::new();
+        let mut suspect = Vec::new();
+        for attempt in 0..READ_RETRIES {
+            states(&mut s.metas);
+            self.read_runs(&s.metas, buf)?;
+            if s.metas.iter().any(|m| m.is_packed()) {
+                self.read_packed(&s.metas, buf)?;
+            }
+            bad.clear();
+            suspect.clear();
+            for (i, (m, blk)) in s
+                .metas
+                .iter()
+                .zip(buf.chunks_exact_mut(BLOCK_SIZE))
+                .enumerate()
+            {
+                if m.is_bad() || (m.has_data() && crc32c::crc32c(blk) != m.crc) {
+                    bad.push(i as u32);
+                    continue;
+                } else if !m.has_data() {
+                    blk.fill(0);
+                }
+                if m.is_suspect() {
+                    suspect.push(i as u32);
+                }
+            }
+            if bad.is_empty() || attempt + 1 == READ_RETRIES {
+                break;
+            }
+            // A mismatch is real only if no write changed these blocks meanwhile.
+            states(&mut s.metas2);
+            if s.metas == s.metas2 {
+                break;
+            }
+        }
+        self.counters
+            .bad_blocks_reported
+            .fetch_add(bad.len() as u64, Ordering::Relaxed);
+        if !suspect.is_empty() {
+            self.counters
+                .suspect_blocks_reported
+                .fetch_add(suspect.len() as u64, Ordering::Relaxed);
+        }
+        let versions = Version(s.metas.iter().map(|m| m.version).max().unwrap_or(0));
+        if let Some(v) = block_versions {
+            v.clear();
+            v.extend(s.metas.iter().map(|m| Version(m.version)));
+        }
+        Ok(ReadInfo {
+            bad_blocks: bad,
+            suspect,
+            versions,
         })
     }
 
@@ -1892,6 +2123,7 @@ impl Drive {
         let ext = self.extent_for_write(key, epoch)?;
         with_scratch(|s| {
             let new = BlockMeta::zero(version.0);
+            let snapshots = ext.floor.load(Ordering::Acquire) > 0;
             let (n, need_seq) = self.claim(
                 &ext,
                 first,
@@ -1899,14 +2131,35 @@ impl Drive {
                 |_, _| new,
                 |_, cur, new| new.version >= cur.version,
                 &mut s.applied,
-                None,
+                snapshots.then_some(&mut s.metas),
             )?;
             self.counters
                 .skipped_blocks
                 .fetch_add(u64::from(count - n), Ordering::Relaxed);
             let mut seq = need_seq.max(ext.epoch_seq.load(Ordering::Acquire));
             if n > 0 {
+                let version_of = |_| version.0;
+                let floor = if snapshots {
+                    match self.plan_preserves(&ext, &s.applied, &s.metas, &version_of) {
+                        Ok(f) => f,
+                        Err(e) => {
+                            self.unclaim(&ext, first, &s.applied, &s.metas);
+                            return Err(e);
+                        }
+                    }
+                } else {
+                    0
+                };
                 s.records.clear();
+                self.push_preserves(
+                    &ext,
+                    first,
+                    floor,
+                    &s.applied,
+                    &s.metas,
+                    &version_of,
+                    &mut s.records,
+                );
                 let mut i = 0;
                 while i < s.applied.len() {
                     if !s.applied[i] {
@@ -1999,6 +2252,12 @@ impl Drive {
             .values()
             .filter_map(|&s| t.slots[s as usize].live.as_ref())
             .map(|e| {
+                let preserved: u64 = t
+                    .shadows
+                    .range((e.key, 0)..=(e.key, u32::MAX))
+                    .filter_map(|(_, &s)| t.slots[s as usize].live.as_ref())
+                    .map(|s| u64::from(lock(&s.meta).stored_blocks))
+                    .sum();
                 let m = lock(&e.meta);
                 ExtentInfo {
                     key: e.key,
@@ -2007,6 +2266,8 @@ impl Drive {
                     bytes_written: u64::from(m.data_blocks) * BLOCK,
                     bytes_stored: u64::from(m.stored_blocks) * BLOCK,
                     compression: e.codec(),
+                    snapshot_floor: e.floor.load(Ordering::Acquire),
+                    bytes_preserved: preserved * BLOCK,
                 }
             })
             .collect();
@@ -2074,6 +2335,7 @@ impl Drive {
 
     /// Takes the extent out of the table and queues its free record: the journal batch
     /// to wait for. The slot is reused once that is durable (commit).
+    /// Its shadows (the states its snapshots preserved) go with it.
     fn free_slot(&self, t: &mut Table, key: ExtentKey, slot: u32) -> Result<u64, EngineError> {
         t.by_key.remove(&key);
         if let Some(ext) = t.slots[slot as usize].live.take() {
@@ -2081,9 +2343,20 @@ impl Drive {
                 self.plain_extents.fetch_sub(1, Ordering::Relaxed);
             }
         }
-        let mut rec = [0u8; RECORD];
-        Record::Free { slot }.encode(&mut rec);
-        self.enqueue(&rec, true)
+        let shadows: Vec<(ExtentKey, u32)> = t
+            .shadows
+            .range((key, 0)..=(key, u32::MAX))
+            .map(|(&k, _)| k)
+            .collect();
+        let mut recs = Vec::with_capacity((shadows.len() + 1) * RECORD);
+        for k in shadows {
+            if let Some(s) = t.shadows.remove(&k) {
+                t.slots[s as usize].live = None;
+                Record::Free { slot: s }.push(&mut recs);
+            }
+        }
+        Record::Free { slot }.push(&mut recs);
+        self.enqueue(&recs, true)
     }
 
     /// Whether [`Drive::release_extent`] would free the extent now (it checks the same
@@ -2119,6 +2392,7 @@ impl Drive {
                 * BLOCK,
             bytes_free: lock(&self.pool).free() * BLOCK,
             bytes_held: self.held_storage_blocks() * BLOCK,
+            bytes_preserved: self.shadow_stored.load(Ordering::Relaxed) * BLOCK,
         }
     }
 
@@ -2148,10 +2422,11 @@ impl Drive {
     }
 
     /// Physical blocks the allocated extents have claimed: plain ones whole, thin ones
-    /// (with a codec) what they store.
+    /// (with a codec) and shadows what they store.
     pub(crate) fn committed_blocks(&self) -> u64 {
         self.plain_extents.load(Ordering::Relaxed) * u64::from(self.layout.blocks_per_extent)
             + self.thin_stored.load(Ordering::Relaxed)
+            + self.shadow_stored.load(Ordering::Relaxed)
     }
 
     /// How the extent's later writes are compressed (none if the drive does not hold it).
@@ -2174,6 +2449,11 @@ impl Drive {
         let ext = self.extent_for_write(key, epoch)?;
         if ext.codec() == codec {
             return Ok(());
+        }
+        if ext.floor.load(Ordering::Acquire) > 0 {
+            return Err(EngineError::InvalidArgument(
+                "compression of an extent with snapshots is not supported yet".into(),
+            ));
         }
         // Under the table lock (one change at a time, and after the extent's Alloc) and
         // the extent's (the drive's stored counts move with it, as `apply` moves them).

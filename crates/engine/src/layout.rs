@@ -641,7 +641,16 @@ pub struct ExtentEntry {
     /// How the extent's volume asked its writes to be compressed (format 3; bits 8..16
     /// of the flags word): the cache tier's destage compresses with it.
     pub codec: Compression,
+    /// A *shadow* extent (flags bit 1; docs/adr/0012): it holds the states of extent
+    /// `key` that snapshot `aux` still reads and later writes replaced. Else a live one.
+    pub shadow: bool,
+    /// The entry's last four bytes: a shadow's snapshot epoch; a live extent's snapshot
+    /// floor (its volume's newest snapshot epoch, 0 for none; [`Record::Floor`]).
+    pub aux: u32,
 }
+
+/// Flags-word bit of an extent-table entry: the slot holds a shadow extent.
+const ENTRY_SHADOW: u32 = 2;
 
 /// Encodes one extent-table sector: entries for slots [sector*15, sector*15+15).
 pub fn encode_table_sector(out: &mut [u8], sector: u32, entries: &[ExtentEntry]) {
@@ -652,7 +661,9 @@ pub fn encode_table_sector(out: &mut [u8], sector: u32, entries: &[ExtentEntry])
             put_u64(out, at, k.volume.0);
             put_u64(out, at + 8, k.slab.0);
             put_u64(out, at + 16, e.epoch);
-            put_u32(out, at + 24, 1 | u32::from(e.codec.code()) << 8);
+            let shadow = if e.shadow { ENTRY_SHADOW } else { 0 };
+            put_u32(out, at + 24, 1 | shadow | u32::from(e.codec.code()) << 8);
+            put_u32(out, at + 28, e.aux);
         }
     }
     put_u32(out, 480, sector);
@@ -682,6 +693,8 @@ pub fn decode_table_sector(b: &[u8], sector: u32, entries: &mut [ExtentEntry]) -
             // An unknown codec (a newer build's) is treated as none: it only decides how
             // later writes are stored.
             codec: Compression::from_code((flags >> 8) as u8).unwrap_or_default(),
+            shadow: in_use && flags & ENTRY_SHADOW != 0,
+            aux: if in_use { get_u32(b, at + 28) } else { 0 },
         };
     }
     true
@@ -747,6 +760,47 @@ pub enum Record {
     /// Later writes of the extent in `slot` are compressed with `codec` (format 3): kept
     /// in the extent table for the cache tier's destage, which has no request in hand.
     Codec { slot: u32, codec: Compression },
+    /// Slot `slot` now holds the shadow of extent `key` for snapshot `epoch`, every block
+    /// absent (docs/adr/0012).
+    Shadow {
+        slot: u32,
+        key: ExtentKey,
+        epoch: u32,
+    },
+    /// The snapshot floor of the live extent in `slot` is `floor` (its volume's newest
+    /// snapshot epoch; 0: none): later writes replacing a state of an epoch at most
+    /// `floor` preserve it first.
+    Floor { slot: u32, floor: u32 },
+    /// Block `block` of the live extent in `slot` moves its durable state `meta`,
+    /// physical block and all, into the extent's shadow for snapshot `snapshot`: queued
+    /// just before the write (or zero) that replaces it, in the same batch. If that shadow
+    /// is gone (the snapshot was deleted meanwhile), into the shadow of the extent's floor
+    /// when that snapshot reads the state; else the state is not kept. Self-contained, as
+    /// a Prior: replayed over metadata pages newer than it, it puts `meta` in the shadow
+    /// and leaves a live block that moved on alone. `meta` is never packed (its flags fit
+    /// a byte).
+    Preserve {
+        slot: u32,
+        block: u32,
+        snapshot: u32,
+        meta: BlockMeta,
+    },
+    /// The shadow in `slot` is no longer a snapshot's (its snapshot is being deleted):
+    /// Preserve records stop finding it, its states stay until [`Record::Keep`] moves
+    /// them or [`Record::DropShadow`] frees them.
+    Retire { slot: u32 },
+    /// Block `block`'s state `meta` moves from the retired shadow in `from` into the
+    /// shadow in `slot` (the next older snapshot also reads it): the merge-down of a
+    /// deleted snapshot. Self-contained: replayed over newer pages it puts `meta` in the
+    /// shadow and takes it out of `from` only if `from` still holds it. Never packed.
+    Keep {
+        slot: u32,
+        block: u32,
+        from: u32,
+        meta: BlockMeta,
+    },
+    /// The retired shadow in `slot` goes: what it still holds is freed.
+    DropShadow { slot: u32 },
 }
 
 impl Record {
@@ -835,6 +889,58 @@ impl Record {
                 put_u32(out, 4, slot);
                 out[8] = codec.code();
             }
+            Record::Shadow { slot, key, epoch } => {
+                out[0] = 10;
+                put_u32(out, 4, slot);
+                put_u64(out, 8, key.volume.0);
+                put_u64(out, 16, key.slab.0);
+                put_u32(out, 24, epoch);
+            }
+            Record::Floor { slot, floor } => {
+                out[0] = 11;
+                put_u32(out, 4, slot);
+                put_u32(out, 8, floor);
+            }
+            Record::Preserve {
+                slot,
+                block,
+                snapshot,
+                meta,
+            } => {
+                debug_assert!(meta.flags <= 0xff, "a preserved state is never packed");
+                out[0] = 12;
+                out[1] = meta.flags as u8;
+                put_u32(out, 4, slot);
+                put_u32(out, 8, block);
+                put_u32(out, 12, snapshot);
+                put_u64(out, 16, meta.version);
+                put_u32(out, 24, meta.crc);
+                put_u32(out, 28, meta.phys);
+            }
+            Record::DropShadow { slot } => {
+                out[0] = 13;
+                put_u32(out, 4, slot);
+            }
+            Record::Retire { slot } => {
+                out[0] = 14;
+                put_u32(out, 4, slot);
+            }
+            Record::Keep {
+                slot,
+                block,
+                from,
+                meta,
+            } => {
+                debug_assert!(meta.flags <= 0xff, "a preserved state is never packed");
+                out[0] = 15;
+                out[1] = meta.flags as u8;
+                put_u32(out, 4, slot);
+                put_u32(out, 8, block);
+                put_u32(out, 12, from);
+                put_u64(out, 16, meta.version);
+                put_u32(out, 24, meta.crc);
+                put_u32(out, 28, meta.phys);
+            }
         }
     }
 
@@ -919,8 +1025,50 @@ impl Record {
                 slot,
                 codec: Compression::from_code(b[8])?,
             },
+            10 => Record::Shadow {
+                slot,
+                key: ExtentKey {
+                    volume: VolumeId(get_u64(b, 8)),
+                    slab: SlabIndex(get_u64(b, 16)),
+                },
+                epoch: get_u32(b, 24),
+            },
+            11 => Record::Floor {
+                slot,
+                floor: get_u32(b, 8),
+            },
+            12 => Record::Preserve {
+                slot,
+                block: get_u32(b, 8),
+                snapshot: get_u32(b, 12),
+                meta: preserved_state(b),
+            },
+            13 => Record::DropShadow { slot },
+            14 => Record::Retire { slot },
+            15 => Record::Keep {
+                slot,
+                block: get_u32(b, 8),
+                from: get_u32(b, 12),
+                meta: preserved_state(b),
+            },
             _ => return None,
         })
+    }
+}
+
+/// The state a Preserve or Keep record names (flags in byte 1, version, crc, physical
+/// block in bytes 16..32); flags this build does not know, or packed ones, are a lost state.
+fn preserved_state(b: &[u8]) -> BlockMeta {
+    let flags = u32::from(b[1]);
+    if flags & F_PACKED == 0 && BlockMeta::flags_valid(flags) {
+        BlockMeta {
+            version: get_u64(b, 16),
+            crc: get_u32(b, 24),
+            flags,
+            phys: get_u32(b, 28),
+        }
+    } else {
+        BlockMeta::BAD
     }
 }
 
@@ -1102,6 +1250,35 @@ mod tests {
                 slot: 4,
                 codec: Compression::Lz4,
             },
+            Record::Shadow {
+                slot: 9,
+                key,
+                epoch: 0xfeed_0001,
+            },
+            Record::Floor {
+                slot: 9,
+                floor: 0xfeed_0002,
+            },
+            Record::Preserve {
+                slot: 1,
+                block: 15,
+                snapshot: 9,
+                meta: BlockMeta::data(0x1234_5678_9abc, 0xdead_beef, 77),
+            },
+            Record::Preserve {
+                slot: 1,
+                block: 16,
+                snapshot: 9,
+                meta: BlockMeta::zero(0x2_0000_0001),
+            },
+            Record::Retire { slot: 9 },
+            Record::Keep {
+                slot: 8,
+                block: 3,
+                from: 9,
+                meta: BlockMeta::data(0x3_0000_0002, 0xfeed, 1234).suspect(),
+            },
+            Record::DropShadow { slot: 9 },
             Record::Prior {
                 slot: 3,
                 block: 4,

@@ -23,7 +23,7 @@ pub mod shards;
 mod stats;
 
 pub use cache::{Cache, CacheStats, OpenReport, Tier, CACHE_MIN_BYTES};
-pub use drive::{Capacity, DestageRun, Drive, ExtentInfo, FormatOptions, ReadInfo};
+pub use drive::{Capacity, DestageRun, Drive, ExtentInfo, FormatOptions, ReadInfo, ShadowInfo};
 pub use durable::Durable;
 pub use error::EngineError;
 pub use faulty::{CrashMode, FaultyFile};

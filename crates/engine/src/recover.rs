@@ -14,7 +14,7 @@ use crate::layout::{
 use crate::pool::Pool;
 use crate::stats::Counters;
 use converge_types::{Compression, ExtentKey};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 
@@ -104,6 +104,10 @@ struct RExtent {
     key: ExtentKey,
     epoch: u64,
     codec: Compression,
+    /// 0: live. Else a shadow: its snapshot's epoch (docs/adr/0012).
+    shadow: u32,
+    /// A live extent's snapshot floor.
+    floor: u32,
     blocks: Vec<BlockMeta>,
     /// Priors of held writes (docs/adr/0008): from Prior records only, never in pages.
     held: HashMap<u32, BlockMeta>,
@@ -286,6 +290,8 @@ impl Drive {
                             key,
                             epoch: e.epoch,
                             codec: e.codec,
+                            shadow: if e.shadow { e.aux.max(1) } else { 0 },
+                            floor: if e.shadow { 0 } else { e.aux },
                             blocks: Vec::new(),
                             held: HashMap::new(),
                         })
@@ -342,6 +348,19 @@ impl Drive {
         let mut dirty_meta: BTreeSet<(u32, u32)> = BTreeSet::new();
 
         let mut reset_slots: BTreeSet<u32> = BTreeSet::new();
+        // Shadow extents by (key, snapshot), as replay goes.
+        let mut shadow_slots: BTreeMap<(ExtentKey, u32), u32> = exts
+            .iter()
+            .enumerate()
+            .filter_map(|(i, e)| {
+                let e = e.as_ref()?;
+                (e.shadow != 0).then_some(((e.key, e.shadow), i as u32))
+            })
+            .collect();
+        // Blocks the current batch preserved: (live slot, block) → (shadow slot, the
+        // shadow's state of the block before), to undo if the block goes back to its state
+        // before the batch.
+        let mut preserved: HashMap<(u32, u32), (u32, BlockMeta)> = HashMap::new();
         let mut batches = 0u64;
         let read_batch =
             |at: u64, seq: u64, jbuf: &mut AlignedBuf| -> Result<Option<(u64, u32)>, EngineError> {
@@ -378,6 +397,7 @@ impl Drive {
                 None => break,
             };
             cands.clear();
+            preserved.clear();
             let recs = &jbuf[BATCH_HEADER..BATCH_HEADER + nrec as usize * RECORD];
             let decoded = recs
                 .chunks_exact(RECORD)
@@ -526,15 +546,158 @@ impl Drive {
                     }
                     Record::Alloc { slot, key, epoch } => {
                         if (slot as usize) < e_total {
+                            shadow_slots.retain(|_, s| *s != slot);
                             exts[slot as usize] = Some(RExtent {
                                 key,
                                 epoch: epoch.0,
                                 codec: Compression::None,
+                                shadow: 0,
+                                floor: 0,
                                 blocks: vec![BlockMeta::default(); bpe],
                                 held: HashMap::new(),
                             });
                             cands.retain(|k, _| k.0 != slot);
+                            preserved.retain(|_, v| v.0 != slot);
                             reset_slots.insert(slot);
+                        }
+                    }
+                    Record::Shadow { slot, key, epoch } => {
+                        if (slot as usize) < e_total && epoch > 0 {
+                            shadow_slots.retain(|_, s| *s != slot);
+                            exts[slot as usize] = Some(RExtent {
+                                key,
+                                epoch: 0,
+                                codec: Compression::None,
+                                shadow: epoch,
+                                floor: 0,
+                                blocks: vec![BlockMeta::default(); bpe],
+                                held: HashMap::new(),
+                            });
+                            shadow_slots.insert((key, epoch), slot);
+                            cands.retain(|k, _| k.0 != slot);
+                            preserved.retain(|_, v| v.0 != slot);
+                            reset_slots.insert(slot);
+                        }
+                    }
+                    Record::Floor { slot, floor } => {
+                        if let Some(Some(e)) = exts.get_mut(slot as usize) {
+                            if e.shadow == 0 {
+                                e.floor = floor;
+                            }
+                        }
+                    }
+                    Record::Preserve {
+                        slot,
+                        block,
+                        snapshot,
+                        meta,
+                    } => {
+                        let Some(Some(live)) = exts.get(slot as usize) else {
+                            continue;
+                        };
+                        if live.shadow != 0 {
+                            continue;
+                        }
+                        // As `apply_preserve`: the snapshot's shadow, else the floor's.
+                        let target = match shadow_slots.get(&(live.key, snapshot)) {
+                            Some(&s) => Some((s, u32::MAX)),
+                            None if live.floor > 0 && live.floor < snapshot => shadow_slots
+                                .get(&(live.key, live.floor))
+                                .map(|&s| (s, live.floor)),
+                            None => None,
+                        };
+                        let Some((tslot, upto)) = target else {
+                            continue;
+                        };
+                        let Some(&cur) = live.blocks.get(block as usize) else {
+                            continue;
+                        };
+                        if meta == BlockMeta::default()
+                            || crate::drive::epoch_of(&meta) > u64::from(upto)
+                        {
+                            continue;
+                        }
+                        // The record names the state it preserves: replayed over metadata
+                        // pages newer than it (a checkpoint cut short), the live block may
+                        // hold a later state already, which stays; the shadow gets the
+                        // state either way.
+                        let moves = cur == meta;
+                        let before = (cur, live.held.get(&block).copied());
+                        let Some(Some(sh)) = exts.get_mut(tslot as usize) else {
+                            continue;
+                        };
+                        let prev = sh.blocks[block as usize];
+                        if prev == BlockMeta::default() || prev.version <= meta.version {
+                            sh.blocks[block as usize] = meta;
+                        }
+                        preserved.entry((slot, block)).or_insert((tslot, prev));
+                        if moves {
+                            cands.entry((slot, block)).or_insert_with(|| vec![before]);
+                            if let Some(Some(live)) = exts.get_mut(slot as usize) {
+                                live.blocks[block as usize] = BlockMeta::default();
+                            }
+                        }
+                        dirty_meta.insert((slot, block / BLOCKS_PER_META_PAGE));
+                        dirty_meta.insert((tslot, block / BLOCKS_PER_META_PAGE));
+                    }
+                    Record::Retire { slot } => {
+                        if let Some(Some(sh)) = exts.get(slot as usize) {
+                            if sh.shadow != 0
+                                && shadow_slots.get(&(sh.key, sh.shadow)) == Some(&slot)
+                            {
+                                shadow_slots.remove(&(sh.key, sh.shadow));
+                            }
+                        }
+                    }
+                    Record::Keep {
+                        slot,
+                        block,
+                        from,
+                        meta,
+                    } => {
+                        let is_shadow_of = |e: &Option<RExtent>, key: Option<ExtentKey>| {
+                            e.as_ref()
+                                .is_some_and(|e| e.shadow != 0 && key.is_none_or(|k| k == e.key))
+                        };
+                        let Some(dst) = exts.get(slot as usize) else {
+                            continue;
+                        };
+                        if !is_shadow_of(dst, None) || from == slot {
+                            continue;
+                        }
+                        let key = dst.as_ref().map(|e| e.key);
+                        // The state goes into the shadow whatever the source's pages say
+                        // (they may be newer than the record); the source lets it go if
+                        // it still holds it.
+                        if let Some(Some(d)) = exts.get_mut(slot as usize) {
+                            if let Some(prev) = d.blocks.get(block as usize).copied() {
+                                if prev == BlockMeta::default() || prev.version <= meta.version {
+                                    d.blocks[block as usize] = meta;
+                                }
+                                dirty_meta.insert((slot, block / BLOCKS_PER_META_PAGE));
+                            }
+                        }
+                        if exts
+                            .get(from as usize)
+                            .is_some_and(|e| is_shadow_of(e, key))
+                        {
+                            if let Some(Some(src)) = exts.get_mut(from as usize) {
+                                if src.blocks.get(block as usize) == Some(&meta) {
+                                    src.blocks[block as usize] = BlockMeta::default();
+                                    dirty_meta.insert((from, block / BLOCKS_PER_META_PAGE));
+                                }
+                            }
+                        }
+                    }
+                    Record::DropShadow { slot } => {
+                        if exts
+                            .get(slot as usize)
+                            .is_some_and(|e| e.as_ref().is_some_and(|e| e.shadow != 0))
+                        {
+                            shadow_slots.retain(|_, s| *s != slot);
+                            exts[slot as usize] = None;
+                            cands.retain(|k, _| k.0 != slot);
+                            preserved.retain(|_, v| v.0 != slot);
                         }
                     }
                     Record::Epoch { slot, epoch } => {
@@ -549,8 +712,10 @@ impl Drive {
                     }
                     Record::Free { slot } => {
                         if (slot as usize) < e_total {
+                            shadow_slots.retain(|_, s| *s != slot);
                             exts[slot as usize] = None;
                             cands.retain(|k, _| k.0 != slot);
+                            preserved.retain(|_, v| v.0 != slot);
                         }
                     }
                 }
@@ -625,6 +790,37 @@ impl Drive {
                 Some(p) => e.held.insert(key.1, p),
                 None => e.held.remove(&key.1),
             };
+            // Back to its state before the batch: a Preserve of that state in the batch is
+            // undone too (the state is the live one again).
+            if chosen == 0 {
+                if let Some(&(tslot, prev)) = preserved.get(key) {
+                    if let Some(Some(sh)) = exts.get_mut(tslot as usize) {
+                        if sh.shadow != 0 {
+                            sh.blocks[key.1 as usize] = prev;
+                        }
+                    }
+                }
+            }
+        }
+        // A shadow whose live extent is gone (never left by this build: a live extent's
+        // free frees its shadows in the same batch) holds nothing anyone reads.
+        let live_keys: std::collections::HashSet<ExtentKey> = exts
+            .iter()
+            .flatten()
+            .filter(|e| e.shadow == 0)
+            .map(|e| e.key)
+            .collect();
+        for (slot, e) in exts.iter_mut().enumerate() {
+            if e.as_ref()
+                .is_some_and(|e| e.shadow != 0 && !live_keys.contains(&e.key))
+            {
+                log::warn!(
+                    "drive {}: shadow extent in slot {slot} has no live extent; dropped",
+                    sb.identity.drive
+                );
+                *e = None;
+                reset_slots.insert(slot as u32);
+            }
         }
 
         counters
@@ -705,11 +901,36 @@ impl Drive {
             }
         }
         let (mut plain_extents, mut plain_stored, mut thin_stored) = (0u64, 0u64, 0u64);
+        let mut shadow_stored = 0u64;
         let mut slots = Vec::with_capacity(e_total);
         let mut by_key = HashMap::new();
+        let mut shadows = BTreeMap::new();
         let mut free = Vec::new();
         for (slot, e) in exts.into_iter().enumerate() {
             match e {
+                Some(e) if e.shadow != 0 => {
+                    if shadows.insert((e.key, e.shadow), slot as u32).is_some() {
+                        return Err(EngineError::Corrupt(format!(
+                            "extent {:?} has two shadows of snapshot {}",
+                            e.key, e.shadow
+                        )));
+                    }
+                    let ext = Arc::new(Extent::new_shadow(e.key, slot as u32, e.shadow, e.blocks));
+                    shadow_stored +=
+                        u64::from(ext.meta.lock().expect("fresh extent lock").stored_blocks);
+                    slots.push(Slot {
+                        live: Some(ext.clone()),
+                        durable: Some(ext),
+                        entry: ExtentEntry {
+                            in_use: true,
+                            key: Some(e.key),
+                            epoch: 0,
+                            codec: Compression::None,
+                            shadow: true,
+                            aux: e.shadow,
+                        },
+                    });
+                }
                 Some(e) => {
                     if by_key.insert(e.key, slot as u32).is_some() {
                         return Err(EngineError::Corrupt(format!(
@@ -720,6 +941,7 @@ impl Drive {
                     let ext = Arc::new(Extent::new(e.key, slot as u32, e.epoch, 0, e.blocks));
                     ext.meta.lock().expect("fresh extent lock").held = e.held;
                     ext.codec.store(e.codec.code(), Ordering::Relaxed);
+                    ext.floor.store(e.floor, Ordering::Relaxed);
                     let stored =
                         u64::from(ext.meta.lock().expect("fresh extent lock").stored_blocks);
                     if e.codec.is_none() {
@@ -736,6 +958,8 @@ impl Drive {
                             key: Some(e.key),
                             epoch: e.epoch,
                             codec: e.codec,
+                            shadow: false,
+                            aux: e.floor,
                         },
                     });
                 }
@@ -766,6 +990,8 @@ impl Drive {
             table: Mutex::new(Table {
                 slots,
                 by_key,
+                durable_shadows: shadows.clone(),
+                shadows,
                 free,
             }),
             pool: Mutex::new(pool),
@@ -805,6 +1031,8 @@ impl Drive {
             plain_extents: AtomicU64::new(plain_extents),
             plain_stored: AtomicU64::new(plain_stored),
             thin_stored: AtomicU64::new(thin_stored),
+            shadow_stored: AtomicU64::new(shadow_stored),
+            snapshot_ops: Mutex::new(()),
             batches_written: AtomicU64::new(0),
             batches_seen_quiet: AtomicU64::new(0),
         };

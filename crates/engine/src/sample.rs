@@ -41,7 +41,11 @@ impl Drive {
     pub fn sample_data_blocks(&self, count: usize, seed: u64) -> DataBlockSample {
         let mut extents: Vec<Arc<Extent>> = {
             let t = lock(&self.table);
-            t.slots.iter().filter_map(|s| s.live.clone()).collect()
+            t.slots
+                .iter()
+                .filter_map(|s| s.live.clone())
+                .filter(|e| e.shadow == 0)
+                .collect()
         };
         extents.sort_by_key(|e| e.key);
         let mut rng = StdRng::seed_from_u64(seed);

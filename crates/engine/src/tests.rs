@@ -1141,6 +1141,7 @@ fn held_writes_are_bounded() {
 }
 
 mod packed;
+mod snapshot;
 
 /// Bit rot in a block written last, then a power loss. A drive gone quiet has checkpointed
 /// its journal (`checkpoint_if_quiet`, called by the node every few seconds), so the rot is

@@ -1,0 +1,275 @@
+//! Snapshots in the engine (docs/adr/0012 as amended; docs/FORMAT-engine.md "Shadow
+//! extents"). A snapshot is an epoch `s` of the extent's volume: it reads, per block, the
+//! newest state written at an epoch at most `s`. The owner sets each copy's *snapshot
+//! floor* (its newest snapshot) before writing after the snapshot; from then on a write
+//! that replaces a state the floor's snapshot reads moves that state, physical block and
+//! all, into the extent's *shadow* for that snapshot (a Preserve record in the write's own
+//! journal batch) instead of freeing it. No data is copied, at the snapshot or after.
+//!
+//! Reading at snapshot `g`: per block, the first shadow of a snapshot at or after `g`
+//! that holds a state of the block, else the live state; a state written after `g`
+//! (a block written for the first time after it) reads as never written.
+
+use super::*;
+
+/// A snapshot's epoch as the engine keeps it (extent-table entries and records hold 32
+/// bits: the upper half of a version).
+fn snapshot_epoch(e: Epoch, what: &str) -> Result<u32, EngineError> {
+    u32::try_from(e.0).ok().filter(|&s| s > 0).ok_or_else(|| {
+        EngineError::InvalidArgument(format!(
+            "{what} epoch {} must be between 1 and {}",
+            e.0,
+            u32::MAX
+        ))
+    })
+}
+
+impl Drive {
+    /// Sets the extent's snapshot floor to `snapshot` (its volume's newest snapshot):
+    /// later writes at a newer epoch preserve the states that snapshot reads. Floors only
+    /// rise here ([`Drive::drop_snapshot`] lowers one); the same floor again is a no-op.
+    /// An extent the drive does not hold has nothing to preserve: Ok. Extents with a codec
+    /// or with priors of held (parity) writes are refused: snapshots of those are not
+    /// built yet. Durable on Ok, and writes acked after it wait for it.
+    pub fn set_snapshot_floor(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+    ) -> Result<(), EngineError> {
+        self.check_failed()?;
+        let floor = snapshot_epoch(snapshot, "snapshot")?;
+        let Some(ext) = self.lookup(key) else {
+            return Ok(());
+        };
+        Self::check_epoch(&ext, epoch)?;
+        let seq = {
+            // Under the table lock: writers read the floor and its shadow together.
+            let _t = lock(&self.table);
+            let m = lock(&ext.meta);
+            if m.freed {
+                return Err(EngineError::Released { key });
+            }
+            let cur = ext.floor.load(Ordering::Acquire);
+            if cur == floor {
+                ext.epoch_seq.load(Ordering::Acquire)
+            } else {
+                if floor < cur {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "snapshot floor {floor} is below the extent's floor {cur}: a floor only \
+                         rises, deleting the newest snapshot lowers it"
+                    )));
+                }
+                if !ext.codec().is_none() {
+                    return Err(EngineError::InvalidArgument(
+                        "snapshots of compressed extents are not supported yet".into(),
+                    ));
+                }
+                if !m.held.is_empty() {
+                    return Err(EngineError::InvalidArgument(
+                        "snapshots of parity chunks (extents with held priors) are not \
+                         supported yet"
+                            .into(),
+                    ));
+                }
+                drop(m);
+                let mut rec = [0u8; RECORD];
+                Record::Floor {
+                    slot: ext.slot,
+                    floor,
+                }
+                .encode(&mut rec);
+                let seq = self.enqueue(&rec, true)?;
+                ext.floor.store(floor, Ordering::Release);
+                ext.epoch_seq.fetch_max(seq, Ordering::AcqRel);
+                seq
+            }
+        };
+        self.wait_durable(seq)
+    }
+
+    /// Deletes snapshot `snapshot` from the extent: the states only it reads are freed,
+    /// and those the next older remaining snapshot `below` (None: no older one remains)
+    /// also reads move into that one's shadow (metadata only). Deleting the newest
+    /// snapshot lowers the floor to `below`. Unknown snapshots and extents are Ok
+    /// (retries are safe; a delete cut short by a crash is finished by its retry).
+    /// Durable on Ok.
+    ///
+    /// In two journal steps: first the floor moves and the shadow is *retired* (writes
+    /// stop preserving into it; one planned before falls back to the floor's shadow);
+    /// once that is applied its states are frozen, and Keep records move what `below`
+    /// reads, one self-contained record per block, before the shadow is dropped.
+    pub fn drop_snapshot(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        below: Option<Epoch>,
+    ) -> Result<(), EngineError> {
+        self.check_failed()?;
+        let s = snapshot_epoch(snapshot, "snapshot")?;
+        let p = match below {
+            Some(b) => snapshot_epoch(b, "older snapshot")?,
+            None => 0,
+        };
+        if p >= s {
+            return Err(EngineError::InvalidArgument(format!(
+                "the older snapshot {p} must be older than the deleted one {s}"
+            )));
+        }
+        let Some(ext) = self.lookup(key) else {
+            return Ok(());
+        };
+        Self::check_epoch(&ext, epoch)?;
+        let _one_at_a_time = lock(&self.snapshot_ops);
+        // Step 1: the floor, and the retirement of the shadow.
+        let (seq, retired) = {
+            let mut t = lock(&self.table);
+            let floor = ext.floor.load(Ordering::Acquire);
+            let retired = t.shadows.get(&(key, s)).copied();
+            // The older snapshot's shadow exists before anything may move into it: the
+            // retired shadow's states, and a write planned for the old floor whose
+            // Preserve comes after the retirement (it falls back to the floor's shadow).
+            if p > 0 && (floor == s || retired.is_some()) && !t.shadows.contains_key(&(key, p)) {
+                self.alloc_shadow(&mut t, key, p)?;
+            }
+            let mut recs = Vec::with_capacity(2 * RECORD);
+            if floor == s {
+                Record::Floor {
+                    slot: ext.slot,
+                    floor: p,
+                }
+                .push(&mut recs);
+            }
+            if let Some(slot) = retired {
+                Record::Retire { slot }.push(&mut recs);
+            }
+            let mut seq = ext.epoch_seq.load(Ordering::Acquire);
+            if !recs.is_empty() {
+                seq = seq.max(self.enqueue(&recs, true)?);
+                if floor == s {
+                    ext.floor.store(p, Ordering::Release);
+                    ext.epoch_seq.fetch_max(seq, Ordering::AcqRel);
+                }
+            }
+            (seq, retired)
+        };
+        self.wait_durable(seq)?;
+        let Some(slot) = retired else {
+            return Ok(());
+        };
+        // Step 2: the retired shadow's states are frozen now (applied; nothing finds it).
+        let seq = {
+            let mut t = lock(&self.table);
+            let into = match p {
+                0 => None,
+                p => t.shadows.get(&(key, p)).copied(),
+            };
+            let mut recs = Vec::new();
+            if let (Some(into), Some(shadow)) = (into, t.slots[slot as usize].live.clone()) {
+                let m = lock(&shadow.meta);
+                for (b, st) in m.blocks.iter().enumerate() {
+                    if *st != BlockMeta::default() && epoch_of(st) <= u64::from(p) {
+                        Record::Keep {
+                            slot: into,
+                            block: b as u32,
+                            from: slot,
+                            meta: *st,
+                        }
+                        .push(&mut recs);
+                    }
+                }
+            }
+            Record::DropShadow { slot }.push(&mut recs);
+            t.shadows.remove(&(key, s));
+            t.slots[slot as usize].live = None;
+            self.enqueue(&recs, true)?
+        };
+        self.wait_durable(seq)
+    }
+
+    /// Reads blocks of the extent as snapshot `snapshot` holds them (see the module
+    /// docs); as [`Drive::read`] otherwise (bad and suspect blocks reported, unallocated
+    /// ones zeros). Reading at a snapshot the extent never preserved for (it was not
+    /// written after it) reads its current states written up to then.
+    pub fn read_at(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<ReadInfo, EngineError> {
+        let g = snapshot_epoch(snapshot, "snapshot")?;
+        let (first, count) = self.range(key, offset, buf.len() as u64)?;
+        self.check_failed()?;
+        let Some(ext) = self.lookup(key) else {
+            buf.fill(0);
+            return Ok(ReadInfo::default());
+        };
+        Self::check_epoch(&ext, epoch)?;
+        let t = self.counters.begin();
+        let r = with_scratch(|s| {
+            self.read_checked(buf, s, None, &|out: &mut Vec<BlockMeta>| {
+                self.states_at(&ext, g, first, count, out)
+            })
+        });
+        self.counters.end(OpKind::Read, t);
+        r
+    }
+
+    /// The durable state of each block of `[first, first + count)` at snapshot `g`.
+    fn states_at(&self, ext: &Extent, g: u32, first: u32, count: u32, out: &mut Vec<BlockMeta>) {
+        // Table, live extent, then shadows oldest first: the order applies take them in
+        // (a drop holds the table; a preserve holds the live extent, then its shadow).
+        let t = lock(&self.table);
+        let shadows: Vec<Arc<Extent>> = t
+            .durable_shadows
+            .range((ext.key, g)..=(ext.key, u32::MAX))
+            .filter_map(|(_, &slot)| t.slots[slot as usize].durable.clone())
+            .collect();
+        let m = lock(&ext.meta);
+        let held: Vec<MutexGuard<'_, ExtentMeta>> = shadows.iter().map(|s| lock(&s.meta)).collect();
+        out.clear();
+        out.extend((first..first + count).map(|b| {
+            let state = held
+                .iter()
+                .map(|h| h.blocks[b as usize])
+                .find(|x| *x != BlockMeta::default())
+                .unwrap_or(m.blocks[b as usize]);
+            if epoch_of(&state) <= u64::from(g) {
+                state
+            } else {
+                BlockMeta::default()
+            }
+        }));
+    }
+
+    /// The extent's shadows (its snapshots' preserved states on this drive), oldest
+    /// snapshot first.
+    pub fn shadows(&self, key: ExtentKey) -> Vec<ShadowInfo> {
+        let t = lock(&self.table);
+        t.shadows
+            .range((key, 0)..=(key, u32::MAX))
+            .filter_map(|(&(_, snapshot), &slot)| {
+                let s = t.slots[slot as usize].live.as_ref()?;
+                let m = lock(&s.meta);
+                Some(ShadowInfo {
+                    snapshot,
+                    blocks: m
+                        .blocks
+                        .iter()
+                        .filter(|b| **b != BlockMeta::default())
+                        .count() as u32,
+                    bytes_stored: u64::from(m.stored_blocks) * BLOCK,
+                })
+            })
+            .collect()
+    }
+
+    /// The extent's snapshot floor (0: none, or the drive does not hold the extent).
+    pub fn snapshot_floor(&self, key: ExtentKey) -> u32 {
+        self.lookup(key)
+            .map_or(0, |e| e.floor.load(Ordering::Acquire))
+    }
+}

@@ -1,0 +1,349 @@
+//! Snapshots in the engine (docs/adr/0012): preserved states, reads at a snapshot, deleting
+//! snapshots (merge-down) and the space they return, reopen and checkpoints, and what is
+//! refused. The model is bytes per block: the live volume and a copy of it at each snapshot.
+
+use super::*;
+use converge_types::Compression;
+use std::collections::BTreeMap;
+
+/// Version of write `seq` by an owner at `epoch` (ADR 0003: epoch in the upper half).
+fn ver(epoch: u64, seq: u64) -> Version {
+    Version(epoch << 32 | seq)
+}
+
+/// Bytes of the drive's extents: the volume's copy of `k` as the model holds it.
+type Model = HashMap<ExtentKey, Vec<u8>>;
+
+fn slab_of(m: &Model, k: ExtentKey) -> Vec<u8> {
+    m.get(&k)
+        .cloned()
+        .unwrap_or_else(|| vec![0u8; SLAB as usize])
+}
+
+/// With no write in flight and no priors, every physical block is free, or stored by one
+/// live state or one preserved state; the per-extent counts add up to the drive's.
+fn check_accounting(d: &Drive, keys: &[ExtentKey]) {
+    let cap = d.capacity();
+    assert_eq!(
+        cap.bytes_free + cap.bytes_stored + cap.bytes_preserved,
+        d.layout().data_blocks * BLOCK,
+        "physical blocks leaked or counted twice: {cap:?}"
+    );
+    let preserved: u64 = d.extents().iter().map(|e| e.bytes_preserved).sum();
+    assert_eq!(
+        preserved, cap.bytes_preserved,
+        "extents vs drive preserved bytes"
+    );
+    let shadows: u64 = keys
+        .iter()
+        .flat_map(|&k| d.shadows(k))
+        .map(|s| s.bytes_stored)
+        .sum();
+    assert_eq!(
+        shadows, cap.bytes_preserved,
+        "shadows vs drive preserved bytes"
+    );
+}
+
+fn check_reads(
+    d: &Drive,
+    keys: &[ExtentKey],
+    epoch: u64,
+    live: &Model,
+    snaps: &BTreeMap<u64, Model>,
+    ctx: &str,
+) {
+    for &k in keys {
+        let mut buf = vec![0u8; SLAB as usize];
+        let info = d.read(k, Epoch(epoch), 0, &mut buf).expect("read");
+        assert!(
+            info.bad_blocks.is_empty(),
+            "{ctx}: live bad blocks {:?}",
+            info.bad_blocks
+        );
+        assert!(buf == slab_of(live, k), "{ctx}: live content of {k:?}");
+        for (&s, m) in snaps {
+            let info = d
+                .read_at(k, Epoch(epoch), Epoch(s), 0, &mut buf)
+                .expect("read at");
+            assert!(info.bad_blocks.is_empty(), "{ctx}: snapshot {s} bad blocks");
+            let want = slab_of(m, k);
+            if buf != want {
+                let b = (0..SLAB as usize / B)
+                    .find(|&b| buf[b * B..(b + 1) * B] != want[b * B..(b + 1) * B])
+                    .expect("a block differs");
+                panic!("{ctx}: snapshot {s} of {k:?} differs first at block {b}");
+            }
+        }
+    }
+}
+
+/// Random writes, zeros, snapshots, deletes, checkpoints and reopens against the model;
+/// every snapshot reads what the volume held when it was taken.
+fn snapshot_model(seed: u64, ops: usize) {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let f = FaultyFile::new(48 << 20);
+    let mut d = Drive::format_with(
+        Arc::new(f.clone()),
+        ident(SLAB),
+        FormatOptions {
+            // Small: checkpoints come often, so pages carry shadows.
+            journal_bytes: Some(256 << 10),
+            ..Default::default()
+        },
+    )
+    .expect("format");
+    let keys: Vec<ExtentKey> = (0..3).map(|s| key(4, s)).collect();
+    let mut live: Model = HashMap::new();
+    let mut snaps: BTreeMap<u64, Model> = BTreeMap::new();
+    let mut epoch = 1u64;
+    let mut seq = 1u64;
+    let nblocks = (SLAB / BLOCK) as u32;
+    for op in 0..ops {
+        let ctx = format!("seed {seed} op {op}");
+        let k = keys[rng.gen_range(0..keys.len())];
+        match rng.gen_range(0..100) {
+            0..=54 => {
+                let first = rng.gen_range(0..nblocks);
+                let n = rng.gen_range(1..=(nblocks - first).min(24));
+                let (data, crcs) = blocks(&mut rng, n as usize);
+                seq += 1;
+                let off = u64::from(first) * BLOCK;
+                d.write(k, Epoch(epoch), ver(epoch, seq), off, &data, &crcs)
+                    .expect("write");
+                let m = live.entry(k).or_insert_with(|| vec![0u8; SLAB as usize]);
+                m[off as usize..off as usize + data.len()].copy_from_slice(&data);
+            }
+            55..=64 => {
+                let first = rng.gen_range(0..nblocks);
+                let n = rng.gen_range(1..=(nblocks - first).min(40));
+                seq += 1;
+                let (off, len) = (u64::from(first) * BLOCK, u64::from(n) * BLOCK);
+                d.zero(k, Epoch(epoch), ver(epoch, seq), off, len)
+                    .expect("zero");
+                let m = live.entry(k).or_insert_with(|| vec![0u8; SLAB as usize]);
+                m[off as usize..(off + len) as usize].fill(0);
+            }
+            65..=72 => {
+                // A snapshot at the owner's epoch; the owner then writes at the next.
+                for &k in &keys {
+                    d.set_snapshot_floor(k, Epoch(epoch), Epoch(epoch))
+                        .expect("floor");
+                }
+                snaps.insert(epoch, live.clone());
+                epoch += 1;
+            }
+            73..=80 if !snaps.is_empty() => {
+                let all: Vec<u64> = snaps.keys().copied().collect();
+                let s = all[rng.gen_range(0..all.len())];
+                let below = all.iter().copied().filter(|&x| x < s).max();
+                for &k in &keys {
+                    d.drop_snapshot(k, Epoch(epoch), Epoch(s), below.map(Epoch))
+                        .expect("drop");
+                }
+                snaps.remove(&s);
+            }
+            81..=86 => d.checkpoint().expect("checkpoint"),
+            87..=90 => {
+                drop(d);
+                d = Drive::open(Arc::new(f.reattach())).expect("reopen");
+            }
+            _ => {}
+        }
+        if op % 16 == 0 || op + 1 == ops {
+            check_reads(&d, &keys, epoch, &live, &snaps, &ctx);
+            check_accounting(&d, &keys);
+        }
+    }
+    // Deleting every snapshot returns all their space.
+    while let Some((&s, _)) = snaps.iter().next_back() {
+        let below = snaps.keys().copied().filter(|&x| x < s).max();
+        for &k in &keys {
+            d.drop_snapshot(k, Epoch(epoch), Epoch(s), below.map(Epoch))
+                .expect("drop");
+        }
+        snaps.remove(&s);
+        check_reads(
+            &d,
+            &keys,
+            epoch,
+            &live,
+            &snaps,
+            &format!("seed {seed} drop {s}"),
+        );
+    }
+    check_accounting(&d, &keys);
+    assert_eq!(
+        d.capacity().bytes_preserved,
+        0,
+        "seed {seed}: preserved bytes after deleting every snapshot"
+    );
+    for &k in &keys {
+        assert!(d.shadows(k).is_empty(), "seed {seed}: shadows left");
+        assert_eq!(d.snapshot_floor(k), 0, "seed {seed}: floor left");
+    }
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).expect("reopen");
+    check_reads(
+        &d,
+        &keys,
+        epoch,
+        &live,
+        &snaps,
+        &format!("seed {seed} final reopen"),
+    );
+    check_accounting(&d, &keys);
+}
+
+#[test]
+fn snapshots_read_what_was_acked_before_them_through_writes_deletes_and_reopens() {
+    for seed in 0..12 {
+        snapshot_model(seed, 400);
+    }
+}
+
+#[test]
+fn a_snapshot_preserves_by_moving_states_not_copying_data() {
+    let (_f, d) = faulty(16 << 20);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(5);
+    let (a, ac) = blocks(&mut rng, 8);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    let data_before = d.stats().data_write_bytes;
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1)).unwrap();
+    assert_eq!(d.snapshot_floor(k), 1);
+    // Nothing is written by taking the snapshot, nothing preserved yet.
+    assert_eq!(d.stats().data_write_bytes, data_before);
+    assert!(d.shadows(k).is_empty());
+    let (b, bc) = blocks(&mut rng, 2);
+    d.write(k, Epoch(2), ver(2, 2), 2 * BLOCK, &b, &bc).unwrap();
+    // The two replaced blocks moved into the snapshot's shadow; only the new data was
+    // written.
+    assert_eq!(d.stats().data_write_bytes, data_before + 2 * BLOCK);
+    let sh = d.shadows(k);
+    assert_eq!(sh.len(), 1);
+    assert_eq!(
+        (sh[0].snapshot, sh[0].blocks, sh[0].bytes_stored),
+        (1, 2, 2 * BLOCK)
+    );
+    // A second write of the same blocks after the snapshot preserves nothing more.
+    let (c, cc) = blocks(&mut rng, 2);
+    d.write(k, Epoch(2), ver(2, 3), 2 * BLOCK, &c, &cc).unwrap();
+    assert_eq!(d.shadows(k)[0].blocks, 2);
+    let mut buf = vec![0u8; 8 * B];
+    d.read_at(k, Epoch(2), Epoch(1), 0, &mut buf).unwrap();
+    assert!(buf == a, "the snapshot reads the first write");
+    d.read(k, Epoch(2), 0, &mut buf).unwrap();
+    assert!(buf[..2 * B] == a[..2 * B] && buf[2 * B..4 * B] == c[..] && buf[4 * B..] == a[4 * B..]);
+    // A block first written after the snapshot reads as never written in it.
+    let (e, ec) = blocks(&mut rng, 1);
+    d.write(k, Epoch(2), ver(2, 4), 100 * BLOCK, &e, &ec)
+        .unwrap();
+    let mut one = vec![1u8; B];
+    d.read_at(k, Epoch(2), Epoch(1), 100 * BLOCK, &mut one)
+        .unwrap();
+    assert!(one.iter().all(|&x| x == 0));
+    let preserved = d.capacity().bytes_preserved;
+    assert_eq!(preserved, 2 * BLOCK);
+    // Deleting it returns the space.
+    d.drop_snapshot(k, Epoch(2), Epoch(1), None).unwrap();
+    assert_eq!(d.capacity().bytes_preserved, 0);
+    assert!(d.shadows(k).is_empty());
+    assert_eq!(d.snapshot_floor(k), 0);
+}
+
+#[test]
+fn deleting_a_newer_snapshot_merges_what_an_older_one_reads() {
+    let (f, d) = faulty(16 << 20);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(6);
+    let (a, ac) = blocks(&mut rng, 1);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    // Snapshots 1 and 2 both read `a`; it is preserved into 2's shadow (the newest).
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1)).unwrap();
+    d.set_snapshot_floor(k, Epoch(2), Epoch(2)).unwrap();
+    let (b, bc) = blocks(&mut rng, 1);
+    d.write(k, Epoch(3), ver(3, 2), 0, &b, &bc).unwrap();
+    assert_eq!(
+        d.shadows(k).iter().map(|s| s.snapshot).collect::<Vec<_>>(),
+        [2]
+    );
+    // Deleting 2 moves `a` down to 1, which still reads it.
+    d.drop_snapshot(k, Epoch(3), Epoch(2), Some(Epoch(1)))
+        .unwrap();
+    assert_eq!(d.snapshot_floor(k), 1);
+    let sh = d.shadows(k);
+    assert_eq!((sh.len(), sh[0].snapshot, sh[0].blocks), (1, 1, 1));
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    let mut buf = vec![0u8; B];
+    d.read_at(k, Epoch(3), Epoch(1), 0, &mut buf).unwrap();
+    assert!(buf == a);
+    d.read(k, Epoch(3), 0, &mut buf).unwrap();
+    assert!(buf == b);
+    assert_eq!(d.snapshot_floor(k), 1, "the floor survives a reopen");
+}
+
+#[test]
+fn what_snapshots_cannot_do_yet_is_refused_with_the_reason() {
+    let (_f, d) = faulty(16 << 20);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(7);
+    let (a, ac) = blocks(&mut rng, 1);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(3)).unwrap();
+    let err = d.set_snapshot_floor(k, Epoch(1), Epoch(2)).unwrap_err();
+    assert!(err.to_string().contains("only rises"), "{err}");
+    let err = d.set_snapshot_floor(k, Epoch(1), Epoch(0)).unwrap_err();
+    assert!(err.to_string().contains("between 1 and"), "{err}");
+    let err = d
+        .write_held(k, Epoch(4), ver(4, 1), 0, &a, &ac)
+        .unwrap_err();
+    assert!(err.to_string().contains("not supported yet"), "{err}");
+    let err = d.set_codec(k, Epoch(4), Compression::Lz4).unwrap_err();
+    assert!(err.to_string().contains("not supported yet"), "{err}");
+    let err = d
+        .drop_snapshot(k, Epoch(4), Epoch(3), Some(Epoch(3)))
+        .unwrap_err();
+    assert!(err.to_string().contains("older"), "{err}");
+    // Compressed extents refuse a floor.
+    let c = key(1, 1);
+    d.set_codec(c, Epoch(1), Compression::Lz4).unwrap();
+    let err = d.set_snapshot_floor(c, Epoch(1), Epoch(1)).unwrap_err();
+    assert!(err.to_string().contains("compressed"), "{err}");
+    // An extent the drive does not hold has nothing to preserve.
+    d.set_snapshot_floor(key(9, 9), Epoch(1), Epoch(1)).unwrap();
+    assert_eq!(d.snapshot_floor(key(9, 9)), 0);
+}
+
+#[test]
+fn preserving_past_the_drive_capacity_is_refused_as_full() {
+    // A drive with one data extent: the live extent fills it whole, so nothing can be
+    // preserved beside it.
+    let f = FaultyFile::new(3 << 20);
+    let d = Drive::format_with(
+        Arc::new(f),
+        ident(SLAB),
+        FormatOptions {
+            journal_bytes: Some(128 << 10),
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    assert_eq!(d.layout().data_extents, 1);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(8);
+    let (a, ac) = blocks(&mut rng, 4);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1)).unwrap();
+    let (b, bc) = blocks(&mut rng, 4);
+    let err = d.write(k, Epoch(2), ver(2, 2), 0, &b, &bc).unwrap_err();
+    assert!(matches!(err, EngineError::Full { .. }), "{err}");
+    // Nothing changed: the refused write left the block and the snapshot as they were.
+    let mut buf = vec![0u8; 4 * B];
+    d.read(k, Epoch(2), 0, &mut buf).unwrap();
+    assert!(buf == a);
+    // Once the snapshot is gone the write goes through.
+    d.drop_snapshot(k, Epoch(2), Epoch(1), None).unwrap();
+    d.write(k, Epoch(2), ver(2, 3), 0, &b, &bc).unwrap();
+}
