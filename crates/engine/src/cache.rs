@@ -2287,6 +2287,52 @@ impl Tier {
         res
     }
 
+    /// [`Drive::set_snapshot_floor`]. Through a cache drive, around it ([`Tier::around`],
+    /// the whole extent): every block logged before the snapshot reaches the capacity
+    /// drive first, so a logged block of the snapshot's can never be replaced in the log
+    /// by a later write before the capacity drive preserved it. Later writes through the
+    /// log preserve on the capacity drive as they are destaged.
+    pub fn set_snapshot_floor(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+    ) -> Result<(), EngineError> {
+        let slab = self.cap.layout().slab_size_bytes;
+        self.around(key, 0, slab, false, || {
+            self.cap.set_snapshot_floor(key, epoch, snapshot)
+        })
+    }
+
+    /// [`Drive::drop_snapshot`]: preserved states live on the capacity drive only.
+    pub fn drop_snapshot(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        below: Option<Epoch>,
+    ) -> Result<(), EngineError> {
+        self.cap.drop_snapshot(key, epoch, snapshot, below)
+    }
+
+    /// [`Drive::read_at`]. Blocks still in a bound cache drive's log were written after
+    /// the floor was set (see [`Tier::set_snapshot_floor`]), so no snapshot reads them;
+    /// a range holding a logged block is drained first all the same (around it), so the
+    /// answer never depends on that.
+    pub fn read_at(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+    ) -> Result<ReadInfo, EngineError> {
+        self.cap.check_epoch_of(key, epoch)?;
+        self.around(key, offset, buf.len() as u64, false, || {
+            self.cap.read_at(key, epoch, snapshot, offset, buf)
+        })
+    }
+
     /// [`Drive::write_held`], around a bound cache drive ([`Tier::around`]).
     pub fn write_held(
         &self,

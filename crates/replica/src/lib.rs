@@ -82,6 +82,9 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
     }
     | ExtentOp::ReadBlocks {
         key, offset, len, ..
+    }
+    | ExtentOp::ReadAt {
+        key, offset, len, ..
     } = &op
     {
         if *len as usize > MAX_IO_BYTES {
@@ -232,6 +235,39 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             offset,
             count,
         } => ExtentReply::Priors(tier.priors(key, epoch, offset, count as usize)?),
+        ExtentOp::SnapshotFloor {
+            key,
+            epoch,
+            snapshot,
+        } => {
+            tier.set_snapshot_floor(key, epoch, snapshot)?;
+            ExtentReply::Ok
+        }
+        ExtentOp::DropSnapshot {
+            key,
+            epoch,
+            snapshot,
+            below,
+        } => {
+            tier.drop_snapshot(key, epoch, snapshot, below)?;
+            ExtentReply::Ok
+        }
+        ExtentOp::ReadAt {
+            key,
+            epoch,
+            snapshot,
+            offset,
+            len,
+        } => {
+            let mut buf = AlignedBuf::new(len as usize);
+            let info = tier.read_at(key, epoch, snapshot, offset, &mut buf)?;
+            ExtentReply::Read(ReadReply {
+                data: Bytes::from_owner(buf),
+                bad_blocks: info.bad_blocks,
+                suspect: info.suspect,
+                version: info.versions,
+            })
+        }
     };
     // The owner checks this too (it trusts no peer); a failure here is this node's bug.
     if let Err(e) = shape.check(&reply) {
@@ -476,6 +512,55 @@ mod tests {
         assert_eq!(digest(1), ExtentReply::Digest(d), "same versions");
         assert_eq!(run(&t, ExtentOp::Free { key: KEY }), ExtentReply::Ok);
         assert!(!t.has_extent(KEY));
+    }
+
+    #[test]
+    fn snapshot_operations_answer_their_kinds() {
+        let t = tier();
+        assert_eq!(run(&t, write(1, 1 << 32 | 1, 0, 2, 0xaa)), ExtentReply::Ok);
+        let floor = ExtentOp::SnapshotFloor {
+            key: KEY,
+            epoch: Epoch(1),
+            snapshot: Epoch(1),
+        };
+        assert_eq!(run(&t, floor), ExtentReply::Ok);
+        assert_eq!(run(&t, write(2, 2 << 32 | 1, 0, 1, 0xbb)), ExtentReply::Ok);
+        let at = ExtentOp::ReadAt {
+            key: KEY,
+            epoch: Epoch(2),
+            snapshot: Epoch(1),
+            offset: 0,
+            len: 2 * BS as u32,
+        };
+        let r = run(&t, at).into_read().unwrap();
+        assert!(
+            r.data.iter().all(|&b| b == 0xaa),
+            "the snapshot reads the first write"
+        );
+        assert_eq!(r.version, Version(1 << 32 | 1));
+        let r = run(&t, read(2, 0, BS)).into_read().unwrap();
+        assert!(r.data.iter().all(|&b| b == 0xbb));
+        // A read at a snapshot is bounded like any read.
+        let long = ExtentOp::ReadAt {
+            key: KEY,
+            epoch: Epoch(2),
+            snapshot: Epoch(1),
+            offset: 0,
+            len: u32::MAX,
+        };
+        assert!(matches!(
+            execute(&t, long),
+            Err(EngineError::InvalidIo { .. })
+        ));
+        let drop = ExtentOp::DropSnapshot {
+            key: KEY,
+            epoch: Epoch(2),
+            snapshot: Epoch(1),
+            below: None,
+        };
+        assert_eq!(run(&t, drop.clone()), ExtentReply::Ok);
+        assert_eq!(run(&t, drop), ExtentReply::Ok, "a retried delete is Ok");
+        assert_eq!(t.capacity().bytes_preserved, 0);
     }
 
     #[test]

@@ -49,6 +49,10 @@ pub mod msg {
     pub const WRITE_PACKED: u8 = 0x1d;
     /// `WRITE_BLOCKS` of a compressed volume: a codec byte after the offset.
     pub const WRITE_BLOCKS_PACKED: u8 = 0x1e;
+    /// Snapshots (docs/adr/0012).
+    pub const SNAPSHOT_FLOOR: u8 = 0x30;
+    pub const DROP_SNAPSHOT: u8 = 0x31;
+    pub const READ_AT: u8 = 0x32;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
@@ -420,6 +424,9 @@ pub fn request_type(req: &Request) -> u8 {
             ExtentOp::Settle { .. } => msg::SETTLE,
             ExtentOp::Revert { .. } => msg::REVERT,
             ExtentOp::Priors { .. } => msg::PRIORS,
+            ExtentOp::SnapshotFloor { .. } => msg::SNAPSHOT_FLOOR,
+            ExtentOp::DropSnapshot { .. } => msg::DROP_SNAPSHOT,
+            ExtentOp::ReadAt { .. } => msg::READ_AT,
         },
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
@@ -676,6 +683,45 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u64_le(epoch.0);
             b.put_u64_le(*offset);
             b.put_u32_le(*count);
+            (b, Bytes::new())
+        }
+        ExtentOp::SnapshotFloor {
+            key,
+            epoch,
+            snapshot,
+        } => {
+            let mut b = new_head(40);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(snapshot.0);
+            (b, Bytes::new())
+        }
+        ExtentOp::DropSnapshot {
+            key,
+            epoch,
+            snapshot,
+            below,
+        } => {
+            let mut b = new_head(48);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(snapshot.0);
+            b.put_u64_le(below.map_or(0, |e| e.0));
+            (b, Bytes::new())
+        }
+        ExtentOp::ReadAt {
+            key,
+            epoch,
+            snapshot,
+            offset,
+            len,
+        } => {
+            let mut b = new_head(52);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(snapshot.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*len);
             (b, Bytes::new())
         }
     }
@@ -994,7 +1040,9 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             protocol_version: r.u16("protocol_version")?,
         }),
         msg::PING => Request::Ping,
-        msg::WRITE..=msg::WRITE_BLOCKS_PACKED => decode_extent_op(msg_type, &mut r)?,
+        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::READ_AT => {
+            decode_extent_op(msg_type, &mut r)?
+        }
         msg::VOL_READ => Request::VolRead {
             volume: VolumeId(r.u64("volume")?),
             offset: r.u64("offset")?,
@@ -1143,6 +1191,24 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             offset: r.u64("offset")?,
             count: r.u32("count")?,
         },
+        msg::SNAPSHOT_FLOOR => ExtentOp::SnapshotFloor {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            snapshot: Epoch(r.u64("snapshot")?),
+        },
+        msg::DROP_SNAPSHOT => ExtentOp::DropSnapshot {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            snapshot: Epoch(r.u64("snapshot")?),
+            below: Some(Epoch(r.u64("older snapshot")?)).filter(|e| e.0 > 0),
+        },
+        msg::READ_AT => ExtentOp::ReadAt {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            snapshot: Epoch(r.u64("snapshot")?),
+            offset: r.u64("offset")?,
+            len: r.u32("len")?,
+        },
         other => return Err(WireError::UnknownType(other)),
     };
     Ok(Request::Extent { drive, op })
@@ -1243,7 +1309,35 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..18) {
+        match rng.gen_range(0..21) {
+            18 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::SnapshotFloor {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    snapshot: Epoch(rng.gen()),
+                },
+            },
+            19 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::DropSnapshot {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    snapshot: Epoch(rng.gen()),
+                    // 0 on the wire is "no older snapshot".
+                    below: rng.gen_bool(0.5).then(|| Epoch(rng.gen_range(1..u64::MAX))),
+                },
+            },
+            20 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::ReadAt {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    snapshot: Epoch(rng.gen()),
+                    offset: rng.gen(),
+                    len: rng.gen(),
+                },
+            },
             15 => Request::Extent {
                 drive: DriveId(rng.gen()),
                 op: ExtentOp::Settle {
@@ -1492,7 +1586,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 20, "every request type was exercised");
+        assert_eq!(seen.len(), 23, "every request type was exercised");
     }
 
     /// A write without compression keeps its message type and bytes (nodes of older

@@ -136,6 +136,33 @@ pub enum ExtentOp {
         offset: u64,
         count: u32,
     },
+    /// Sets the extent's snapshot floor to `snapshot`, its volume's newest snapshot
+    /// (docs/adr/0012): later writes at a newer epoch preserve the states it reads.
+    /// Floors only rise. A drive that does not hold the extent has nothing to preserve.
+    /// [`ExtentReply::Ok`] once durable.
+    SnapshotFloor {
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+    },
+    /// Deletes snapshot `snapshot` from the extent: what `below` (the next older
+    /// remaining snapshot, if any) also reads moves into its keeping, the rest is freed.
+    /// [`ExtentReply::Ok`] once durable; unknown snapshots are Ok (retries are safe).
+    DropSnapshot {
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        below: Option<Epoch>,
+    },
+    /// Read `len` bytes at `offset` as snapshot `snapshot` holds them:
+    /// [`ExtentReply::Read`].
+    ReadAt {
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        len: u32,
+    },
 }
 
 impl ExtentOp {
@@ -153,6 +180,9 @@ impl ExtentOp {
             | ExtentOp::Settle { key, .. }
             | ExtentOp::Revert { key, .. }
             | ExtentOp::Priors { key, .. }
+            | ExtentOp::SnapshotFloor { key, .. }
+            | ExtentOp::DropSnapshot { key, .. }
+            | ExtentOp::ReadAt { key, .. }
             | ExtentOp::Free { key } => *key,
         }
     }
@@ -171,7 +201,10 @@ impl ExtentOp {
             | ExtentOp::WriteHeld { epoch, .. }
             | ExtentOp::Settle { epoch, .. }
             | ExtentOp::Revert { epoch, .. }
-            | ExtentOp::Priors { epoch, .. } => Some(*epoch),
+            | ExtentOp::Priors { epoch, .. }
+            | ExtentOp::SnapshotFloor { epoch, .. }
+            | ExtentOp::DropSnapshot { epoch, .. }
+            | ExtentOp::ReadAt { epoch, .. } => Some(*epoch),
             ExtentOp::Free { .. } => None,
         }
     }
@@ -192,6 +225,9 @@ impl ExtentOp {
             ExtentOp::Settle { .. } => "settle",
             ExtentOp::Revert { .. } => "revert",
             ExtentOp::Priors { .. } => "priors",
+            ExtentOp::SnapshotFloor { .. } => "snapshot_floor",
+            ExtentOp::DropSnapshot { .. } => "drop_snapshot",
+            ExtentOp::ReadAt { .. } => "read_at",
         }
     }
 
@@ -223,12 +259,16 @@ impl ExtentOp {
             | ExtentOp::Free { .. }
             | ExtentOp::Release { .. }
             | ExtentOp::WriteHeld { .. }
-            | ExtentOp::Settle { .. } => ReplyShape::Ok,
+            | ExtentOp::Settle { .. }
+            | ExtentOp::SnapshotFloor { .. }
+            | ExtentOp::DropSnapshot { .. } => ReplyShape::Ok,
             ExtentOp::Revert { len, .. } => ReplyShape::Written {
                 blocks: len / crate::BLOCK_SIZE as u32,
             },
             ExtentOp::Priors { count, .. } => ReplyShape::Priors { count: *count },
-            ExtentOp::Read { len, .. } => ReplyShape::Read { len: *len },
+            ExtentOp::Read { len, .. } | ExtentOp::ReadAt { len, .. } => {
+                ReplyShape::Read { len: *len }
+            }
             ExtentOp::ReadBlocks { len, .. } => ReplyShape::Blocks { len: *len },
             ExtentOp::WriteBlocks { versions, .. } => ReplyShape::Written {
                 blocks: u32::try_from(versions.len()).unwrap_or(u32::MAX),

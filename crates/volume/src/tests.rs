@@ -254,6 +254,11 @@ impl MemReplicas {
                         .collect(),
                 )
             }
+            ExtentOp::SnapshotFloor { .. }
+            | ExtentOp::DropSnapshot { .. }
+            | ExtentOp::ReadAt { .. } => {
+                panic!("this fake replica keeps no snapshots: {}", op.name())
+            }
             ExtentOp::Read { offset, len, .. } => {
                 let mut r = self.read_now(at, key, offset, len);
                 if self.garbled.lock().unwrap().contains(&at.node) {
