@@ -338,6 +338,34 @@ pub struct ResizeVolume {
     pub size_bytes: u64,
 }
 
+/// `POST /v1/volumes/NAME/snapshots` (docs/SNAPSHOTS.md).
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CreateSnapshot {
+    pub name: String,
+}
+
+/// One snapshot of a volume.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotInfo {
+    pub name: String,
+    /// The owner's epoch the snapshot closed: it holds every write of that epoch or before.
+    pub epoch: converge_types::Epoch,
+    pub created_unix: u64,
+    /// The volume's size when the snapshot was taken (its export's size).
+    pub size_bytes: u64,
+    /// `nbd+unix:///VOLUME@SNAPSHOT?socket=PATH`: the snapshot as a read-only export.
+    pub uri: String,
+}
+
+/// What `POST /v1/volumes/NAME/snapshots/SNAP/rollback` did.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RolledBack {
+    pub volume: String,
+    pub snapshot: String,
+    /// Volume bytes rewritten from the snapshot.
+    pub bytes: u64,
+}
+
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Capacity {
     /// Raw bytes of every capacity drive (failed ones excluded).

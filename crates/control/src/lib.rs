@@ -24,6 +24,6 @@ pub use etcd::{
 pub use kv::Kv;
 pub use model::{
     Cluster, ClusterRecord, ControlError, DriveRecord, ExtentRecord, NodeRecord, OwnerRecord,
-    SlabRecord, VolumeRecord,
+    SlabRecord, SnapshotRecord, VolumeRecord, SNAPSHOTS_MAX,
 };
 pub use placement::{can_place_volume, place, DriveLoad, PlacementError};

@@ -240,7 +240,29 @@ pub struct VolumeRecord {
     /// QoS limits and reservation (docs/QOS.md); changed live by `volume set`.
     #[serde(default, skip_serializing_if = "converge_types::Qos::is_none_ref")]
     pub qos: converge_types::Qos,
+    /// Snapshots (docs/SNAPSHOTS.md), oldest first.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub snapshots: Vec<SnapshotRecord>,
 }
+
+/// One snapshot of a volume: the owner's epoch it closed (docs/adr/0012). It reads every
+/// write acked before it, none started after.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    pub name: String,
+    pub epoch: Epoch,
+    pub created_unix: u64,
+    /// The volume's size when it was taken.
+    #[serde(default)]
+    pub size_bytes: u64,
+    /// Being deleted: nothing reads it any more, and its copies are giving its space back
+    /// (a delete cut short leaves it so; deleting again finishes it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub deleting: bool,
+}
+
+/// Most snapshots a volume keeps (docs/adr/0012, "Limits").
+pub const SNAPSHOTS_MAX: usize = 64;
 
 /// How an encrypted volume's data key is kept (docs/adr/0011).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -331,6 +353,9 @@ pub enum ControlError {
          changing it; retry later"
     )]
     Contended { what: String },
+    /// A request the model refuses as it stands (the message says why).
+    #[error("{0}")]
+    Refused(String),
 }
 
 fn removed_key(node: NodeId) -> String {
@@ -1254,6 +1279,164 @@ impl<K: Kv> Cluster<K> {
         }
         Err(ControlError::Contended {
             what: format!("claiming ownership of volume {volume}"),
+        })
+    }
+
+    /// Records snapshot `snap` of volume `name` as the snapshot of epoch `epoch` and moves
+    /// its owner, `node` holding that epoch under `lease`, on to the next epoch, which it
+    /// returns: one transaction that also proves the ownership (a deposed owner's attempt
+    /// fails [`ControlError::OwnedElsewhere`]). Refused when the name is taken or the volume
+    /// holds [`SNAPSHOTS_MAX`].
+    pub async fn take_snapshot(
+        &self,
+        name: &str,
+        node: NodeId,
+        lease: LeaseId,
+        epoch: Epoch,
+        snap: &str,
+        created_unix: u64,
+    ) -> Result<Epoch, ControlError> {
+        let vkey = keys::volume(name);
+        for _ in 0..TXN_RETRIES_MAX {
+            let Some(kv) = self.etcd.get(&vkey).await? else {
+                return Err(ControlError::Refused(format!("no volume named {name}")));
+            };
+            let mut rec: VolumeRecord = decode(&kv, "volume record")?;
+            if rec.snapshots.iter().any(|s| s.name == snap) {
+                return Err(ControlError::Refused(format!(
+                    "volume {name} already has a snapshot named {snap}"
+                )));
+            }
+            if rec.snapshots.len() >= SNAPSHOTS_MAX {
+                return Err(ControlError::Refused(format!(
+                    "volume {name} has {SNAPSHOTS_MAX} snapshots, the most it keeps; delete one                      first"
+                )));
+            }
+            let size_bytes = rec.size_bytes;
+            rec.snapshots.push(SnapshotRecord {
+                name: snap.to_string(),
+                epoch,
+                created_unix,
+                size_bytes,
+                deleting: false,
+            });
+            let next = Epoch(epoch.0 + 1);
+            let okey = keys::owner(rec.id);
+            let ekey = keys::epoch(rec.id);
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![
+                        Compare::ModRevision(vkey.clone(), kv.mod_revision),
+                        Compare::Value(
+                            okey.clone(),
+                            encode(&okey, "owner record", &OwnerRecord { node, epoch })?,
+                        ),
+                        Compare::Value(ekey.clone(), encode(&ekey, "epoch", &epoch)?),
+                    ],
+                    success: vec![
+                        Op::Put(vkey.clone(), encode(&vkey, "volume record", &rec)?, None),
+                        Op::Put(
+                            okey.clone(),
+                            encode(&okey, "owner record", &OwnerRecord { node, epoch: next })?,
+                            Some(lease),
+                        ),
+                        Op::Put(ekey.clone(), encode(&ekey, "epoch", &next)?, None),
+                    ],
+                    failure: vec![Op::Get(okey.clone())],
+                })
+                .await?;
+            if r.succeeded {
+                log::info!("volume {name}: snapshot {snap} at epoch {epoch}; owner now at {next}");
+                return Ok(next);
+            }
+            let now: Option<OwnerRecord> = match r.gets.into_iter().next().flatten() {
+                Some(kv) => Some(decode(&kv, "owner record")?),
+                None => None,
+            };
+            if now != Some(OwnerRecord { node, epoch }) {
+                return Err(ControlError::OwnedElsewhere {
+                    volume: rec.id,
+                    node: now.map_or(NodeId(0), |o| o.node),
+                    epoch: now.map_or(epoch, |o| o.epoch),
+                });
+            }
+            // The volume record changed meanwhile (a setting): read it again.
+        }
+        Err(ControlError::Contended {
+            what: format!("recording snapshot {snap} of volume {name}"),
+        })
+    }
+
+    /// Marks snapshot `snap` of volume `name` as being deleted (nothing reads it from then
+    /// on); returns its epoch, or None if there is no such snapshot. Idempotent.
+    pub async fn mark_snapshot_deleting(
+        &self,
+        name: &str,
+        snap: &str,
+    ) -> Result<Option<Epoch>, ControlError> {
+        let vkey = keys::volume(name);
+        for _ in 0..TXN_RETRIES_MAX {
+            let Some(kv) = self.etcd.get(&vkey).await? else {
+                return Err(ControlError::Refused(format!("no volume named {name}")));
+            };
+            let mut rec: VolumeRecord = decode(&kv, "volume record")?;
+            let Some(s) = rec.snapshots.iter_mut().find(|s| s.name == snap) else {
+                return Ok(None);
+            };
+            if s.deleting {
+                return Ok(Some(s.epoch));
+            }
+            s.deleting = true;
+            let epoch = s.epoch;
+            if self
+                .etcd
+                .cas(
+                    &vkey,
+                    &encode(&vkey, "volume record", &rec)?,
+                    kv.mod_revision,
+                )
+                .await?
+            {
+                return Ok(Some(epoch));
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("deleting snapshot {snap} of volume {name}"),
+        })
+    }
+
+    /// Takes snapshot `snap` out of volume `name`'s record (its copies gave its space
+    /// back); returns its epoch, or None if there was no such snapshot.
+    pub async fn remove_snapshot(
+        &self,
+        name: &str,
+        snap: &str,
+    ) -> Result<Option<Epoch>, ControlError> {
+        let vkey = keys::volume(name);
+        for _ in 0..TXN_RETRIES_MAX {
+            let Some(kv) = self.etcd.get(&vkey).await? else {
+                return Err(ControlError::Refused(format!("no volume named {name}")));
+            };
+            let mut rec: VolumeRecord = decode(&kv, "volume record")?;
+            let Some(i) = rec.snapshots.iter().position(|s| s.name == snap) else {
+                return Ok(None);
+            };
+            let gone = rec.snapshots.remove(i);
+            if self
+                .etcd
+                .cas(
+                    &vkey,
+                    &encode(&vkey, "volume record", &rec)?,
+                    kv.mod_revision,
+                )
+                .await?
+            {
+                return Ok(Some(gone.epoch));
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("deleting snapshot {snap} of volume {name}"),
         })
     }
 

@@ -40,6 +40,7 @@ fn volume(id: u64, name: &str) -> VolumeRecord {
         compression: converge_types::Compression::None,
         encryption: None,
         qos: Default::default(),
+        snapshots: Vec::new(),
     }
 }
 
@@ -615,4 +616,69 @@ async fn slab_allocation_is_fenced_by_the_owner_epoch() {
         .unwrap();
     assert_eq!(b, slab(&[(5, 2)]));
     assert!(c.slab(other, SlabIndex(0)).await.unwrap().is_none());
+}
+
+/// A snapshot is recorded and the owner moves on to the next epoch in one transaction that
+/// proves the ownership; names are unique, deposed owners are refused, and removing one
+/// gives back its epoch.
+#[tokio::test]
+async fn snapshots_close_the_owners_epoch_in_one_transaction() {
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let v = volume(21, "snapme");
+    c.create_volume(&v).await.unwrap();
+    let l1 = etcd.lease_grant(60).await.unwrap();
+    let e = c.claim_ownership(v.id, NodeId(1), l1).await.unwrap();
+    let next = c
+        .take_snapshot("snapme", NodeId(1), l1, e, "before-upgrade", 7)
+        .await
+        .unwrap();
+    assert_eq!(next, Epoch(e.0 + 1));
+    assert_eq!(
+        c.owner(v.id).await.unwrap(),
+        Some(OwnerRecord {
+            node: NodeId(1),
+            epoch: next
+        })
+    );
+    assert_eq!(c.granted_epoch(v.id).await.unwrap(), next);
+    let (rec, _) = c.volume("snapme").await.unwrap().unwrap();
+    assert_eq!(rec.snapshots.len(), 1);
+    assert_eq!(
+        (rec.snapshots[0].name.as_str(), rec.snapshots[0].epoch),
+        ("before-upgrade", e)
+    );
+    // The same name again is refused; so is an owner whose epoch moved on.
+    let err = c
+        .take_snapshot("snapme", NodeId(1), l1, next, "before-upgrade", 8)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("already has a snapshot"), "{err}");
+    let err = c
+        .take_snapshot("snapme", NodeId(1), l1, e, "stale", 8)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ControlError::OwnedElsewhere { .. }), "{err}");
+    let err = c
+        .take_snapshot("snapme", NodeId(2), l1, next, "intruder", 8)
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ControlError::OwnedElsewhere { .. }), "{err}");
+    assert_eq!(
+        c.remove_snapshot("snapme", "before-upgrade").await.unwrap(),
+        Some(e)
+    );
+    assert_eq!(
+        c.remove_snapshot("snapme", "before-upgrade").await.unwrap(),
+        None
+    );
+    assert!(c
+        .volume("snapme")
+        .await
+        .unwrap()
+        .unwrap()
+        .0
+        .snapshots
+        .is_empty());
 }

@@ -2297,10 +2297,13 @@ impl Tier {
         key: ExtentKey,
         epoch: Epoch,
         snapshot: Epoch,
+        previous: Option<Epoch>,
+        history: converge_types::FloorHistory,
     ) -> Result<(), EngineError> {
         let slab = self.cap.layout().slab_size_bytes;
         self.around(key, 0, slab, false, || {
-            self.cap.set_snapshot_floor(key, epoch, snapshot)
+            self.cap
+                .set_snapshot_floor(key, epoch, snapshot, previous, history)
         })
     }
 

@@ -373,6 +373,7 @@ impl Drive {
                         codec: converge_types::Compression::None,
                         shadow: false,
                         aux: 0,
+                        since: crate::layout::SINCE_NONE,
                     };
                     ld.dirty_table.insert(slot / EXT_PER_PAGE);
                     // The slot's metadata pages still hold a previous extent's: reset them.
@@ -406,6 +407,7 @@ impl Drive {
                         codec: converge_types::Compression::None,
                         shadow: true,
                         aux: epoch,
+                        since: 0,
                     };
                     t.durable_shadows.insert((key, epoch), slot);
                     ld.dirty_table.insert(slot / EXT_PER_PAGE);
@@ -413,11 +415,12 @@ impl Drive {
                         ld.dirty_meta.insert((slot, p));
                     }
                 }
-                Record::Floor { slot, floor } => {
+                Record::Floor { slot, floor, since } => {
                     let mut t = lock(&self.table);
                     let e = &mut t.slots[slot as usize].entry;
                     if e.in_use && !e.shadow {
                         e.aux = floor;
+                        e.since = since;
                         ld.dirty_table.insert(slot / EXT_PER_PAGE);
                     }
                 }

@@ -409,6 +409,9 @@ pub(crate) struct Extent {
     /// is; `epoch_seq` covers it): writes replacing a state of an epoch at most this one
     /// preserve it into the shadow of this snapshot.
     pub floor: AtomicU32,
+    /// A live extent's oldest snapshot it holds ([`crate::layout::SINCE_NONE`]: none yet):
+    /// reads at a snapshot outside `since..=floor` are refused (durable with the floor).
+    pub since: AtomicU32,
     /// 0: a live extent. Else a shadow: the snapshot epoch whose replaced states it holds.
     pub shadow: u32,
 }
@@ -437,6 +440,7 @@ impl Extent {
             cv: Condvar::new(),
             codec: AtomicU8::new(0),
             floor: AtomicU32::new(0),
+            since: AtomicU32::new(crate::layout::SINCE_NONE),
             shadow: 0,
         }
     }

@@ -647,7 +647,13 @@ pub struct ExtentEntry {
     /// The entry's last four bytes: a shadow's snapshot epoch; a live extent's snapshot
     /// floor (its volume's newest snapshot epoch, 0 for none; [`Record::Floor`]).
     pub aux: u32,
+    /// A live extent's oldest snapshot it holds (docs/adr/0012; `u32::MAX`: none), in the
+    /// upper half of the epoch field (epochs stay below 2^32). 0 on drives written before.
+    pub since: u32,
 }
+
+/// An extent that holds no snapshot (a new one, until its first floor).
+pub const SINCE_NONE: u32 = u32::MAX;
 
 /// Flags-word bit of an extent-table entry: the slot holds a shadow extent.
 const ENTRY_SHADOW: u32 = 2;
@@ -660,7 +666,11 @@ pub fn encode_table_sector(out: &mut [u8], sector: u32, entries: &[ExtentEntry])
             let at = i * 32;
             put_u64(out, at, k.volume.0);
             put_u64(out, at + 8, k.slab.0);
-            put_u64(out, at + 16, e.epoch);
+            put_u64(
+                out,
+                at + 16,
+                (e.epoch & 0xffff_ffff) | u64::from(e.since) << 32,
+            );
             let shadow = if e.shadow { ENTRY_SHADOW } else { 0 };
             put_u32(out, at + 24, 1 | shadow | u32::from(e.codec.code()) << 8);
             put_u32(out, at + 28, e.aux);
@@ -689,7 +699,8 @@ pub fn decode_table_sector(b: &[u8], sector: u32, entries: &mut [ExtentEntry]) -
                 volume: VolumeId(get_u64(b, at)),
                 slab: SlabIndex(get_u64(b, at + 8)),
             }),
-            epoch: get_u64(b, at + 16),
+            epoch: get_u64(b, at + 16) & 0xffff_ffff,
+            since: (get_u64(b, at + 16) >> 32) as u32,
             // An unknown codec (a newer build's) is treated as none: it only decides how
             // later writes are stored.
             codec: Compression::from_code((flags >> 8) as u8).unwrap_or_default(),
@@ -769,8 +780,8 @@ pub enum Record {
     },
     /// The snapshot floor of the live extent in `slot` is `floor` (its volume's newest
     /// snapshot epoch; 0: none): later writes replacing a state of an epoch at most
-    /// `floor` preserve it first.
-    Floor { slot: u32, floor: u32 },
+    /// `floor` preserve it first; `since`: the oldest snapshot it holds (`u32::MAX`: none).
+    Floor { slot: u32, floor: u32, since: u32 },
     /// Block `block` of the live extent in `slot` moves its durable state `meta`,
     /// physical block and all, into the extent's shadow for snapshot `snapshot`: queued
     /// just before the write (or zero) that replaces it, in the same batch. If that shadow
@@ -896,10 +907,11 @@ impl Record {
                 put_u64(out, 16, key.slab.0);
                 put_u32(out, 24, epoch);
             }
-            Record::Floor { slot, floor } => {
+            Record::Floor { slot, floor, since } => {
                 out[0] = 11;
                 put_u32(out, 4, slot);
                 put_u32(out, 8, floor);
+                put_u32(out, 12, since);
             }
             Record::Preserve {
                 slot,
@@ -1036,6 +1048,7 @@ impl Record {
             11 => Record::Floor {
                 slot,
                 floor: get_u32(b, 8),
+                since: get_u32(b, 12),
             },
             12 => Record::Preserve {
                 slot,
@@ -1258,6 +1271,7 @@ mod tests {
             Record::Floor {
                 slot: 9,
                 floor: 0xfeed_0002,
+                since: u32::MAX,
             },
             Record::Preserve {
                 slot: 1,

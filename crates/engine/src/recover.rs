@@ -106,8 +106,9 @@ struct RExtent {
     codec: Compression,
     /// 0: live. Else a shadow: its snapshot's epoch (docs/adr/0012).
     shadow: u32,
-    /// A live extent's snapshot floor.
+    /// A live extent's snapshot floor, and the oldest snapshot it holds.
     floor: u32,
+    since: u32,
     blocks: Vec<BlockMeta>,
     /// Priors of held writes (docs/adr/0008): from Prior records only, never in pages.
     held: HashMap<u32, BlockMeta>,
@@ -292,6 +293,7 @@ impl Drive {
                             codec: e.codec,
                             shadow: if e.shadow { e.aux.max(1) } else { 0 },
                             floor: if e.shadow { 0 } else { e.aux },
+                            since: e.since,
                             blocks: Vec::new(),
                             held: HashMap::new(),
                         })
@@ -553,6 +555,7 @@ impl Drive {
                                 codec: Compression::None,
                                 shadow: 0,
                                 floor: 0,
+                                since: crate::layout::SINCE_NONE,
                                 blocks: vec![BlockMeta::default(); bpe],
                                 held: HashMap::new(),
                             });
@@ -570,6 +573,7 @@ impl Drive {
                                 codec: Compression::None,
                                 shadow: epoch,
                                 floor: 0,
+                                since: 0,
                                 blocks: vec![BlockMeta::default(); bpe],
                                 held: HashMap::new(),
                             });
@@ -579,10 +583,11 @@ impl Drive {
                             reset_slots.insert(slot);
                         }
                     }
-                    Record::Floor { slot, floor } => {
+                    Record::Floor { slot, floor, since } => {
                         if let Some(Some(e)) = exts.get_mut(slot as usize) {
                             if e.shadow == 0 {
                                 e.floor = floor;
+                                e.since = since;
                             }
                         }
                     }
@@ -928,6 +933,7 @@ impl Drive {
                             codec: Compression::None,
                             shadow: true,
                             aux: e.shadow,
+                            since: 0,
                         },
                     });
                 }
@@ -942,6 +948,7 @@ impl Drive {
                     ext.meta.lock().expect("fresh extent lock").held = e.held;
                     ext.codec.store(e.codec.code(), Ordering::Relaxed);
                     ext.floor.store(e.floor, Ordering::Relaxed);
+                    ext.since.store(e.since, Ordering::Relaxed);
                     let stored =
                         u64::from(ext.meta.lock().expect("fresh extent lock").stored_blocks);
                     if e.codec.is_none() {
@@ -960,6 +967,7 @@ impl Drive {
                             codec: e.codec,
                             shadow: false,
                             aux: e.floor,
+                            since: e.since,
                         },
                     });
                 }

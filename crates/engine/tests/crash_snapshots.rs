@@ -114,6 +114,22 @@ fn round(seed: u64, mode: CrashMode) -> (usize, u64) {
     let mut taken: BTreeSet<u64> = BTreeSet::new();
     let mut deleted: BTreeSet<u64> = BTreeSet::new();
     let mut epoch = 1u64;
+    // Every extent exists before the first snapshot (see the engine's unit tests for
+    // copies made after one).
+    for k in 0..KEYS {
+        let version = epoch << 32 | seq.fetch_add(1, Ordering::SeqCst);
+        let data = content(key(k), 0, version);
+        let crc = crc32c::crc32c(&data);
+        let r = d.write(key(k), Epoch(1), Version(version), 0, &data, &[crc]);
+        log.lock().expect("log").push(Op {
+            key: key(k),
+            first: 0,
+            n: 1,
+            version,
+            zero: false,
+            acked: r.is_ok(),
+        });
+    }
     // A deletion to run while the next phase writes (its writes then race the floor
     // moving down and the shadow's retirement).
     let mut racing: Option<(u64, Option<u64>)> = None;
@@ -186,8 +202,10 @@ fn round(seed: u64, mode: CrashMode) -> (usize, u64) {
             break;
         }
         // The snapshot: every write of this epoch is acked.
+        let previous = taken.difference(&deleted).max().copied().map(Epoch);
         for s in 0..KEYS {
-            match d.set_snapshot_floor(key(s), Epoch(epoch), Epoch(epoch)) {
+            let cont = converge_types::FloorHistory::Continues;
+            match d.set_snapshot_floor(key(s), Epoch(epoch), Epoch(epoch), previous, cont) {
                 Ok(()) => {}
                 Err(e) if fatal(&e) => break 'phases,
                 Err(e) => panic!("unexpected error {e}"),

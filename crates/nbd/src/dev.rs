@@ -114,6 +114,11 @@ pub trait BlockDev: Send + Sync + 'static {
     fn description(&self) -> Option<String> {
         None
     }
+    /// The export takes no writes (a snapshot): advertised with `NBD_FLAG_READ_ONLY`, and
+    /// writes, TRIMs and WRITE_ZEROES are refused with EPERM, as on a read-only server.
+    fn read_only(&self) -> bool {
+        false
+    }
 }
 
 /// Why an export name could not be turned into a device.

@@ -96,13 +96,13 @@ impl Haggling {
 
 /// Transmission flags for an export under `cfg`; `structured`: structured replies were
 /// negotiated, which NBD_FLAG_SEND_DF requires.
-pub(crate) fn transmission_flags(cfg: &ServerConfig, structured: bool) -> u16 {
+pub(crate) fn transmission_flags(cfg: &ServerConfig, structured: bool, read_only: bool) -> u16 {
     let mut f = TFLAG_HAS_FLAGS | TFLAG_SEND_FLUSH | TFLAG_SEND_FUA | TFLAG_CAN_MULTI_CONN;
     if structured {
         // We never split a READ reply, so NBD_CMD_FLAG_DF costs nothing to honour.
         f |= TFLAG_SEND_DF;
     }
-    if cfg.read_only {
+    if cfg.read_only || read_only {
         f |= TFLAG_READ_ONLY;
     } else {
         f |= TFLAG_SEND_TRIM | TFLAG_SEND_WRITE_ZEROES;
@@ -339,7 +339,7 @@ where
                     .map_err(|e| NbdError::ExportRefused(e.client_message(&name)))?;
                 let mut out = Vec::with_capacity(10 + 124);
                 out.extend_from_slice(&dev.size_bytes().to_be_bytes());
-                let tflags = transmission_flags(cfg, state.structured);
+                let tflags = transmission_flags(cfg, state.structured, dev.read_only());
                 out.extend_from_slice(&tflags.to_be_bytes());
                 if !no_zeroes {
                     out.extend_from_slice(&[0u8; 124]);
@@ -403,7 +403,7 @@ where
                 let mut export = Vec::with_capacity(12);
                 export.extend_from_slice(&INFO_EXPORT.to_be_bytes());
                 export.extend_from_slice(&dev.size_bytes().to_be_bytes());
-                let tflags = transmission_flags(cfg, state.structured);
+                let tflags = transmission_flags(cfg, state.structured, dev.read_only());
                 export.extend_from_slice(&tflags.to_be_bytes());
                 info_reply(&mut out, option, &export);
                 if req.requests.contains(&INFO_NAME) {

@@ -718,7 +718,7 @@ where
         } else {
             1
         },
-        read_only: cfg.read_only,
+        read_only: cfg.read_only || neg.dev.read_only(),
         structured: neg.structured,
         meta_context: neg.meta_context,
     };

@@ -224,6 +224,18 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         (&Method::POST, ["v1", "volumes", name, "move"]) => move_volume(node, name, body).await,
         (&Method::POST, ["v1", "volumes", name, "open"]) => open_here(node, name).await,
         (&Method::POST, ["v1", "volumes", name, "scrub"]) => scrub(node, name, body).await,
+        (&Method::GET, ["v1", "volumes", name, "snapshots"]) => {
+            crate::snapshots::list(node, name).await
+        }
+        (&Method::POST, ["v1", "volumes", name, "snapshots"]) => {
+            crate::snapshots::create(node, name, body).await
+        }
+        (&Method::DELETE, ["v1", "volumes", name, "snapshots", snap]) => {
+            crate::snapshots::delete(node, name, snap).await
+        }
+        (&Method::POST, ["v1", "volumes", name, "snapshots", snap, "rollback"]) => {
+            crate::snapshots::rollback(node, name, snap).await
+        }
         (&Method::POST, ["v1", "nodes", id, "maintenance"]) => maintenance(node, id, body).await,
         (&Method::POST, ["v1", "nodes", id, "drain"]) => crate::drain::drain(node, id, body).await,
         (&Method::DELETE, ["v1", "nodes", id]) => crate::drain::remove(node, id).await,
@@ -470,7 +482,7 @@ async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<Driv
     Ok(v)
 }
 
-fn uri_of(rec: &VolumeRecord, owner: Option<&NodeInfo>) -> (String, Option<String>) {
+pub(crate) fn uri_of(rec: &VolumeRecord, owner: Option<&NodeInfo>) -> (String, Option<String>) {
     match owner {
         Some(n) => (
             format!("nbd+unix:///{}?socket={}", rec.name, n.nbd_socket),
@@ -615,7 +627,10 @@ async fn volumes(
 }
 
 /// The volume's record and its revision, or 404.
-async fn volume_record(node: &Node, name: &str) -> Result<(VolumeRecord, i64), ApiError> {
+pub(crate) async fn volume_record(
+    node: &Node,
+    name: &str,
+) -> Result<(VolumeRecord, i64), ApiError> {
     node.cluster
         .volume(name)
         .await
@@ -872,6 +887,7 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
         compression,
         encryption,
         qos,
+        snapshots: Vec::new(),
     };
     node.cluster
         .create_volume(&rec)
@@ -1149,7 +1165,7 @@ async fn open_here(node: &Arc<Node>, name: &str) -> Out {
 }
 
 /// Forward a request to the owner node's API when it is another live node.
-async fn forward_to_owner(
+pub(crate) async fn forward_to_owner(
     node: &Node,
     owner: NodeId,
     method: &str,
@@ -1185,6 +1201,18 @@ async fn forward_to_owner(
 
 async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     let (rec, _) = volume_record(node, name).await?;
+    if !rec.snapshots.is_empty() {
+        let names: Vec<&str> = rec.snapshots.iter().map(|s| s.name.as_str()).collect();
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!(
+                "volume {name} has {} snapshots ({}): delete them first (`converge volume \
+                 snapshot delete {name} SNAPSHOT`)",
+                names.len(),
+                names.join(", ")
+            ),
+        ));
+    }
     if let Some(r) = forward_to_owner(
         node,
         serving_owner(node, &rec).await?,

@@ -195,6 +195,7 @@ pub fn required(method: &hyper::Method, parts: &[&str]) -> Option<Role> {
         (&Method::DELETE, ["v1", "volumes", ..])
         | (&Method::POST, ["v1", "settings"])
         | (&Method::POST, ["v1", "volumes", _, "rekey"])
+        | (&Method::POST, ["v1", "volumes", _, "snapshots", _, "rollback"])
         | (&Method::POST, ["v1", "nodes", _, "drain"])
         | (&Method::DELETE, ["v1", "nodes", _]) => Some(Role::Admin),
         _ => Some(Role::Operator),

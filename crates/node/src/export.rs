@@ -20,6 +20,8 @@ pub struct Export {
     name: String,
     size_bytes: u64,
     route: RwLock<Arc<Route>>,
+    /// A snapshot's export (`VOLUME@SNAPSHOT`): its name and epoch. Read-only.
+    snapshot: Option<(String, converge_types::Epoch)>,
 }
 
 /// Why one attempt failed: either for good, or because the route must be looked up again.
@@ -33,7 +35,9 @@ fn dev_error(e: VolumeError) -> Attempt {
         VolumeError::Fenced { .. } | VolumeError::Control(..) => {
             return Attempt::Reroute(e.to_string())
         }
-        VolumeError::OutOfRange { .. } | VolumeError::TooLong { .. } => DevErrorKind::Invalid,
+        VolumeError::OutOfRange { .. }
+        | VolumeError::TooLong { .. }
+        | VolumeError::Snapshot { .. } => DevErrorKind::Invalid,
         VolumeError::NoSpace { .. } => DevErrorKind::NoSpace,
         VolumeError::Replica {
             error: ReplicaError::NoSpace(_),
@@ -83,7 +87,7 @@ impl Export {
         match self.node.open_volume(&self.name).await {
             Ok(r) => {
                 let desc = match &r {
-                    Route::Local(v) => format!("served here at epoch {}", v.config().epoch),
+                    Route::Local(v) => format!("served here at epoch {}", v.epoch()),
                     Route::Remote { owner, .. } => format!("forwarded to node {owner}"),
                 };
                 log::info!("volume {}: re-routed ({why}): {desc}", self.name);
@@ -169,6 +173,9 @@ fn unexpected<T>(r: Response) -> Result<T, Attempt> {
 
 impl BlockDev for Export {
     fn size_bytes(&self) -> u64 {
+        if self.snapshot.is_some() {
+            return self.size_bytes;
+        }
         match &*self.route() {
             Route::Local(v) => v.size_bytes(),
             Route::Remote { .. } => self.size_bytes,
@@ -176,6 +183,26 @@ impl BlockDev for Export {
     }
 
     async fn read(&self, offset: u64, len: u32) -> Result<Bytes, DevError> {
+        if let Some((_, snapshot)) = &self.snapshot {
+            let snapshot = *snapshot;
+            return self
+                .run(
+                    |v| async move { v.read_at(snapshot, offset, len as u64).await },
+                    |volume| Request::VolReadAt {
+                        volume,
+                        snapshot,
+                        offset,
+                        len,
+                    },
+                    |r| match r {
+                        Response::Extent(ExtentReply::Read(r)) if r.data.len() == len as usize => {
+                            Ok(r.data)
+                        }
+                        other => unexpected(other),
+                    },
+                )
+                .await;
+        }
         self.run(
             |v| async move { v.read(offset, len as u64).await },
             |volume| Request::VolRead {
@@ -194,6 +221,7 @@ impl BlockDev for Export {
     }
 
     async fn write(&self, offset: u64, data: Bytes, _fua: bool) -> Result<(), DevError> {
+        self.writable()?;
         // Every acked write is already durable on min_replicas copies: FUA costs nothing.
         self.run(
             |v| {
@@ -261,7 +289,17 @@ impl BlockDev for Export {
             .collect())
     }
 
+    fn read_only(&self) -> bool {
+        self.snapshot.is_some()
+    }
+
     fn description(&self) -> Option<String> {
+        if let Some((snap, epoch)) = &self.snapshot {
+            return Some(format!(
+                "converge snapshot {snap} (epoch {epoch}) of volume {}, read-only",
+                self.name
+            ));
+        }
         Some(match &*self.route() {
             Route::Local(v) => {
                 let c = v.config();
@@ -281,7 +319,20 @@ impl BlockDev for Export {
 }
 
 impl Export {
+    /// A snapshot takes no writes (the NBD server refuses them first; this is the device's
+    /// own word on it).
+    fn writable(&self) -> Result<(), DevError> {
+        match &self.snapshot {
+            Some((snap, _)) => Err(DevError::new(
+                DevErrorKind::Invalid,
+                format!("snapshot {snap} of volume {} is read-only", self.name),
+            )),
+            None => Ok(()),
+        }
+    }
+
     async fn zero(&self, offset: u64, len: u64, trim: bool) -> Result<(), DevError> {
+        self.writable()?;
         self.run(
             |v| async move { v.zero(offset, len, trim).await },
             |volume| Request::VolZero {
@@ -308,7 +359,18 @@ impl Resolver for Exports {
 
     async fn list(&self) -> Vec<String> {
         match self.node.cluster.volumes().await {
-            Ok(v) => v.into_iter().map(|v| v.name).collect(),
+            Ok(v) => v
+                .into_iter()
+                .flat_map(|v| {
+                    let snaps: Vec<String> = v
+                        .snapshots
+                        .iter()
+                        .filter(|s| !s.deleting)
+                        .map(|s| format!("{}@{}", v.name, s.name))
+                        .collect();
+                    std::iter::once(v.name).chain(snaps)
+                })
+                .collect(),
             Err(e) => {
                 log::warn!("nbd list: {e}");
                 Vec::new()
@@ -316,18 +378,41 @@ impl Resolver for Exports {
         }
     }
 
+    /// `VOLUME` is the volume; `VOLUME@SNAPSHOT` its snapshot, read-only.
     async fn resolve(&self, export: &str) -> Result<Arc<Export>, ResolveError> {
-        let size = match self.node.cluster.volume(export).await {
-            Ok(Some((rec, _))) => rec.size_bytes,
+        let (volume, snap) = match export.split_once('@') {
+            Some((v, s)) => (v, Some(s)),
+            None => (export, None),
+        };
+        let (size, snapshot) = match self.node.cluster.volume(volume).await {
+            Ok(Some((rec, _))) => {
+                match snap {
+                    None => (rec.size_bytes, None),
+                    Some(s) => match rec.snapshots.iter().find(|x| x.name == s && !x.deleting) {
+                        // Records from before the size was kept: the volume's (a volume
+                        // only grows; reads past the snapshot's end read zeros).
+                        Some(x) => (
+                            if x.size_bytes > 0 {
+                                x.size_bytes
+                            } else {
+                                rec.size_bytes
+                            },
+                            Some((s.to_string(), x.epoch)),
+                        ),
+                        None => return Err(ResolveError::Unknown),
+                    },
+                }
+            }
             Ok(None) => return Err(ResolveError::Unknown),
             Err(e) => return Err(ResolveError::Unavailable(e.to_string())),
         };
-        match self.node.open_volume(export).await {
+        match self.node.open_volume(volume).await {
             Ok(route) => Ok(Arc::new(Export {
                 node: self.node.clone(),
-                name: export.to_string(),
+                name: volume.to_string(),
                 size_bytes: size,
                 route: RwLock::new(Arc::new(route)),
+                snapshot,
             })),
             Err(OpenError::Unknown) => Err(ResolveError::Unknown),
             Err(OpenError::Unavailable(why)) => Err(ResolveError::Unavailable(why)),

@@ -20,6 +20,7 @@ mod qos;
 mod repair;
 mod rotate;
 mod scrub;
+mod snapshots;
 mod tiering;
 mod usage;
 mod wear;

@@ -220,6 +220,13 @@ impl Node {
             self.replicas.clone(),
             self.allocator.clone(),
         ));
+        v.set_snapshots(
+            rec.snapshots
+                .iter()
+                .filter(|s| !s.deleting)
+                .map(|s| s.epoch)
+                .collect(),
+        );
         match v.reconcile().await {
             Ok(r) => log::info!(
                 "serving volume {} (id {}) at epoch {}: copies fenced and compared ({} blocks, {} diverged, {} rewritten)",
@@ -596,6 +603,7 @@ fn volume_to_response(e: VolumeError) -> Response {
         VolumeError::OutOfRange { .. } => ErrorCode::OutOfRange,
         VolumeError::TooLong { .. } => ErrorCode::Invalid,
         VolumeError::NoSpace { .. } => ErrorCode::NoSpace,
+        VolumeError::Snapshot { .. } => ErrorCode::Invalid,
         _ => ErrorCode::Io,
     };
     Response::err(code, e.to_string())
@@ -635,6 +643,12 @@ impl RpcHandler {
                 len,
                 trim,
             } => (volume, VolIo::Zero(offset, len, trim)),
+            Request::VolReadAt {
+                volume,
+                snapshot,
+                offset,
+                len,
+            } => (volume, VolIo::ReadAt(snapshot, offset, len)),
             _ => return Response::err(ErrorCode::Invalid, "not a volume request"),
         };
         let v = match self.owned(id).await {
@@ -652,6 +666,16 @@ impl RpcHandler {
             }),
             VolIo::Write(off, data) => v.write(off, data).await.map(|_| Response::ok()),
             VolIo::Zero(off, len, trim) => v.zero(off, len, trim).await.map(|_| Response::ok()),
+            VolIo::ReadAt(snap, off, len) => {
+                v.read_at(snap, off, u64::from(len)).await.map(|data| {
+                    Response::Extent(ExtentReply::Read(ReadReply {
+                        data,
+                        bad_blocks: Vec::new(),
+                        suspect: vec![],
+                        version: Version(0),
+                    }))
+                })
+            }
         };
         match r {
             Ok(resp) => resp,
@@ -669,6 +693,7 @@ enum VolIo {
     Read(u64, u32),
     Write(u64, Bytes),
     Zero(u64, u64, bool),
+    ReadAt(converge_types::Epoch, u64, u32),
 }
 
 impl Handler for RpcHandler {
@@ -678,10 +703,10 @@ impl Handler for RpcHandler {
                 Ok(r) => Response::Extent(r),
                 Err(e) => engine_to_response(e),
             },
-            req
-            @ (Request::VolRead { .. } | Request::VolWrite { .. } | Request::VolZero { .. }) => {
-                self.volume_io(req).await
-            }
+            req @ (Request::VolRead { .. }
+            | Request::VolWrite { .. }
+            | Request::VolZero { .. }
+            | Request::VolReadAt { .. }) => self.volume_io(req).await,
             Request::Ping => Response::Pong,
             Request::Hello(_) => Response::err(ErrorCode::Invalid, "hello after handshake"),
         }

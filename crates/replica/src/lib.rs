@@ -239,8 +239,10 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             key,
             epoch,
             snapshot,
+            previous,
+            history,
         } => {
-            tier.set_snapshot_floor(key, epoch, snapshot)?;
+            tier.set_snapshot_floor(key, epoch, snapshot, previous, history)?;
             ExtentReply::Ok
         }
         ExtentOp::DropSnapshot {
@@ -522,6 +524,8 @@ mod tests {
             key: KEY,
             epoch: Epoch(1),
             snapshot: Epoch(1),
+            previous: None,
+            history: converge_types::FloorHistory::Continues,
         };
         assert_eq!(run(&t, floor), ExtentReply::Ok);
         assert_eq!(run(&t, write(2, 2 << 32 | 1, 0, 1, 0xbb)), ExtentReply::Ok);

@@ -56,6 +56,8 @@ pub mod msg {
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
+    /// A redirected read of a volume's snapshot (docs/SNAPSHOTS.md).
+    pub const VOL_READ_AT: u8 = 0x23;
 
     pub const HELLO_OK: u8 = 0x81;
     pub const PONG: u8 = 0x82;
@@ -110,6 +112,13 @@ pub enum Request {
         offset: u64,
         len: u64,
         trim: bool,
+    },
+    /// A redirected read of snapshot `snapshot` (its epoch) of a volume.
+    VolReadAt {
+        volume: VolumeId,
+        snapshot: Epoch,
+        offset: u64,
+        len: u32,
     },
 }
 
@@ -431,6 +440,7 @@ pub fn request_type(req: &Request) -> u8 {
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
         Request::VolZero { .. } => msg::VOL_ZERO,
+        Request::VolReadAt { .. } => msg::VOL_READ_AT,
     }
 }
 
@@ -502,6 +512,19 @@ pub fn encode_request(request_id: u64, req: &Request) -> EncodedFrame {
             b.put_u64_le(*offset);
             b.put_u64_le(*len);
             b.put_u8(u8::from(*trim));
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::VolReadAt {
+            volume,
+            snapshot,
+            offset,
+            len,
+        } => {
+            let mut b = new_head(28);
+            b.put_u64_le(volume.0);
+            b.put_u64_le(snapshot.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*len);
             finish(t, request_id, b, Bytes::new())
         }
     }
@@ -689,11 +712,15 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             key,
             epoch,
             snapshot,
+            previous,
+            history,
         } => {
-            let mut b = new_head(40);
+            let mut b = new_head(49);
             put_key(&mut b, drive, key);
             b.put_u64_le(epoch.0);
             b.put_u64_le(snapshot.0);
+            b.put_u64_le(previous.map_or(0, |e| e.0));
+            b.put_u8(history.code());
             (b, Bytes::new())
         }
         ExtentOp::DropSnapshot {
@@ -1069,6 +1096,12 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
                 v => return Err(WireError::Invalid(format!("trim flag {v} is not 0 or 1"))),
             },
         },
+        msg::VOL_READ_AT => Request::VolReadAt {
+            volume: VolumeId(r.u64("volume")?),
+            snapshot: Epoch(r.u64("snapshot")?),
+            offset: r.u64("offset")?,
+            len: r.u32("len")?,
+        },
         other => return Err(WireError::UnknownType(other)),
     };
     r.finish()?;
@@ -1195,6 +1228,13 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             key,
             epoch: Epoch(r.u64("epoch")?),
             snapshot: Epoch(r.u64("snapshot")?),
+            previous: Some(Epoch(r.u64("previous snapshot")?)).filter(|e| e.0 > 0),
+            history: {
+                let c = r.u8("history")?;
+                converge_types::FloorHistory::from_code(c).ok_or_else(|| {
+                    WireError::Invalid(format!("snapshot floor history {c} is not 0, 1 or 2"))
+                })?
+            },
         },
         msg::DROP_SNAPSHOT => ExtentOp::DropSnapshot {
             key,
@@ -1309,13 +1349,22 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..21) {
+        match rng.gen_range(0..22) {
+            21 => Request::VolReadAt {
+                volume: VolumeId(rng.gen()),
+                snapshot: Epoch(rng.gen()),
+                offset: rng.gen(),
+                len: rng.gen(),
+            },
             18 => Request::Extent {
                 drive: DriveId(rng.gen()),
                 op: ExtentOp::SnapshotFloor {
                     key: key(rng),
                     epoch: Epoch(rng.gen()),
                     snapshot: Epoch(rng.gen()),
+                    previous: rng.gen_bool(0.5).then(|| Epoch(rng.gen_range(1..u64::MAX))),
+                    history: converge_types::FloorHistory::from_code(rng.gen_range(0..3))
+                        .expect("0..3 are codes"),
                 },
             },
             19 => Request::Extent {
@@ -1586,7 +1635,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 23, "every request type was exercised");
+        assert_eq!(seen.len(), 24, "every request type was exercised");
     }
 
     /// A write without compression keeps its message type and bytes (nodes of older

@@ -16,6 +16,39 @@ pub struct SettleRows {
     pub upto: Version,
 }
 
+/// What a copy that gets a snapshot floor can answer for the snapshots before it
+/// (docs/adr/0012): a copy filled after a snapshot (a rebuild, a resync) lacks the states
+/// that snapshot kept, so it must refuse reads of it rather than answer with later data.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FloorHistory {
+    /// A new slab's copy, before its first write: every snapshot (before its slab existed
+    /// it reads as zeros). Taken as `Continues` by an extent that holds data already.
+    Full,
+    /// An in-sync copy: what it held before, if its floor was the previous snapshot (else
+    /// it missed one, and holds only the new one on).
+    Continues,
+    /// A copy still being filled: none, until a later floor finds it in sync.
+    Joining,
+}
+
+impl FloorHistory {
+    pub fn code(self) -> u8 {
+        match self {
+            FloorHistory::Full => 0,
+            FloorHistory::Continues => 1,
+            FloorHistory::Joining => 2,
+        }
+    }
+    pub fn from_code(c: u8) -> Option<FloorHistory> {
+        Some(match c {
+            0 => FloorHistory::Full,
+            1 => FloorHistory::Continues,
+            2 => FloorHistory::Joining,
+            _ => return None,
+        })
+    }
+}
+
 /// Most [`SettleRows`] one settle carries.
 pub const SETTLE_ROWS_MAX: usize = 1024;
 
@@ -144,6 +177,9 @@ pub enum ExtentOp {
         key: ExtentKey,
         epoch: Epoch,
         snapshot: Epoch,
+        /// The volume's snapshot before this one (None: none).
+        previous: Option<Epoch>,
+        history: FloorHistory,
     },
     /// Deletes snapshot `snapshot` from the extent: what `below` (the next older
     /// remaining snapshot, if any) also reads moves into its keeping, the rest is freed.
@@ -247,7 +283,16 @@ impl ExtentOp {
     /// one that stores blocks, and the fencing ones (an absent extent is created at the
     /// fencing epoch, so an older owner's late write cannot create it afterwards).
     pub fn creates_extent(&self) -> bool {
-        self.stores_blocks() || matches!(self, ExtentOp::Versions { .. } | ExtentOp::Digest { .. })
+        self.stores_blocks()
+            || matches!(
+                self,
+                ExtentOp::Versions { .. }
+                    | ExtentOp::Digest { .. }
+                    | ExtentOp::SnapshotFloor {
+                        history: FloorHistory::Full,
+                        ..
+                    }
+            )
     }
 
     /// What a correct answer to this operation looks like. Taken before the operation is

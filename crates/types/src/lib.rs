@@ -9,7 +9,7 @@ use std::str::FromStr;
 pub mod extent;
 pub mod mrc;
 pub use extent::{
-    BadReply, BlocksReply, ExtentOp, ExtentReply, ReadReply, ReplyShape, SettleRows,
+    BadReply, BlocksReply, ExtentOp, ExtentReply, FloorHistory, ReadReply, ReplyShape, SettleRows,
     SETTLE_ROWS_MAX,
 };
 

@@ -12,6 +12,7 @@ mod parity_io;
 mod parity_sync;
 pub mod qos;
 pub mod resync;
+mod snapshot;
 pub mod stats;
 pub mod tenure;
 
@@ -244,6 +245,9 @@ pub enum VolumeError {
         epoch: Epoch,
         why: String,
     },
+    /// A snapshot operation that cannot be done (docs/SNAPSHOTS.md says what is supported).
+    #[error("volume {volume}: {why}")]
+    Snapshot { volume: String, why: String },
 }
 
 /// What the owner needs to serve a volume.
@@ -257,7 +261,8 @@ pub struct VolumeConfig {
     /// Mirror-accelerated parity (docs/adr/0009): volume bytes the mirror part may hold,
     /// whole extents; 0 for none (and for anything but parity-K+1 or parity-K+2).
     pub mirror_part_bytes: u64,
-    /// This owner's term; stamped on every replica request.
+    /// This owner's term when it took the volume; stamped on every replica request. A
+    /// snapshot moves the owner on to the next ([`Volume::epoch`]).
     pub epoch: Epoch,
     /// The node this owner runs on: its extents are read first (data locality).
     pub local_node: NodeId,
@@ -477,6 +482,12 @@ pub struct Volume<R, A> {
     held_rows: tokio::sync::Semaphore,
     /// Volumes with a mirror part (mirror-accelerated parity).
     map: Option<mirror_part::MirrorPart>,
+    /// This owner's term: the config's, until a snapshot moves it on (docs/adr/0012: a
+    /// snapshot closes an epoch; the owner goes on in the next).
+    epoch: AtomicU64,
+    /// The volume's snapshots' epochs, oldest first (new slabs' copies get the newest as
+    /// their floor before their first write).
+    snapshots: std::sync::Mutex<Vec<Epoch>>,
 }
 
 /// Zero operations a large TRIM or WRITE_ZEROES has in flight at once.
@@ -558,6 +569,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .collect();
         let map = (cfg.mirror_part_bytes > 0 && cfg.resiliency.mirror_part().is_some())
             .then(|| mirror_part::MirrorPart::new(cfg.mirror_part_bytes));
+        let cfg_epoch = cfg.epoch;
         Volume {
             map,
             geometry,
@@ -577,7 +589,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             counters: VolumeCounters::default(),
             retired: AtomicBool::new(false),
             seq_floor: AtomicU64::new(0),
+            epoch: AtomicU64::new(cfg_epoch.0),
+            snapshots: std::sync::Mutex::new(Vec::new()),
         }
+    }
+
+    /// This owner's current term, stamped on every replica request.
+    pub fn epoch(&self) -> Epoch {
+        Epoch(self.epoch.load(Ordering::Acquire))
     }
 
     /// Stops serving: every later request (and every one in flight, before it answers)
@@ -748,11 +767,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .allocate(
                 self.cfg.id,
                 idx,
-                self.cfg.epoch,
+                self.epoch(),
                 copies,
                 !self.compression().is_none(),
             )
             .await?;
+        self.floor_new_slab(idx, &extents).await;
         self.adopt(idx, extents).await
     }
 
@@ -761,7 +781,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     async fn zero_whole(&self, idx: SlabIndex, slab: &Slab) -> Result<Version, VolumeError> {
         let version = self.next_version(slab);
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let size = self.cfg.slab_size_bytes;
         let targets = writable(&slab.extents());
         self.replicate(idx, slab, targets, |at| async move {
@@ -788,7 +808,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     fn next_version(&self, slab: &Slab) -> Version {
         let seq = slab.seq.fetch_add(1, Ordering::Relaxed) + 1;
         assert!(seq < 1 << 32, "version sequence exhausted within one epoch");
-        Version(self.cfg.epoch.0 << 32 | seq)
+        Version(self.epoch().0 << 32 | seq)
     }
 
     /// In-sync copies a write of slab `idx` must reach (a mirror-part slab's own count).
@@ -897,7 +917,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let version = self.next_version(&slab);
             let crcs = block_crcs(&data);
             let key = self.key(p.slab);
-            let epoch = self.cfg.epoch;
+            let epoch = self.epoch();
             let targets = writable(&extents);
             self.replicate(p.slab, &slab, targets, |at| {
                 let op = ExtentOp::Write {
@@ -1054,7 +1074,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     fn fenced(&self, why: String) -> VolumeError {
         VolumeError::Fenced {
             volume: self.cfg.name.clone(),
-            epoch: self.cfg.epoch,
+            epoch: self.epoch(),
             why,
         }
     }
@@ -1162,7 +1182,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     ) -> Result<(), VolumeError> {
         let extents = self
             .alloc
-            .change(self.cfg.id, idx, self.cfg.epoch, change)
+            .change(self.cfg.id, idx, self.epoch(), change)
             .await
             .inspect_err(|e| slab.note_failed_change(e))?;
         slab.set_extents(extents);
@@ -1403,7 +1423,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             Hedge,
         }
         let key = self.key(p.slab);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let read = |at: ExtentLoc| {
             let op = ExtentOp::Read {
                 key,
@@ -1504,7 +1524,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let read_one = |at: ExtentLoc, boff: u64| {
             let op = ExtentOp::Read {
                 key,
-                epoch: self.cfg.epoch,
+                epoch: self.epoch(),
                 offset: boff,
                 len: BLOCK_SIZE as u32,
             };
@@ -1582,7 +1602,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             // the write it holds (an equal version is taken: it clears a suspect mark).
             let op = ExtentOp::Write {
                 key,
-                epoch: self.cfg.epoch,
+                epoch: self.epoch(),
                 version: good.version,
                 offset: boff,
                 crcs: block_crcs(&good.data),
@@ -1711,7 +1731,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if let Some(s) = self.slab(idx) {
             return Ok(Some(s));
         }
-        let Some(extents) = self.alloc.lookup(self.cfg.id, idx, self.cfg.epoch).await? else {
+        let Some(extents) = self.alloc.lookup(self.cfg.id, idx, self.epoch()).await? else {
             return Ok(None);
         };
         let _g = self.alloc_lock.lock().await;
@@ -1793,7 +1813,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             self.replicate(p.slab, &slab, targets, |at| {
                 let op = ExtentOp::Zero {
                     key,
-                    epoch: self.cfg.epoch,
+                    epoch: self.epoch(),
                     version,
                     offset: p.offset,
                     len: p.len,
@@ -1824,8 +1844,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let Some(slab) = self.known_slab(idx).await? else {
             return Ok(());
         };
-        if self.shadows_parity(idx) {
-            // Zeroed below, but kept: see `shadows_parity`.
+        if self.shadows_parity(idx) || !self.snapshots().is_empty() {
+            // Zeroed below, but kept: see `shadows_parity`; and a snapshot still reads
+            // the slab's states before the zero (its copies' extents keep them).
             let _gate = slab.gate.read().await;
             if !slab.is_released() && !if_zeroed {
                 self.zero_whole(idx, &slab).await?;
@@ -1851,7 +1872,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             );
             return Ok(());
         }
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let deleted = match self.alloc.release(self.cfg.id, &[idx], epoch).await {
             Err(e @ VolumeError::Fenced { .. }) => return Err(e),
             r => r,
@@ -1895,7 +1916,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// newer than `upto`); a copy not freed is left to its node's orphan reclaim.
     pub(crate) async fn free_extents(&self, idx: SlabIndex, extents: &[ExtentLoc], upto: Version) {
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let answers = join_all(
             extents
                 .iter()

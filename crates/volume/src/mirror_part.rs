@@ -442,7 +442,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let freed: Vec<(SlabIndex, Arc<[crate::ExtentLoc]>, Version)> = subs
             .iter()
             .map(|(i, s)| {
-                let upto = Version(self.cfg.epoch.0 << 32 | s.seq.load(Ordering::Acquire));
+                let upto = Version(self.epoch().0 << 32 | s.seq.load(Ordering::Acquire));
                 self.forget_released(*i, s);
                 (*i, s.extents(), upto)
             })
@@ -474,7 +474,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     async fn flip(&self, idxs: &[SlabIndex]) -> Result<(), VolumeError> {
         let mut pause = std::time::Duration::from_millis(50);
         loop {
-            match self.alloc.release(self.cfg.id, idxs, self.cfg.epoch).await {
+            match self.alloc.release(self.cfg.id, idxs, self.epoch()).await {
                 Ok(()) => return Ok(()),
                 Err(e @ VolumeError::Fenced { .. }) => return Err(e),
                 Err(e) => {

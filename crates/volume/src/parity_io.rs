@@ -278,7 +278,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let crcs: Vec<std::sync::Arc<[u32]>> = (0..all).map(|c| block_crcs(&shard(c))).collect();
         let extents = self.chunks(g, idx, slab)?;
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let _room = self
             .held_rows
             .acquire_many(n.min(HELD_ROWS_IN_FLIGHT as u64) as u32)
@@ -386,7 +386,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let _settling = Settling(&w.settling);
         w.since_settle.store(0, Ordering::Release);
-        let epoch = self.cfg.epoch.0 << 32;
+        let epoch = self.epoch().0 << 32;
         let (below, done) = {
             let flight = w.flight.lock().expect("row writes poisoned");
             let below = match flight.first() {
@@ -422,7 +422,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         rows: &[SettleRows],
     ) {
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let targets = writable(&slab.extents());
         let answers = join_all(
             targets
@@ -488,8 +488,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if !settled {
             return Ok(false);
         }
-        let upto = Version(self.cfg.epoch.0 << 32 | slab.seq.load(Ordering::Acquire));
-        let epoch = self.cfg.epoch;
+        let upto = Version(self.epoch().0 << 32 | slab.seq.load(Ordering::Acquire));
+        let epoch = self.epoch();
         let deleted = self.alloc.release(self.cfg.id, &[idx], epoch).await;
         // Whatever the answer, no write may go to these chunks under this handle: if the
         // record is still there, the next write takes the slab up again (zeroing it).
@@ -528,7 +528,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .all(|(j, _, _)| ex[*j as usize].state == ExtentState::InSync)
         {
             let key = self.key(p.slab);
-            let epoch = self.cfg.epoch;
+            let epoch = self.epoch();
             let answered: Vec<AtomicBool> = reads.iter().map(|_| AtomicBool::new(false)).collect();
             let mut healthy = std::pin::pin!(join_all(
                 reads
@@ -737,7 +737,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // changed (a suspect block that agrees with its row is rewritten as it is, which
         // clears its mark).
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         for c in 0..all {
             for (i, &row_version) in versions.iter().enumerate() {
                 if !bad(i, c) && !suspect(i, c) {
@@ -797,7 +797,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         errors: &mut Vec<String>,
     ) -> Result<(), Retry> {
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let answers = join_all(
             which
                 .iter()

@@ -62,7 +62,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let mut report = CopyReport::default();
         if differ {
             let key = self.key(idx);
-            let epoch = self.cfg.epoch;
+            let epoch = self.epoch();
             let rows = g.rows();
             report.blocks_compared = rows;
             let mut start = 0;
@@ -100,7 +100,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 );
             }
         }
-        let upto = Version(self.cfg.epoch.0 << 32 | slab.seq.load(Ordering::Acquire));
+        let upto = Version(self.epoch().0 << 32 | slab.seq.load(Ordering::Acquire));
         self.settle_chunks(idx, slab, upto, &[]).await;
         Ok(report)
     }
@@ -120,7 +120,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     ) -> Result<u64, VolumeError> {
         let k = usize::from(g.k());
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let mut written = 0;
         for _ in 0..ROW_ROUNDS {
             let ex = self.chunks(g, idx, slab)?;
@@ -242,7 +242,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let seen = got[c].as_ref().expect("read").versions[0];
             let op = ExtentOp::WriteBlocks {
                 key: self.key(idx),
-                epoch: self.cfg.epoch,
+                epoch: self.epoch(),
                 offset: row * BS,
                 crcs: block_crcs(&data),
                 versions: vec![version],
@@ -275,7 +275,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     ) -> Result<CopyReport, VolumeError> {
         let k = usize::from(g.k());
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let ex = self.chunks(g, idx, slab)?;
         let tc = ex
             .iter()
@@ -377,7 +377,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     ) -> Result<(u64, u64), VolumeError> {
         let k = usize::from(g.k());
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let _rows = slab.rows.lock(r0, r0 + n).await;
         let ex = self.chunks(g, idx, slab)?;
         let target = ex[tc];
@@ -478,7 +478,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     ) -> Result<ScrubReport, VolumeError> {
         let k = usize::from(g.k());
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         // The gate (shared, as writes hold it) keeps the slab from being released, or its
         // chunks replaced, while the step reads them: a TRIM freeing the chunks under the
         // reads made them look like in-sync chunks that disagree.

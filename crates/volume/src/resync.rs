@@ -150,7 +150,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// abandoned (resync takes it up).
     async fn reload_record(&self, idx: SlabIndex, slab: &Slab) -> Result<(), VolumeError> {
         let _c = slab.change.lock().await;
-        let Some(record) = self.alloc.lookup(self.cfg.id, idx, self.cfg.epoch).await? else {
+        let Some(record) = self.alloc.lookup(self.cfg.id, idx, self.epoch()).await? else {
             return Ok(());
         };
         let before = slab.extents();
@@ -478,7 +478,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 .await;
         }
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let target = slab
             .extents()
             .iter()
@@ -570,7 +570,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         run: &[Diff],
     ) -> Result<u32, VolumeError> {
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let off = run[0].block * BS;
         let len = run.len() as u64 * BS;
         let op = ExtentOp::ReadBlocks {
@@ -682,7 +682,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             return Ok(CopyReport::default());
         }
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let blocks = self.cfg.slab_size_bytes / BS;
         let mut report = CopyReport {
             blocks_compared: blocks,
@@ -758,7 +758,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Returns whether the in-sync copies' version maps differ (their digests).
     async fn fence_and_compare(&self, idx: SlabIndex, slab: &Slab) -> Result<bool, VolumeError> {
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         for e in slab.extents().iter() {
             if e.state == ExtentState::Syncing {
                 self.change_state(
@@ -945,7 +945,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         repair: bool,
     ) -> Result<ScrubReport, VolumeError> {
         let key = self.key(idx);
-        let epoch = self.cfg.epoch;
+        let epoch = self.epoch();
         let _g = slab.gate.write().await;
         if slab.is_released() {
             return Ok(ScrubReport::default());

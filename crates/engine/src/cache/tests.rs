@@ -699,7 +699,15 @@ fn snapshots_through_the_cache_keep_what_was_logged_before_them() {
         read_cap(&r.cap, k, 0).iter().all(|&x| x == 0),
         "still only in the log"
     );
-    r.tier.set_snapshot_floor(k, Epoch(1), Epoch(1)).unwrap();
+    r.tier
+        .set_snapshot_floor(
+            k,
+            Epoch(1),
+            Epoch(1),
+            None,
+            converge_types::FloorHistory::Continues,
+        )
+        .unwrap();
     assert_eq!(
         read_cap(&r.cap, k, 0),
         a,

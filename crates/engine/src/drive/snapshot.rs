@@ -11,6 +11,8 @@
 //! (a block written for the first time after it) reads as never written.
 
 use super::*;
+use crate::layout::SINCE_NONE;
+use converge_types::FloorHistory;
 
 /// A snapshot's epoch as the engine keeps it (extent-table entries and records hold 32
 /// bits: the upper half of a version).
@@ -26,21 +28,37 @@ fn snapshot_epoch(e: Epoch, what: &str) -> Result<u32, EngineError> {
 
 impl Drive {
     /// Sets the extent's snapshot floor to `snapshot` (its volume's newest snapshot):
-    /// later writes at a newer epoch preserve the states that snapshot reads. Floors only
-    /// rise here ([`Drive::drop_snapshot`] lowers one); the same floor again is a no-op.
-    /// An extent the drive does not hold has nothing to preserve: Ok. Extents with a codec
-    /// or with priors of held (parity) writes are refused: snapshots of those are not
-    /// built yet. Durable on Ok, and writes acked after it wait for it.
+    /// later writes at a newer epoch preserve the states it reads. `previous` is the
+    /// volume's snapshot before it, and `history` what this copy holds of the older ones
+    /// ([`FloorHistory`]): the extent then holds the snapshots from `since` to the floor,
+    /// and refuses reads of others ([`Drive::read_at`]). Floors only rise here
+    /// ([`Drive::drop_snapshot`] lowers one); the same call again is a no-op. An extent the
+    /// drive does not hold has nothing to preserve: Ok (but [`FloorHistory::Full`], a new
+    /// slab's copy, allocates it as a write would). Extents with a codec or with priors
+    /// of held (parity) writes are refused: snapshots of those are not built yet. Durable
+    /// on Ok, and writes acked after it wait for it.
     pub fn set_snapshot_floor(
         &self,
         key: ExtentKey,
         epoch: Epoch,
         snapshot: Epoch,
+        previous: Option<Epoch>,
+        history: FloorHistory,
     ) -> Result<(), EngineError> {
         self.check_failed()?;
         let floor = snapshot_epoch(snapshot, "snapshot")?;
-        let Some(ext) = self.lookup(key) else {
-            return Ok(());
+        let previous = match previous {
+            Some(p) => snapshot_epoch(p, "previous snapshot")?,
+            None => 0,
+        };
+        // A new slab's copy is placed before its first write: its floor makes it.
+        let ext = if history == FloorHistory::Full {
+            self.extent_for_write(key, epoch)?
+        } else {
+            let Some(ext) = self.lookup(key) else {
+                return Ok(());
+            };
+            ext
         };
         Self::check_epoch(&ext, epoch)?;
         let seq = {
@@ -51,15 +69,26 @@ impl Drive {
                 return Err(EngineError::Released { key });
             }
             let cur = ext.floor.load(Ordering::Acquire);
-            if cur == floor {
+            let cur_since = ext.since.load(Ordering::Acquire);
+            if floor < cur {
+                return Err(EngineError::InvalidArgument(format!(
+                    "snapshot floor {floor} is below the extent's floor {cur}: a floor only \
+                     rises, deleting the newest snapshot lowers it"
+                )));
+            }
+            let empty = m.overlay.is_empty() && m.blocks.iter().all(|b| *b == BlockMeta::default());
+            let since = match history {
+                FloorHistory::Full if empty => 0,
+                FloorHistory::Joining => SINCE_NONE,
+                // Re-sent (a retry): what the first call decided.
+                _ if floor == cur => cur_since,
+                _ if cur == previous => cur_since.min(floor),
+                // It missed a snapshot between its floor and this one.
+                _ => floor,
+            };
+            if floor == cur && since == cur_since {
                 ext.epoch_seq.load(Ordering::Acquire)
             } else {
-                if floor < cur {
-                    return Err(EngineError::InvalidArgument(format!(
-                        "snapshot floor {floor} is below the extent's floor {cur}: a floor only \
-                         rises, deleting the newest snapshot lowers it"
-                    )));
-                }
                 if !ext.codec().is_none() {
                     return Err(EngineError::InvalidArgument(
                         "snapshots of compressed extents are not supported yet".into(),
@@ -77,10 +106,12 @@ impl Drive {
                 Record::Floor {
                     slot: ext.slot,
                     floor,
+                    since,
                 }
                 .encode(&mut rec);
                 let seq = self.enqueue(&rec, true)?;
                 ext.floor.store(floor, Ordering::Release);
+                ext.since.store(since, Ordering::Release);
                 ext.epoch_seq.fetch_max(seq, Ordering::AcqRel);
                 seq
             }
@@ -138,6 +169,7 @@ impl Drive {
                 Record::Floor {
                     slot: ext.slot,
                     floor: p,
+                    since: ext.since.load(Ordering::Acquire),
                 }
                 .push(&mut recs);
             }
@@ -190,8 +222,8 @@ impl Drive {
 
     /// Reads blocks of the extent as snapshot `snapshot` holds them (see the module
     /// docs); as [`Drive::read`] otherwise (bad and suspect blocks reported, unallocated
-    /// ones zeros). Reading at a snapshot the extent never preserved for (it was not
-    /// written after it) reads its current states written up to then.
+    /// ones zeros). Refused for a snapshot the extent does not hold (outside its
+    /// `since..=floor`: it was filled after that snapshot, or never had its floor).
     pub fn read_at(
         &self,
         key: ExtentKey,
@@ -208,6 +240,22 @@ impl Drive {
             return Ok(ReadInfo::default());
         };
         Self::check_epoch(&ext, epoch)?;
+        let (since, floor) = (
+            ext.since.load(Ordering::Acquire),
+            ext.floor.load(Ordering::Acquire),
+        );
+        if g < since || g > floor {
+            return Err(EngineError::InvalidArgument(format!(
+                "this copy of volume {} slab {} does not hold snapshot {g} (it holds {})",
+                key.volume,
+                key.slab,
+                if since > floor {
+                    "none".to_string()
+                } else {
+                    format!("{since} to {floor}")
+                }
+            )));
+        }
         let t = self.counters.begin();
         let r = with_scratch(|s| {
             self.read_checked(buf, s, None, &|out: &mut Vec<BlockMeta>| {

@@ -4,6 +4,7 @@
 
 use super::*;
 use converge_types::Compression;
+use converge_types::FloorHistory::{Continues, Full, Joining};
 use std::collections::BTreeMap;
 
 /// Version of write `seq` by an owner at `epoch` (ADR 0003: epoch in the upper half).
@@ -99,6 +100,17 @@ fn snapshot_model(seed: u64, ops: usize) {
     let mut epoch = 1u64;
     let mut seq = 1u64;
     let nblocks = (SLAB / BLOCK) as u32;
+    // Every extent exists before the first snapshot (an owner places a new slab's copies
+    // holding every snapshot; `a_copy_filled_after_a_snapshot_refuses_to_read_it` covers
+    // the rest).
+    for &k in &keys {
+        let (data, crcs) = blocks(&mut rng, 1);
+        d.write(k, Epoch(epoch), ver(epoch, seq), 0, &data, &crcs)
+            .expect("write");
+        seq += 1;
+        let m = live.entry(k).or_insert_with(|| vec![0u8; SLAB as usize]);
+        m[..B].copy_from_slice(&data);
+    }
     for op in 0..ops {
         let ctx = format!("seed {seed} op {op}");
         let k = keys[rng.gen_range(0..keys.len())];
@@ -126,8 +138,9 @@ fn snapshot_model(seed: u64, ops: usize) {
             }
             65..=72 => {
                 // A snapshot at the owner's epoch; the owner then writes at the next.
+                let previous = snaps.keys().next_back().copied().map(Epoch);
                 for &k in &keys {
-                    d.set_snapshot_floor(k, Epoch(epoch), Epoch(epoch))
+                    d.set_snapshot_floor(k, Epoch(epoch), Epoch(epoch), previous, Continues)
                         .expect("floor");
                 }
                 snaps.insert(epoch, live.clone());
@@ -210,7 +223,8 @@ fn a_snapshot_preserves_by_moving_states_not_copying_data() {
     let (a, ac) = blocks(&mut rng, 8);
     d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
     let data_before = d.stats().data_write_bytes;
-    d.set_snapshot_floor(k, Epoch(1), Epoch(1)).unwrap();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
     assert_eq!(d.snapshot_floor(k), 1);
     // Nothing is written by taking the snapshot, nothing preserved yet.
     assert_eq!(d.stats().data_write_bytes, data_before);
@@ -260,8 +274,10 @@ fn deleting_a_newer_snapshot_merges_what_an_older_one_reads() {
     let (a, ac) = blocks(&mut rng, 1);
     d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
     // Snapshots 1 and 2 both read `a`; it is preserved into 2's shadow (the newest).
-    d.set_snapshot_floor(k, Epoch(1), Epoch(1)).unwrap();
-    d.set_snapshot_floor(k, Epoch(2), Epoch(2)).unwrap();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    d.set_snapshot_floor(k, Epoch(2), Epoch(2), Some(Epoch(1)), Continues)
+        .unwrap();
     let (b, bc) = blocks(&mut rng, 1);
     d.write(k, Epoch(3), ver(3, 2), 0, &b, &bc).unwrap();
     assert_eq!(
@@ -291,10 +307,15 @@ fn what_snapshots_cannot_do_yet_is_refused_with_the_reason() {
     let mut rng = StdRng::seed_from_u64(7);
     let (a, ac) = blocks(&mut rng, 1);
     d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
-    d.set_snapshot_floor(k, Epoch(1), Epoch(3)).unwrap();
-    let err = d.set_snapshot_floor(k, Epoch(1), Epoch(2)).unwrap_err();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(3), None, Continues)
+        .unwrap();
+    let err = d
+        .set_snapshot_floor(k, Epoch(1), Epoch(2), None, Continues)
+        .unwrap_err();
     assert!(err.to_string().contains("only rises"), "{err}");
-    let err = d.set_snapshot_floor(k, Epoch(1), Epoch(0)).unwrap_err();
+    let err = d
+        .set_snapshot_floor(k, Epoch(1), Epoch(0), None, Continues)
+        .unwrap_err();
     assert!(err.to_string().contains("between 1 and"), "{err}");
     let err = d
         .write_held(k, Epoch(4), ver(4, 1), 0, &a, &ac)
@@ -309,10 +330,13 @@ fn what_snapshots_cannot_do_yet_is_refused_with_the_reason() {
     // Compressed extents refuse a floor.
     let c = key(1, 1);
     d.set_codec(c, Epoch(1), Compression::Lz4).unwrap();
-    let err = d.set_snapshot_floor(c, Epoch(1), Epoch(1)).unwrap_err();
+    let err = d
+        .set_snapshot_floor(c, Epoch(1), Epoch(1), None, Continues)
+        .unwrap_err();
     assert!(err.to_string().contains("compressed"), "{err}");
     // An extent the drive does not hold has nothing to preserve.
-    d.set_snapshot_floor(key(9, 9), Epoch(1), Epoch(1)).unwrap();
+    d.set_snapshot_floor(key(9, 9), Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
     assert_eq!(d.snapshot_floor(key(9, 9)), 0);
 }
 
@@ -335,7 +359,8 @@ fn preserving_past_the_drive_capacity_is_refused_as_full() {
     let mut rng = StdRng::seed_from_u64(8);
     let (a, ac) = blocks(&mut rng, 4);
     d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
-    d.set_snapshot_floor(k, Epoch(1), Epoch(1)).unwrap();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
     let (b, bc) = blocks(&mut rng, 4);
     let err = d.write(k, Epoch(2), ver(2, 2), 0, &b, &bc).unwrap_err();
     assert!(matches!(err, EngineError::Full { .. }), "{err}");
@@ -346,4 +371,60 @@ fn preserving_past_the_drive_capacity_is_refused_as_full() {
     // Once the snapshot is gone the write goes through.
     d.drop_snapshot(k, Epoch(2), Epoch(1), None).unwrap();
     d.write(k, Epoch(2), ver(2, 3), 0, &b, &bc).unwrap();
+}
+
+/// A copy filled after a snapshot (a rebuild, a resync) lacks the states it kept: it must
+/// refuse to read it rather than answer with later data. A new slab's copy holds every
+/// snapshot; one that missed a snapshot holds only those from the next on.
+#[test]
+fn a_copy_filled_after_a_snapshot_refuses_to_read_it() {
+    let (f, d) = faulty(16 << 20);
+    let mut rng = StdRng::seed_from_u64(9);
+    let (a, ac) = blocks(&mut rng, 1);
+    let mut buf = vec![0u8; B];
+    let holds = |d: &Drive, k: ExtentKey, s: u64| {
+        let mut b = vec![0u8; B];
+        d.read_at(k, Epoch(9), Epoch(s), 0, &mut b).is_ok()
+    };
+    // The original copy: written before snapshot 1, floors 1 and 2 in turn.
+    let orig = key(1, 0);
+    d.write(orig, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    d.set_snapshot_floor(orig, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    d.set_snapshot_floor(orig, Epoch(2), Epoch(2), Some(Epoch(1)), Continues)
+        .unwrap();
+    assert!(holds(&d, orig, 1) && holds(&d, orig, 2));
+    assert!(!holds(&d, orig, 3), "a snapshot past its floor");
+    // A rebuilt copy: filled (write_blocks) after snapshots 1 and 2, no floor yet.
+    let rebuilt = key(1, 1);
+    d.write_blocks(rebuilt, Epoch(3), 0, &a, &ac, &[ver(1, 1)], &[Version(0)])
+        .unwrap();
+    let e = d
+        .read_at(rebuilt, Epoch(3), Epoch(2), 0, &mut buf)
+        .unwrap_err();
+    assert!(e.to_string().contains("does not hold snapshot 2"), "{e}");
+    // Still being filled at snapshot 3: it holds none.
+    d.set_snapshot_floor(rebuilt, Epoch(3), Epoch(3), Some(Epoch(2)), Joining)
+        .unwrap();
+    assert!(!holds(&d, rebuilt, 3));
+    // In sync at snapshot 4: from 4 on, never the older ones.
+    d.set_snapshot_floor(rebuilt, Epoch(4), Epoch(4), Some(Epoch(3)), Continues)
+        .unwrap();
+    assert!(holds(&d, rebuilt, 4));
+    assert!(!holds(&d, rebuilt, 3) && !holds(&d, rebuilt, 1));
+    // The original copy missed snapshot 3 (it was stale): from 4 on.
+    d.set_snapshot_floor(orig, Epoch(4), Epoch(4), Some(Epoch(3)), Continues)
+        .unwrap();
+    assert!(holds(&d, orig, 4) && !holds(&d, orig, 2));
+    // A new slab's copy, placed after snapshot 4: every snapshot (zeros before it).
+    let fresh = key(1, 2);
+    d.set_snapshot_floor(fresh, Epoch(5), Epoch(4), Some(Epoch(3)), Full)
+        .unwrap();
+    assert!(d.has_extent(fresh), "a full floor places the copy");
+    assert!(holds(&d, fresh, 1) && holds(&d, fresh, 4));
+    // What it holds survives a reopen.
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert!(holds(&d, fresh, 1) && holds(&d, rebuilt, 4) && !holds(&d, rebuilt, 3));
+    assert!(holds(&d, orig, 4) && !holds(&d, orig, 2));
 }

@@ -1,0 +1,385 @@
+//! Snapshots at the owner (docs/adr/0012, docs/SNAPSHOTS.md). A snapshot closes the owner's
+//! epoch `e`: with every write drained and none admitted, each copy's snapshot floor is set
+//! to `e`, the control plane records the snapshot and moves the owner on to `e + 1` (one
+//! compare-and-swap, which also proves this node still owns the volume), and writes resume
+//! at the new epoch. Every write acked before it has an epoch at most `e` and is in it; every
+//! write after has `e + 1` and is not. Nothing is copied: the copies' engines keep the
+//! states a snapshot reads when later writes replace them.
+//!
+//! Supported here: mirror and simple volumes without compression. Parity (held writes),
+//! compressed volumes and mirror-accelerated parity are refused with the reason.
+
+use super::*;
+use converge_types::FloorHistory;
+
+impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
+    /// The volume's snapshots (their epochs, oldest first), as this owner knows them.
+    pub fn snapshots(&self) -> Vec<Epoch> {
+        self.snapshots.lock().expect("snapshot list lock").clone()
+    }
+
+    /// Sets the snapshot list from the volume's record (when the owner takes the volume).
+    pub fn set_snapshots(&self, mut epochs: Vec<Epoch>) {
+        epochs.sort_unstable();
+        *self.snapshots.lock().expect("snapshot list lock") = epochs;
+    }
+
+    fn snapshot_error(&self, why: impl Into<String>) -> VolumeError {
+        VolumeError::Snapshot {
+            volume: self.cfg.name.clone(),
+            why: why.into(),
+        }
+    }
+
+    /// Whether this volume's layout supports snapshots yet (see the module docs).
+    pub fn snapshots_supported(&self) -> Result<(), VolumeError> {
+        if self.geometry.is_some() || self.map.is_some() {
+            return Err(self.snapshot_error(
+                "snapshots of parity volumes are not supported yet (mirror and simple volumes \
+                 are)",
+            ));
+        }
+        if !self.compression().is_none() {
+            return Err(self.snapshot_error(
+                "snapshots of compressed volumes are not supported yet: set its compression \
+                 to none first (data written before stays compressed, and is refused too)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// Takes a snapshot. `commit(e)` records it in the control plane as the snapshot of
+    /// epoch `e` and grants this owner its next epoch, which it returns; it runs with
+    /// every write drained and none admitted, after every copy that takes writes has its
+    /// floor at `e`. Returns the snapshot's epoch. A failure leaves the volume as it was
+    /// (the floors set are dropped again, best effort).
+    pub async fn snapshot<F, Fut>(&self, commit: F) -> Result<Epoch, VolumeError>
+    where
+        F: FnOnce(Epoch) -> Fut,
+        Fut: Future<Output = Result<Epoch, VolumeError>>,
+    {
+        self.snapshots_supported()?;
+        self.check_serving()?;
+        // No slab is allocated and no write runs meanwhile: every slab's gate, in order
+        // (a write holds one gate per piece; pieces of one write take them independently).
+        let _alloc = self.alloc_lock.lock().await;
+        let slabs: Vec<(SlabIndex, Arc<Slab>)> = self
+            .slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .iter()
+            .map(|(i, s)| (*i, s.clone()))
+            .collect();
+        let mut gates = Vec::with_capacity(slabs.len());
+        for (_, s) in &slabs {
+            gates.push(s.gate.write().await);
+        }
+        self.check_serving()?;
+        let e = self.epoch();
+        let previous = self.snapshots().last().copied();
+        let targets: Vec<(SlabIndex, ExtentLoc)> = slabs
+            .iter()
+            .flat_map(|(i, s)| writable(&s.extents()).into_iter().map(move |at| (*i, at)))
+            .collect();
+        let floors = join_all(
+            targets
+                .iter()
+                .map(|&(idx, at)| {
+                    // A copy still being filled may lack what the snapshot holds (its
+                    // resync races the writes): it holds snapshots only from a later one.
+                    let history = if at.state == ExtentState::InSync {
+                        FloorHistory::Continues
+                    } else {
+                        FloorHistory::Joining
+                    };
+                    let op = ExtentOp::SnapshotFloor {
+                        key: self.key(idx),
+                        epoch: e,
+                        snapshot: e,
+                        previous,
+                        history,
+                    };
+                    self.ask(at, op, ExtentReply::into_ok)
+                })
+                .collect(),
+        )
+        .await;
+        let failed: Vec<String> = targets
+            .iter()
+            .zip(&floors)
+            .filter_map(|((idx, at), r)| {
+                r.as_ref()
+                    .err()
+                    .map(|err| format!("slab {idx} node {} drive {}: {err}", at.node, at.drive))
+            })
+            .collect();
+        let undo = |set: Vec<(SlabIndex, ExtentLoc)>| async move {
+            let below = self.snapshots().last().copied();
+            join_all(
+                set.iter()
+                    .map(|&(idx, at)| {
+                        let op = ExtentOp::DropSnapshot {
+                            key: self.key(idx),
+                            epoch: e,
+                            snapshot: e,
+                            below,
+                        };
+                        self.ask(at, op, ExtentReply::into_ok)
+                    })
+                    .collect(),
+            )
+            .await;
+        };
+        let set: Vec<(SlabIndex, ExtentLoc)> = targets
+            .iter()
+            .zip(&floors)
+            .filter(|(_, r)| r.is_ok())
+            .map(|(t, _)| *t)
+            .collect();
+        if !failed.is_empty() {
+            undo(set).await;
+            return Err(self.snapshot_error(format!(
+                "no snapshot taken: {} of {} copies could not start keeping it ({})",
+                failed.len(),
+                targets.len(),
+                failed.join("; ")
+            )));
+        }
+        let next = match commit(e).await {
+            Ok(n) => n,
+            Err(err) => {
+                undo(set).await;
+                return Err(err);
+            }
+        };
+        if next.0 <= e.0 {
+            return Err(self.snapshot_error(format!(
+                "the control plane granted epoch {next} after snapshot epoch {e}"
+            )));
+        }
+        self.epoch.store(next.0, Ordering::Release);
+        {
+            let mut l = self.snapshots.lock().expect("snapshot list lock");
+            l.push(e);
+            l.sort_unstable();
+        }
+        drop(gates);
+        Ok(e)
+    }
+
+    /// Deletes snapshot `snapshot` from every copy: the states only it reads are freed,
+    /// those the next older snapshot reads stay for it. The caller has marked it deleting
+    /// in the volume's record first (nothing reads it any more). Retry-safe: a copy that
+    /// was unreachable is named in the error, and deleting again finishes it.
+    pub async fn drop_snapshot(&self, snapshot: Epoch) -> Result<(), VolumeError> {
+        self.check_serving()?;
+        // Nothing reads it from here on, whatever the copies answer.
+        self.snapshots
+            .lock()
+            .expect("snapshot list lock")
+            .retain(|&s| s != snapshot);
+        let below = self.snapshots().into_iter().filter(|&s| s < snapshot).max();
+        let epoch = self.epoch();
+        let targets: Vec<(SlabIndex, ExtentLoc)> = self
+            .slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .iter()
+            .flat_map(|(i, s)| writable(&s.extents()).into_iter().map(move |at| (*i, at)))
+            .collect();
+        let results = join_all(
+            targets
+                .iter()
+                .map(|&(idx, at)| {
+                    let op = ExtentOp::DropSnapshot {
+                        key: self.key(idx),
+                        epoch,
+                        snapshot,
+                        below,
+                    };
+                    self.ask(at, op, ExtentReply::into_ok)
+                })
+                .collect(),
+        )
+        .await;
+        let failed: Vec<String> = targets
+            .iter()
+            .zip(&results)
+            .filter_map(|((idx, at), r)| {
+                r.as_ref()
+                    .err()
+                    .map(|err| format!("slab {idx} node {} drive {}: {err}", at.node, at.drive))
+            })
+            .collect();
+        if failed.is_empty() {
+            Ok(())
+        } else {
+            Err(self.snapshot_error(format!(
+                "snapshot deleted, but {} copies still keep its space until deleted again: {}",
+                failed.len(),
+                failed.join("; ")
+            )))
+        }
+    }
+
+    /// Reads `len` bytes at `offset` as snapshot `snapshot` holds them, from copies that
+    /// hold it (a copy filled after the snapshot refuses: docs/SNAPSHOTS.md, "Limits").
+    pub async fn read_at(
+        &self,
+        snapshot: Epoch,
+        offset: u64,
+        len: u64,
+    ) -> Result<Bytes, VolumeError> {
+        self.check_len(len)?;
+        self.check_range(offset, len)?;
+        self.check_serving()?;
+        if !self.snapshots().contains(&snapshot) {
+            return Err(self.snapshot_error(format!("no snapshot at epoch {snapshot}")));
+        }
+        self.snapshots_supported()?;
+        if len == 0 {
+            return Ok(Bytes::new());
+        }
+        self.admit(len).await;
+        let a_start = offset / BS * BS;
+        let a_end = (offset + len).div_ceil(BS) * BS;
+        let mut buf = BytesMut::with_capacity((a_end - a_start) as usize);
+        for p in split(a_start, a_end - a_start, self.slab_span()) {
+            buf.extend_from_slice(&self.read_at_piece(snapshot, p).await?);
+        }
+        if let Some(c) = &self.cfg.cipher {
+            c.open(a_start / BS, &mut buf);
+        }
+        let at = (offset - a_start) as usize;
+        let out = buf.freeze().slice(at..at + len as usize);
+        self.check_serving()?;
+        Ok(out)
+    }
+
+    /// One piece of a snapshot read, from one in-sync copy (this node's first): a copy
+    /// that does not hold the snapshot (filled after it) refuses, and one with bad or
+    /// suspect blocks is passed over for the next.
+    async fn read_at_piece(&self, snapshot: Epoch, p: Piece) -> Result<Bytes, VolumeError> {
+        let Some(slab) = self.slab(p.slab) else {
+            return Ok(Bytes::from(vec![0u8; p.len as usize]));
+        };
+        let mut copies: Vec<ExtentLoc> = slab
+            .extents()
+            .iter()
+            .filter(|e| e.state == ExtentState::InSync)
+            .copied()
+            .collect();
+        copies.sort_by_key(|e| e.node != self.cfg.local_node);
+        let key = self.key(p.slab);
+        let mut why = Vec::new();
+        for at in copies {
+            let op = ExtentOp::ReadAt {
+                key,
+                epoch: self.epoch(),
+                snapshot,
+                offset: p.offset,
+                len: p.len as u32,
+            };
+            match self.ask(at, op, ExtentReply::into_read).await {
+                Ok(r) if r.bad_blocks.is_empty() && r.suspect.is_empty() => return Ok(r.data),
+                Ok(r) => why.push(format!(
+                    "node {} drive {}: {} bad and {} suspect blocks",
+                    at.node,
+                    at.drive,
+                    r.bad_blocks.len(),
+                    r.suspect.len()
+                )),
+                Err(ReplicaError::StaleEpoch(w)) => return Err(self.fenced(w)),
+                Err(e) => why.push(format!("node {} drive {}: {e}", at.node, at.drive)),
+            }
+        }
+        Err(VolumeError::Unreadable {
+            volume: self.cfg.name.clone(),
+            slab: p.slab,
+            why: if why.is_empty() {
+                "no in-sync copy".into()
+            } else {
+                why.join("; ")
+            },
+        })
+    }
+
+    /// Before a new slab's first write, while the volume has snapshots: each copy is
+    /// placed holding every snapshot (before its slab existed, each reads as zeros), with
+    /// the newest as its floor. A copy that does not take it holds none of them (reads of
+    /// snapshots go to the others).
+    pub(crate) async fn floor_new_slab(&self, idx: SlabIndex, extents: &[ExtentLoc]) {
+        let snaps = self.snapshots();
+        let Some(&newest) = snaps.last() else {
+            return;
+        };
+        let previous = snaps.len().checked_sub(2).map(|i| snaps[i]);
+        let epoch = self.epoch();
+        let key = self.key(idx);
+        let results = join_all(
+            extents
+                .iter()
+                .map(|&at| {
+                    let op = ExtentOp::SnapshotFloor {
+                        key,
+                        epoch,
+                        snapshot: newest,
+                        previous,
+                        history: FloorHistory::Full,
+                    };
+                    self.ask(at, op, ExtentReply::into_ok)
+                })
+                .collect(),
+        )
+        .await;
+        for (at, r) in extents.iter().zip(results) {
+            if let Err(e) = r {
+                log::warn!(
+                    "volume {}: new slab {idx} on node {} drive {}: no snapshot floor ({e}); \
+                     reads of its snapshots go to the other copies",
+                    self.cfg.name,
+                    at.node,
+                    at.drive
+                );
+            }
+        }
+    }
+
+    /// Rolls the volume back to snapshot `snapshot`: every slab is rewritten with what the
+    /// snapshot reads (new writes at the current epoch, so the snapshot and every newer one
+    /// stay as they are). Clients should not write meanwhile: a write racing the rollback
+    /// may land before or after the part it touches. Returns the bytes rewritten.
+    pub async fn rollback(&self, snapshot: Epoch) -> Result<u64, VolumeError> {
+        self.snapshots_supported()?;
+        if !self.snapshots().contains(&snapshot) {
+            return Err(self.snapshot_error(format!("no snapshot at epoch {snapshot}")));
+        }
+        let span = self.slab_span();
+        let size = self.size_bytes();
+        let slabs: Vec<SlabIndex> = self
+            .slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .keys()
+            .copied()
+            .collect();
+        let mut done = 0;
+        for idx in slabs {
+            let start = idx.0 * span;
+            let end = (start + span).min(size);
+            let mut off = start;
+            while off < end {
+                let n = (end - off).min(MAX_IO_BYTES as u64);
+                let data = self.read_at(snapshot, off, n).await?;
+                if data.iter().all(|&b| b == 0) {
+                    self.zero(off, n, false).await?;
+                } else {
+                    self.write(off, data).await?;
+                }
+                done += n;
+                off += n;
+            }
+        }
+        Ok(done)
+    }
+}
