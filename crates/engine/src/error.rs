@@ -32,6 +32,14 @@ pub enum EngineError {
     },
     #[error("extent {key:?} was released (its slab was trimmed whole) while this request waited; nothing was written")]
     Released { key: ExtentKey },
+    /// A read at a snapshot this copy does not hold (docs/adr/0012): it was filled after
+    /// it, or missed it; another copy may hold it.
+    #[error("this copy of volume {} slab {} does not hold snapshot {snapshot} (it holds {holds}): it was filled or missed a snapshot since; read another copy", key.volume, key.slab)]
+    NoSnapshot {
+        key: ExtentKey,
+        snapshot: u32,
+        holds: String,
+    },
     #[error("drive holds {held} unsettled priors of parity writes, its limit: the owner must settle completed rows before writing more")]
     HeldFull { held: u64 },
     #[error("no free extent on this drive (all {extents_total} in use); place the slab on another drive or free extents")]

@@ -79,6 +79,7 @@ async fn served_here(node: &Arc<Node>, name: &str) -> Result<Arc<Vol>, ApiError>
 
 fn volume_error(e: VolumeError) -> ApiError {
     match e {
+        VolumeError::Control(..) => ApiError::unavailable(e),
         VolumeError::Snapshot { .. } => ApiError(StatusCode::CONFLICT, e.to_string()),
         VolumeError::OutOfRange { .. } | VolumeError::TooLong { .. } => {
             ApiError::bad(e.to_string())
@@ -123,9 +124,17 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
             cluster
                 .take_snapshot(&vname, me, lease, e, &sname, created)
                 .await
-                .map_err(|err| VolumeError::Snapshot {
-                    volume: vname.clone(),
-                    why: format!("no snapshot taken: {err}"),
+                .map_err(|err| match err {
+                    // The answer was lost: it may have applied (Volume::snapshot stops
+                    // serving at this epoch).
+                    converge_control::ControlError::Etcd(_) => VolumeError::Control(
+                        format!("recording snapshot {sname}: {err}; it may have been taken"),
+                        vname.clone(),
+                    ),
+                    _ => VolumeError::Snapshot {
+                        volume: vname.clone(),
+                        why: format!("no snapshot taken: {err}"),
+                    },
                 })
         })
         .await

@@ -240,6 +240,38 @@ impl Ctl {
     /// The previous owner's lease is gone (the nemesis decided it: crash, deposition, or a
     /// takeover attempt that is given up): its owner record disappears, as etcd deletes a
     /// lease's keys when it expires.
+    /// Writes a volume's record (variant `snapshot`: the snapshot transactions read it).
+    pub(crate) fn put_volume(&mut self, rec: &converge_control::VolumeRecord) {
+        self.put_direct(&keys::volume(&rec.name), json(rec), None);
+    }
+
+    /// The epochs of the snapshots volume `name`'s record lists (not being deleted).
+    pub(crate) fn snapshot_epochs(&self, name: &str) -> Vec<Epoch> {
+        let alive = Leases::default();
+        self.visible(&keys::volume(name), &alive)
+            .and_then(|kv| serde_json::from_slice::<converge_control::VolumeRecord>(&kv.value).ok())
+            .map(|r| {
+                r.snapshots
+                    .iter()
+                    .filter(|s| !s.deleting)
+                    .map(|s| s.epoch)
+                    .collect()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Snapshot `snap` of volume `name` as its record lists it: (epoch, being deleted).
+    pub(crate) fn snapshot_of(&self, name: &str, snap: &str) -> Option<(Epoch, bool)> {
+        let alive = Leases::default();
+        let rec = self.visible(&keys::volume(name), &alive).and_then(|kv| {
+            serde_json::from_slice::<converge_control::VolumeRecord>(&kv.value).ok()
+        })?;
+        rec.snapshots
+            .iter()
+            .find(|s| s.name == snap)
+            .map(|s| (s.epoch, s.deleting))
+    }
+
     pub(crate) fn expire_owner(&mut self, v: VolumeId) {
         self.kvs.remove(&keys::owner(v));
         self.revision += 1;

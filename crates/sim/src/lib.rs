@@ -152,6 +152,11 @@ pub struct Options {
     /// writes, resyncs, rebuilds, scrubs and destages go through compressed groups and
     /// their read-modify-writes under every fault.
     pub compress: bool,
+    /// Owners take, read, and delete snapshots of the mirror volumes among the faults
+    /// (variant `snapshot`, docs/adr/0012): every snapshot read is checked against the
+    /// history as a read over the window the snapshot was taken in, and after healing every
+    /// snapshot left is read whole.
+    pub snapshots: bool,
     /// The parity volume of variant `parity`: parity-2+1, 2+2 or 3+1, drawn from the seed
     /// (every shape fits the 4–5 nodes; with K+M = nodes a lost chunk has nowhere else to
     /// go and waits for its node).
@@ -231,6 +236,7 @@ impl Options {
             parity: false,
             mirror_part: false,
             compress: false,
+            snapshots: false,
             // Drawn last, so the draws above (and the runs of earlier seeds) stay as they were.
             parity_volume: parity_volume(&mut r, second_slabs),
         }
@@ -358,6 +364,9 @@ fn variant_env(o: &Options) -> String {
     if o.parity {
         v.push("parity");
     }
+    if o.snapshots {
+        v.push("snapshot");
+    }
     if v.is_empty() {
         String::new()
     } else {
@@ -368,6 +377,10 @@ fn variant_env(o: &Options) -> String {
 /// Runs one simulation. Call it on a current-thread runtime with paused time.
 pub async fn simulate(mut opts: Options) -> Result<Report, Failure> {
     opts.volumes = opts.effective_volumes();
+    if opts.snapshots {
+        // Snapshots keep overwritten blocks: room for them beside the volumes.
+        opts.drive_bytes = opts.drive_bytes.max(6 << 20);
+    }
     let world = match World::new(opts.clone()) {
         Ok(w) => w,
         Err(e) => {
@@ -452,7 +465,27 @@ async fn run(w: Arc<World>) {
             takeover_running: false,
             last_takeover_error: None,
             pins: vec![None; o.clients_per_volume],
+            snaps: Vec::new(),
         });
+        if o.snapshots {
+            // The snapshot transactions read and write the volume's record.
+            let rec = converge_control::VolumeRecord {
+                id: VolumeId(100 + v as u64),
+                name: format!("vm{v:02}"),
+                size_bytes: owner::volume_blocks(&w, spec) * converge_types::BLOCK_SIZE as u64,
+                resiliency: spec.resiliency,
+                mirror_part_bytes: 0,
+                min_replicas: spec.min_replicas,
+                slab_size_bytes: o.slab_blocks * converge_types::BLOCK_SIZE as u64,
+                owner: NodeId(1),
+                created_unix: 0,
+                compression: spec.compression,
+                encryption: None,
+                qos: Default::default(),
+                snapshots: Vec::new(),
+            };
+            lock(&w.ctl).put_volume(&rec);
+        }
         owner::first_owner(&w, v);
     }
     let mut clients = Vec::new();
@@ -462,6 +495,14 @@ async fn run(w: Arc<World>) {
         }
     }
     let repairer = tokio::spawn(workload::repairer(w.clone()));
+    let snapshotters: Vec<_> = (0..o.volumes.len())
+        .filter(|&v| {
+            o.snapshots
+                && !o.volumes[v].resiliency.is_parity()
+                && o.volumes[v].compression.is_none()
+        })
+        .map(|v| tokio::spawn(workload::snapshotter(w.clone(), v)))
+        .collect();
     let cache_worker = o.cache.then(|| tokio::spawn(cache::worker(w.clone())));
     let until = Instant::now() + o.fault_phase;
     if o.drain {
@@ -477,6 +518,9 @@ async fn run(w: Arc<World>) {
         let _ = c.await;
     }
     let _ = repairer.await;
+    for s in snapshotters {
+        let _ = s.await;
+    }
     if let Some(c) = cache_worker {
         let _ = c.await;
     }
@@ -600,6 +644,9 @@ async fn final_checks(w: &Arc<World>) {
         for (id, epoch) in vols {
             check_agree(w, id, epoch);
         }
+    }
+    for (v, o) in &owners {
+        workload::check_snapshots(w, *v, o).await;
     }
     // Rot and torn blocks left over, and in-sync copies that still differ on an unacked
     // write, are repaired by one scrub (the background scrubber's job).

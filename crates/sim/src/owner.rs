@@ -85,6 +85,20 @@ pub(crate) struct VolRt {
     pub last_takeover_error: Option<String>,
     /// Per client: a zombie it is still attached to.
     pub pins: Vec<Option<Arc<Owner>>>,
+    /// Snapshots taken (variant `snapshot`), with the logical window they were taken in.
+    pub snaps: Vec<SnapRec>,
+}
+
+/// A snapshot the snapshotter took: its epoch and the history ticks it was taken between
+/// (a snapshot reads like a read over that window: docs/SIMULATION.md, "Snapshots").
+#[derive(Clone, Debug)]
+pub(crate) struct SnapRec {
+    pub name: String,
+    pub epoch: Epoch,
+    pub start: u64,
+    pub end: u64,
+    /// A delete was asked (reads stop; a retry finishes it).
+    pub deleting: bool,
 }
 
 /// Volume blocks one slab of `spec` holds: the extent's blocks, times K for a parity
@@ -136,8 +150,11 @@ fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owne
         node,
         w.opts.locality_pct,
     ));
+    let vol = Arc::new(Volume::new(cfg, slabs, io, ctl));
+    // As the daemon does when it takes a volume: the snapshots its record lists.
+    vol.set_snapshots(lock(&w.ctl).snapshot_epochs(&name));
     Arc::new(Owner {
-        vol: Arc::new(Volume::new(cfg, slabs, io, ctl)),
+        vol,
         node,
         epoch,
         tasks: Mutex::new(Vec::new()),

@@ -611,3 +611,227 @@ pub(crate) async fn scrub(
         None => None,
     }
 }
+
+/// Variant `snapshot`: takes, reads and deletes snapshots of volume `v` through its current
+/// owner, the way the daemon's API does (docs/SNAPSHOTS.md), among the faults. A snapshot
+/// read is judged against the history as a read over the window the snapshot was taken in:
+/// it must hold every write acked before the window and none issued after it.
+pub(crate) async fn snapshotter(w: Arc<World>, v: usize) {
+    let mut n = 0u64;
+    while !w.stopping() {
+        tokio::time::sleep(w.ms(20, 150)).await;
+        let Some(o) = lock(&w.vols)[v].current.clone().filter(|o| o.alive()) else {
+            continue;
+        };
+        // Each snapshot keeps what is overwritten after it: a few at a time fit the
+        // simulation's small drives.
+        let kept = lock(&w.vols)[v].snaps.len();
+        match w.rng(|r| r.gen_range(0..10)) {
+            _ if kept >= 3 => delete_snapshot(&w, v, &o).await,
+            0..=3 => {
+                take_snapshot(&w, v, &o, n).await;
+                n += 1;
+            }
+            4..=7 => {
+                read_snapshot(&w, v, &o).await;
+            }
+            _ => delete_snapshot(&w, v, &o).await,
+        }
+    }
+}
+
+async fn take_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>, n: u64) {
+    let name = lock(&w.vols)[v].name.clone();
+    let snap = format!("s{n}");
+    let start = lock(&w.hist).tick();
+    let node = o.node;
+    let cluster = Cluster::new(SimKv {
+        world: w.clone(),
+        node,
+    });
+    let vol = o.vol.clone();
+    let (vname, sname) = (name.clone(), snap.clone());
+    let r = match o.spawn(async move {
+        vol.snapshot(|e| async move {
+            cluster
+                .take_snapshot(&vname, node, crate::control::lease_of(node), e, &sname, 0)
+                .await
+                .map_err(|err| match err {
+                    converge_control::ControlError::Etcd(_) => {
+                        VolumeError::Control(err.to_string(), vname.clone())
+                    }
+                    _ => VolumeError::Snapshot {
+                        volume: vname.clone(),
+                        why: err.to_string(),
+                    },
+                })
+        })
+        .await
+    }) {
+        Some(h) => h.await.ok(),
+        None => None,
+    };
+    let end = lock(&w.hist).tick();
+    // Whatever the owner saw, the record says whether it was taken.
+    let recorded = lock(&w.ctl).snapshot_of(&name, &snap);
+    match (&r, recorded) {
+        (_, Some((epoch, _))) => {
+            w.count("snapshots taken");
+            w.trace(|| format!("vol{v}: snapshot {snap} at epoch {epoch} (ticks {start}..{end})"));
+            lock(&w.vols)[v].snaps.push(crate::owner::SnapRec {
+                name: snap,
+                epoch,
+                start,
+                end,
+                deleting: false,
+            });
+        }
+        (Some(Err(e)), None) => {
+            w.count("snapshots refused");
+            w.trace(|| format!("vol{v}: snapshot {snap} refused: {e}"));
+        }
+        (_, None) => w.count("snapshots aborted"),
+    }
+}
+
+async fn read_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>) {
+    let (blocks, tag) = {
+        let vols = lock(&w.vols);
+        (volume_blocks(w, &vols[v].spec), vols[v].id.0)
+    };
+    let live: Vec<crate::owner::SnapRec> = lock(&w.vols)[v]
+        .snaps
+        .iter()
+        .filter(|s| !s.deleting)
+        .cloned()
+        .collect();
+    if live.is_empty() {
+        return;
+    }
+    let s = live[w.rng(|r| r.gen_range(0..live.len()))].clone();
+    let n = w.rng(|r| r.gen_range(1..=w.opts.io_blocks_max.min(blocks)));
+    let first = w.rng(|r| r.gen_range(0..=blocks - n));
+    let strict = o.superseded_at().is_none();
+    let vol = o.vol.clone();
+    let epoch = s.epoch;
+    let r = match o.spawn(async move { vol.read_at(epoch, first * BS, n * BS).await }) {
+        Some(h) => h.await.ok(),
+        None => None,
+    };
+    match r {
+        Some(Ok(data)) => {
+            w.count("snapshot reads ok");
+            let bad = lock(&w.hist).check_read(v, tag, first, &data, s.start, s.end, strict);
+            for (blk, why) in bad {
+                let writes = crate::describe_block(w, v, blk);
+                w.fail(format!(
+                    "read of snapshot {} (epoch {}, taken over ticks {}..{}) via the owner on node {}: {why}\n{writes}",
+                    s.name, s.epoch, s.start, s.end, o.node
+                ));
+            }
+        }
+        Some(Err(e)) => {
+            w.count("snapshot reads failed");
+            w.trace(|| format!("vol{v}: read of snapshot {} failed: {e}", s.name));
+        }
+        None => w.count("snapshot reads aborted"),
+    }
+}
+
+async fn delete_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>) {
+    let name = lock(&w.vols)[v].name.clone();
+    let snaps = lock(&w.vols)[v].snaps.clone();
+    if snaps.is_empty() {
+        return;
+    }
+    // A delete cut short is finished first.
+    let s = snaps
+        .iter()
+        .find(|s| s.deleting)
+        .cloned()
+        .unwrap_or_else(|| snaps[w.rng(|r| r.gen_range(0..snaps.len()))].clone());
+    for r in lock(&w.vols)[v]
+        .snaps
+        .iter_mut()
+        .filter(|r| r.name == s.name)
+    {
+        r.deleting = true;
+    }
+    let cluster = Cluster::new(SimKv {
+        world: w.clone(),
+        node: o.node,
+    });
+    let vol = o.vol.clone();
+    let (vname, sname) = (name.clone(), s.name.clone());
+    let r = match o.spawn(async move {
+        let Some(epoch) = cluster
+            .mark_snapshot_deleting(&vname, &sname)
+            .await
+            .map_err(|e| e.to_string())?
+        else {
+            return Ok(false);
+        };
+        vol.drop_snapshot(epoch).await.map_err(|e| e.to_string())?;
+        cluster
+            .remove_snapshot(&vname, &sname)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok::<bool, String>(true)
+    }) {
+        Some(h) => h.await.ok(),
+        None => None,
+    };
+    match r {
+        Some(Ok(_)) => {
+            w.count("snapshots deleted");
+            lock(&w.vols)[v].snaps.retain(|r| r.name != s.name);
+        }
+        Some(Err(e)) => {
+            w.count("snapshot deletes failed");
+            w.trace(|| format!("vol{v}: delete of snapshot {} failed: {e}", s.name));
+        }
+        None => w.count("snapshot deletes aborted"),
+    }
+}
+
+/// After healing: every snapshot left is read whole through the current owner and judged.
+pub(crate) async fn check_snapshots(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>) {
+    let (blocks, tag) = {
+        let vols = lock(&w.vols);
+        (volume_blocks(w, &vols[v].spec), vols[v].id.0)
+    };
+    let snaps: Vec<crate::owner::SnapRec> = lock(&w.vols)[v]
+        .snaps
+        .iter()
+        .filter(|s| !s.deleting)
+        .cloned()
+        .collect();
+    for s in snaps {
+        let mut first = 0;
+        while first < blocks {
+            let n = (blocks - first).min(64);
+            let vol = o.vol.clone();
+            let epoch = s.epoch;
+            match vol.read_at(epoch, first * BS, n * BS).await {
+                Ok(data) => {
+                    w.count("final snapshot reads");
+                    let bad = lock(&w.hist).check_read(v, tag, first, &data, s.start, s.end, true);
+                    for (blk, why) in bad {
+                        let writes = crate::describe_block(w, v, blk);
+                        w.fail(format!(
+                            "after healing, snapshot {} (epoch {}, ticks {}..{}): {why}\n{writes}",
+                            s.name, s.epoch, s.start, s.end
+                        ));
+                    }
+                }
+                // A slab none of whose copies holds the snapshot any more (every copy
+                // rebuilt since: docs/SNAPSHOTS.md, "Limits") is refused, never wrong.
+                Err(e) => {
+                    w.count("final snapshot reads refused");
+                    w.trace(|| format!("vol{v}: snapshot {} blocks {first}..: {e}", s.name));
+                }
+            }
+            first += n;
+        }
+    }
+}

@@ -52,7 +52,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// epoch `e` and grants this owner its next epoch, which it returns; it runs with
     /// every write drained and none admitted, after every copy that takes writes has its
     /// floor at `e`. Returns the snapshot's epoch. A failure leaves the volume as it was
-    /// (the floors set are dropped again, best effort).
+    /// (the floors set are dropped again, best effort), except when `commit` cannot tell
+    /// whether it applied ([`VolumeError::Control`]: the control plane's answer was lost):
+    /// then the snapshot may exist, so this owner must not write at `e` again; it stops
+    /// serving (clients re-route, and the next owner's epoch is above both).
     pub async fn snapshot<F, Fut>(&self, commit: F) -> Result<Epoch, VolumeError>
     where
         F: FnOnce(Epoch) -> Fut,
@@ -147,6 +150,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let next = match commit(e).await {
             Ok(n) => n,
+            Err(err @ VolumeError::Control(..)) => {
+                self.retire();
+                return Err(err);
+            }
             Err(err) => {
                 undo(set).await;
                 return Err(err);

@@ -245,16 +245,15 @@ impl Drive {
             ext.floor.load(Ordering::Acquire),
         );
         if g < since || g > floor {
-            return Err(EngineError::InvalidArgument(format!(
-                "this copy of volume {} slab {} does not hold snapshot {g} (it holds {})",
-                key.volume,
-                key.slab,
-                if since > floor {
+            return Err(EngineError::NoSnapshot {
+                key,
+                snapshot: g,
+                holds: if since > floor {
                     "none".to_string()
                 } else {
                     format!("{since} to {floor}")
-                }
-            )));
+                },
+            });
         }
         let t = self.counters.begin();
         let r = with_scratch(|s| {
