@@ -51,6 +51,14 @@ fn snapshots_hold_what_was_acked_before_them_through_overwrites_load_kill_9_and_
     must(Command::new("nbdcopy").arg(&b).arg(&uri));
     compare(&s1, &a, "snapshot s1 after the overwrite");
     compare(&uri, &b, "the volume after the overwrite");
+    // Every block of A was overwritten once: each of the three copies keeps it, moved, not
+    // copied.
+    let preserved = |lab: &Lab| -> u64 {
+        (1..=3)
+            .map(|n| lab.metric(n, "converge_drive_preserved_bytes"))
+            .sum()
+    };
+    assert_eq!(preserved(&lab), 3 * (128 << 20));
 
     // s2 taken while fio writes (and verifies) the second half: the first half, written
     // and acked before, is exactly B's in it.
@@ -139,6 +147,11 @@ print("ok")
     lab.must(&["volume", "snapshot", "delete", "vm", "s2"]);
     let v = lab.json(&["volume", "snapshot", "list", "vm"]);
     assert_eq!(v.as_array().unwrap().len(), 0, "{v}");
+    assert_eq!(
+        preserved(&lab),
+        0,
+        "deleting every snapshot returns its space"
+    );
     compare(&uri, &a, "the volume after deleting its snapshots");
     lab.must(&["volume", "delete", "vm"]);
 }

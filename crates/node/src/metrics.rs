@@ -209,6 +209,12 @@ pub async fn render(node: &Node) -> String {
             c.bytes_committed
         );
         let _ = writeln!(o, "converge_drive_free_bytes{{{l}}} {}", c.bytes_free);
+        // Blocks kept for snapshots (docs/SNAPSHOTS.md): counted in committed bytes.
+        let _ = writeln!(
+            o,
+            "converge_drive_preserved_bytes{{{l}}} {}",
+            c.bytes_preserved
+        );
     }
     let mut caches: Vec<_> = node.caches.iter().collect();
     caches.sort_by_key(|(id, _)| **id);
