@@ -1375,35 +1375,12 @@ impl<K: Kv> Cluster<K> {
         name: &str,
         snap: &str,
     ) -> Result<Option<Epoch>, ControlError> {
-        let vkey = keys::volume(name);
-        for _ in 0..TXN_RETRIES_MAX {
-            let Some(kv) = self.etcd.get(&vkey).await? else {
-                return Err(ControlError::Refused(format!("no volume named {name}")));
-            };
-            let mut rec: VolumeRecord = decode(&kv, "volume record")?;
-            let Some(s) = rec.snapshots.iter_mut().find(|s| s.name == snap) else {
-                return Ok(None);
-            };
-            if s.deleting {
-                return Ok(Some(s.epoch));
-            }
-            s.deleting = true;
-            let epoch = s.epoch;
-            if self
-                .etcd
-                .cas(
-                    &vkey,
-                    &encode(&vkey, "volume record", &rec)?,
-                    kv.mod_revision,
-                )
-                .await?
-            {
-                return Ok(Some(epoch));
-            }
-        }
-        Err(ControlError::Contended {
-            what: format!("deleting snapshot {snap} of volume {name}"),
+        self.change_snapshot(name, snap, |snaps, i| {
+            let changed = !snaps[i].deleting;
+            snaps[i].deleting = true;
+            (snaps[i].epoch, changed)
         })
+        .await
     }
 
     /// Takes snapshot `snap` out of volume `name`'s record (its copies gave its space
@@ -1413,6 +1390,19 @@ impl<K: Kv> Cluster<K> {
         name: &str,
         snap: &str,
     ) -> Result<Option<Epoch>, ControlError> {
+        self.change_snapshot(name, snap, |snaps, i| (snaps.remove(i).epoch, true))
+            .await
+    }
+
+    /// Read-modify-writes volume `name`'s record for its snapshot `snap` (None if it has
+    /// none): `f(snapshots, index)` changes the list and says what to answer and whether
+    /// the record changed (only then is it written, compare-and-swap, retried).
+    async fn change_snapshot<T>(
+        &self,
+        name: &str,
+        snap: &str,
+        f: impl Fn(&mut Vec<SnapshotRecord>, usize) -> (T, bool),
+    ) -> Result<Option<T>, ControlError> {
         let vkey = keys::volume(name);
         for _ in 0..TXN_RETRIES_MAX {
             let Some(kv) = self.etcd.get(&vkey).await? else {
@@ -1422,21 +1412,22 @@ impl<K: Kv> Cluster<K> {
             let Some(i) = rec.snapshots.iter().position(|s| s.name == snap) else {
                 return Ok(None);
             };
-            let gone = rec.snapshots.remove(i);
-            if self
-                .etcd
-                .cas(
-                    &vkey,
-                    &encode(&vkey, "volume record", &rec)?,
-                    kv.mod_revision,
-                )
-                .await?
+            let (answer, changed) = f(&mut rec.snapshots, i);
+            if !changed
+                || self
+                    .etcd
+                    .cas(
+                        &vkey,
+                        &encode(&vkey, "volume record", &rec)?,
+                        kv.mod_revision,
+                    )
+                    .await?
             {
-                return Ok(Some(gone.epoch));
+                return Ok(Some(answer));
             }
         }
         Err(ControlError::Contended {
-            what: format!("deleting snapshot {snap} of volume {name}"),
+            what: format!("changing snapshot {snap} of volume {name}"),
         })
     }
 

@@ -572,6 +572,14 @@ impl Drive {
         let after = sm.stored_blocks;
         drop(sm);
         drop(m);
+        self.shadow_stored_changed(before, after);
+        let page = block / BLOCKS_PER_META_PAGE;
+        ld.dirty_meta.insert((slot, page));
+        ld.dirty_meta.insert((tslot, page));
+    }
+
+    /// The shadows' stored blocks went from `before` to `after`.
+    fn shadow_stored_changed(&self, before: u32, after: u32) {
         if after >= before {
             self.shadow_stored
                 .fetch_add(u64::from(after - before), Ordering::Relaxed);
@@ -579,9 +587,6 @@ impl Drive {
             self.shadow_stored
                 .fetch_sub(u64::from(before - after), Ordering::Relaxed);
         }
-        let page = block / BLOCKS_PER_META_PAGE;
-        ld.dirty_meta.insert((slot, page));
-        ld.dirty_meta.insert((tslot, page));
     }
 
     /// Applies a Keep record: block `block`'s state `state` moves from the retired
@@ -619,13 +624,7 @@ impl Drive {
         let after = sm.stored_blocks + dm.stored_blocks;
         drop(dm);
         drop(sm);
-        if after >= before {
-            self.shadow_stored
-                .fetch_add(u64::from(after - before), Ordering::Relaxed);
-        } else {
-            self.shadow_stored
-                .fetch_sub(u64::from(before - after), Ordering::Relaxed);
-        }
+        self.shadow_stored_changed(before, after);
         let page = block / BLOCKS_PER_META_PAGE;
         ld.dirty_meta.insert((from, page));
         ld.dirty_meta.insert((slot, page));
