@@ -774,6 +774,13 @@ impl Drive {
     /// queued under the table lock so every later write of the extent lands in the same
     /// or a later batch (its ack then implies the fence is durable).
     fn extent_for_write(&self, key: ExtentKey, epoch: Epoch) -> Result<Arc<Extent>, EngineError> {
+        if epoch.0 > u64::from(u32::MAX) {
+            // No owner holds one (a version's upper half is its epoch), and the extent
+            // table keeps 32 bits of it.
+            return Err(EngineError::InvalidArgument(format!(
+                "epoch {epoch} is beyond 2^32: no owner holds such an epoch"
+            )));
+        }
         let mut t = lock(&self.table);
         let mut rec = [0u8; RECORD];
         if let Some(&slot) = t.by_key.get(&key) {

@@ -412,6 +412,20 @@ impl Drive {
                     })
                 })
                 .collect::<Result<Vec<Record>, EngineError>>()?;
+            // Epochs stay below 2^32 (a version's upper half; the extent table keeps the
+            // extent's snapshot range in the rest of the field).
+            if let Some(e) = decoded.iter().find_map(|r| match r {
+                Record::Alloc { epoch, .. } | Record::Epoch { epoch, .. }
+                    if epoch.0 > u64::from(u32::MAX) =>
+                {
+                    Some(*epoch)
+                }
+                _ => None,
+            }) {
+                return Err(EngineError::Corrupt(format!(
+                    "journal batch {seq} names epoch {e}, beyond 2^32"
+                )));
+            }
             let mut i = 0;
             while i < decoded.len() {
                 let rec = decoded[i];
