@@ -528,14 +528,9 @@ impl Drive {
                 return;
             }
             let floor = t.slots[slot as usize].entry.aux;
-            let target = match t.durable_shadows.get(&(live.key, snapshot)) {
-                Some(&s) => Some((s, u32::MAX)),
-                None if floor > 0 && floor < snapshot => t
-                    .durable_shadows
-                    .get(&(live.key, floor))
-                    .map(|&s| (s, floor)),
-                None => None,
-            };
+            let target = crate::drive::preserve_target(snapshot, floor, |e| {
+                t.durable_shadows.get(&(live.key, e)).copied()
+            });
             target.and_then(|(s, upto)| {
                 t.slots[s as usize]
                     .durable

@@ -371,7 +371,7 @@ impl ExtentMeta {
             }
             return;
         };
-        if held != BlockMeta::default() && held.version > state.version {
+        if !shadow_takes(&held, &state) {
             if let Some((first, len)) = state.run() {
                 gone.extend(first..first + len);
             }
@@ -457,6 +457,28 @@ impl Extent {
 /// The epoch a block state was written in (the upper half of its version).
 pub(crate) fn epoch_of(m: &BlockMeta) -> u64 {
     m.version >> 32
+}
+
+/// Where a Preserve record for snapshot `snapshot` puts its state, on an extent of `key`
+/// with snapshot floor `floor`: the snapshot's shadow (`shadow_of`), else, that one being
+/// retired, the floor's when older; with the newest epoch a state moved there may have
+/// (`u32::MAX`: any). The runtime apply and the journal replay both decide with it.
+pub(crate) fn preserve_target(
+    snapshot: u32,
+    floor: u32,
+    shadow_of: impl Fn(u32) -> Option<u32>,
+) -> Option<(u32, u32)> {
+    match shadow_of(snapshot) {
+        Some(s) => Some((s, u32::MAX)),
+        None if floor > 0 && floor < snapshot => shadow_of(floor).map(|s| (s, floor)),
+        None => None,
+    }
+}
+
+/// Whether a shadow holding `held` for a block takes `state` in its place: it keeps the
+/// newer of the two (an absent block takes any).
+pub(crate) fn shadow_takes(held: &BlockMeta, state: &BlockMeta) -> bool {
+    *held == BlockMeta::default() || held.version <= state.version
 }
 
 /// Whether a write of `new_version` replacing state `cur` must first preserve it for the

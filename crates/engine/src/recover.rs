@@ -618,13 +618,9 @@ impl Drive {
                             continue;
                         }
                         // As `apply_preserve`: the snapshot's shadow, else the floor's.
-                        let target = match shadow_slots.get(&(live.key, snapshot)) {
-                            Some(&s) => Some((s, u32::MAX)),
-                            None if live.floor > 0 && live.floor < snapshot => shadow_slots
-                                .get(&(live.key, live.floor))
-                                .map(|&s| (s, live.floor)),
-                            None => None,
-                        };
+                        let target = crate::drive::preserve_target(snapshot, live.floor, |e| {
+                            shadow_slots.get(&(live.key, e)).copied()
+                        });
                         let Some((tslot, upto)) = target else {
                             continue;
                         };
@@ -646,7 +642,7 @@ impl Drive {
                             continue;
                         };
                         let prev = sh.blocks[block as usize];
-                        if prev == BlockMeta::default() || prev.version <= meta.version {
+                        if crate::drive::shadow_takes(&prev, &meta) {
                             sh.blocks[block as usize] = meta;
                         }
                         preserved.entry((slot, block)).or_insert((tslot, prev));
@@ -690,7 +686,7 @@ impl Drive {
                         // it still holds it.
                         if let Some(Some(d)) = exts.get_mut(slot as usize) {
                             if let Some(prev) = d.blocks.get(block as usize).copied() {
-                                if prev == BlockMeta::default() || prev.version <= meta.version {
+                                if crate::drive::shadow_takes(&prev, &meta) {
                                     d.blocks[block as usize] = meta;
                                 }
                                 dirty_meta.insert((slot, block / BLOCKS_PER_META_PAGE));
