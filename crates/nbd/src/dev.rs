@@ -63,11 +63,13 @@ pub struct Extent {
 pub const STATE_HOLE: u32 = 1;
 /// `base:allocation`: the run reads as all zeroes.
 pub const STATE_ZERO: u32 = 2;
+/// `qemu:dirty-bitmap:NAME` (the qemu namespace's one flag): the run changed since NAME.
+pub const STATE_DIRTY: u32 = 1;
 
 /// One export's I/O. The server has already checked ranges (`offset + len <= size_bytes()`),
-/// lengths (`len >= 1`, reads/writes `<= max_request_bytes`, block status `<= 1 GiB`)
-/// and, when the client negotiated block sizes, alignment to `min_block`; otherwise
-/// requests may be unaligned.
+/// lengths (`len >= 1`, reads/writes `<= max_request_bytes`, block and dirty status
+/// `<= 1 GiB`) and, when the client negotiated block sizes, alignment to `min_block`;
+/// otherwise requests may be unaligned.
 ///
 /// Multi-conn contract: the server advertises `NBD_FLAG_CAN_MULTI_CONN`, so `flush` (and a
 /// FUA write) must make durable every write acknowledged on *any* connection to the device.
@@ -107,6 +109,33 @@ pub trait BlockDev: Send + Sync + 'static {
             Ok(vec![Extent {
                 length: len,
                 flags: 0,
+            }])
+        }
+    }
+    /// Names of the dirty bitmaps this export offers as `qemu:dirty-bitmap:NAME` metadata
+    /// contexts (for converge: the snapshots of the volume older than this export's view).
+    /// Asked on every NBD_OPT_LIST/SET_META_CONTEXT naming the export; names that are
+    /// empty, repeated, contain NUL or make a context name over 4096 bytes are not offered.
+    /// Default: none.
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        Vec::new()
+    }
+    /// `qemu:dirty-bitmap:NAME` for `[offset, offset + len)`: runs covering at least a prefix
+    /// of it, flags `STATE_DIRTY` where blocks changed since NAME, 0 where they did not.
+    /// Same run rules as `block_status`. Only called for names `dirty_bitmaps` listed when
+    /// the client selected them; one that has gone since should answer an error
+    /// (`DevErrorKind::Invalid`). Default: the whole range dirty, always a safe answer.
+    fn dirty_status(
+        &self,
+        bitmap: &str,
+        offset: u64,
+        len: u32,
+    ) -> impl Future<Output = Result<Vec<Extent>, DevError>> + Send {
+        async move {
+            let _ = (bitmap, offset);
+            Ok(vec![Extent {
+                length: len,
+                flags: STATE_DIRTY,
             }])
         }
     }

@@ -3,6 +3,7 @@
 //! STARTTLS, STRUCTURED_REPLY and LIST/SET_META_CONTEXT and refusing everything else
 //! politely.
 
+use std::collections::HashSet;
 use std::sync::Arc;
 
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -23,6 +24,50 @@ pub(crate) const OPTIONS_MAX: usize = 1024;
 /// Our metadata context id for `base:allocation` (ids are the server's choice; 0 is what
 /// LIST_META_CONTEXT sends, so a selected context gets another).
 pub(crate) const BASE_ALLOCATION_ID: u32 = 1;
+/// The id of the first `qemu:dirty-bitmap:NAME` a SET selects; the next ones count up from
+/// it in the order the client's queries first name them.
+pub(crate) const DIRTY_BITMAP_FIRST_ID: u32 = 2;
+/// The most `qemu:dirty-bitmap:` contexts one SET may select (a volume keeps at most 64
+/// snapshots); a SET asking for more is refused with NBD_REP_ERR_TOO_BIG. With
+/// `base:allocation`, at most 65 contexts, so BLOCK_STATUS replies stay bounded.
+pub(crate) const DIRTY_BITMAPS_MAX: usize = 64;
+
+/// What a selected metadata context reports, and from which device call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum MetaKind {
+    /// `base:allocation`: `BlockDev::block_status`.
+    Allocation,
+    /// `qemu:dirty-bitmap:NAME`: `BlockDev::dirty_status(NAME)`.
+    DirtyBitmap(String),
+}
+
+impl MetaKind {
+    /// The descriptor flag bits the context defines; the others are reserved (sent as 0).
+    pub fn flags_defined(&self) -> u32 {
+        match self {
+            MetaKind::Allocation => STATE_HOLE | STATE_ZERO,
+            MetaKind::DirtyBitmap(_) => STATE_DIRTY,
+        }
+    }
+}
+
+/// The context's name, as on the wire.
+impl std::fmt::Display for MetaKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MetaKind::Allocation => f.write_str(META_BASE_ALLOCATION),
+            MetaKind::DirtyBitmap(name) => write!(f, "{META_QEMU_DIRTY_BITMAP}{name}"),
+        }
+    }
+}
+
+/// A metadata context selected by NBD_OPT_SET_META_CONTEXT, with the id its BLOCK_STATUS
+/// chunks carry.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MetaContext {
+    pub id: u32,
+    pub kind: MetaKind,
+}
 
 /// Where a connection stands with TLS; it decides how options are answered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -62,9 +107,9 @@ pub(crate) struct Negotiated<D> {
     pub block_size_negotiated: bool,
     /// NBD_OPT_STRUCTURED_REPLY was acknowledged: READ replies are structured.
     pub structured: bool,
-    /// The id of `base:allocation` if the last NBD_OPT_SET_META_CONTEXT selected it for
-    /// this export; `None` refuses NBD_CMD_BLOCK_STATUS.
-    pub meta_context: Option<u32>,
+    /// The contexts the last NBD_OPT_SET_META_CONTEXT selected for this export, in the
+    /// order BLOCK_STATUS answers them; empty refuses NBD_CMD_BLOCK_STATUS.
+    pub meta_contexts: Arc<[MetaContext]>,
 }
 
 /// What the options of one haggling pass have negotiated so far. A pass starts empty, so
@@ -72,24 +117,26 @@ pub(crate) struct Negotiated<D> {
 #[derive(Debug, Default)]
 struct Haggling {
     structured: bool,
-    /// The export name of the last NBD_OPT_SET_META_CONTEXT if it selected
-    /// `base:allocation`; any later SET replaces it, even a failed one.
-    meta_export: Option<String>,
+    /// The export name of the last NBD_OPT_SET_META_CONTEXT and what it selected, if it
+    /// selected anything; any later SET replaces it, even a failed one.
+    meta: Option<(String, Arc<[MetaContext]>)>,
 }
 
 impl Haggling {
-    /// The context to use in transmission with export `name`: only the one selected for
+    /// The contexts to use in transmission with export `name`: only those selected for
     /// that very name (the spec: a GO to another export drops the selection).
-    fn meta_context_for(&self, name: &str) -> Option<u32> {
-        match &self.meta_export {
-            Some(selected) if self.structured && selected == name => Some(BASE_ALLOCATION_ID),
-            Some(selected) => {
-                log::debug!(
-                    "nbd: metadata context was selected for export {selected:?}, not {name:?}; dropped"
-                );
-                None
+    fn meta_contexts_for(&self, name: &str) -> Arc<[MetaContext]> {
+        match &self.meta {
+            Some((selected, contexts)) if self.structured && selected == name => {
+                Arc::clone(contexts)
             }
-            None => None,
+            Some((selected, _)) => {
+                log::debug!(
+                    "nbd: metadata contexts were selected for export {selected:?}, not {name:?}; dropped"
+                );
+                Arc::new([])
+            }
+            None => Arc::new([]),
         }
     }
 }
@@ -177,10 +224,75 @@ fn info_reply(out: &mut Vec<u8>, option: u32, info: &[u8]) {
     option_reply(out, option, REP_INFO, info);
 }
 
-/// Answers NBD_OPT_LIST_META_CONTEXT / NBD_OPT_SET_META_CONTEXT. We offer exactly
-/// `base:allocation`: LIST names it for no query, `base:` or `base:allocation`; SET
-/// selects it for `base:allocation`. Queries in other namespaces, and other leaves of
-/// `base:`, are ignored as the spec requires.
+/// The dirty bitmaps `dev` offers, in its order: names that cannot make a context name
+/// (empty, which would read as the `qemu:dirty-bitmap:` wildcard; with NUL; over the
+/// spec's 4096 bytes with the prefix) and repeats are left out.
+fn offered_bitmaps<D: BlockDev>(dev: &D) -> Vec<String> {
+    let mut seen = HashSet::new();
+    dev.dirty_bitmaps()
+        .into_iter()
+        .filter(|name| {
+            let usable = !name.is_empty()
+                && !name.contains('\0')
+                && META_QEMU_DIRTY_BITMAP.len() + name.len() <= STRING_MAX;
+            if !usable {
+                log::warn!("nbd: dirty bitmap name {name:?} cannot be offered; skipped");
+            }
+            usable && seen.insert(name.clone())
+        })
+        .collect()
+}
+
+/// Appends an NBD_REP_META_CONTEXT naming `prefix` + `leaf` with `id`.
+fn meta_context_reply(out: &mut Vec<u8>, option: u32, id: u32, prefix: &str, leaf: &str) {
+    let mut d = Vec::with_capacity(4 + prefix.len() + leaf.len());
+    d.extend_from_slice(&id.to_be_bytes());
+    d.extend_from_slice(prefix.as_bytes());
+    d.extend_from_slice(leaf.as_bytes());
+    option_reply(out, option, REP_META_CONTEXT, &d);
+}
+
+/// The contexts a SET with `queries` selects among `bitmaps`: `base:allocation` (id 1)
+/// if a query names it, then each offered `qemu:dirty-bitmap:NAME` a query names exactly,
+/// in the order first named, with ids from 2. Each at most once; wildcards and unknown
+/// names select nothing. `Err(n)`: `n` bitmaps, more than `DIRTY_BITMAPS_MAX`.
+fn select_meta_contexts(queries: &[String], bitmaps: &[String]) -> Result<Vec<MetaContext>, usize> {
+    let offered: HashSet<&str> = bitmaps.iter().map(String::as_str).collect();
+    let mut base = false;
+    let mut chosen: Vec<&str> = Vec::new();
+    let mut seen = HashSet::new();
+    for q in queries {
+        if q == META_BASE_ALLOCATION {
+            base = true;
+        } else if let Some(name) = q.strip_prefix(META_QEMU_DIRTY_BITMAP) {
+            if offered.contains(name) && seen.insert(name) {
+                chosen.push(name);
+            }
+        }
+    }
+    if chosen.len() > DIRTY_BITMAPS_MAX {
+        return Err(chosen.len());
+    }
+    let base = base.then_some(MetaContext {
+        id: BASE_ALLOCATION_ID,
+        kind: MetaKind::Allocation,
+    });
+    // At most DIRTY_BITMAPS_MAX, so the ids fit.
+    let bitmaps = (DIRTY_BITMAP_FIRST_ID..)
+        .zip(chosen)
+        .map(|(id, name)| MetaContext {
+            id,
+            kind: MetaKind::DirtyBitmap(name.to_owned()),
+        });
+    Ok(base.into_iter().chain(bitmaps).collect())
+}
+
+/// Answers NBD_OPT_LIST_META_CONTEXT / NBD_OPT_SET_META_CONTEXT. We offer
+/// `base:allocation` and `qemu:dirty-bitmap:NAME` for each bitmap the export names.
+/// LIST names `base:allocation` for no query, `base:` or `base:allocation`, and a bitmap
+/// for no query, `qemu:`, `qemu:dirty-bitmap:` or its own name; SET selects what
+/// `select_meta_contexts` says. Queries in other namespaces, and other leaves, are
+/// ignored as the spec requires.
 async fn meta_context<R, Wr>(
     wr: &mut Wr,
     resolver: &R,
@@ -195,7 +307,7 @@ where
     let set = option == OPT_SET_META_CONTEXT;
     if set {
         // A SET replaces the selection even when it fails.
-        state.meta_export = None;
+        state.meta = None;
         if !state.structured {
             let msg = "NBD_OPT_SET_META_CONTEXT needs NBD_OPT_STRUCTURED_REPLY first";
             return send_error(wr, option, REP_ERR_INVALID, msg).await;
@@ -205,31 +317,62 @@ where
         let msg = "malformed NBD_OPT_LIST/SET_META_CONTEXT data";
         return send_error(wr, option, REP_ERR_INVALID, msg).await;
     };
-    if let Err(e) = resolver.resolve(&req.name).await {
-        let msg = e.client_message(&req.name);
-        log::info!("nbd: refusing metadata contexts: {msg}");
-        return send_error(wr, option, REP_ERR_UNKNOWN, &msg).await;
-    }
-    let matches = |q: &String| q == META_BASE_ALLOCATION || (!set && q == "base:");
-    let selected = if set {
-        req.queries.iter().any(matches)
-    } else {
-        req.queries.is_empty() || req.queries.iter().any(matches)
+    let dev = match resolver.resolve(&req.name).await {
+        Ok(dev) => dev,
+        Err(e) => {
+            let msg = e.client_message(&req.name);
+            log::info!("nbd: refusing metadata contexts: {msg}");
+            return send_error(wr, option, REP_ERR_UNKNOWN, &msg).await;
+        }
     };
+    let bitmaps = offered_bitmaps(&*dev);
     let mut out = Vec::new();
-    if selected {
-        // LIST must send id 0 (reserved); SET sends the id BLOCK_STATUS replies will carry.
-        let id = if set { BASE_ALLOCATION_ID } else { 0 };
-        let mut d = id.to_be_bytes().to_vec();
-        d.extend_from_slice(META_BASE_ALLOCATION.as_bytes());
-        option_reply(&mut out, option, REP_META_CONTEXT, &d);
+    if set {
+        let selected = match select_meta_contexts(&req.queries, &bitmaps) {
+            Ok(selected) => selected,
+            Err(n) => {
+                let msg = format!(
+                    "{n} qemu:dirty-bitmap: contexts asked for; at most {DIRTY_BITMAPS_MAX} may be selected"
+                );
+                return send_error(wr, option, REP_ERR_TOO_BIG, &msg).await;
+            }
+        };
+        for c in &selected {
+            match &c.kind {
+                MetaKind::Allocation => {
+                    meta_context_reply(&mut out, option, c.id, META_BASE_ALLOCATION, "")
+                }
+                MetaKind::DirtyBitmap(name) => {
+                    meta_context_reply(&mut out, option, c.id, META_QEMU_DIRTY_BITMAP, name)
+                }
+            }
+        }
+        option_reply(&mut out, option, REP_ACK, &[]);
+        send(wr, &out).await?;
+        if !selected.is_empty() {
+            state.meta = Some((req.name, selected.into()));
+        }
+        return Ok(());
+    }
+    // LIST sends the reserved id 0; each context once however many queries match it.
+    let all = req.queries.is_empty();
+    let has = |wanted: &[&str]| req.queries.iter().any(|q| wanted.contains(&q.as_str()));
+    if all || has(&[META_BASE, META_BASE_ALLOCATION]) {
+        meta_context_reply(&mut out, option, 0, META_BASE_ALLOCATION, "");
+    }
+    let all_bitmaps = all || has(&[META_QEMU, META_QEMU_DIRTY_BITMAP]);
+    let named: HashSet<&str> = req
+        .queries
+        .iter()
+        .filter_map(|q| q.strip_prefix(META_QEMU_DIRTY_BITMAP))
+        .collect();
+    for name in &bitmaps {
+        if all_bitmaps || named.contains(name.as_str()) {
+            meta_context_reply(&mut out, option, 0, META_QEMU_DIRTY_BITMAP, name);
+        }
     }
     option_reply(&mut out, option, REP_ACK, &[]);
-    send(wr, &out).await?;
-    if set && selected {
-        state.meta_export = Some(req.name);
-    }
-    Ok(())
+    send(wr, &out).await
 }
 
 /// Sends the greeting and reads the client's flags; `Ok(None)` if the client left first.
@@ -301,7 +444,7 @@ where
         if len > OPTION_DATA_MAX {
             if option == OPT_SET_META_CONTEXT {
                 // Refused, and a refused SET still replaces the selection.
-                state.meta_export = None;
+                state.meta = None;
             }
             if option == OPT_EXPORT_NAME || len > OPTION_DISCARD_MAX {
                 let _ = send_error(wr, option, REP_ERR_TOO_BIG, "option data too large").await;
@@ -345,13 +488,13 @@ where
                     out.extend_from_slice(&[0u8; 124]);
                 }
                 send(wr, &out).await?;
-                let meta_context = state.meta_context_for(&name);
+                let meta_contexts = state.meta_contexts_for(&name);
                 return Ok(Haggled::Export(Negotiated {
                     dev,
                     name,
                     block_size_negotiated: false,
                     structured: state.structured,
-                    meta_context,
+                    meta_contexts,
                 }));
             }
             OPT_ABORT => {
@@ -428,13 +571,13 @@ where
                 option_reply(&mut out, option, REP_ACK, &[]);
                 send(wr, &out).await?;
                 if option == OPT_GO {
-                    let meta_context = state.meta_context_for(&req.name);
+                    let meta_contexts = state.meta_contexts_for(&req.name);
                     return Ok(Haggled::Export(Negotiated {
                         dev,
                         name: req.name,
                         block_size_negotiated: req.requests.contains(&INFO_BLOCK_SIZE),
                         structured: state.structured,
-                        meta_context,
+                        meta_contexts,
                     }));
                 }
             }
@@ -482,4 +625,138 @@ where
         }
     }
     Err(NbdError::TooManyOptions(OPTIONS_MAX))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::dev::{DevError, Extent};
+    use bytes::Bytes;
+
+    /// A device that only names bitmaps, to see which of them are offered.
+    struct Named(Vec<String>);
+
+    impl BlockDev for Named {
+        fn size_bytes(&self) -> u64 {
+            4096
+        }
+        async fn read(&self, _offset: u64, len: u32) -> Result<Bytes, DevError> {
+            Ok(Bytes::from(vec![0u8; len as usize]))
+        }
+        async fn write(&self, _offset: u64, _data: Bytes, _fua: bool) -> Result<(), DevError> {
+            Ok(())
+        }
+        async fn flush(&self) -> Result<(), DevError> {
+            Ok(())
+        }
+        async fn trim(&self, _offset: u64, _len: u32) -> Result<(), DevError> {
+            Ok(())
+        }
+        async fn write_zeroes(&self, _o: u64, _l: u32, _may_trim: bool) -> Result<(), DevError> {
+            Ok(())
+        }
+        fn dirty_bitmaps(&self) -> Vec<String> {
+            self.0.clone()
+        }
+    }
+
+    fn strings(v: &[&str]) -> Vec<String> {
+        v.iter().map(|s| (*s).to_owned()).collect()
+    }
+
+    #[test]
+    fn only_names_that_make_a_context_name_are_offered_once_each() {
+        let longest = "n".repeat(STRING_MAX - META_QEMU_DIRTY_BITMAP.len());
+        let too_long = format!("{longest}n");
+        let dev = Named(vec![
+            "b".into(),
+            String::new(),
+            "a\0b".into(),
+            "a".into(),
+            "b".into(),
+            too_long,
+            longest.clone(),
+        ]);
+        assert_eq!(offered_bitmaps(&dev), vec!["b".into(), "a".into(), longest]);
+    }
+
+    #[tokio::test]
+    async fn the_default_device_offers_no_bitmap_and_calls_any_range_dirty() {
+        struct Plain;
+        impl BlockDev for Plain {
+            fn size_bytes(&self) -> u64 {
+                4096
+            }
+            async fn read(&self, _offset: u64, len: u32) -> Result<Bytes, DevError> {
+                Ok(Bytes::from(vec![0u8; len as usize]))
+            }
+            async fn write(&self, _o: u64, _data: Bytes, _fua: bool) -> Result<(), DevError> {
+                Ok(())
+            }
+            async fn flush(&self) -> Result<(), DevError> {
+                Ok(())
+            }
+            async fn trim(&self, _offset: u64, _len: u32) -> Result<(), DevError> {
+                Ok(())
+            }
+            async fn write_zeroes(&self, _o: u64, _l: u32, _t: bool) -> Result<(), DevError> {
+                Ok(())
+            }
+        }
+        assert!(Plain.dirty_bitmaps().is_empty());
+        assert_eq!(
+            Plain.dirty_status("x", 512, 1000).await,
+            Ok(vec![Extent {
+                length: 1000,
+                flags: STATE_DIRTY
+            }])
+        );
+    }
+
+    #[test]
+    fn set_selects_exact_names_once_with_ids_in_query_order() {
+        let bitmaps = strings(&["s1", "s2", "s3"]);
+        let sel = |q: &[&str]| select_meta_contexts(&strings(q), &bitmaps);
+        let dirty = |id, name: &str| MetaContext {
+            id,
+            kind: MetaKind::DirtyBitmap(name.to_owned()),
+        };
+        let base = MetaContext {
+            id: BASE_ALLOCATION_ID,
+            kind: MetaKind::Allocation,
+        };
+        assert_eq!(sel(&[]), Ok(vec![]));
+        assert_eq!(
+            sel(&[
+                "qemu:",
+                "qemu:dirty-bitmap:",
+                "base:",
+                "qemu:dirty-bitmap:s"
+            ]),
+            Ok(vec![])
+        );
+        assert_eq!(
+            sel(&[
+                "qemu:dirty-bitmap:s3",
+                "qemu:dirty-bitmap:nope",
+                "qemu:dirty-bitmap:s1",
+                "base:allocation",
+                "qemu:dirty-bitmap:s3",
+            ]),
+            Ok(vec![base, dirty(2, "s3"), dirty(3, "s1")])
+        );
+        // The bound counts distinct bitmaps.
+        let many: Vec<String> = (0..=DIRTY_BITMAPS_MAX).map(|i| format!("b{i}")).collect();
+        let q: Vec<String> = many
+            .iter()
+            .map(|n| format!("qemu:dirty-bitmap:{n}"))
+            .collect();
+        let all = select_meta_contexts(&q, &many);
+        assert_eq!(all, Err(DIRTY_BITMAPS_MAX + 1));
+        let mut at_bound = q[..DIRTY_BITMAPS_MAX].to_vec();
+        at_bound.extend_from_slice(&q[..DIRTY_BITMAPS_MAX]);
+        let got = select_meta_contexts(&at_bound, &many).unwrap();
+        assert_eq!(got.len(), DIRTY_BITMAPS_MAX);
+        assert_eq!(got.last().map(|c| c.id), Some(DIRTY_BITMAPS_MAX as u32 + 1));
+    }
 }

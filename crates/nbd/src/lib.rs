@@ -5,10 +5,13 @@
 //! and multi-conn: simple replies, or structured replies for clients that negotiate them,
 //! with the `base:allocation` metadata context and NBD_CMD_BLOCK_STATUS answered from
 //! [`BlockDev::block_status`] ([`Extent`] runs flagged [`STATE_HOLE`] / [`STATE_ZERO`];
-//! the server checks them before they reach the wire). TCP connections may be required to
-//! use TLS (NBD_OPT_STARTTLS; [`ServerConfig::tls`], [`tls_server_config`]). Wire
-//! details: `docs/FORMAT-nbd.md`.
+//! the server checks them before they reach the wire), and qemu's
+//! `qemu:dirty-bitmap:NAME` contexts for the bitmaps [`BlockDev::dirty_bitmaps`] names,
+//! answered from [`BlockDev::dirty_status`] ([`STATE_DIRTY`]). TCP connections may be
+//! required to use TLS (NBD_OPT_STARTTLS; [`ServerConfig::tls`], [`tls_server_config`]).
+//! Wire details: `docs/FORMAT-nbd.md`.
 
+pub mod client;
 mod dev;
 mod error;
 mod handshake;
@@ -20,7 +23,8 @@ mod tls;
 mod transmission;
 
 pub use dev::{
-    BlockDev, DevError, DevErrorKind, Extent, ResolveError, Resolver, STATE_HOLE, STATE_ZERO,
+    BlockDev, DevError, DevErrorKind, Extent, ResolveError, Resolver, STATE_DIRTY, STATE_HOLE,
+    STATE_ZERO,
 };
 pub use error::{ConfigError, NbdError};
 pub use server::{

@@ -94,10 +94,17 @@ pub const REPLY_TYPE_ERROR_BIT: u16 = 1 << 15;
 pub const REPLY_TYPE_ERROR: u16 = REPLY_TYPE_ERROR_BIT + 1;
 pub const REPLY_TYPE_ERROR_OFFSET: u16 = REPLY_TYPE_ERROR_BIT + 2;
 
-/// `base:allocation` descriptor flags (bits 0 and 1; the rest are reserved, sent as 0).
-pub use crate::dev::{STATE_HOLE, STATE_ZERO};
-/// The one metadata context this server offers.
+/// `base:allocation` descriptor flags (bits 0 and 1; the rest are reserved, sent as 0),
+/// and the `qemu:dirty-bitmap:` flag (bit 0; the rest reserved).
+pub use crate::dev::{STATE_DIRTY, STATE_HOLE, STATE_ZERO};
+/// The metadata context of the spec's `base:` namespace.
 pub const META_BASE_ALLOCATION: &str = "base:allocation";
+/// The `base:` namespace, a LIST_META_CONTEXT wildcard for its contexts.
+pub const META_BASE: &str = "base:";
+/// The `qemu:` namespace (qemu's docs/interop/nbd.rst), a LIST wildcard for its contexts.
+pub const META_QEMU: &str = "qemu:";
+/// Prefix of `qemu:dirty-bitmap:NAME` contexts; alone, a LIST wildcard for all of them.
+pub const META_QEMU_DIRTY_BITMAP: &str = "qemu:dirty-bitmap:";
 
 // Error values (the spec fixes these numbers; they are not the host's errno).
 pub const EPERM: u32 = 1;

@@ -298,11 +298,11 @@ where
 {
     log::debug!(
         "nbd: serving export {} (block sizes negotiated: {}, structured replies: {}, \
-         base:allocation: {})",
+         metadata contexts: {})",
         neg.name,
         neg.block_size_negotiated,
         neg.structured,
-        neg.meta_context.is_some(),
+        neg.meta_contexts.len(),
     );
     // Replies go to the socket directly (vectored, read data not copied): the buffer
     // served the handshake's small messages only.

@@ -1,5 +1,6 @@
-//! In-memory device and resolver for tests and examples, with hooks to delay and fail I/O
-//! and an allocation map, so block status has holes and zeroes to report.
+//! In-memory device and resolver for tests and examples, with hooks to delay and fail I/O,
+//! an allocation map, so block status has holes and zeroes to report, and declared dirty
+//! bitmaps for the `qemu:dirty-bitmap:` contexts.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -8,7 +9,9 @@ use std::sync::{Arc, Mutex, RwLock};
 use bytes::Bytes;
 use tokio::sync::Semaphore;
 
-use crate::dev::{BlockDev, DevError, Extent, ResolveError, Resolver, STATE_HOLE, STATE_ZERO};
+use crate::dev::{
+    BlockDev, DevError, Extent, ResolveError, Resolver, STATE_DIRTY, STATE_HOLE, STATE_ZERO,
+};
 
 /// Granularity of `MemDev`'s allocation map.
 pub const MEM_BLOCK_BYTES: u64 = 4096;
@@ -64,10 +67,15 @@ impl Store {
     }
 }
 
+/// A declared dirty bitmap: its name and its dirty `[start, end)` ranges, sorted, merged
+/// and non-empty.
+type DirtyBitmap = (String, Vec<(u64, u64)>);
+
 /// A RAM-backed `BlockDev`. Unaligned I/O is fine. Flush is a no-op that is counted.
 /// Block status reports its allocation map at 4 KiB granularity: never written, trimmed
 /// or zeroed with trimming allowed → `HOLE | ZERO`; zeroed with NO_HOLE → `ZERO`; any
-/// byte written → data (0).
+/// byte written → data (0). Dirty bitmaps are declared by tests (`set_dirty_bitmap`) and
+/// reported at byte granularity.
 #[derive(Debug)]
 pub struct MemDev {
     data: RwLock<Store>,
@@ -78,6 +86,9 @@ pub struct MemDev {
     description: Option<String>,
     extents_next: Mutex<Option<Vec<Extent>>>,
     extents_max: AtomicUsize,
+    /// In the order declared.
+    bitmaps: RwLock<Vec<DirtyBitmap>>,
+    fail_dirty_next: Mutex<Option<DevError>>,
 }
 
 impl MemDev {
@@ -94,6 +105,8 @@ impl MemDev {
             description: None,
             extents_next: Mutex::new(None),
             extents_max: AtomicUsize::new(usize::MAX),
+            bitmaps: RwLock::new(Vec::new()),
+            fail_dirty_next: Mutex::new(None),
         }
     }
 
@@ -136,6 +149,45 @@ impl MemDev {
     /// stops early may; clients must ask again from where the answer ended.
     pub fn set_extents_max(&self, n: usize) {
         self.extents_max.store(n.max(1), Ordering::Relaxed);
+    }
+
+    /// Declares dirty bitmap `name` (offered as `qemu:dirty-bitmap:name`), dirty exactly
+    /// on the union of the `(offset, length)` ranges and clean elsewhere; replaces an
+    /// earlier bitmap of that name in place. Names are offered in the order declared.
+    pub fn set_dirty_bitmap(&self, name: &str, dirty: Vec<(u64, u64)>) {
+        let mut ranges: Vec<(u64, u64)> = dirty
+            .into_iter()
+            .filter(|&(_, len)| len > 0)
+            .map(|(offset, len)| (offset, offset.saturating_add(len)))
+            .collect();
+        ranges.sort_unstable();
+        let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+        for (start, end) in ranges {
+            match merged.last_mut() {
+                Some(last) if start <= last.1 => last.1 = last.1.max(end),
+                _ => merged.push((start, end)),
+            }
+        }
+        let mut bitmaps = self.bitmaps.write().unwrap_or_else(|p| p.into_inner());
+        match bitmaps.iter_mut().find(|(n, _)| n == name) {
+            Some(b) => b.1 = merged,
+            None => bitmaps.push((name.to_owned(), merged)),
+        }
+    }
+
+    /// Forgets dirty bitmap `name`: no longer offered, and asking for it fails (as a
+    /// snapshot deleted after a client selected it).
+    pub fn remove_dirty_bitmap(&self, name: &str) {
+        let mut bitmaps = self.bitmaps.write().unwrap_or_else(|p| p.into_inner());
+        bitmaps.retain(|(n, _)| n != name);
+    }
+
+    /// The next dirty status (only) fails with `e`.
+    pub fn fail_dirty_next(&self, e: DevError) {
+        *self
+            .fail_dirty_next
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(e);
     }
 
     pub fn flushes(&self) -> u64 {
@@ -268,6 +320,65 @@ impl BlockDev for MemDev {
                 runs.push(Extent { length, flags });
             }
             pos = stop;
+        }
+        Ok(runs)
+    }
+
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        let bitmaps = self.bitmaps.read().unwrap_or_else(|p| p.into_inner());
+        bitmaps.iter().map(|(name, _)| name.clone()).collect()
+    }
+
+    async fn dirty_status(
+        &self,
+        bitmap: &str,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<Extent>, DevError> {
+        self.enter(offset).await?;
+        if let Some(e) = self
+            .fail_dirty_next
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take()
+        {
+            return Err(e);
+        }
+        let max = self.extents_max.load(Ordering::Relaxed);
+        let r = self.range(offset, len as usize)?;
+        let (start, end) = (r.start as u64, r.end as u64);
+        let bitmaps = self.bitmaps.read().unwrap_or_else(|p| p.into_inner());
+        let Some((_, dirty)) = bitmaps.iter().find(|(n, _)| n == bitmap) else {
+            return Err(DevError::new(
+                crate::DevErrorKind::Invalid,
+                format!("no dirty bitmap {bitmap}"),
+            ));
+        };
+        // The ranges are merged, so clean and dirty runs alternate.
+        let mut runs: Vec<Extent> = Vec::new();
+        let mut pos = start;
+        for &(d_start, d_end) in dirty {
+            if d_end <= pos {
+                continue;
+            }
+            if d_start >= end {
+                break;
+            }
+            for (to, flags) in [(d_start, 0), (d_end.min(end), STATE_DIRTY)] {
+                if to > pos && runs.len() < max {
+                    // At most `len` in all, so each run fits in u32.
+                    let length = (to - pos) as u32;
+                    runs.push(Extent { length, flags });
+                    pos = to;
+                }
+            }
+            if runs.len() == max {
+                break;
+            }
+        }
+        if pos < end && runs.len() < max {
+            let length = (end - pos) as u32;
+            runs.push(Extent { length, flags: 0 });
         }
         Ok(runs)
     }

@@ -13,7 +13,7 @@ use tokio::sync::{mpsc, OwnedSemaphorePermit, Semaphore};
 
 use crate::dev::{BlockDev, DevError, Extent};
 use crate::error::NbdError;
-use crate::handshake::{discard, read_exact_or_eof, Negotiated};
+use crate::handshake::{discard, read_exact_or_eof, MetaContext, MetaKind, Negotiated};
 use crate::proto::*;
 use crate::server::{ServerConfig, ServerStats};
 
@@ -24,7 +24,8 @@ pub(crate) const WRITE_DISCARD_MAX: u32 = 64 * 1024 * 1024;
 /// but the answer may describe a prefix only, and clients ask again from where it ended.
 /// A power of two, so a clamped request stays aligned to any minimum block size.
 pub(crate) const BLOCK_STATUS_LEN_MAX: u32 = 1 << 30;
-/// The most descriptors one BLOCK_STATUS reply carries (512 KiB; the spec's bound is 2^20).
+/// The most descriptors one BLOCK_STATUS reply carries (512 KiB; the spec's bound is 2^20
+/// per chunk), shared evenly among the selected contexts' chunks.
 pub(crate) const BLOCK_STATUS_EXTENTS_MAX: usize = 1 << 16;
 
 const _: () = assert!(BLOCK_STATUS_LEN_MAX.is_power_of_two() && BLOCK_STATUS_LEN_MAX >= 1 << 16);
@@ -58,7 +59,6 @@ pub(crate) enum Op {
         offset: u64,
         len: u32,
         req_one: bool,
-        context: u32,
     },
     Disc,
 }
@@ -73,8 +73,8 @@ pub(crate) struct Limits {
     pub read_only: bool,
     /// Structured replies negotiated: READ may carry NBD_CMD_FLAG_DF.
     pub structured: bool,
-    /// The `base:allocation` context id, if the client selected it for this export.
-    pub meta_context: Option<u32>,
+    /// The client selected at least one metadata context for this export.
+    pub meta_selected: bool,
 }
 
 /// Why a request is refused: the NBD error value and a message for the client (sent only
@@ -108,7 +108,7 @@ pub(crate) fn classify(req: &Request, lim: &Limits) -> Result<Op, Refusal> {
         CMD_WRITE | CMD_TRIM | CMD_WRITE_ZEROES if lim.read_only => {
             return refuse(EPERM, "the export is read-only")
         }
-        CMD_BLOCK_STATUS if lim.meta_context.is_none() => {
+        CMD_BLOCK_STATUS if !lim.meta_selected => {
             return refuse(
                 EINVAL,
                 "no metadata context selected: NBD_OPT_SET_META_CONTEXT base:allocation for this export first",
@@ -146,8 +146,6 @@ pub(crate) fn classify(req: &Request, lim: &Limits) -> Result<Op, Refusal> {
             offset,
             len,
             req_one: req.flags & CMD_FLAG_REQ_ONE != 0,
-            // Checked above: no context, no BLOCK_STATUS.
-            context: lim.meta_context.unwrap_or_default(),
         },
         _ => Op::WriteZeroes {
             offset,
@@ -165,8 +163,9 @@ enum Outcome {
     Done,
     /// READ data from `offset`.
     Data { offset: u64, data: Bytes },
-    /// BLOCK_STATUS: `descriptors` (u32 length, u32 flags each) for context `context`.
-    Extents { context: u32, descriptors: Bytes },
+    /// BLOCK_STATUS: per selected context, in order, its id and descriptors (u32 length,
+    /// u32 flags each); at least one context.
+    Extents { chunks: Vec<(u32, Bytes)> },
     Error {
         errno: u32,
         message: Cow<'static, str>,
@@ -227,10 +226,30 @@ fn cap_message(message: Cow<'static, str>) -> Bytes {
     Bytes::copy_from_slice(&message.as_bytes()[..end])
 }
 
+/// A BLOCK_STATUS chunk's header and context id.
+const BLOCK_STATUS_HEAD_LEN: usize = STRUCTURED_REPLY_LEN + 4;
+
+/// The header of a BLOCK_STATUS chunk and its context id, for `len` bytes of descriptors.
+fn block_status_head(
+    handle: u64,
+    done: bool,
+    context: u32,
+    len: usize,
+) -> [u8; BLOCK_STATUS_HEAD_LEN] {
+    let flags = if done { REPLY_FLAG_DONE } else { 0 };
+    let len = u32::try_from(4 + len).expect("descriptors are capped");
+    let chunk = structured_reply(flags, REPLY_TYPE_BLOCK_STATUS, handle, len);
+    let mut h = [0u8; BLOCK_STATUS_HEAD_LEN];
+    h[..STRUCTURED_REPLY_LEN].copy_from_slice(&chunk);
+    h[STRUCTURED_REPLY_LEN..].copy_from_slice(&context.to_be_bytes());
+    h
+}
+
 /// Puts `outcome` in wire form: simple replies unless `structured`; with structured
-/// replies, READ data and BLOCK_STATUS go out as one chunk flagged DONE each (never
-/// fragmented, so NBD_CMD_FLAG_DF always holds), errors as NBD_REPLY_TYPE_ERROR with a
-/// message, and payload-less successes as simple replies (the spec allows both).
+/// replies, READ data goes out as one chunk flagged DONE (never fragmented, so
+/// NBD_CMD_FLAG_DF always holds), BLOCK_STATUS as one chunk per context with DONE on the
+/// last, errors as NBD_REPLY_TYPE_ERROR with a message, and payload-less successes as
+/// simple replies (the spec allows both).
 fn encode(handle: u64, structured: bool, outcome: Outcome, permit: OwnedSemaphorePermit) -> Reply {
     let reply = |head, data, error, read_bytes| Reply {
         head,
@@ -253,22 +272,51 @@ fn encode(handle: u64, structured: bool, outcome: Outcome, permit: OwnedSemaphor
             };
             reply(head, Some(data), false, n)
         }
-        Outcome::Extents {
-            context,
-            descriptors,
-        } => {
+        Outcome::Extents { chunks } => {
             debug_assert!(
                 structured,
                 "BLOCK_STATUS is refused without structured replies"
             );
             debug_assert!(
-                !descriptors.is_empty() && descriptors.len() % BLOCK_DESCRIPTOR_LEN == 0,
-                "at least one whole descriptor"
+                chunks
+                    .iter()
+                    .all(|(_, d)| !d.is_empty() && d.len() % BLOCK_DESCRIPTOR_LEN == 0),
+                "at least one whole descriptor per chunk"
             );
-            let len = u32::try_from(4 + descriptors.len()).expect("descriptors are capped");
-            let chunk = structured_reply(REPLY_FLAG_DONE, REPLY_TYPE_BLOCK_STATUS, handle, len);
-            let head = Head::new(&[&chunk, &context.to_be_bytes()]);
-            reply(head, Some(descriptors), false, 0)
+            let Some(((context, descriptors), rest)) = chunks.split_first() else {
+                debug_assert!(false, "BLOCK_STATUS answers at least one context");
+                let head = Head::new(&[&simple_reply(EIO, handle)]);
+                return reply(head, None, true, 0);
+            };
+            let head = Head::new(&[&block_status_head(
+                handle,
+                rest.is_empty(),
+                *context,
+                descriptors.len(),
+            )]);
+            if rest.is_empty() {
+                return reply(head, Some(descriptors.clone()), false, 0);
+            }
+            // Several contexts: the first chunk's header goes inline, the rest of the
+            // reply (its descriptors, then each further chunk) in one buffer.
+            let total = descriptors.len()
+                + rest
+                    .iter()
+                    .map(|(_, d)| BLOCK_STATUS_HEAD_LEN + d.len())
+                    .sum::<usize>();
+            let mut data = Vec::with_capacity(total);
+            data.extend_from_slice(descriptors);
+            for (i, (context, descriptors)) in rest.iter().enumerate() {
+                let done = i + 1 == rest.len();
+                data.extend_from_slice(&block_status_head(
+                    handle,
+                    done,
+                    *context,
+                    descriptors.len(),
+                ));
+                data.extend_from_slice(descriptors);
+            }
+            reply(head, Some(Bytes::from(data)), false, 0)
         }
         Outcome::Error { errno, message } => {
             debug_assert_ne!(errno, 0, "an error reply carries an error");
@@ -352,11 +400,12 @@ fn runs_for_log(runs: &[Extent]) -> String {
     }
 }
 
-/// Turns a device's block-status answer for `[offset, offset + asked)` into descriptors
-/// that keep the spec's rules whatever the device did: zero-length runs dropped, runs
-/// past the range cut off, reserved flag bits cleared, neighbours with the same flags
-/// merged, at most `max` descriptors. `None` if nothing is left to send.
-fn descriptors(runs: &[Extent], asked: u32, max: usize) -> Option<Bytes> {
+/// Turns a device's answer for context `kind` over `[offset, offset + asked)` into
+/// descriptors that keep the spec's rules whatever the device did: zero-length runs
+/// dropped, runs past the range cut off, flag bits the context does not define cleared,
+/// neighbours with the same flags merged, at most `max` descriptors. `None` if nothing is
+/// left to send.
+fn descriptors(runs: &[Extent], asked: u32, max: usize, kind: &MetaKind) -> Option<Bytes> {
     debug_assert!(max >= 1);
     let mut out: Vec<Extent> = Vec::with_capacity(runs.len().min(max));
     let mut left = asked;
@@ -371,7 +420,7 @@ fn descriptors(runs: &[Extent], asked: u32, max: usize) -> Option<Bytes> {
             continue;
         }
         let length = run.length.min(left);
-        let flags = run.flags & (STATE_HOLE | STATE_ZERO);
+        let flags = run.flags & kind.flags_defined();
         bent |= length != run.length || flags != run.flags;
         if let Some(last) = out.last_mut().filter(|l| l.flags == flags) {
             // No overflow: the lengths sum to at most `asked`.
@@ -385,7 +434,7 @@ fn descriptors(runs: &[Extent], asked: u32, max: usize) -> Option<Bytes> {
     }
     if bent {
         log::warn!(
-            "nbd: device block status for {asked} bytes broke the rules (fixed up): {}",
+            "nbd: device status of {kind} for {asked} bytes broke the rules (fixed up): {}",
             runs_for_log(runs)
         );
     }
@@ -400,7 +449,74 @@ fn descriptors(runs: &[Extent], asked: u32, max: usize) -> Option<Bytes> {
     Some(Bytes::from(b))
 }
 
-async fn execute<D: BlockDev>(dev: &D, op: Op, payload: Bytes) -> Outcome {
+/// What a context's device errors are called in messages: "block status" as ever for
+/// `base:allocation`, naming the context for the others.
+fn status_op(kind: &MetaKind) -> Cow<'static, str> {
+    match kind {
+        MetaKind::Allocation => "block status".into(),
+        MetaKind::DirtyBitmap(_) => format!("block status of {kind}").into(),
+    }
+}
+
+/// NBD_CMD_BLOCK_STATUS: asks the device about every selected context first, then answers
+/// with one chunk per context, or with the first failure alone (so no chunk of a reply
+/// that ends in an error ever goes out). With REQ_ONE one descriptor per context.
+async fn block_status<D: BlockDev>(
+    dev: &D,
+    contexts: &[MetaContext],
+    offset: u64,
+    len: u32,
+    req_one: bool,
+) -> Outcome {
+    let asked = len.min(BLOCK_STATUS_LEN_MAX);
+    let max = if req_one {
+        1
+    } else {
+        (BLOCK_STATUS_EXTENTS_MAX / contexts.len().max(1)).max(1)
+    };
+    let mut chunks = Vec::with_capacity(contexts.len());
+    for c in contexts {
+        let answer = match &c.kind {
+            MetaKind::Allocation => dev.block_status(offset, asked).await,
+            MetaKind::DirtyBitmap(name) => dev.dirty_status(name, offset, asked).await,
+        };
+        let runs = match answer {
+            Ok(runs) => runs,
+            Err(e) => return dev_error(&status_op(&c.kind), &e),
+        };
+        let Some(descriptors) = descriptors(&runs, asked, max, &c.kind) else {
+            log::error!(
+                "nbd: device returned no usable extent for {} at {offset}+{asked}: {}",
+                c.kind,
+                runs_for_log(&runs)
+            );
+            return Outcome::Error {
+                errno: EIO,
+                message: format!(
+                    "{} failed: the device described no extent",
+                    status_op(&c.kind)
+                )
+                .into(),
+            };
+        };
+        chunks.push((c.id, descriptors));
+    }
+    if chunks.is_empty() {
+        // classify refuses BLOCK_STATUS without a context; never reached.
+        return Outcome::Error {
+            errno: EINVAL,
+            message: "no metadata context selected".into(),
+        };
+    }
+    Outcome::Extents { chunks }
+}
+
+async fn execute<D: BlockDev>(
+    dev: &D,
+    op: Op,
+    payload: Bytes,
+    contexts: &[MetaContext],
+) -> Outcome {
     match op {
         Op::Read { offset, len } => match dev.read(offset, len).await {
             Err(e) => dev_error("read", &e),
@@ -455,30 +571,7 @@ async fn execute<D: BlockDev>(dev: &D, op: Op, payload: Bytes) -> Outcome {
             offset,
             len,
             req_one,
-            context,
-        } => {
-            let asked = len.min(BLOCK_STATUS_LEN_MAX);
-            let max = if req_one { 1 } else { BLOCK_STATUS_EXTENTS_MAX };
-            match dev.block_status(offset, asked).await {
-                Err(e) => dev_error("block status", &e),
-                Ok(runs) => match descriptors(&runs, asked, max) {
-                    Some(descriptors) => Outcome::Extents {
-                        context,
-                        descriptors,
-                    },
-                    None => {
-                        log::error!(
-                            "nbd: device returned no usable extent for block status at {offset}+{asked}: {}",
-                            runs_for_log(&runs)
-                        );
-                        Outcome::Error {
-                            errno: EIO,
-                            message: "block status failed: the device described no extent".into(),
-                        }
-                    }
-                },
-            }
-        }
+        } => block_status(dev, contexts, offset, len, req_one).await,
         Op::Disc => Outcome::Done,
     }
 }
@@ -493,6 +586,7 @@ enum ReaderEnd {
 async fn read_requests<D, Rd>(
     rd: &mut Rd,
     dev: &Arc<D>,
+    contexts: &Arc<[MetaContext]>,
     session: Limits,
     cfg: &ServerConfig,
     tx: mpsc::Sender<Reply>,
@@ -569,8 +663,11 @@ where
             _ => Bytes::new(),
         };
         let dev = Arc::clone(dev);
+        // Only BLOCK_STATUS reads the selected contexts.
+        let contexts = matches!(op, Op::BlockStatus { .. }).then(|| Arc::clone(contexts));
         let request = async move {
-            slot.finish(execute(&*dev, op, payload).await);
+            let contexts = contexts.as_deref().unwrap_or_default();
+            slot.finish(execute(&*dev, op, payload, contexts).await);
         };
         if matches!(op, Op::Read { .. }) {
             // A read often completes without waiting (a drive in RAM, read inline): run it
@@ -720,13 +817,14 @@ where
         },
         read_only: cfg.read_only || neg.dev.read_only(),
         structured: neg.structured,
-        meta_context: neg.meta_context,
+        meta_selected: !neg.meta_contexts.is_empty(),
     };
     let permits = Arc::new(Semaphore::new(cfg.inflight_max));
     let (tx, rx) = mpsc::channel(cfg.inflight_max);
     let writer_permits = permits.clone();
     let reader = async {
-        let end = read_requests(rd, &neg.dev, session, cfg, tx, permits).await?;
+        let end =
+            read_requests(rd, &neg.dev, &neg.meta_contexts, session, cfg, tx, permits).await?;
         match end {
             ReaderEnd::Disc => log::debug!("nbd: export {}: client sent DISC", neg.name),
             ReaderEnd::Closed => log::debug!("nbd: export {}: client closed", neg.name),
@@ -753,7 +851,7 @@ mod tests {
             align,
             read_only: false,
             structured: false,
-            meta_context: None,
+            meta_selected: false,
         }
     }
 
@@ -897,8 +995,7 @@ mod tests {
                 },
                 1 => Outcome::Done,
                 2 => Outcome::Extents {
-                    context: 7,
-                    descriptors: Bytes::from(vec![i as u8; 8 * (1 + i as usize % 4)]),
+                    chunks: vec![(7, Bytes::from(vec![i as u8; 8 * (1 + i as usize % 4)]))],
                 },
                 _ => Outcome::Data {
                     offset: i * 512,
@@ -918,7 +1015,8 @@ mod tests {
                     h.extend_from_slice(&(m.len() as u16).to_be_bytes());
                     (h, m.to_vec())
                 }
-                Outcome::Extents { descriptors, .. } if structured => {
+                Outcome::Extents { chunks } if structured => {
+                    let descriptors = &chunks[0].1;
                     let mut h = structured_reply(
                         REPLY_FLAG_DONE,
                         REPLY_TYPE_BLOCK_STATUS,
@@ -983,7 +1081,9 @@ mod tests {
     /// Whatever a device answers, what goes on the wire keeps the spec's rules.
     #[test]
     fn device_extents_are_checked_trimmed_and_merged() {
-        let d = |runs: &[Extent], asked, max| decoded(descriptors(runs, asked, max));
+        let d = |runs: &[Extent], asked, max| {
+            decoded(descriptors(runs, asked, max, &MetaKind::Allocation))
+        };
         let (h, z, hz) = (STATE_HOLE, STATE_ZERO, STATE_HOLE | STATE_ZERO);
         // A good answer passes unchanged.
         assert_eq!(
@@ -1029,11 +1129,70 @@ mod tests {
         );
     }
 
+    /// A dirty bitmap defines bit 0 only: the others are cleared, and runs that then agree
+    /// merge.
+    #[test]
+    fn dirty_bitmap_extents_keep_only_the_dirty_bit() {
+        let kind = MetaKind::DirtyBitmap("snap1".to_owned());
+        let d = |runs: &[Extent], asked, max| decoded(descriptors(runs, asked, max, &kind));
+        assert_eq!(
+            d(
+                &[ext(4096, STATE_DIRTY | 0xffff_fff0 | STATE_ZERO)],
+                4096,
+                100
+            ),
+            Some(vec![ext(4096, STATE_DIRTY)])
+        );
+        assert_eq!(
+            d(&[ext(100, STATE_ZERO), ext(100, 0), ext(100, 1)], 4096, 100),
+            Some(vec![ext(200, 0), ext(100, STATE_DIRTY)])
+        );
+        // The same answer for base:allocation keeps ZERO.
+        assert_eq!(
+            decoded(descriptors(
+                &[ext(100, STATE_ZERO), ext(100, 0)],
+                4096,
+                100,
+                &MetaKind::Allocation
+            )),
+            Some(vec![ext(100, STATE_ZERO), ext(100, 0)])
+        );
+    }
+
+    /// Several contexts: one BLOCK_STATUS chunk each, in order, DONE on the last only.
+    #[tokio::test]
+    async fn block_status_for_several_contexts_is_one_chunk_each() {
+        let sem = Arc::new(Semaphore::new(1));
+        let chunks: Vec<(u32, Bytes)> = vec![
+            (1, Bytes::from(vec![1u8; 16])),
+            (2, Bytes::from(vec![2u8; 8])),
+            (3, Bytes::from(vec![3u8; 24])),
+        ];
+        let mut want = Vec::new();
+        for (i, (id, d)) in chunks.iter().enumerate() {
+            let flags = if i == 2 { REPLY_FLAG_DONE } else { 0 };
+            let len = 4 + d.len() as u32;
+            want.extend_from_slice(&structured_reply(flags, REPLY_TYPE_BLOCK_STATUS, 0x77, len));
+            want.extend_from_slice(&id.to_be_bytes());
+            want.extend_from_slice(d);
+        }
+        let r = encode(
+            0x77,
+            true,
+            Outcome::Extents { chunks },
+            sem.try_acquire_owned().unwrap(),
+        );
+        assert!(!r.error);
+        let mut out = Trickle(Vec::new());
+        write_batch(&mut out, &[r]).await.unwrap();
+        assert_eq!(out.0, want);
+    }
+
     #[test]
     fn classify_block_status_and_df() {
         let with_ctx = Limits {
             structured: true,
-            meta_context: Some(9),
+            meta_selected: true,
             ..lim(1)
         };
         let bs = |flags, offset, len, l: &Limits| {
@@ -1059,7 +1218,6 @@ mod tests {
                 offset: 4096,
                 len: 8192,
                 req_one: true,
-                context: 9
             })
         );
         // Longer than max_request_bytes is fine (no payload); beyond the end is not.

@@ -2,7 +2,8 @@
 //! a RAM export served on a unix socket, and over TCP with TLS (`nbds://`, qemu's
 //! tls-creds-x509) using a throwaway CA. A missing client binary skips loudly. The clients
 //! negotiate structured replies and `base:allocation`, so `nbdinfo --map` and
-//! `qemu-img map` show the export's holes and zeroes.
+//! `qemu-img map` show the export's holes and zeroes, or a `qemu:dirty-bitmap:NAME`
+//! context, so they show what changed since a snapshot.
 
 mod pki;
 
@@ -15,7 +16,8 @@ use bytes::Bytes;
 
 use converge_nbd::testing::{MemDev, MemResolver};
 use converge_nbd::{
-    serve_tcp, serve_unix, BlockDev, ResolveError, ServerConfig, STATE_HOLE, STATE_ZERO,
+    serve_tcp, serve_unix, BlockDev, ResolveError, ServerConfig, STATE_DIRTY, STATE_HOLE,
+    STATE_ZERO,
 };
 use pki::Pki;
 use rand::{RngCore, SeedableRng};
@@ -254,6 +256,73 @@ async fn nbdinfo_map_shows_holes_zeroes_and_data() {
     assert_eq!(total(0), 3 * MIB + (64 << 10));
 }
 
+/// `nbdinfo --json` output's `"contexts"` list, names unquoted.
+fn nbdinfo_contexts(json: &str) -> Option<Vec<String>> {
+    json.split_once("\"contexts\": [")
+        .and_then(|(_, rest)| rest.split_once(']'))
+        .map(|(list, _)| {
+            list.split(',')
+                .map(|c| c.trim().trim_matches('"').to_owned())
+                .filter(|c| !c.is_empty())
+                .collect()
+        })
+}
+
+/// Incremental backup's question, asked by libnbd: which blocks changed since a snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nbdinfo_map_shows_a_dirty_bitmap() {
+    require!("nbdinfo");
+    let s = serve();
+    const DIRTY: u32 = STATE_DIRTY;
+    s.dev
+        .set_dirty_bitmap("snap1", vec![(8 * MIB, 2 * MIB), (MIB, 64 << 10)]);
+    s.dev.set_dirty_bitmap("snap2", vec![]);
+    // nbdinfo lists every context the export offers.
+    let out = run(Command::new("nbdinfo").arg("--json").arg(s.uri("vm01"))).await;
+    assert!(out.status.success());
+    let json = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        nbdinfo_contexts(&json),
+        Some(vec![
+            "base:allocation".to_owned(),
+            "qemu:dirty-bitmap:snap1".to_owned(),
+            "qemu:dirty-bitmap:snap2".to_owned()
+        ]),
+        "{json}"
+    );
+    let want = vec![
+        (0, MIB, 0),
+        (MIB, 64 << 10, DIRTY),
+        (MIB + (64 << 10), 7 * MIB - (64 << 10), 0),
+        (8 * MIB, 2 * MIB, DIRTY),
+        (10 * MIB, 6 * MIB, 0),
+    ];
+    let map = |context: &str| {
+        let mut cmd = Command::new("nbdinfo");
+        cmd.arg(format!("--map={context}"))
+            .arg("--json")
+            .arg(s.uri("vm01"));
+        cmd
+    };
+    let out = run(&mut map("qemu:dirty-bitmap:snap1")).await;
+    assert!(out.status.success());
+    assert_eq!(nbdinfo_layout(&String::from_utf8_lossy(&out.stdout)), want);
+    // One run per answer: libnbd asks again from where each ended; same map.
+    s.dev.set_extents_max(1);
+    let out = run(&mut map("qemu:dirty-bitmap:snap1")).await;
+    assert!(out.status.success());
+    assert_eq!(nbdinfo_layout(&String::from_utf8_lossy(&out.stdout)), want);
+    let out = run(&mut map("qemu:dirty-bitmap:snap2")).await;
+    assert!(out.status.success());
+    assert_eq!(
+        nbdinfo_layout(&String::from_utf8_lossy(&out.stdout)),
+        vec![(0, SIZE as u64, 0)]
+    );
+    // A bitmap the export does not offer is not negotiated: nbdinfo fails.
+    let out = run(&mut map("qemu:dirty-bitmap:nope")).await;
+    assert!(!out.status.success());
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn qemu_img_map_shows_holes_zeroes_and_data() {
     require!("qemu-img");
@@ -273,6 +342,38 @@ async fn qemu_img_map_shows_holes_zeroes_and_data() {
     .await;
     assert!(out.status.success());
     assert_eq!(qemu_layout(&String::from_utf8_lossy(&out.stdout)), want);
+}
+
+/// qemu's way to read a dirty bitmap for incremental backup (`x-dirty-bitmap`, as
+/// qemu-iotests 223 does): the client negotiates that context in place of
+/// `base:allocation` and reports dirty runs as `"data": false` (bit 0 read as a hole).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn qemu_img_map_reads_a_dirty_bitmap() {
+    require!("qemu-img");
+    let s = serve();
+    s.dev
+        .set_dirty_bitmap("snap1", vec![(MIB, 64 << 10), (8 * MIB, 2 * MIB)]);
+    let opts = format!(
+        "driver=nbd,server.type=unix,server.path={},export=vm01,\
+         x-dirty-bitmap=qemu:dirty-bitmap:snap1",
+        s.socket.display()
+    );
+    let out = run(Command::new("qemu-img")
+        .args(["map", "--output=json", "--image-opts"])
+        .arg(&opts))
+    .await;
+    assert!(out.status.success());
+    // qemu_layout's STATE_HOLE (data: false) is the dirty bit.
+    assert_eq!(
+        qemu_layout(&String::from_utf8_lossy(&out.stdout)),
+        vec![
+            (0, MIB, 0),
+            (MIB, 64 << 10, STATE_DIRTY),
+            (MIB + (64 << 10), 7 * MIB - (64 << 10), 0),
+            (8 * MIB, 2 * MIB, STATE_DIRTY),
+            (10 * MIB, 6 * MIB, 0),
+        ]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -381,6 +381,50 @@ impl Client {
         Ok((id, d))
     }
 
+    /// A BLOCK_STATUS with any number of selected contexts: every chunk's answer in the
+    /// order sent, checking that only the last is flagged DONE; or the error, which must
+    /// be the reply's only chunk.
+    pub async fn block_status_chunks(
+        &mut self,
+        handle: u64,
+        flags: u16,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<Extents>, ChunkError> {
+        self.request(CMD_BLOCK_STATUS, flags, handle, offset, len)
+            .await;
+        let mut out = Vec::new();
+        loop {
+            let (head, payload) = self.chunk(handle).await;
+            let done = head.flags & REPLY_FLAG_DONE != 0;
+            if head.typ & REPLY_TYPE_ERROR_BIT != 0 {
+                assert!(out.is_empty(), "no status chunk before an error: {out:?}");
+                assert!(done, "the error ends the reply");
+                return Err(chunk_error(&head, &payload));
+            }
+            assert_eq!(head.typ, REPLY_TYPE_BLOCK_STATUS);
+            assert_eq!(head.flags & !REPLY_FLAG_DONE, 0, "{head:?}");
+            assert!(
+                payload.len() >= 12 && (payload.len() - 4) % 8 == 0,
+                "{head:?}"
+            );
+            let id = u32::from_be_bytes(payload[0..4].try_into().unwrap());
+            let d = payload[4..]
+                .chunks_exact(8)
+                .map(|c| {
+                    (
+                        u32::from_be_bytes(c[0..4].try_into().unwrap()),
+                        u32::from_be_bytes(c[4..8].try_into().unwrap()),
+                    )
+                })
+                .collect();
+            out.push((id, d));
+            if done {
+                return Ok(out);
+            }
+        }
+    }
+
     /// A payload-less command after structured replies: a simple reply, or an error chunk.
     pub async fn cmd_any(
         &mut self,
