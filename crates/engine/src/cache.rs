@@ -2336,6 +2336,24 @@ impl Tier {
         })
     }
 
+    /// [`Drive::changed`], around a bound cache drive: blocks still in the log were written
+    /// after every snapshot (a floor drains the log), so the live side must see them; a
+    /// range holding one is drained first ([`Tier::around`]).
+    pub fn changed(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        from: Epoch,
+        to: Option<Epoch>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u64>, EngineError> {
+        self.cap.check_epoch_of(key, epoch)?;
+        self.around(key, offset, len, false, || {
+            self.cap.changed(key, epoch, from, to, offset, len)
+        })
+    }
+
     /// [`Drive::write_held`], around a bound cache drive ([`Tier::around`]).
     pub fn write_held(
         &self,

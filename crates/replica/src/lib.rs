@@ -270,6 +270,21 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
                 version: info.versions,
             })
         }
+        ExtentOp::Changed {
+            key,
+            epoch,
+            from,
+            to,
+            offset,
+            count,
+        } => ExtentReply::Changed(tier.changed(
+            key,
+            epoch,
+            from,
+            to,
+            offset,
+            u64::from(count) * converge_types::BLOCK_SIZE as u64,
+        )?),
     };
     // The owner checks this too (it trusts no peer); a failure here is this node's bug.
     if let Err(e) = shape.check(&reply) {

@@ -53,11 +53,15 @@ pub mod msg {
     pub const SNAPSHOT_FLOOR: u8 = 0x30;
     pub const DROP_SNAPSHOT: u8 = 0x31;
     pub const READ_AT: u8 = 0x32;
+    /// Which blocks changed between two snapshots (incremental backup).
+    pub const CHANGED: u8 = 0x33;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
     /// A redirected read of a volume's snapshot (docs/SNAPSHOTS.md).
     pub const VOL_READ_AT: u8 = 0x23;
+    /// A redirected question: which blocks of a volume changed since a snapshot.
+    pub const VOL_CHANGED: u8 = 0x24;
 
     pub const HELLO_OK: u8 = 0x81;
     pub const PONG: u8 = 0x82;
@@ -68,6 +72,7 @@ pub mod msg {
     pub const WRITTEN: u8 = 0x94;
     pub const DIGEST_OK: u8 = 0x95;
     pub const PRIORS_OK: u8 = 0x96;
+    pub const CHANGED_OK: u8 = 0x97;
     pub const ERR: u8 = 0xff;
 
     /// True for the request half of the type space.
@@ -119,6 +124,16 @@ pub enum Request {
         snapshot: Epoch,
         offset: u64,
         len: u32,
+    },
+    /// A redirected question: which blocks of `[offset, offset + len)` of a volume read
+    /// differently at snapshot `from` and at `to` (`None`: now). Answered
+    /// [`ExtentReply::Changed`], one bit per 4 KiB block of the range.
+    VolChanged {
+        volume: VolumeId,
+        from: Epoch,
+        to: Option<Epoch>,
+        offset: u64,
+        len: u64,
     },
 }
 
@@ -436,11 +451,13 @@ pub fn request_type(req: &Request) -> u8 {
             ExtentOp::SnapshotFloor { .. } => msg::SNAPSHOT_FLOOR,
             ExtentOp::DropSnapshot { .. } => msg::DROP_SNAPSHOT,
             ExtentOp::ReadAt { .. } => msg::READ_AT,
+            ExtentOp::Changed { .. } => msg::CHANGED,
         },
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
         Request::VolZero { .. } => msg::VOL_ZERO,
         Request::VolReadAt { .. } => msg::VOL_READ_AT,
+        Request::VolChanged { .. } => msg::VOL_CHANGED,
     }
 }
 
@@ -457,6 +474,7 @@ pub fn response_type(resp: &Response) -> u8 {
             ExtentReply::Written(_) => msg::WRITTEN,
             ExtentReply::Digest(_) => msg::DIGEST_OK,
             ExtentReply::Priors(_) => msg::PRIORS_OK,
+            ExtentReply::Changed(_) => msg::CHANGED_OK,
         },
         Response::Err { .. } => msg::ERR,
     }
@@ -525,6 +543,21 @@ pub fn encode_request(request_id: u64, req: &Request) -> EncodedFrame {
             b.put_u64_le(snapshot.0);
             b.put_u64_le(*offset);
             b.put_u32_le(*len);
+            finish(t, request_id, b, Bytes::new())
+        }
+        Request::VolChanged {
+            volume,
+            from,
+            to,
+            offset,
+            len,
+        } => {
+            let mut b = new_head(40);
+            b.put_u64_le(volume.0);
+            b.put_u64_le(from.0);
+            b.put_u64_le(to.map_or(0, |e| e.0));
+            b.put_u64_le(*offset);
+            b.put_u64_le(*len);
             finish(t, request_id, b, Bytes::new())
         }
     }
@@ -751,6 +784,23 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u32_le(*len);
             (b, Bytes::new())
         }
+        ExtentOp::Changed {
+            key,
+            epoch,
+            from,
+            to,
+            offset,
+            count,
+        } => {
+            let mut b = new_head(60);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(from.0);
+            b.put_u64_le(to.map_or(0, |e| e.0));
+            b.put_u64_le(*offset);
+            b.put_u32_le(*count);
+            (b, Bytes::new())
+        }
     }
 }
 
@@ -861,6 +911,14 @@ fn encode_extent_reply(r: &ExtentReply) -> (BytesMut, Bytes) {
             b.put_u32_le(count);
             for (_, prior) in v {
                 b.put_u64_le(prior.map_or(NO_PRIOR, |p| p.0));
+            }
+            (b, Bytes::new())
+        }
+        ExtentReply::Changed(words) => {
+            let mut b = new_head(4 + 8 * words.len());
+            b.put_u32_le(u32::try_from(words.len()).unwrap_or(u32::MAX));
+            for w in words {
+                b.put_u64_le(*w);
             }
             (b, Bytes::new())
         }
@@ -1067,7 +1125,7 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             protocol_version: r.u16("protocol_version")?,
         }),
         msg::PING => Request::Ping,
-        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::READ_AT => {
+        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::CHANGED => {
             decode_extent_op(msg_type, &mut r)?
         }
         msg::VOL_READ => Request::VolRead {
@@ -1101,6 +1159,13 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             snapshot: Epoch(r.u64("snapshot")?),
             offset: r.u64("offset")?,
             len: r.u32("len")?,
+        },
+        msg::VOL_CHANGED => Request::VolChanged {
+            volume: VolumeId(r.u64("volume")?),
+            from: Epoch(r.u64("from snapshot")?),
+            to: Some(Epoch(r.u64("to snapshot")?)).filter(|e| e.0 > 0),
+            offset: r.u64("offset")?,
+            len: r.u64("len")?,
         },
         other => return Err(WireError::UnknownType(other)),
     };
@@ -1249,6 +1314,14 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             offset: r.u64("offset")?,
             len: r.u32("len")?,
         },
+        msg::CHANGED => ExtentOp::Changed {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            from: Epoch(r.u64("from snapshot")?),
+            to: Some(Epoch(r.u64("to snapshot")?)).filter(|e| e.0 > 0),
+            offset: r.u64("offset")?,
+            count: r.u32("count")?,
+        },
         other => return Err(WireError::UnknownType(other)),
     };
     Ok(Request::Extent { drive, op })
@@ -1309,6 +1382,19 @@ pub fn decode_response(msg_type: u8, payload: Bytes) -> Result<Response, WireErr
                 .collect();
             Response::Extent(ExtentReply::Priors(pairs))
         }
+        msg::CHANGED_OK => {
+            let n = r.u32("bitmap words")? as usize;
+            let raw = r.take(n.saturating_mul(8), "bitmap")?;
+            Response::Extent(ExtentReply::Changed(
+                raw.chunks_exact(8)
+                    .map(|c| {
+                        let mut a = [0u8; 8];
+                        a.copy_from_slice(c);
+                        u64::from_le_bytes(a)
+                    })
+                    .collect(),
+            ))
+        }
         msg::ERR => {
             let code = ErrorCode::from_u16(r.u16("error code")?);
             let len = r.u32("message length")? as usize;
@@ -1349,7 +1435,26 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..22) {
+        match rng.gen_range(0..24) {
+            22 => Request::VolChanged {
+                volume: VolumeId(rng.gen()),
+                from: Epoch(rng.gen()),
+                // 0 on the wire is "now".
+                to: rng.gen_bool(0.5).then(|| Epoch(rng.gen_range(1..u64::MAX))),
+                offset: rng.gen(),
+                len: rng.gen(),
+            },
+            23 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::Changed {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    from: Epoch(rng.gen()),
+                    to: rng.gen_bool(0.5).then(|| Epoch(rng.gen_range(1..u64::MAX))),
+                    offset: rng.gen(),
+                    count: rng.gen(),
+                },
+            },
             21 => Request::VolReadAt {
                 volume: VolumeId(rng.gen()),
                 snapshot: Epoch(rng.gen()),
@@ -1567,7 +1672,10 @@ mod tests {
     }
 
     fn random_response(rng: &mut impl Rng) -> Response {
-        match rng.gen_range(0..10) {
+        match rng.gen_range(0..11) {
+            10 => Response::Extent(ExtentReply::Changed(
+                (0..rng.gen_range(0..40)).map(|_| rng.gen()).collect(),
+            )),
             9 => Response::Extent(ExtentReply::Priors(
                 (0..rng.gen_range(0..9))
                     .map(|_| {
@@ -1635,7 +1743,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 24, "every request type was exercised");
+        assert_eq!(seen.len(), 26, "every request type was exercised");
     }
 
     /// A write without compression keeps its message type and bytes (nodes of older
@@ -1701,7 +1809,7 @@ mod tests {
             seen.insert(h.msg_type);
             assert_eq!(decode_response(h.msg_type, payload).expect("decodes"), resp);
         }
-        assert_eq!(seen.len(), 10, "every response type was exercised");
+        assert_eq!(seen.len(), 11, "every response type was exercised");
     }
 
     /// One message of every type with fixed fields (lists of one entry, a few bytes of

@@ -199,6 +199,17 @@ pub enum ExtentOp {
         offset: u64,
         len: u32,
     },
+    /// Which of `count` blocks from `offset` read differently at snapshot `from` and at
+    /// snapshot `to` (`None`: the live extent): [`ExtentReply::Changed`], a bitmap.
+    /// Metadata only; refused like `ReadAt` by a copy that does not hold a snapshot named.
+    Changed {
+        key: ExtentKey,
+        epoch: Epoch,
+        from: Epoch,
+        to: Option<Epoch>,
+        offset: u64,
+        count: u32,
+    },
 }
 
 impl ExtentOp {
@@ -219,6 +230,7 @@ impl ExtentOp {
             | ExtentOp::SnapshotFloor { key, .. }
             | ExtentOp::DropSnapshot { key, .. }
             | ExtentOp::ReadAt { key, .. }
+            | ExtentOp::Changed { key, .. }
             | ExtentOp::Free { key } => *key,
         }
     }
@@ -240,7 +252,8 @@ impl ExtentOp {
             | ExtentOp::Priors { epoch, .. }
             | ExtentOp::SnapshotFloor { epoch, .. }
             | ExtentOp::DropSnapshot { epoch, .. }
-            | ExtentOp::ReadAt { epoch, .. } => Some(*epoch),
+            | ExtentOp::ReadAt { epoch, .. }
+            | ExtentOp::Changed { epoch, .. } => Some(*epoch),
             ExtentOp::Free { .. } => None,
         }
     }
@@ -264,6 +277,7 @@ impl ExtentOp {
             ExtentOp::SnapshotFloor { .. } => "snapshot_floor",
             ExtentOp::DropSnapshot { .. } => "drop_snapshot",
             ExtentOp::ReadAt { .. } => "read_at",
+            ExtentOp::Changed { .. } => "changed",
         }
     }
 
@@ -320,6 +334,7 @@ impl ExtentOp {
             },
             ExtentOp::Versions { count, .. } => ReplyShape::Versions { count: *count },
             ExtentOp::Digest { .. } => ReplyShape::Digest,
+            ExtentOp::Changed { count, .. } => ReplyShape::Changed { count: *count },
         }
     }
 }
@@ -364,6 +379,9 @@ pub enum ExtentReply {
     Versions(Vec<Version>),
     /// Per block: its version and its prior's ([`ExtentOp::Priors`]).
     Priors(Vec<(Version, Option<Version>)>),
+    /// A bitmap of blocks, bit `i % 64` of word `i / 64` for block `i`
+    /// ([`ExtentOp::Changed`]).
+    Changed(Vec<u64>),
 }
 
 impl ExtentReply {
@@ -376,6 +394,7 @@ impl ExtentReply {
             ExtentReply::Digest(_) => "a digest",
             ExtentReply::Versions(_) => "versions",
             ExtentReply::Priors(_) => "priors",
+            ExtentReply::Changed(_) => "a change bitmap",
         }
     }
 
@@ -424,6 +443,13 @@ impl ExtentReply {
             _ => None,
         }
     }
+
+    pub fn into_changed(self) -> Option<Vec<u64>> {
+        match self {
+            ExtentReply::Changed(v) => Some(v),
+            _ => None,
+        }
+    }
 }
 
 /// The answer an operation must get: its kind, and the sizes the asker will index by.
@@ -449,6 +475,10 @@ pub enum ReplyShape {
     },
     /// `count` (version, prior) pairs.
     Priors {
+        count: u32,
+    },
+    /// A bitmap of `count` blocks: `ceil(count / 64)` words, no bit set past `count`.
+    Changed {
         count: u32,
     },
 }
@@ -482,6 +512,11 @@ impl ReplyShape {
             (ReplyShape::Written { blocks }, ExtentReply::Written(n)) => *n <= blocks,
             (ReplyShape::Versions { count }, ExtentReply::Versions(v)) => v.len() == count as usize,
             (ReplyShape::Priors { count }, ExtentReply::Priors(v)) => v.len() == count as usize,
+            (ReplyShape::Changed { count }, ExtentReply::Changed(w)) => {
+                let tail = count % 64;
+                w.len() == (count as usize).div_ceil(64)
+                    && (tail == 0 || w.last().is_none_or(|l| l >> tail == 0))
+            }
             _ => false,
         };
         if fits {
@@ -504,6 +539,7 @@ impl fmt::Display for ReplyShape {
             ReplyShape::Digest => write!(f, "a digest"),
             ReplyShape::Versions { count } => write!(f, "{count} versions"),
             ReplyShape::Priors { count } => write!(f, "{count} versions with their priors"),
+            ReplyShape::Changed { count } => write!(f, "a bitmap of {count} blocks"),
         }
     }
 }
@@ -530,6 +566,7 @@ impl fmt::Display for Said<'_> {
             ExtentReply::Written(n) => write!(f, "{n} blocks written"),
             ExtentReply::Versions(v) => write!(f, "{} versions", v.len()),
             ExtentReply::Priors(v) => write!(f, "{} versions with their priors", v.len()),
+            ExtentReply::Changed(w) => write!(f, "a bitmap of {} words", w.len()),
             other => f.write_str(other.name()),
         }
     }

@@ -13,6 +13,7 @@ mod parity_sync;
 pub mod qos;
 pub mod resync;
 mod snapshot;
+pub use snapshot::CHANGES_MAX_BYTES;
 pub mod stats;
 pub mod tenure;
 

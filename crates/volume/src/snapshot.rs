@@ -12,6 +12,9 @@
 use super::*;
 use converge_types::FloorHistory;
 
+/// The most [`Volume::changed`] answers in one call: 4 GiB, a 128 KiB bitmap.
+pub const CHANGES_MAX_BYTES: u64 = 4 << 30;
+
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// The volume's snapshots (their epochs, oldest first), as this owner knows them.
     pub fn snapshots(&self) -> Vec<Epoch> {
@@ -263,6 +266,107 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(out)
     }
 
+    /// Which 4 KiB blocks of the volume read differently at snapshot `from` and at `to`
+    /// (`None`: now), over `[offset, offset + len)` widened to whole blocks: a bitmap, bit
+    /// `i % 64` of word `i / 64` for block `offset / 4096 + i`. Metadata only (no data is
+    /// read); each slab's answer comes from one in-sync copy that holds the snapshots (its
+    /// own first), the next on a refusal. A block whose state a copy cannot tell (lost
+    /// metadata) counts as changed. At most [`CHANGES_MAX_BYTES`] per call.
+    pub async fn changed(
+        &self,
+        from: Epoch,
+        to: Option<Epoch>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u64>, VolumeError> {
+        if len > CHANGES_MAX_BYTES {
+            return Err(VolumeError::TooLong {
+                volume: self.cfg.name.clone(),
+                len,
+                max: CHANGES_MAX_BYTES,
+            });
+        }
+        self.check_range(offset, len)?;
+        self.check_serving()?;
+        self.snapshots_supported()?;
+        let snaps = self.snapshots();
+        if !snaps.contains(&from) {
+            return Err(self.snapshot_error(format!("no snapshot at epoch {from}")));
+        }
+        if let Some(t) = to {
+            if !snaps.contains(&t) {
+                return Err(self.snapshot_error(format!("no snapshot at epoch {t}")));
+            }
+            if t <= from {
+                return Err(self.snapshot_error(format!(
+                    "changes from the snapshot at epoch {from} to the one at epoch {t}: the \
+                     second must be the newer"
+                )));
+            }
+        }
+        let a_start = offset / BS * BS;
+        let a_end = (offset + len).div_ceil(BS) * BS;
+        let blocks = ((a_end - a_start) / BS) as usize;
+        let mut bits = vec![0u64; blocks.div_ceil(64)];
+        for p in split(a_start, a_end - a_start, self.slab_span()) {
+            let Some(slab) = self.slab(p.slab) else {
+                continue;
+            };
+            let got = self.changed_piece(&slab, from, to, p).await?;
+            let base = (p.at / BS) as usize;
+            for i in 0..(p.len / BS) as usize {
+                if got[i / 64] >> (i % 64) & 1 == 1 {
+                    let j = base + i;
+                    bits[j / 64] |= 1 << (j % 64);
+                }
+            }
+        }
+        self.check_serving()?;
+        Ok(bits)
+    }
+
+    async fn changed_piece(
+        &self,
+        slab: &Slab,
+        from: Epoch,
+        to: Option<Epoch>,
+        p: Piece,
+    ) -> Result<Vec<u64>, VolumeError> {
+        let mut copies: Vec<ExtentLoc> = slab
+            .extents()
+            .iter()
+            .filter(|e| e.state == ExtentState::InSync)
+            .copied()
+            .collect();
+        copies.sort_by_key(|e| e.node != self.cfg.local_node);
+        let key = self.key(p.slab);
+        let mut why = Vec::new();
+        for at in copies {
+            let op = ExtentOp::Changed {
+                key,
+                epoch: self.epoch(),
+                from,
+                to,
+                offset: p.offset,
+                count: (p.len / BS) as u32,
+            };
+            match self.ask(at, op, ExtentReply::into_changed).await {
+                Ok(bits) => return Ok(bits),
+                Err(ReplicaError::StaleEpoch(w)) => return Err(self.fenced(w)),
+                Err(e) => why.push(format!("node {} drive {}: {e}", at.node, at.drive)),
+            }
+        }
+        Err(VolumeError::Unreadable {
+            volume: self.cfg.name.clone(),
+            slab: p.slab,
+            why: if why.is_empty() {
+                "no in-sync copy".into()
+            } else {
+                why.join("; ")
+            },
+        })
+    }
+
     /// One piece of a snapshot read, from one in-sync copy (this node's first): a copy
     /// that does not hold the snapshot (filled after it) refuses, and one with bad or
     /// suspect blocks is passed over for the next.
@@ -352,9 +456,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
     }
 
-    /// Rolls the volume back to snapshot `snapshot`: every slab is rewritten with what the
-    /// snapshot reads (new writes at the current epoch, so the snapshot and every newer one
-    /// stay as they are). Clients should not write meanwhile: a write racing the rollback
+    /// Rolls the volume back to snapshot `snapshot`: every block that changed since it (as
+    /// [`Volume::changed`] finds them) is rewritten with what the snapshot reads (new writes
+    /// at the current epoch, so the snapshot and every newer one stay as they are). Clients should not write meanwhile: a write racing the rollback
     /// may land before or after the part it touches. Returns the bytes rewritten.
     pub async fn rollback(&self, snapshot: Epoch) -> Result<u64, VolumeError> {
         self.snapshots_supported()?;
@@ -377,13 +481,30 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let mut off = start;
             while off < end {
                 let n = (end - off).min(MAX_IO_BYTES as u64);
-                let data = self.read_at(snapshot, off, n).await?;
-                if data.iter().all(|&b| b == 0) {
-                    self.zero(off, n, false).await?;
-                } else {
-                    self.write(off, data).await?;
+                // Only what changed since the snapshot (its copies' metadata says which
+                // blocks) is rewritten.
+                let bits = self.changed(snapshot, None, off, n).await?;
+                let changed = |b: u64| bits[(b / 64) as usize] >> (b % 64) & 1 == 1;
+                let blocks = n / BS;
+                let mut b = 0;
+                while b < blocks {
+                    if !changed(b) {
+                        b += 1;
+                        continue;
+                    }
+                    let first = b;
+                    while b < blocks && changed(b) {
+                        b += 1;
+                    }
+                    let (at, len) = (off + first * BS, (b - first) * BS);
+                    let data = self.read_at(snapshot, at, len).await?;
+                    if data.iter().all(|&x| x == 0) {
+                        self.zero(at, len, false).await?;
+                    } else {
+                        self.write(at, data).await?;
+                    }
+                    done += len;
                 }
-                done += n;
                 off += n;
             }
         }

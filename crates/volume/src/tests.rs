@@ -256,7 +256,8 @@ impl MemReplicas {
             }
             ExtentOp::SnapshotFloor { .. }
             | ExtentOp::DropSnapshot { .. }
-            | ExtentOp::ReadAt { .. } => {
+            | ExtentOp::ReadAt { .. }
+            | ExtentOp::Changed { .. } => {
                 panic!("this fake replica keeps no snapshots: {}", op.name())
             }
             ExtentOp::Read { offset, len, .. } => {

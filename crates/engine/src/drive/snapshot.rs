@@ -240,21 +240,7 @@ impl Drive {
             return Ok(ReadInfo::default());
         };
         Self::check_epoch(&ext, epoch)?;
-        let (since, floor) = (
-            ext.since.load(Ordering::Acquire),
-            ext.floor.load(Ordering::Acquire),
-        );
-        if g < since || g > floor {
-            return Err(EngineError::NoSnapshot {
-                key,
-                snapshot: g,
-                holds: if since > floor {
-                    "none".to_string()
-                } else {
-                    format!("{since} to {floor}")
-                },
-            });
-        }
+        Self::check_holds(&ext, g)?;
         let t = self.counters.begin();
         let r = with_scratch(|s| {
             self.read_checked(buf, s, None, &|out: &mut Vec<BlockMeta>| {
@@ -263,6 +249,98 @@ impl Drive {
         });
         self.counters.end(OpKind::Read, t);
         r
+    }
+
+    /// Refuses snapshot `g` unless this copy of the extent holds it (`since..=floor`).
+    fn check_holds(ext: &Extent, g: u32) -> Result<(), EngineError> {
+        let (since, floor) = (
+            ext.since.load(Ordering::Acquire),
+            ext.floor.load(Ordering::Acquire),
+        );
+        if g < since || g > floor {
+            return Err(EngineError::NoSnapshot {
+                key: ext.key,
+                snapshot: g,
+                holds: if since > floor {
+                    "none".to_string()
+                } else {
+                    format!("{since} to {floor}")
+                },
+            });
+        }
+        Ok(())
+    }
+
+    /// Which blocks of `[offset, offset + len)` changed between snapshot `from` and
+    /// snapshot `to` (`None`: the live extent, as durable now): a bitmap, bit `i % 64` of
+    /// word `i / 64` set when block `i` of the range reads differently at the two — its
+    /// states there are two different writes, not both of zeros. Metadata only,
+    /// no data is read. A block whose metadata was lost counts as changed (a backup copies
+    /// it rather than miss it). `len` may cover the whole slab. Refused like
+    /// [`Drive::read_at`] when the copy does not hold a snapshot named; an extent the drive
+    /// does not hold changed nowhere.
+    pub fn changed(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        from: Epoch,
+        to: Option<Epoch>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u64>, EngineError> {
+        let g_from = snapshot_epoch(from, "changes' from")?;
+        let g_to = to.map(|t| snapshot_epoch(t, "changes' to")).transpose()?;
+        let bad = |reason| EngineError::InvalidIo {
+            key,
+            reason,
+            offset,
+            len,
+        };
+        if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) || len == 0 {
+            return Err(bad("offset and length must be non-zero multiples of 4096"));
+        }
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.layout.slab_size_bytes)
+        {
+            return Err(bad("the range must lie within the slab"));
+        }
+        if g_to.is_some_and(|t| t <= g_from) {
+            return Err(EngineError::InvalidArgument(format!(
+                "changes from snapshot epoch {g_from} to {}: the second must be newer",
+                to.map_or(0, |t| t.0)
+            )));
+        }
+        self.check_failed()?;
+        let (first, count) = ((offset / BLOCK) as u32, (len / BLOCK) as u32);
+        let mut bits = vec![0u64; (count as usize).div_ceil(64)];
+        let Some(ext) = self.lookup(key) else {
+            return Ok(bits);
+        };
+        Self::check_epoch(&ext, epoch)?;
+        Self::check_holds(&ext, g_from)?;
+        if let Some(t) = g_to {
+            Self::check_holds(&ext, t)?;
+        }
+        let mut a = Vec::with_capacity(count as usize);
+        self.states_at(&ext, g_from, first, count, &mut a);
+        let mut b = Vec::with_capacity(count as usize);
+        match g_to {
+            Some(t) => self.states_at(&ext, t, first, count, &mut b),
+            None => {
+                let m = lock(&ext.meta);
+                b.extend_from_slice(&m.blocks[first as usize..(first + count) as usize]);
+            }
+        }
+        // Two states of one block read the same iff they are one state, or both read as
+        // zeros (never written, trimmed, zeroed: a new slab is zeroed whole, for one).
+        let zeros = |m: &BlockMeta| !m.has_data() && !m.is_bad();
+        for (i, (x, y)) in a.iter().zip(&b).enumerate() {
+            if x.is_bad() || y.is_bad() || (x.version != y.version && !(zeros(x) && zeros(y))) {
+                bits[i / 64] |= 1 << (i % 64);
+            }
+        }
+        Ok(bits)
     }
 
     /// The durable state of each block of `[first, first + count)` at snapshot `g`.

@@ -81,6 +81,53 @@ fn check_reads(
 
 /// Random writes, zeros, snapshots, deletes, checkpoints and reopens against the model;
 /// every snapshot reads what the volume held when it was taken.
+/// Per extent, the sequence of the write each block's state came from (0: never written),
+/// negated for a zeroing: two states read differently exactly when these differ and are
+/// not both zeros (never written or zeroed).
+type Versions = HashMap<ExtentKey, Vec<i64>>;
+
+fn vers_of(m: &Versions, k: ExtentKey) -> Vec<i64> {
+    m.get(&k)
+        .cloned()
+        .unwrap_or_else(|| vec![0; (SLAB / BLOCK) as usize])
+}
+
+/// `Drive::changed` between every pair of snapshots and from each to the live extent is
+/// exactly the set of blocks whose states differ in the model.
+fn check_changes(
+    d: &Drive,
+    keys: &[ExtentKey],
+    epoch: u64,
+    live: &Versions,
+    snaps: &BTreeMap<u64, Versions>,
+    ctx: &str,
+) {
+    let all: Vec<u64> = snaps.keys().copied().collect();
+    for &k in keys {
+        for (i, &a) in all.iter().enumerate() {
+            let va = vers_of(&snaps[&a], k);
+            let tos = all[i + 1..].iter().map(|&b| Some(b)).chain([None]);
+            for b in tos {
+                let vb = match b {
+                    Some(b) => vers_of(&snaps[&b], k),
+                    None => vers_of(live, k),
+                };
+                let bits = d
+                    .changed(k, Epoch(epoch), Epoch(a), b.map(Epoch), 0, SLAB)
+                    .expect("changed");
+                for blk in 0..va.len() {
+                    let got = bits[blk / 64] >> (blk % 64) & 1 == 1;
+                    assert_eq!(
+                        got,
+                        va[blk] != vb[blk] && !(va[blk] <= 0 && vb[blk] <= 0),
+                        "{ctx}: {k:?} block {blk} changed from {a} to {b:?}"
+                    );
+                }
+            }
+        }
+    }
+}
+
 fn snapshot_model(seed: u64, ops: usize) {
     let mut rng = StdRng::seed_from_u64(seed);
     let f = FaultyFile::new(48 << 20);
@@ -97,6 +144,9 @@ fn snapshot_model(seed: u64, ops: usize) {
     let keys: Vec<ExtentKey> = (0..3).map(|s| key(4, s)).collect();
     let mut live: Model = HashMap::new();
     let mut snaps: BTreeMap<u64, Model> = BTreeMap::new();
+    let mut live_v: Versions = HashMap::new();
+    let mut snaps_v: BTreeMap<u64, Versions> = BTreeMap::new();
+    let nb = (SLAB / BLOCK) as usize;
     let mut epoch = 1u64;
     let mut seq = 1u64;
     let nblocks = (SLAB / BLOCK) as u32;
@@ -107,6 +157,7 @@ fn snapshot_model(seed: u64, ops: usize) {
         let (data, crcs) = blocks(&mut rng, 1);
         d.write(k, Epoch(epoch), ver(epoch, seq), 0, &data, &crcs)
             .expect("write");
+        live_v.entry(k).or_insert_with(|| vec![0; nb])[0] = seq as i64;
         seq += 1;
         let m = live.entry(k).or_insert_with(|| vec![0u8; SLAB as usize]);
         m[..B].copy_from_slice(&data);
@@ -123,6 +174,9 @@ fn snapshot_model(seed: u64, ops: usize) {
                 let off = u64::from(first) * BLOCK;
                 d.write(k, Epoch(epoch), ver(epoch, seq), off, &data, &crcs)
                     .expect("write");
+                live_v.entry(k).or_insert_with(|| vec![0; nb])
+                    [first as usize..(first + n) as usize]
+                    .fill(seq as i64);
                 let m = live.entry(k).or_insert_with(|| vec![0u8; SLAB as usize]);
                 m[off as usize..off as usize + data.len()].copy_from_slice(&data);
             }
@@ -133,6 +187,9 @@ fn snapshot_model(seed: u64, ops: usize) {
                 let (off, len) = (u64::from(first) * BLOCK, u64::from(n) * BLOCK);
                 d.zero(k, Epoch(epoch), ver(epoch, seq), off, len)
                     .expect("zero");
+                live_v.entry(k).or_insert_with(|| vec![0; nb])
+                    [first as usize..(first + n) as usize]
+                    .fill(-(seq as i64));
                 let m = live.entry(k).or_insert_with(|| vec![0u8; SLAB as usize]);
                 m[off as usize..(off + len) as usize].fill(0);
             }
@@ -144,6 +201,7 @@ fn snapshot_model(seed: u64, ops: usize) {
                         .expect("floor");
                 }
                 snaps.insert(epoch, live.clone());
+                snaps_v.insert(epoch, live_v.clone());
                 epoch += 1;
             }
             73..=80 if !snaps.is_empty() => {
@@ -155,6 +213,7 @@ fn snapshot_model(seed: u64, ops: usize) {
                         .expect("drop");
                 }
                 snaps.remove(&s);
+                snaps_v.remove(&s);
             }
             81..=86 => d.checkpoint().expect("checkpoint"),
             87..=90 => {
@@ -165,6 +224,7 @@ fn snapshot_model(seed: u64, ops: usize) {
         }
         if op % 16 == 0 || op + 1 == ops {
             check_reads(&d, &keys, epoch, &live, &snaps, &ctx);
+            check_changes(&d, &keys, epoch, &live_v, &snaps_v, &ctx);
             check_accounting(&d, &keys);
         }
     }
@@ -176,6 +236,15 @@ fn snapshot_model(seed: u64, ops: usize) {
                 .expect("drop");
         }
         snaps.remove(&s);
+        snaps_v.remove(&s);
+        check_changes(
+            &d,
+            &keys,
+            epoch,
+            &live_v,
+            &snaps_v,
+            &format!("seed {seed} drop {s}"),
+        );
         check_reads(
             &d,
             &keys,
@@ -338,6 +407,25 @@ fn what_snapshots_cannot_do_yet_is_refused_with_the_reason() {
     d.set_snapshot_floor(key(9, 9), Epoch(1), Epoch(1), None, Continues)
         .unwrap();
     assert_eq!(d.snapshot_floor(key(9, 9)), 0);
+    // Changes: a snapshot the copy does not hold, a range off the slab or unaligned, and
+    // "to" not newer than "from" are refused; an extent not held changed nowhere.
+    let err = d.changed(k, Epoch(4), Epoch(4), None, 0, SLAB).unwrap_err();
+    assert!(matches!(err, EngineError::NoSnapshot { .. }), "{err}");
+    let err = d
+        .changed(k, Epoch(4), Epoch(3), Some(Epoch(3)), 0, SLAB)
+        .unwrap_err();
+    assert!(err.to_string().contains("newer"), "{err}");
+    let err = d
+        .changed(k, Epoch(4), Epoch(3), None, BLOCK, SLAB)
+        .unwrap_err();
+    assert!(err.to_string().contains("within the slab"), "{err}");
+    let err = d.changed(k, Epoch(4), Epoch(3), None, 0, 100).unwrap_err();
+    assert!(err.to_string().contains("4096"), "{err}");
+    assert!(d
+        .changed(key(9, 9), Epoch(4), Epoch(3), None, 0, SLAB)
+        .unwrap()
+        .iter()
+        .all(|&w| w == 0));
 }
 
 #[test]
