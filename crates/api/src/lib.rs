@@ -357,6 +357,33 @@ pub struct SnapshotInfo {
     pub uri: String,
 }
 
+/// `GET /v1/volumes/NAME/changes?from=A[&to=B][&offset=O&length=L]`: the byte runs of
+/// the volume that read differently at snapshot `from` and at snapshot `to` (absent: now),
+/// in 4 KiB blocks, over `[offset, offset + length)`.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Changes {
+    pub volume: String,
+    pub from: String,
+    /// `None`: the volume as it is now (writes racing the question may or may not show).
+    pub to: Option<String>,
+    /// The range asked about (the whole volume, as `to` sees it, by default).
+    pub offset: u64,
+    pub length: u64,
+    /// The volume's size at `to` (its export's size).
+    pub size_bytes: u64,
+    /// Sum of the runs' lengths.
+    pub changed_bytes: u64,
+    /// Changed runs, in order, neither overlapping nor touching, each a whole number of
+    /// 4 KiB blocks.
+    pub runs: Vec<ChangedRun>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ChangedRun {
+    pub offset: u64,
+    pub length: u64,
+}
+
 /// What `POST /v1/volumes/NAME/snapshots/SNAP/rollback` did.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct RolledBack {

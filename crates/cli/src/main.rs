@@ -6,6 +6,7 @@
 
 mod advise;
 mod cache;
+mod diff;
 mod fleet;
 mod http;
 mod key_cmd;
@@ -364,6 +365,53 @@ enum VolumeCmd {
     /// (docs/SNAPSHOTS.md).
     #[command(subcommand)]
     Snapshot(SnapshotCmd),
+    /// Which runs of the volume changed between two snapshots (or since one, with no
+    /// --to): from the copies' block metadata, in 4 KiB blocks; no data is read.
+    Changes {
+        volume: String,
+        /// The older snapshot.
+        #[arg(long)]
+        from: String,
+        /// The newer snapshot (absent: the volume now).
+        #[arg(long)]
+        to: Option<String>,
+    },
+    /// Write what changed between two snapshots (or, without --from, the whole snapshot)
+    /// to a file: an incremental backup. Only the changed runs are read, found from the
+    /// copies' block metadata; the format is docs/FORMAT-diff.md. Runs on a cluster node
+    /// (it reads through the node's NBD socket).
+    ExportDiff {
+        volume: String,
+        /// The older snapshot (absent: a full image of --to).
+        #[arg(long)]
+        from: Option<String>,
+        /// The newer snapshot, whose content the diff leads to.
+        #[arg(long)]
+        to: String,
+        /// The file to write ('-': standard output); an existing file is not overwritten.
+        file: PathBuf,
+        /// The NBD unix socket to read through (default: the owner's, from the API).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
+    /// Apply a diff from export-diff to a volume, then take the diff's newer snapshot on
+    /// it, so the next diff of the chain applies on top. A diff with --from needs that
+    /// snapshot on the volume, with nothing written since (else refused). A file is checked
+    /// whole before anything is written.
+    ImportDiff {
+        volume: String,
+        /// The diff file ('-': standard input, checked as it is applied).
+        file: PathBuf,
+        /// Apply even though the volume was written since the diff's older snapshot.
+        #[arg(long)]
+        force: bool,
+        /// Do not take the diff's newer snapshot afterwards.
+        #[arg(long)]
+        no_snapshot: bool,
+        /// The NBD unix socket to write through (default: the owner's, from the API).
+        #[arg(long)]
+        socket: Option<PathBuf>,
+    },
 }
 
 #[derive(Subcommand)]
@@ -1073,6 +1121,98 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
             );
         }
         VolumeCmd::Snapshot(c) => return run_snapshot(cli, c),
+        VolumeCmd::Changes { volume, from, to } => {
+            check_name(volume)?;
+            let mut q = format!("from={from}");
+            if let Some(t) = to {
+                q.push_str(&format!("&to={t}"));
+            }
+            let c: converge_api::Changes = http::call(
+                &api_base(cli)?,
+                "GET",
+                &format!("/v1/volumes/{volume}/changes?{q}"),
+                None,
+            )?;
+            if cli.json {
+                return print_json(&c);
+            }
+            println!(
+                "{volume}: {} changed from {from} to {} in {} runs (of {})",
+                format_size(c.changed_bytes),
+                to.as_deref().unwrap_or("now"),
+                c.runs.len(),
+                format_size(c.size_bytes)
+            );
+            let mut t = table::Table::new(&["OFFSET", "LENGTH"]);
+            for r in c.runs.iter().take(40) {
+                t.row(vec![r.offset.to_string(), r.length.to_string()]);
+            }
+            print!("{}", t.render());
+            if c.runs.len() > 40 {
+                println!(
+                    "... {} more runs (--json lists them all)",
+                    c.runs.len() - 40
+                );
+            }
+        }
+        VolumeCmd::ExportDiff {
+            volume,
+            from,
+            to,
+            file,
+            socket,
+        } => {
+            check_name(volume)?;
+            let e = diff::export(
+                &api_base(cli)?,
+                volume,
+                from.as_deref(),
+                to,
+                file,
+                socket.as_deref(),
+            )?;
+            let what = match &e.header.from {
+                Some(f) => format!("changes of {volume} from {f} to {to}"),
+                None => format!("{volume}@{to} whole"),
+            };
+            let msg = format!(
+                "exported {what}: {} of data, {} of zeros in {} records",
+                format_size(e.totals.data_bytes),
+                format_size(e.totals.zero_bytes),
+                e.totals.records
+            );
+            // The diff may be on standard output: the summary goes to standard error.
+            eprintln!("{msg}");
+        }
+        VolumeCmd::ImportDiff {
+            volume,
+            file,
+            force,
+            no_snapshot,
+            socket,
+        } => {
+            check_name(volume)?;
+            let i = diff::import(
+                &api_base(cli)?,
+                volume,
+                file,
+                *force,
+                !no_snapshot,
+                socket.as_deref(),
+            )?;
+            let what = match &i.header.from {
+                Some(f) => format!("the changes from {f} to {}", i.header.to),
+                None => format!("a full image of {}", i.header.to),
+            };
+            println!(
+                "imported {what} into {volume}: {} of data, {} of zeros{}",
+                format_size(i.totals.data_bytes),
+                format_size(i.totals.zero_bytes),
+                i.snapshot
+                    .map(|s| format!("; snapshot {volume}@{s} taken"))
+                    .unwrap_or_default()
+            );
+        }
         VolumeCmd::List => {
             let v: Vec<VolumeInfo> = http::call(&api_base(cli)?, "GET", "/v1/volumes", None)?;
             if cli.json {

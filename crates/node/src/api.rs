@@ -123,6 +123,7 @@ fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Resp {
 async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
+    let query = req.uri().query().unwrap_or("").to_string();
     // Who asks, before anything is read or done for them.
     let header = req
         .headers()
@@ -167,7 +168,7 @@ async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
             .body(Full::new(Bytes::from(text)))
             .expect("static response parts are valid");
     }
-    match route(&node, &method, &path, &body).await {
+    match route(&node, &method, &path, &query, &body).await {
         Ok((status, v)) => json(status, &v),
         Err(ApiError(status, error)) => json(status, &ErrorBody { error }),
     }
@@ -183,7 +184,7 @@ pub(crate) fn ok<T: serde::Serialize>(v: &T) -> Out {
     ))
 }
 
-async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Out {
+async fn route(node: &Arc<Node>, method: &Method, path: &str, query: &str, body: &[u8]) -> Out {
     let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
     match (method, parts.as_slice()) {
         (&Method::GET, ["v1", "health"]) => {
@@ -229,6 +230,9 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, body: &[u8]) -> Ou
         }
         (&Method::POST, ["v1", "volumes", name, "snapshots"]) => {
             crate::snapshots::create(node, name, body).await
+        }
+        (&Method::GET, ["v1", "volumes", name, "changes"]) => {
+            crate::snapshots::changes(node, name, query).await
         }
         (&Method::DELETE, ["v1", "volumes", name, "snapshots", snap]) => {
             crate::snapshots::delete(node, name, snap).await

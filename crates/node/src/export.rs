@@ -7,7 +7,8 @@
 use crate::node::{Node, OpenError, Route};
 use bytes::Bytes;
 use converge_nbd::{
-    BlockDev, DevError, DevErrorKind, Extent, ResolveError, Resolver, STATE_HOLE, STATE_ZERO,
+    BlockDev, DevError, DevErrorKind, Extent, ResolveError, Resolver, STATE_DIRTY, STATE_HOLE,
+    STATE_ZERO,
 };
 use converge_rpc::{ErrorCode, Request, Response, RpcError};
 use converge_types::{ExtentReply, NodeId, VolumeId};
@@ -22,6 +23,9 @@ pub struct Export {
     route: RwLock<Arc<Route>>,
     /// A snapshot's export (`VOLUME@SNAPSHOT`): its name and epoch. Read-only.
     snapshot: Option<(String, converge_types::Epoch)>,
+    /// The snapshots older than what this export reads (every one, for the volume), offered
+    /// as `qemu:dirty-bitmap:NAME` contexts: the blocks changed since each.
+    bitmaps: Vec<(String, converge_types::Epoch)>,
 }
 
 /// Why one attempt failed: either for good, or because the route must be looked up again.
@@ -293,6 +297,71 @@ impl BlockDev for Export {
         self.snapshot.is_some()
     }
 
+    fn dirty_bitmaps(&self) -> Vec<String> {
+        self.bitmaps.iter().map(|(n, _)| n.clone()).collect()
+    }
+
+    /// From the copies' block metadata ([`converge_volume::Volume::changed`]) on the owner,
+    /// in 4 KiB blocks: a partly covered block that changed is dirty.
+    async fn dirty_status(
+        &self,
+        bitmap: &str,
+        offset: u64,
+        len: u32,
+    ) -> Result<Vec<Extent>, DevError> {
+        let Some(&(_, from)) = self.bitmaps.iter().find(|(n, _)| n == bitmap) else {
+            return Err(DevError::new(
+                DevErrorKind::Invalid,
+                format!("volume {} has no snapshot {bitmap}", self.name),
+            ));
+        };
+        let to = self.snapshot.as_ref().map(|(_, e)| *e);
+        let len64 = u64::from(len);
+        let bits = self
+            .run(
+                |v| async move { v.changed(from, to, offset, len64).await },
+                |volume| Request::VolChanged {
+                    volume,
+                    from,
+                    to,
+                    offset,
+                    len: len64,
+                },
+                |r| match r {
+                    Response::Extent(ExtentReply::Changed(b)) => Ok(b),
+                    other => unexpected(other),
+                },
+            )
+            .await?;
+        // Runs of equal bits, cut to the range asked about (the bitmap is in whole blocks).
+        const BS: u64 = converge_types::BLOCK_SIZE as u64;
+        let base = offset / BS * BS;
+        let end = offset + len64;
+        let blocks = (end.div_ceil(BS) * BS - base) / BS;
+        if bits.len() as u64 != blocks.div_ceil(64) {
+            return Err(DevError::new(
+                DevErrorKind::Io,
+                format!(
+                    "the owner answered {} bitmap words for {blocks} blocks",
+                    bits.len()
+                ),
+            ));
+        }
+        let mut out: Vec<Extent> = Vec::new();
+        for b in 0..blocks {
+            let dirty = bits[(b / 64) as usize] >> (b % 64) & 1 == 1;
+            let flags = if dirty { STATE_DIRTY } else { 0 };
+            let lo = (base + b * BS).max(offset);
+            let hi = (base + (b + 1) * BS).min(end);
+            let n = (hi - lo) as u32;
+            match out.last_mut() {
+                Some(e) if e.flags == flags => e.length += n,
+                _ => out.push(Extent { length: n, flags }),
+            }
+        }
+        Ok(out)
+    }
+
     fn description(&self) -> Option<String> {
         if let Some((snap, epoch)) = &self.snapshot {
             return Some(format!(
@@ -384,9 +453,9 @@ impl Resolver for Exports {
             Some((v, s)) => (v, Some(s)),
             None => (export, None),
         };
-        let (size, snapshot) = match self.node.cluster.volume(volume).await {
+        let (size, snapshot, bitmaps) = match self.node.cluster.volume(volume).await {
             Ok(Some((rec, _))) => {
-                match snap {
+                let (size, snapshot) = match snap {
                     None => (rec.size_bytes, None),
                     Some(s) => match rec.snapshots.iter().find(|x| x.name == s && !x.deleting) {
                         // Records from before the size was kept: the volume's (a volume
@@ -401,7 +470,15 @@ impl Resolver for Exports {
                         ),
                         None => return Err(ResolveError::Unknown),
                     },
-                }
+                };
+                let upto = snapshot.as_ref().map(|(_, e)| *e);
+                let bitmaps = rec
+                    .snapshots
+                    .iter()
+                    .filter(|s| !s.deleting && upto.is_none_or(|u| s.epoch < u))
+                    .map(|s| (s.name.clone(), s.epoch))
+                    .collect();
+                (size, snapshot, bitmaps)
             }
             Ok(None) => return Err(ResolveError::Unknown),
             Err(e) => return Err(ResolveError::Unavailable(e.to_string())),
@@ -413,6 +490,7 @@ impl Resolver for Exports {
                 size_bytes: size,
                 route: RwLock::new(Arc::new(route)),
                 snapshot,
+                bitmaps,
             })),
             Err(OpenError::Unknown) => Err(ResolveError::Unknown),
             Err(OpenError::Unavailable(why)) => Err(ResolveError::Unavailable(why)),

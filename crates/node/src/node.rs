@@ -649,6 +649,13 @@ impl RpcHandler {
                 offset,
                 len,
             } => (volume, VolIo::ReadAt(snapshot, offset, len)),
+            Request::VolChanged {
+                volume,
+                from,
+                to,
+                offset,
+                len,
+            } => (volume, VolIo::Changed(from, to, offset, len)),
             _ => return Response::err(ErrorCode::Invalid, "not a volume request"),
         };
         let v = match self.owned(id).await {
@@ -676,6 +683,10 @@ impl RpcHandler {
                     }))
                 })
             }
+            VolIo::Changed(from, to, off, len) => v
+                .changed(from, to, off, len)
+                .await
+                .map(|bits| Response::Extent(ExtentReply::Changed(bits))),
         };
         match r {
             Ok(resp) => resp,
@@ -694,6 +705,12 @@ enum VolIo {
     Write(u64, Bytes),
     Zero(u64, u64, bool),
     ReadAt(converge_types::Epoch, u64, u32),
+    Changed(
+        converge_types::Epoch,
+        Option<converge_types::Epoch>,
+        u64,
+        u64,
+    ),
 }
 
 impl Handler for RpcHandler {
@@ -706,7 +723,8 @@ impl Handler for RpcHandler {
             req @ (Request::VolRead { .. }
             | Request::VolWrite { .. }
             | Request::VolZero { .. }
-            | Request::VolReadAt { .. }) => self.volume_io(req).await,
+            | Request::VolReadAt { .. }
+            | Request::VolChanged { .. }) => self.volume_io(req).await,
             Request::Ping => Response::Pong,
             Request::Hello(_) => Response::err(ErrorCode::Invalid, "hello after handshake"),
         }

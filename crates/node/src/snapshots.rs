@@ -228,3 +228,137 @@ pub(crate) async fn rollback(node: &Arc<Node>, name: &str, snap: &str) -> Out {
         bytes,
     })
 }
+
+/// The parameters of `GET /v1/volumes/NAME/changes`: `from` (a snapshot, required), `to`
+/// (a newer snapshot; absent: now), `offset` and `length` (bytes; default: the whole
+/// volume). Names are plain (snapshot names need no escaping); unknown keys are refused.
+struct ChangesQuery {
+    from: String,
+    to: Option<String>,
+    offset: Option<u64>,
+    length: Option<u64>,
+}
+
+fn changes_query(q: &str) -> Result<ChangesQuery, ApiError> {
+    let mut out = ChangesQuery {
+        from: String::new(),
+        to: None,
+        offset: None,
+        length: None,
+    };
+    let number = |k: &str, v: &str| {
+        v.parse::<u64>()
+            .map_err(|_| ApiError::bad(format!("{k}={v:?} is not a number of bytes")))
+    };
+    for kv in q.split('&').filter(|s| !s.is_empty()) {
+        let (k, v) = kv.split_once('=').unwrap_or((kv, ""));
+        match k {
+            "from" => out.from = v.to_string(),
+            "to" => out.to = Some(v.to_string()),
+            "offset" => out.offset = Some(number(k, v)?),
+            "length" => out.length = Some(number(k, v)?),
+            _ => {
+                return Err(ApiError::bad(format!(
+                    "unknown parameter {k:?}: changes take from=SNAP, to=SNAP, offset=BYTES, \
+                     length=BYTES"
+                )))
+            }
+        }
+    }
+    if out.from.is_empty() {
+        return Err(ApiError::bad(
+            "changes need from=SNAPSHOT (and optionally to=SNAPSHOT; absent: now)",
+        ));
+    }
+    Ok(out)
+}
+
+/// `GET /v1/volumes/NAME/changes?from=A[&to=B][&offset=O&length=L]`: the runs that read
+/// differently at snapshot A and at B (or now), from the copies' block metadata (no data
+/// is read). Answered by the volume's serving owner.
+pub(crate) async fn changes(node: &Arc<Node>, name: &str, query: &str) -> Out {
+    let q = changes_query(query)?;
+    let (rec, _) = volume_record(node, name).await?;
+    let find = |snap: &str| {
+        rec.snapshots
+            .iter()
+            .find(|s| s.name == snap && !s.deleting)
+            .cloned()
+            .ok_or_else(|| {
+                ApiError(
+                    StatusCode::NOT_FOUND,
+                    format!("volume {name} has no snapshot named {snap}"),
+                )
+            })
+    };
+    let from = find(&q.from)?;
+    let to = q.to.as_deref().map(find).transpose()?;
+    if let Some(t) = &to {
+        if t.epoch <= from.epoch {
+            return Err(ApiError::bad(format!(
+                "snapshot {} is not newer than {}: changes go from the older to the newer",
+                t.name, from.name
+            )));
+        }
+    }
+    if let Some(r) = forward_to_owner(
+        node,
+        serving_owner(node, &rec).await?,
+        "GET",
+        &format!("/v1/volumes/{name}/changes?{query}"),
+        b"",
+    )
+    .await?
+    {
+        return Ok(r);
+    }
+    let v = served_here(node, name).await?;
+    let size = match &to {
+        Some(t) if t.size_bytes > 0 => t.size_bytes.min(v.size_bytes()),
+        _ => v.size_bytes(),
+    };
+    let offset = q.offset.unwrap_or(0);
+    let length = q.length.unwrap_or(size.saturating_sub(offset));
+    if offset.checked_add(length).is_none_or(|e| e > size) {
+        return Err(ApiError::bad(format!(
+            "offset {offset} + length {length} is past the end of volume {name} ({size} bytes)"
+        )));
+    }
+    let bs = converge_types::BLOCK_SIZE as u64;
+    let mut runs: Vec<converge_api::ChangedRun> = Vec::new();
+    let mut pos = offset;
+    while pos < offset + length {
+        let len = (offset + length - pos).min(converge_volume::CHANGES_MAX_BYTES);
+        let bits = v
+            .changed(from.epoch, to.as_ref().map(|t| t.epoch), pos, len)
+            .await
+            .map_err(volume_error)?;
+        let base = pos / bs * bs;
+        for (i, w) in bits.iter().enumerate() {
+            let mut w = *w;
+            while w != 0 {
+                let b = w.trailing_zeros() as u64;
+                w &= w - 1;
+                let at = base + (i as u64 * 64 + b) * bs;
+                match runs.last_mut() {
+                    Some(r) if r.offset + r.length == at => r.length += bs,
+                    _ => runs.push(converge_api::ChangedRun {
+                        offset: at,
+                        length: bs,
+                    }),
+                }
+            }
+        }
+        pos += len;
+    }
+    ok(&converge_api::Changes {
+        volume: name.to_string(),
+        from: from.name,
+        to: to.map(|t| t.name),
+        offset,
+        length,
+        size_bytes: size,
+        changed_bytes: runs.iter().map(|r| r.length).sum(),
+        runs,
+    })
+}

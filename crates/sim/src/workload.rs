@@ -800,20 +800,27 @@ pub(crate) async fn check_snapshots(w: &Arc<World>, v: usize, o: &Arc<crate::own
         let vols = lock(&w.vols);
         (volume_blocks(w, &vols[v].spec), vols[v].id.0)
     };
-    let snaps: Vec<crate::owner::SnapRec> = lock(&w.vols)[v]
+    let mut snaps: Vec<crate::owner::SnapRec> = lock(&w.vols)[v]
         .snaps
         .iter()
         .filter(|s| !s.deleting)
         .cloned()
         .collect();
+    snaps.sort_by_key(|s| s.epoch);
+    // Each snapshot's image, where every read of it succeeded.
+    let mut images: Vec<(crate::owner::SnapRec, Option<Vec<u8>>)> = Vec::new();
     for s in snaps {
         let mut first = 0;
+        let mut image = Some(Vec::with_capacity((blocks * BS) as usize));
         while first < blocks {
             let n = (blocks - first).min(64);
             let vol = o.vol.clone();
             let epoch = s.epoch;
             match vol.read_at(epoch, first * BS, n * BS).await {
                 Ok(data) => {
+                    if let Some(img) = image.as_mut() {
+                        img.extend_from_slice(&data);
+                    }
                     w.count("final snapshot reads");
                     let bad = lock(&w.hist).check_read(v, tag, first, &data, s.start, s.end, true);
                     for (blk, why) in bad {
@@ -827,11 +834,39 @@ pub(crate) async fn check_snapshots(w: &Arc<World>, v: usize, o: &Arc<crate::own
                 // A slab none of whose copies holds the snapshot any more (every copy
                 // rebuilt since: docs/SNAPSHOTS.md, "Limits") is refused, never wrong.
                 Err(e) => {
+                    image = None;
                     w.count("final snapshot reads refused");
                     w.trace(|| format!("vol{v}: snapshot {} blocks {first}..: {e}", s.name));
                 }
             }
             first += n;
+        }
+        images.push((s, image));
+    }
+    // The changes between consecutive snapshots (incremental backup) name every block
+    // whose content differs between them.
+    for pair in images.windows(2) {
+        let ((a, Some(ia)), (b, Some(ib))) = (&pair[0], &pair[1]) else {
+            continue;
+        };
+        let bits = match o.vol.changed(a.epoch, Some(b.epoch), 0, blocks * BS).await {
+            Ok(bits) => bits,
+            Err(e) => {
+                w.count("final snapshot changes refused");
+                w.trace(|| format!("vol{v}: changes {}..{}: {e}", a.name, b.name));
+                continue;
+            }
+        };
+        w.count("final snapshot changes");
+        for blk in 0..blocks as usize {
+            let r = blk * BS as usize..(blk + 1) * BS as usize;
+            if ia[r.clone()] != ib[r] && bits[blk / 64] >> (blk % 64) & 1 == 0 {
+                w.fail(format!(
+                    "after healing, block {blk} differs between snapshots {} (epoch {}) and {} \
+                     (epoch {}) but their changes do not list it",
+                    a.name, a.epoch, b.name, b.epoch
+                ));
+            }
         }
     }
 }
