@@ -276,6 +276,34 @@ pub struct VolumeInfo {
     /// Present in `GET /v1/volumes/NAME`, absent in lists.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slabs: Option<Vec<SlabInfo>>,
+    /// A clone's parent snapshot, `VOLUME@SNAPSHOT` (None: not a clone, or flattened).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+}
+
+/// `POST /v1/volumes/NAME/snapshots/SNAP/clone`: a new volume that reads as the snapshot
+/// until written (docs/SNAPSHOTS.md "Clones").
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct CreateClone {
+    pub name: String,
+    /// Preferred owner; default: the node answering.
+    #[serde(default)]
+    pub owner: Option<converge_types::NodeId>,
+    /// simple, mirror-2 or mirror-3; default: the parent's.
+    #[serde(default)]
+    pub resiliency: Option<converge_types::Resiliency>,
+    #[serde(default)]
+    pub qos: Option<converge_types::Qos>,
+}
+
+/// What `POST /v1/volumes/NAME/flatten` did.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Flattened {
+    pub volume: String,
+    /// The parent snapshot it no longer reads from.
+    pub parent: String,
+    /// Bytes copied from the parent.
+    pub bytes: u64,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]

@@ -365,6 +365,24 @@ enum VolumeCmd {
     /// (docs/SNAPSHOTS.md).
     #[command(subcommand)]
     Snapshot(SnapshotCmd),
+    /// A new volume that reads as a snapshot until written: instant (nothing is copied;
+    /// unchanged blocks are read from the snapshot), so one golden image serves many VMs.
+    /// The snapshot cannot be deleted while clones read from it (flatten or delete them).
+    Clone {
+        /// The snapshot, VOLUME@SNAPSHOT.
+        source: String,
+        /// The clone's name.
+        name: String,
+        /// Preferred owner; default: the node answering the API.
+        #[arg(long)]
+        owner: Option<u32>,
+        /// simple, mirror-2 or mirror-3; default: the parent's.
+        #[arg(long)]
+        resiliency: Option<String>,
+    },
+    /// Copy into a clone every block it still reads from its parent snapshot, then cut
+    /// the link (the snapshot may then be deleted). Runs while the clone is in use.
+    Flatten { name: String },
     /// Which runs of the volume changed between two snapshots (or since one, with no
     /// --to): from the copies' block metadata, in 4 KiB blocks; no data is read.
     Changes {
@@ -1121,6 +1139,61 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
             );
         }
         VolumeCmd::Snapshot(c) => return run_snapshot(cli, c),
+        VolumeCmd::Clone {
+            source,
+            name,
+            owner,
+            resiliency,
+        } => {
+            let Some((vol, snap)) = source.split_once('@') else {
+                bail!("give the snapshot as VOLUME@SNAPSHOT, not {source:?}");
+            };
+            check_name(vol)?;
+            check_name(name)?;
+            let resiliency: Option<Resiliency> =
+                resiliency.as_deref().map(str::parse).transpose()?;
+            let body = serde_json::to_value(converge_api::CreateClone {
+                name: name.clone(),
+                owner: owner.map(converge_types::NodeId),
+                resiliency,
+                qos: None,
+            })?;
+            let v: VolumeInfo = http::call(
+                &api_base(cli)?,
+                "POST",
+                &format!("/v1/volumes/{vol}/snapshots/{snap}/clone"),
+                Some(&body),
+            )?;
+            if cli.json {
+                return print_json(&v);
+            }
+            println!(
+                "created volume {} ({}, {}) as a clone of {source}, owned by {}\n  {}",
+                v.name,
+                format_size(v.size_bytes),
+                v.resiliency,
+                v.owner_name,
+                v.uri
+            );
+        }
+        VolumeCmd::Flatten { name } => {
+            check_name(name)?;
+            let f: converge_api::Flattened = http::call_timeout(
+                &api_base(cli)?,
+                "POST",
+                &format!("/v1/volumes/{name}/flatten"),
+                None,
+                std::time::Duration::from_secs(24 * 3600),
+            )?;
+            if cli.json {
+                return print_json(&f);
+            }
+            println!(
+                "volume {name} flattened: {} copied from {}; it no longer depends on it",
+                format_size(f.bytes),
+                f.parent
+            );
+        }
         VolumeCmd::Changes { volume, from, to } => {
             check_name(volume)?;
             let mut q = format!("from={from}");
@@ -1234,6 +1307,11 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
                 v.resiliency, v.min_replicas
             );
             println!("owner       {} (node {})", v.owner_name, v.owner);
+            if let Some(p) = &v.parent {
+                println!(
+                    "clone of    {p} (unwritten blocks read from it; `volume flatten` copies them)"
+                );
+            }
             println!("uri         {}", v.uri);
             if let Some(t) = &v.uri_tcp {
                 println!("uri (tcp)   {t}");

@@ -243,6 +243,19 @@ pub struct VolumeRecord {
     /// Snapshots (docs/SNAPSHOTS.md), oldest first.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub snapshots: Vec<SnapshotRecord>,
+    /// A clone's parent snapshot (docs/SNAPSHOTS.md "Clones"); None once flattened.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub parent: Option<ParentRecord>,
+}
+
+/// The snapshot a clone reads its never-written blocks from.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ParentRecord {
+    pub volume: String,
+    pub snapshot: String,
+    pub epoch: Epoch,
+    /// The snapshot's size: the clone reads zeros past it.
+    pub size_bytes: u64,
 }
 
 /// One snapshot of a volume: the owner's epoch it closed (docs/adr/0012). It reads every
@@ -259,6 +272,9 @@ pub struct SnapshotRecord {
     /// (a delete cut short leaves it so; deleting again finishes it).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub deleting: bool,
+    /// Clones made from it (it cannot be deleted while one of them still reads it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clones: Vec<String>,
 }
 
 /// Most snapshots a volume keeps (docs/adr/0012, "Limits").
@@ -1309,7 +1325,7 @@ impl<K: Kv> Cluster<K> {
             }
             if rec.snapshots.len() >= SNAPSHOTS_MAX {
                 return Err(ControlError::Refused(format!(
-                    "volume {name} has {SNAPSHOTS_MAX} snapshots, the most it keeps; delete one                      first"
+                    "volume {name} has {SNAPSHOTS_MAX} snapshots, the most it keeps; delete one first"
                 )));
             }
             let size_bytes = rec.size_bytes;
@@ -1319,6 +1335,7 @@ impl<K: Kv> Cluster<K> {
                 created_unix,
                 size_bytes,
                 deleting: false,
+                clones: Vec::new(),
             });
             let next = Epoch(epoch.0 + 1);
             let okey = keys::owner(rec.id);
@@ -1375,12 +1392,69 @@ impl<K: Kv> Cluster<K> {
         name: &str,
         snap: &str,
     ) -> Result<Option<Epoch>, ControlError> {
+        match self
+            .change_snapshot(name, snap, |snaps, i| {
+                if !snaps[i].clones.is_empty() {
+                    return (Err(snaps[i].clones.join(", ")), false);
+                }
+                let changed = !snaps[i].deleting;
+                snaps[i].deleting = true;
+                (Ok(snaps[i].epoch), changed)
+            })
+            .await?
+        {
+            None => Ok(None),
+            Some(Ok(e)) => Ok(Some(e)),
+            Some(Err(clones)) => Err(ControlError::Refused(format!(
+                "snapshot {snap} of volume {name} has clones that read from it ({clones}): \
+                 flatten or delete them first"
+            ))),
+        }
+    }
+
+    /// Records clone `clone` on snapshot `snap` of volume `name` (so the snapshot is not
+    /// deleted under it), refused if the snapshot is being deleted; returns the snapshot.
+    pub async fn pin_clone(
+        &self,
+        name: &str,
+        snap: &str,
+        clone: &str,
+    ) -> Result<Option<SnapshotRecord>, ControlError> {
+        match self
+            .change_snapshot(name, snap, |snaps, i| {
+                if snaps[i].deleting {
+                    return (None, false);
+                }
+                let changed = !snaps[i].clones.iter().any(|c| c == clone);
+                if changed {
+                    snaps[i].clones.push(clone.to_string());
+                }
+                (Some(snaps[i].clone()), changed)
+            })
+            .await?
+        {
+            Some(Some(s)) => Ok(Some(s)),
+            Some(None) => Err(ControlError::Refused(format!(
+                "snapshot {snap} of volume {name} is being deleted"
+            ))),
+            None => Ok(None),
+        }
+    }
+
+    /// Takes clone `clone` off snapshot `snap` of volume `name` (flattened or deleted).
+    pub async fn unpin_clone(
+        &self,
+        name: &str,
+        snap: &str,
+        clone: &str,
+    ) -> Result<(), ControlError> {
         self.change_snapshot(name, snap, |snaps, i| {
-            let changed = !snaps[i].deleting;
-            snaps[i].deleting = true;
-            (snaps[i].epoch, changed)
+            let before = snaps[i].clones.len();
+            snaps[i].clones.retain(|c| c != clone);
+            ((), snaps[i].clones.len() != before)
         })
-        .await
+        .await?;
+        Ok(())
     }
 
     /// Takes snapshot `snap` out of volume `name`'s record (its copies gave its space

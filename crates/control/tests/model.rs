@@ -41,6 +41,7 @@ fn volume(id: u64, name: &str) -> VolumeRecord {
         encryption: None,
         qos: Default::default(),
         snapshots: Vec::new(),
+        parent: None,
     }
 }
 

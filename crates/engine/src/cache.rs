@@ -2354,6 +2354,22 @@ impl Tier {
         })
     }
 
+    /// [`Drive::absent`], around a bound cache drive: a block still in the log was
+    /// written, so a range holding one is drained first ([`Tier::around`]).
+    pub fn absent(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        at: Option<Epoch>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u64>, EngineError> {
+        self.cap.check_epoch_of(key, epoch)?;
+        self.around(key, offset, len, false, || {
+            self.cap.absent(key, epoch, at, offset, len)
+        })
+    }
+
     /// [`Drive::write_held`], around a bound cache drive ([`Tier::around`]).
     pub fn write_held(
         &self,

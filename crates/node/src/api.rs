@@ -237,6 +237,12 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, query: &str, body:
         (&Method::DELETE, ["v1", "volumes", name, "snapshots", snap]) => {
             crate::snapshots::delete(node, name, snap).await
         }
+        (&Method::POST, ["v1", "volumes", name, "snapshots", snap, "clone"]) => {
+            crate::clones::create(node, name, snap, body).await
+        }
+        (&Method::POST, ["v1", "volumes", name, "flatten"]) => {
+            crate::clones::flatten(node, name).await
+        }
         (&Method::POST, ["v1", "volumes", name, "snapshots", snap, "rollback"]) => {
             crate::snapshots::rollback(node, name, snap).await
         }
@@ -593,6 +599,10 @@ fn volume_info(
                 })
                 .collect()
         }),
+        parent: rec
+            .parent
+            .as_ref()
+            .map(|p| format!("{}@{}", p.volume, p.snapshot)),
     }
 }
 
@@ -801,6 +811,15 @@ fn check_compression(r: Resiliency, c: Compression) -> Result<(), ApiError> {
 }
 
 async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, ApiError> {
+    create_volume_with(node, req, None).await
+}
+
+/// Creates a volume; with `parent`, a clone of that snapshot (docs/SNAPSHOTS.md "Clones").
+pub(crate) async fn create_volume_with(
+    node: &Node,
+    req: CreateVolume,
+    parent: Option<converge_control::model::ParentRecord>,
+) -> Result<VolumeInfo, ApiError> {
     if !converge_control::model::valid_volume_name(&req.name) {
         return Err(ApiError::bad(format!(
             "volume name {:?} is not valid: use 1-128 letters, digits, '-', '_' or '.'",
@@ -892,6 +911,7 @@ async fn create_volume(node: &Node, req: CreateVolume) -> Result<VolumeInfo, Api
         encryption,
         qos,
         snapshots: Vec::new(),
+        parent,
     };
     node.cluster
         .create_volume(&rec)
@@ -1235,6 +1255,13 @@ async fn delete_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
         .delete_volume(name)
         .await
         .map_err(ApiError::unavailable)?;
+    if let Some(p) = &rec.parent {
+        // Its parent snapshot no longer needs to stay for it (a pin left behind is
+        // pruned when that snapshot is deleted).
+        if let Err(e) = node.cluster.unpin_clone(&p.volume, &p.snapshot, name).await {
+            log::warn!("volume {name}: unpinning {}@{}: {e}", p.volume, p.snapshot);
+        }
+    }
     node.free_extents(&rec, &slabs).await;
     log::info!("deleted volume {name}");
     ok(&serde_json::json!({"deleted": name}))

@@ -328,7 +328,7 @@ impl BlockDev for Export {
                     len: len64,
                 },
                 |r| match r {
-                    Response::Extent(ExtentReply::Changed(b)) => Ok(b),
+                    Response::Extent(ExtentReply::Bitmap(b)) => Ok(b),
                     other => unexpected(other),
                 },
             )

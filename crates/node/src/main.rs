@@ -5,6 +5,7 @@ mod api;
 mod auth;
 mod cache_api;
 mod capacity;
+mod clones;
 mod config;
 mod drain;
 mod encryption;
@@ -288,7 +289,9 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         orphans_freed: Default::default(),
         auth: auth::Auth::new(cluster.clone(), internal_token, &cfg),
         https: https_client,
+        me: Default::default(),
     });
+    let _ = node.me.set(Arc::downgrade(&node));
     for d in &drive_recs {
         cluster.put_drive(d).await.map_err(|e| anyhow!("{e}"))?;
         // It opened and recovered: whatever failure was recorded is over (its old copies

@@ -65,6 +65,8 @@ pub struct Node {
     pub auth: crate::auth::Auth,
     /// HTTPS to the other nodes' APIs: trusts the cluster's CA.
     pub https: Arc<rustls::ClientConfig>,
+    /// This node, for what it hands out that must reach it later (a clone's parent reader).
+    pub me: std::sync::OnceLock<std::sync::Weak<Node>>,
 }
 
 /// Totals of this node's scrubs (for /metrics).
@@ -227,6 +229,9 @@ impl Node {
                 .map(|s| s.epoch)
                 .collect(),
         );
+        if let Some(p) = &rec.parent {
+            v.set_parent(Some(crate::clones::parent_reader(self, p)));
+        }
         match v.reconcile().await {
             Ok(r) => log::info!(
                 "serving volume {} (id {}) at epoch {}: copies fenced and compared ({} blocks, {} diverged, {} rewritten)",
@@ -686,7 +691,7 @@ impl RpcHandler {
             VolIo::Changed(from, to, off, len) => v
                 .changed(from, to, off, len)
                 .await
-                .map(|bits| Response::Extent(ExtentReply::Changed(bits))),
+                .map(|bits| Response::Extent(ExtentReply::Bitmap(bits))),
         };
         match r {
             Ok(resp) => resp,

@@ -62,7 +62,7 @@ pub(crate) async fn list(node: &Arc<Node>, name: &str) -> Out {
 }
 
 /// The volume as this node serves it (it is the serving owner, or takes it over).
-async fn served_here(node: &Arc<Node>, name: &str) -> Result<Arc<Vol>, ApiError> {
+pub(crate) async fn served_here(node: &Arc<Node>, name: &str) -> Result<Arc<Vol>, ApiError> {
     match node.open_volume(name).await {
         Ok(Route::Local(v)) => Ok(v),
         Ok(Route::Remote { owner, .. }) => Err(ApiError(
@@ -77,7 +77,7 @@ async fn served_here(node: &Arc<Node>, name: &str) -> Result<Arc<Vol>, ApiError>
     }
 }
 
-fn volume_error(e: VolumeError) -> ApiError {
+pub(crate) fn volume_error(e: VolumeError) -> ApiError {
     match e {
         VolumeError::Control(..) => ApiError::unavailable(e),
         VolumeError::Snapshot { .. } => ApiError(StatusCode::CONFLICT, e.to_string()),
@@ -177,11 +177,15 @@ pub(crate) async fn delete(node: &Arc<Node>, name: &str, snap: &str) -> Out {
         return Ok(r);
     }
     let v = served_here(node, name).await?;
+    crate::clones::prune_pins(node, name, snap).await?;
     let Some(epoch) = node
         .cluster
         .mark_snapshot_deleting(name, snap)
         .await
-        .map_err(ApiError::unavailable)?
+        .map_err(|e| match e {
+            converge_control::ControlError::Refused(m) => ApiError(StatusCode::CONFLICT, m),
+            other => ApiError::unavailable(other),
+        })?
     else {
         return Err(ApiError(
             StatusCode::NOT_FOUND,

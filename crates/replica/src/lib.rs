@@ -277,11 +277,24 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             to,
             offset,
             count,
-        } => ExtentReply::Changed(tier.changed(
+        } => ExtentReply::Bitmap(tier.changed(
             key,
             epoch,
             from,
             to,
+            offset,
+            u64::from(count) * converge_types::BLOCK_SIZE as u64,
+        )?),
+        ExtentOp::Absent {
+            key,
+            epoch,
+            at,
+            offset,
+            count,
+        } => ExtentReply::Bitmap(tier.absent(
+            key,
+            epoch,
+            at,
             offset,
             u64::from(count) * converge_types::BLOCK_SIZE as u64,
         )?),

@@ -55,6 +55,8 @@ pub mod msg {
     pub const READ_AT: u8 = 0x32;
     /// Which blocks changed between two snapshots (incremental backup).
     pub const CHANGED: u8 = 0x33;
+    /// Which blocks were never written (a clone reads them from its parent).
+    pub const ABSENT: u8 = 0x34;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
@@ -72,7 +74,7 @@ pub mod msg {
     pub const WRITTEN: u8 = 0x94;
     pub const DIGEST_OK: u8 = 0x95;
     pub const PRIORS_OK: u8 = 0x96;
-    pub const CHANGED_OK: u8 = 0x97;
+    pub const BITMAP_OK: u8 = 0x97;
     pub const ERR: u8 = 0xff;
 
     /// True for the request half of the type space.
@@ -127,7 +129,7 @@ pub enum Request {
     },
     /// A redirected question: which blocks of `[offset, offset + len)` of a volume read
     /// differently at snapshot `from` and at `to` (`None`: now). Answered
-    /// [`ExtentReply::Changed`], one bit per 4 KiB block of the range.
+    /// [`ExtentReply::Bitmap`], one bit per 4 KiB block of the range.
     VolChanged {
         volume: VolumeId,
         from: Epoch,
@@ -452,6 +454,7 @@ pub fn request_type(req: &Request) -> u8 {
             ExtentOp::DropSnapshot { .. } => msg::DROP_SNAPSHOT,
             ExtentOp::ReadAt { .. } => msg::READ_AT,
             ExtentOp::Changed { .. } => msg::CHANGED,
+            ExtentOp::Absent { .. } => msg::ABSENT,
         },
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
@@ -474,7 +477,7 @@ pub fn response_type(resp: &Response) -> u8 {
             ExtentReply::Written(_) => msg::WRITTEN,
             ExtentReply::Digest(_) => msg::DIGEST_OK,
             ExtentReply::Priors(_) => msg::PRIORS_OK,
-            ExtentReply::Changed(_) => msg::CHANGED_OK,
+            ExtentReply::Bitmap(_) => msg::BITMAP_OK,
         },
         Response::Err { .. } => msg::ERR,
     }
@@ -801,6 +804,21 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u32_le(*count);
             (b, Bytes::new())
         }
+        ExtentOp::Absent {
+            key,
+            epoch,
+            at,
+            offset,
+            count,
+        } => {
+            let mut b = new_head(52);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(at.map_or(0, |e| e.0));
+            b.put_u64_le(*offset);
+            b.put_u32_le(*count);
+            (b, Bytes::new())
+        }
     }
 }
 
@@ -914,7 +932,7 @@ fn encode_extent_reply(r: &ExtentReply) -> (BytesMut, Bytes) {
             }
             (b, Bytes::new())
         }
-        ExtentReply::Changed(words) => {
+        ExtentReply::Bitmap(words) => {
             let mut b = new_head(4 + 8 * words.len());
             b.put_u32_le(u32::try_from(words.len()).unwrap_or(u32::MAX));
             for w in words {
@@ -1125,7 +1143,7 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             protocol_version: r.u16("protocol_version")?,
         }),
         msg::PING => Request::Ping,
-        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::CHANGED => {
+        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::ABSENT => {
             decode_extent_op(msg_type, &mut r)?
         }
         msg::VOL_READ => Request::VolRead {
@@ -1322,6 +1340,13 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             offset: r.u64("offset")?,
             count: r.u32("count")?,
         },
+        msg::ABSENT => ExtentOp::Absent {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            at: Some(Epoch(r.u64("snapshot")?)).filter(|e| e.0 > 0),
+            offset: r.u64("offset")?,
+            count: r.u32("count")?,
+        },
         other => return Err(WireError::UnknownType(other)),
     };
     Ok(Request::Extent { drive, op })
@@ -1382,10 +1407,10 @@ pub fn decode_response(msg_type: u8, payload: Bytes) -> Result<Response, WireErr
                 .collect();
             Response::Extent(ExtentReply::Priors(pairs))
         }
-        msg::CHANGED_OK => {
+        msg::BITMAP_OK => {
             let n = r.u32("bitmap words")? as usize;
             let raw = r.take(n.saturating_mul(8), "bitmap")?;
-            Response::Extent(ExtentReply::Changed(
+            Response::Extent(ExtentReply::Bitmap(
                 raw.chunks_exact(8)
                     .map(|c| {
                         let mut a = [0u8; 8];
@@ -1435,7 +1460,17 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..24) {
+        match rng.gen_range(0..25) {
+            24 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::Absent {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    at: rng.gen_bool(0.5).then(|| Epoch(rng.gen_range(1..u64::MAX))),
+                    offset: rng.gen(),
+                    count: rng.gen(),
+                },
+            },
             22 => Request::VolChanged {
                 volume: VolumeId(rng.gen()),
                 from: Epoch(rng.gen()),
@@ -1673,7 +1708,7 @@ mod tests {
 
     fn random_response(rng: &mut impl Rng) -> Response {
         match rng.gen_range(0..11) {
-            10 => Response::Extent(ExtentReply::Changed(
+            10 => Response::Extent(ExtentReply::Bitmap(
                 (0..rng.gen_range(0..40)).map(|_| rng.gen()).collect(),
             )),
             9 => Response::Extent(ExtentReply::Priors(
@@ -1743,7 +1778,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 26, "every request type was exercised");
+        assert_eq!(seen.len(), 27, "every request type was exercised");
     }
 
     /// A write without compression keeps its message type and bytes (nodes of older

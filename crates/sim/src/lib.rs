@@ -483,6 +483,7 @@ async fn run(w: Arc<World>) {
                 encryption: None,
                 qos: Default::default(),
                 snapshots: Vec::new(),
+                parent: None,
             };
             lock(&w.ctl).put_volume(&rec);
         }

@@ -200,13 +200,22 @@ pub enum ExtentOp {
         len: u32,
     },
     /// Which of `count` blocks from `offset` read differently at snapshot `from` and at
-    /// snapshot `to` (`None`: the live extent): [`ExtentReply::Changed`], a bitmap.
+    /// snapshot `to` (`None`: the live extent): [`ExtentReply::Bitmap`], a bitmap.
     /// Metadata only; refused like `ReadAt` by a copy that does not hold a snapshot named.
     Changed {
         key: ExtentKey,
         epoch: Epoch,
         from: Epoch,
         to: Option<Epoch>,
+        offset: u64,
+        count: u32,
+    },
+    /// Which of `count` blocks from `offset` were never written as of snapshot `at`
+    /// (`None`: now): [`ExtentReply::Bitmap`]. A clone reads those from its parent.
+    Absent {
+        key: ExtentKey,
+        epoch: Epoch,
+        at: Option<Epoch>,
         offset: u64,
         count: u32,
     },
@@ -231,6 +240,7 @@ impl ExtentOp {
             | ExtentOp::DropSnapshot { key, .. }
             | ExtentOp::ReadAt { key, .. }
             | ExtentOp::Changed { key, .. }
+            | ExtentOp::Absent { key, .. }
             | ExtentOp::Free { key } => *key,
         }
     }
@@ -253,7 +263,8 @@ impl ExtentOp {
             | ExtentOp::SnapshotFloor { epoch, .. }
             | ExtentOp::DropSnapshot { epoch, .. }
             | ExtentOp::ReadAt { epoch, .. }
-            | ExtentOp::Changed { epoch, .. } => Some(*epoch),
+            | ExtentOp::Changed { epoch, .. }
+            | ExtentOp::Absent { epoch, .. } => Some(*epoch),
             ExtentOp::Free { .. } => None,
         }
     }
@@ -278,6 +289,7 @@ impl ExtentOp {
             ExtentOp::DropSnapshot { .. } => "drop_snapshot",
             ExtentOp::ReadAt { .. } => "read_at",
             ExtentOp::Changed { .. } => "changed",
+            ExtentOp::Absent { .. } => "absent",
         }
     }
 
@@ -334,7 +346,9 @@ impl ExtentOp {
             },
             ExtentOp::Versions { count, .. } => ReplyShape::Versions { count: *count },
             ExtentOp::Digest { .. } => ReplyShape::Digest,
-            ExtentOp::Changed { count, .. } => ReplyShape::Changed { count: *count },
+            ExtentOp::Changed { count, .. } | ExtentOp::Absent { count, .. } => {
+                ReplyShape::Bitmap { count: *count }
+            }
         }
     }
 }
@@ -380,8 +394,8 @@ pub enum ExtentReply {
     /// Per block: its version and its prior's ([`ExtentOp::Priors`]).
     Priors(Vec<(Version, Option<Version>)>),
     /// A bitmap of blocks, bit `i % 64` of word `i / 64` for block `i`
-    /// ([`ExtentOp::Changed`]).
-    Changed(Vec<u64>),
+    /// ([`ExtentOp::Changed`], [`ExtentOp::Absent`]).
+    Bitmap(Vec<u64>),
 }
 
 impl ExtentReply {
@@ -394,7 +408,7 @@ impl ExtentReply {
             ExtentReply::Digest(_) => "a digest",
             ExtentReply::Versions(_) => "versions",
             ExtentReply::Priors(_) => "priors",
-            ExtentReply::Changed(_) => "a change bitmap",
+            ExtentReply::Bitmap(_) => "a change bitmap",
         }
     }
 
@@ -444,9 +458,9 @@ impl ExtentReply {
         }
     }
 
-    pub fn into_changed(self) -> Option<Vec<u64>> {
+    pub fn into_bitmap(self) -> Option<Vec<u64>> {
         match self {
-            ExtentReply::Changed(v) => Some(v),
+            ExtentReply::Bitmap(v) => Some(v),
             _ => None,
         }
     }
@@ -478,7 +492,7 @@ pub enum ReplyShape {
         count: u32,
     },
     /// A bitmap of `count` blocks: `ceil(count / 64)` words, no bit set past `count`.
-    Changed {
+    Bitmap {
         count: u32,
     },
 }
@@ -512,7 +526,7 @@ impl ReplyShape {
             (ReplyShape::Written { blocks }, ExtentReply::Written(n)) => *n <= blocks,
             (ReplyShape::Versions { count }, ExtentReply::Versions(v)) => v.len() == count as usize,
             (ReplyShape::Priors { count }, ExtentReply::Priors(v)) => v.len() == count as usize,
-            (ReplyShape::Changed { count }, ExtentReply::Changed(w)) => {
+            (ReplyShape::Bitmap { count }, ExtentReply::Bitmap(w)) => {
                 let tail = count % 64;
                 w.len() == (count as usize).div_ceil(64)
                     && (tail == 0 || w.last().is_none_or(|l| l >> tail == 0))
@@ -539,7 +553,7 @@ impl fmt::Display for ReplyShape {
             ReplyShape::Digest => write!(f, "a digest"),
             ReplyShape::Versions { count } => write!(f, "{count} versions"),
             ReplyShape::Priors { count } => write!(f, "{count} versions with their priors"),
-            ReplyShape::Changed { count } => write!(f, "a bitmap of {count} blocks"),
+            ReplyShape::Bitmap { count } => write!(f, "a bitmap of {count} blocks"),
         }
     }
 }
@@ -566,7 +580,7 @@ impl fmt::Display for Said<'_> {
             ExtentReply::Written(n) => write!(f, "{n} blocks written"),
             ExtentReply::Versions(v) => write!(f, "{} versions", v.len()),
             ExtentReply::Priors(v) => write!(f, "{} versions with their priors", v.len()),
-            ExtentReply::Changed(w) => write!(f, "a bitmap of {} words", w.len()),
+            ExtentReply::Bitmap(w) => write!(f, "a bitmap of {} words", w.len()),
             other => f.write_str(other.name()),
         }
     }

@@ -5,6 +5,7 @@
 //! and new slabs are placed through [`SlabAllocator`], so the same code runs in the node
 //! daemon and in the deterministic simulator.
 
+mod clone;
 pub mod crypt;
 mod mirror_part;
 pub mod parity;
@@ -12,6 +13,7 @@ mod parity_io;
 mod parity_sync;
 pub mod qos;
 pub mod resync;
+pub use clone::ParentRead;
 mod snapshot;
 pub use snapshot::CHANGES_MAX_BYTES;
 pub mod stats;
@@ -489,6 +491,9 @@ pub struct Volume<R, A> {
     /// The volume's snapshots' epochs, oldest first (new slabs' copies get the newest as
     /// their floor before their first write).
     snapshots: std::sync::Mutex<Vec<Epoch>>,
+    /// A clone's parent snapshot: what its never-written blocks read as (docs/adr/0012,
+    /// step 5). `None`: not a clone, or flattened.
+    parent: std::sync::RwLock<Option<Arc<dyn ParentRead>>>,
 }
 
 /// Zero operations a large TRIM or WRITE_ZEROES has in flight at once.
@@ -592,6 +597,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             seq_floor: AtomicU64::new(0),
             epoch: AtomicU64::new(cfg_epoch.0),
             snapshots: std::sync::Mutex::new(Vec::new()),
+            parent: std::sync::RwLock::new(None),
         }
     }
 
@@ -1230,6 +1236,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     pub fn allocation(&self, offset: u64, len: u64) -> Result<Vec<(u64, bool)>, VolumeError> {
         self.check_range(offset, len)?;
         self.check_serving()?;
+        if self.parent().is_some() {
+            // A clone's unwritten slabs read as its parent: data, as far as it knows.
+            return Ok(vec![(len, true)]);
+        }
         let mut runs: Vec<(u64, bool)> = Vec::new();
         for p in split(offset, len, self.slab_span()) {
             let parts = if self.map.is_some() {
@@ -1323,6 +1333,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     async fn mirror_read_piece(&self, p: Piece) -> Result<Bytes, VolumeError> {
+        if let Some(parent) = self.parent() {
+            return self.clone_read_piece(&parent, p, None).await;
+        }
         let Some(slab) = self.slab(p.slab) else {
             // Never written: thin provisioning reads zeros.
             return Ok(Bytes::from(vec![0u8; p.len as usize]));
@@ -1756,6 +1769,16 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         extents: Vec<ExtentLoc>,
     ) -> Result<Arc<Slab>, VolumeError> {
         let slab = Arc::new(Slab::new(extents, self.seq_floor.load(Ordering::Acquire)));
+        if self.parent().is_some() {
+            // A clone's slab is not zeroed: its never-written blocks read as the parent's
+            // (`clone.rs`). No older incarnation can be under it: a clone's slabs are never
+            // released (zeroed instead), so the slab is new on every copy.
+            self.slabs
+                .write()
+                .expect("slab map lock poisoned")
+                .insert(idx, slab.clone());
+            return Ok(slab);
+        }
         let zeroed = {
             let _gate = slab.gate.read().await;
             self.zero_whole(idx, &slab).await
@@ -1845,7 +1868,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let Some(slab) = self.known_slab(idx).await? else {
             return Ok(());
         };
-        if self.shadows_parity(idx) || !self.snapshots().is_empty() {
+        if self.shadows_parity(idx) || !self.snapshots().is_empty() || self.parent().is_some() {
             // Zeroed below, but kept: see `shadows_parity`; and a snapshot still reads
             // the slab's states before the zero (its copies' extents keep them).
             let _gate = slab.gate.read().await;

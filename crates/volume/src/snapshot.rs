@@ -254,8 +254,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let a_start = offset / BS * BS;
         let a_end = (offset + len).div_ceil(BS) * BS;
         let mut buf = BytesMut::with_capacity((a_end - a_start) as usize);
+        let parent = self.parent();
         for p in split(a_start, a_end - a_start, self.slab_span()) {
-            buf.extend_from_slice(&self.read_at_piece(snapshot, p).await?);
+            let piece = match &parent {
+                Some(parent) => self.clone_read_piece(parent, p, Some(snapshot)).await?,
+                None => self.read_at_piece(snapshot, p).await?,
+            };
+            buf.extend_from_slice(&piece);
         }
         if let Some(c) = &self.cfg.cipher {
             c.open(a_start / BS, &mut buf);
@@ -350,7 +355,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 offset: p.offset,
                 count: (p.len / BS) as u32,
             };
-            match self.ask(at, op, ExtentReply::into_changed).await {
+            match self.ask(at, op, ExtentReply::into_bitmap).await {
                 Ok(bits) => return Ok(bits),
                 Err(ReplicaError::StaleEpoch(w)) => return Err(self.fenced(w)),
                 Err(e) => why.push(format!("node {} drive {}: {e}", at.node, at.drive)),
@@ -370,7 +375,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// One piece of a snapshot read, from one in-sync copy (this node's first): a copy
     /// that does not hold the snapshot (filled after it) refuses, and one with bad or
     /// suspect blocks is passed over for the next.
-    async fn read_at_piece(&self, snapshot: Epoch, p: Piece) -> Result<Bytes, VolumeError> {
+    pub(crate) async fn read_at_piece(
+        &self,
+        snapshot: Epoch,
+        p: Piece,
+    ) -> Result<Bytes, VolumeError> {
         let Some(slab) = self.slab(p.slab) else {
             return Ok(Bytes::from(vec![0u8; p.len as usize]));
         };

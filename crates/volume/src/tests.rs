@@ -257,7 +257,8 @@ impl MemReplicas {
             ExtentOp::SnapshotFloor { .. }
             | ExtentOp::DropSnapshot { .. }
             | ExtentOp::ReadAt { .. }
-            | ExtentOp::Changed { .. } => {
+            | ExtentOp::Changed { .. }
+            | ExtentOp::Absent { .. } => {
                 panic!("this fake replica keeps no snapshots: {}", op.name())
             }
             ExtentOp::Read { offset, len, .. } => {

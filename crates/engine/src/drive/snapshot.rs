@@ -343,6 +343,65 @@ impl Drive {
         Ok(bits)
     }
 
+    /// Which blocks of `[offset, offset + len)` were never written as of snapshot `at`
+    /// (`None`: now, as durable): a bitmap as [`Drive::changed`]'s. A clone reads those from
+    /// its parent (docs/adr/0012, step 5); a TRIM or zeroing is a write, so a zeroed block
+    /// is not absent. An extent the drive does not hold is absent throughout. Refused like
+    /// [`Drive::read_at`] when the copy does not hold snapshot `at`.
+    pub fn absent(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        at: Option<Epoch>,
+        offset: u64,
+        len: u64,
+    ) -> Result<Vec<u64>, EngineError> {
+        let g = at.map(|a| snapshot_epoch(a, "snapshot")).transpose()?;
+        let bad = |reason| EngineError::InvalidIo {
+            key,
+            reason,
+            offset,
+            len,
+        };
+        if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) || len == 0 {
+            return Err(bad("offset and length must be non-zero multiples of 4096"));
+        }
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.layout.slab_size_bytes)
+        {
+            return Err(bad("the range must lie within the slab"));
+        }
+        self.check_failed()?;
+        let (first, count) = ((offset / BLOCK) as u32, (len / BLOCK) as u32);
+        let Some(ext) = self.lookup(key) else {
+            let mut bits = vec![u64::MAX; (count as usize).div_ceil(64)];
+            if count % 64 != 0 {
+                *bits.last_mut().expect("count > 0") = (1u64 << (count % 64)) - 1;
+            }
+            return Ok(bits);
+        };
+        Self::check_epoch(&ext, epoch)?;
+        let mut states = Vec::with_capacity(count as usize);
+        match g {
+            Some(g) => {
+                Self::check_holds(&ext, g)?;
+                self.states_at(&ext, g, first, count, &mut states);
+            }
+            None => {
+                let m = lock(&ext.meta);
+                states.extend_from_slice(&m.blocks[first as usize..(first + count) as usize]);
+            }
+        }
+        let mut bits = vec![0u64; (count as usize).div_ceil(64)];
+        for (i, st) in states.iter().enumerate() {
+            if *st == BlockMeta::default() {
+                bits[i / 64] |= 1 << (i % 64);
+            }
+        }
+        Ok(bits)
+    }
+
     /// The durable state of each block of `[first, first + count)` at snapshot `g`.
     fn states_at(&self, ext: &Extent, g: u32, first: u32, count: u32, out: &mut Vec<BlockMeta>) {
         // Table, live extent, then shadows oldest first: the order applies take them in

@@ -516,3 +516,45 @@ fn a_copy_filled_after_a_snapshot_refuses_to_read_it() {
     assert!(holds(&d, fresh, 1) && holds(&d, rebuilt, 4) && !holds(&d, rebuilt, 3));
     assert!(holds(&d, orig, 4) && !holds(&d, orig, 2));
 }
+
+#[test]
+fn absent_blocks_are_those_never_written_as_of_the_snapshot() {
+    let (_f, d) = faulty(16 << 20);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(11);
+    let (a, ac) = blocks(&mut rng, 2);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    d.zero(k, Epoch(1), ver(1, 2), 5 * BLOCK, BLOCK).unwrap();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    let (b, bc) = blocks(&mut rng, 1);
+    d.write(k, Epoch(2), ver(2, 3), 10 * BLOCK, &b, &bc)
+        .unwrap();
+    let set = |bits: &[u64]| -> Vec<usize> {
+        (0..70)
+            .filter(|i| bits[i / 64] >> (i % 64) & 1 == 1)
+            .collect()
+    };
+    let now = d.absent(k, Epoch(2), None, 0, 70 * BLOCK).unwrap();
+    let want: Vec<usize> = (0..70).filter(|i| ![0, 1, 5, 10].contains(i)).collect();
+    assert_eq!(
+        set(&now),
+        want,
+        "now: written and zeroed blocks are present"
+    );
+    let then = d
+        .absent(k, Epoch(2), Some(Epoch(1)), 0, 70 * BLOCK)
+        .unwrap();
+    let want: Vec<usize> = (0..70).filter(|i| ![0, 1, 5].contains(i)).collect();
+    assert_eq!(
+        set(&then),
+        want,
+        "at the snapshot, block 10 was not written yet"
+    );
+    // An extent the drive does not hold: absent throughout, no bit past the range.
+    let none = d.absent(key(9, 9), Epoch(2), None, 0, 70 * BLOCK).unwrap();
+    assert_eq!(set(&none), (0..70).collect::<Vec<_>>());
+    assert_eq!(none[1] >> 6, 0);
+    let err = d.absent(k, Epoch(2), Some(Epoch(7)), 0, BLOCK).unwrap_err();
+    assert!(matches!(err, EngineError::NoSnapshot { .. }), "{err}");
+}

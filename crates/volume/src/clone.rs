@@ -1,0 +1,217 @@
+//! Clones at the owner (docs/adr/0012 step 5, docs/SNAPSHOTS.md "Clones"). A clone is a
+//! volume whose never-written blocks read as its parent snapshot does: its copies start
+//! empty (creating one copies nothing), a block the clone writes, trims or zeroes is its
+//! own from then on, and the rest is read from the parent through [`ParentRead`]. Which
+//! blocks are its own comes from its copies' block metadata ([`ExtentOp::Absent`]), asked
+//! before the data, so a write racing a read gives the old content (the parent's) or the
+//! new, never zeros. Flattening copies what is still the parent's into the clone.
+//!
+//! Supported: mirror and simple clones, unencrypted and uncompressed (the parent's data
+//! comes in plain).
+
+use super::*;
+use std::pin::Pin;
+
+/// Reads a clone's parent snapshot (the node reads it through the parent's owner).
+pub trait ParentRead: Send + Sync + 'static {
+    /// `[offset, offset + len)` of the parent snapshot, `len` at most [`MAX_IO_BYTES`];
+    /// zeros past its end.
+    fn read(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> Pin<Box<dyn Future<Output = Result<Bytes, VolumeError>> + Send + '_>>;
+    /// `VOLUME@SNAPSHOT`, for messages.
+    fn name(&self) -> String;
+}
+
+impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
+    /// The clone's parent, if this volume is one (not yet flattened).
+    pub fn parent(&self) -> Option<Arc<dyn ParentRead>> {
+        self.parent.read().expect("parent lock").clone()
+    }
+
+    /// Makes this volume a clone of `parent` (when its owner opens it), or no longer one
+    /// (flattened).
+    pub fn set_parent(&self, parent: Option<Arc<dyn ParentRead>>) {
+        *self.parent.write().expect("parent lock") = parent;
+    }
+
+    /// The blocks of piece `p` that were never written (as of snapshot `at`), from one
+    /// in-sync copy, this node's first.
+    async fn absent_bits(
+        &self,
+        slab: &Slab,
+        p: Piece,
+        at: Option<Epoch>,
+    ) -> Result<Vec<u64>, VolumeError> {
+        let mut copies = self.read_order(slab);
+        copies.sort_by_key(|e| e.node != self.cfg.local_node);
+        let key = self.key(p.slab);
+        let mut why = Vec::new();
+        for c in copies {
+            let op = ExtentOp::Absent {
+                key,
+                epoch: self.epoch(),
+                at,
+                offset: p.offset,
+                count: (p.len / BS) as u32,
+            };
+            match self.ask(c, op, ExtentReply::into_bitmap).await {
+                Ok(bits) => return Ok(bits),
+                Err(ReplicaError::StaleEpoch(w)) => return Err(self.fenced(w)),
+                Err(e) => why.push(format!("node {} drive {}: {e}", c.node, c.drive)),
+            }
+        }
+        Err(VolumeError::Unreadable {
+            volume: self.cfg.name.clone(),
+            slab: p.slab,
+            why: if why.is_empty() {
+                "no in-sync copy".into()
+            } else {
+                why.join("; ")
+            },
+        })
+    }
+
+    /// One piece of a clone's read (now, or at its snapshot `at`): its own blocks from its
+    /// copies, the others from the parent.
+    pub(crate) async fn clone_read_piece(
+        &self,
+        parent: &Arc<dyn ParentRead>,
+        p: Piece,
+        at: Option<Epoch>,
+    ) -> Result<Bytes, VolumeError> {
+        let vol_off = p.slab.0 * self.slab_span() + p.offset;
+        let Some(slab) = self.slab(p.slab) else {
+            return parent.read(vol_off, p.len).await;
+        };
+        // Which blocks are the clone's, before its data: a block written in between is
+        // then read as the parent's (its content before the write), never as zeros.
+        let bits = self.absent_bits(&slab, p, at).await?;
+        let n = (p.len / BS) as usize;
+        let absent = |i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
+        let count = (0..n).filter(|&i| absent(i)).count();
+        if count == n {
+            return parent.read(vol_off, p.len).await;
+        }
+        let own = match at {
+            None => {
+                self.read_with_retries(p.slab, || self.mirror_read_round(p, &slab))
+                    .await?
+            }
+            Some(g) => self.read_at_piece(g, p).await?,
+        };
+        if count == 0 {
+            return Ok(own);
+        }
+        let from_parent = parent.read(vol_off, p.len).await?;
+        let mut buf = BytesMut::from(&own[..]);
+        let b = BS as usize;
+        for i in (0..n).filter(|&i| absent(i)) {
+            buf[i * b..(i + 1) * b].copy_from_slice(&from_parent[i * b..(i + 1) * b]);
+        }
+        Ok(buf.freeze())
+    }
+
+    /// Copies every block that is still the parent's into the clone, piece by piece, each
+    /// with the slab's writes held (so a client write is never overwritten by the parent's
+    /// older content); ranges of zeros in the parent are left (a never-written block reads
+    /// zeros once the parent is gone). Refused while the clone has snapshots (they read
+    /// their never-written blocks from the parent too). Returns the bytes copied; the caller
+    /// then drops the parent link. Safe to run again after a crash: only absent blocks are
+    /// written.
+    pub async fn flatten(&self) -> Result<u64, VolumeError> {
+        let Some(parent) = self.parent() else {
+            return Ok(0);
+        };
+        self.check_serving()?;
+        if !self.snapshots().is_empty() {
+            return Err(VolumeError::Snapshot {
+                volume: self.cfg.name.clone(),
+                why: "a clone with snapshots cannot be flattened (they read from the parent \
+                      too): delete its snapshots first"
+                    .into(),
+            });
+        }
+        let piece = 4u64 << 20;
+        let size = self.size_bytes();
+        let mut copied = 0;
+        let mut off = 0;
+        while off < size {
+            let len = (size - off)
+                .min(piece)
+                .min(self.slab_span() - off % self.slab_span());
+            let p = split(off, len, self.slab_span())
+                .next()
+                .expect("a non-empty range has a piece");
+            let data = parent.read(off, len).await?;
+            if data.iter().any(|&x| x != 0) {
+                copied += self.flatten_piece(p, &data).await?;
+            }
+            off += len;
+        }
+        self.check_serving()?;
+        Ok(copied)
+    }
+
+    async fn flatten_piece(&self, p: Piece, data: &Bytes) -> Result<u64, VolumeError> {
+        let slab = loop {
+            let slab = self.slab_or_allocate(p.slab).await?;
+            self.wait_min_replicas(p.slab, &slab).await?;
+            if !slab.is_released() {
+                break slab;
+            }
+        };
+        let _gate = slab.gate.write().await;
+        let bits = self.absent_bits(&slab, p, None).await?;
+        let n = (p.len / BS) as usize;
+        let absent = |i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
+        let b = BS as usize;
+        let mut copied = 0;
+        let mut i = 0;
+        while i < n {
+            if !absent(i) || data[i * b..(i + 1) * b].iter().all(|&x| x == 0) {
+                i += 1;
+                continue;
+            }
+            let first = i;
+            while i < n && absent(i) && data[i * b..(i + 1) * b].iter().any(|&x| x != 0) {
+                i += 1;
+            }
+            let run = data.slice(first * b..i * b);
+            let at = Piece {
+                slab: p.slab,
+                offset: p.offset + first as u64 * BS,
+                len: run.len() as u64,
+                at: 0,
+            };
+            self.write_gated(&slab, at, run).await?;
+            copied += ((i - first) * b) as u64;
+        }
+        Ok(copied)
+    }
+
+    /// A mirror write of piece `p` with the slab's gate already held by the caller.
+    async fn write_gated(&self, slab: &Slab, p: Piece, data: Bytes) -> Result<(), VolumeError> {
+        slab.zeroed.write(p.offset / BS, p.len.div_ceil(BS));
+        let extents = slab.extents();
+        let version = self.next_version(slab);
+        let crcs = block_crcs(&data);
+        let key = self.key(p.slab);
+        let epoch = self.epoch();
+        self.replicate(p.slab, slab, writable(&extents), |at| {
+            let op = ExtentOp::Write {
+                key,
+                epoch,
+                version,
+                offset: p.offset,
+                crcs: crcs.clone(),
+                data: data.clone(),
+                codec: self.compression(),
+            };
+            self.ask(at, op, ExtentReply::into_ok)
+        })
+        .await
+    }
+}
