@@ -140,6 +140,34 @@ print("ok")
         check(i, "a clone after its writes");
     }
 
+    // TRIM and WRITE_ZEROES of a clone's never-written slabs read as zeros afterwards,
+    // not as the parent.
+    lab.must(&["volume", "clone", "golden@base", "zt", "--owner", "2"]);
+    let script = r#"
+import nbd, sys
+golden = open(sys.argv[2], "rb").read()
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+assert h.pread(1 << 20, 60 << 20) == golden[60 << 20:61 << 20]
+h.zero(1 << 20, 60 << 20)
+h.trim(1 << 20, 50 << 20)
+h.flush()
+assert h.pread(1 << 20, 60 << 20) == bytes(1 << 20), "zeroed"
+assert h.pread(1 << 20, 50 << 20) == bytes(1 << 20), "trimmed"
+assert h.pread(1 << 20, 40 << 20) == golden[40 << 20:41 << 20], "untouched"
+h.shutdown()
+print("ok")
+"#;
+    let out = must(
+        Command::new("/usr/bin/python3")
+            .arg("-c")
+            .arg(script)
+            .arg(lab.uri("zt"))
+            .arg(&golden_img),
+    );
+    assert!(out.trim_end().ends_with("ok"), "{out}");
+    lab.must(&["volume", "delete", "zt"]);
+
     // A verifying fio load on one clone.
     let job = [
         "--rw=randwrite",

@@ -1745,6 +1745,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if let Some(s) = self.slab(idx) {
             return Ok(Some(s));
         }
+        if self.parent().is_some() {
+            // A clone's slab that was never written reads as its parent, not as zeros: a
+            // zero of it is a write like any other.
+            return self.slab_or_allocate(idx).await.map(Some);
+        }
         let Some(extents) = self.alloc.lookup(self.cfg.id, idx, self.epoch()).await? else {
             return Ok(None);
         };
