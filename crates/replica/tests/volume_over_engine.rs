@@ -497,3 +497,201 @@ fn check_chunks(
         }
     }
 }
+
+/// A clone's parent snapshot, in memory: `data`, zeros past its end.
+struct MemParent(Arc<Vec<u8>>);
+
+impl converge_volume::ParentRead for MemParent {
+    fn read(
+        &self,
+        offset: u64,
+        len: u64,
+    ) -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<Bytes, VolumeError>> + Send + '_>>
+    {
+        let mut v = vec![0u8; len as usize];
+        let (a, b) = (offset as usize, ((offset + len) as usize).min(self.0.len()));
+        if a < b {
+            v[..b - a].copy_from_slice(&self.0[a..b]);
+        }
+        Box::pin(async move { Ok(Bytes::from(v)) })
+    }
+
+    fn name(&self) -> String {
+        "parent@base".into()
+    }
+}
+
+/// A clone (docs/SNAPSHOTS.md "Clones") over real engine drives, driven by random requests
+/// of every shape: it reads as its parent (shorter than the clone: zeros past it) where it
+/// never wrote and as its own writes, TRIMs and zeroes elsewhere; its snapshots read as the
+/// clone did when taken; and a flatten racing more writes leaves exactly the same bytes
+/// with the parent gone (a client write is never overwritten by the parent's content).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn random_requests_on_a_clone_read_as_its_parent_plus_its_writes_through_flatten() {
+    let seeds: Vec<u64> = match std::env::var("CONVERGE_TEST_SEED") {
+        Ok(s) => vec![s.parse().expect("CONVERGE_TEST_SEED is a number")],
+        Err(_) => vec![0xc10e, 1, 2],
+    };
+    for seed in seeds {
+        clone_run(seed).await;
+    }
+}
+
+async fn clone_run(seed: u64) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let dir = tempfile::tempdir().expect("tempdir");
+    // Room for the snapshots' preserved blocks too (sparse files).
+    let io = Arc::new(drives(dir.path(), 2, 4 * SLAB * SLABS));
+    let size = SLAB * SLABS;
+    let mut parent = vec![0u8; (size - SLAB / 2) as usize];
+    rng.fill(&mut parent[..]);
+    let parent = Arc::new(parent);
+    let cfg = VolumeConfig {
+        id: VolumeId(8),
+        name: "clone".into(),
+        size_bytes: size,
+        slab_size_bytes: SLAB,
+        resiliency: Resiliency::Mirror2,
+        mirror_part_bytes: 0,
+        epoch: Epoch(1),
+        local_node: NodeId(1),
+        min_replicas: 2,
+        degraded_write_wait: Duration::from_secs(5),
+        read_wait: Duration::from_secs(5),
+        read_hedge: Duration::from_secs(1),
+        tenure: Arc::new(Tenure::unbounded()),
+        compression: Compression::None,
+        cipher: None,
+        qos: converge_types::Qos::default(),
+        gate: None,
+    };
+    let vol = Volume::new(
+        cfg,
+        BTreeMap::new(),
+        io.clone(),
+        Arc::new(Records::default()),
+    );
+    vol.set_parent(Some(Arc::new(MemParent(parent.clone()))));
+    let mut model = vec![0u8; size as usize];
+    model[..parent.len()].copy_from_slice(&parent);
+    let mut snaps: Vec<(Epoch, Vec<u8>)> = Vec::new();
+    let mut fill: u8 = 0;
+    let ctx = |step: usize| format!("seed {seed:#x} step {step}");
+    // Blocks the clone made its own (a partial block is read, patched and written whole).
+    let mut own = vec![false; (size / BS) as usize];
+    let mark = |own: &mut Vec<bool>, a: u64, b: u64| {
+        for blk in own.iter_mut().take(b as usize).skip(a as usize) {
+            *blk = true;
+        }
+    };
+    for step in 0..50 {
+        let at = offset(&mut rng, size, SLAB);
+        match rng.gen_range(0..7) {
+            0 | 1 => {
+                let len = clone_len(&mut rng, (size - at).min(MAX_IO_BYTES as u64)).max(1);
+                fill = fill.wrapping_add(1).max(1);
+                let data: Vec<u8> = (0..len).map(|i| fill ^ (i as u8)).collect();
+                model[at as usize..(at + len) as usize].copy_from_slice(&data);
+                mark(&mut own, at / BS, (at + len).div_ceil(BS));
+                vol.write(at, Bytes::from(data)).await.expect("write");
+            }
+            2 => {
+                let len = clone_len(&mut rng, size - at);
+                let (a, b) = (at.div_ceil(BS) * BS, (at + len) / BS * BS);
+                if b > a {
+                    model[a as usize..b as usize].fill(0);
+                    mark(&mut own, a / BS, b / BS);
+                }
+                vol.zero(at, len, true).await.expect("trim");
+            }
+            3 => {
+                let len = clone_len(&mut rng, size - at);
+                model[at as usize..(at + len) as usize].fill(0);
+                mark(&mut own, at / BS, (at + len).div_ceil(BS));
+                vol.zero(at, len, false).await.expect("write zeroes");
+            }
+            4 if snaps.len() < 3 => {
+                let e = vol
+                    .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+                    .await
+                    .expect("snapshot");
+                snaps.push((e, model.clone()));
+            }
+            _ => {
+                let len = length(&mut rng, (size - at).min(MAX_IO_BYTES as u64), SLAB);
+                let got = vol.read(at, len).await.expect("read");
+                assert!(
+                    got[..] == model[at as usize..(at + len) as usize],
+                    "{}: read of {len} at {at} differs",
+                    ctx(step)
+                );
+                for (e, m) in &snaps {
+                    let got = vol.read_at(*e, at, len).await.expect("snapshot read");
+                    assert!(
+                        got[..] == m[at as usize..(at + len) as usize],
+                        "{}: read of {len} at {at} of the snapshot at epoch {e} differs",
+                        ctx(step)
+                    );
+                }
+            }
+        }
+        assert!(io.refused.lock().unwrap().is_empty(), "{}", ctx(step));
+    }
+    // A clone with snapshots is not flattened; without them it is, while writes go on.
+    if !snaps.is_empty() {
+        let e = vol.flatten().await.unwrap_err();
+        assert!(e.to_string().contains("snapshots"), "{e}");
+        for (e, _) in snaps.drain(..).rev() {
+            vol.drop_snapshot(e).await.expect("drop snapshot");
+        }
+    }
+    let mut writes = Vec::new();
+    for _ in 0..12 {
+        let at = rng.gen_range(0..size / BS - 64) * BS + rng.gen_range(0..2) * 1000;
+        let len = rng.gen_range(1..64 * BS);
+        fill = fill.wrapping_add(1).max(1);
+        let data: Vec<u8> = (0..len).map(|i| fill ^ (i as u8)).collect();
+        model[at as usize..(at + len) as usize].copy_from_slice(&data);
+        mark(&mut own, at / BS, (at + len).div_ceil(BS));
+        writes.push((at, data));
+    }
+    // Blocks still the parent's whatever the writes during the flatten do: it copies them.
+    let parents = own
+        .iter()
+        .take(parent.len() / BS as usize)
+        .filter(|o| !**o)
+        .count() as u64;
+    let writer = async {
+        for (at, data) in writes {
+            vol.write(at, Bytes::from(data))
+                .await
+                .expect("write during flatten");
+            tokio::task::yield_now().await;
+        }
+    };
+    let (copied, ()) = tokio::join!(vol.flatten(), writer);
+    let copied = copied.expect("flatten");
+    assert!(
+        copied >= parents * BS,
+        "seed {seed:#x}: flatten copied {copied} bytes, {parents} blocks were the parent's"
+    );
+    vol.set_parent(None);
+    for p in 0..size / MAX_IO_BYTES as u64 {
+        let off = p * MAX_IO_BYTES as u64;
+        let got = vol.read(off, MAX_IO_BYTES as u64).await.expect("read");
+        assert!(
+            got[..] == model[off as usize..off as usize + MAX_IO_BYTES],
+            "seed {seed:#x}: the flattened clone differs from the model at {off}"
+        );
+    }
+}
+
+/// A clone's request length: mostly up to 2 MiB (so some of the parent stays unwritten for
+/// the flatten to copy), now and then one of every size.
+fn clone_len(rng: &mut impl Rng, max: u64) -> u64 {
+    if rng.gen_bool(0.1) {
+        length(rng, max, SLAB)
+    } else {
+        rng.gen_range(1..=2u64 << 20).min(max)
+    }
+}
