@@ -18,6 +18,10 @@
 //! faulted, so min_replicas copies stay reachable); afterwards every copy is in sync and
 //! a scrub finds nothing to repair.
 //!
+//! The plain run also keeps a snapshot, a clone of it with its own writes, and a snapshot
+//! of the clone through all of it (docs/SNAPSHOTS.md), and reads them back byte for byte
+//! afterwards.
+//!
 //! `CONVERGE_THRASH_SECS` sets how long the nemesis runs (default 80 s, 60 s with cache drives; `bench/thrash`
 //! runs it for as long as asked), `CONVERGE_THRASH_SEED` the fault sequence.
 
@@ -78,6 +82,47 @@ fn thrash() {
     thrash_run(secs, seed, false, "mirror-3");
 }
 
+/// A snapshot, a clone of it written over in places, and the clone's own snapshot, made
+/// before the faults; returns the images each must read as.
+fn snapshots_and_clones(lab: &Lab) -> Vec<(String, std::path::PathBuf)> {
+    let dir = lab.path().join("images");
+    std::fs::create_dir_all(&dir).unwrap();
+    lab.must(&[
+        "volume",
+        "create",
+        "golden",
+        "--size",
+        "32M",
+        "--resiliency",
+        "mirror-3",
+        "--owner",
+        "2",
+    ]);
+    let golden = random_file(&dir, "golden.img", 32 << 20, 77);
+    must(Command::new("nbdcopy").arg(&golden).arg(lab.uri("golden")));
+    lab.must(&["volume", "snapshot", "create", "golden", "base"]);
+    lab.must(&["volume", "clone", "golden@base", "cl", "--owner", "3"]);
+    // The clone's own bytes over its first 4 MiB; the rest is the parent's.
+    let own = random_file(&dir, "own.img", 4 << 20, 78);
+    must(Command::new("nbdcopy").arg(&own).arg(lab.uri("cl")));
+    lab.must(&["volume", "snapshot", "create", "cl", "cs"]);
+    let mut want = std::fs::read(&golden).unwrap();
+    want[..4 << 20].copy_from_slice(&std::fs::read(&own).unwrap());
+    let clone_img = dir.join("clone.img");
+    std::fs::write(&clone_img, &want).unwrap();
+    // The parent moves on after its snapshot: neither the snapshot nor the clone sees it.
+    must(
+        Command::new("nbdcopy")
+            .arg(random_file(&dir, "later.img", 32 << 20, 79))
+            .arg(lab.uri("golden")),
+    );
+    vec![
+        ("golden@base".into(), golden),
+        ("cl".into(), clone_img.clone()),
+        ("cl@cs".into(), clone_img),
+    ]
+}
+
 /// The same with a RAM cache drive per node (write-back: acked writes sit in the caches
 /// when nodes are killed, paused and partitioned) and the pool's cache mode switched among
 /// none, write and read-write as one more fault.
@@ -116,6 +161,11 @@ fn thrash_run(secs: u64, seed: u64, cache: bool, resiliency: &str) {
         ]);
     }
     let lab = Lab::up(4, &args);
+    let kept = if !cache && resiliency == "mirror-3" {
+        snapshots_and_clones(&lab)
+    } else {
+        Vec::new()
+    };
     for i in 1..=VOLUMES {
         lab.must(&[
             "volume",
@@ -374,6 +424,17 @@ fn thrash_run(secs: u64, seed: u64, cache: bool, resiliency: &str) {
         lab.logs()
     );
     assert!(totals["writes"] > 0 && totals["reads"] > 0);
+    // The snapshot, the clone and the clone's snapshot read exactly as before the faults.
+    for (export, image) in &kept {
+        let (vol, snap) = export.split_once('@').unwrap_or((export, ""));
+        let uri = lab.uri(vol);
+        let uri = if snap.is_empty() {
+            uri
+        } else {
+            uri.replacen(&format!("/{vol}?"), &format!("/{vol}@{snap}?"), 1)
+        };
+        compare(&uri, image, &format!("{export} after the thrash (seed {seed})"));
+    }
     if killed_node1 {
         assert!(
             totals["lost_connections"] > 0 && totals["reconnects"] > 0,
