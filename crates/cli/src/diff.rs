@@ -21,6 +21,11 @@ const FORMAT_VERSION: u32 = 1;
 const BS: u64 = 4096;
 /// Largest data record's payload.
 pub const RECORD_MAX: u64 = 4 << 20;
+/// How much export reads at once (the client pipelines it in pieces).
+const READ_CHUNK: u64 = 32 << 20;
+/// Connections import writes through at once (the server offers multi-conn: a flush on
+/// one covers the writes acked on all).
+const IMPORT_CONNECTIONS: usize = 8;
 const KIND_DATA: u8 = b'D';
 const KIND_ZERO: u8 = b'Z';
 const KIND_END: u8 = b'E';
@@ -384,11 +389,11 @@ pub fn export(
             );
         }
         let mut t = Totals::default();
-        let mut buf = vec![0u8; RECORD_MAX as usize];
+        let mut buf = vec![0u8; READ_CHUNK as usize];
         for (start, len) in runs {
             let mut pos = start;
             while pos < start + len {
-                let n = (start + len - pos).min(RECORD_MAX);
+                let n = (start + len - pos).min(READ_CHUNK);
                 let chunk = &mut buf[..n as usize];
                 c.read(pos, chunk)
                     .await
@@ -428,7 +433,13 @@ fn emit(w: &mut impl Write, pos: u64, chunk: &[u8], t: &mut Totals) -> Result<()
     while i < blocks.len() {
         let z = zero(blocks[i]);
         let mut j = i + 1;
-        while j < blocks.len() && zero(blocks[j]) == z {
+        // Data records stop at RECORD_MAX; zero runs go on.
+        let most = if z {
+            usize::MAX
+        } else {
+            (RECORD_MAX / BS) as usize
+        };
+        while j < blocks.len() && j - i < most && zero(blocks[j]) == z {
             j += 1;
         }
         let offset = pos + i as u64 * BS;
@@ -583,35 +594,62 @@ pub fn import(
         None => socket_of(&v.uri)?,
     };
     let totals = runtime()?.block_on(async {
-        let mut c = Client::connect_unix(&socket, volume)
-            .await
-            .with_context(|| format!("opening {volume} at {}", socket.display()))?;
-        if c.size() != header.size {
-            bail!(
-                "export {volume} is {} bytes, the diff's volume {}",
-                c.size(),
-                header.size
-            );
+        let mut pool = Vec::with_capacity(IMPORT_CONNECTIONS);
+        for _ in 0..IMPORT_CONNECTIONS {
+            let c = Client::connect_unix(&socket, volume)
+                .await
+                .with_context(|| format!("opening {volume} at {}", socket.display()))?;
+            if c.size() != header.size {
+                bail!(
+                    "export {volume} is {} bytes, the diff's volume {}",
+                    c.size(),
+                    header.size
+                );
+            }
+            pool.push(c);
         }
-        // Applied as read (a file was checked whole first; standard input is checked as it
-        // goes, so a damaged stream stops the import part way).
+        // Applied as read, each record on an idle connection (records never overlap, so
+        // their order does not matter); a file was checked whole first, standard input is
+        // checked as it goes, so a damaged stream stops the import part way.
+        let mut running = tokio::task::JoinSet::new();
         let mut body = Body::new(&mut r, &header);
         while let Some(rec) = body.next()? {
-            match rec {
-                Record::Data { offset, data } => c
-                    .write(offset, &data, false)
-                    .await
-                    .with_context(|| format!("writing {volume} at {offset}"))?,
-                Record::Zero { offset, len } => c
-                    .write_zeroes(offset, len)
-                    .await
-                    .with_context(|| format!("zeroing {volume} at {offset}"))?,
-                Record::End { .. } => unreachable!("the body hands over data and zero records"),
-            }
+            let mut c = match pool.pop() {
+                Some(c) => c,
+                None => {
+                    let (c, r) = running.join_next().await.expect("a write runs")?;
+                    r?;
+                    c
+                }
+            };
+            let volume = volume.to_string();
+            running.spawn(async move {
+                let r = match rec {
+                    Record::Data { offset, data } => c
+                        .write(offset, &data, false)
+                        .await
+                        .with_context(|| format!("writing {volume} at {offset}")),
+                    Record::Zero { offset, len } => c
+                        .write_zeroes(offset, len)
+                        .await
+                        .with_context(|| format!("zeroing {volume} at {offset}")),
+                    Record::End { .. } => Ok(()),
+                };
+                (c, r)
+            });
         }
         let totals = body.t;
-        c.flush().await.context("flushing the volume")?;
-        c.disconnect().await.ok();
+        while let Some(done) = running.join_next().await {
+            let (c, r) = done?;
+            r?;
+            pool.push(c);
+        }
+        for c in pool.iter_mut() {
+            c.flush().await.context("flushing the volume")?;
+        }
+        for c in pool {
+            c.disconnect().await.ok();
+        }
         Ok::<_, anyhow::Error>(totals)
     })?;
     let snapshot = if take_snapshot {

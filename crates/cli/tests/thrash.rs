@@ -433,7 +433,11 @@ fn thrash_run(secs: u64, seed: u64, cache: bool, resiliency: &str) {
         } else {
             uri.replacen(&format!("/{vol}?"), &format!("/{vol}@{snap}?"), 1)
         };
-        compare(&uri, image, &format!("{export} after the thrash (seed {seed})"));
+        compare(
+            &uri,
+            image,
+            &format!("{export} after the thrash (seed {seed})"),
+        );
     }
     if killed_node1 {
         assert!(
