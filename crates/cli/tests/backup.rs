@@ -16,18 +16,6 @@ use std::process::Command;
 
 const BS: u64 = 4096;
 
-fn snap_uri(lab: &Lab, vol: &str, snap: &str) -> String {
-    let v = lab.json(&["volume", "snapshot", "list", vol]);
-    v.as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["name"] == snap)
-        .unwrap_or_else(|| panic!("snapshot {snap} listed: {v}"))["uri"]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
 /// Changed runs as the API gives them.
 fn runs(v: &serde_json::Value) -> Vec<(u64, u64)> {
     v["runs"]

@@ -11,19 +11,6 @@ mod common;
 use common::*;
 use std::process::Command;
 
-/// The read-only export of snapshot `snap` of `vol`, as `snapshot list` prints it.
-fn snap_uri(lab: &Lab, vol: &str, snap: &str) -> String {
-    let v = lab.json(&["volume", "snapshot", "list", vol]);
-    v.as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["name"] == snap)
-        .unwrap_or_else(|| panic!("snapshot {snap} listed: {v}"))["uri"]
-        .as_str()
-        .unwrap()
-        .to_string()
-}
-
 /// The first `len` bytes at `uri` into a file.
 fn copy_out(uri: &str, dir: &std::path::Path, name: &str) -> std::path::PathBuf {
     let p = dir.join(name);

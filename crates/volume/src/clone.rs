@@ -45,33 +45,21 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         p: Piece,
         at: Option<Epoch>,
     ) -> Result<Vec<u64>, VolumeError> {
-        let mut copies = self.read_order(slab);
-        copies.sort_by_key(|e| e.node != self.cfg.local_node);
         let key = self.key(p.slab);
-        let mut why = Vec::new();
-        for c in copies {
-            let op = ExtentOp::Absent {
+        self.ask_in_turn(
+            slab,
+            p.slab,
+            || ExtentOp::Absent {
                 key,
                 epoch: self.epoch(),
                 at,
                 offset: p.offset,
                 count: (p.len / BS) as u32,
-            };
-            match self.ask(c, op, ExtentReply::into_bitmap).await {
-                Ok(bits) => return Ok(bits),
-                Err(ReplicaError::StaleEpoch(w)) => return Err(self.fenced(w)),
-                Err(e) => why.push(format!("node {} drive {}: {e}", c.node, c.drive)),
-            }
-        }
-        Err(VolumeError::Unreadable {
-            volume: self.cfg.name.clone(),
-            slab: p.slab,
-            why: if why.is_empty() {
-                "no in-sync copy".into()
-            } else {
-                why.join("; ")
             },
-        })
+            ExtentReply::into_bitmap,
+            Ok,
+        )
+        .await
     }
 
     /// One piece of a clone's read (now, or at its snapshot `at`): its own blocks from its
@@ -190,28 +178,5 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             copied += ((i - first) * b) as u64;
         }
         Ok(copied)
-    }
-
-    /// A mirror write of piece `p` with the slab's gate already held by the caller.
-    async fn write_gated(&self, slab: &Slab, p: Piece, data: Bytes) -> Result<(), VolumeError> {
-        slab.zeroed.write(p.offset / BS, p.len.div_ceil(BS));
-        let extents = slab.extents();
-        let version = self.next_version(slab);
-        let crcs = block_crcs(&data);
-        let key = self.key(p.slab);
-        let epoch = self.epoch();
-        self.replicate(p.slab, slab, writable(&extents), |at| {
-            let op = ExtentOp::Write {
-                key,
-                epoch,
-                version,
-                offset: p.offset,
-                crcs: crcs.clone(),
-                data: data.clone(),
-                codec: self.compression(),
-            };
-            self.ask(at, op, ExtentReply::into_ok)
-        })
-        .await
     }
 }

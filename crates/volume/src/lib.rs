@@ -919,28 +919,37 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 // A TRIM released it while this write waited: the next one is allocated.
                 continue;
             }
-            slab.zeroed.write(p.offset / BS, p.len.div_ceil(BS));
-            let extents = slab.extents();
-            let version = self.next_version(&slab);
-            let crcs = block_crcs(&data);
-            let key = self.key(p.slab);
-            let epoch = self.epoch();
-            let targets = writable(&extents);
-            self.replicate(p.slab, &slab, targets, |at| {
-                let op = ExtentOp::Write {
-                    key,
-                    epoch,
-                    version,
-                    offset: p.offset,
-                    crcs: crcs.clone(),
-                    data: data.clone(),
-                    codec: self.compression(),
-                };
-                self.ask(at, op, ExtentReply::into_ok)
-            })
-            .await?;
+            self.write_gated(&slab, p, data).await?;
             return Ok(slab.clone());
         }
+    }
+
+    /// A mirror write of piece `p` with the slab's gate already held by the caller.
+    pub(crate) async fn write_gated(
+        &self,
+        slab: &Slab,
+        p: Piece,
+        data: Bytes,
+    ) -> Result<(), VolumeError> {
+        slab.zeroed.write(p.offset / BS, p.len.div_ceil(BS));
+        let extents = slab.extents();
+        let version = self.next_version(slab);
+        let crcs = block_crcs(&data);
+        let key = self.key(p.slab);
+        let epoch = self.epoch();
+        self.replicate(p.slab, slab, writable(&extents), |at| {
+            let op = ExtentOp::Write {
+                key,
+                epoch,
+                version,
+                offset: p.offset,
+                crcs: crcs.clone(),
+                data: data.clone(),
+                codec: self.compression(),
+            };
+            self.ask(at, op, ExtentReply::into_ok)
+        })
+        .await
     }
 
     /// Runs `op` on the copy at `at` and unpacks the answer with `unpack` (the

@@ -337,6 +337,36 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         to: Option<Epoch>,
         p: Piece,
     ) -> Result<Vec<u64>, VolumeError> {
+        let key = self.key(p.slab);
+        self.ask_in_turn(
+            slab,
+            p.slab,
+            || ExtentOp::Changed {
+                key,
+                epoch: self.epoch(),
+                from,
+                to,
+                offset: p.offset,
+                count: (p.len / BS) as u32,
+            },
+            ExtentReply::into_bitmap,
+            Ok,
+        )
+        .await
+    }
+
+    /// Asks the slab's in-sync copies in turn, this node's first, until one answers `op()`
+    /// with what `accept` takes (its `Err(why)` passes on to the next copy, as a copy's
+    /// refusal does); a fenced answer ends it. A metadata question or a snapshot read: any
+    /// one copy that holds what is asked answers for all.
+    pub(crate) async fn ask_in_turn<T, U>(
+        &self,
+        slab: &Slab,
+        idx: SlabIndex,
+        op: impl Fn() -> ExtentOp,
+        unpack: fn(ExtentReply) -> Option<T>,
+        accept: impl Fn(T) -> Result<U, String>,
+    ) -> Result<U, VolumeError> {
         let mut copies: Vec<ExtentLoc> = slab
             .extents()
             .iter()
@@ -344,26 +374,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .copied()
             .collect();
         copies.sort_by_key(|e| e.node != self.cfg.local_node);
-        let key = self.key(p.slab);
         let mut why = Vec::new();
         for at in copies {
-            let op = ExtentOp::Changed {
-                key,
-                epoch: self.epoch(),
-                from,
-                to,
-                offset: p.offset,
-                count: (p.len / BS) as u32,
-            };
-            match self.ask(at, op, ExtentReply::into_bitmap).await {
-                Ok(bits) => return Ok(bits),
+            match self.ask(at, op(), unpack).await {
+                Ok(r) => match accept(r) {
+                    Ok(u) => return Ok(u),
+                    Err(w) => why.push(format!("node {} drive {}: {w}", at.node, at.drive)),
+                },
                 Err(ReplicaError::StaleEpoch(w)) => return Err(self.fenced(w)),
                 Err(e) => why.push(format!("node {} drive {}: {e}", at.node, at.drive)),
             }
         }
         Err(VolumeError::Unreadable {
             volume: self.cfg.name.clone(),
-            slab: p.slab,
+            slab: idx,
             why: if why.is_empty() {
                 "no in-sync copy".into()
             } else {
@@ -383,45 +407,31 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let Some(slab) = self.slab(p.slab) else {
             return Ok(Bytes::from(vec![0u8; p.len as usize]));
         };
-        let mut copies: Vec<ExtentLoc> = slab
-            .extents()
-            .iter()
-            .filter(|e| e.state == ExtentState::InSync)
-            .copied()
-            .collect();
-        copies.sort_by_key(|e| e.node != self.cfg.local_node);
         let key = self.key(p.slab);
-        let mut why = Vec::new();
-        for at in copies {
-            let op = ExtentOp::ReadAt {
+        self.ask_in_turn(
+            &slab,
+            p.slab,
+            || ExtentOp::ReadAt {
                 key,
                 epoch: self.epoch(),
                 snapshot,
                 offset: p.offset,
                 len: p.len as u32,
-            };
-            match self.ask(at, op, ExtentReply::into_read).await {
-                Ok(r) if r.bad_blocks.is_empty() && r.suspect.is_empty() => return Ok(r.data),
-                Ok(r) => why.push(format!(
-                    "node {} drive {}: {} bad and {} suspect blocks",
-                    at.node,
-                    at.drive,
-                    r.bad_blocks.len(),
-                    r.suspect.len()
-                )),
-                Err(ReplicaError::StaleEpoch(w)) => return Err(self.fenced(w)),
-                Err(e) => why.push(format!("node {} drive {}: {e}", at.node, at.drive)),
-            }
-        }
-        Err(VolumeError::Unreadable {
-            volume: self.cfg.name.clone(),
-            slab: p.slab,
-            why: if why.is_empty() {
-                "no in-sync copy".into()
-            } else {
-                why.join("; ")
             },
-        })
+            ExtentReply::into_read,
+            |r| {
+                if r.bad_blocks.is_empty() && r.suspect.is_empty() {
+                    Ok(r.data)
+                } else {
+                    Err(format!(
+                        "{} bad and {} suspect blocks",
+                        r.bad_blocks.len(),
+                        r.suspect.len()
+                    ))
+                }
+            },
+        )
+        .await
     }
 
     /// Before a new slab's first write, while the volume has snapshots: each copy is

@@ -485,3 +485,16 @@ pub fn assert_copies_agree(lab: &Lab, vol: &str) {
     assert_eq!(r["mismatches"], 0, "copies disagree: {r}\n{}", lab.logs());
     assert!(r["error"].is_null(), "{r}");
 }
+
+/// The read-only export of snapshot `snap` of `vol`, as `snapshot list` prints it.
+pub fn snap_uri(lab: &Lab, vol: &str, snap: &str) -> String {
+    let v = lab.json(&["volume", "snapshot", "list", vol]);
+    v.as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == snap)
+        .unwrap_or_else(|| panic!("snapshot {snap} listed: {v}"))["uri"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}

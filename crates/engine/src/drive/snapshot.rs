@@ -271,6 +271,27 @@ impl Drive {
         Ok(())
     }
 
+    /// Checks a metadata question's range: whole blocks, within the slab (up to all of
+    /// it, unlike I/O's 32 MiB).
+    fn slab_range(&self, key: ExtentKey, offset: u64, len: u64) -> Result<(), EngineError> {
+        let bad = |reason| EngineError::InvalidIo {
+            key,
+            reason,
+            offset,
+            len,
+        };
+        if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) || len == 0 {
+            return Err(bad("offset and length must be non-zero multiples of 4096"));
+        }
+        if offset
+            .checked_add(len)
+            .is_none_or(|end| end > self.layout.slab_size_bytes)
+        {
+            return Err(bad("the range must lie within the slab"));
+        }
+        Ok(())
+    }
+
     /// Which blocks of `[offset, offset + len)` changed between snapshot `from` and
     /// snapshot `to` (`None`: the live extent, as durable now): a bitmap, bit `i % 64` of
     /// word `i / 64` set when block `i` of the range reads differently at the two — its
@@ -290,21 +311,7 @@ impl Drive {
     ) -> Result<Vec<u64>, EngineError> {
         let g_from = snapshot_epoch(from, "changes' from")?;
         let g_to = to.map(|t| snapshot_epoch(t, "changes' to")).transpose()?;
-        let bad = |reason| EngineError::InvalidIo {
-            key,
-            reason,
-            offset,
-            len,
-        };
-        if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) || len == 0 {
-            return Err(bad("offset and length must be non-zero multiples of 4096"));
-        }
-        if offset
-            .checked_add(len)
-            .is_none_or(|end| end > self.layout.slab_size_bytes)
-        {
-            return Err(bad("the range must lie within the slab"));
-        }
+        self.slab_range(key, offset, len)?;
         if g_to.is_some_and(|t| t <= g_from) {
             return Err(EngineError::InvalidArgument(format!(
                 "changes from snapshot epoch {g_from} to {}: the second must be newer",
@@ -357,21 +364,7 @@ impl Drive {
         len: u64,
     ) -> Result<Vec<u64>, EngineError> {
         let g = at.map(|a| snapshot_epoch(a, "snapshot")).transpose()?;
-        let bad = |reason| EngineError::InvalidIo {
-            key,
-            reason,
-            offset,
-            len,
-        };
-        if !offset.is_multiple_of(BLOCK) || !len.is_multiple_of(BLOCK) || len == 0 {
-            return Err(bad("offset and length must be non-zero multiples of 4096"));
-        }
-        if offset
-            .checked_add(len)
-            .is_none_or(|end| end > self.layout.slab_size_bytes)
-        {
-            return Err(bad("the range must lie within the slab"));
-        }
+        self.slab_range(key, offset, len)?;
         self.check_failed()?;
         let (first, count) = ((offset / BLOCK) as u32, (len / BLOCK) as u32);
         let Some(ext) = self.lookup(key) else {
