@@ -242,3 +242,70 @@ print("ok")
     let e = lab.fails(&["volume", "flatten", "golden"]);
     assert!(e.contains("not a clone"), "{e}");
 }
+
+/// A clone's copy rebuilt on another node keeps which blocks are the clone's own (written,
+/// trimmed, zeroed) and which are still its parent's: the clone, served from that copy,
+/// reads the same.
+#[test]
+fn a_clone_copy_rebuilt_elsewhere_keeps_which_blocks_are_its_own() {
+    require_tools();
+    let lab = Lab::up(4, &["--ram", "--slab-size", "32M"]);
+    lab.must(&["cluster", "set", "--repair-delay", "3s"]);
+    let tmp = tempfile::tempdir().unwrap();
+    lab.create_owned("gold", "64M", "mirror-2", 1);
+    let golden_img = random_file(tmp.path(), "gold.img", 64 << 20, 31);
+    must(
+        Command::new("nbdcopy")
+            .arg(&golden_img)
+            .arg(lab.uri("gold")),
+    );
+    lab.must(&["volume", "snapshot", "create", "gold", "base"]);
+    lab.must(&["volume", "clone", "gold@base", "c", "--owner", "1"]);
+    // Its own: 1 MiB written at 2 MiB, 1 MiB trimmed at 8 MiB, 1 MiB zeroed at 40 MiB (the
+    // second slab); the rest is the parent's.
+    let script = r#"
+import nbd, sys
+h = nbd.NBD()
+h.connect_uri(sys.argv[1])
+h.pwrite(b"\x5a" * (1 << 20), 2 << 20)
+h.trim(1 << 20, 8 << 20)
+h.zero(1 << 20, 40 << 20)
+h.flush()
+h.shutdown()
+print("ok")
+"#;
+    nbd_script(script, &lab.uri("c"));
+    let mut want = std::fs::read(&golden_img).unwrap();
+    want[2 << 20..3 << 20].fill(0x5a);
+    want[8 << 20..9 << 20].fill(0);
+    want[40 << 20..41 << 20].fill(0);
+    let want_img = tmp.path().join("want.img");
+    std::fs::write(&want_img, &want).unwrap();
+    compare(&lab.uri("c"), &want_img, "the clone before the rebuild");
+
+    // A node with a copy of the clone (not its owner) dies past the repair delay: its
+    // copies are rebuilt on the others.
+    let before = lab.extents("c");
+    let victim = (2..=4u64)
+        .find(|n| before.iter().any(|e| e.1 == *n))
+        .unwrap();
+    lab.must(&["lab", "fault", "kill", &victim.to_string()]);
+    lab.wait_for("rebuild", std::time::Duration::from_secs(180), || {
+        let e = lab.extents("c");
+        e.len() == before.len() && e.iter().all(|x| x.1 != victim && x.2 == "in-sync")
+    });
+    // Serve the clone from a node holding a rebuilt copy: its reads ask that copy first.
+    let after = lab.extents("c");
+    let rebuilt = after
+        .iter()
+        .map(|e| e.1)
+        .find(|n| !before.iter().any(|b| b.1 == *n) && *n != 1)
+        .or_else(|| after.iter().map(|e| e.1).find(|n| *n != 1))
+        .unwrap();
+    lab.must(&["volume", "move", "c", "--to", &rebuilt.to_string()]);
+    compare(
+        &lab.uri("c"),
+        &want_img,
+        "the clone served from its rebuilt copy",
+    );
+}
