@@ -383,6 +383,9 @@ pub struct SnapshotInfo {
     pub size_bytes: u64,
     /// `nbd+unix:///VOLUME@SNAPSHOT?socket=PATH`: the snapshot as a read-only export.
     pub uri: String,
+    /// Clones made from it (it cannot be deleted while one still reads from it).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub clones: Vec<String>,
 }
 
 /// `GET /v1/volumes/NAME/changes?from=A[&to=B][&offset=O&length=L]`: the byte runs of

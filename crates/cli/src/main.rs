@@ -1043,13 +1043,15 @@ fn run_snapshot(cli: &Cli, cmd: &SnapshotCmd) -> Result<()> {
             if cli.json {
                 return print_json(&v);
             }
-            let mut t = table::Table::new(&["NAME", "EPOCH", "CREATED (UNIX)", "SIZE", "URI"]);
+            let mut t =
+                table::Table::new(&["NAME", "EPOCH", "CREATED (UNIX)", "SIZE", "CLONES", "URI"]);
             for s in &v {
                 t.row(vec![
                     s.name.clone(),
                     s.epoch.to_string(),
                     s.created_unix.to_string(),
                     format_size(s.size_bytes),
+                    s.clones.len().to_string(),
                     s.uri.clone(),
                 ]);
             }

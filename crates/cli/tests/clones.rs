@@ -68,6 +68,8 @@ fn fifty_clones_of_one_image_written_independently_survive_kill_9_and_flatten() 
     }
     let v = lab.json(&["volume", "show", "vm07"]);
     assert_eq!(v["parent"], "golden@base", "{v}");
+    let s = lab.json(&["volume", "snapshot", "list", "golden"]);
+    assert_eq!(s[0]["clones"].as_array().map(Vec::len), Some(CLONES), "{s}");
     assert_eq!(v["slabs_allocated"], 0, "a new clone holds nothing: {v}");
 
     // The parent moves on after the snapshot: the clones do not see it.

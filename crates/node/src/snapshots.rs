@@ -48,6 +48,7 @@ async fn info(node: &Node, rec: &VolumeRecord, s: &SnapshotRecord) -> SnapshotIn
             rec.size_bytes
         },
         uri: format!("nbd+unix:///{}@{}?socket={socket}", rec.name, s.name),
+        clones: s.clones.clone(),
     }
 }
 
