@@ -311,3 +311,35 @@ print("ok")
         "the clone served from its rebuilt copy",
     );
 }
+
+/// Clones of clones chain: each level reads what no level below it wrote from the one
+/// above; a chain holds at most 16 clones (then flatten is needed).
+#[test]
+fn clones_of_clones_chain_up_to_sixteen_levels() {
+    require_tools();
+    let lab = Lab::up(3, &["--ram", "--slab-size", "16M"]);
+    let tmp = tempfile::tempdir().unwrap();
+    lab.create_owned("c0", "16M", "simple", 1);
+    let img = random_file(tmp.path(), "c0.img", 16 << 20, 41);
+    must(Command::new("nbdcopy").arg(&img).arg(lab.uri("c0")));
+    let mut want = std::fs::read(&img).unwrap();
+    for level in 1..=16usize {
+        let (up, this) = (format!("c{}", level - 1), format!("c{level}"));
+        lab.must(&["volume", "snapshot", "create", &up, "s"]);
+        lab.must(&["volume", "clone", &format!("{up}@s"), &this]);
+        // Each level writes its own 4 KiB block.
+        let script = format!(
+            "import nbd, sys\nh = nbd.NBD()\nh.connect_uri(sys.argv[1])\n\
+             h.pwrite(bytes([{level}]) * 4096, {at})\nh.flush()\nh.shutdown()\nprint('ok')\n",
+            at = level * 65536
+        );
+        nbd_script(&script, &lab.uri(&this));
+        want[level * 65536..level * 65536 + 4096].fill(level as u8);
+    }
+    let p = tmp.path().join("want.img");
+    std::fs::write(&p, &want).unwrap();
+    compare(&lab.uri("c16"), &p, "the 16th clone of the chain");
+    lab.must(&["volume", "snapshot", "create", "c16", "s"]);
+    let e = lab.fails(&["volume", "clone", "c16@s", "c17"]);
+    assert!(e.contains("at most 16"), "{e}");
+}

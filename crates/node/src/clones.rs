@@ -18,6 +18,10 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 
+/// Most clones in a chain (a clone of a clone of …): each level of a read of a block no
+/// clone wrote goes through one more export.
+pub const CHAIN_MAX: usize = 16;
+
 /// Reads a clone's parent snapshot through its export `VOLUME@SNAPSHOT` (served here when
 /// this node owns the parent, else forwarded to its owner, re-routed on failover), opened
 /// on first use.
@@ -115,6 +119,31 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, snap: &str, body: &[u8]
             "a clone is simple, mirror-2 or mirror-3 (not {resiliency}): clones of parity \
              layouts are not supported yet"
         )));
+    }
+    // How deep the new clone would sit.
+    let mut depth = 1;
+    let mut up = parent.parent.clone();
+    while let Some(p) = up {
+        depth += 1;
+        if depth > CHAIN_MAX {
+            return Err(ApiError(
+                StatusCode::CONFLICT,
+                format!(
+                    "volume {name} is already a clone {} levels deep; a chain holds at most \
+                     {CHAIN_MAX}: flatten {name} first",
+                    depth - 1
+                ),
+            ));
+        }
+        up = match node
+            .cluster
+            .volume(&p.volume)
+            .await
+            .map_err(ApiError::unavailable)?
+        {
+            Some((v, _)) => v.parent,
+            None => None,
+        };
     }
     if !parent
         .snapshots
