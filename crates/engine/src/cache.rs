@@ -2354,6 +2354,58 @@ impl Tier {
         })
     }
 
+    /// [`Drive::versions_at`], around a bound cache drive ([`Tier::around`]), as
+    /// [`Tier::read_at`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn versions_at(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        count: u32,
+        any: bool,
+    ) -> Result<Vec<Version>, EngineError> {
+        self.cap.check_epoch_of(key, epoch)?;
+        self.around(key, offset, u64::from(count) * BS, false, || {
+            self.cap
+                .versions_at(key, epoch, snapshot, offset, count, any)
+        })
+    }
+
+    /// [`Drive::read_blocks_at`], around a bound cache drive, as [`Tier::read_at`].
+    pub fn read_blocks_at(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+        versions: &mut Vec<Version>,
+    ) -> Result<ReadInfo, EngineError> {
+        self.cap.check_epoch_of(key, epoch)?;
+        self.around(key, offset, buf.len() as u64, false, || {
+            self.cap
+                .read_blocks_at(key, epoch, snapshot, offset, buf, versions)
+        })
+    }
+
+    /// [`Drive::write_shadow`]: preserved states live on the capacity drive only.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_shadow(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+        versions: &[Version],
+    ) -> Result<u32, EngineError> {
+        self.cap
+            .write_shadow(key, epoch, snapshot, offset, data, crcs, versions)
+    }
+
     /// [`Drive::absent`], around a bound cache drive: a block still in the log was
     /// written, so a range holding one is drained first ([`Tier::around`]).
     pub fn absent(

@@ -85,6 +85,9 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
     }
     | ExtentOp::ReadAt {
         key, offset, len, ..
+    }
+    | ExtentOp::ReadBlocksAt {
+        key, offset, len, ..
     } = &op
     {
         if *len as usize > MAX_IO_BYTES {
@@ -298,6 +301,43 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             offset,
             u64::from(count) * converge_types::BLOCK_SIZE as u64,
         )?),
+        ExtentOp::VersionsAt {
+            key,
+            epoch,
+            snapshot,
+            offset,
+            count,
+            any,
+        } => ExtentReply::Versions(tier.versions_at(key, epoch, snapshot, offset, count, any)?),
+        ExtentOp::ReadBlocksAt {
+            key,
+            epoch,
+            snapshot,
+            offset,
+            len,
+        } => {
+            let mut buf = AlignedBuf::new(len as usize);
+            let mut versions = Vec::new();
+            let info =
+                tier.read_blocks_at(key, epoch, snapshot, offset, &mut buf, &mut versions)?;
+            ExtentReply::Blocks(BlocksReply {
+                data: Bytes::from_owner(buf),
+                bad_blocks: info.bad_blocks,
+                suspect: info.suspect,
+                versions,
+            })
+        }
+        ExtentOp::WriteShadow {
+            key,
+            epoch,
+            snapshot,
+            offset,
+            crcs,
+            versions,
+            data,
+        } => ExtentReply::Written(
+            tier.write_shadow(key, epoch, snapshot, offset, &data, &crcs, &versions)?,
+        ),
     };
     // The owner checks this too (it trusts no peer); a failure here is this node's bug.
     if let Err(e) = shape.check(&reply) {

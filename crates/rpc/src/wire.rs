@@ -57,6 +57,11 @@ pub mod msg {
     pub const CHANGED: u8 = 0x33;
     /// Which blocks were never written (a clone reads them from its parent).
     pub const ABSENT: u8 = 0x34;
+    /// Repair of snapshots (docs/adr/0012, step 4): versions and blocks at a snapshot,
+    /// and a fill's write of a snapshot's states.
+    pub const VERSIONS_AT: u8 = 0x35;
+    pub const READ_BLOCKS_AT: u8 = 0x36;
+    pub const WRITE_SHADOW: u8 = 0x37;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
@@ -381,9 +386,19 @@ pub fn validate_request(req: &Request) -> Result<(), WireError> {
             )));
         }
     }
+    if let ExtentOp::WriteShadow { crcs, versions, .. } = op {
+        if versions.len() != crcs.len() {
+            return Err(WireError::Invalid(format!(
+                "snapshot copy carries {} crcs and {} versions: need one of each per block",
+                crcs.len(),
+                versions.len()
+            )));
+        }
+    }
     if let ExtentOp::Write { crcs, data, .. }
     | ExtentOp::WriteHeld { crcs, data, .. }
-    | ExtentOp::WriteBlocks { crcs, data, .. } = op
+    | ExtentOp::WriteBlocks { crcs, data, .. }
+    | ExtentOp::WriteShadow { crcs, data, .. } = op
     {
         if crcs.len().checked_mul(BLOCK_SIZE) != Some(data.len()) {
             return Err(WireError::Invalid(format!(
@@ -455,6 +470,9 @@ pub fn request_type(req: &Request) -> u8 {
             ExtentOp::ReadAt { .. } => msg::READ_AT,
             ExtentOp::Changed { .. } => msg::CHANGED,
             ExtentOp::Absent { .. } => msg::ABSENT,
+            ExtentOp::VersionsAt { .. } => msg::VERSIONS_AT,
+            ExtentOp::ReadBlocksAt { .. } => msg::READ_BLOCKS_AT,
+            ExtentOp::WriteShadow { .. } => msg::WRITE_SHADOW,
         },
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
@@ -778,6 +796,13 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             snapshot,
             offset,
             len,
+        }
+        | ExtentOp::ReadBlocksAt {
+            key,
+            epoch,
+            snapshot,
+            offset,
+            len,
         } => {
             let mut b = new_head(52);
             put_key(&mut b, drive, key);
@@ -818,6 +843,42 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u64_le(*offset);
             b.put_u32_le(*count);
             (b, Bytes::new())
+        }
+        ExtentOp::VersionsAt {
+            key,
+            epoch,
+            snapshot,
+            offset,
+            count,
+            any,
+        } => {
+            let mut b = new_head(53);
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(snapshot.0);
+            b.put_u64_le(*offset);
+            b.put_u32_le(*count);
+            b.put_u8(u8::from(*any));
+            (b, Bytes::new())
+        }
+        ExtentOp::WriteShadow {
+            key,
+            epoch,
+            snapshot,
+            offset,
+            crcs,
+            versions,
+            data,
+        } => {
+            let mut b = new_head(60 + 12 * crcs.len());
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u64_le(snapshot.0);
+            b.put_u64_le(*offset);
+            put_u32_list(&mut b, crcs);
+            put_versions(&mut b, versions);
+            b.put_u32_le(u32::try_from(data.len()).unwrap_or(u32::MAX));
+            (b, data.clone())
         }
     }
 }
@@ -1143,7 +1204,7 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             protocol_version: r.u16("protocol_version")?,
         }),
         msg::PING => Request::Ping,
-        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::ABSENT => {
+        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::WRITE_SHADOW => {
             decode_extent_op(msg_type, &mut r)?
         }
         msg::VOL_READ => Request::VolRead {
@@ -1315,7 +1376,7 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             history: {
                 let c = r.u8("history")?;
                 converge_types::FloorHistory::from_code(c).ok_or_else(|| {
-                    WireError::Invalid(format!("snapshot floor history {c} is not 0, 1 or 2"))
+                    WireError::Invalid(format!("snapshot floor history {c} is not 0 to 3"))
                 })?
             },
         },
@@ -1347,6 +1408,47 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
             offset: r.u64("offset")?,
             count: r.u32("count")?,
         },
+        msg::VERSIONS_AT => ExtentOp::VersionsAt {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            snapshot: Epoch(r.u64("snapshot")?),
+            offset: r.u64("offset")?,
+            count: r.u32("count")?,
+            any: match r.u8("any")? {
+                0 => false,
+                1 => true,
+                c => {
+                    return Err(WireError::Invalid(format!(
+                        "versions-at flag {c} is not 0 or 1"
+                    )))
+                }
+            },
+        },
+        msg::READ_BLOCKS_AT => ExtentOp::ReadBlocksAt {
+            key,
+            epoch: Epoch(r.u64("epoch")?),
+            snapshot: Epoch(r.u64("snapshot")?),
+            offset: r.u64("offset")?,
+            len: r.u32("len")?,
+        },
+        msg::WRITE_SHADOW => {
+            let epoch = Epoch(r.u64("epoch")?);
+            let snapshot = Epoch(r.u64("snapshot")?);
+            let offset = r.u64("offset")?;
+            let crcs = r.crcs("crcs")?;
+            let versions = r.versions("versions")?;
+            let len = r.u32("data length")? as usize;
+            let data = r.take_bytes(len, "data")?;
+            ExtentOp::WriteShadow {
+                key,
+                epoch,
+                snapshot,
+                offset,
+                crcs,
+                versions,
+                data,
+            }
+        }
         other => return Err(WireError::UnknownType(other)),
     };
     Ok(Request::Extent { drive, op })
@@ -1460,7 +1562,44 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..25) {
+        match rng.gen_range(0..28) {
+            25 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::VersionsAt {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    snapshot: Epoch(rng.gen()),
+                    offset: rng.gen(),
+                    count: rng.gen(),
+                    any: rng.gen(),
+                },
+            },
+            26 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::ReadBlocksAt {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    snapshot: Epoch(rng.gen()),
+                    offset: rng.gen(),
+                    len: rng.gen(),
+                },
+            },
+            27 => {
+                let blocks = rng.gen_range(0..5);
+                let (crcs, data) = data(rng, blocks);
+                Request::Extent {
+                    drive: DriveId(rng.gen()),
+                    op: ExtentOp::WriteShadow {
+                        key: key(rng),
+                        epoch: Epoch(rng.gen()),
+                        snapshot: Epoch(rng.gen()),
+                        offset: rng.gen(),
+                        versions: (0..blocks).map(|_| Version(rng.gen())).collect(),
+                        crcs,
+                        data,
+                    },
+                }
+            }
             24 => Request::Extent {
                 drive: DriveId(rng.gen()),
                 op: ExtentOp::Absent {
@@ -1503,8 +1642,8 @@ mod tests {
                     epoch: Epoch(rng.gen()),
                     snapshot: Epoch(rng.gen()),
                     previous: rng.gen_bool(0.5).then(|| Epoch(rng.gen_range(1..u64::MAX))),
-                    history: converge_types::FloorHistory::from_code(rng.gen_range(0..3))
-                        .expect("0..3 are codes"),
+                    history: converge_types::FloorHistory::from_code(rng.gen_range(0..4))
+                        .expect("0..4 are codes"),
                 },
             },
             19 => Request::Extent {
@@ -1778,7 +1917,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 27, "every request type was exercised");
+        assert_eq!(seen.len(), 30, "every request type was exercised");
     }
 
     /// A write without compression keeps its message type and bytes (nodes of older

@@ -27,8 +27,12 @@ pub enum FloorHistory {
     /// An in-sync copy: what it held before, if its floor was the previous snapshot (else
     /// it missed one, and holds only the new one on).
     Continues,
-    /// A copy still being filled: none, until a later floor finds it in sync.
+    /// A copy still being filled: none, until a later floor finds it in sync (or its fill
+    /// copies the snapshots' states and says so with `Copied`). Places the extent.
     Joining,
+    /// A copy whose fill copied every snapshot's states from `previous` (the oldest it
+    /// holds now) up to this one, its floor already (docs/adr/0012, step 4).
+    Copied,
 }
 
 impl FloorHistory {
@@ -37,6 +41,7 @@ impl FloorHistory {
             FloorHistory::Full => 0,
             FloorHistory::Continues => 1,
             FloorHistory::Joining => 2,
+            FloorHistory::Copied => 3,
         }
     }
     pub fn from_code(c: u8) -> Option<FloorHistory> {
@@ -44,6 +49,7 @@ impl FloorHistory {
             0 => FloorHistory::Full,
             1 => FloorHistory::Continues,
             2 => FloorHistory::Joining,
+            3 => FloorHistory::Copied,
             _ => return None,
         })
     }
@@ -219,6 +225,40 @@ pub enum ExtentOp {
         offset: u64,
         count: u32,
     },
+    /// The version of each of `count` blocks from `offset` as snapshot `snapshot` reads it
+    /// (0: never written then): [`ExtentReply::Versions`]. Refused like `ReadAt` by a copy
+    /// that does not hold the snapshot, unless `any` (the copy a fill is writing answers
+    /// what it reads so far; docs/adr/0012, step 4).
+    VersionsAt {
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        count: u32,
+        any: bool,
+    },
+    /// A read at snapshot `snapshot` that answers every block's version there, for copying
+    /// a snapshot's states into a copy being filled: [`ExtentReply::Blocks`]. Refused like
+    /// `ReadAt` by a copy that does not hold the snapshot.
+    ReadBlocksAt {
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        len: u32,
+    },
+    /// A fill sets what a copy reads at snapshot `snapshot` (at most its floor): block `i`
+    /// gets the state of version `versions[i]` with `data`'s block, kept for that snapshot
+    /// (a version of 0: the block reads as never written there). [`ExtentReply::Written`].
+    WriteShadow {
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        crcs: Arc<[u32]>,
+        versions: Vec<Version>,
+        data: Bytes,
+    },
 }
 
 impl ExtentOp {
@@ -241,6 +281,9 @@ impl ExtentOp {
             | ExtentOp::ReadAt { key, .. }
             | ExtentOp::Changed { key, .. }
             | ExtentOp::Absent { key, .. }
+            | ExtentOp::VersionsAt { key, .. }
+            | ExtentOp::ReadBlocksAt { key, .. }
+            | ExtentOp::WriteShadow { key, .. }
             | ExtentOp::Free { key } => *key,
         }
     }
@@ -264,7 +307,10 @@ impl ExtentOp {
             | ExtentOp::DropSnapshot { epoch, .. }
             | ExtentOp::ReadAt { epoch, .. }
             | ExtentOp::Changed { epoch, .. }
-            | ExtentOp::Absent { epoch, .. } => Some(*epoch),
+            | ExtentOp::Absent { epoch, .. }
+            | ExtentOp::VersionsAt { epoch, .. }
+            | ExtentOp::ReadBlocksAt { epoch, .. }
+            | ExtentOp::WriteShadow { epoch, .. } => Some(*epoch),
             ExtentOp::Free { .. } => None,
         }
     }
@@ -290,6 +336,9 @@ impl ExtentOp {
             ExtentOp::ReadAt { .. } => "read_at",
             ExtentOp::Changed { .. } => "changed",
             ExtentOp::Absent { .. } => "absent",
+            ExtentOp::VersionsAt { .. } => "versions_at",
+            ExtentOp::ReadBlocksAt { .. } => "read_blocks_at",
+            ExtentOp::WriteShadow { .. } => "write_shadow",
         }
     }
 
@@ -315,7 +364,7 @@ impl ExtentOp {
                 ExtentOp::Versions { .. }
                     | ExtentOp::Digest { .. }
                     | ExtentOp::SnapshotFloor {
-                        history: FloorHistory::Full,
+                        history: FloorHistory::Full | FloorHistory::Joining,
                         ..
                     }
             )
@@ -340,11 +389,17 @@ impl ExtentOp {
             ExtentOp::Read { len, .. } | ExtentOp::ReadAt { len, .. } => {
                 ReplyShape::Read { len: *len }
             }
-            ExtentOp::ReadBlocks { len, .. } => ReplyShape::Blocks { len: *len },
-            ExtentOp::WriteBlocks { versions, .. } => ReplyShape::Written {
-                blocks: u32::try_from(versions.len()).unwrap_or(u32::MAX),
-            },
-            ExtentOp::Versions { count, .. } => ReplyShape::Versions { count: *count },
+            ExtentOp::ReadBlocks { len, .. } | ExtentOp::ReadBlocksAt { len, .. } => {
+                ReplyShape::Blocks { len: *len }
+            }
+            ExtentOp::WriteBlocks { versions, .. } | ExtentOp::WriteShadow { versions, .. } => {
+                ReplyShape::Written {
+                    blocks: u32::try_from(versions.len()).unwrap_or(u32::MAX),
+                }
+            }
+            ExtentOp::Versions { count, .. } | ExtentOp::VersionsAt { count, .. } => {
+                ReplyShape::Versions { count: *count }
+            }
             ExtentOp::Digest { .. } => ReplyShape::Digest,
             ExtentOp::Changed { count, .. } | ExtentOp::Absent { count, .. } => {
                 ReplyShape::Bitmap { count: *count }

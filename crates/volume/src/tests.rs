@@ -258,7 +258,10 @@ impl MemReplicas {
             | ExtentOp::DropSnapshot { .. }
             | ExtentOp::ReadAt { .. }
             | ExtentOp::Changed { .. }
-            | ExtentOp::Absent { .. } => {
+            | ExtentOp::Absent { .. }
+            | ExtentOp::VersionsAt { .. }
+            | ExtentOp::ReadBlocksAt { .. }
+            | ExtentOp::WriteShadow { .. } => {
                 panic!("this fake replica keeps no snapshots: {}", op.name())
             }
             ExtentOp::Read { offset, len, .. } => {

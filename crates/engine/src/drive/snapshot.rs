@@ -51,8 +51,9 @@ impl Drive {
             Some(p) => snapshot_epoch(p, "previous snapshot")?,
             None => 0,
         };
-        // A new slab's copy is placed before its first write: its floor makes it.
-        let ext = if history == FloorHistory::Full {
+        // A new slab's copy is placed before its first write, and a copy being filled
+        // before the fill writes: its floor makes it.
+        let ext = if matches!(history, FloorHistory::Full | FloorHistory::Joining) {
             self.extent_for_write(key, epoch)?
         } else {
             let Some(ext) = self.lookup(key) else {
@@ -80,6 +81,18 @@ impl Drive {
             let since = match history {
                 FloorHistory::Full if empty => 0,
                 FloorHistory::Joining => SINCE_NONE,
+                FloorHistory::Copied => {
+                    // A fill copied the snapshots `previous..=snapshot` into this copy,
+                    // whose floor it set at its start.
+                    if floor != cur || previous == 0 || previous > floor {
+                        return Err(EngineError::InvalidArgument(format!(
+                            "a fill's copied snapshots {previous} to {floor} do not end at \
+                             the extent's floor {cur}: a snapshot was taken or deleted \
+                             during the fill"
+                        )));
+                    }
+                    previous
+                }
                 // Re-sent (a retry): what the first call decided.
                 _ if floor == cur => cur_since,
                 _ if cur == previous => cur_since.min(floor),
@@ -249,6 +262,208 @@ impl Drive {
         });
         self.counters.end(OpKind::Read, t);
         r
+    }
+
+    /// [`Drive::read_at`] that also reports each block's version at the snapshot (0:
+    /// never written then; `versions` is replaced), for copying a snapshot's states into a
+    /// copy being filled ([`Drive::write_shadow`]).
+    pub fn read_blocks_at(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+        versions: &mut Vec<Version>,
+    ) -> Result<ReadInfo, EngineError> {
+        let g = snapshot_epoch(snapshot, "snapshot")?;
+        let (first, count) = self.range(key, offset, buf.len() as u64)?;
+        self.check_failed()?;
+        let Some(ext) = self.lookup(key) else {
+            buf.fill(0);
+            versions.clear();
+            versions.resize(count as usize, Version(0));
+            return Ok(ReadInfo::default());
+        };
+        Self::check_epoch(&ext, epoch)?;
+        Self::check_holds(&ext, g)?;
+        let t = self.counters.begin();
+        let r = with_scratch(|s| {
+            self.read_checked(buf, s, Some(versions), &|out: &mut Vec<BlockMeta>| {
+                self.states_at(&ext, g, first, count, out)
+            })
+        });
+        self.counters.end(OpKind::Read, t);
+        r
+    }
+
+    /// The version of each of `count` blocks from `offset` as snapshot `snapshot` reads it
+    /// on this copy (0: never written then). Metadata only. Refused like
+    /// [`Drive::read_at`] when the copy does not hold the snapshot, unless `any`: a fill
+    /// compares what the copy it fills reads so far ([`Drive::write_shadow`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn versions_at(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        count: u32,
+        any: bool,
+    ) -> Result<Vec<Version>, EngineError> {
+        let g = snapshot_epoch(snapshot, "snapshot")?;
+        self.slab_range(key, offset, u64::from(count) * BLOCK)?;
+        self.check_failed()?;
+        let Some(ext) = self.lookup(key) else {
+            return Ok(vec![Version(0); count as usize]);
+        };
+        Self::check_epoch(&ext, epoch)?;
+        if !any {
+            Self::check_holds(&ext, g)?;
+        }
+        let mut states = Vec::with_capacity(count as usize);
+        self.states_at(&ext, g, (offset / BLOCK) as u32, count, &mut states);
+        Ok(states.iter().map(|m| Version(m.version)).collect())
+    }
+
+    /// A fill (docs/adr/0012, step 4) sets what this copy reads at snapshot `snapshot`
+    /// (at most the extent's floor, which the fill set first): block `i` of the range gets
+    /// the state of version `versions[i]` and `data`'s block `i`, kept in the extent's
+    /// shadow for that snapshot. A version of 0 means the block reads as never written at
+    /// the snapshot: the shadow keeps a zero state of the next epoch for it, which reads
+    /// as never written at that snapshot and every older one. A block of zeros is kept as
+    /// a zero state (no physical block). Every version must be of the snapshot's epoch or
+    /// older. The owner sends it with the slab's snapshots neither taken nor deleted, and
+    /// for the newest with no write in flight (a write preserves into that one's shadow).
+    /// Returns the blocks set. Durable on Ok.
+    #[allow(clippy::too_many_arguments)]
+    pub fn write_shadow(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        data: &[u8],
+        crcs: &[u32],
+        versions: &[Version],
+    ) -> Result<u32, EngineError> {
+        let s = snapshot_epoch(snapshot, "snapshot")?;
+        let (first, count) = self.checked_write_range(key, offset, data, crcs)?;
+        let bad = |reason| EngineError::InvalidIo {
+            key,
+            reason,
+            offset,
+            len: data.len() as u64,
+        };
+        if versions.len() != count as usize {
+            return Err(bad("one version per 4 KiB block is required"));
+        }
+        if versions.iter().any(|v| v.0 >> 32 > u64::from(s)) {
+            return Err(bad("a snapshot's state must be of its epoch or older"));
+        }
+        self.check_failed()?;
+        let Some(ext) = self.lookup(key) else {
+            return Err(EngineError::InvalidArgument(format!(
+                "extent {key:?} is not on this drive: a fill sets the copy's snapshot floor \
+                 before it copies snapshots"
+            )));
+        };
+        Self::check_epoch(&ext, epoch)?;
+        let _one_at_a_time = lock(&self.snapshot_ops);
+        let zero: Vec<bool> = versions
+            .iter()
+            .zip(data.chunks_exact(BLOCK_SIZE))
+            .map(|(v, b)| v.0 == 0 || b.iter().all(|&x| x == 0))
+            .collect();
+        let marker = (u64::from(s) + 1) << 32;
+        let version_of = |i: usize| {
+            if versions[i].0 == 0 {
+                marker
+            } else {
+                versions[i].0
+            }
+        };
+        let stored = zero.iter().filter(|z| !**z).count() as u64;
+        let shadow = {
+            let mut t = lock(&self.table);
+            let floor = ext.floor.load(Ordering::Acquire);
+            if s > floor {
+                return Err(EngineError::InvalidArgument(format!(
+                    "snapshot {s} is above the extent's floor {floor}: a fill sets the floor \
+                     before it copies snapshots"
+                )));
+            }
+            if lock(&ext.meta).freed {
+                return Err(EngineError::Released { key });
+            }
+            if stored > 0 && self.committed_blocks() + stored > self.layout.extent_blocks() {
+                return Err(EngineError::Full {
+                    committed_bytes: self.committed_blocks() * BLOCK,
+                    capacity_bytes: self.layout.extent_blocks() * BLOCK,
+                });
+            }
+            let slot = match t.shadows.get(&(key, s)) {
+                Some(&slot) => slot,
+                None => self.alloc_shadow(&mut t, key, s)?,
+            };
+            t.slots[slot as usize]
+                .live
+                .clone()
+                .expect("a shadow's slot holds it")
+        };
+        let mut seq = ext.epoch_seq.load(Ordering::Acquire);
+        let mut n = 0;
+        if stored > 0 {
+            let (k, q) = self.write_claimed(
+                &shadow,
+                first,
+                count,
+                data,
+                crcs,
+                version_of,
+                |i, _, _| !zero[i],
+                false,
+            )?;
+            n += k;
+            seq = seq.max(q);
+        }
+        // The zero states, a piece at a time (each record one block: versions differ).
+        let piece = self.piece_blocks();
+        let mut at = 0u32;
+        while at < count {
+            let len = piece.min(count - at);
+            let (k, q) = with_scratch(|sc| -> Result<(u32, u64), EngineError> {
+                let (k, need) = self.claim(
+                    &shadow,
+                    first + at,
+                    len,
+                    |i, _| BlockMeta::zero(version_of(at as usize + i)),
+                    |i, _, _| zero[at as usize + i],
+                    &mut sc.applied,
+                    None,
+                )?;
+                if k == 0 {
+                    return Ok((0, need));
+                }
+                sc.records.clear();
+                for i in applied_indexes(&sc.applied) {
+                    Record::Zero {
+                        slot: shadow.slot,
+                        block: first + at + i as u32,
+                        count: 1,
+                        version: version_of(at as usize + i),
+                    }
+                    .push(&mut sc.records);
+                }
+                let q = self.queue_claimed(&shadow, first + at, &sc.applied, &sc.records)?;
+                Ok((k, need.max(q)))
+            })?;
+            n += k;
+            seq = seq.max(q);
+            at += len;
+        }
+        self.wait_durable(seq)?;
+        Ok(n)
     }
 
     /// Refuses snapshot `g` unless this copy of the extent holds it (`since..=floor`).

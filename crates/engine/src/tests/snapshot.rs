@@ -4,7 +4,7 @@
 
 use super::*;
 use converge_types::Compression;
-use converge_types::FloorHistory::{Continues, Full, Joining};
+use converge_types::FloorHistory::{Continues, Copied, Full, Joining};
 use std::collections::BTreeMap;
 
 /// Version of write `seq` by an owner at `epoch` (ADR 0003: epoch in the upper half).
@@ -557,4 +557,196 @@ fn absent_blocks_are_those_never_written_as_of_the_snapshot() {
     assert_eq!(none[1] >> 6, 0);
     let err = d.absent(k, Epoch(2), Some(Epoch(7)), 0, BLOCK).unwrap_err();
     assert!(matches!(err, EngineError::NoSnapshot { .. }), "{err}");
+}
+
+/// What a fill does for one copy (docs/adr/0012, step 4, as the owner runs it): snapshots
+/// newest first, the blocks where the target reads differently at the snapshot than the
+/// source copied into the target's shadow of it; then the target says what it holds.
+fn fill_snapshots(src: (&Drive, ExtentKey), dst: (&Drive, ExtentKey), epoch: u64, snaps: &[u64]) {
+    let n = (SLAB / BLOCK) as u32;
+    for &s in snaps.iter().rev() {
+        let sv = src
+            .0
+            .versions_at(src.1, Epoch(epoch), Epoch(s), 0, n, false)
+            .expect("source versions");
+        let tv = dst
+            .0
+            .versions_at(dst.1, Epoch(epoch), Epoch(s), 0, n, true)
+            .expect("target versions");
+        for b in (0..n as usize).filter(|&b| sv[b] != tv[b]) {
+            let mut buf = vec![0u8; B];
+            let mut v = Vec::new();
+            let off = b as u64 * BLOCK;
+            src.0
+                .read_blocks_at(src.1, Epoch(epoch), Epoch(s), off, &mut buf, &mut v)
+                .expect("source read");
+            let crc = [crc32c::crc32c(&buf)];
+            dst.0
+                .write_shadow(dst.1, Epoch(epoch), Epoch(s), off, &buf, &crc, &v)
+                .expect("shadow write");
+        }
+    }
+    let (newest, oldest) = (snaps[snaps.len() - 1], snaps[0]);
+    dst.0
+        .set_snapshot_floor(
+            dst.1,
+            Epoch(epoch),
+            Epoch(newest),
+            Some(Epoch(oldest)),
+            Copied,
+        )
+        .expect("copied");
+}
+
+fn same_at(a: (&Drive, ExtentKey), b: (&Drive, ExtentKey), epoch: u64, s: u64, ctx: &str) {
+    let mut x = vec![0u8; SLAB as usize];
+    let mut y = vec![0u8; SLAB as usize];
+    a.0.read_at(a.1, Epoch(epoch), Epoch(s), 0, &mut x)
+        .expect("source read");
+    b.0.read_at(b.1, Epoch(epoch), Epoch(s), 0, &mut y)
+        .unwrap_or_else(|e| panic!("{ctx}: the filled copy refuses snapshot {s}: {e}"));
+    if x != y {
+        let blk = (0..SLAB as usize / B)
+            .find(|&i| x[i * B..(i + 1) * B] != y[i * B..(i + 1) * B])
+            .expect("a block differs");
+        panic!("{ctx}: snapshot {s} differs first at block {blk}");
+    }
+    for to in [None, Some(s + 1)] {
+        if to.is_some_and(|t| a.0.read_at(a.1, Epoch(epoch), Epoch(t), 0, &mut x).is_err()) {
+            continue;
+        }
+        let n = SLAB;
+        let ca =
+            a.0.changed(a.1, Epoch(epoch), Epoch(s), to.map(Epoch), 0, n);
+        let cb =
+            b.0.changed(b.1, Epoch(epoch), Epoch(s), to.map(Epoch), 0, n);
+        assert_eq!(ca.ok(), cb.ok(), "{ctx}: changes from {s} to {to:?}");
+    }
+}
+
+#[test]
+fn a_fill_copies_every_snapshot_into_a_copy_holding_junk() {
+    let (f, d) = faulty(32 << 20);
+    let mut rng = StdRng::seed_from_u64(11);
+    let src = key(2, 0);
+    let dst = key(2, 1);
+    let w = |k: ExtentKey, e: u64, s: u64, b: u64, data: &[u8]| {
+        let crcs: Vec<u32> = data.chunks(B).map(crc32c::crc32c).collect();
+        d.write(k, Epoch(e), ver(e, s), b * BLOCK, data, &crcs)
+            .expect("write");
+    };
+    let (a, _) = blocks(&mut rng, 3);
+    let (c, _) = blocks(&mut rng, 3);
+    let (z, _) = blocks(&mut rng, 3);
+    // The source: [a0 a1 a2] at snapshot 1; block 0 rewritten, block 2 zeroed at epoch 2;
+    // snapshot 2; block 1 rewritten, block 5 written first at epoch 3.
+    w(src, 1, 1, 0, &a);
+    d.set_snapshot_floor(src, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    w(src, 2, 1, 0, &c[..B]);
+    d.zero(src, Epoch(2), ver(2, 2), 2 * BLOCK, BLOCK).unwrap();
+    d.set_snapshot_floor(src, Epoch(2), Epoch(2), Some(Epoch(1)), Continues)
+        .unwrap();
+    w(src, 3, 1, 1, &c[B..2 * B]);
+    w(src, 3, 2, 5, &z[..B]);
+    // The target: an old history of its own (junk for these snapshots), then the fill of
+    // its live blocks with floor 2 set first, which preserves its junk into shadow 2.
+    w(dst, 1, 9, 5, &z[B..2 * B]);
+    w(dst, 1, 10, 7, &z[2 * B..]);
+    d.set_snapshot_floor(dst, Epoch(3), Epoch(2), Some(Epoch(1)), Joining)
+        .unwrap();
+    let n = (SLAB / BLOCK) as usize;
+    let mut buf = vec![0u8; SLAB as usize];
+    let mut v = Vec::new();
+    d.read_blocks(src, Epoch(3), 0, &mut buf, &mut v).unwrap();
+    let crcs: Vec<u32> = buf.chunks(B).map(crc32c::crc32c).collect();
+    let expect = d.block_versions(dst, 0, n).unwrap();
+    d.write_blocks(dst, Epoch(3), 0, &buf, &crcs, &v, &expect)
+        .unwrap();
+    assert!(
+        d.shadows(dst)
+            .iter()
+            .any(|s| s.snapshot == 2 && s.blocks > 0),
+        "the fill preserved the target's junk"
+    );
+    let mut one = vec![0u8; B];
+    assert!(
+        d.read_at(dst, Epoch(3), Epoch(2), 0, &mut one).is_err(),
+        "a copy being filled holds no snapshot"
+    );
+    fill_snapshots((&d, src), (&d, dst), 3, &[1, 2]);
+    for s in [1, 2] {
+        same_at((&d, src), (&d, dst), 3, s, "filled");
+    }
+    check_accounting(&d, &[src, dst]);
+    // A second fill finds nothing to copy.
+    for s in [1u64, 2] {
+        let a = d.versions_at(src, Epoch(3), Epoch(s), 0, n as u32, false);
+        let b = d.versions_at(dst, Epoch(3), Epoch(s), 0, n as u32, false);
+        assert_eq!(a.unwrap(), b.unwrap(), "versions at {s}");
+    }
+    // It survives a reopen, and writes after it preserve alike on both copies.
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    for s in [1, 2] {
+        same_at((&d, src), (&d, dst), 3, s, "reopened");
+    }
+    let (x, xc) = blocks(&mut rng, 8);
+    for k in [src, dst] {
+        d.write(k, Epoch(3), ver(3, 20), 0, &x, &xc).unwrap();
+    }
+    for s in [1, 2] {
+        same_at((&d, src), (&d, dst), 3, s, "written after");
+    }
+    // Deleting snapshot 2 merges down alike; then deleting 1 frees everything.
+    for k in [src, dst] {
+        d.drop_snapshot(k, Epoch(3), Epoch(2), Some(Epoch(1)))
+            .unwrap();
+    }
+    same_at((&d, src), (&d, dst), 3, 1, "after deleting 2");
+    for k in [src, dst] {
+        d.drop_snapshot(k, Epoch(3), Epoch(1), None).unwrap();
+    }
+    check_accounting(&d, &[src, dst]);
+    assert_eq!(
+        d.capacity().bytes_preserved,
+        0,
+        "every preserved block freed"
+    );
+}
+
+#[test]
+fn a_fill_is_refused_what_would_make_a_wrong_copy() {
+    let (_f, d) = faulty(16 << 20);
+    let mut rng = StdRng::seed_from_u64(12);
+    let (a, ac) = blocks(&mut rng, 1);
+    let k = key(3, 0);
+    let e = |r: Result<u32, EngineError>| r.unwrap_err().to_string();
+    // No extent yet: the floor comes first.
+    let msg = e(d.write_shadow(k, Epoch(2), Epoch(1), 0, &a, &ac, &[ver(1, 1)]));
+    assert!(msg.contains("sets the copy's snapshot floor"), "{msg}");
+    d.set_snapshot_floor(k, Epoch(2), Epoch(1), None, Joining)
+        .unwrap();
+    // Above the floor, or a state newer than the snapshot.
+    let msg = e(d.write_shadow(k, Epoch(2), Epoch(2), 0, &a, &ac, &[ver(1, 1)]));
+    assert!(msg.contains("above the extent's floor"), "{msg}");
+    let msg = e(d.write_shadow(k, Epoch(2), Epoch(1), 0, &a, &ac, &[ver(2, 1)]));
+    assert!(msg.contains("of its epoch or older"), "{msg}");
+    // A bad crc, a missing version.
+    let msg = e(d.write_shadow(k, Epoch(2), Epoch(1), 0, &a, &[ac[0] ^ 1], &[ver(1, 1)]));
+    assert!(msg.contains("crc"), "{msg}");
+    let msg = e(d.write_shadow(k, Epoch(2), Epoch(1), 0, &a, &ac, &[]));
+    assert!(msg.contains("one version per"), "{msg}");
+    // A stale owner.
+    d.fence(k, Epoch(3)).unwrap();
+    let msg = e(d.write_shadow(k, Epoch(2), Epoch(1), 0, &a, &ac, &[ver(1, 1)]));
+    assert!(msg.contains("epoch"), "{msg}");
+    // Copied must end at the floor.
+    let r = d.set_snapshot_floor(k, Epoch(3), Epoch(2), Some(Epoch(1)), Copied);
+    assert!(r.is_err(), "copied past the floor");
+    d.set_snapshot_floor(k, Epoch(3), Epoch(1), Some(Epoch(1)), Copied)
+        .unwrap();
+    let mut one = vec![0u8; B];
+    d.read_at(k, Epoch(3), Epoch(1), 0, &mut one)
+        .expect("it holds snapshot 1 now");
 }
