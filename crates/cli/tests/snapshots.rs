@@ -144,9 +144,8 @@ print("ok")
 }
 
 /// A slab first written after a snapshot reads as zeros in it; a copy rebuilt onto another
-/// node after a snapshot does not hold that snapshot and refuses to answer for it, so the
-/// snapshot is read from the copies that do, and a snapshot taken after the rebuild is
-/// held by the new copy too.
+/// node after a snapshot is filled with it (docs/SNAPSHOTS.md "Repair carries the
+/// snapshots"), and a snapshot taken after the rebuild is held by the new copy too.
 #[test]
 fn snapshots_read_right_across_new_slabs_and_a_rebuild() {
     require_tools();

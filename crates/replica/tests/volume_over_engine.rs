@@ -695,3 +695,210 @@ fn clone_len(rng: &mut impl Rng, max: u64) -> u64 {
         rng.gen_range(1..=2u64 << 20).min(max)
     }
 }
+
+/// Every snapshot the model holds reads back exactly from the volume.
+async fn check_snapshots<R: ReplicaIo, A: SlabAllocator>(
+    vol: &Volume<R, A>,
+    snaps: &[(Epoch, Vec<u8>)],
+    ctx: &str,
+) {
+    let size = vol.size_bytes();
+    for (e, m) in snaps {
+        let mut off = 0;
+        while off < size {
+            let len = (MAX_IO_BYTES as u64).min(size - off);
+            let got = vol
+                .read_at(*e, off, len)
+                .await
+                .unwrap_or_else(|err| panic!("{ctx}: snapshot {e} at {off}: {err}"));
+            if got[..] != m[off as usize..(off + len) as usize] {
+                let i = (0..len as usize)
+                    .find(|&i| got[i] != m[off as usize + i])
+                    .unwrap();
+                panic!("{ctx}: snapshot {e} differs at byte {}", off as usize + i);
+            }
+            off += len;
+        }
+    }
+}
+
+/// Step 4 of ADR 0012: a copy rebuilt, or resynced, while snapshots exist holds them once
+/// in sync, exactly: with the other copies gone stale, every snapshot reads back from it
+/// alone. Writes, a snapshot and a delete run during the copies.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuilt_and_a_resynced_copy_hold_every_snapshot() {
+    use converge_volume::resync::{Progress, Throttle};
+    for seed in [0x5eed4_u64, 0x5eed5] {
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let dir = tempfile::tempdir().expect("tempdir");
+        let io = Arc::new(drives(dir.path(), 3, 6 * SLAB * SLABS));
+        let size = SLAB * SLABS;
+        let cfg = VolumeConfig {
+            id: VolumeId(9),
+            name: "history".into(),
+            size_bytes: size,
+            slab_size_bytes: SLAB,
+            resiliency: Resiliency::Mirror2,
+            mirror_part_bytes: 0,
+            epoch: Epoch(1),
+            local_node: NodeId(1),
+            min_replicas: 1,
+            degraded_write_wait: Duration::from_secs(5),
+            read_wait: Duration::from_secs(5),
+            read_hedge: Duration::from_secs(1),
+            tenure: Arc::new(Tenure::unbounded()),
+            compression: Compression::None,
+            cipher: None,
+            qos: converge_types::Qos::default(),
+            gate: None,
+        };
+        let records = Arc::new(Records::default());
+        let vol = Volume::new(cfg, BTreeMap::new(), io.clone(), records.clone());
+        let mut model = vec![0u8; size as usize];
+        let mut snaps: Vec<(Epoch, Vec<u8>)> = Vec::new();
+        let mut fill = 0u8;
+        // Random writes, zeroes and snapshots; each slab written first, so all exist.
+        let mut ops: Vec<(u64, u64, u8)> = (0..SLABS).map(|s| (s * SLAB, 3 * BS, 1)).collect();
+        for _ in 0..36 {
+            let at = rng.gen_range(0..size / BS - 300) * BS + rng.gen_range(0..2) * 700;
+            let len = rng.gen_range(1..256 * BS);
+            ops.push((at, len, rng.gen_range(0..8)));
+        }
+        let apply = |model: &mut Vec<u8>, fill: &mut u8, at: u64, len: u64, kind: u8| {
+            if kind == 0 {
+                model[at as usize..(at + len) as usize].fill(0);
+                None
+            } else {
+                *fill = fill.wrapping_add(1).max(1);
+                let f = *fill;
+                let data: Vec<u8> = (0..len).map(|i| f ^ (i as u8)).collect();
+                model[at as usize..(at + len) as usize].copy_from_slice(&data);
+                Some(Bytes::from(data))
+            }
+        };
+        for (n, &(at, len, kind)) in ops.iter().enumerate() {
+            match apply(&mut model, &mut fill, at, len, kind) {
+                Some(d) => vol.write(at, d).await.expect("write"),
+                None => vol.zero(at, len, false).await.expect("zero"),
+            }
+            if n % 9 == 8 {
+                let e = vol
+                    .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+                    .await
+                    .expect("snapshot");
+                snaps.push((e, model.clone()));
+            }
+        }
+        // The second of four goes (merged into the first on every copy).
+        let (gone, _) = snaps.remove(1);
+        vol.drop_snapshot(gone).await.expect("drop");
+        check_snapshots(&vol, &snaps, "before the rebuild").await;
+
+        // Drive 2's copies are rebuilt on drive 3, while writes and a snapshot go on.
+        let throttle = Throttle::new(u64::MAX / 4);
+        let mut during: Vec<(u64, u64, u8)> = Vec::new();
+        for _ in 0..24 {
+            let at = rng.gen_range(0..size / BS - 300) * BS;
+            during.push((at, rng.gen_range(1..128 * BS), rng.gen_range(0..6)));
+        }
+        let planned: Vec<(u64, u64, Option<Bytes>)> = during
+            .iter()
+            .map(|&(at, len, kind)| (at, len, apply(&mut model, &mut fill, at, len, kind)))
+            .collect();
+        let after = model.clone();
+        let rebuild = async {
+            for s in 0..SLABS {
+                let new = ExtentLoc {
+                    node: NodeId(3),
+                    drive: DriveId(3),
+                    state: ExtentState::Syncing,
+                };
+                vol.rebuild(
+                    SlabIndex(s),
+                    DriveId(2),
+                    new,
+                    &throttle,
+                    &Progress::default(),
+                )
+                .await
+                .expect("rebuild");
+            }
+        };
+        let writer = async {
+            for (at, len, d) in planned {
+                match d {
+                    Some(d) => vol.write(at, d).await.expect("write"),
+                    None => vol.zero(at, len, false).await.expect("zero"),
+                }
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::join!(rebuild, writer);
+        let e = vol
+            .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+            .await
+            .expect("snapshot");
+        snaps.push((e, after));
+        // Drive 1's copies go stale: drive 3's alone serve the snapshots.
+        for s in 0..SLABS {
+            vol.copy_failed(SlabIndex(s), DriveId(1))
+                .await
+                .expect("stale");
+        }
+        check_snapshots(&vol, &snaps, &format!("seed {seed:#x}: rebuilt copy alone")).await;
+
+        // While drive 1 is stale: writes, a snapshot deleted and one taken; then its resync,
+        // with writes going on; then drive 3's copies go stale and drive 1's serve alone.
+        for _ in 0..8 {
+            let at = rng.gen_range(0..size / BS - 300) * BS;
+            let len = rng.gen_range(1..128 * BS);
+            let d = apply(&mut model, &mut fill, at, len, 1).unwrap();
+            vol.write(at, d).await.expect("write");
+        }
+        let (gone, _) = snaps.remove(0);
+        vol.drop_snapshot(gone).await.expect("drop");
+        let e = vol
+            .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+            .await
+            .expect("snapshot");
+        snaps.push((e, model.clone()));
+        let planned: Vec<(u64, Bytes)> = (0..12)
+            .map(|_| {
+                let at = rng.gen_range(0..size / BS - 300) * BS;
+                let len = rng.gen_range(1..128 * BS);
+                (at, apply(&mut model, &mut fill, at, len, 1).unwrap())
+            })
+            .collect();
+        let resync = async {
+            for s in 0..SLABS {
+                vol.resync(SlabIndex(s), DriveId(1), &throttle, &Progress::default())
+                    .await
+                    .expect("resync");
+            }
+        };
+        let writer = async {
+            for (at, d) in planned {
+                vol.write(at, d).await.expect("write");
+                tokio::task::yield_now().await;
+            }
+        };
+        tokio::join!(resync, writer);
+        for s in 0..SLABS {
+            vol.copy_failed(SlabIndex(s), DriveId(3))
+                .await
+                .expect("stale");
+        }
+        check_snapshots(
+            &vol,
+            &snaps,
+            &format!("seed {seed:#x}: resynced copy alone"),
+        )
+        .await;
+        let got = vol.read(0, MAX_IO_BYTES as u64).await.expect("read");
+        assert!(
+            got[..] == model[..MAX_IO_BYTES],
+            "seed {seed:#x}: live data"
+        );
+        assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
+    }
+}

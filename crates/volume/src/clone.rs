@@ -37,6 +37,27 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         *self.parent.write().expect("parent lock") = parent;
     }
 
+    /// Reads `len` bytes at `vol_off` from the parent for slab `slab`: a parent that
+    /// cannot be read makes the clone's piece unreadable (the client gets an I/O error
+    /// for it), not its owner's term over (which would drop and reopen the clone's
+    /// exports for nothing).
+    async fn parent_read(
+        &self,
+        parent: &Arc<dyn ParentRead>,
+        slab: SlabIndex,
+        vol_off: u64,
+        len: u64,
+    ) -> Result<Bytes, VolumeError> {
+        parent
+            .read(vol_off, len)
+            .await
+            .map_err(|e| VolumeError::Unreadable {
+                volume: self.cfg.name.clone(),
+                slab,
+                why: format!("its parent could not be read: {e}"),
+            })
+    }
+
     /// The blocks of piece `p` that were never written (as of snapshot `at`), from one
     /// in-sync copy, this node's first.
     async fn absent_bits(
@@ -72,7 +93,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     ) -> Result<Bytes, VolumeError> {
         let vol_off = p.slab.0 * self.slab_span() + p.offset;
         let Some(slab) = self.slab(p.slab) else {
-            return parent.read(vol_off, p.len).await;
+            return self.parent_read(parent, p.slab, vol_off, p.len).await;
         };
         // Which blocks are the clone's, before its data: a block written in between is
         // then read as the parent's (its content before the write), never as zeros.
@@ -81,7 +102,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let absent = |i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
         let count = (0..n).filter(|&i| absent(i)).count();
         if count == n {
-            return parent.read(vol_off, p.len).await;
+            return self.parent_read(parent, p.slab, vol_off, p.len).await;
         }
         let own = match at {
             None => {
@@ -93,7 +114,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if count == 0 {
             return Ok(own);
         }
-        let from_parent = parent.read(vol_off, p.len).await?;
+        let from_parent = self.parent_read(parent, p.slab, vol_off, p.len).await?;
         let mut buf = BytesMut::from(&own[..]);
         let b = BS as usize;
         for i in (0..n).filter(|&i| absent(i)) {
@@ -133,7 +154,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let p = split(off, len, self.slab_span())
                 .next()
                 .expect("a non-empty range has a piece");
-            let data = parent.read(off, len).await?;
+            let data = self.parent_read(&parent, p.slab, off, len).await?;
             if data.iter().any(|&x| x != 0) {
                 copied += self.flatten_piece(p, &data).await?;
             }

@@ -7,6 +7,7 @@
 
 mod clone;
 pub mod crypt;
+mod fill_snapshots;
 mod mirror_part;
 pub mod parity;
 mod parity_io;
@@ -457,6 +458,10 @@ pub struct Volume<R, A> {
     size_bytes: AtomicU64,
     slabs: RwLock<BTreeMap<SlabIndex, Arc<Slab>>>,
     alloc_lock: tokio::sync::Mutex<()>,
+    /// Held while snapshots are taken or deleted, and while a fill copies a slab's
+    /// snapshots into the copy it fills and promotes it (docs/adr/0012, step 4): the
+    /// snapshots it copies stay the volume's. Taken before `alloc_lock` and slab gates.
+    pub(crate) history: tokio::sync::Mutex<()>,
     /// Serialises read-modify-write of partial blocks (rare: clients that negotiated block
     /// sizes never send them).
     rmw_lock: tokio::sync::Mutex<()>,
@@ -589,6 +594,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             cfg,
             slabs: RwLock::new(slabs),
             alloc_lock: tokio::sync::Mutex::new(()),
+            history: tokio::sync::Mutex::new(()),
             rmw_lock: tokio::sync::Mutex::new(()),
             io,
             alloc,

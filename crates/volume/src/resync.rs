@@ -212,7 +212,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     /// The best copy to copy from: in-sync, this node's first.
-    fn source(&self, slab: &Slab, not: DriveId) -> Option<ExtentLoc> {
+    pub(crate) fn source(&self, slab: &Slab, not: DriveId) -> Option<ExtentLoc> {
         let ex = slab.extents();
         let mut v: Vec<ExtentLoc> = ex
             .iter()
@@ -405,7 +405,18 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         throttle: &Throttle,
         progress: &Progress,
     ) -> Result<CopyReport, VolumeError> {
-        let r = self.fill(idx, slab, drive, throttle, progress).await;
+        // Held from the snapshots' copy through the promotion: the copy holds what the
+        // volume's snapshots are when it joins.
+        let mut _history = None;
+        let r = match self.fill(idx, slab, drive, throttle, progress).await {
+            Ok(rep) => {
+                _history = Some(self.history.lock().await);
+                self.fill_snapshots(idx, slab, drive, throttle)
+                    .await
+                    .map(|()| rep)
+            }
+            Err(e) => Err(e),
+        };
         let report = match r {
             Ok(rep) => rep,
             Err(e) => {
@@ -488,6 +499,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let src = self
             .source(slab, drive)
             .ok_or_else(|| self.copy_error(idx, "no in-sync copy to copy from".into()))?;
+        self.join_snapshots(idx, slab, target).await?;
         let blocks = self.cfg.slab_size_bytes / BS;
         let mut diffs = Vec::new();
         let mut start = 0;

@@ -66,8 +66,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     {
         self.snapshots_supported()?;
         self.check_serving()?;
-        // No slab is allocated and no write runs meanwhile: every slab's gate, in order
-        // (a write holds one gate per piece; pieces of one write take them independently).
+        // No fill copies snapshots meanwhile, no slab is allocated and no write runs: every
+        // slab's gate, in order (a write holds one gate per piece; pieces of one write take
+        // them independently).
+        let _history = self.history.lock().await;
         let _alloc = self.alloc_lock.lock().await;
         let slabs: Vec<(SlabIndex, Arc<Slab>)> = self
             .slabs
@@ -183,6 +185,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// was unreachable is named in the error, and deleting again finishes it.
     pub async fn drop_snapshot(&self, snapshot: Epoch) -> Result<(), VolumeError> {
         self.check_serving()?;
+        let _history = self.history.lock().await;
         // Nothing reads it from here on, whatever the copies answer.
         self.snapshots
             .lock()

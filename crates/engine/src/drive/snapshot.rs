@@ -62,6 +62,20 @@ impl Drive {
             ext
         };
         Self::check_epoch(&ext, epoch)?;
+        if history == FloorHistory::Joining {
+            // What a copy being filled kept of snapshots before may be wrong (it missed
+            // writes, or deletes): its fill copies them anew (docs/adr/0012, step 4).
+            let kept: Vec<u32> = {
+                let t = lock(&self.table);
+                t.shadows
+                    .range((key, 0)..=(key, u32::MAX))
+                    .map(|(&(_, s), _)| s)
+                    .collect()
+            };
+            for s in kept.into_iter().rev() {
+                self.drop_snapshot(key, epoch, Epoch(u64::from(s)), None)?;
+            }
+        }
         let seq = {
             // Under the table lock: writers read the floor and its shadow together.
             let _t = lock(&self.table);

@@ -653,8 +653,17 @@ fn a_fill_copies_every_snapshot_into_a_copy_holding_junk() {
     // its live blocks with floor 2 set first, which preserves its junk into shadow 2.
     w(dst, 1, 9, 5, &z[B..2 * B]);
     w(dst, 1, 10, 7, &z[2 * B..]);
+    d.set_snapshot_floor(dst, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    w(dst, 2, 11, 7, &z[..B]);
+    assert_eq!(
+        d.shadows(dst).len(),
+        1,
+        "the target kept a state of its own"
+    );
     d.set_snapshot_floor(dst, Epoch(3), Epoch(2), Some(Epoch(1)), Joining)
         .unwrap();
+    assert!(d.shadows(dst).is_empty(), "joining drops what it kept");
     let n = (SLAB / BLOCK) as usize;
     let mut buf = vec![0u8; SLAB as usize];
     let mut v = Vec::new();
