@@ -31,6 +31,8 @@ impl ReplicaIo for SimReplicas {
     /// losses and partitions.
     async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
         let what = op.name();
+        let sent = format!("{op:?}");
+        let sent = &sent[..sent.len().min(300)];
         let w = self.world.clone();
         let timeout = w.opts.rpc_timeout;
         let from = self.from;
@@ -96,7 +98,7 @@ impl ReplicaIo for SimReplicas {
                         | EngineError::Corrupt(_)
                 ) {
                     w.fail(format!(
-                        "engine on node {} drive {} refused a {what}: {e}",
+                        "engine on node {} drive {} refused a {what} from node {from}: {e} ({sent})",
                         at.node, at.drive
                     ));
                 }

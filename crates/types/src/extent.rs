@@ -31,7 +31,7 @@ pub enum FloorHistory {
     /// copies the snapshots' states and says so with `Copied`). Places the extent.
     Joining,
     /// A copy whose fill copied every snapshot's states from `previous` (the oldest it
-    /// holds now) up to this one, its floor already (docs/adr/0012, step 4).
+    /// holds now) up to this one, at or below its floor (docs/adr/0012, step 4); the floor stays.
     Copied,
 }
 

@@ -72,6 +72,16 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .find(|e| e.drive == drive)
             .copied()
             .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no copy")))?;
+        if target.state != ExtentState::Syncing {
+            // It missed writes, and maybe the floor of a snapshot taken since.
+            return Err(self.copy_error(
+                idx,
+                format!(
+                    "the copy on drive {drive} went {:?} during the fill",
+                    target.state
+                ),
+            ));
+        }
         let src = self
             .source(slab, drive)
             .ok_or_else(|| self.copy_error(idx, "no in-sync copy to copy from".into()))?;

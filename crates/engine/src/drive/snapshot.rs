@@ -32,9 +32,11 @@ impl Drive {
     /// volume's snapshot before it, and `history` what this copy holds of the older ones
     /// ([`FloorHistory`]): the extent then holds the snapshots from `since` to the floor,
     /// and refuses reads of others ([`Drive::read_at`]). Floors only rise here
-    /// ([`Drive::drop_snapshot`] lowers one); the same call again is a no-op. An extent the
-    /// drive does not hold has nothing to preserve: Ok (but [`FloorHistory::Full`], a new
-    /// slab's copy, allocates it as a write would). Extents with a codec or with priors
+    /// ([`Drive::drop_snapshot`] lowers one), but for [`FloorHistory::Joining`], which
+    /// drops every snapshot the copy kept first (a fill copies them anew; its floor may be
+    /// of a snapshot deleted while it was stale); the same call again is a no-op. An
+    /// extent the drive does not hold has nothing to preserve: Ok (but `Full`, a new
+    /// slab's copy, and `Joining` allocate it as a write would). Extents with a codec or with priors
     /// of held (parity) writes are refused: snapshots of those are not built yet. Durable
     /// on Ok, and writes acked after it wait for it.
     pub fn set_snapshot_floor(
@@ -85,7 +87,9 @@ impl Drive {
             }
             let cur = ext.floor.load(Ordering::Acquire);
             let cur_since = ext.since.load(Ordering::Acquire);
-            if floor < cur {
+            // A copy joining holds nothing (its shadows went above): its floor may have
+            // been a snapshot deleted while it was stale.
+            if floor < cur && !matches!(history, FloorHistory::Joining | FloorHistory::Copied) {
                 return Err(EngineError::InvalidArgument(format!(
                     "snapshot floor {floor} is below the extent's floor {cur}: a floor only \
                      rises, deleting the newest snapshot lowers it"
@@ -97,12 +101,13 @@ impl Drive {
                 FloorHistory::Joining => SINCE_NONE,
                 FloorHistory::Copied => {
                     // A fill copied the snapshots `previous..=snapshot` into this copy,
-                    // whose floor it set at its start.
-                    if floor != cur || previous == 0 || previous > floor {
+                    // whose floor it set at its start. The floor may be above the newest
+                    // snapshot: one whose commit failed, not dropped again everywhere
+                    // (nothing reads it; its epoch's writes preserve nothing for it).
+                    if floor > cur || previous == 0 || previous > floor {
                         return Err(EngineError::InvalidArgument(format!(
                             "a fill's copied snapshots {previous} to {floor} do not end at \
-                             the extent's floor {cur}: a snapshot was taken or deleted \
-                             during the fill"
+                             or below the extent's floor {cur}"
                         )));
                     }
                     previous
@@ -112,6 +117,12 @@ impl Drive {
                 _ if cur == previous => cur_since.min(floor),
                 // It missed a snapshot between its floor and this one.
                 _ => floor,
+            };
+            // `Copied` leaves the floor as it is.
+            let floor = if history == FloorHistory::Copied {
+                cur
+            } else {
+                floor
             };
             if floor == cur && since == cur_since {
                 ext.epoch_seq.load(Ordering::Acquire)

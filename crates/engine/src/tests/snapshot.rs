@@ -758,4 +758,18 @@ fn a_fill_is_refused_what_would_make_a_wrong_copy() {
     let mut one = vec![0u8; B];
     d.read_at(k, Epoch(3), Epoch(1), 0, &mut one)
         .expect("it holds snapshot 1 now");
+    // A floor left above the newest snapshot (one whose commit failed, or deleted while
+    // the copy was stale): joining lowers it, and a fill's Copied leaves a floor above.
+    d.set_snapshot_floor(k, Epoch(3), Epoch(3), Some(Epoch(1)), Continues)
+        .unwrap();
+    d.set_snapshot_floor(k, Epoch(3), Epoch(2), Some(Epoch(1)), Joining)
+        .unwrap();
+    assert_eq!(d.snapshot_floor(k), 2, "joining lowers a floor");
+    d.set_snapshot_floor(k, Epoch(3), Epoch(3), Some(Epoch(2)), Continues)
+        .unwrap();
+    d.set_snapshot_floor(k, Epoch(3), Epoch(2), Some(Epoch(1)), Copied)
+        .unwrap();
+    assert_eq!(d.snapshot_floor(k), 3, "copied leaves the floor");
+    d.read_at(k, Epoch(3), Epoch(1), 0, &mut one)
+        .expect("it holds snapshot 1 again");
 }
