@@ -31,8 +31,9 @@ impl ReplicaIo for SimReplicas {
     /// losses and partitions.
     async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
         let what = op.name();
-        let sent = format!("{op:?}");
-        let sent = &sent[..sent.len().min(300)];
+        // What was sent, for a refusal's report (not data: cloned only if it has none).
+        let sent = (!op.stores_blocks() && !matches!(op, ExtentOp::WriteShadow { .. }))
+            .then(|| op.clone());
         let w = self.world.clone();
         let timeout = w.opts.rpc_timeout;
         let from = self.from;
@@ -98,7 +99,7 @@ impl ReplicaIo for SimReplicas {
                         | EngineError::Corrupt(_)
                 ) {
                     w.fail(format!(
-                        "engine on node {} drive {} refused a {what} from node {from}: {e} ({sent})",
+                        "engine on node {} drive {} refused a {what} from node {from}: {e} ({sent:?})",
                         at.node, at.drive
                     ));
                 }

@@ -82,12 +82,30 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 ),
             ));
         }
-        let src = self
-            .source(slab, drive)
-            .ok_or_else(|| self.copy_error(idx, "no in-sync copy to copy from".into()))?;
+        // Each snapshot from an in-sync copy that holds it, this node's first.
+        let mut sources: Vec<ExtentLoc> = slab
+            .extents()
+            .iter()
+            .filter(|e| e.state == ExtentState::InSync && e.drive != drive)
+            .copied()
+            .collect();
+        sources.sort_by_key(|e| e.node != self.cfg.local_node);
+        if sources.is_empty() {
+            return Err(self.copy_error(idx, "no in-sync copy to copy from".into()));
+        }
         let blocks = self.cfg.slab_size_bytes / BS;
         let mut oldest = None;
         'snapshots: for &s in snaps.iter().rev() {
+            let mut src = None;
+            for &c in &sources {
+                if self.holds(idx, c, s).await? {
+                    src = Some(c);
+                    break;
+                }
+            }
+            let Some(src) = src else {
+                break 'snapshots;
+            };
             let mut start = 0;
             while start < blocks {
                 let n = VERSIONS_CHUNK.min(blocks - start);
@@ -147,6 +165,23 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         self.ask(target, op, ExtentReply::into_ok)
             .await
             .map_err(|e| self.replica_failed(idx, target, e))
+    }
+
+    /// Whether the copy at `at` holds snapshot `s` (it answers a one-block question at it).
+    async fn holds(&self, idx: SlabIndex, at: ExtentLoc, s: Epoch) -> Result<bool, VolumeError> {
+        let op = ExtentOp::VersionsAt {
+            key: self.key(idx),
+            epoch: self.epoch(),
+            snapshot: s,
+            offset: 0,
+            count: 1,
+            any: false,
+        };
+        match self.ask(at, op, ExtentReply::into_versions).await {
+            Ok(_) => Ok(true),
+            Err(ReplicaError::StaleEpoch(why)) => Err(self.fenced(why)),
+            Err(_) => Ok(false),
+        }
     }
 
     /// The blocks of `[start, start + n)` that the target reads differently at snapshot
