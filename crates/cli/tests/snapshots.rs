@@ -145,11 +145,12 @@ print("ok")
 
 /// A slab first written after a snapshot reads as zeros in it; a copy rebuilt onto another
 /// node after a snapshot is filled with it (docs/SNAPSHOTS.md "Repair carries the
-/// snapshots"), and a snapshot taken after the rebuild is held by the new copy too.
+/// snapshots"): once every original copy of its data is gone, it reads from rebuilt copies
+/// alone; and a snapshot taken after the rebuild is held by the new copy too.
 #[test]
 fn snapshots_read_right_across_new_slabs_and_a_rebuild() {
     require_tools();
-    let lab = Lab::up(4, &["--ram", "--slab-size", "32M"]);
+    let lab = Lab::up(5, &["--ram", "--slab-size", "32M"]);
     lab.must(&["cluster", "set", "--repair-delay", "3s"]);
     lab.create_owned("rb", "64M", "mirror-2", 1);
     let uri = lab.uri("rb");
@@ -173,7 +174,10 @@ fn snapshots_read_right_across_new_slabs_and_a_rebuild() {
 
     // A node with a copy dies past the repair delay: its copies are rebuilt elsewhere.
     let ext = lab.extents("rb");
-    let victim = (2..=4u64).find(|n| ext.iter().any(|e| e.1 == *n)).unwrap();
+    // A holder of slab 0 (the one with s1's data), not node 1 (the CLI's first node).
+    let victim = (2..=5u64)
+        .find(|n| ext.iter().any(|e| e.0 == 0 && e.1 == *n))
+        .unwrap();
     lab.must(&["lab", "fault", "kill", &victim.to_string()]);
     lab.wait_for("rebuild", std::time::Duration::from_secs(180), || {
         let e = lab.extents("rb");
@@ -181,6 +185,34 @@ fn snapshots_read_right_across_new_slabs_and_a_rebuild() {
     });
     compare(&s1, &expected, "s1 after a rebuild");
     compare(&uri, &b, "the volume after a rebuild");
+    // The other original copies of slab 0 (the one holding s1's data) go too, the owner's
+    // included: s1 then reads from copies rebuilt after it only.
+    let dead: Vec<u64> = ext
+        .iter()
+        .filter(|e| e.0 == 0 && e.1 != victim)
+        .map(|e| e.1)
+        .collect();
+    for n in &dead {
+        lab.must(&["lab", "fault", "kill", &n.to_string()]);
+    }
+    lab.wait_for(
+        "second rebuild",
+        std::time::Duration::from_secs(240),
+        || {
+            let e = lab.extents("rb");
+            e.len() == 4
+                && e.iter()
+                    .all(|x| x.1 != victim && !dead.contains(&x.1) && x.2 == "in-sync")
+        },
+    );
+    let s1 = snap_uri(&lab, "rb", "s1");
+    compare(&s1, &expected, "s1 from rebuilt copies alone");
+    // Any node serves the volume (its preferred owner, node 1, may be down).
+    let live = (1..=5u32)
+        .find(|n| u64::from(*n) != victim && !dead.contains(&u64::from(*n)))
+        .unwrap();
+    let uri = lab.uri_on("rb", live);
+    compare(&uri, &b, "the volume after the second rebuild");
     // A snapshot after the rebuild is held by every copy, the new one too.
     lab.must(&["volume", "snapshot", "create", "rb", "s2"]);
     let c = random_file(tmp.path(), "c.img", 64 << 20, 13);

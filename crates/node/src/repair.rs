@@ -226,7 +226,7 @@ pub async fn run(node: Arc<Node>) {
             log::info!("in maintenance: still serving {names:?} until they are moved");
         }
         if is_leader(&node).await {
-            adopt_orphans(&node).await;
+            adopt_orphans(&node, &view).await;
             if !scrub_running(&node) {
                 let n = node.clone();
                 tokio::spawn(async move { crate::scrub::scheduled(&n).await });
@@ -466,9 +466,11 @@ async fn is_leader(node: &Node) -> bool {
     }
 }
 
-/// Leader duty: serve (and so repair) degraded volumes that have no owner, and those with
-/// copies on a draining node (so they are moved).
-async fn adopt_orphans(node: &Node) {
+/// Leader duty: serve (and so repair) volumes that have no owner and are degraded, or
+/// have copies on a node whose lease is gone (an owner that died with them marked nobody
+/// stale: with no client I/O to claim the volume, nothing would rebuild them), or on a
+/// draining node (so they are moved).
+async fn adopt_orphans(node: &Node, view: &View) {
     let Ok(vols) = node.cluster.volumes().await else {
         return;
     };
@@ -492,12 +494,17 @@ async fn adopt_orphans(node: &Node) {
         let draining = slabs
             .values()
             .any(|(s, _)| s.extents.iter().any(|e| draining.contains(&e.node)));
-        if degraded || draining {
+        let on_dead = slabs
+            .values()
+            .any(|(s, _)| s.extents.iter().any(|e| !view.live.contains(&e.node)));
+        if degraded || draining || on_dead {
             log::info!(
                 "leader: volume {} is unowned and {}; taking it over",
                 rec.name,
                 if degraded {
                     "degraded"
+                } else if on_dead {
+                    "has copies on a node that is down"
                 } else {
                     "has copies on a draining node"
                 }
