@@ -1611,16 +1611,23 @@ impl Drive {
         if n == 0 {
             return Ok(0);
         }
+        self.room_to_preserve(n)?;
+        if !t.shadows.contains_key(&(ext.key, floor)) {
+            self.alloc_shadow(&mut t, ext.key, floor)?;
+        }
+        Ok(floor)
+    }
+
+    /// Refuses keeping `n` more blocks for snapshots when they would not fit beside what
+    /// the extents may still write: the pool-full error the owner reports.
+    pub(crate) fn room_to_preserve(&self, n: u64) -> Result<(), EngineError> {
         if self.committed_blocks() + n > self.layout.extent_blocks() {
             return Err(EngineError::Full {
                 committed_bytes: self.committed_blocks() * BLOCK,
                 capacity_bytes: self.layout.extent_blocks() * BLOCK,
             });
         }
-        if !t.shadows.contains_key(&(ext.key, floor)) {
-            self.alloc_shadow(&mut t, ext.key, floor)?;
-        }
-        Ok(floor)
+        Ok(())
     }
 
     /// Queues the Shadow record of a new shadow extent of `key` for snapshot `snapshot`

@@ -66,12 +66,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         };
         let key = self.key(idx);
         let epoch = self.epoch();
-        let target = slab
-            .extents()
-            .iter()
-            .find(|e| e.drive == drive)
-            .copied()
-            .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no copy")))?;
+        let target = self.copy_on(idx, slab, drive)?;
         if target.state != ExtentState::Syncing {
             // It missed writes, and maybe the floor of a snapshot taken since.
             return Err(self.copy_error(
@@ -124,15 +119,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     }
                     let (first, count) = (differ[i], (j - i) as u64);
                     throttle.take(count * BS).await;
-                    let copied = if s == newest {
-                        // Writes preserve into the newest snapshot's keeping: none runs.
-                        let _g = slab.gate.write().await;
-                        self.copy_snapshot_run(idx, slab, src, target, s, first, count, true)
-                            .await?
-                    } else {
-                        self.copy_snapshot_run(idx, slab, src, target, s, first, count, false)
-                            .await?
+                    // Writes preserve into the newest snapshot's keeping: none runs.
+                    let held = s == newest;
+                    let _g = match held {
+                        true => Some(slab.gate.write().await),
+                        false => None,
                     };
+                    let copied = self
+                        .copy_snapshot_run(idx, slab, src, target, s, first, count, held)
+                        .await?;
                     if !copied {
                         break 'snapshots;
                     }

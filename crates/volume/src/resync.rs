@@ -211,6 +211,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         self.mark_stale(idx, &slab, drive).await
     }
 
+    /// The slab's copy on `drive`, which a copy job fills.
+    pub(crate) fn copy_on(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        drive: DriveId,
+    ) -> Result<ExtentLoc, VolumeError> {
+        slab.extents()
+            .iter()
+            .find(|e| e.drive == drive)
+            .copied()
+            .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no copy")))
+    }
+
     /// The best copy to copy from: in-sync, this node's first.
     pub(crate) fn source(&self, slab: &Slab, not: DriveId) -> Option<ExtentLoc> {
         let ex = slab.extents();
@@ -490,12 +504,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let key = self.key(idx);
         let epoch = self.epoch();
-        let target = slab
-            .extents()
-            .iter()
-            .find(|e| e.drive == drive)
-            .copied()
-            .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no copy")))?;
+        let target = self.copy_on(idx, slab, drive)?;
         let src = self
             .source(slab, drive)
             .ok_or_else(|| self.copy_error(idx, "no in-sync copy to copy from".into()))?;

@@ -270,23 +270,7 @@ impl Drive {
         offset: u64,
         buf: &mut [u8],
     ) -> Result<ReadInfo, EngineError> {
-        let g = snapshot_epoch(snapshot, "snapshot")?;
-        let (first, count) = self.range(key, offset, buf.len() as u64)?;
-        self.check_failed()?;
-        let Some(ext) = self.lookup(key) else {
-            buf.fill(0);
-            return Ok(ReadInfo::default());
-        };
-        Self::check_epoch(&ext, epoch)?;
-        Self::check_holds(&ext, g)?;
-        let t = self.counters.begin();
-        let r = with_scratch(|s| {
-            self.read_checked(buf, s, None, &|out: &mut Vec<BlockMeta>| {
-                self.states_at(&ext, g, first, count, out)
-            })
-        });
-        self.counters.end(OpKind::Read, t);
-        r
+        self.read_at_inner(key, epoch, snapshot, offset, buf, None)
     }
 
     /// [`Drive::read_at`] that also reports each block's version at the snapshot (0:
@@ -301,20 +285,35 @@ impl Drive {
         buf: &mut [u8],
         versions: &mut Vec<Version>,
     ) -> Result<ReadInfo, EngineError> {
+        self.read_at_inner(key, epoch, snapshot, offset, buf, Some(versions))
+    }
+
+    /// [`Drive::read_at`], reporting each block's version at the snapshot when asked.
+    fn read_at_inner(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshot: Epoch,
+        offset: u64,
+        buf: &mut [u8],
+        versions: Option<&mut Vec<Version>>,
+    ) -> Result<ReadInfo, EngineError> {
         let g = snapshot_epoch(snapshot, "snapshot")?;
         let (first, count) = self.range(key, offset, buf.len() as u64)?;
         self.check_failed()?;
         let Some(ext) = self.lookup(key) else {
             buf.fill(0);
-            versions.clear();
-            versions.resize(count as usize, Version(0));
+            if let Some(v) = versions {
+                v.clear();
+                v.resize(count as usize, Version(0));
+            }
             return Ok(ReadInfo::default());
         };
         Self::check_epoch(&ext, epoch)?;
         Self::check_holds(&ext, g)?;
         let t = self.counters.begin();
         let r = with_scratch(|s| {
-            self.read_checked(buf, s, Some(versions), &|out: &mut Vec<BlockMeta>| {
+            self.read_checked(buf, s, versions, &|out: &mut Vec<BlockMeta>| {
                 self.states_at(&ext, g, first, count, out)
             })
         });
@@ -421,11 +420,8 @@ impl Drive {
             if lock(&ext.meta).freed {
                 return Err(EngineError::Released { key });
             }
-            if stored > 0 && self.committed_blocks() + stored > self.layout.extent_blocks() {
-                return Err(EngineError::Full {
-                    committed_bytes: self.committed_blocks() * BLOCK,
-                    capacity_bytes: self.layout.extent_blocks() * BLOCK,
-                });
+            if stored > 0 {
+                self.room_to_preserve(stored)?;
             }
             let slot = match t.shadows.get(&(key, s)) {
                 Some(&slot) => slot,
