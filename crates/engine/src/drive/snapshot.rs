@@ -78,6 +78,29 @@ impl Drive {
                 self.drop_snapshot(key, epoch, Epoch(u64::from(s)), None)?;
             }
         }
+        let cur = ext.floor.load(Ordering::Acquire);
+        if history == FloorHistory::Continues && previous < cur && cur < floor {
+            // The copy's floor is above the volume's newest snapshot: a snapshot whose
+            // commit failed (its owner could not tell whether the control plane recorded
+            // it, so it left the floors), or one deleted while this copy was away. Neither
+            // is the volume's: they are dropped first, what they kept that `previous` reads
+            // staying for it. Taken for a missed snapshot instead, the copy would stop
+            // holding every older one.
+            let above: Vec<u32> = {
+                let t = lock(&self.table);
+                t.shadows
+                    .range((key, previous + 1)..=(key, cur))
+                    .map(|(&(_, s), _)| s)
+                    .collect()
+            };
+            let below = (previous > 0).then(|| Epoch(u64::from(previous)));
+            if !above.contains(&cur) {
+                self.drop_snapshot(key, epoch, Epoch(u64::from(cur)), below)?;
+            }
+            for s in above.into_iter().rev() {
+                self.drop_snapshot(key, epoch, Epoch(u64::from(s)), below)?;
+            }
+        }
         let seq = {
             // Under the table lock: writers read the floor and its shadow together.
             let _t = lock(&self.table);

@@ -370,6 +370,44 @@ fn deleting_a_newer_snapshot_merges_what_an_older_one_reads() {
 }
 
 #[test]
+fn a_floor_whose_snapshot_never_was_does_not_cost_the_older_snapshots() {
+    let (f, d) = faulty(16 << 20);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(7);
+    let (a, ac) = blocks(&mut rng, 2);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    // Snapshot 2's floor is set, but its commit fails and nothing undoes it: the copy's
+    // floor is 2, the volume's newest snapshot still 1. A write then preserves `a` into
+    // 2's shadow, which is what snapshot 1 reads too.
+    d.set_snapshot_floor(k, Epoch(2), Epoch(2), Some(Epoch(1)), Continues)
+        .unwrap();
+    let (b, bc) = blocks(&mut rng, 1);
+    d.write(k, Epoch(3), ver(3, 1), 0, &b, &bc).unwrap();
+    // The next snapshot names 1 as the one before it: 2 is dropped, its states move
+    // down to 1, and the copy still holds 1.
+    d.set_snapshot_floor(k, Epoch(3), Epoch(3), Some(Epoch(1)), Continues)
+        .unwrap();
+    assert_eq!(d.snapshot_floor(k), 3);
+    assert_eq!(
+        d.shadows(k).iter().map(|s| s.snapshot).collect::<Vec<_>>(),
+        [1]
+    );
+    let check = |d: &Drive| {
+        let mut buf = vec![0u8; 2 * B];
+        d.read_at(k, Epoch(3), Epoch(1), 0, &mut buf)
+            .expect("snapshot 1 is still held");
+        assert!(buf == a, "snapshot 1 reads what was written before it");
+    };
+    check(&d);
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    check(&d);
+    check_accounting(&d, &[k]);
+}
+
+#[test]
 fn what_snapshots_cannot_do_yet_is_refused_with_the_reason() {
     let (_f, d) = faulty(16 << 20);
     let k = key(1, 0);
