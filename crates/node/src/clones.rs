@@ -27,14 +27,19 @@ pub const CHAIN_MAX: usize = 16;
 /// on first use.
 struct ParentExport {
     node: Weak<Node>,
+    /// The clone reading it.
+    clone: String,
+    link: ParentRecord,
     export: String,
     size_bytes: u64,
     dev: tokio::sync::OnceCell<Arc<Export>>,
 }
 
-pub(crate) fn parent_reader(node: &Node, p: &ParentRecord) -> Arc<dyn ParentRead> {
+pub(crate) fn parent_reader(node: &Node, clone: &str, p: &ParentRecord) -> Arc<dyn ParentRead> {
     Arc::new(ParentExport {
         node: node.me.get().cloned().unwrap_or_default(),
+        clone: clone.to_string(),
+        link: p.clone(),
         export: format!("{}@{}", p.volume, p.snapshot),
         size_bytes: p.size_bytes,
         dev: tokio::sync::OnceCell::new(),
@@ -86,13 +91,40 @@ impl ParentExport {
     }
 }
 
+impl ParentExport {
+    /// A read that failed: if the clone's record no longer links this parent, the clone
+    /// was flattened (by an owner before this one opened it, or by another term while this
+    /// one was taking over) and its snapshot may be gone: every block it still lacks reads
+    /// as zeros then (the flatten copied the others in).
+    async fn read_or_flattened(&self, offset: u64, len: u64) -> Result<Bytes, VolumeError> {
+        let e = match self.read_inner(offset, len).await {
+            Ok(b) => return Ok(b),
+            Err(e) => e,
+        };
+        let Some(node) = self.node.upgrade() else {
+            return Err(e);
+        };
+        match node.cluster.volume(&self.clone).await {
+            Ok(Some((rec, _))) if rec.parent.as_ref() != Some(&self.link) => {
+                log::info!(
+                    "volume {}: {} no longer its parent (flattened); its blocks not written read as zeros",
+                    self.clone,
+                    self.export
+                );
+                Ok(Bytes::from(vec![0u8; len as usize]))
+            }
+            _ => Err(e),
+        }
+    }
+}
+
 impl ParentRead for ParentExport {
     fn read(
         &self,
         offset: u64,
         len: u64,
     ) -> Pin<Box<dyn Future<Output = Result<Bytes, VolumeError>> + Send + '_>> {
-        Box::pin(self.read_inner(offset, len))
+        Box::pin(self.read_or_flattened(offset, len))
     }
 
     fn name(&self) -> String {

@@ -230,7 +230,7 @@ impl Node {
                 .collect(),
         );
         if let Some(p) = &rec.parent {
-            v.set_parent(Some(crate::clones::parent_reader(self, p)));
+            v.set_parent(Some(crate::clones::parent_reader(self, &rec.name, p)));
         }
         match v.reconcile().await {
             Ok(r) => log::info!(

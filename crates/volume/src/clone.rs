@@ -2,9 +2,10 @@
 //! volume whose never-written blocks read as its parent snapshot does: its copies start
 //! empty (creating one copies nothing), a block the clone writes, trims or zeroes is its
 //! own from then on, and the rest is read from the parent through [`ParentRead`]. Which
-//! blocks are its own comes from its copies' block metadata ([`ExtentOp::Absent`]), asked
-//! before the data, so a write racing a read gives the old content (the parent's) or the
-//! new, never zeros. Flattening copies what is still the parent's into the clone.
+//! blocks are its own comes with the data, in one answer from one copy (each block's
+//! version: 0 is never written), so a write racing a read gives the old content (the
+//! parent's) or the new, never zeros. Flattening copies what is still the parent's into the
+//! clone.
 //!
 //! Supported: mirror and simple clones, unencrypted and uncompressed (the parent's data
 //! comes in plain).
@@ -95,32 +96,77 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let Some(slab) = self.slab(p.slab) else {
             return self.parent_read(parent, p.slab, vol_off, p.len).await;
         };
-        // Which blocks are the clone's, before its data: a block written in between is
-        // then read as the parent's (its content before the write), never as zeros.
-        let bits = self.absent_bits(&slab, p, at).await?;
         let n = (p.len / BS) as usize;
-        let absent = |i: usize| bits[i / 64] >> (i % 64) & 1 == 1;
-        let count = (0..n).filter(|&i| absent(i)).count();
-        if count == n {
-            return self.parent_read(parent, p.slab, vol_off, p.len).await;
-        }
-        let own = match at {
+        let (own, absent) = match at {
             None => {
-                self.read_with_retries(p.slab, || self.mirror_read_round(p, &slab))
-                    .await?
+                let reply = self.own_blocks(&slab, p).await?;
+                let absent: Vec<bool> = reply.versions.iter().map(|v| v.0 == 0).collect();
+                (reply.data, absent)
             }
-            Some(g) => self.read_at_piece(g, p).await?,
+            Some(g) => {
+                // A snapshot's blocks do not change: which are the clone's may be asked
+                // of one copy and the data read from another.
+                let bits = self.absent_bits(&slab, p, at).await?;
+                let absent: Vec<bool> = (0..n).map(|i| bits[i / 64] >> (i % 64) & 1 == 1).collect();
+                if absent.iter().all(|&a| a) {
+                    return self.parent_read(parent, p.slab, vol_off, p.len).await;
+                }
+                (self.read_at_piece(g, p).await?, absent)
+            }
         };
-        if count == 0 {
+        if !absent.iter().any(|&a| a) {
             return Ok(own);
         }
         let from_parent = self.parent_read(parent, p.slab, vol_off, p.len).await?;
+        if absent.iter().all(|&a| a) {
+            return Ok(from_parent);
+        }
         let mut buf = BytesMut::from(&own[..]);
         let b = BS as usize;
-        for i in (0..n).filter(|&i| absent(i)) {
+        for i in (0..n).filter(|&i| absent[i]) {
             buf[i * b..(i + 1) * b].copy_from_slice(&from_parent[i * b..(i + 1) * b]);
         }
         Ok(buf.freeze())
+    }
+
+    /// Piece `p` of a clone as it is now, with each block's version, from one in-sync copy
+    /// (this node's first): a block that copy never wrote (version 0) is the parent's. The
+    /// data and which blocks are the clone's come in one answer: asked of two copies, a
+    /// write in flight could have reached the one and not the other, and a block would
+    /// read as neither the parent's nor the write's, but as zeros. A copy with a bad or
+    /// suspect block there is passed over; if every copy has one, the ordinary read
+    /// repairs it from a sound copy first.
+    async fn own_blocks(&self, slab: &Slab, p: Piece) -> Result<BlocksReply, VolumeError> {
+        let key = self.key(p.slab);
+        let ask = || {
+            self.ask_in_turn(
+                slab,
+                p.slab,
+                || ExtentOp::ReadBlocks {
+                    key,
+                    epoch: self.epoch(),
+                    offset: p.offset,
+                    len: p.len as u32,
+                },
+                ExtentReply::into_blocks,
+                |r: BlocksReply| {
+                    if r.bad_blocks.is_empty() && r.suspect.is_empty() {
+                        Ok(r)
+                    } else {
+                        Err("a bad or suspect block".to_string())
+                    }
+                },
+            )
+        };
+        match ask().await {
+            Ok(r) => Ok(r),
+            Err(VolumeError::Unreadable { .. }) => {
+                self.read_with_retries(p.slab, || self.mirror_read_round(p, slab))
+                    .await?;
+                ask().await
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Copies every block that is still the parent's into the clone, piece by piece, each

@@ -6,9 +6,11 @@
 //! snapshot from the newest down: where the copy reads differently at it than the source,
 //! the source's states there are written into the copy's keeping for it; newest first,
 //! because what a copy keeps for a snapshot also answers reads of the older ones. The
-//! copy then holds the snapshots down to the oldest copied (`Copied`). A source that
-//! cannot give a snapshot (it does not hold it, a block is bad on every copy) ends the
-//! descent: the copy holds the newer ones only, and reads of the older go to other copies.
+//! copy then holds the snapshots down to the oldest copied (`Copied`). Each snapshot comes
+//! from any in-sync copy that holds it: one that fails mid-copy (unreachable, a refusal)
+//! passes it on to the next holder. A snapshot no holder gives whole (none holds it, or a
+//! block of it is bad on every copy) ends the descent: the copy holds the newer ones only,
+//! and reads of the older go to other copies.
 
 use super::*;
 use crate::resync::{Throttle, VERSIONS_CHUNK};
@@ -88,52 +90,26 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if sources.is_empty() {
             return Err(self.copy_error(idx, "no in-sync copy to copy from".into()));
         }
-        let blocks = self.cfg.slab_size_bytes / BS;
         let mut oldest = None;
-        'snapshots: for &s in snaps.iter().rev() {
-            let mut src = None;
-            for &c in &sources {
-                if self.holds(idx, c, s).await? {
-                    src = Some(c);
+        // Each snapshot from the first holder that gives it whole: a source that cannot (it
+        // went away mid-copy, or a block of it is bad on every copy) passes it on to the
+        // next holder, so one unreachable copy does not cost the new copy its snapshots.
+        for &s in snaps.iter().rev() {
+            let mut copied = false;
+            for &src in &sources {
+                if !self.holds(idx, src, s).await? {
+                    continue;
+                }
+                if self
+                    .copy_snapshot(idx, slab, src, target, s, s == newest, throttle)
+                    .await?
+                {
+                    copied = true;
                     break;
                 }
             }
-            let Some(src) = src else {
-                break 'snapshots;
-            };
-            let mut start = 0;
-            while start < blocks {
-                let n = VERSIONS_CHUNK.min(blocks - start);
-                let Some(differ) = self.snapshot_differs(idx, src, target, s, start, n).await?
-                else {
-                    break 'snapshots;
-                };
-                let mut i = 0;
-                while i < differ.len() {
-                    let mut j = i + 1;
-                    while j < differ.len()
-                        && differ[j] == differ[j - 1] + 1
-                        && (j - i) < RUN_BLOCKS as usize
-                    {
-                        j += 1;
-                    }
-                    let (first, count) = (differ[i], (j - i) as u64);
-                    throttle.take(count * BS).await;
-                    // Writes preserve into the newest snapshot's keeping: none runs.
-                    let held = s == newest;
-                    let _g = match held {
-                        true => Some(slab.gate.write().await),
-                        false => None,
-                    };
-                    let copied = self
-                        .copy_snapshot_run(idx, slab, src, target, s, first, count, held)
-                        .await?;
-                    if !copied {
-                        break 'snapshots;
-                    }
-                    i = j;
-                }
-                start += n;
+            if !copied {
+                break;
             }
             oldest = Some(s);
         }
@@ -160,6 +136,56 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         self.ask(target, op, ExtentReply::into_ok)
             .await
             .map_err(|e| self.replica_failed(idx, target, e))
+    }
+
+    /// Copies snapshot `s` from `src` into the target: every run of blocks the two read
+    /// differently at `s`. `newest`: writes preserve into its keeping, so each run is
+    /// compared again and copied with the slab's writes held. Ok(false) when `src` cannot
+    /// give it whole (what was copied stays: a retry from another holder skips it).
+    #[allow(clippy::too_many_arguments)]
+    async fn copy_snapshot(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        src: ExtentLoc,
+        target: ExtentLoc,
+        s: Epoch,
+        newest: bool,
+        throttle: &Throttle,
+    ) -> Result<bool, VolumeError> {
+        let blocks = self.cfg.slab_size_bytes / BS;
+        let mut start = 0;
+        while start < blocks {
+            let n = VERSIONS_CHUNK.min(blocks - start);
+            let Some(differ) = self.snapshot_differs(idx, src, target, s, start, n).await? else {
+                return Ok(false);
+            };
+            let mut i = 0;
+            while i < differ.len() {
+                let mut j = i + 1;
+                while j < differ.len()
+                    && differ[j] == differ[j - 1] + 1
+                    && (j - i) < RUN_BLOCKS as usize
+                {
+                    j += 1;
+                }
+                let (first, count) = (differ[i], (j - i) as u64);
+                throttle.take(count * BS).await;
+                let _g = match newest {
+                    true => Some(slab.gate.write().await),
+                    false => None,
+                };
+                if !self
+                    .copy_snapshot_run(idx, slab, src, target, s, first, count, newest)
+                    .await?
+                {
+                    return Ok(false);
+                }
+                i = j;
+            }
+            start += n;
+        }
+        Ok(true)
     }
 
     /// Whether the copy at `at` holds snapshot `s` (it answers a one-block question at it).
