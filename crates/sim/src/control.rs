@@ -245,6 +245,13 @@ impl Ctl {
         self.put_direct(&keys::volume(&rec.name), json(rec), None);
     }
 
+    /// Volume `name`'s record, as it stands.
+    pub(crate) fn volume_record(&self, name: &str) -> Option<converge_control::VolumeRecord> {
+        let alive = Leases::default();
+        self.visible(&keys::volume(name), &alive)
+            .and_then(|kv| serde_json::from_slice(&kv.value).ok())
+    }
+
     /// The epochs of the snapshots volume `name`'s record lists (not being deleted).
     pub(crate) fn snapshot_epochs(&self, name: &str) -> Vec<Epoch> {
         let alive = Leases::default();

@@ -58,15 +58,32 @@ impl fmt::Display for WriteRec {
     }
 }
 
+/// What a clone's never-written blocks read as (docs/SIMULATION.md, "Clones"): its
+/// parent's snapshot, judged as a read of the parent over the window the snapshot was
+/// taken in.
+#[derive(Clone, Copy, Debug)]
+pub struct Base {
+    /// The parent volume's index and content tag.
+    pub volume: usize,
+    pub tag: u64,
+    /// The ticks the snapshot was taken between.
+    pub start: u64,
+    pub end: u64,
+}
+
 #[derive(Default)]
 pub struct History {
     tick: u64,
+    /// Per clone volume: what its initial state is (else zeros).
+    bases: BTreeMap<usize, Base>,
     /// Index = write id - 1.
     writes: Vec<WriteRec>,
     /// (volume, block) -> ids of the writes covering it, in issue order.
     by_block: BTreeMap<(usize, u64), Vec<u64>>,
     pub reads_checked: u64,
     pub blocks_checked: u64,
+    /// Blocks of clones that read as their parent snapshot's data (and passed).
+    pub blocks_from_parents: u64,
 }
 
 impl History {
@@ -116,6 +133,15 @@ impl History {
             w.end = Some(t);
             w.outcome = outcome;
         }
+    }
+
+    /// Volume `volume` is a clone: its blocks start as `base` holds them.
+    pub fn set_base(&mut self, volume: usize, base: Base) {
+        self.bases.insert(volume, base);
+    }
+
+    pub fn base(&self, volume: usize) -> Option<Base> {
+        self.bases.get(&volume).copied()
     }
 
     pub fn get(&self, id: u64) -> Option<&WriteRec> {
@@ -171,6 +197,96 @@ impl History {
         Ok(())
     }
 
+    /// May block `b` of `volume` (content tag `tag`) read as `d` in a read over `(issue,
+    /// end)`? Not `strict`: only that it is some write's content for that block.
+    fn block_ok(
+        &self,
+        volume: usize,
+        tag: u64,
+        b: u64,
+        d: Decoded,
+        (r_issue, r_end): (u64, u64),
+        strict: bool,
+    ) -> Result<(), String> {
+        match d {
+            Decoded::Garbage => Err("content matches no write (garbage)".to_string()),
+            Decoded::Write {
+                volume: v,
+                block,
+                write,
+            } if v == tag => {
+                let covers = self.get(write).is_some_and(|w| {
+                    w.volume == volume && !w.zero && (w.first..w.first + w.blocks).contains(&b)
+                });
+                if block != b || !covers {
+                    Err(format!(
+                        "content of volume tag {v} block {block} write w{write}, not written here"
+                    ))
+                } else if strict {
+                    self.superseded_by(volume, b, write, r_issue, r_end)
+                        .map_err(|e| format!("returned w{write}, {e}"))
+                } else {
+                    Ok(())
+                }
+            }
+            Decoded::Zero if !strict => Ok(()),
+            Decoded::Zero => {
+                let mut why = Vec::new();
+                for w in self.block_writes(volume, b).iter().filter(|w| w.zero) {
+                    match self.superseded_by(volume, b, w.id, r_issue, r_end) {
+                        Ok(()) => return Ok(()),
+                        Err(e) => why.push(format!("w{}: {e}", w.id)),
+                    }
+                }
+                match self.initial_ok(volume, b, d, (r_issue, r_end), strict) {
+                    Ok(()) => Ok(()),
+                    Err(e) => {
+                        why.push(e);
+                        Err(format!("returned zeros, but {}", why.join("; ")))
+                    }
+                }
+            }
+            Decoded::Write {
+                volume: v,
+                block,
+                write,
+            } => match self.bases.get(&volume) {
+                Some(_) => self.initial_ok(volume, b, d, (r_issue, r_end), strict),
+                None => Err(format!(
+                    "content of volume tag {v} block {block} write w{write}, not written here"
+                )),
+            },
+        }
+    }
+
+    /// May block `b` of `volume` still read as it was at first (zeros, or a clone's parent
+    /// snapshot), holding `d`?
+    fn initial_ok(
+        &self,
+        volume: usize,
+        b: u64,
+        d: Decoded,
+        (r_issue, r_end): (u64, u64),
+        strict: bool,
+    ) -> Result<(), String> {
+        if strict {
+            self.superseded_by(volume, b, 0, r_issue, r_end)
+                .map_err(|e| format!("w0 (the initial state): {e}"))?;
+        }
+        match self.bases.get(&volume) {
+            None if d == Decoded::Zero => Ok(()),
+            None => Err("not written here".to_string()),
+            Some(base) => self
+                .block_ok(base.volume, base.tag, b, d, (base.start, base.end), strict)
+                .map_err(|e| {
+                    format!(
+                        "as vol{}'s snapshot (ticks {}..{}) reads it: {e}",
+                        base.volume, base.start, base.end
+                    )
+                }),
+        }
+    }
+
     /// Checks every block of a read of `volume` from `first`; returns each bad block with
     /// why. Not `strict`: only that each block is some write's content for that block.
     #[allow(clippy::too_many_arguments)]
@@ -189,53 +305,19 @@ impl History {
         for (i, blk) in data.chunks(BLOCK_SIZE).enumerate() {
             self.blocks_checked += 1;
             let b = first + i as u64;
-            let verdict = match crate::content::decode(blk) {
-                Decoded::Garbage => Err("content matches no write (garbage)".to_string()),
-                Decoded::Write {
-                    volume: v,
-                    block,
-                    write,
-                } => {
-                    let covers = self.get(write).is_some_and(|w| {
-                        w.volume == volume && !w.zero && (w.first..w.first + w.blocks).contains(&b)
-                    });
-                    if v != volume_tag || block != b || !covers {
-                        Err(format!(
-                            "content of volume tag {v} block {block} write w{write}, not written here"
-                        ))
-                    } else if strict {
-                        self.superseded_by(volume, b, write, r_issue, r_end)
-                            .map_err(|e| format!("returned w{write}, {e}"))
-                    } else {
-                        Ok(())
-                    }
-                }
-                Decoded::Zero if !strict => Ok(()),
-                Decoded::Zero => {
-                    let mut cands = vec![0];
-                    cands.extend(
-                        self.block_writes(volume, b)
-                            .iter()
-                            .filter(|w| w.zero)
-                            .map(|w| w.id),
-                    );
-                    let mut why = Vec::new();
-                    let ok = cands.iter().any(|&c| {
-                        match self.superseded_by(volume, b, c, r_issue, r_end) {
-                            Ok(()) => true,
-                            Err(e) => {
-                                why.push(format!("w{c}: {e}"));
-                                false
-                            }
-                        }
-                    });
-                    if ok {
-                        Ok(())
-                    } else {
-                        Err(format!("returned zeros, but {}", why.join("; ")))
-                    }
-                }
-            };
+            let verdict = self.block_ok(
+                volume,
+                volume_tag,
+                b,
+                crate::content::decode(blk),
+                (r_issue, r_end),
+                strict,
+            );
+            if verdict.is_ok()
+                && matches!(crate::content::decode(blk), Decoded::Write { volume: v, .. } if v != volume_tag)
+            {
+                self.blocks_from_parents += 1;
+            }
             if let Err(e) = verdict {
                 bad.push((
                     b,

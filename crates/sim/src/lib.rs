@@ -17,6 +17,7 @@
 #![cfg_attr(test, allow(clippy::unwrap_used))]
 
 mod cache;
+mod clones;
 pub mod content;
 mod control;
 mod faults;
@@ -54,6 +55,8 @@ pub struct VolumeSpec {
     pub mirror_part_extents: u64,
     /// How the copies compress the volume's data (docs/adr/0010; variant `compress`).
     pub compression: Compression,
+    /// A clone of this volume's snapshots (variant `snapshot`): made mid-run.
+    pub clone_of: Option<usize>,
 }
 
 /// Everything a run depends on besides the seed (and [`Options::for_seed`] derives these
@@ -174,6 +177,7 @@ impl Options {
             slabs: r.gen_range(3..=5),
             mirror_part_extents: 0,
             compression: Compression::None,
+            clone_of: None,
         }];
         volumes.push(if r.gen_bool(0.5) {
             VolumeSpec {
@@ -182,6 +186,7 @@ impl Options {
                 slabs: r.gen_range(2..=4),
                 mirror_part_extents: 0,
                 compression: Compression::None,
+                clone_of: None,
             }
         } else {
             VolumeSpec {
@@ -190,6 +195,7 @@ impl Options {
                 slabs: r.gen_range(2..=4),
                 mirror_part_extents: 0,
                 compression: Compression::None,
+                clone_of: None,
             }
         });
         let second_slabs = volumes[1].slabs;
@@ -261,6 +267,22 @@ impl Options {
                 None => v.push(p),
             }
         }
+        if self.snapshots && !v.is_empty() {
+            // A clone of the first volume, as large, mirror-2 or mirror-3.
+            let (resiliency, min_replicas) = if self.seed.is_multiple_of(2) {
+                (Resiliency::Mirror2, 1)
+            } else {
+                (Resiliency::Mirror3, 2)
+            };
+            v.push(VolumeSpec {
+                resiliency,
+                min_replicas,
+                slabs: v[0].slabs,
+                mirror_part_extents: 0,
+                compression: Compression::None,
+                clone_of: Some(0),
+            });
+        }
         v
     }
 }
@@ -281,6 +303,7 @@ fn parity_volume(r: &mut StdRng, slabs: u64) -> VolumeSpec {
         slabs,
         mirror_part_extents: 0,
         compression: Compression::None,
+        clone_of: None,
     }
 }
 
@@ -337,7 +360,22 @@ pub(crate) fn describe_block(w: &World, v: usize, block: u64) -> String {
         .iter()
         .map(|r| format!("      {r}"))
         .collect();
-    format!("    writes of vol{v} block {block}:\n{}", lines.join("\n"))
+    let mut out = format!("    writes of vol{v} block {block}:\n{}", lines.join("\n"));
+    if let Some(base) = hist.base(v) {
+        let lines: Vec<String> = hist
+            .block_writes(base.volume, block)
+            .iter()
+            .map(|r| format!("      {r}"))
+            .collect();
+        out.push_str(&format!(
+            "\n    a clone of vol{}'s snapshot taken over ticks {}..{}; its writes of block {block}:\n{}",
+            base.volume,
+            base.start,
+            base.end,
+            lines.join("\n")
+        ));
+    }
+    out
 }
 
 /// The replay environment for the non-default options a run used.
@@ -427,8 +465,14 @@ pub async fn simulate(mut opts: Options) -> Result<Report, Failure> {
             variant: variant_env(&opts),
         });
     }
-    let counters = lock(&w.stats).clone();
+    let mut counters = lock(&w.stats).clone();
     let hist = lock(&w.hist);
+    if hist.blocks_from_parents > 0 {
+        counters.insert(
+            "clone blocks read as their parent's",
+            hist.blocks_from_parents,
+        );
+    }
     Ok(Report {
         seed: opts.seed,
         digest,
@@ -466,7 +510,14 @@ async fn run(w: Arc<World>) {
             last_takeover_error: None,
             pins: vec![None; o.clients_per_volume],
             snaps: Vec::new(),
+            dormant: spec.clone_of.is_some(),
+            clone: None,
+            snaps_refused: Vec::new(),
         });
+        if spec.clone_of.is_some() {
+            // Made from a snapshot mid-run (`clones::cloner`).
+            continue;
+        }
         if o.snapshots {
             // The snapshot transactions read and write the volume's record.
             let rec = converge_control::VolumeRecord {
@@ -501,8 +552,13 @@ async fn run(w: Arc<World>) {
             o.snapshots
                 && !o.volumes[v].resiliency.is_parity()
                 && o.volumes[v].compression.is_none()
+                && o.volumes[v].clone_of.is_none()
         })
         .map(|v| tokio::spawn(workload::snapshotter(w.clone(), v)))
+        .collect();
+    let cloners: Vec<_> = (0..o.volumes.len())
+        .filter(|&v| o.volumes[v].clone_of.is_some())
+        .map(|v| tokio::spawn(clones::cloner(w.clone(), v)))
         .collect();
     let cache_worker = o.cache.then(|| tokio::spawn(cache::worker(w.clone())));
     let until = Instant::now() + o.fault_phase;
@@ -519,7 +575,7 @@ async fn run(w: Arc<World>) {
         let _ = c.await;
     }
     let _ = repairer.await;
-    for s in snapshotters {
+    for s in snapshotters.into_iter().chain(cloners) {
         let _ = s.await;
     }
     if let Some(c) = cache_worker {
@@ -530,6 +586,13 @@ async fn run(w: Arc<World>) {
         return;
     }
     final_checks(&w).await;
+}
+
+/// Every volume has an owner serving it (a clone not created yet has none).
+fn all_served(w: &World) -> bool {
+    lock(&w.vols)
+        .iter()
+        .all(|r| r.dormant || r.current.is_some())
 }
 
 /// Every fault ends: zombies stop, armed power losses fire, partitions and flaky links
@@ -578,14 +641,14 @@ async fn heal(w: &Arc<World>) {
     for v in 0..nvols {
         let idle = {
             let vols = lock(&w.vols);
-            vols[v].current.is_none() && !vols[v].takeover_running
+            vols[v].current.is_none() && !vols[v].takeover_running && !vols[v].dormant
         };
         if idle {
             owner::start_takeover(w, v, Duration::ZERO);
         }
     }
     loop {
-        let ready = lock(&w.vols).iter().all(|r| r.current.is_some());
+        let ready = all_served(w);
         if ready {
             break;
         }
@@ -673,7 +736,7 @@ async fn final_checks(w: &Arc<World>) {
         owner::crash_owner(w, *v);
     }
     loop {
-        let ready = lock(&w.vols).iter().all(|r| r.current.is_some());
+        let ready = all_served(w);
         if ready {
             break;
         }
@@ -715,14 +778,14 @@ async fn cache_final_checks(w: &Arc<World>) {
     for v in 0..nvols {
         let idle = {
             let vols = lock(&w.vols);
-            vols[v].current.is_none() && !vols[v].takeover_running
+            vols[v].current.is_none() && !vols[v].takeover_running && !vols[v].dormant
         };
         if idle {
             owner::start_takeover(w, v, Duration::ZERO);
         }
     }
     loop {
-        let ready = lock(&w.vols).iter().all(|r| r.current.is_some());
+        let ready = all_served(w);
         if ready {
             break;
         }
@@ -878,6 +941,14 @@ pub(crate) fn check_copies(w: &Arc<World>, when: &str, settled: bool) {
         })
         .collect();
     let shadowed = shadowed(&records, &vols);
+    // Clones still linked to their parent: a block they never wrote is not on their
+    // copies (reads take it from the parent), so a copy holds zeros there.
+    let linked: BTreeSet<usize> = lock(&w.vols)
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| r.clone.as_ref().is_some_and(|c| !c.flattened))
+        .map(|(v, _)| v)
+        .collect();
     for ((vol, slab), extents) in records {
         let Some(&(v, tag, res)) = vols.get(&vol) else {
             continue;
@@ -901,7 +972,7 @@ pub(crate) fn check_copies(w: &Arc<World>, when: &str, settled: bool) {
             .filter(|e| e.state == converge_types::ExtentState::InSync)
         {
             let key = world::slab_key(vol, slab.0);
-            let Ok((mut data, _, bad)) = w.read_copy(e.node, e.drive, key, blocks) else {
+            let Ok((mut data, versions, bad)) = w.read_copy(e.node, e.drive, key, blocks) else {
                 continue; // down: it cannot serve reads either
             };
             let first = first_block(res, slab, blocks);
@@ -914,6 +985,13 @@ pub(crate) fn check_copies(w: &Arc<World>, when: &str, settled: bool) {
                 w.count("bad blocks seen on in-sync copies");
                 if let Some(s) = skip.get_mut(b as usize) {
                     *s = true;
+                }
+            }
+            if linked.contains(&v) {
+                for (i, ver) in versions.iter().enumerate() {
+                    if *ver == converge_types::Version(0) {
+                        skip[i] = true;
+                    }
                 }
             }
             for (i, chunk) in data.chunks_mut(BLOCK_SIZE).enumerate() {
@@ -1250,7 +1328,22 @@ async fn read_back(w: &Arc<World>, v: usize, o: &Arc<owner::Owner>, when: &str) 
                 w.fail(format!("read back {when}: {why}\n{writes}"));
             }
         }
-        Some(Err(e)) => w.fail(format!("vol{v}: read back {when} failed: {e}")),
+        Some(Err(e)) => {
+            // A clone reads what it never wrote from its parent snapshot: one the parent's
+            // own final check found refused (the limit) refuses the clone's read too.
+            let parent_refused = {
+                let vols = lock(&w.vols);
+                vols[v].clone.as_ref().is_some_and(|c| {
+                    !c.flattened && vols[c.parent].snaps_refused.contains(&c.snap.name)
+                })
+            };
+            if parent_refused {
+                w.count("clone read backs refused (its parent snapshot is refused)");
+                w.trace(|| format!("vol{v}: read back {when} refused: {e}"));
+            } else {
+                w.fail(format!("vol{v}: read back {when} failed: {e}"))
+            }
+        }
         None => w.fail(format!("vol{v}: read back {when} did not complete")),
     }
 }

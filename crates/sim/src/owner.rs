@@ -87,6 +87,13 @@ pub(crate) struct VolRt {
     pub pins: Vec<Option<Arc<Owner>>>,
     /// Snapshots taken (variant `snapshot`), with the logical window they were taken in.
     pub snaps: Vec<SnapRec>,
+    /// A clone not created yet: no record, no owner, its clients wait.
+    pub dormant: bool,
+    /// A clone that was created (variant `snapshot`).
+    pub clone: Option<crate::clones::CloneRt>,
+    /// Snapshots the final check could not read whole (a preserved block rotted on the
+    /// one copy that held it: docs/SNAPSHOTS.md, "Limits").
+    pub snaps_refused: Vec<String>,
 }
 
 /// A snapshot the snapshotter took: its epoch and the history ticks it was taken between
@@ -153,6 +160,8 @@ fn build_owner(w: &Arc<World>, v: usize, node: NodeId, epoch: Epoch) -> Arc<Owne
     let vol = Arc::new(Volume::new(cfg, slabs, io, ctl));
     // As the daemon does when it takes a volume: the snapshots its record lists.
     vol.set_snapshots(lock(&w.ctl).snapshot_epochs(&name));
+    // ... and the parent snapshot its record links, if it is a clone.
+    vol.set_parent(crate::clones::parent_of(w, &name));
     Arc::new(Owner {
         vol,
         node,

@@ -184,6 +184,9 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
                 match r {
                     Some(Ok(data)) => {
                         w.count("reads ok");
+                        if lock(&w.vols)[v].clone.is_some() {
+                            w.count("clone reads ok");
+                        }
                         let bad =
                             lock(&w.hist).check_read(v, tag, first, &data, issue, end, strict);
                         w.trace(|| {
@@ -204,6 +207,9 @@ pub(crate) async fn client(w: Arc<World>, v: usize, c: usize) {
                     }
                     Some(Err(e)) => {
                         w.count("reads failed");
+                        if lock(&w.vols)[v].clone.is_some() {
+                            w.count("clone reads failed");
+                        }
                         w.trace(|| {
                             format!(
                                 "c{v}.{c} read blocks {first}..{} epoch {}: failed: {e}",
@@ -763,20 +769,30 @@ async fn delete_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>)
     });
     let vol = o.vol.clone();
     let (vname, sname) = (name.clone(), s.name.clone());
+    // As the daemon's delete: clones the snapshot records that no longer read it are
+    // taken off first; a live one refuses the delete (nothing changes).
     let r = match o.spawn(async move {
+        crate::clones::prune_pins(&cluster, &vname, &sname)
+            .await
+            .map_err(|e| Some(e.to_string()))?;
         let Some(epoch) = cluster
             .mark_snapshot_deleting(&vname, &sname)
             .await
-            .map_err(|e| e.to_string())?
+            .map_err(|e| match e {
+                converge_control::ControlError::Refused(_) => None,
+                e => Some(e.to_string()),
+            })?
         else {
             return Ok(false);
         };
-        vol.drop_snapshot(epoch).await.map_err(|e| e.to_string())?;
+        vol.drop_snapshot(epoch)
+            .await
+            .map_err(|e| Some(e.to_string()))?;
         cluster
             .remove_snapshot(&vname, &sname)
             .await
-            .map_err(|e| e.to_string())?;
-        Ok::<bool, String>(true)
+            .map_err(|e| Some(e.to_string()))?;
+        Ok::<bool, Option<String>>(true)
     }) {
         Some(h) => h.await.ok(),
         None => None,
@@ -786,7 +802,23 @@ async fn delete_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>)
             w.count("snapshots deleted");
             lock(&w.vols)[v].snaps.retain(|r| r.name != s.name);
         }
-        Some(Err(e)) => {
+        Some(Err(None)) => {
+            w.count("snapshot deletes refused (a clone reads it)");
+            w.trace(|| {
+                format!(
+                    "vol{v}: delete of snapshot {} refused: a clone reads it",
+                    s.name
+                )
+            });
+            for r in lock(&w.vols)[v]
+                .snaps
+                .iter_mut()
+                .filter(|r| r.name == s.name)
+            {
+                r.deleting = false;
+            }
+        }
+        Some(Err(Some(e))) => {
             w.count("snapshot deletes failed");
             w.trace(|| format!("vol{v}: delete of snapshot {} failed: {e}", s.name));
         }
@@ -836,6 +868,7 @@ pub(crate) async fn check_snapshots(w: &Arc<World>, v: usize, o: &Arc<crate::own
                 Err(e) => {
                     image = None;
                     w.count("final snapshot reads refused");
+                    lock(&w.vols)[v].snaps_refused.push(s.name.clone());
                     w.trace(|| format!("vol{v}: snapshot {} blocks {first}..: {e}", s.name));
                 }
             }

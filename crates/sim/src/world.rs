@@ -96,6 +96,8 @@ pub(crate) struct Rot {
     pub drive: DriveId,
     pub key: ExtentKey,
     pub block: u32,
+    /// The rotted state's version (0: not known, a compressed group's other member).
+    pub version: converge_types::Version,
 }
 
 /// What the fault budget holds against copies at one moment (`World::health`).
@@ -1154,7 +1156,21 @@ impl World {
     /// Rotted blocks that still read bad (the others were repaired or rewritten).
     fn live_rots(self: &Arc<Self>) -> Vec<Rot> {
         let rots: Vec<Rot> = lock(&self.rots).clone();
-        let keep: Vec<Rot> = rots.into_iter().filter(|r| self.still_rotten(r)).collect();
+        let keep: Vec<Rot> = rots
+            .into_iter()
+            .filter(|r| {
+                let bad = self.still_rotten(r);
+                if !bad {
+                    self.trace(|| {
+                        format!(
+                            "rot of node {} drive {} vol {} slab {} block {} reads whole again",
+                            r.node, r.drive, r.key.volume, r.key.slab, r.block
+                        )
+                    });
+                }
+                bad
+            })
+            .collect();
         *lock(&self.rots) = keep.clone();
         keep
     }
@@ -1243,8 +1259,15 @@ impl World {
             let mut v = Vec::new();
             t.drive()
                 .read_blocks(key, Epoch(u64::MAX), off, &mut buf, &mut v)
+                .map(|info| (info, v))
         }) {
-            Delivery::Done(Ok(info)) => !info.bad_blocks.is_empty(),
+            // A block that reads whole at an older version than the rotted one was rolled
+            // back by a recovery (its write was in the journal's last batch and did not
+            // check out): the rotted state may come back at a later recovery, once that
+            // batch is no longer the last.
+            Delivery::Done(Ok((info, v))) => {
+                !info.bad_blocks.is_empty() || v.first().is_some_and(|&v| v < r.version)
+            }
             // Down or failing: assume still rotten until it can be checked.
             _ => true,
         }
@@ -1552,6 +1575,11 @@ impl World {
                 drive: *drive,
                 key: blk.key,
                 block: member,
+                version: if member == blk.block {
+                    blk.version
+                } else {
+                    converge_types::Version(0)
+                },
             });
         }
         self.count("rotted blocks");

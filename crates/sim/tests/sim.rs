@@ -451,6 +451,11 @@ fn snapshots() {
         "snapshot reads ok",
         "snapshots deleted",
         "final snapshot reads",
+        "clones created",
+        "clones flattened",
+        "clone reads ok",
+        "clone blocks read as their parent's",
+        "snapshot deletes refused (a clone reads it)",
     ] {
         assert!(
             counters.get(what).copied().unwrap_or(0) > 0,
