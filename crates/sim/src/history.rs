@@ -402,4 +402,56 @@ mod tests {
         g[100] ^= 1;
         assert_eq!(h.check_read(0, 7, 0, &g, i, t, true).len(), 1);
     }
+
+    #[test]
+    fn a_clone_reads_its_parent_snapshot_until_it_writes_the_block() {
+        let mut h = History::default();
+        let e = Epoch(1);
+        // The parent (volume 0, tag 7) writes block 0, then a snapshot is taken, then it
+        // writes block 0 again.
+        let p1 = h.issue(0, 0, 1, false, e);
+        h.finish(p1, Outcome::Acked);
+        let (start, end) = (h.tick(), h.tick());
+        let p2 = h.issue(0, 0, 1, false, e);
+        h.finish(p2, Outcome::Acked);
+        h.set_base(
+            1,
+            Base {
+                volume: 0,
+                tag: 7,
+                start,
+                end,
+            },
+        );
+        let clone = |w: u64| {
+            let mut v = Vec::new();
+            push_block(&mut v, 8, 0, w);
+            v
+        };
+        let (i, t) = (h.tick(), h.tick());
+        // The clone (volume 1, tag 8) reads the snapshot's block, not the parent's later
+        // write, nor zeros.
+        assert!(h
+            .check_read(1, 8, 0, &content(p1, 0, 1), i, t, true)
+            .is_empty());
+        assert_eq!(
+            h.check_read(1, 8, 0, &content(p2, 0, 1), i, t, true).len(),
+            1
+        );
+        assert_eq!(h.check_read(1, 8, 0, &[0u8; 4096], i, t, true).len(), 1);
+        // Once the clone's own write is acked, the parent's block is superseded.
+        let c1 = h.issue(1, 0, 1, false, e);
+        let (i, t) = (h.tick(), h.tick());
+        assert!(h
+            .check_read(1, 8, 0, &content(p1, 0, 1), i, t, true)
+            .is_empty());
+        assert!(h.check_read(1, 8, 0, &clone(c1), i, t, true).is_empty());
+        h.finish(c1, Outcome::Acked);
+        let (i, t) = (h.tick(), h.tick());
+        assert_eq!(
+            h.check_read(1, 8, 0, &content(p1, 0, 1), i, t, true).len(),
+            1
+        );
+        assert!(h.check_read(1, 8, 0, &clone(c1), i, t, true).is_empty());
+    }
 }
