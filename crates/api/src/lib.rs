@@ -586,6 +586,12 @@ pub struct ScrubResult {
     pub bad_checksums: u64,
     pub mismatches: u64,
     pub repaired: u64,
+    /// Blocks read at a snapshot (their bad checksums, mismatches and repairs count above).
+    #[serde(default)]
+    pub snapshot_blocks_checked: u64,
+    /// Of the bad checksums, snapshot blocks no in-sync copy holding the snapshot has whole.
+    #[serde(default)]
+    pub snapshot_blocks_lost: u64,
     /// Set if the scrub stopped early.
     pub error: Option<String>,
 }

@@ -55,6 +55,8 @@ pub async fn scrub_volume(
         bad_checksums: rep.bad_checksums,
         mismatches: rep.mismatches,
         repaired: rep.repaired,
+        snapshot_blocks_checked: rep.snapshot_blocks_checked,
+        snapshot_blocks_lost: rep.snapshot_blocks_lost,
         error,
     };
     node.scrub_stats

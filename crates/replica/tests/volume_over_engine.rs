@@ -34,16 +34,22 @@ struct Drives {
     tiers: HashMap<DriveId, Tier>,
     /// Operations the engine refused as malformed: the owner must never send one.
     refused: Mutex<Vec<String>>,
+    /// A drive whose answers to snapshot floors are lost (the floor is set all the same).
+    lose_floor_answers: Mutex<Option<DriveId>>,
 }
 
 impl ReplicaIo for Drives {
     async fn call(&self, at: ExtentLoc, op: ExtentOp) -> Result<ExtentReply, ReplicaError> {
         let what = op.name();
+        let floor = matches!(op, ExtentOp::SnapshotFloor { .. });
         let tier = &self.tiers[&at.drive];
         let r = match converge_replica::start(tier, op) {
             Ok((reply, durable)) => converge_replica::durable(durable).await.map(|()| reply),
             Err(e) => Err(e),
         };
+        if floor && *self.lose_floor_answers.lock().unwrap() == Some(at.drive) {
+            return Err(ReplicaError::Unreachable("the answer was lost".into()));
+        }
         r.map_err(|e| {
             if matches!(
                 e,
@@ -140,6 +146,7 @@ fn drives(dir: &std::path::Path, copies: u32, len: u64) -> Drives {
     Drives {
         tiers,
         refused: Mutex::new(Vec::new()),
+        lose_floor_answers: Mutex::new(None),
     }
 }
 
@@ -901,4 +908,164 @@ async fn a_rebuilt_and_a_resynced_copy_hold_every_snapshot() {
         );
         assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
     }
+}
+
+/// Scrub reads what the copies keep for snapshots too (docs/SNAPSHOTS.md, "Scrub"): a
+/// preserved block rotted on one copy is found and written back from the other, and that
+/// copy alone then reads the snapshot right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrub_repairs_a_snapshot_block_rotted_on_one_copy() {
+    use converge_volume::resync::{Progress, Throttle};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let len = 3 * SLAB;
+    let io = Arc::new(drives(dir.path(), 2, len));
+    let cfg = VolumeConfig {
+        id: VolumeId(11),
+        name: "scrubbed".into(),
+        size_bytes: SLAB,
+        slab_size_bytes: SLAB,
+        resiliency: Resiliency::Mirror2,
+        mirror_part_bytes: 0,
+        epoch: Epoch(1),
+        local_node: NodeId(1),
+        min_replicas: 1,
+        degraded_write_wait: Duration::from_secs(5),
+        read_wait: Duration::from_secs(5),
+        read_hedge: Duration::from_secs(1),
+        tenure: Arc::new(Tenure::unbounded()),
+        compression: Compression::None,
+        cipher: None,
+        qos: converge_types::Qos::default(),
+        gate: None,
+    };
+    let vol = Volume::new(
+        cfg,
+        BTreeMap::new(),
+        io.clone(),
+        Arc::new(Records::default()),
+    );
+    let pattern = |seed: u8| -> Vec<u8> {
+        (0..4 * BS)
+            .map(|i| seed ^ (i as u8) ^ ((i >> 8) as u8))
+            .collect()
+    };
+    let a = pattern(0x5a);
+    vol.write(8 * BS, Bytes::from(a.clone()))
+        .await
+        .expect("write");
+    let s = vol
+        .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+        .await
+        .expect("snapshot");
+    vol.write(8 * BS, Bytes::from(pattern(0xa5)))
+        .await
+        .expect("overwrite");
+    // The snapshot's first block now lives only in drive 2's keeping for it: flip a bit
+    // wherever the drive file holds it.
+    let path = dir.path().join("drive2");
+    let mut file = std::fs::read(&path).expect("read drive file");
+    let first = &a[..BS as usize];
+    let mut rotted = 0;
+    for off in (0..file.len()).step_by(BS as usize) {
+        if file[off..off + BS as usize] == *first {
+            file[off + 100] ^= 0x10;
+            rotted += 1;
+        }
+    }
+    assert!(rotted > 0, "the snapshot's block is on drive 2");
+    std::fs::write(&path, &file).expect("write drive file");
+    drop(file);
+
+    let throttle = Throttle::new(u64::MAX / 4);
+    let rep = vol
+        .scrub(true, &throttle, &Progress::default())
+        .await
+        .expect("scrub");
+    assert!(rep.snapshot_blocks_checked > 0, "{rep:?}");
+    assert_eq!(
+        (rep.bad_checksums, rep.repaired, rep.snapshot_blocks_lost),
+        (1, 1, 0),
+        "{rep:?}"
+    );
+    let rep = vol
+        .scrub(false, &throttle, &Progress::default())
+        .await
+        .expect("scrub");
+    assert_eq!((rep.bad_checksums, rep.mismatches), (0, 0), "{rep:?}");
+    // Drive 1's copy goes stale: drive 2's alone reads the snapshot.
+    vol.copy_failed(SlabIndex(0), DriveId(1))
+        .await
+        .expect("stale");
+    let got = vol.read_at(s, 8 * BS, 4 * BS).await.expect("read at");
+    assert!(got[..] == a[..], "the repaired copy reads the snapshot");
+    assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
+}
+
+/// A snapshot that fails because one copy's answer to its floor was lost leaves that floor
+/// on the copy, and the owner goes on writing at the same epoch: such a copy would take
+/// those writes for the failed snapshot's own and not keep for the older snapshots what
+/// they overwrite. It goes stale instead, and its resync sets its snapshots anew: alone,
+/// it then reads the older snapshot right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_copy_left_with_a_failed_snapshots_floor_keeps_no_wrong_snapshot() {
+    use converge_volume::resync::{Progress, Throttle};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let io = Arc::new(drives(dir.path(), 2, 3 * SLAB));
+    let cfg = VolumeConfig {
+        id: VolumeId(12),
+        name: "floors".into(),
+        size_bytes: SLAB,
+        slab_size_bytes: SLAB,
+        resiliency: Resiliency::Mirror2,
+        mirror_part_bytes: 0,
+        epoch: Epoch(1),
+        local_node: NodeId(1),
+        min_replicas: 1,
+        degraded_write_wait: Duration::from_secs(5),
+        read_wait: Duration::from_secs(5),
+        read_hedge: Duration::from_secs(1),
+        tenure: Arc::new(Tenure::unbounded()),
+        compression: Compression::None,
+        cipher: None,
+        qos: converge_types::Qos::default(),
+        gate: None,
+    };
+    let vol = Volume::new(
+        cfg,
+        BTreeMap::new(),
+        io.clone(),
+        Arc::new(Records::default()),
+    );
+    let a: Vec<u8> = (0..4 * BS).map(|i| 0x3c ^ (i as u8)).collect();
+    vol.write(0, Bytes::from(a.clone())).await.expect("write");
+    let s1 = vol
+        .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+        .await
+        .expect("snapshot");
+    *io.lose_floor_answers.lock().unwrap() = Some(DriveId(2));
+    let r = vol.snapshot(|e| async move { Ok(Epoch(e.0 + 1)) }).await;
+    assert!(r.is_err(), "{r:?}");
+    *io.lose_floor_answers.lock().unwrap() = None;
+    // The owner writes on at the epoch the failed snapshot would have closed.
+    let b: Vec<u8> = (0..4 * BS).map(|i| 0xc3 ^ (i as u8)).collect();
+    vol.write(0, Bytes::from(b.clone()))
+        .await
+        .expect("overwrite");
+    let throttle = Throttle::new(u64::MAX / 4);
+    let stale = vol.slab_map()[&SlabIndex(0)]
+        .iter()
+        .any(|e| e.drive == DriveId(2) && e.state != ExtentState::InSync);
+    if stale {
+        vol.resync(SlabIndex(0), DriveId(2), &throttle, &Progress::default())
+            .await
+            .expect("resync");
+    }
+    vol.copy_failed(SlabIndex(0), DriveId(1))
+        .await
+        .expect("stale");
+    let got = vol.read_at(s1, 0, 4 * BS).await.expect("read at");
+    assert!(got[..] == a[..], "drive 2 alone reads the older snapshot");
+    let got = vol.read(0, 4 * BS).await.expect("read");
+    assert!(got[..] == b[..], "and the live data");
+    assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
 }

@@ -593,6 +593,11 @@ pub(crate) async fn scrub(
     match r {
         Some(Ok(rep)) => {
             w.trace(|| format!("vol{v} epoch {}: SCRUB (repair {repair}): {rep:?}", o.epoch));
+            if rep.snapshot_blocks_checked > 0 {
+                *lock(&w.stats)
+                    .entry("snapshot blocks scrubbed")
+                    .or_insert(0) += rep.snapshot_blocks_checked;
+            }
             // Scrub holds the slab's writes back, so in-sync copies must agree. They may
             // only differ on an unacked write whose failed copies could not be marked stale
             // because etcd was unreachable: a short partition of the owner's node, which
@@ -678,6 +683,14 @@ async fn take_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>, n
         None => None,
     };
     let end = lock(&w.hist).tick();
+    // An owner that could not tell what the copies hold stops serving (a commit whose
+    // answer was lost, a failed snapshot's floor it could neither drop nor mark stale):
+    // as in the daemon, its clients are fenced, and the volume gets a new term.
+    if o.vol.is_retired() && is_current(w, v, o) {
+        w.count("owners that stopped serving after a snapshot");
+        w.trace(|| format!("vol{v}: the owner at epoch {} stopped serving", o.epoch));
+        crate::owner::crash_owner(w, v);
+    }
     // Whatever the owner saw, the record says whether it was taken.
     let recorded = lock(&w.ctl).snapshot_of(&name, &snap);
     match (&r, recorded) {

@@ -14,6 +14,7 @@ mod parity_io;
 mod parity_sync;
 pub mod qos;
 pub mod resync;
+mod scrub_snapshots;
 pub use clone::ParentRead;
 mod snapshot;
 pub use snapshot::CHANGES_MAX_BYTES;
@@ -1900,6 +1901,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         self.wait_min_replicas(idx, &slab).await?;
         let _gate = slab.gate.write().await;
         if slab.is_released() || (if_zeroed && !slab.zeroed.all(self.cfg.slab_size_bytes / BS)) {
+            return Ok(());
+        }
+        if !self.snapshots().is_empty() {
+            // A snapshot was taken while this waited for the slab (it holds every slab's
+            // writes, this one's too, until it is in the list): it reads the states
+            // before the zero, which a release would free.
+            if !if_zeroed {
+                self.zero_whole(idx, &slab).await?;
+            }
             return Ok(());
         }
         let upto = self.zero_whole(idx, &slab).await?;

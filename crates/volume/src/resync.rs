@@ -892,6 +892,14 @@ pub struct ScrubReport {
     pub mismatches: u64,
     /// Blocks rewritten from a good copy.
     pub repaired: u64,
+    /// Blocks read at a snapshot (per slab block and snapshot, across the copies holding
+    /// it): their bad checksums, mismatches and repairs count in the fields above.
+    #[serde(default)]
+    pub snapshot_blocks_checked: u64,
+    /// Of the bad checksums, blocks of a snapshot that no in-sync copy holding it has
+    /// whole: that snapshot's reads of them fail until a copy that holds it comes back.
+    #[serde(default)]
+    pub snapshot_blocks_lost: u64,
 }
 
 impl ScrubReport {
@@ -901,11 +909,13 @@ impl ScrubReport {
         self.bad_checksums += o.bad_checksums;
         self.mismatches += o.mismatches;
         self.repaired += o.repaired;
+        self.snapshot_blocks_checked += o.snapshot_blocks_checked;
+        self.snapshot_blocks_lost += o.snapshot_blocks_lost;
     }
 }
 
 /// Blocks compared per scrub step (the slab's writes wait for one step at most).
-const SCRUB_STEP_BLOCKS: u64 = 64;
+pub(crate) const SCRUB_STEP_BLOCKS: u64 = 64;
 
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Reads every block of every in-sync copy of every allocated slab, verifies checksums
@@ -950,6 +960,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 progress.blocks_compared.fetch_add(n, Ordering::Relaxed);
                 start += n;
             }
+            total.add(&self.scrub_snapshots(idx, &slab, repair, throttle).await?);
         }
         self.counters
             .repaired_blocks

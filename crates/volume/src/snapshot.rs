@@ -121,9 +121,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     .map(|err| format!("slab {idx} node {} drive {}: {err}", at.node, at.drive))
             })
             .collect();
+        // Drops the floor again where it was set; returns the copies it could not reach.
         let undo = |set: Vec<(SlabIndex, ExtentLoc)>| async move {
             let below = self.snapshots().last().copied();
-            join_all(
+            let r = join_all(
                 set.iter()
                     .map(|&(idx, at)| {
                         let op = ExtentOp::DropSnapshot {
@@ -137,6 +138,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     .collect(),
             )
             .await;
+            set.into_iter()
+                .zip(r)
+                .filter(|(_, r)| r.is_err())
+                .map(|(t, _)| t)
+                .collect::<Vec<_>>()
         };
         let set: Vec<(SlabIndex, ExtentLoc)> = targets
             .iter()
@@ -145,7 +151,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .map(|(t, _)| *t)
             .collect();
         if !failed.is_empty() {
-            undo(set).await;
+            let mut unsure: Vec<(SlabIndex, ExtentLoc)> = targets
+                .iter()
+                .zip(&floors)
+                .filter(|(_, r)| r.is_err())
+                .map(|(t, _)| *t)
+                .collect();
+            unsure.extend(undo(set).await);
+            self.forget_floors(&slabs, unsure).await;
             return Err(self.snapshot_error(format!(
                 "no snapshot taken: {} of {} copies could not start keeping it ({})",
                 failed.len(),
@@ -160,7 +173,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 return Err(err);
             }
             Err(err) => {
-                undo(set).await;
+                let unsure = undo(set).await;
+                self.forget_floors(&slabs, unsure).await;
                 return Err(err);
             }
         };
@@ -177,6 +191,54 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         drop(gates);
         Ok(e)
+    }
+
+    /// After a snapshot that was not taken: the copies that may still hold its floor (the
+    /// floor's answer or its undo was lost). Such a copy takes writes at this epoch for
+    /// the snapshot's own, and would not keep for the older snapshots what they overwrite
+    /// (the owner goes on writing at this epoch): each goes stale, and its fill sets its
+    /// snapshots anew. If that cannot be recorded, this owner stops serving: the next
+    /// term writes at a higher epoch, which keeps what the older snapshots read on it (the
+    /// next snapshot then drops the stray floor, `FloorHistory::Continues`).
+    async fn forget_floors(
+        &self,
+        slabs: &[(SlabIndex, Arc<Slab>)],
+        unsure: Vec<(SlabIndex, ExtentLoc)>,
+    ) {
+        for (idx, at) in unsure {
+            let Some((_, slab)) = slabs.iter().find(|(i, _)| *i == idx) else {
+                continue;
+            };
+            let others = slab
+                .extents()
+                .iter()
+                .filter(|e| e.state == ExtentState::InSync && e.drive != at.drive)
+                .count();
+            let last = others == 0 && at.state == ExtentState::InSync;
+            let r = match last {
+                // The slab's last in-sync copy stays so.
+                true => Err(self.copy_error(idx, "it is the slab's last in-sync copy".into())),
+                false => self.mark_stale(idx, slab, at.drive).await,
+            };
+            match r {
+                Ok(()) => log::warn!(
+                    "volume {}: slab {idx}: the copy on node {} drive {} may hold the floor of a snapshot that was not taken; marked stale",
+                    self.cfg.name,
+                    at.node,
+                    at.drive
+                ),
+                Err(err) => {
+                    log::warn!(
+                        "volume {}: slab {idx}: the copy on node {} drive {} may hold the floor of a snapshot that was not taken, and cannot be marked stale ({err}): stopping serving",
+                        self.cfg.name,
+                        at.node,
+                        at.drive
+                    );
+                    self.retire();
+                    return;
+                }
+            }
+        }
     }
 
     /// Deletes snapshot `snapshot` from every copy: the states only it reads are freed,
