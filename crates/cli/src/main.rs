@@ -2196,7 +2196,7 @@ fn run_scrub(cli: &Cli, c: &ScrubCmd) -> Result<()> {
 
 fn scrub_table(v: &[converge_api::ScrubResult]) -> String {
     let mut t = table::Table::new(&[
-        "VOLUME", "NODE", "CHECKED", "BAD", "MISMATCH", "REPAIRED", "FINISHED", "ERROR",
+        "VOLUME", "NODE", "CHECKED", "BAD", "MISMATCH", "REPAIRED", "LOST", "FINISHED", "ERROR",
     ]);
     for r in v {
         t.row(vec![
@@ -2206,6 +2206,7 @@ fn scrub_table(v: &[converge_api::ScrubResult]) -> String {
             r.bad_checksums.to_string(),
             r.mismatches.to_string(),
             r.repaired.to_string(),
+            r.snapshot_blocks_lost.to_string(),
             r.finished_unix.to_string(),
             r.error.clone().unwrap_or_default(),
         ]);
