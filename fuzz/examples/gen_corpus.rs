@@ -39,9 +39,18 @@ fn main() {
     for (target, seeds, harness) in targets {
         let dir = root.join(target);
         std::fs::create_dir_all(&dir).expect("create the corpus directory");
-        // Only the generated seeds: stale ones from an earlier version go.
+        // Only the generated seeds: stale ones from an earlier version go. Inputs a run
+        // found (`regress-*`, added by hand) stay, and run through the harness too.
         for e in std::fs::read_dir(&dir).expect("list the corpus") {
             let p: PathBuf = e.expect("entry").path();
+            let found = p
+                .file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("regress-"));
+            if found {
+                harness(&std::fs::read(&p).expect("read a found input"));
+                continue;
+            }
             std::fs::remove_file(&p).expect("remove an old seed");
         }
         for (name, bytes) in &seeds {
@@ -78,6 +87,7 @@ fn block(n: usize) -> (Arc<[u32]>, Bytes) {
 fn requests() -> Vec<(&'static str, Request)> {
     let (crcs, data) = block(1);
     let (crcs0, data0) = block(0);
+    let (crcs1, data1) = block(1);
     let k = key();
     let e = Epoch(4);
     let ext = |op| Request::Extent {
@@ -233,6 +243,89 @@ fn requests() -> Vec<(&'static str, Request)> {
             }),
         ),
         ("digest", ext(ExtentOp::Digest { key: k, epoch: e })),
+        (
+            "snapshot-floor",
+            ext(ExtentOp::SnapshotFloor {
+                key: k,
+                epoch: e,
+                snapshot: Epoch(3),
+                previous: Some(Epoch(2)),
+                history: converge_types::FloorHistory::Copied,
+            }),
+        ),
+        (
+            "drop-snapshot",
+            ext(ExtentOp::DropSnapshot {
+                key: k,
+                epoch: e,
+                snapshot: Epoch(3),
+                below: Some(Epoch(2)),
+            }),
+        ),
+        (
+            "read-at",
+            ext(ExtentOp::ReadAt {
+                key: k,
+                epoch: e,
+                snapshot: Epoch(3),
+                offset: 4096,
+                len: 8192,
+            }),
+        ),
+        (
+            "changed",
+            ext(ExtentOp::Changed {
+                key: k,
+                epoch: e,
+                from: Epoch(2),
+                to: None,
+                offset: 0,
+                count: 64,
+            }),
+        ),
+        (
+            "absent",
+            ext(ExtentOp::Absent {
+                key: k,
+                epoch: e,
+                at: Some(Epoch(3)),
+                offset: 0,
+                count: 16,
+            }),
+        ),
+        (
+            "versions-at",
+            ext(ExtentOp::VersionsAt {
+                key: k,
+                epoch: e,
+                snapshot: Epoch(3),
+                offset: 0,
+                count: 64,
+                any: true,
+            }),
+        ),
+        (
+            "read-blocks-at",
+            ext(ExtentOp::ReadBlocksAt {
+                key: k,
+                epoch: e,
+                snapshot: Epoch(3),
+                offset: 0,
+                len: 16384,
+            }),
+        ),
+        (
+            "write-shadow",
+            ext(ExtentOp::WriteShadow {
+                key: k,
+                epoch: e,
+                snapshot: Epoch(3),
+                offset: 8192,
+                crcs: crcs1,
+                versions: vec![Version(3 << 32 | 1)],
+                data: data1,
+            }),
+        ),
         (
             "vol-read",
             Request::VolRead {

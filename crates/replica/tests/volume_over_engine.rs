@@ -704,6 +704,29 @@ fn clone_len(rng: &mut impl Rng, max: u64) -> u64 {
 }
 
 /// Every snapshot the model holds reads back exactly from the volume.
+/// A mirror-2 volume's configuration, owned on node 1 at epoch 1 (min_replicas 1).
+fn mirror2(id: u64, name: &str, size_bytes: u64) -> VolumeConfig {
+    VolumeConfig {
+        id: VolumeId(id),
+        name: name.into(),
+        size_bytes,
+        slab_size_bytes: SLAB,
+        resiliency: Resiliency::Mirror2,
+        mirror_part_bytes: 0,
+        epoch: Epoch(1),
+        local_node: NodeId(1),
+        min_replicas: 1,
+        degraded_write_wait: Duration::from_secs(5),
+        read_wait: Duration::from_secs(5),
+        read_hedge: Duration::from_secs(1),
+        tenure: Arc::new(Tenure::unbounded()),
+        compression: Compression::None,
+        cipher: None,
+        qos: converge_types::Qos::default(),
+        gate: None,
+    }
+}
+
 async fn check_snapshots<R: ReplicaIo, A: SlabAllocator>(
     vol: &Volume<R, A>,
     snaps: &[(Epoch, Vec<u8>)],
@@ -740,25 +763,7 @@ async fn a_rebuilt_and_a_resynced_copy_hold_every_snapshot() {
         let dir = tempfile::tempdir().expect("tempdir");
         let io = Arc::new(drives(dir.path(), 3, 6 * SLAB * SLABS));
         let size = SLAB * SLABS;
-        let cfg = VolumeConfig {
-            id: VolumeId(9),
-            name: "history".into(),
-            size_bytes: size,
-            slab_size_bytes: SLAB,
-            resiliency: Resiliency::Mirror2,
-            mirror_part_bytes: 0,
-            epoch: Epoch(1),
-            local_node: NodeId(1),
-            min_replicas: 1,
-            degraded_write_wait: Duration::from_secs(5),
-            read_wait: Duration::from_secs(5),
-            read_hedge: Duration::from_secs(1),
-            tenure: Arc::new(Tenure::unbounded()),
-            compression: Compression::None,
-            cipher: None,
-            qos: converge_types::Qos::default(),
-            gate: None,
-        };
+        let cfg = mirror2(9, "history", size);
         let records = Arc::new(Records::default());
         let vol = Volume::new(cfg, BTreeMap::new(), io.clone(), records.clone());
         let mut model = vec![0u8; size as usize];
@@ -919,25 +924,7 @@ async fn scrub_repairs_a_snapshot_block_rotted_on_one_copy() {
     let dir = tempfile::tempdir().expect("tempdir");
     let len = 3 * SLAB;
     let io = Arc::new(drives(dir.path(), 2, len));
-    let cfg = VolumeConfig {
-        id: VolumeId(11),
-        name: "scrubbed".into(),
-        size_bytes: SLAB,
-        slab_size_bytes: SLAB,
-        resiliency: Resiliency::Mirror2,
-        mirror_part_bytes: 0,
-        epoch: Epoch(1),
-        local_node: NodeId(1),
-        min_replicas: 1,
-        degraded_write_wait: Duration::from_secs(5),
-        read_wait: Duration::from_secs(5),
-        read_hedge: Duration::from_secs(1),
-        tenure: Arc::new(Tenure::unbounded()),
-        compression: Compression::None,
-        cipher: None,
-        qos: converge_types::Qos::default(),
-        gate: None,
-    };
+    let cfg = mirror2(11, "scrubbed", SLAB);
     let vol = Volume::new(
         cfg,
         BTreeMap::new(),
@@ -1011,25 +998,7 @@ async fn a_copy_left_with_a_failed_snapshots_floor_keeps_no_wrong_snapshot() {
     use converge_volume::resync::{Progress, Throttle};
     let dir = tempfile::tempdir().expect("tempdir");
     let io = Arc::new(drives(dir.path(), 2, 3 * SLAB));
-    let cfg = VolumeConfig {
-        id: VolumeId(12),
-        name: "floors".into(),
-        size_bytes: SLAB,
-        slab_size_bytes: SLAB,
-        resiliency: Resiliency::Mirror2,
-        mirror_part_bytes: 0,
-        epoch: Epoch(1),
-        local_node: NodeId(1),
-        min_replicas: 1,
-        degraded_write_wait: Duration::from_secs(5),
-        read_wait: Duration::from_secs(5),
-        read_hedge: Duration::from_secs(1),
-        tenure: Arc::new(Tenure::unbounded()),
-        compression: Compression::None,
-        cipher: None,
-        qos: converge_types::Qos::default(),
-        gate: None,
-    };
+    let cfg = mirror2(12, "floors", SLAB);
     let vol = Volume::new(
         cfg,
         BTreeMap::new(),

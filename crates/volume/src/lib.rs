@@ -445,7 +445,7 @@ impl Slab {
         *self.extents.write().expect("slab extents lock poisoned") = v.into();
     }
 
-    fn in_sync(&self) -> usize {
+    pub(crate) fn in_sync(&self) -> usize {
         self.extents()
             .iter()
             .filter(|e| e.state == ExtentState::InSync)

@@ -942,12 +942,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let mut start = 0;
             while start < blocks {
                 let n = SCRUB_STEP_BLOCKS.min(blocks - start);
-                let copies = slab
-                    .extents()
-                    .iter()
-                    .filter(|e| e.state == ExtentState::InSync)
-                    .count() as u64;
-                throttle.take(n * BS * copies).await;
+                throttle.take(n * BS * slab.in_sync() as u64).await;
                 let r = match self.geometry_of(idx) {
                     Some(g) => {
                         self.parity_scrub_step(g, idx, &slab, start, n, repair)
