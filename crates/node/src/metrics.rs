@@ -403,6 +403,10 @@ pub async fn render(node: &Node) -> String {
         ("converge_scrub_bad_checksums_total", ld(&sc.bad)),
         ("converge_scrub_mismatches_total", ld(&sc.mismatches)),
         ("converge_scrub_repaired_blocks_total", ld(&sc.repaired)),
+        (
+            "converge_scrub_snapshot_blocks_lost_total",
+            ld(&sc.snapshot_lost),
+        ),
         ("converge_jobs_running", j.list().len() as u64),
         (
             "converge_orphan_extents_freed_total",

@@ -76,6 +76,8 @@ pub struct ScrubStats {
     pub bad: std::sync::atomic::AtomicU64,
     pub mismatches: std::sync::atomic::AtomicU64,
     pub repaired: std::sync::atomic::AtomicU64,
+    /// Snapshot blocks no in-sync copy holding the snapshot has whole.
+    pub snapshot_lost: std::sync::atomic::AtomicU64,
 }
 
 /// Where a volume's I/O goes from this node.

@@ -71,6 +71,9 @@ pub async fn scrub_volume(
     node.scrub_stats
         .repaired
         .fetch_add(rep.repaired, Ordering::Relaxed);
+    node.scrub_stats
+        .snapshot_lost
+        .fetch_add(rep.snapshot_blocks_lost, Ordering::Relaxed);
     log::info!(
         "scrub of volume {name}: {} blocks checked, {} bad checksums, {} mismatches, {} repaired{}",
         rep.blocks_checked,

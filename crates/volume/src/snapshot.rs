@@ -151,10 +151,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .map(|(t, _)| *t)
             .collect();
         if !failed.is_empty() {
+            // A refusal (no room, busy, fenced) set nothing; a lost answer or a drive
+            // error mid-way may have.
             let mut unsure: Vec<(SlabIndex, ExtentLoc)> = targets
                 .iter()
                 .zip(&floors)
-                .filter(|(_, r)| r.is_err())
+                .filter(|(_, r)| {
+                    matches!(r, Err(ReplicaError::Unreachable(_) | ReplicaError::Io(_)))
+                })
                 .map(|(t, _)| *t)
                 .collect();
             unsure.extend(undo(set).await);
