@@ -6,8 +6,11 @@
 //! (`WriteShadow`, the good copy's data and version), and copies that read a snapshot
 //! differently are counted as mismatches. Newest first: a state kept for a snapshot also
 //! answers the reads of older ones, so one bad state found at the newest snapshot that
-//! reads it is repaired before the older ones are read. The newest snapshot's steps hold
-//! the slab's writes (they preserve into its keeping).
+//! reads it is repaired before the older ones are read. Only the blocks a snapshot reads
+//! differently from the next newer one (or, for the newest, from the live blocks) are read
+//! at it, as each copy's metadata says (`Changed`): the others are the same states, checked
+//! there already, so a scrub reads each kept state once, not the slab once per snapshot.
+//! The newest snapshot's steps hold the slab's writes (they preserve into its keeping).
 
 use super::*;
 use crate::resync::{ScrubReport, Throttle, SCRUB_STEP_BLOCKS};
@@ -31,7 +34,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             return Ok(rep);
         };
         let blocks = self.cfg.slab_size_bytes / BS;
-        for &s in snaps.iter().rev() {
+        for (i, &s) in snaps.iter().enumerate().rev() {
+            let newer = snaps.get(i + 1).copied();
             let mut start = 0;
             while start < blocks {
                 let n = SCRUB_STEP_BLOCKS.min(blocks - start);
@@ -45,7 +49,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 }
                 rep.add(
                     &self
-                        .scrub_snapshot_step(idx, slab, s, start, n, repair)
+                        .scrub_snapshot_step(idx, slab, (s, newer), start, n, repair)
                         .await?,
                 );
                 start += n;
@@ -54,11 +58,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(rep)
     }
 
+    /// Blocks `[start, start + n)` of snapshot `s` (`newer`: the next newer snapshot, None
+    /// for the newest) on every in-sync copy that holds it.
     async fn scrub_snapshot_step(
         &self,
         idx: SlabIndex,
         slab: &Slab,
-        s: Epoch,
+        (s, newer): (Epoch, Option<Epoch>),
         start: u64,
         n: u64,
         repair: bool,
@@ -66,11 +72,39 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let key = self.key(idx);
         let epoch = self.epoch();
         let mut rep = ScrubReport::default();
-        let mut copies = Vec::new();
+        // The blocks any holder reads differently at `s` than at `newer` (metadata).
+        let mut kept = vec![0u64; (n as usize).div_ceil(64)];
+        let mut holders = Vec::new();
         for e in slab.extents().iter() {
             if e.state != ExtentState::InSync {
                 continue;
             }
+            let op = ExtentOp::Changed {
+                key,
+                epoch,
+                from: s,
+                to: newer,
+                offset: start * BS,
+                count: n as u32,
+            };
+            match self.ask(*e, op, ExtentReply::into_bitmap).await {
+                Ok(bits) => {
+                    for (k, b) in kept.iter_mut().zip(&bits) {
+                        *k |= b;
+                    }
+                    holders.push(*e);
+                }
+                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                // It does not hold the snapshot, or it is away: not judged here.
+                Err(_) => {}
+            }
+        }
+        let is_kept = |b: usize| kept[b / 64] >> (b % 64) & 1 == 1;
+        if !(0..n as usize).any(is_kept) {
+            return Ok(rep);
+        }
+        let mut copies = Vec::new();
+        for e in holders {
             let op = ExtentOp::ReadBlocksAt {
                 key,
                 epoch,
@@ -78,10 +112,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 offset: start * BS,
                 len: (n * BS) as u32,
             };
-            match self.ask(*e, op, ExtentReply::into_blocks).await {
+            match self.ask(e, op, ExtentReply::into_blocks).await {
                 Ok(r) => {
                     rep.bytes_read += n * BS;
-                    copies.push((*e, r));
+                    copies.push((e, r));
                 }
                 Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
                 // A copy filled after the snapshot does not hold it (reads of it go
@@ -92,9 +126,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if copies.is_empty() {
             return Ok(rep);
         }
-        rep.snapshot_blocks_checked = n;
         let bsz = BS as usize;
-        for b in 0..n as usize {
+        for b in (0..n as usize).filter(|&b| is_kept(b)) {
+            rep.snapshot_blocks_checked += 1;
             let bi = b as u32;
             fn state(r: &BlocksReply, b: usize, bsz: usize) -> (Version, &[u8]) {
                 (r.versions[b], &r.data[b * bsz..(b + 1) * bsz])
