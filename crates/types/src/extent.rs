@@ -22,7 +22,8 @@ pub struct SettleRows {
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FloorHistory {
     /// A new slab's copy, before its first write: every snapshot (before its slab existed
-    /// it reads as zeros). Taken as `Continues` by an extent that holds data already.
+    /// it reads as zeros). An extent that holds blocks already (an earlier incarnation's,
+    /// whose release did not reach this drive) holds none: they are no snapshot's.
     Full,
     /// An in-sync copy: what it held before, if its floor was the previous snapshot (else
     /// it missed one, and holds only the new one on).

@@ -121,7 +121,11 @@ impl Drive {
             let empty = m.overlay.is_empty() && m.blocks.iter().all(|b| *b == BlockMeta::default());
             let since = match history {
                 FloorHistory::Full if empty => 0,
-                FloorHistory::Joining => SINCE_NONE,
+                // A new slab's copy on a drive that still holds an earlier incarnation's
+                // blocks (the release did not reach it): those are no snapshot's, so it
+                // holds none of the snapshots so far (their reads go to the other copies)
+                // and the later ones from the next.
+                FloorHistory::Full | FloorHistory::Joining => SINCE_NONE,
                 FloorHistory::Copied => {
                     // A fill copied the snapshots `previous..=snapshot` into this copy,
                     // whose floor it set at its start. The floor may be above the newest

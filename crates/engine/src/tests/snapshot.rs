@@ -548,9 +548,20 @@ fn a_copy_filled_after_a_snapshot_refuses_to_read_it() {
         .unwrap();
     assert!(d.has_extent(fresh), "a full floor places the copy");
     assert!(holds(&d, fresh, 1) && holds(&d, fresh, 4));
+    // A new slab's copy on a drive that still holds an earlier incarnation's blocks (its
+    // release never reached it): they are no snapshot's, so it holds none until the next.
+    let leftover = key(1, 3);
+    d.write(leftover, Epoch(5), ver(5, 1), 0, &a, &ac).unwrap();
+    d.set_snapshot_floor(leftover, Epoch(6), Epoch(4), Some(Epoch(3)), Full)
+        .unwrap();
+    assert!(!holds(&d, leftover, 1) && !holds(&d, leftover, 4));
+    d.set_snapshot_floor(leftover, Epoch(6), Epoch(6), Some(Epoch(4)), Continues)
+        .unwrap();
+    assert!(holds(&d, leftover, 6) && !holds(&d, leftover, 4));
     // What it holds survives a reopen.
     drop(d);
     let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert!(!holds(&d, leftover, 4) && holds(&d, leftover, 6));
     assert!(holds(&d, fresh, 1) && holds(&d, rebuilt, 4) && !holds(&d, rebuilt, 3));
     assert!(holds(&d, orig, 4) && !holds(&d, orig, 2));
 }
