@@ -430,6 +430,12 @@ impl Drive {
                     snapshot,
                     meta,
                 } => self.apply_preserve(ld, slot, block, snapshot, meta, &mut gone),
+                Record::PreserveCopy {
+                    slot,
+                    block,
+                    snapshot,
+                    meta,
+                } => self.apply_preserve_copy(ld, slot, block, snapshot, meta, &mut gone),
                 Record::Retire { slot } => {
                     let mut t = lock(&self.table);
                     if let Some(sh) = t.slots.get(slot as usize).and_then(|s| s.durable.clone()) {
@@ -519,26 +525,7 @@ impl Drive {
         state: BlockMeta,
         gone: &mut Vec<u32>,
     ) {
-        let found = {
-            let t = lock(&self.table);
-            let Some(live) = t.slots.get(slot as usize).and_then(|s| s.durable.clone()) else {
-                return;
-            };
-            if live.shadow != 0 {
-                return;
-            }
-            let floor = t.slots[slot as usize].entry.aux;
-            let target = crate::drive::preserve_target(snapshot, floor, |e| {
-                t.durable_shadows.get(&(live.key, e)).copied()
-            });
-            target.and_then(|(s, upto)| {
-                t.slots[s as usize]
-                    .durable
-                    .clone()
-                    .map(|sh| (live, s, sh, upto))
-            })
-        };
-        let Some((live, tslot, shadow, upto)) = found else {
+        let Some((live, tslot, shadow, upto)) = self.preserve_into(slot, snapshot) else {
             return;
         };
         let mut m = lock(&live.meta);
@@ -571,6 +558,73 @@ impl Drive {
         let page = block / BLOCKS_PER_META_PAGE;
         ld.dirty_meta.insert((slot, page));
         ld.dirty_meta.insert((tslot, page));
+    }
+
+    /// Where a Preserve (or PreserveCopy) record of the live extent in `slot` for
+    /// `snapshot` puts its state: (the live extent, the shadow's slot, the shadow, the
+    /// newest epoch the state may have there), or None when it keeps nothing.
+    fn preserve_into(
+        &self,
+        slot: u32,
+        snapshot: u32,
+    ) -> Option<(Arc<Extent>, u32, Arc<Extent>, u32)> {
+        let t = lock(&self.table);
+        let live = t.slots.get(slot as usize).and_then(|s| s.durable.clone())?;
+        if live.shadow != 0 {
+            return None;
+        }
+        let floor = t.slots[slot as usize].entry.aux;
+        let target = crate::drive::preserve_target(snapshot, floor, |e| {
+            t.durable_shadows.get(&(live.key, e)).copied()
+        });
+        target.and_then(|(s, upto)| {
+            t.slots[s as usize]
+                .durable
+                .clone()
+                .map(|sh| (live, s, sh, upto))
+        })
+    }
+
+    /// Applies a PreserveCopy record: the shadow keeps `copy`, a plain copy of block
+    /// `block`'s packed state (or a bad state, when its stream was damaged), when the live block still holds that state (its version and
+    /// crc) and the snapshot reads it; otherwise the copy's physical block is free.
+    fn apply_preserve_copy(
+        &self,
+        ld: &mut LeaderState,
+        slot: u32,
+        block: u32,
+        snapshot: u32,
+        copy: BlockMeta,
+        gone: &mut Vec<u32>,
+    ) {
+        let free = |gone: &mut Vec<u32>| {
+            if let Some((first, len)) = copy.run() {
+                gone.extend(first..first + len);
+            }
+        };
+        let Some((live, tslot, shadow, upto)) = self.preserve_into(slot, snapshot) else {
+            free(gone);
+            return;
+        };
+        let m = lock(&live.meta);
+        let holds = m.blocks.get(block as usize).is_some_and(|cur| {
+            *cur != BlockMeta::default() && cur.version == copy.version && cur.crc == copy.crc
+        });
+        if !holds
+            || (copy.run().is_none() && !copy.is_bad())
+            || crate::drive::epoch_of(&copy) > u64::from(upto)
+        {
+            free(gone);
+            return;
+        }
+        let mut sm = lock(&shadow.meta);
+        let before = sm.stored_blocks;
+        sm.put_preserved(block, copy, gone);
+        let after = sm.stored_blocks;
+        drop(sm);
+        drop(m);
+        self.shadow_stored_changed(before, after);
+        ld.dirty_meta.insert((tslot, block / BLOCKS_PER_META_PAGE));
     }
 
     /// The shadows' stored blocks went from `before` to `after`.

@@ -1459,7 +1459,7 @@ impl Drive {
             let (i0, b0) = (at as usize, at as usize * BLOCK_SIZE);
             let piece_data = &data[b0..b0 + len as usize * BLOCK_SIZE];
             let piece_crcs = &crcs[i0..i0 + len as usize];
-            let (pn, ps) = if codec.is_none() {
+            let plain = if codec.is_none() {
                 self.write_piece(
                     ext,
                     first + at,
@@ -1471,6 +1471,13 @@ impl Drive {
                     hold,
                 )?
             } else {
+                None
+            };
+            let (pn, ps) = if let Some(done) = plain {
+                done
+            } else {
+                // With a codec; or without, a piece replacing packed states a snapshot
+                // reads (stored while the extent had one), which the group path copies.
                 self.write_piece_packed(
                     ext,
                     first + at,
@@ -1509,7 +1516,7 @@ impl Drive {
         version_of: impl Fn(usize) -> u64,
         accept: impl Fn(usize, &BlockMeta, &BlockMeta) -> bool,
         hold: bool,
-    ) -> Result<(u32, u64), EngineError> {
+    ) -> Result<Option<(u32, u64)>, EngineError> {
         with_scratch(|s| {
             let snapshots = ext.floor.load(Ordering::Acquire) > 0;
             let (n, need_seq) = self.claim(
@@ -1526,7 +1533,7 @@ impl Drive {
                 .fetch_add(u64::from(count - n), Ordering::Relaxed);
             let mut seq = need_seq.max(ext.epoch_seq.load(Ordering::Acquire));
             if n == 0 {
-                return Ok((0, seq));
+                return Ok(Some((0, seq)));
             }
             let floor = if snapshots && !hold {
                 match self.plan_preserves(ext, &s.applied, &s.metas, &version_of) {
@@ -1539,6 +1546,16 @@ impl Drive {
             } else {
                 0
             };
+            if floor > 0
+                && applied_indexes(&s.applied).any(|i| {
+                    s.metas[i].is_packed() && must_preserve(floor, &s.metas[i], version_of(i))
+                })
+            {
+                // A packed state the snapshot reads (written while the extent had a
+                // codec): the group path copies it out of its stream.
+                self.unclaim(ext, first, &s.applied, &s.metas);
+                return Ok(None);
+            }
             let Scratch {
                 applied,
                 records,
@@ -1584,7 +1601,7 @@ impl Drive {
             }
             self.release(ext, first, applied, *res.as_ref().unwrap_or(&0), phys);
             seq = seq.max(res?);
-            Ok((n, seq))
+            Ok(Some((n, seq)))
         })
     }
 
@@ -1678,7 +1695,9 @@ impl Drive {
             return;
         }
         for i in applied_indexes(applied) {
-            if must_preserve(floor, &before[i], version_of(i)) {
+            // A packed state stays with its group's stream: copied instead
+            // ([`Drive::copy_preserves`]).
+            if must_preserve(floor, &before[i], version_of(i)) && !before[i].is_packed() {
                 Record::Preserve {
                     slot: ext.slot,
                     block: first + i as u32,
@@ -2191,6 +2210,18 @@ impl Drive {
                     0
                 };
                 s.records.clear();
+                if let Err(e) = self.copy_preserves(
+                    &ext,
+                    first,
+                    floor,
+                    &s.applied,
+                    &s.metas,
+                    &version_of,
+                    &mut s.records,
+                ) {
+                    self.unclaim(&ext, first, &s.applied, &s.metas);
+                    return Err(e);
+                }
                 self.push_preserves(
                     &ext,
                     first,
@@ -2489,11 +2520,6 @@ impl Drive {
         let ext = self.extent_for_write(key, epoch)?;
         if ext.codec() == codec {
             return Ok(());
-        }
-        if ext.floor.load(Ordering::Acquire) > 0 {
-            return Err(EngineError::InvalidArgument(
-                "compression of an extent with snapshots is not supported yet".into(),
-            ));
         }
         // Under the table lock (one change at a time, and after the extent's Alloc) and
         // the extent's (the drive's stored counts move with it, as `apply` moves them).

@@ -796,6 +796,19 @@ pub enum Record {
         snapshot: u32,
         meta: BlockMeta,
     },
+    /// Block `block` of the live extent in `slot` is a member of a compressed group whose
+    /// stream its other members still name, so its state cannot move: `meta` is a plain
+    /// copy of it (its version and crc; `phys` a block written with its content before
+    /// this record), kept in the shadow for `snapshot` (or the floor's, as for Preserve)
+    /// if the live block still holds that state (version and crc), else `phys` is free.
+    /// The live block keeps its state until the write that follows in the batch replaces
+    /// it. Never packed.
+    PreserveCopy {
+        slot: u32,
+        block: u32,
+        snapshot: u32,
+        meta: BlockMeta,
+    },
     /// The shadow in `slot` is no longer a snapshot's (its snapshot is being deleted):
     /// Preserve records stop finding it, its states stay until [`Record::Keep`] moves
     /// them or [`Record::DropShadow`] frees them.
@@ -921,6 +934,22 @@ impl Record {
             } => {
                 debug_assert!(meta.flags <= 0xff, "a preserved state is never packed");
                 out[0] = 12;
+                out[1] = meta.flags as u8;
+                put_u32(out, 4, slot);
+                put_u32(out, 8, block);
+                put_u32(out, 12, snapshot);
+                put_u64(out, 16, meta.version);
+                put_u32(out, 24, meta.crc);
+                put_u32(out, 28, meta.phys);
+            }
+            Record::PreserveCopy {
+                slot,
+                block,
+                snapshot,
+                meta,
+            } => {
+                debug_assert!(meta.flags <= 0xff, "a preserved copy is never packed");
+                out[0] = 16;
                 out[1] = meta.flags as u8;
                 put_u32(out, 4, slot);
                 put_u32(out, 8, block);
@@ -1062,6 +1091,12 @@ impl Record {
                 slot,
                 block: get_u32(b, 8),
                 from: get_u32(b, 12),
+                meta: preserved_state(b),
+            },
+            16 => Record::PreserveCopy {
+                slot,
+                block: get_u32(b, 8),
+                snapshot: get_u32(b, 12),
                 meta: preserved_state(b),
             },
             _ => return None,
@@ -1284,6 +1319,12 @@ mod tests {
                 block: 16,
                 snapshot: 9,
                 meta: BlockMeta::zero(0x2_0000_0001),
+            },
+            Record::PreserveCopy {
+                slot: 1,
+                block: 17,
+                snapshot: 9,
+                meta: BlockMeta::data(0x1_0000_0003, 0xbeef, 4321),
             },
             Record::Retire { slot: 9 },
             Record::Keep {

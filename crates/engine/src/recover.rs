@@ -363,6 +363,9 @@ impl Drive {
         // shadow's state of the block before), to undo if the block goes back to its state
         // before the batch.
         let mut preserved: HashMap<(u32, u32), (u32, BlockMeta)> = HashMap::new();
+        // Copies the current batch kept for a snapshot (PreserveCopy): (live slot, block) →
+        // the copy, whose data is checked as the batch's writes are.
+        let mut copied: HashMap<(u32, u32), BlockMeta> = HashMap::new();
         let mut batches = 0u64;
         let read_batch =
             |at: u64, seq: u64, jbuf: &mut AlignedBuf| -> Result<Option<(u64, u32)>, EngineError> {
@@ -400,6 +403,7 @@ impl Drive {
             };
             cands.clear();
             preserved.clear();
+            copied.clear();
             let recs = &jbuf[BATCH_HEADER..BATCH_HEADER + nrec as usize * RECORD];
             let decoded = recs
                 .chunks_exact(RECORD)
@@ -655,6 +659,44 @@ impl Drive {
                         dirty_meta.insert((slot, block / BLOCKS_PER_META_PAGE));
                         dirty_meta.insert((tslot, block / BLOCKS_PER_META_PAGE));
                     }
+                    Record::PreserveCopy {
+                        slot,
+                        block,
+                        snapshot,
+                        meta,
+                    } => {
+                        let Some(Some(live)) = exts.get(slot as usize) else {
+                            continue;
+                        };
+                        if live.shadow != 0 || (block as usize) >= live.blocks.len() {
+                            continue;
+                        }
+                        let target = crate::drive::preserve_target(snapshot, live.floor, |e| {
+                            shadow_slots.get(&(live.key, e)).copied()
+                        });
+                        let Some((tslot, upto)) = target else {
+                            continue;
+                        };
+                        if (meta.run().is_none() && !meta.is_bad())
+                            || crate::drive::epoch_of(&meta) > u64::from(upto)
+                        {
+                            continue;
+                        }
+                        // The live block keeps its state (other members name its stream);
+                        // the shadow gets the copy, whatever newer pages say of the live
+                        // block (as for Preserve). A rollback of the live block to that
+                        // state undoes it (`preserved`).
+                        let Some(Some(sh)) = exts.get_mut(tslot as usize) else {
+                            continue;
+                        };
+                        let prev = sh.blocks[block as usize];
+                        if crate::drive::shadow_takes(&prev, &meta) {
+                            sh.blocks[block as usize] = meta;
+                        }
+                        preserved.entry((slot, block)).or_insert((tslot, prev));
+                        copied.insert((slot, block), meta);
+                        dirty_meta.insert((tslot, block / BLOCKS_PER_META_PAGE));
+                    }
                     Record::Retire { slot } => {
                         if let Some(Some(sh)) = exts.get(slot as usize) {
                             if sh.shadow != 0
@@ -791,7 +833,15 @@ impl Drive {
                 continue;
             };
             let metas: Vec<BlockMeta> = list.iter().map(|c| c.0).collect();
-            let chosen = choose(&metas, &mut crc_of)?;
+            let mut chosen = choose(&metas, &mut crc_of)?;
+            // A copy kept for a snapshot whose data did not reach the device: the batch
+            // was never acked, so its write of the block goes too, back to the state the
+            // copy was of (its stream is whole: nothing reused it after this batch).
+            if let Some(copy) = copied.get(key) {
+                if chosen > 0 && copy.run().is_some() && crc_of(copy)? != Some(copy.crc) {
+                    chosen = 0;
+                }
+            }
             // A newer state of the batch did not match its crc: the crash cut its write
             // short, or its block rotted after an acked write. Keep the proven older state
             // but mark it, so the owner checks it against the other copies first.

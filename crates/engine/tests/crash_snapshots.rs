@@ -37,7 +37,10 @@ struct Op {
     acked: bool,
 }
 
-fn key(s: u64) -> ExtentKey {
+/// Slabs from this one hold compressible content, in extents with codecs.
+const COMPRESSED_BASE: u64 = 100;
+
+fn key_at(s: u64) -> ExtentKey {
     ExtentKey {
         volume: VolumeId(9),
         slab: SlabIndex(s),
@@ -48,7 +51,16 @@ fn content(k: ExtentKey, block: u32, version: u64) -> Vec<u8> {
     let mut rng =
         StdRng::seed_from_u64(k.slab.0 ^ (u64::from(block) << 20) ^ version.rotate_left(17));
     let mut b = vec![0u8; B];
-    rng.fill(&mut b[..]);
+    if k.slab.0 >= COMPRESSED_BASE {
+        // A 64-byte pattern repeated: a group of four compresses to one block.
+        let mut pat = [0u8; 64];
+        rng.fill(&mut pat[..]);
+        for (j, x) in b.iter_mut().enumerate() {
+            *x = pat[j % 64];
+        }
+    } else {
+        rng.fill(&mut b[..]);
+    }
     b[16..20].copy_from_slice(&block.to_le_bytes());
     b[20..28].copy_from_slice(&version.to_le_bytes());
     b
@@ -80,7 +92,11 @@ fn expected(ops: &[Op], k: ExtentKey, b: u32, upto: u64) -> Option<Vec<u8>> {
 }
 
 /// Returns (snapshots checked, preserved bytes seen at reopen).
-fn round(seed: u64, mode: CrashMode) -> (usize, u64) {
+/// `compressed`: the extents have codecs (lz4, zstd, none) and the content compresses,
+/// so writes replace packed states the snapshots read (copied out of their streams).
+fn round(seed: u64, mode: CrashMode, compressed: bool) -> (usize, u64) {
+    let base = if compressed { COMPRESSED_BASE } else { 0 };
+    let key = move |s: u64| key_at(s + base);
     let mut rng = StdRng::seed_from_u64(seed);
     let f = FaultyFile::new(4 << 20);
     f.set_crash_mode(mode);
@@ -95,6 +111,15 @@ fn round(seed: u64, mode: CrashMode) -> (usize, u64) {
         )
         .expect("format"),
     );
+    if compressed {
+        use converge_types::Compression;
+        for (k, c) in [Compression::Lz4, Compression::Zstd, Compression::None]
+            .into_iter()
+            .enumerate()
+        {
+            d.set_codec(key(k as u64), Epoch(1), c).expect("codec");
+        }
+    }
     f.crash_after_writes(rng.gen_range(1..2500), seed);
     let log: Arc<Mutex<Vec<Op>>> = Arc::default();
     let seq = Arc::new(AtomicU64::new(1));
@@ -342,7 +367,7 @@ fn round(seed: u64, mode: CrashMode) -> (usize, u64) {
     (checked, preserved)
 }
 
-fn rounds(mode: CrashMode) {
+fn rounds(mode: CrashMode, compressed: bool) {
     let rounds: u64 = std::env::var("CONVERGE_CRASH_ROUNDS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -353,12 +378,12 @@ fn rounds(mode: CrashMode) {
         .unwrap_or(0);
     let (mut snaps, mut with_preserved) = (0, 0);
     for seed in first..first + rounds {
-        let (n, p) = round(seed, mode);
+        let (n, p) = round(seed, mode, compressed);
         snaps += n;
         with_preserved += usize::from(p > 0);
     }
     eprintln!(
-        "snapshot crash test ({mode:?}): {rounds} rounds, {snaps} snapshots checked, \
+        "snapshot crash test ({mode:?}, compressed {compressed}): {rounds} rounds, {snaps} snapshots checked, \
          {with_preserved} rounds crashed with preserved states"
     );
     assert!(
@@ -369,15 +394,27 @@ fn rounds(mode: CrashMode) {
 
 #[test]
 fn power_loss_keeps_every_acked_snapshot_exact() {
-    rounds(CrashMode::PowerLoss { tear_bytes: 512 });
+    rounds(CrashMode::PowerLoss { tear_bytes: 512 }, false);
 }
 
 #[test]
 fn power_loss_with_atomic_4k_writes_keeps_every_acked_snapshot_exact() {
-    rounds(CrashMode::PowerLoss { tear_bytes: 4096 });
+    rounds(CrashMode::PowerLoss { tear_bytes: 4096 }, false);
 }
 
 #[test]
 fn a_killed_process_keeps_every_acked_snapshot_exact() {
-    rounds(CrashMode::ProcessKill);
+    rounds(CrashMode::ProcessKill, false);
+}
+
+/// The same on compressed extents: a state a snapshot reads that shares its stream with
+/// its group is copied out (PreserveCopy), and a torn copy takes its write back with it.
+#[test]
+fn power_loss_keeps_every_acked_snapshot_of_compressed_extents_exact() {
+    rounds(CrashMode::PowerLoss { tear_bytes: 512 }, true);
+}
+
+#[test]
+fn a_killed_process_keeps_every_acked_snapshot_of_compressed_extents_exact() {
+    rounds(CrashMode::ProcessKill, true);
 }

@@ -6,8 +6,9 @@
 //! write after has `e + 1` and is not. Nothing is copied: the copies' engines keep the
 //! states a snapshot reads when later writes replace them.
 //!
-//! Supported here: mirror and simple volumes without compression. Parity (held writes),
-//! compressed volumes and mirror-accelerated parity are refused with the reason.
+//! Supported here: mirror and simple volumes, compressed or not (a copy keeps a state of
+//! a compressed group by copying it out of the group's stream). Parity (held writes) and
+//! mirror-accelerated parity are refused with the reason.
 
 use super::*;
 use converge_types::FloorHistory;
@@ -40,12 +41,6 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             return Err(self.snapshot_error(
                 "snapshots of parity volumes are not supported yet (mirror and simple volumes \
                  are)",
-            ));
-        }
-        if !self.compression().is_none() {
-            return Err(self.snapshot_error(
-                "snapshots of compressed volumes are not supported yet: set its compression \
-                 to none first (data written before stays compressed, and is refused too)",
             ));
         }
         Ok(())

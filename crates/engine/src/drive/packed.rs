@@ -60,6 +60,14 @@ struct PackScratch {
     /// Physical block (or stream) each block (or group) got.
     phys_of: Vec<u32>,
     stream_of: Vec<u32>,
+    /// Plain copies of packed states a write replaces that a snapshot reads (their stream
+    /// stays with the group's other members), and the index in the piece of each.
+    copies: Vec<u8>,
+    copy_of: Vec<usize>,
+    copy_phys: Vec<u32>,
+    /// Indexes of packed states to keep whose content fails its crc (a damaged stream):
+    /// kept as bad states, with no copy.
+    copy_bad: Vec<usize>,
 }
 
 /// What a storage request is for.
@@ -69,6 +77,8 @@ enum Req {
     Block(usize),
     /// The stream of this entry of the plan's groups.
     Group(usize),
+    /// This entry of the plain copies kept for a snapshot.
+    Copy(usize),
 }
 
 thread_local! {
@@ -90,6 +100,27 @@ fn aligned(buf: &mut Option<AlignedBuf>, len: usize) -> &mut AlignedBuf {
     let b = buf.as_mut().expect("just set");
     b.set_len(len);
     b
+}
+
+/// What a snapshot keeps of packed state `m` in a plain copy at physical block `phys`.
+fn kept_copy(m: &BlockMeta, phys: u32) -> BlockMeta {
+    let copy = BlockMeta::data(m.version, m.crc, phys);
+    if m.is_suspect() {
+        copy.suspect()
+    } else {
+        copy
+    }
+}
+
+/// What a snapshot keeps of packed state `m` whose content fails its crc (its stream is
+/// damaged): a bad state of its version, which reads as bad (other copies answer, scrub
+/// repairs it) and has no copy to check.
+fn kept_bad(m: &BlockMeta) -> BlockMeta {
+    BlockMeta {
+        version: m.version,
+        crc: m.crc,
+        ..BlockMeta::BAD
+    }
 }
 
 impl Drive {
@@ -126,6 +157,115 @@ impl Drive {
             &raw[..meta.stream_len() as usize],
             plain,
         ))
+    }
+
+    /// For a zero replacing packed states the snapshot at `floor` reads (`before`, at the
+    /// claim's applied blocks from `first`): copies each out of its stream into a block of
+    /// its own, written before its PreserveCopy record is pushed onto `records` (the
+    /// zero's records follow in the same batch). The group's other members keep the stream.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn copy_preserves(
+        &self,
+        ext: &Extent,
+        first: u32,
+        floor: u32,
+        applied: &[bool],
+        before: &[BlockMeta],
+        version_of: &impl Fn(usize) -> u64,
+        records: &mut Vec<u8>,
+    ) -> Result<(), EngineError> {
+        if floor == 0 {
+            return Ok(());
+        }
+        let wanted =
+            |i: &usize| before[*i].is_packed() && must_preserve(floor, &before[*i], version_of(*i));
+        let n = applied_indexes(applied).filter(wanted).count();
+        if n == 0 {
+            return Ok(());
+        }
+        with_pack(|p| {
+            let homes = applied_indexes(applied)
+                .filter(wanted)
+                .map(|i| self.layout.home_block(ext.slot, first + i as u32));
+            p.copy_phys.clear();
+            self.take_blocks(ExactLen(homes, n), &mut p.copy_phys)?;
+            let mut loaded = None;
+            let mut written = Ok(());
+            let mut unused = Vec::new();
+            for (k, i) in applied_indexes(applied).filter(wanted).enumerate() {
+                let m = before[i];
+                let mut whole = false;
+                written = self
+                    .member_content(&m, &mut p.raw, &mut p.plain, &mut loaded)
+                    .and_then(|()| {
+                        let at = m.member() as usize * BLOCK_SIZE;
+                        let Some(src) = p.plain.get(at..at + BLOCK_SIZE) else {
+                            return Ok(());
+                        };
+                        if crc32c::crc32c(src) != m.crc {
+                            return Ok(());
+                        }
+                        whole = true;
+                        let blk = aligned(&mut p.stage, BLOCK_SIZE);
+                        blk.copy_from_slice(src);
+                        self.dev_write(&blk[..], self.layout.phys_off(p.copy_phys[k]), IoKind::Data)
+                    });
+                if written.is_err() {
+                    break;
+                }
+                let copy = if whole {
+                    kept_copy(&m, p.copy_phys[k])
+                } else {
+                    unused.push(p.copy_phys[k]);
+                    kept_bad(&m)
+                };
+                Record::PreserveCopy {
+                    slot: ext.slot,
+                    block: first + i as u32,
+                    snapshot: floor,
+                    meta: copy,
+                }
+                .push(records);
+            }
+            if let Err(e) = written {
+                // Nothing names the copies yet: they go back.
+                let mut pool = lock(&self.pool);
+                for &b in &p.copy_phys {
+                    pool.release(b);
+                }
+                records.clear();
+                return Err(e);
+            }
+            if !unused.is_empty() {
+                let mut pool = lock(&self.pool);
+                for b in unused {
+                    pool.release(b);
+                }
+            }
+            Ok(())
+        })
+    }
+
+    /// Makes `plain` hold the decompressed group of packed block `m`, reusing the group
+    /// `loaded` names when it is `m`'s (a damaged stream leaves zeros, which `m`'s crc
+    /// refuses).
+    fn member_content(
+        &self,
+        m: &BlockMeta,
+        raw: &mut Option<AlignedBuf>,
+        plain: &mut Vec<u8>,
+        loaded: &mut Option<(BlockMeta, bool)>,
+    ) -> Result<(), EngineError> {
+        if loaded.is_some_and(|(l, _)| l.same_storage(m)) {
+            return Ok(());
+        }
+        let ok = self.load_stream(m, raw, plain)?;
+        if !ok {
+            plain.clear();
+            plain.resize(m.group_blocks() as usize * BLOCK_SIZE, 0);
+        }
+        *loaded = Some((*m, ok));
+        Ok(())
     }
 
     /// Fills the places in `buf` of the packed blocks of `metas` (plain ones are read by
@@ -217,6 +357,25 @@ impl Drive {
             if claimed == 0 {
                 return Ok((0, seq));
             }
+            // The claim's blocks outside the piece keep their versions (never preserved).
+            let claim_version = |j: usize| {
+                if covered(j) {
+                    version_of(j - off)
+                } else {
+                    s.metas[j].version
+                }
+            };
+            let floor = if ext.floor.load(Ordering::Acquire) > 0 {
+                match self.plan_preserves(ext, &s.applied, &s.metas, &claim_version) {
+                    Ok(f) => f,
+                    Err(e) => {
+                        self.unclaim(ext, gfirst, &s.applied, &s.metas);
+                        return Err(e);
+                    }
+                }
+            } else {
+                0
+            };
             let Scratch {
                 applied,
                 records,
@@ -234,6 +393,7 @@ impl Drive {
                     crcs,
                     &version_of,
                     codec,
+                    floor,
                     applied,
                     metas,
                     p,
@@ -281,6 +441,7 @@ impl Drive {
         crcs: &[u32],
         version_of: &impl Fn(usize) -> u64,
         codec: Compression,
+        floor: u32,
         applied: &[bool],
         before: &[BlockMeta],
         p: &mut PackScratch,
@@ -319,7 +480,36 @@ impl Drive {
             group_idx,
             phys_of,
             stream_of,
+            copies,
+            copy_of,
+            copy_phys,
+            copy_bad,
         } = p;
+        // States the write replaces that the snapshot at `floor` reads: a plain one moves
+        // into the snapshot's shadow (Preserve); a packed one is copied out of its stream
+        // into a block of its own (PreserveCopy), as the group's other members still name
+        // the stream.
+        copies.clear();
+        copy_of.clear();
+        copy_bad.clear();
+        {
+            let mut loaded: Option<(BlockMeta, bool)> = None;
+            for j in applied_indexes(applied) {
+                let m = before[j];
+                if !(m.is_packed() && must_preserve(floor, &m, version(j))) {
+                    continue;
+                }
+                self.member_content(&m, raw, plain, &mut loaded)?;
+                let at = m.member() as usize * B;
+                match plain.get(at..at + B) {
+                    Some(src) if crc32c::crc32c(src) == m.crc => {
+                        copies.extend_from_slice(src);
+                        copy_of.push(j);
+                    }
+                    _ => copy_bad.push(j),
+                }
+            }
+        }
         input.clear();
         input.resize(n * B, 0);
         out.clear();
@@ -416,6 +606,10 @@ impl Drive {
                     _ => {}
                 }
             }
+            for (ci, &j) in copy_of.iter().enumerate() {
+                reqs.push((self.layout.home_block(ext.slot, gfirst + j as u32), 1));
+                req_of.push(Req::Copy(ci));
+            }
             let need: u64 = reqs.iter().map(|&(_, l)| u64::from(l)).sum();
             self.check_thin_room(ext, need)?;
             taken.clear();
@@ -450,6 +644,7 @@ impl Drive {
                     &out[gp.out_at..gp.out_at + bytes]
                 }
                 Req::Block(j) => &input[j * B..(j + 1) * B],
+                Req::Copy(ci) => &copies[ci * B..(ci + 1) * B],
             };
             let phys = taken[k];
             if let Some((p0, s0)) = run {
@@ -473,14 +668,49 @@ impl Drive {
         phys_of.resize(n, u32::MAX);
         stream_of.clear();
         stream_of.resize(groups.len(), u32::MAX);
+        copy_phys.clear();
+        copy_phys.resize(copy_of.len(), u32::MAX);
         for (k, &what) in req_of.iter().enumerate() {
             match what {
                 Req::Group(gi) => stream_of[gi] = taken[k],
                 Req::Block(j) => phys_of[j] = taken[k],
+                Req::Copy(ci) => copy_phys[ci] = taken[k],
             }
         }
         records.clear();
         finals.clear();
+        // The snapshot's states first: the writes below replace them in the same batch.
+        let mut ci = 0;
+        for j in applied_indexes(applied) {
+            let m = before[j];
+            if !must_preserve(floor, &m, version(j)) {
+                continue;
+            }
+            let block = gfirst + j as u32;
+            if m.is_packed() {
+                let copy = if copy_bad.contains(&j) {
+                    kept_bad(&m)
+                } else {
+                    ci += 1;
+                    kept_copy(&m, copy_phys[ci - 1])
+                };
+                Record::PreserveCopy {
+                    slot: ext.slot,
+                    block,
+                    snapshot: floor,
+                    meta: copy,
+                }
+                .push(records);
+            } else {
+                Record::Preserve {
+                    slot: ext.slot,
+                    block,
+                    snapshot: floor,
+                    meta: m,
+                }
+                .push(records);
+            }
+        }
         for j in applied_indexes(applied) {
             let meta = match kinds[j] {
                 Kind::Keep | Kind::Idle => before[j],

@@ -36,8 +36,8 @@ impl Drive {
     /// drops every snapshot the copy kept first (a fill copies them anew; its floor may be
     /// of a snapshot deleted while it was stale); the same call again is a no-op. An
     /// extent the drive does not hold has nothing to preserve: Ok (but `Full`, a new
-    /// slab's copy, and `Joining` allocate it as a write would). Extents with a codec or with priors
-    /// of held (parity) writes are refused: snapshots of those are not built yet. Durable
+    /// slab's copy, and `Joining` allocate it as a write would). Extents with priors of
+    /// held (parity) writes are refused: snapshots of those are not built yet. Durable
     /// on Ok, and writes acked after it wait for it.
     pub fn set_snapshot_floor(
         &self,
@@ -154,11 +154,6 @@ impl Drive {
             if floor == cur && since == cur_since {
                 ext.epoch_seq.load(Ordering::Acquire)
             } else {
-                if !ext.codec().is_none() {
-                    return Err(EngineError::InvalidArgument(
-                        "snapshots of compressed extents are not supported yet".into(),
-                    ));
-                }
                 if !m.held.is_empty() {
                     return Err(EngineError::InvalidArgument(
                         "snapshots of parity chunks (extents with held priors) are not \

@@ -128,8 +128,26 @@ fn check_changes(
     }
 }
 
-fn snapshot_model(seed: u64, ops: usize) {
+/// Compressible blocks: a random 64-byte pattern repeated in each (a group of four
+/// shrinks to one block).
+fn text(rng: &mut StdRng, n: usize) -> (Vec<u8>, Vec<u32>) {
+    let mut d = vec![0u8; n * B];
+    for blk in d.chunks_mut(B) {
+        let mut pat = [0u8; 64];
+        rng.fill(&mut pat[..]);
+        for (j, x) in blk.iter_mut().enumerate() {
+            *x = pat[j % 64];
+        }
+    }
+    let crcs = d.chunks(B).map(crc32c::crc32c).collect();
+    (d, crcs)
+}
+
+/// `compressed`: the extents have codecs (lz4, zstd, none), changed now and then, and
+/// most writes are compressible, so snapshots keep states packed in compressed groups.
+fn snapshot_model(seed: u64, ops: usize, compressed: bool) {
     let mut rng = StdRng::seed_from_u64(seed);
+    const CODECS: [Compression; 3] = [Compression::Lz4, Compression::Zstd, Compression::None];
     let f = FaultyFile::new(48 << 20);
     let mut d = Drive::format_with(
         Arc::new(f.clone()),
@@ -150,6 +168,11 @@ fn snapshot_model(seed: u64, ops: usize) {
     let mut epoch = 1u64;
     let mut seq = 1u64;
     let nblocks = (SLAB / BLOCK) as u32;
+    if compressed {
+        for (i, &k) in keys.iter().enumerate() {
+            d.set_codec(k, Epoch(epoch), CODECS[i % 3]).expect("codec");
+        }
+    }
     // Every extent exists before the first snapshot (an owner places a new slab's copies
     // holding every snapshot; `a_copy_filled_after_a_snapshot_refuses_to_read_it` covers
     // the rest).
@@ -169,7 +192,11 @@ fn snapshot_model(seed: u64, ops: usize) {
             0..=54 => {
                 let first = rng.gen_range(0..nblocks);
                 let n = rng.gen_range(1..=(nblocks - first).min(24));
-                let (data, crcs) = blocks(&mut rng, n as usize);
+                let (data, crcs) = if compressed && rng.gen_bool(0.7) {
+                    text(&mut rng, n as usize)
+                } else {
+                    blocks(&mut rng, n as usize)
+                };
                 seq += 1;
                 let off = u64::from(first) * BLOCK;
                 d.write(k, Epoch(epoch), ver(epoch, seq), off, &data, &crcs)
@@ -219,6 +246,10 @@ fn snapshot_model(seed: u64, ops: usize) {
             87..=90 => {
                 drop(d);
                 d = Drive::open(Arc::new(f.reattach())).expect("reopen");
+            }
+            91..=94 if compressed => {
+                let c = CODECS[rng.gen_range(0..3)];
+                d.set_codec(k, Epoch(epoch), c).expect("codec");
             }
             _ => {}
         }
@@ -280,7 +311,17 @@ fn snapshot_model(seed: u64, ops: usize) {
 #[test]
 fn snapshots_read_what_was_acked_before_them_through_writes_deletes_and_reopens() {
     for seed in 0..12 {
-        snapshot_model(seed, 400);
+        snapshot_model(seed, 400, false);
+    }
+}
+
+/// The same with compressed groups: a state a snapshot reads that is a member of a
+/// compressed group is copied out of its stream (the other members keep it), by writes
+/// into the group, whole-group writes, zeros, and writes after the codec was turned off.
+#[test]
+fn snapshots_of_compressed_extents_read_what_was_acked_before_them() {
+    for seed in 100..110 {
+        snapshot_model(seed, 400, true);
     }
 }
 
@@ -428,19 +469,10 @@ fn what_snapshots_cannot_do_yet_is_refused_with_the_reason() {
         .write_held(k, Epoch(4), ver(4, 1), 0, &a, &ac)
         .unwrap_err();
     assert!(err.to_string().contains("not supported yet"), "{err}");
-    let err = d.set_codec(k, Epoch(4), Compression::Lz4).unwrap_err();
-    assert!(err.to_string().contains("not supported yet"), "{err}");
     let err = d
         .drop_snapshot(k, Epoch(4), Epoch(3), Some(Epoch(3)))
         .unwrap_err();
     assert!(err.to_string().contains("older"), "{err}");
-    // Compressed extents refuse a floor.
-    let c = key(1, 1);
-    d.set_codec(c, Epoch(1), Compression::Lz4).unwrap();
-    let err = d
-        .set_snapshot_floor(c, Epoch(1), Epoch(1), None, Continues)
-        .unwrap_err();
-    assert!(err.to_string().contains("compressed"), "{err}");
     // An extent the drive does not hold has nothing to preserve.
     d.set_snapshot_floor(key(9, 9), Epoch(1), Epoch(1), None, Continues)
         .unwrap();
@@ -821,4 +853,136 @@ fn a_fill_is_refused_what_would_make_a_wrong_copy() {
     assert_eq!(d.snapshot_floor(k), 3, "copied leaves the floor");
     d.read_at(k, Epoch(3), Epoch(1), 0, &mut one)
         .expect("it holds snapshot 1 again");
+}
+
+/// States a snapshot reads that are members of compressed groups are copied out of their
+/// streams (the other members keep them) by every kind of write that replaces them: a
+/// zero, a write into part of the group, a whole-group write, and a write after the
+/// codec was turned off (the plain path hands such a piece to the group path). The
+/// snapshot reads them through checkpoints and reopens; a member whose stream is
+/// damaged is kept as a bad state (read from another copy), never as wrong data; deleting
+/// the snapshot returns every copy.
+#[test]
+fn packed_states_a_snapshot_reads_are_copied_out_of_their_streams() {
+    let (f, d) = faulty(16 << 20);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(11);
+    d.set_codec(k, Epoch(1), Compression::Lz4).unwrap();
+    let (a, ac) = text(&mut rng, 12);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    assert_eq!(d.extents()[0].bytes_stored, 3 * BLOCK, "three streams");
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    let mut live = a.clone();
+    // A zero of a member.
+    d.zero(k, Epoch(2), ver(2, 1), BLOCK, BLOCK).unwrap();
+    live[B..2 * B].fill(0);
+    // A write into part of the group.
+    let (x, xc) = text(&mut rng, 1);
+    d.write(k, Epoch(2), ver(2, 2), 2 * BLOCK, &x, &xc).unwrap();
+    live[2 * B..3 * B].copy_from_slice(&x);
+    // A whole group.
+    let (y, yc) = text(&mut rng, 4);
+    d.write(k, Epoch(2), ver(2, 3), 4 * BLOCK, &y, &yc).unwrap();
+    live[4 * B..8 * B].copy_from_slice(&y);
+    // The codec off: a plain write of a member still packed.
+    d.set_codec(k, Epoch(2), Compression::None).unwrap();
+    let (z, zc) = blocks(&mut rng, 1);
+    d.write(k, Epoch(2), ver(2, 4), 3 * BLOCK, &z, &zc).unwrap();
+    live[3 * B..4 * B].copy_from_slice(&z);
+    // Blocks 1 to 7 copied (block 0 was rewritten plainly with its group: same version).
+    assert_eq!(d.shadows(k)[0].blocks, 7);
+    assert_eq!(d.shadows(k)[0].bytes_stored, 7 * BLOCK);
+    // A damaged stream: block 8's part of its group's stream rots, then block 8 is
+    // written.
+    let at = d.block_offset(k, 8).expect("packed");
+    f.rot(at + 10, 1);
+    let (w, wc) = blocks(&mut rng, 1);
+    d.write(k, Epoch(2), ver(2, 5), 8 * BLOCK, &w, &wc).unwrap();
+    live[8 * B..9 * B].copy_from_slice(&w);
+    let check = |d: &Drive, ctx: &str| {
+        let mut buf = vec![0u8; 12 * B];
+        let info = d.read_at(k, Epoch(2), Epoch(1), 0, &mut buf).unwrap();
+        // The rot struck block 8's part of the stream: bad, never wrong.
+        assert_eq!(info.bad_blocks, vec![8], "{ctx}");
+        assert!(
+            buf[..8 * B] == a[..8 * B],
+            "{ctx}: the snapshot's blocks 0 to 7"
+        );
+        assert!(
+            buf[9 * B..] == a[9 * B..],
+            "{ctx}: the snapshot's blocks 9 to 11"
+        );
+        let (got, info) = read_all(d, k, 0, 12 * B);
+        assert!(info.bad_blocks.is_empty(), "{ctx}: {:?}", info.bad_blocks);
+        assert!(got == live, "{ctx}: the live blocks");
+    };
+    check(&d, "now");
+    d.checkpoint().unwrap();
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    check(&d, "after a checkpoint and a reopen");
+    check_accounting(&d, &[k]);
+    d.drop_snapshot(k, Epoch(2), Epoch(1), None).unwrap();
+    assert_eq!(d.capacity().bytes_preserved, 0);
+    check_accounting(&d, &[k]);
+}
+
+/// A write into a compressed group replacing a state a snapshot reads copies that state
+/// out of the group's stream (PreserveCopy), in the write's batch. If a power loss leaves
+/// that batch on the device but not the copy's data, the write was never acked: recovery
+/// takes it back with the copy, and the snapshot reads the state from the live block
+/// again, never a bad or wrong block.
+#[test]
+fn a_torn_copy_kept_for_a_snapshot_takes_its_unacked_write_back() {
+    let (f, d) = faulty(16 << 20);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(23);
+    d.set_codec(k, Epoch(1), Compression::Lz4).unwrap();
+    let (a, ac) = text(&mut rng, 4);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    assert_eq!(
+        d.extents()[0].bytes_stored,
+        BLOCK,
+        "one stream for the group"
+    );
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    d.checkpoint().unwrap();
+    let (x, xc) = text(&mut rng, 1);
+    d.write(k, Epoch(2), ver(2, 1), 0, &x, &xc).unwrap();
+    assert_eq!(d.shadows(k)[0].bytes_stored, BLOCK, "block 0 copied out");
+    // The copy is the only place block 0's old content is stored plainly.
+    let mut img = vec![0u8; B];
+    let copy_at = (0..f.len_bytes() / BLOCK)
+        .map(|i| i * BLOCK)
+        .find(|&o| {
+            f.read_at(&mut img, o).unwrap();
+            img[..] == a[..B]
+        })
+        .expect("the copy is on the device");
+    f.rot(copy_at + 100, 3);
+    f.set_crash_mode(crate::CrashMode::PowerLoss { tear_bytes: 512 });
+    f.crash(5);
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    assert_eq!(d.stats().rolled_back_at_open, 1, "the write went back");
+    let mut buf = vec![0u8; 4 * B];
+    let info = d.read_at(k, Epoch(2), Epoch(1), 0, &mut buf).unwrap();
+    assert!(info.bad_blocks.is_empty(), "bad {:?}", info.bad_blocks);
+    assert!(
+        buf == a,
+        "the snapshot reads its state from the live block again"
+    );
+    let (live, info) = read_all(&d, k, 0, 4 * B);
+    assert_eq!(info.suspect, vec![0], "the rolled-back block is suspect");
+    assert!(
+        live == a,
+        "the live block holds its state before the unacked write"
+    );
+    assert!(
+        d.shadows(k).iter().all(|s| s.blocks == 0),
+        "the copy is gone"
+    );
+    check_accounting(&d, &[k]);
 }
