@@ -294,6 +294,9 @@ pub struct CreateClone {
     pub resiliency: Option<converge_types::Resiliency>,
     #[serde(default)]
     pub qos: Option<converge_types::Qos>,
+    /// How the clone's own writes are compressed (mirror clones); default: none.
+    #[serde(default)]
+    pub compression: Option<Compression>,
 }
 
 /// What `POST /v1/volumes/NAME/flatten` did.

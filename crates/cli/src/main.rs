@@ -361,7 +361,7 @@ enum VolumeCmd {
         to: u32,
     },
     /// Snapshots: crash-consistent and instant (nothing is copied), each a read-only NBD
-    /// export `VOLUME@SNAPSHOT`; mirror and simple volumes without compression
+    /// export `VOLUME@SNAPSHOT`; mirror and simple volumes, compressed or not
     /// (docs/SNAPSHOTS.md).
     #[command(subcommand)]
     Snapshot(SnapshotCmd),
@@ -379,6 +379,10 @@ enum VolumeCmd {
         /// simple, mirror-2 or mirror-3; default: the parent's.
         #[arg(long)]
         resiliency: Option<String>,
+        /// none, lz4 or zstd: how the clone's own writes are stored (mirror clones);
+        /// default: none.
+        #[arg(long)]
+        compression: Option<String>,
     },
     /// Copy into a clone every block it still reads from its parent snapshot, then cut
     /// the link (the snapshot may then be deleted). Runs while the clone is in use.
@@ -1146,6 +1150,7 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
             name,
             owner,
             resiliency,
+            compression,
         } => {
             let Some((vol, snap)) = source.split_once('@') else {
                 bail!("give the snapshot as VOLUME@SNAPSHOT, not {source:?}");
@@ -1159,6 +1164,10 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
                 owner: owner.map(converge_types::NodeId),
                 resiliency,
                 qos: None,
+                compression: compression
+                    .as_deref()
+                    .map(str::parse::<converge_types::Compression>)
+                    .transpose()?,
             })?;
             let v: VolumeInfo = http::call(
                 &api_base(cli)?,

@@ -322,7 +322,8 @@ fn compressed_volumes_hold_more_than_the_drives_hold_plain() {
 /// compressed groups, through a whole overwrite after the codec was turned off (plain
 /// writes of blocks still packed), and through kill -9 of every node; every copy keeps
 /// each replaced block once; a rollback brings the image back, and deleting the snapshot
-/// returns its space.
+/// returns its space. A compressed clone of the snapshot reads as it, keeps its own
+/// (unaligned) write, and keeps both through a flatten.
 #[test]
 fn snapshots_of_a_compressed_volume_hold_what_was_acked_through_overwrites_and_kill_9() {
     require_tools();
@@ -376,6 +377,53 @@ fn snapshots_of_a_compressed_volume_hold_what_was_acked_through_overwrites_and_k
     lab.kill_all_and_restart(3);
     compare(&s1, &a, "s1 after kill -9 of every node");
     compare(&uri, &b, "the volume after kill -9 of every node");
+
+    // A compressed clone of it: reads as s1, stores its own writes compressed, and keeps
+    // them through a flatten.
+    let e = lab.fails(&["volume", "clone", "cs@s1", "cc", "--compression", "gzip"]);
+    assert!(e.contains("unknown compression"), "{e}");
+    lab.must(&[
+        "volume",
+        "clone",
+        "cs@s1",
+        "cc",
+        "--compression",
+        "zstd",
+        "--owner",
+        "1",
+    ]);
+    let v = lab.json(&["volume", "show", "cc"]);
+    assert_eq!(v["compression"], "zstd", "{v}");
+    let cc = lab.uri("cc");
+    compare(&cc, &a, "the clone reads as s1");
+    // 1 MiB of a short repeating pattern, at an unaligned offset.
+    let (off, len) = ((3 << 20) + 512, 1 << 20);
+    let script = format!(
+        r#"
+import nbd, sys
+h = nbd.NBD()
+# No block-size negotiation: the unaligned write is allowed (the owner reads, patches
+# and writes back its edge blocks).
+h.set_strict_mode(0)
+h.set_request_block_size(False)
+h.connect_uri(sys.argv[1])
+h.pwrite(bytes((i * 7) % 251 for i in range({len})), {off})
+h.flush()
+h.shutdown()
+print("ok")
+"#
+    );
+    nbd_script(&script, &cc);
+    let mut want = std::fs::read(&a).unwrap();
+    for i in 0..len {
+        want[off + i] = ((i * 7) % 251) as u8;
+    }
+    let expected = tmp.path().join("cc.img");
+    std::fs::write(&expected, &want).unwrap();
+    compare(&cc, &expected, "the clone after its write");
+    lab.must(&["volume", "flatten", "cc"]);
+    compare(&cc, &expected, "the clone after its flatten");
+    lab.must(&["volume", "delete", "cc"]);
 
     lab.must(&["volume", "snapshot", "rollback", "cs", "s1", "--yes"]);
     compare(&uri, &a, "the volume rolled back to s1");

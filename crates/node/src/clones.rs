@@ -225,7 +225,7 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, snap: &str, body: &[u8]
         owner: req.owner,
         min_replicas: None,
         mirror_part_bytes: None,
-        compression: None,
+        compression: req.compression,
         encrypt: false,
         qos: req.qos,
     };
