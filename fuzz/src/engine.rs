@@ -162,6 +162,40 @@ pub fn populate(d: &Drive) {
     d.revert(h, Epoch(1), Version(second), 0, 4 * BLOCK)
         .expect("fixture revert");
     held(1, 1);
+    // A snapshot of a compressed extent: members of its groups copied out of their stream
+    // (PreserveCopy), a plain state moved (Preserve), left to replay.
+    let z = key(5, 1);
+    d.set_codec(z, Epoch(1), converge_types::Compression::Lz4)
+        .expect("fixture codec");
+    let text = |n: usize, seed: u8| {
+        let data: Vec<u8> = (0..n * BLOCK as usize)
+            .map(|i| (i % 64) as u8 ^ seed ^ (i / BLOCK as usize) as u8)
+            .collect();
+        let crcs: Vec<u32> = data.chunks(BLOCK as usize).map(crc32c::crc32c).collect();
+        (data, crcs)
+    };
+    let (data, crcs) = text(8, 1);
+    d.write(z, Epoch(1), Version(1 << 32 | 1), 0, &data, &crcs)
+        .expect("fixture compressed write");
+    let (data, crcs) = text(1, 2);
+    d.write(z, Epoch(1), Version(1 << 32 | 2), 9 * BLOCK, &data, &crcs)
+        .expect("fixture plain member");
+    d.set_snapshot_floor(
+        z,
+        Epoch(1),
+        Epoch(1),
+        None,
+        converge_types::FloorHistory::Continues,
+    )
+    .expect("fixture floor");
+    let (data, crcs) = text(2, 3);
+    d.write(z, Epoch(2), Version(2 << 32 | 1), BLOCK, &data, &crcs)
+        .expect("fixture write into a group");
+    d.zero(z, Epoch(2), Version(2 << 32 | 2), 5 * BLOCK, BLOCK)
+        .expect("fixture zero of a member");
+    let (data, crcs) = text(1, 4);
+    d.write(z, Epoch(2), Version(2 << 32 | 3), 9 * BLOCK, &data, &crcs)
+        .expect("fixture write of a plain state");
 }
 
 fn get_u32(b: &[u8], at: usize) -> u32 {
