@@ -1400,11 +1400,6 @@ impl Drive {
             }
         }
         let ext = self.extent_for_write(key, epoch)?;
-        if hold && ext.floor.load(Ordering::Acquire) > 0 {
-            return Err(EngineError::InvalidArgument(
-                "held (parity) writes to an extent with snapshots are not supported yet".into(),
-            ));
-        }
         let (n, seq) =
             self.write_claimed(&ext, first, count, data, crcs, version_of, accept, hold)?;
         Ok((n, seq.max(ext.epoch_seq.load(Ordering::Acquire))))
@@ -1535,7 +1530,7 @@ impl Drive {
             if n == 0 {
                 return Ok(Some((0, seq)));
             }
-            let floor = if snapshots && !hold {
+            let floor = if snapshots {
                 match self.plan_preserves(ext, &s.applied, &s.metas, &version_of) {
                     Ok(f) => f,
                     Err(e) => {
@@ -1547,6 +1542,7 @@ impl Drive {
                 0
             };
             if floor > 0
+                && !hold
                 && applied_indexes(&s.applied).any(|i| {
                     s.metas[i].is_packed() && must_preserve(floor, &s.metas[i], version_of(i))
                 })
@@ -1564,12 +1560,50 @@ impl Drive {
                 ..
             } = s;
             phys.clear();
+            // A held write keeps the state it replaces as the block's prior: a state the
+            // snapshot reads is copied for it instead of moved (both name it otherwise).
+            let copied = |i: &usize| {
+                hold && metas[*i].run().is_some()
+                    && must_preserve(floor, &metas[*i], version_of(*i))
+            };
+            let copies = if floor > 0 && hold {
+                applied_indexes(applied).filter(copied).count()
+            } else {
+                0
+            };
+            let homes = self.homes(ext, first, applied);
+            let taken = homes.len() + copies;
+            let copy_homes = applied_indexes(applied)
+                .filter(copied)
+                .map(|i| self.layout.home_block(ext.slot, first + i as u32));
             let res = self
-                .take_blocks(self.homes(ext, first, applied), phys)
+                .take_blocks(ExactLen(homes.chain(copy_homes), taken), phys)
                 .and_then(|()| self.write_runs(data, applied, phys))
                 .and_then(|()| {
                     records.clear();
-                    self.push_preserves(ext, first, floor, applied, metas, &version_of, records);
+                    if copies > 0 {
+                        let n_data = taken - copies;
+                        let which = applied_indexes(applied).filter(copied);
+                        self.copy_held_preserves(
+                            ext,
+                            first,
+                            floor,
+                            which,
+                            metas,
+                            &phys[n_data..],
+                            records,
+                        )?;
+                    }
+                    self.push_preserves(
+                        ext,
+                        first,
+                        floor,
+                        applied,
+                        metas,
+                        &version_of,
+                        hold,
+                        records,
+                    );
                     for (i, &p) in applied_indexes(applied).zip(phys.iter()) {
                         let (block, version) = (first + i as u32, version_of(i));
                         // A held write names the block's state before it (the prior);
@@ -1681,6 +1715,7 @@ impl Drive {
     /// Appends a Preserve record for each applied block whose write replaces a state the
     /// snapshot at `floor` reads (none when `floor` is 0).
     #[allow(clippy::too_many_arguments)]
+    #[allow(clippy::too_many_arguments)]
     fn push_preserves(
         &self,
         ext: &Extent,
@@ -1689,15 +1724,18 @@ impl Drive {
         applied: &[bool],
         before: &[BlockMeta],
         version_of: &impl Fn(usize) -> u64,
+        hold: bool,
         records: &mut Vec<u8>,
     ) {
         if floor == 0 {
             return;
         }
         for i in applied_indexes(applied) {
-            // A packed state stays with its group's stream: copied instead
-            // ([`Drive::copy_preserves`]).
-            if must_preserve(floor, &before[i], version_of(i)) && !before[i].is_packed() {
+            // A packed state stays with its group's stream, and a held write's replaced
+            // state stays as the block's prior: those are copied instead
+            // ([`Drive::copy_preserves`], [`Drive::copy_held_preserves`]).
+            let copied = before[i].is_packed() || (hold && before[i].run().is_some());
+            if must_preserve(floor, &before[i], version_of(i)) && !copied {
                 Record::Preserve {
                     slot: ext.slot,
                     block: first + i as u32,
@@ -2229,6 +2267,7 @@ impl Drive {
                     &s.applied,
                     &s.metas,
                     &version_of,
+                    false,
                     &mut s.records,
                 );
                 let mut i = 0;

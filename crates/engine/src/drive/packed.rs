@@ -246,6 +246,62 @@ impl Drive {
         })
     }
 
+    /// For a held write replacing states the snapshot at `floor` reads (`before[i]` for
+    /// each `i` of `which`, blocks from `first`), which stay as the blocks' priors: copies
+    /// each into its block of `phys` (taken with the write's) and pushes its
+    /// PreserveCopy record onto `records`, ahead of the write's own. A state whose content
+    /// fails its crc is kept as a bad state (its block is given back).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn copy_held_preserves(
+        &self,
+        ext: &Extent,
+        first: u32,
+        floor: u32,
+        which: impl Iterator<Item = usize>,
+        before: &[BlockMeta],
+        phys: &[u32],
+        records: &mut Vec<u8>,
+    ) -> Result<(), EngineError> {
+        with_pack(|p| {
+            let mut loaded = None;
+            for (i, &to) in which.zip(phys) {
+                let m = before[i];
+                let whole = if m.is_packed() {
+                    self.member_content(&m, &mut p.raw, &mut p.plain, &mut loaded)?;
+                    let at = m.member() as usize * BLOCK_SIZE;
+                    match p.plain.get(at..at + BLOCK_SIZE) {
+                        Some(src) if crc32c::crc32c(src) == m.crc => {
+                            let blk = aligned(&mut p.stage, BLOCK_SIZE);
+                            blk.copy_from_slice(src);
+                            true
+                        }
+                        _ => false,
+                    }
+                } else {
+                    let blk = aligned(&mut p.stage, BLOCK_SIZE);
+                    self.dev_read(&mut blk[..], self.layout.phys_off(m.phys))?;
+                    crc32c::crc32c(&blk[..]) == m.crc
+                };
+                let copy = if whole {
+                    let blk = aligned(&mut p.stage, BLOCK_SIZE);
+                    self.dev_write(&blk[..], self.layout.phys_off(to), IoKind::Data)?;
+                    kept_copy(&m, to)
+                } else {
+                    lock(&self.pool).release(to);
+                    kept_bad(&m)
+                };
+                Record::PreserveCopy {
+                    slot: ext.slot,
+                    block: first + i as u32,
+                    snapshot: floor,
+                    meta: copy,
+                }
+                .push(records);
+            }
+            Ok(())
+        })
+    }
+
     /// Makes `plain` hold the decompressed group of packed block `m`, reusing the group
     /// `loaded` names when it is `m`'s (a damaged stream leaves zeros, which `m`'s crc
     /// refuses).

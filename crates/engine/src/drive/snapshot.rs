@@ -36,8 +36,10 @@ impl Drive {
     /// drops every snapshot the copy kept first (a fill copies them anew; its floor may be
     /// of a snapshot deleted while it was stale); the same call again is a no-op. An
     /// extent the drive does not hold has nothing to preserve: Ok (but `Full`, a new
-    /// slab's copy, and `Joining` allocate it as a write would). Extents with priors of
-    /// held (parity) writes are refused: snapshots of those are not built yet. Durable
+    /// slab's copy, and `Joining` allocate it as a write would). An extent holding priors
+    /// of held (parity) writes is refused: they must be settled first (a revert would
+    /// bring back a state older than the snapshot). Later held writes copy the states the
+    /// snapshot reads, which stay their priors ([`Record::PreserveCopy`]). Durable
     /// on Ok, and writes acked after it wait for it.
     pub fn set_snapshot_floor(
         &self,
@@ -155,11 +157,13 @@ impl Drive {
                 ext.epoch_seq.load(Ordering::Acquire)
             } else {
                 if !m.held.is_empty() {
-                    return Err(EngineError::InvalidArgument(
-                        "snapshots of parity chunks (extents with held priors) are not \
-                         supported yet"
-                            .into(),
-                    ));
+                    // A prior is a state a revert may bring back: one written before the
+                    // snapshot would then replace a state the snapshot reads, unkept.
+                    return Err(EngineError::InvalidArgument(format!(
+                        "a snapshot floor needs the extent's {} held priors settled first \
+                         (the owner settles a parity chunk's rows before its snapshot)",
+                        m.held.len()
+                    )));
                 }
                 drop(m);
                 let mut rec = [0u8; RECORD];

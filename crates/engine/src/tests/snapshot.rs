@@ -466,10 +466,6 @@ fn what_snapshots_cannot_do_yet_is_refused_with_the_reason() {
         .unwrap_err();
     assert!(err.to_string().contains("between 1 and"), "{err}");
     let err = d
-        .write_held(k, Epoch(4), ver(4, 1), 0, &a, &ac)
-        .unwrap_err();
-    assert!(err.to_string().contains("not supported yet"), "{err}");
-    let err = d
         .drop_snapshot(k, Epoch(4), Epoch(3), Some(Epoch(3)))
         .unwrap_err();
     assert!(err.to_string().contains("older"), "{err}");
@@ -984,5 +980,76 @@ fn a_torn_copy_kept_for_a_snapshot_takes_its_unacked_write_back() {
         d.shadows(k).iter().all(|s| s.blocks == 0),
         "the copy is gone"
     );
+    check_accounting(&d, &[k]);
+}
+
+/// Parity chunks (docs/adr/0008) take held writes, whose replaced states stay as priors a
+/// revert brings back. A floor is refused while priors are held (the owner settles the
+/// rows first); after it, a held write replacing a state the snapshot reads copies that
+/// state for the snapshot (the prior keeps naming its block). The snapshot reads the same
+/// through reverts, settles, rewrites, checkpoints and reopens; deleting it returns every
+/// copy, and the blocks the settled priors held are free.
+#[test]
+fn held_writes_keep_what_a_snapshot_reads_through_reverts_and_settles() {
+    let (f, d) = faulty(16 << 20);
+    let k = key(1, 0);
+    let mut rng = StdRng::seed_from_u64(31);
+    let (a, ac) = blocks(&mut rng, 8);
+    d.write(k, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    let (b, bc) = blocks(&mut rng, 4);
+    d.write_held(k, Epoch(1), ver(1, 2), 0, &b, &bc).unwrap();
+    let err = d
+        .set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap_err();
+    assert!(err.to_string().contains("settled first"), "{err}");
+    d.settle(k, Epoch(1), ver(1, 2), &[]).unwrap();
+    d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
+        .unwrap();
+    let mut snap = a.clone();
+    snap[..4 * B].copy_from_slice(&b);
+    let mut live = snap.clone();
+    let check = |d: &Drive, live: &[u8], ctx: &str| {
+        let mut buf = vec![0u8; 8 * B];
+        let info = d.read_at(k, Epoch(2), Epoch(1), 0, &mut buf).unwrap();
+        assert!(info.bad_blocks.is_empty(), "{ctx}: {:?}", info.bad_blocks);
+        assert!(buf == snap, "{ctx}: the snapshot");
+        let (got, info) = read_all(d, k, 0, 8 * B);
+        assert!(
+            info.bad_blocks.is_empty(),
+            "{ctx}: live {:?}",
+            info.bad_blocks
+        );
+        assert!(got == live, "{ctx}: the live blocks");
+    };
+    // A held write over blocks 2..6: four states copied, four priors.
+    let (c, cc) = blocks(&mut rng, 4);
+    d.write_held(k, Epoch(2), ver(2, 1), 2 * BLOCK, &c, &cc)
+        .unwrap();
+    live[2 * B..6 * B].copy_from_slice(&c);
+    check(&d, &live, "after a held write");
+    assert_eq!(d.shadows(k)[0].blocks, 4);
+    // Reverted: the priors are the live states again; the snapshot reads as before.
+    d.revert(k, Epoch(2), ver(2, 1), 2 * BLOCK, 4 * BLOCK)
+        .unwrap();
+    live[2 * B..6 * B].copy_from_slice(&snap[2 * B..6 * B]);
+    check(&d, &live, "after the revert");
+    // Written again over 4..8 and settled: the priors' blocks are free, the copies stay.
+    let (e, ec) = blocks(&mut rng, 4);
+    d.write_held(k, Epoch(2), ver(2, 2), 4 * BLOCK, &e, &ec)
+        .unwrap();
+    live[4 * B..8 * B].copy_from_slice(&e);
+    check(&d, &live, "after a second held write");
+    d.settle(k, Epoch(2), ver(2, 2), &[]).unwrap();
+    check(&d, &live, "after the settle");
+    d.checkpoint().unwrap();
+    drop(d);
+    let d = Drive::open(Arc::new(f.reattach())).unwrap();
+    check(&d, &live, "after a checkpoint and a reopen");
+    check_accounting(&d, &[k]);
+    let sh = d.shadows(k);
+    assert_eq!(sh[0].blocks, 6, "blocks 2 to 7 kept");
+    assert_eq!(sh[0].bytes_stored, 6 * BLOCK);
+    d.drop_snapshot(k, Epoch(2), Epoch(1), None).unwrap();
+    assert_eq!(d.capacity().bytes_preserved, 0);
     check_accounting(&d, &[k]);
 }
