@@ -59,15 +59,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         drive: DriveId,
         throttle: &Throttle,
     ) -> Result<(), VolumeError> {
-        if self.geometry_of(idx).is_some() {
-            return Ok(());
+        if let Some(g) = self.geometry_of(idx) {
+            return self
+                .parity_fill_snapshots(g, idx, slab, drive, throttle)
+                .await;
         }
         let snaps = self.snapshots();
         let Some(&newest) = snaps.last() else {
             return Ok(());
         };
-        let key = self.key(idx);
-        let epoch = self.epoch();
         let target = self.copy_on(idx, slab, drive)?;
         if target.state != ExtentState::Syncing {
             // It missed writes, and maybe the floor of a snapshot taken since.
@@ -113,6 +113,22 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
             oldest = Some(s);
         }
+        self.copied_snapshots(idx, target, &snaps, oldest).await
+    }
+
+    /// Ends a fill's copy of the snapshots: the copy at `target` holds them from `oldest`
+    /// on (None: none; reads of them go to other copies).
+    pub(crate) async fn copied_snapshots(
+        &self,
+        idx: SlabIndex,
+        target: ExtentLoc,
+        snaps: &[Epoch],
+        oldest: Option<Epoch>,
+    ) -> Result<(), VolumeError> {
+        let drive = target.drive;
+        let Some(&newest) = snaps.last() else {
+            return Ok(());
+        };
         let Some(oldest) = oldest else {
             log::warn!(
                 "volume {}: slab {idx}: the copy on drive {drive} holds none of the volume's snapshots (its source gave none); reads of them go to other copies",
@@ -126,6 +142,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 self.cfg.name
             );
         }
+        let (key, epoch) = (self.key(idx), self.epoch());
         let op = ExtentOp::SnapshotFloor {
             key,
             epoch,

@@ -11,6 +11,7 @@ mod fill_snapshots;
 mod mirror_part;
 pub mod parity;
 mod parity_io;
+mod parity_snapshots;
 mod parity_sync;
 pub mod qos;
 pub mod resync;

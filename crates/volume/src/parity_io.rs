@@ -109,13 +109,13 @@ impl Drop for Settling<'_> {
 }
 
 /// Data chunk `j`'s rows within volume blocks `[b0, b1)` of a slab of K-block rows.
-fn chunk_rows(k: u64, j: u64, b0: u64, b1: u64) -> (u64, u64) {
+pub(crate) fn chunk_rows(k: u64, j: u64, b0: u64, b1: u64) -> (u64, u64) {
     let first = if b0 <= j { 0 } else { (b0 - j).div_ceil(k) };
     let end = if b1 <= j { 0 } else { (b1 - j).div_ceil(k) };
     (first, end.max(first))
 }
 
-fn bit(c: usize) -> u32 {
+pub(crate) fn bit(c: usize) -> u32 {
     1 << c
 }
 
@@ -139,13 +139,13 @@ pub(crate) fn row_version(got: &[Option<BlocksReply>], i: usize, k: usize) -> Op
 }
 
 /// Whether chunk `c`'s answer holds row `i` intact at `version`.
-fn good_at(got: &[Option<BlocksReply>], c: usize, i: usize, version: Version) -> bool {
+pub(crate) fn good_at(got: &[Option<BlocksReply>], c: usize, i: usize, version: Version) -> bool {
     got[c]
         .as_ref()
         .is_some_and(|r| r.versions[i] == version && !r.bad_blocks.contains(&(i as u32)))
 }
 
-const BSZ: usize = BS as usize;
+pub(crate) const BSZ: usize = BS as usize;
 
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     pub(crate) fn with_codec<T>(&self, g: Geometry, f: impl FnOnce(&mut Codec) -> T) -> T {
@@ -905,7 +905,11 @@ fn released_meanwhile() -> Retry {
 
 /// K chunks' blocks of `n` rows laid out as the volume sees them: row by row, chunk 0
 /// first. `block(c, i)` starts with chunk `c`'s block of row `i`.
-fn interleave<'a>(k: usize, n: usize, block: impl Fn(usize, usize) -> &'a [u8]) -> Vec<u8> {
+pub(crate) fn interleave<'a>(
+    k: usize,
+    n: usize,
+    block: impl Fn(usize, usize) -> &'a [u8],
+) -> Vec<u8> {
     let mut out = vec![0u8; n * k * BSZ];
     for i in 0..n {
         for c in 0..k {

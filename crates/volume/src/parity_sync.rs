@@ -282,6 +282,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .position(|e| e.drive == drive)
             .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no chunk")))?;
         let target = ex[tc];
+        // With snapshots: the chunk drops what it kept of them (a stale chunk's may be
+        // wrong) and holds the later ones only; reads of the older decode from chunks that
+        // hold them (docs/SNAPSHOTS.md, "Parity volumes").
+        self.join_snapshots(idx, slab, target).await?;
         let sources: Vec<usize> = in_sync(&ex).into_iter().filter(|&c| c != tc).collect();
         if sources.len() < k {
             return Err(self.copy_error(

@@ -694,7 +694,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(total)
     }
 
-    async fn reconcile_slab(&self, idx: SlabIndex, slab: &Slab) -> Result<CopyReport, VolumeError> {
+    pub(crate) async fn reconcile_slab(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+    ) -> Result<CopyReport, VolumeError> {
         let differ = self.fence_and_compare(idx, slab).await?;
         if let Some(g) = self.geometry_of(idx) {
             return self.parity_reconcile_slab(g, idx, slab, differ).await;

@@ -7,8 +7,9 @@
 //! states a snapshot reads when later writes replace them.
 //!
 //! Supported here: mirror and simple volumes, compressed or not (a copy keeps a state of
-//! a compressed group by copying it out of the group's stream). Parity (held writes) and
-//! mirror-accelerated parity are refused with the reason.
+//! a compressed group by copying it out of the group's stream), and parity volumes (their
+//! chunks' priors settled before the floors; reads and changes in
+//! `parity_snapshots.rs`). Mirror-accelerated parity is refused with the reason.
 
 use super::*;
 use converge_types::FloorHistory;
@@ -37,10 +38,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     /// Whether this volume's layout supports snapshots yet (see the module docs).
     pub fn snapshots_supported(&self) -> Result<(), VolumeError> {
-        if self.geometry.is_some() || self.map.is_some() {
+        if self.map.is_some() {
             return Err(self.snapshot_error(
-                "snapshots of parity volumes are not supported yet (mirror and simple volumes \
-                 are)",
+                "snapshots of mirror-accelerated parity volumes are not supported yet (mirror, \
+                 simple and parity volumes are)",
             ));
         }
         Ok(())
@@ -78,6 +79,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             gates.push(s.gate.write().await);
         }
         self.check_serving()?;
+        // Parity chunks hold priors until their rows settle: none may outlive the floor.
+        self.settle_for_snapshot(&slabs).await?;
         let e = self.epoch();
         let previous = self.snapshots().last().copied();
         let targets: Vec<(SlabIndex, ExtentLoc)> = slabs
@@ -401,6 +404,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         to: Option<Epoch>,
         p: Piece,
     ) -> Result<Vec<u64>, VolumeError> {
+        if let Some(g) = self.geometry_of(p.slab) {
+            return self.parity_changed_piece(g, slab, from, to, p).await;
+        }
         let key = self.key(p.slab);
         self.ask_in_turn(
             slab,
@@ -471,6 +477,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let Some(slab) = self.slab(p.slab) else {
             return Ok(Bytes::from(vec![0u8; p.len as usize]));
         };
+        if let Some(g) = self.geometry_of(p.slab) {
+            return self.parity_read_at_piece(g, snapshot, p, &slab).await;
+        }
         let key = self.key(p.slab);
         self.ask_in_turn(
             &slab,
