@@ -549,7 +549,7 @@ async fn run(w: Arc<World>) {
     let repairer = tokio::spawn(workload::repairer(w.clone()));
     let snapshotters: Vec<_> = (0..o.volumes.len())
         .filter(|&v| {
-            o.snapshots && !o.volumes[v].resiliency.is_parity() && o.volumes[v].clone_of.is_none()
+            o.snapshots && o.volumes[v].mirror_part_extents == 0 && o.volumes[v].clone_of.is_none()
         })
         .map(|v| tokio::spawn(workload::snapshotter(w.clone(), v)))
         .collect();

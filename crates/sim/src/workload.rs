@@ -908,8 +908,8 @@ pub(crate) async fn check_snapshots(w: &Arc<World>, v: usize, o: &Arc<crate::own
             let r = blk * BS as usize..(blk + 1) * BS as usize;
             if ia[r.clone()] != ib[r] && bits[blk / 64] >> (blk % 64) & 1 == 0 {
                 w.fail(format!(
-                    "after healing, block {blk} differs between snapshots {} (epoch {}) and {} \
-                     (epoch {}) but their changes do not list it",
+                    "after healing, vol{v} block {blk} differs between snapshots {} (epoch {}) \
+                     and {} (epoch {}) but their changes do not list it",
                     a.name, a.epoch, b.name, b.epoch
                 ));
             }

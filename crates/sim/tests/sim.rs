@@ -425,7 +425,8 @@ fn mirror_accelerated_parity() {
     eprintln!("{counters:#?}");
 }
 
-/// Seeds of the snapshot sweep in CI: a third of them with caches, a third compressed.
+/// Seeds of the snapshot sweep in CI: a third of them with caches, a third compressed, and
+/// half with a parity volume.
 const SNAPSHOT_SEEDS: u64 = 120;
 
 /// Owners take, read and delete snapshots of the mirror volumes among every fault of the
@@ -441,11 +442,12 @@ fn snapshots() {
         o.snapshots = true;
         o.cache = o.seed % 3 == 0;
         o.compress = o.seed % 3 == 1;
+        o.parity = o.seed % 2 == 0;
     });
     eprintln!("{n} snapshot seeds from {first} in {:.1?}", start.elapsed());
     assert!(
         failed.is_empty(),
-        "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=snapshot[,cache|,compress] CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
+        "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=snapshot[,cache|,compress][,parity] CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
     );
     for what in [
         "snapshots taken",

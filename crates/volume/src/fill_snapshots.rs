@@ -38,6 +38,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let Some(&newest) = snaps.last() else {
             return Ok(());
         };
+        self.settle_joining(idx, slab, target).await?;
         let op = ExtentOp::SnapshotFloor {
             key: self.key(idx),
             epoch: self.epoch(),

@@ -421,9 +421,30 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         upto: Version,
         rows: &[SettleRows],
     ) {
+        let targets = writable(&slab.extents());
+        for (at, r) in self.settle_on(idx, &targets, upto, rows).await {
+            if let Err(e) = r {
+                log::info!(
+                    "volume {}: slab {idx}: chunk on node {} drive {} did not settle ({e}); its priors wait for the next settle",
+                    self.cfg.name,
+                    at.node,
+                    at.drive
+                );
+            }
+        }
+    }
+
+    /// Settles the chunks at `targets` up to `upto` (and `rows` each up to its own
+    /// version); each chunk's answer.
+    pub(crate) async fn settle_on(
+        &self,
+        idx: SlabIndex,
+        targets: &[ExtentLoc],
+        upto: Version,
+        rows: &[SettleRows],
+    ) -> Vec<(ExtentLoc, Result<(), ReplicaError>)> {
         let key = self.key(idx);
         let epoch = self.epoch();
-        let targets = writable(&slab.extents());
         let answers = join_all(
             targets
                 .iter()
@@ -447,16 +468,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 .collect(),
         )
         .await;
-        for (at, r) in answers {
-            if let Err(e) = r {
-                log::info!(
-                    "volume {}: slab {idx}: chunk on node {} drive {} did not settle ({e}); its priors wait for the next settle",
-                    self.cfg.name,
-                    at.node,
-                    at.drive
-                );
-            }
-        }
+        answers
     }
 
     /// WRITE_ZEROES of part of a parity slab: zeros written as rows (a zero is then as
@@ -478,6 +490,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let _gate = slab.gate.write().await;
         if slab.is_released() {
             return Ok(true);
+        }
+        // The volume's snapshots read what the chunks keep (checked under the gate: a
+        // snapshot holds every gate while it is taken).
+        if !self.snapshots().is_empty() {
+            return Ok(false);
         }
         let _c = slab.change.lock().await;
         let extents = slab.extents();

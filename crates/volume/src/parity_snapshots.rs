@@ -33,10 +33,54 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 self.reconcile_slab(*idx, slab).await?;
                 slab.suspect.store(false, Ordering::Release);
             }
-            let upto = Version(self.epoch().0 << 32 | slab.seq.load(Ordering::Acquire));
-            self.settle_chunks(*idx, slab, upto, &[]).await;
+            let failed: Vec<String> = self
+                .settle_on(
+                    *idx,
+                    &writable(&slab.extents()),
+                    self.settled_upto(slab),
+                    &[],
+                )
+                .await
+                .into_iter()
+                .filter_map(|(at, r)| {
+                    r.err()
+                        .map(|e| format!("slab {idx} node {} drive {}: {e}", at.node, at.drive))
+                })
+                .collect();
+            if !failed.is_empty() {
+                return Err(self.snapshot_error(format!(
+                    "no snapshot taken: {} parity chunks could not drop the priors of their \
+                     row writes ({})",
+                    failed.len(),
+                    failed.join("; ")
+                )));
+            }
         }
         Ok(())
+    }
+
+    /// Every row write of the slab so far: what a settle of all its priors names.
+    pub(crate) fn settled_upto(&self, slab: &Slab) -> Version {
+        Version(self.epoch().0 << 32 | slab.seq.load(Ordering::Acquire))
+    }
+
+    /// Before a parity chunk being filled takes the newest snapshot as its floor: it drops
+    /// the priors it still holds (a chunk out of sync is never reverted: its rows are
+    /// rewritten by the fill), as a floor requires.
+    pub(crate) async fn settle_joining(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        target: ExtentLoc,
+    ) -> Result<(), VolumeError> {
+        if self.geometry_of(idx).is_none() {
+            return Ok(());
+        }
+        let upto = self.settled_upto(slab);
+        match self.settle_on(idx, &[target], upto, &[]).await.pop() {
+            Some((_, Err(e))) => Err(self.replica_failed(idx, target, e)),
+            _ => Ok(()),
+        }
     }
 
     /// Piece `p` of parity slab `idx` as snapshot `snapshot` reads it: the rows it touches,
@@ -153,9 +197,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     /// Which blocks of piece `p` of parity slab `idx` changed between `from` and `to`
-    /// (None: now): rows are written whole at one version on every chunk, so one chunk
-    /// that holds the snapshots answers for its rows, and every block of a changed row
-    /// counts as changed.
+    /// (None: now). Rows are written whole at one version on every chunk, so one chunk's
+    /// row versions at the two answer for its rows (a row changed iff they differ), and
+    /// every block of a changed row counts as changed. Versions, not the copies' `Changed`:
+    /// that one takes two zero blocks for the same, but a chunk's block of a row can read
+    /// as zeros at both while the row's other blocks changed.
     pub(crate) async fn parity_changed_piece(
         &self,
         g: Geometry,
@@ -167,32 +213,74 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let k = u64::from(g.k());
         let (b0, b1) = (p.offset / BS, (p.offset + p.len) / BS);
         let (r0, r1) = (b0 / k, (b1 - 1) / k + 1);
-        let key = self.key(p.slab);
-        let rows = self
-            .ask_in_turn(
-                slab,
-                p.slab,
-                || ExtentOp::Changed {
-                    key,
-                    epoch: self.epoch(),
-                    from,
-                    to,
-                    offset: r0 * BS,
-                    count: (r1 - r0) as u32,
-                },
-                ExtentReply::into_bitmap,
-                Ok,
-            )
-            .await?;
-        let blocks = (b1 - b0) as usize;
-        let mut bits = vec![0u64; blocks.div_ceil(64)];
-        for i in 0..blocks {
-            let r = ((b0 + i as u64) / k - r0) as usize;
-            if rows.get(r / 64).is_some_and(|w| w >> (r % 64) & 1 == 1) {
-                bits[i / 64] |= 1 << (i % 64);
+        let (key, epoch) = (self.key(p.slab), self.epoch());
+        let count = (r1 - r0) as u32;
+        let at_snapshot = |s: Epoch| ExtentOp::VersionsAt {
+            key,
+            epoch,
+            snapshot: s,
+            offset: r0 * BS,
+            count,
+            any: false,
+        };
+        let mut chunks: Vec<ExtentLoc> = slab
+            .extents()
+            .iter()
+            .filter(|e| e.state == ExtentState::InSync)
+            .copied()
+            .collect();
+        chunks.sort_by_key(|e| e.node != self.cfg.local_node);
+        let mut why = Vec::new();
+        for at in chunks {
+            let then = self.ask(at, at_snapshot(from), ExtentReply::into_versions);
+            let now = match to {
+                Some(t) => self.ask(at, at_snapshot(t), ExtentReply::into_versions),
+                None => self.ask(
+                    at,
+                    ExtentOp::Versions {
+                        key,
+                        epoch,
+                        offset: r0 * BS,
+                        count,
+                    },
+                    ExtentReply::into_versions,
+                ),
+            };
+            let (a, b) = match (then.await, now.await) {
+                (Ok(a), Ok(b)) if a.len() == b.len() && a.len() == count as usize => (a, b),
+                (Err(ReplicaError::StaleEpoch(w)), _) | (_, Err(ReplicaError::StaleEpoch(w))) => {
+                    return Err(self.fenced(w))
+                }
+                (Err(e), _) | (_, Err(e)) => {
+                    why.push(format!("node {} drive {}: {e}", at.node, at.drive));
+                    continue;
+                }
+                _ => {
+                    why.push(format!(
+                        "node {} drive {}: a short answer",
+                        at.node, at.drive
+                    ));
+                    continue;
+                }
+            };
+            let blocks = (b1 - b0) as usize;
+            let mut bits = vec![0u64; blocks.div_ceil(64)];
+            for i in 0..blocks {
+                let r = ((b0 + i as u64) / k - r0) as usize;
+                if a[r] != b[r] {
+                    bits[i / 64] |= 1 << (i % 64);
+                }
             }
+            return Ok(bits);
         }
-        Ok(bits)
+        Err(VolumeError::Unreadable {
+            volume: self.cfg.name.clone(),
+            slab: p.slab,
+            why: format!(
+                "no in-sync chunk could tell the changes since the snapshot at epoch {from}: {}",
+                why.join("; ")
+            ),
+        })
     }
 
     /// After a fill rebuilt (or resynced) the chunk on `drive`: its keeping for each

@@ -29,7 +29,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         *self.snapshots.lock().expect("snapshot list lock") = epochs;
     }
 
-    fn snapshot_error(&self, why: impl Into<String>) -> VolumeError {
+    pub(crate) fn snapshot_error(&self, why: impl Into<String>) -> VolumeError {
         VolumeError::Snapshot {
             volume: self.cfg.name.clone(),
             why: why.into(),
