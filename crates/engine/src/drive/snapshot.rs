@@ -156,11 +156,12 @@ impl Drive {
             if floor == cur && since == cur_since {
                 ext.epoch_seq.load(Ordering::Acquire)
             } else {
-                if floor > cur && !m.held.is_empty() {
+                if floor > cur && since <= floor && !m.held.is_empty() {
                     // A prior is a state a revert may bring back: one written before the
                     // snapshot would then replace a state the snapshot reads, unkept.
                     // (Priors of writes after the floor are safe: each write copied the
-                    // state it replaced for the snapshot.)
+                    // state it replaced for the snapshot. A copy that holds none of the
+                    // snapshots, joining or an earlier incarnation's, keeps none.)
                     return Err(EngineError::InvalidArgument(format!(
                         "a snapshot floor needs the extent's {} held priors settled first \
                          (the owner settles a parity chunk's rows before its snapshot)",

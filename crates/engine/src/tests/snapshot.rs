@@ -1002,6 +1002,20 @@ fn held_writes_keep_what_a_snapshot_reads_through_reverts_and_settles() {
         .set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
         .unwrap_err();
     assert!(err.to_string().contains("settled first"), "{err}");
+    // A copy that will hold none of the snapshots (joining a fill, or placed over an
+    // earlier incarnation's blocks) keeps nothing a revert could hide: taken.
+    let j = key(1, 1);
+    d.write(j, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    d.write_held(j, Epoch(1), ver(1, 2), 0, &b, &bc).unwrap();
+    d.set_snapshot_floor(j, Epoch(1), Epoch(1), None, Joining)
+        .unwrap();
+    let k2 = key(1, 2);
+    d.write(k2, Epoch(1), ver(1, 1), 0, &a, &ac).unwrap();
+    d.write_held(k2, Epoch(1), ver(1, 2), 0, &b, &bc).unwrap();
+    d.set_snapshot_floor(k2, Epoch(1), Epoch(1), None, Full)
+        .unwrap();
+    d.settle(j, Epoch(1), ver(1, 2), &[]).unwrap();
+    d.settle(k2, Epoch(1), ver(1, 2), &[]).unwrap();
     d.settle(k, Epoch(1), ver(1, 2), &[]).unwrap();
     d.set_snapshot_floor(k, Epoch(1), Epoch(1), None, Continues)
         .unwrap();
