@@ -18,9 +18,10 @@
 //! faulted, so min_replicas copies stay reachable); afterwards every copy is in sync and
 //! a scrub finds nothing to repair.
 //!
-//! The plain run also keeps a snapshot, a clone of it with its own writes, and a snapshot
-//! of the clone through all of it (docs/SNAPSHOTS.md), and reads them back byte for byte
-//! afterwards.
+//! The runs without cache drives also keep a snapshot (of a mirror-3 volume, or of a
+//! parity-2+1 one in the parity run), a mirror-3 clone of it with its own writes, and a
+//! snapshot of the clone through all of it (docs/SNAPSHOTS.md), and read them back byte
+//! for byte afterwards.
 //!
 //! `CONVERGE_THRASH_SECS` sets how long the nemesis runs (default 80 s, 60 s with cache drives; `bench/thrash`
 //! runs it for as long as asked), `CONVERGE_THRASH_SEED` the fault sequence.
@@ -84,7 +85,7 @@ fn thrash() {
 
 /// A snapshot, a clone of it written over in places, and the clone's own snapshot, made
 /// before the faults; returns the images each must read as.
-fn snapshots_and_clones(lab: &Lab) -> Vec<(String, std::path::PathBuf)> {
+fn snapshots_and_clones(lab: &Lab, resiliency: &str) -> Vec<(String, std::path::PathBuf)> {
     let dir = lab.path().join("images");
     std::fs::create_dir_all(&dir).unwrap();
     lab.must(&[
@@ -94,14 +95,23 @@ fn snapshots_and_clones(lab: &Lab) -> Vec<(String, std::path::PathBuf)> {
         "--size",
         "32M",
         "--resiliency",
-        "mirror-3",
+        resiliency,
         "--owner",
         "2",
     ]);
     let golden = random_file(&dir, "golden.img", 32 << 20, 77);
     must(Command::new("nbdcopy").arg(&golden).arg(lab.uri("golden")));
     lab.must(&["volume", "snapshot", "create", "golden", "base"]);
-    lab.must(&["volume", "clone", "golden@base", "cl", "--owner", "3"]);
+    lab.must(&[
+        "volume",
+        "clone",
+        "golden@base",
+        "cl",
+        "--owner",
+        "3",
+        "--resiliency",
+        "mirror-3",
+    ]);
     // The clone's own bytes over its first 4 MiB; the rest is the parent's.
     let own = random_file(&dir, "own.img", 4 << 20, 78);
     must(Command::new("nbdcopy").arg(&own).arg(lab.uri("cl")));
@@ -135,7 +145,8 @@ fn thrash_with_cache_drives() {
 
 /// The same with parity-2+1 volumes (docs/adr/0008): rows are written whole with held
 /// priors, reads decode around the faulted node, a failed drive's chunks are rebuilt on the
-/// one node that holds none of their slab.
+/// one node that holds none of their slab (with the snapshot's rows, for the kept
+/// parity volume).
 #[test]
 fn thrash_parity() {
     let secs = env_u64("CONVERGE_THRASH_PARITY_SECS", 45);
@@ -161,8 +172,8 @@ fn thrash_run(secs: u64, seed: u64, cache: bool, resiliency: &str) {
         ]);
     }
     let lab = Lab::up(4, &args);
-    let kept = if !cache && resiliency == "mirror-3" {
-        snapshots_and_clones(&lab)
+    let kept = if !cache {
+        snapshots_and_clones(&lab, resiliency)
     } else {
         Vec::new()
     };
