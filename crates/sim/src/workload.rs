@@ -740,6 +740,9 @@ async fn read_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>) {
     match r {
         Some(Ok(data)) => {
             w.count("snapshot reads ok");
+            if o.vol.config().resiliency.is_parity() {
+                w.count("parity snapshot reads ok");
+            }
             let bad = lock(&w.hist).check_read(v, tag, first, &data, s.start, s.end, strict);
             for (blk, why) in bad {
                 let writes = crate::describe_block(w, v, blk);
@@ -867,6 +870,9 @@ pub(crate) async fn check_snapshots(w: &Arc<World>, v: usize, o: &Arc<crate::own
                         img.extend_from_slice(&data);
                     }
                     w.count("final snapshot reads");
+                    if o.vol.config().resiliency.is_parity() {
+                        w.count("final parity snapshot reads");
+                    }
                     let bad = lock(&w.hist).check_read(v, tag, first, &data, s.start, s.end, true);
                     for (blk, why) in bad {
                         let writes = crate::describe_block(w, v, blk);

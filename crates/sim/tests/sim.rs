@@ -459,6 +459,9 @@ fn snapshots() {
         "clone reads ok",
         "clone blocks read as their parent's",
         "snapshot deletes refused (a clone reads it)",
+        "parity snapshot reads ok",
+        "final parity snapshot reads",
+        "parity chunks resynced",
     ] {
         assert!(
             counters.get(what).copied().unwrap_or(0) > 0,
