@@ -361,7 +361,7 @@ enum VolumeCmd {
         to: u32,
     },
     /// Snapshots: crash-consistent and instant (nothing is copied), each a read-only NBD
-    /// export `VOLUME@SNAPSHOT`; mirror and simple volumes, compressed or not
+    /// export `VOLUME@SNAPSHOT`; mirror, simple and parity volumes, compressed or not
     /// (docs/SNAPSHOTS.md).
     #[command(subcommand)]
     Snapshot(SnapshotCmd),

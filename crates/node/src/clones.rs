@@ -149,7 +149,8 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, snap: &str, body: &[u8]
     ) {
         return Err(ApiError::bad(format!(
             "a clone is simple, mirror-2 or mirror-3 (not {resiliency}): clones of parity \
-             layouts are not supported yet"
+             layouts are not supported yet; give --resiliency mirror-2 or mirror-3 (a parity \
+             volume's snapshot can be cloned into one)"
         )));
     }
     // How deep the new clone would sit.
