@@ -1584,7 +1584,7 @@ impl Drive {
                     if copies > 0 {
                         let n_data = taken - copies;
                         let which = applied_indexes(applied).filter(copied);
-                        self.copy_held_preserves(
+                        self.copy_kept_states(
                             ext,
                             first,
                             floor,
@@ -1733,7 +1733,7 @@ impl Drive {
         for i in applied_indexes(applied) {
             // A packed state stays with its group's stream, and a held write's replaced
             // state stays as the block's prior: those are copied instead
-            // ([`Drive::copy_preserves`], [`Drive::copy_held_preserves`]).
+            // ([`Drive::copy_preserves`], [`Drive::copy_kept_states`]).
             let copied = before[i].is_packed() || (hold && before[i].run().is_some());
             if must_preserve(floor, &before[i], version_of(i)) && !copied {
                 Record::Preserve {

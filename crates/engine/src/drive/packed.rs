@@ -183,76 +183,28 @@ impl Drive {
         if n == 0 {
             return Ok(());
         }
-        with_pack(|p| {
-            let homes = applied_indexes(applied)
-                .filter(wanted)
-                .map(|i| self.layout.home_block(ext.slot, first + i as u32));
-            p.copy_phys.clear();
-            self.take_blocks(ExactLen(homes, n), &mut p.copy_phys)?;
-            let mut loaded = None;
-            let mut written = Ok(());
-            let mut unused = Vec::new();
-            for (k, i) in applied_indexes(applied).filter(wanted).enumerate() {
-                let m = before[i];
-                let mut whole = false;
-                written = self
-                    .member_content(&m, &mut p.raw, &mut p.plain, &mut loaded)
-                    .and_then(|()| {
-                        let at = m.member() as usize * BLOCK_SIZE;
-                        let Some(src) = p.plain.get(at..at + BLOCK_SIZE) else {
-                            return Ok(());
-                        };
-                        if crc32c::crc32c(src) != m.crc {
-                            return Ok(());
-                        }
-                        whole = true;
-                        let blk = aligned(&mut p.stage, BLOCK_SIZE);
-                        blk.copy_from_slice(src);
-                        self.dev_write(&blk[..], self.layout.phys_off(p.copy_phys[k]), IoKind::Data)
-                    });
-                if written.is_err() {
-                    break;
-                }
-                let copy = if whole {
-                    kept_copy(&m, p.copy_phys[k])
-                } else {
-                    unused.push(p.copy_phys[k]);
-                    kept_bad(&m)
-                };
-                Record::PreserveCopy {
-                    slot: ext.slot,
-                    block: first + i as u32,
-                    snapshot: floor,
-                    meta: copy,
-                }
-                .push(records);
-            }
-            if let Err(e) = written {
-                // Nothing names the copies yet: they go back.
-                let mut pool = lock(&self.pool);
-                for &b in &p.copy_phys {
-                    pool.release(b);
-                }
-                records.clear();
-                return Err(e);
-            }
-            if !unused.is_empty() {
-                let mut pool = lock(&self.pool);
-                for b in unused {
-                    pool.release(b);
-                }
-            }
-            Ok(())
-        })
+        let mut phys = Vec::with_capacity(n);
+        let homes = applied_indexes(applied)
+            .filter(wanted)
+            .map(|i| self.layout.home_block(ext.slot, first + i as u32));
+        self.take_blocks(ExactLen(homes, n), &mut phys)?;
+        let which = applied_indexes(applied).filter(wanted);
+        self.copy_kept_states(ext, first, floor, which, before, &phys, records)
+            .inspect_err(|e| {
+                // The device failed under us: stop acking, as a write does.
+                self.fail(e);
+            })
     }
 
-    /// For a held write replacing states the snapshot at `floor` reads (`before[i]` for
-    /// each `i` of `which`, blocks from `first`), which stay as the blocks' priors: copies
-    /// each into its block of `phys` (taken with the write's) and pushes its
-    /// PreserveCopy record onto `records`, ahead of the write's own. A state whose content
-    /// fails its crc is kept as a bad state (its block is given back).
+    /// For a write (or zero) replacing states the snapshot at `floor` reads that cannot
+    /// move into its keeping (`before[i]` for each `i` of `which`, blocks from `first`): a
+    /// held write's, which stay as the blocks' priors, or packed members, whose stream the
+    /// group's others still name. Copies each into its block of `phys` (taken with the
+    /// write's blocks, or alone for a zero) and pushes its PreserveCopy record onto
+    /// `records`, ahead of the write's own. A state whose content fails its crc is kept as
+    /// a bad state (its block is given back).
     #[allow(clippy::too_many_arguments)]
-    pub(super) fn copy_held_preserves(
+    pub(super) fn copy_kept_states(
         &self,
         ext: &Extent,
         first: u32,
