@@ -931,25 +931,19 @@ impl Record {
                 block,
                 snapshot,
                 meta,
-            } => {
-                debug_assert!(meta.flags <= 0xff, "a preserved state is never packed");
-                out[0] = 12;
-                out[1] = meta.flags as u8;
-                put_u32(out, 4, slot);
-                put_u32(out, 8, block);
-                put_u32(out, 12, snapshot);
-                put_u64(out, 16, meta.version);
-                put_u32(out, 24, meta.crc);
-                put_u32(out, 28, meta.phys);
             }
-            Record::PreserveCopy {
+            | Record::PreserveCopy {
                 slot,
                 block,
                 snapshot,
                 meta,
             } => {
-                debug_assert!(meta.flags <= 0xff, "a preserved copy is never packed");
-                out[0] = 16;
+                debug_assert!(meta.flags <= 0xff, "a preserved state is never packed");
+                out[0] = if matches!(self, Record::Preserve { .. }) {
+                    12
+                } else {
+                    16
+                };
                 out[1] = meta.flags as u8;
                 put_u32(out, 4, slot);
                 put_u32(out, 8, block);
