@@ -109,13 +109,13 @@ impl Drop for Settling<'_> {
 }
 
 /// Data chunk `j`'s rows within volume blocks `[b0, b1)` of a slab of K-block rows.
-pub(crate) fn chunk_rows(k: u64, j: u64, b0: u64, b1: u64) -> (u64, u64) {
+fn chunk_rows(k: u64, j: u64, b0: u64, b1: u64) -> (u64, u64) {
     let first = if b0 <= j { 0 } else { (b0 - j).div_ceil(k) };
     let end = if b1 <= j { 0 } else { (b1 - j).div_ceil(k) };
     (first, end.max(first))
 }
 
-pub(crate) fn bit(c: usize) -> u32 {
+fn bit(c: usize) -> u32 {
     1 << c
 }
 
