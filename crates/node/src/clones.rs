@@ -244,13 +244,20 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, snap: &str, body: &[u8]
             match node.cluster.pin_clone(name, snap, &req.name).await {
                 Ok(Some(_)) => {}
                 Ok(None) | Err(converge_control::model::ControlError::Refused(_)) => {
-                    let _ = node.cluster.delete_volume(&req.name).await;
+                    let undone = undo_clone(node, &req.name).await;
                     return Err(ApiError(
                         StatusCode::CONFLICT,
-                        format!("snapshot {snap} of volume {name} was deleted meanwhile"),
+                        format!("snapshot {snap} of volume {name} was deleted meanwhile; {undone}"),
                     ));
                 }
-                Err(e) => return Err(ApiError::unavailable(e)),
+                Err(e) => {
+                    // Whether the pin holds is unknown: the clone must not stay without it.
+                    let undone = undo_clone(node, &req.name).await;
+                    return Err(ApiError::unavailable(format!(
+                        "the control plane did not confirm that snapshot {snap} of volume \
+                         {name} keeps the clone ({e}); {undone}"
+                    )));
+                }
             }
             log::info!("created volume {} as a clone of {name}@{snap}", req.name);
             Ok((
@@ -263,6 +270,21 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, snap: &str, body: &[u8]
                 log::warn!("unpinning {name}@{snap} after a failed clone: {u}");
             }
             Err(e)
+        }
+    }
+}
+
+/// Removes the record of a clone whose creation did not complete; says what became of it
+/// (a record left behind names the command that removes it).
+async fn undo_clone(node: &Arc<Node>, clone: &str) -> String {
+    match node.cluster.delete_volume(clone).await {
+        Ok(_) => format!("volume {clone} was not created"),
+        Err(e) => {
+            log::warn!("removing the record of clone {clone} whose creation did not complete: {e}");
+            format!(
+                "the record of volume {clone} could not be removed ({e}): remove it with \
+                 `converge volume delete {clone}`"
+            )
         }
     }
 }
