@@ -27,6 +27,10 @@ pub(crate) struct Pool {
     written: Vec<u64>,
     total: u32,
     free: u64,
+    /// Free blocks that are also written: when none is left (the spare area used up, as
+    /// after a snapshot keeps the blocks writes replace), the search for one is skipped
+    /// rather than run over the whole map for every block taken.
+    free_written: u64,
     /// Where the search for a block that cannot go home starts (next fit: a run of
     /// requests gets consecutive blocks while free space is contiguous).
     cursor: u32,
@@ -45,6 +49,7 @@ impl Pool {
             written: vec![0; words],
             total,
             free: u64::from(total),
+            free_written: 0,
             cursor: if spare_start < total { spare_start } else { 0 },
             spare_start,
         };
@@ -56,7 +61,11 @@ impl Pool {
     pub fn note_written(&mut self, first: u32, count: u32) {
         let end = first.saturating_add(count).min(self.total);
         for p in first..end {
-            self.written[(p / 64) as usize] |= 1 << (p % 64);
+            let (w, bit) = ((p / 64) as usize, 1u64 << (p % 64));
+            if self.written[w] & bit == 0 && self.used[w] & bit == 0 {
+                self.free_written += 1;
+            }
+            self.written[w] |= bit;
         }
     }
 
@@ -78,8 +87,12 @@ impl Pool {
         if p >= self.total || self.is_used(p) {
             return false;
         }
-        self.used[(p / 64) as usize] |= 1 << (p % 64);
-        self.written[(p / 64) as usize] |= 1 << (p % 64);
+        let (w, bit) = ((p / 64) as usize, 1u64 << (p % 64));
+        if self.written[w] & bit != 0 {
+            self.free_written -= 1;
+        }
+        self.used[w] |= bit;
+        self.written[w] |= bit;
         self.free -= 1;
         true
     }
@@ -91,6 +104,8 @@ impl Pool {
         if self.is_used(p) {
             self.used[(p / 64) as usize] &= !(1 << (p % 64));
             self.free += 1;
+            // A block in use is written (`mark`).
+            self.free_written += 1;
             // Reuse spare blocks before going on through the device: relocated blocks
             // stay in a small area (a drive file is not touched all over, which on a
             // sparse file costs an allocation per new block, and reads stay local).
@@ -104,8 +119,10 @@ impl Pool {
     /// drive file, if there is one (`written`), else the next free one; the pool must not
     /// be full.
     fn next_free(&mut self) -> u32 {
-        if let Some(p) = self.scan(true) {
-            return p;
+        if self.free_written > 0 {
+            if let Some(p) = self.scan(true) {
+                return p;
+            }
         }
         self.scan(false).expect("next_free on a full pool")
     }
@@ -152,6 +169,9 @@ impl Pool {
     /// first, as [`Pool::take`]), if free space is not too fragmented for one.
     fn find_run(&self, len: u32) -> Option<u32> {
         for written_only in [true, false] {
+            if written_only && self.free_written < u64::from(len) {
+                continue;
+            }
             let mut p = self.cursor;
             let mut visited = 0u64;
             while visited <= u64::from(self.total) {
@@ -275,6 +295,61 @@ mod tests {
         out.clear();
         assert!(p.take([u32::MAX].into_iter(), &mut out));
         assert_eq!(out, [77], "wraps around to the only free block");
+    }
+
+    /// The count of free, written blocks (which lets a search skip a pass over the whole
+    /// map when there is none) stays equal to the map's through every kind of change; and
+    /// with none left, blocks are still found.
+    #[test]
+    fn the_free_written_count_follows_the_map() {
+        use rand::{Rng, SeedableRng};
+        let recount = |p: &Pool| -> u64 {
+            (0..p.total)
+                .filter(|&b| !p.is_used(b) && p.written[(b / 64) as usize] & (1 << (b % 64)) != 0)
+                .count() as u64
+        };
+        let mut rng = rand::rngs::StdRng::seed_from_u64(5);
+        let mut p = Pool::new(1000, 900);
+        let mut held: Vec<u32> = Vec::new();
+        assert_eq!(p.free_written, recount(&p));
+        for step in 0..4000 {
+            let mut out = Vec::new();
+            match rng.gen_range(0..5) {
+                0 if p.free() > 4 => {
+                    let home = rng.gen_range(0..1100);
+                    assert!(p.take((home..home + 3).map(|h| h % 1100), &mut out));
+                }
+                1 if p.free() > 8 => {
+                    let reqs = [(rng.gen_range(0..1000), 4), (u32::MAX, 2)];
+                    let _ = p.take_runs(&reqs, &mut out);
+                    for (k, &f) in out.iter().enumerate() {
+                        held.extend(f..f + reqs[k].1);
+                    }
+                    out.clear();
+                }
+                2 if !held.is_empty() => {
+                    let i = rng.gen_range(0..held.len());
+                    p.release(held.swap_remove(i));
+                }
+                3 => {
+                    let b = rng.gen_range(0..1000);
+                    if p.mark(b) {
+                        held.push(b);
+                    }
+                }
+                _ => p.note_written(rng.gen_range(0..1000), rng.gen_range(0..40)),
+            }
+            held.extend(out);
+            assert_eq!(p.free_written, recount(&p), "step {step}");
+        }
+        // Every written block in use: the next block comes from the unwritten ones.
+        let mut p = Pool::new(200, 190);
+        let mut out = Vec::new();
+        assert!(p.take(190..200, &mut out));
+        assert_eq!(p.free_written, 0);
+        out.clear();
+        assert!(p.take([195].into_iter(), &mut out));
+        assert!(out[0] < 190, "{out:?}");
     }
 
     /// A block that cannot go home takes a free block the drive file already holds (the
