@@ -138,6 +138,16 @@ pub(crate) fn row_version(got: &[Option<BlocksReply>], i: usize, k: usize) -> Op
         .max()
 }
 
+/// Counts a chunk answer's suspect blocks (rolled back by its drive's recovery) as bad:
+/// they are no source for a row.
+pub(crate) fn suspect_as_bad(r: &mut BlocksReply) {
+    for i in std::mem::take(&mut r.suspect) {
+        if !r.bad_blocks.contains(&i) {
+            r.bad_blocks.push(i);
+        }
+    }
+}
+
 /// Whether chunk `c`'s answer holds row `i` intact at `version`.
 pub(crate) fn good_at(got: &[Option<BlocksReply>], c: usize, i: usize, version: Version) -> bool {
     got[c]
@@ -179,6 +189,18 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             ));
         }
         Ok(ex.to_vec())
+    }
+
+    /// Which of the slab's chunks `ex` is on `drive`.
+    pub(crate) fn chunk_on(
+        &self,
+        idx: SlabIndex,
+        ex: &[ExtentLoc],
+        drive: converge_types::DriveId,
+    ) -> Result<usize, VolumeError> {
+        ex.iter()
+            .position(|e| e.drive == drive)
+            .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no chunk")))
     }
 
     /// A write within one slab: the rows it touches are written whole on every chunk that

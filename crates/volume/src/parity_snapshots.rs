@@ -8,7 +8,7 @@
 //! version, on every chunk).
 
 use super::*;
-use crate::parity_io::{good_at, interleave, row_version, BSZ};
+use crate::parity_io::{good_at, interleave, row_version, suspect_as_bad, BSZ};
 use crate::resync::Throttle;
 use converge_types::BlocksReply;
 
@@ -157,14 +157,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             )
         };
         // A suspect block (rolled back by its drive's recovery) is no source here.
-        for r in got.iter_mut().flatten() {
-            let marked = std::mem::take(&mut r.suspect);
-            for i in marked {
-                if !r.bad_blocks.contains(&i) {
-                    r.bad_blocks.push(i);
-                }
-            }
-        }
+        got.iter_mut().flatten().for_each(suspect_as_bad);
         let mut versions = Vec::with_capacity(n as usize);
         for i in 0..n as usize {
             match row_version(&got, i, ku) {
@@ -304,10 +297,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             return Ok(());
         };
         let ex = self.chunks(g, idx, slab)?;
-        let tc = ex
-            .iter()
-            .position(|e| e.drive == drive)
-            .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no chunk")))?;
+        let tc = self.chunk_on(idx, &ex, drive)?;
         if ex[tc].state != ExtentState::Syncing {
             return Err(self.copy_error(
                 idx,
@@ -393,12 +383,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         for (&c, a) in others.iter().zip(answers) {
             match a {
                 Ok(mut r) => {
-                    // A suspect block is no source.
-                    for i in std::mem::take(&mut r.suspect) {
-                        if !r.bad_blocks.contains(&i) {
-                            r.bad_blocks.push(i);
-                        }
-                    }
+                    suspect_as_bad(&mut r);
                     got[c] = Some(r);
                 }
                 Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),

@@ -277,10 +277,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let key = self.key(idx);
         let epoch = self.epoch();
         let ex = self.chunks(g, idx, slab)?;
-        let tc = ex
-            .iter()
-            .position(|e| e.drive == drive)
-            .ok_or_else(|| self.copy_error(idx, format!("drive {drive} holds no chunk")))?;
+        let tc = self.chunk_on(idx, &ex, drive)?;
         let target = ex[tc];
         // With snapshots: the chunk drops what it kept of them (a stale chunk's may be
         // wrong) and holds the later ones only; reads of the older decode from chunks that
