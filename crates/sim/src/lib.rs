@@ -548,9 +548,7 @@ async fn run(w: Arc<World>) {
     }
     let repairer = tokio::spawn(workload::repairer(w.clone()));
     let snapshotters: Vec<_> = (0..o.volumes.len())
-        .filter(|&v| {
-            o.snapshots && o.volumes[v].mirror_part_extents == 0 && o.volumes[v].clone_of.is_none()
-        })
+        .filter(|&v| o.snapshots && o.volumes[v].clone_of.is_none())
         .map(|v| tokio::spawn(workload::snapshotter(w.clone(), v)))
         .collect();
     let cloners: Vec<_> = (0..o.volumes.len())

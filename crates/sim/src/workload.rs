@@ -332,6 +332,9 @@ async fn rotate_volume(w: &Arc<World>, v: usize, o: &Arc<Owner>, throttle: &Arc<
         match r {
             Some(Ok(converge_volume::Rotated::Span { .. })) => {
                 w.count("spans rotated into parity");
+                if !o.vol.snapshots().is_empty() {
+                    w.count("spans rotated with their snapshots");
+                }
                 continuing = true;
             }
             Some(Ok(converge_volume::Rotated::Nothing)) => return,
@@ -743,6 +746,9 @@ async fn read_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>) {
             if o.vol.config().resiliency.is_parity() {
                 w.count("parity snapshot reads ok");
             }
+            if o.vol.mirror_part_usage().is_some() {
+                w.count("mirror-part snapshot reads ok");
+            }
             let bad = lock(&w.hist).check_read(v, tag, first, &data, s.start, s.end, strict);
             for (blk, why) in bad {
                 let writes = crate::describe_block(w, v, blk);
@@ -872,6 +878,9 @@ pub(crate) async fn check_snapshots(w: &Arc<World>, v: usize, o: &Arc<crate::own
                     w.count("final snapshot reads");
                     if o.vol.config().resiliency.is_parity() {
                         w.count("final parity snapshot reads");
+                    }
+                    if o.vol.mirror_part_usage().is_some() {
+                        w.count("final mirror-part snapshot reads");
                     }
                     let bad = lock(&w.hist).check_read(v, tag, first, &data, s.start, s.end, true);
                     for (blk, why) in bad {

@@ -426,7 +426,7 @@ fn mirror_accelerated_parity() {
 }
 
 /// Seeds of the snapshot sweep in CI: a third of them with caches, a third compressed, and
-/// half with a parity volume.
+/// half with a parity volume (every other one of those with a mirror part).
 const SNAPSHOT_SEEDS: u64 = 120;
 
 /// Owners take, read and delete snapshots of the mirror volumes among every fault of the
@@ -443,11 +443,12 @@ fn snapshots() {
         o.cache = o.seed % 3 == 0;
         o.compress = o.seed % 3 == 1;
         o.parity = o.seed % 2 == 0;
+        o.mirror_part = o.seed % 4 == 0;
     });
     eprintln!("{n} snapshot seeds from {first} in {:.1?}", start.elapsed());
     assert!(
         failed.is_empty(),
-        "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=snapshot[,cache|,compress][,parity] CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
+        "seeds {failed:?} failed; replay one with CONVERGE_SIM_VARIANT=snapshot[,cache|,compress][,parity|,mirror-part] CONVERGE_SIM_SEED=<seed> cargo nextest run --release -p converge-sim replay --no-capture"
     );
     for what in [
         "snapshots taken",
@@ -462,6 +463,9 @@ fn snapshots() {
         "parity snapshot reads ok",
         "final parity snapshot reads",
         "parity chunks resynced",
+        "mirror-part snapshot reads ok",
+        "final mirror-part snapshot reads",
+        "spans rotated with their snapshots",
     ] {
         assert!(
             counters.get(what).copied().unwrap_or(0) > 0,

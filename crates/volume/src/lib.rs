@@ -9,6 +9,7 @@ mod clone;
 pub mod crypt;
 mod fill_snapshots;
 mod mirror_part;
+mod mirror_part_snapshots;
 pub mod parity;
 mod parity_io;
 mod parity_snapshots;

@@ -39,8 +39,8 @@ const ROTATE_STEP_BYTES: u64 = 4 << 20;
 
 #[derive(Default)]
 pub(crate) struct SpanGate {
-    writes: tokio::sync::RwLock<()>,
-    reads: tokio::sync::RwLock<()>,
+    pub(crate) writes: tokio::sync::RwLock<()>,
+    pub(crate) reads: tokio::sync::RwLock<()>,
 }
 
 /// What a volume with a mirror part keeps beside its slabs.
@@ -90,7 +90,7 @@ pub enum Rotated {
 }
 
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
-    fn gate(&self, span: u64) -> &SpanGate {
+    pub(crate) fn gate(&self, span: u64) -> &SpanGate {
         let m = self
             .map
             .as_ref()
@@ -99,7 +99,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     /// Data chunks per span (K).
-    fn span_extents(&self) -> u64 {
+    pub(crate) fn span_extents(&self) -> u64 {
         self.geometry.map_or(1, |g| u64::from(g.k()))
     }
 
@@ -150,7 +150,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     /// Pieces of the mirror-part slabs that piece `p` of a span covers (`at` still counted
     /// from the start of the client request).
-    fn sub_pieces(&self, p: Piece) -> impl Iterator<Item = Piece> {
+    pub(crate) fn sub_pieces(&self, p: Piece) -> impl Iterator<Item = Piece> {
         let base = p.slab.0 * self.slab_span();
         split(base + p.offset, p.len, self.cfg.slab_size_bytes).map(move |s| Piece {
             slab: SlabIndex::mirror_part(s.slab.0),
@@ -232,7 +232,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     }
 
     /// Reads piece `p` of a span held in the mirror part (never-written extents read zeros).
-    async fn mirror_span_read(&self, p: Piece) -> Result<Bytes, VolumeError> {
+    pub(crate) async fn mirror_span_read(&self, p: Piece) -> Result<Bytes, VolumeError> {
         let subs: Vec<Piece> = self.sub_pieces(p).collect();
         if subs.len() == 1 {
             return self.mirror_read_piece(subs[0]).await;
@@ -392,6 +392,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let g = self
             .geometry
             .expect("a volume with a mirror part is a parity volume");
+        // No snapshot is taken or deleted while the span moves: the copy carries them.
+        let _history = self.history.lock().await;
         let gate = self.gate(span);
         let _w = gate.writes.write().await;
         let subs: Vec<(SlabIndex, Arc<Slab>)> = {
@@ -403,16 +405,30 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if subs.is_empty() || !subs.iter().all(|(_, s)| settled(s)) {
             return Ok(None);
         }
+        // With snapshots, the copy writes each row once at its own version (and the
+        // snapshots' rows into the chunks' keeping): a parity slab left by an earlier
+        // rotation goes first, so the copy starts from a new one.
+        let snapshots = self.snapshots();
+        if !snapshots.is_empty()
+            && self.slab(SlabIndex(span)).is_some()
+            && !self.parity_release(SlabIndex(span)).await?
+        {
+            return Ok(None);
+        }
         // The parity slab: a new one is zeroed as it is taken up, so the span's extents
         // that were never written need no copy; one left by an earlier rotation is written
         // whole.
         let started = Instant::now();
         let fresh = self.slab(SlabIndex(span)).is_none();
-        self.slab_or_allocate(SlabIndex(span)).await?;
+        let parity = self.slab_or_allocate(SlabIndex(span)).await?;
+        self.check_rotation_floors(g, SlabIndex(span), &parity, &snapshots)
+            .await?;
         let row = g.row_bytes();
         let step = (ROTATE_STEP_BYTES / row).max(1) * row;
         let span_bytes = self.slab_span();
-        progress.bytes_total.store(span_bytes, Ordering::Relaxed);
+        progress
+            .bytes_total
+            .store(span_bytes * (1 + snapshots.len() as u64), Ordering::Relaxed);
         progress.bytes_done.store(0, Ordering::Relaxed);
         let mut copied = 0;
         let mut off = 0;
@@ -426,13 +442,28 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             };
             off += len;
             let held = self.sub_pieces(p).any(|s| self.slab(s.slab).is_some());
-            if held || !fresh {
+            if (held || !fresh) && !snapshots.is_empty() {
+                throttle.take(len).await;
+                self.rotate_rows_versioned(g, p, &parity).await?;
+                copied += len;
+            } else if held || !fresh {
                 throttle.take(len).await;
                 let data = self.mirror_span_read(p).await?;
                 self.parity_write_piece(g, p, data).await?;
                 copied += len;
             }
             progress.bytes_done.fetch_add(len, Ordering::Relaxed);
+        }
+        if !snapshots.is_empty() {
+            let kept = self
+                .rotate_snapshots(g, span, &snapshots, throttle, progress)
+                .await?;
+            log::info!(
+                "volume {}: span {span}: its {} snapshots' rows written into its parity chunks ({} MiB compared and copied)",
+                self.cfg.name,
+                snapshots.len(),
+                kept >> 20
+            );
         }
         // The flip: no read may be on its way to the mirror copies freed below.
         let _r = gate.reads.write().await;

@@ -7,6 +7,7 @@
 //! block `r` of every chunk; data block `j` of row `r` is volume byte
 //! `(r·K + j)·4096` of the slab.
 
+use crate::mirror_part::Layout;
 use crate::parity::{Codec, Geometry, Shard};
 use crate::{
     block_crcs, join_all, writable, BlocksReply, ExtentLoc, ExtentOp, ExtentReply, Piece,
@@ -361,7 +362,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     /// Lays `rows` (whole rows, row-major as the volume sees them) out as K+M chunk
     /// slices, one after the other, and computes the parity ones.
-    fn encode_rows(&self, g: Geometry, idx: SlabIndex, rows: &[u8]) -> Result<Bytes, VolumeError> {
+    pub(crate) fn encode_rows(
+        &self,
+        g: Geometry,
+        idx: SlabIndex,
+        rows: &[u8],
+    ) -> Result<Bytes, VolumeError> {
         let k = usize::from(g.k());
         let all = k + usize::from(g.m());
         let n = rows.len() / (k * BSZ);
@@ -514,8 +520,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             return Ok(true);
         }
         // The volume's snapshots read what the chunks keep (checked under the gate: a
-        // snapshot holds every gate while it is taken).
-        if !self.snapshots().is_empty() {
+        // snapshot holds every gate while it is taken), but for a rotation's leftover:
+        // the span's mirror part holds its data, and what its snapshots read.
+        if !self.snapshots().is_empty() && self.layout(idx.0) != Some(Layout::Mirror) {
             return Ok(false);
         }
         let _c = slab.change.lock().await;

@@ -9,7 +9,8 @@
 //! Supported here: mirror and simple volumes, compressed or not (a copy keeps a state of
 //! a compressed group by copying it out of the group's stream), and parity volumes (their
 //! chunks' priors settled before the floors; reads and changes in
-//! `parity_snapshots.rs`). Mirror-accelerated parity is refused with the reason.
+//! `parity_snapshots.rs`), and mirror-accelerated parity volumes (a span's snapshots are
+//! read from the layout it has now; a rotation carries them: `mirror_part_snapshots.rs`).
 
 use super::*;
 use converge_types::FloorHistory;
@@ -36,17 +37,6 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
     }
 
-    /// Whether this volume's layout supports snapshots yet (see the module docs).
-    pub fn snapshots_supported(&self) -> Result<(), VolumeError> {
-        if self.map.is_some() {
-            return Err(self.snapshot_error(
-                "snapshots of mirror-accelerated parity volumes are not supported yet (mirror, \
-                 simple and parity volumes are)",
-            ));
-        }
-        Ok(())
-    }
-
     /// Takes a snapshot. `commit(e)` records it in the control plane as the snapshot of
     /// epoch `e` and grants this owner its next epoch, which it returns; it runs with
     /// every write drained and none admitted, after every copy that takes writes has its
@@ -60,7 +50,6 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         F: FnOnce(Epoch) -> Fut,
         Fut: Future<Output = Result<Epoch, VolumeError>>,
     {
-        self.snapshots_supported()?;
         self.check_serving()?;
         // No fill copies snapshots meanwhile, no slab is allocated and no write runs: every
         // slab's gate, in order (a write holds one gate per piece; pieces of one write take
@@ -313,7 +302,6 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if !self.snapshots().contains(&snapshot) {
             return Err(self.snapshot_error(format!("no snapshot at epoch {snapshot}")));
         }
-        self.snapshots_supported()?;
         if len == 0 {
             return Ok(Bytes::new());
         }
@@ -325,6 +313,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         for p in split(a_start, a_end - a_start, self.slab_span()) {
             let piece = match &parent {
                 Some(parent) => self.clone_read_piece(parent, p, Some(snapshot)).await?,
+                None if self.map.is_some() => self.map_read_at_piece(snapshot, p).await?,
                 None => self.read_at_piece(snapshot, p).await?,
             };
             buf.extend_from_slice(&piece);
@@ -360,7 +349,6 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         self.check_range(offset, len)?;
         self.check_serving()?;
-        self.snapshots_supported()?;
         let snaps = self.snapshots();
         if !snaps.contains(&from) {
             return Err(self.snapshot_error(format!("no snapshot at epoch {from}")));
@@ -381,10 +369,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let blocks = ((a_end - a_start) / BS) as usize;
         let mut bits = vec![0u64; blocks.div_ceil(64)];
         for p in split(a_start, a_end - a_start, self.slab_span()) {
-            let Some(slab) = self.slab(p.slab) else {
-                continue;
+            let got = match (self.geometry, &self.map) {
+                (Some(g), Some(_)) => self.map_changed_piece(g, from, to, p).await?,
+                _ => {
+                    let Some(slab) = self.slab(p.slab) else {
+                        continue;
+                    };
+                    self.changed_piece(&slab, from, to, p).await?
+                }
             };
-            let got = self.changed_piece(&slab, from, to, p).await?;
             let base = (p.at / BS) as usize;
             for i in 0..(p.len / BS) as usize {
                 if got[i / 64] >> (i % 64) & 1 == 1 {
@@ -397,7 +390,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         Ok(bits)
     }
 
-    async fn changed_piece(
+    pub(crate) async fn changed_piece(
         &self,
         slab: &Slab,
         from: Epoch,
@@ -553,22 +546,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// at the current epoch, so the snapshot and every newer one stay as they are). Clients should not write meanwhile: a write racing the rollback
     /// may land before or after the part it touches. Returns the bytes rewritten.
     pub async fn rollback(&self, snapshot: Epoch) -> Result<u64, VolumeError> {
-        self.snapshots_supported()?;
         if !self.snapshots().contains(&snapshot) {
             return Err(self.snapshot_error(format!("no snapshot at epoch {snapshot}")));
         }
         let span = self.slab_span();
         let size = self.size_bytes();
-        let slabs: Vec<SlabIndex> = self
-            .slabs
-            .read()
-            .expect("slab map lock poisoned")
-            .keys()
-            .copied()
-            .collect();
         let mut done = 0;
-        for idx in slabs {
-            let start = idx.0 * span;
+        for idx in self.spans_allocated() {
+            let start = idx * span;
             let end = (start + span).min(size);
             let mut off = start;
             while off < end {
