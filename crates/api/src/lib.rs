@@ -389,6 +389,16 @@ pub struct SnapshotInfo {
     /// Clones made from it (it cannot be deleted while one still reads from it).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub clones: Vec<String>,
+    /// Bytes the drives keep for it, on every copy and chunk (asked with `?space=1`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kept_bytes: Option<u64>,
+    /// Of those, the bytes deleting it would free (the rest the next older snapshot
+    /// reads too, and keeps).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub freed_by_delete_bytes: Option<u64>,
+    /// Copies that did not answer the space question (their share is missing above).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub space_copies_unanswered: Option<u64>,
 }
 
 /// `GET /v1/volumes/NAME/changes?from=A[&to=B][&offset=O&length=L]`: the byte runs of

@@ -445,8 +445,15 @@ enum SnapshotCmd {
         /// Its name (letters, digits, '-', '_', '.'; at most 64 per volume).
         name: String,
     },
-    /// List a volume's snapshots with their read-only NBD URIs.
-    List { volume: String },
+    /// List a volume's snapshots with their read-only NBD URIs, and what the drives keep
+    /// for each (KEPT, on every copy) and what deleting it would free (FREED BY DELETE),
+    /// as the volume's owner counts them from its copies' metadata.
+    List {
+        volume: String,
+        /// Leave out the space figures (no question to the owner's copies).
+        #[arg(long)]
+        no_space: bool,
+    },
     /// Delete a snapshot: the space only it holds returns; older snapshots keep what they
     /// read. Cut short (a node unreachable), run it again to finish.
     Delete { volume: String, name: String },
@@ -1036,30 +1043,56 @@ fn run_snapshot(cli: &Cli, cmd: &SnapshotCmd) -> Result<()> {
             println!("snapshot {volume}@{} taken (epoch {})", s.name, s.epoch);
             println!("uri  {}", s.uri);
         }
-        SnapshotCmd::List { volume } => {
+        SnapshotCmd::List { volume, no_space } => {
             check_name(volume)?;
-            let v: Vec<SnapshotInfo> = http::call(
-                &api_base(cli)?,
-                "GET",
-                &format!("/v1/volumes/{volume}/snapshots"),
-                None,
-            )?;
+            let base = api_base(cli)?;
+            let plain = format!("/v1/volumes/{volume}/snapshots");
+            // The space figures need the volume's owner; without it the list still comes.
+            let (v, why): (Vec<SnapshotInfo>, Option<String>) = match no_space {
+                true => (http::call(&base, "GET", &plain, None)?, None),
+                false => match http::call(&base, "GET", &format!("{plain}?space=1"), None) {
+                    Ok(v) => (v, None),
+                    Err(e) => (
+                        http::call(&base, "GET", &plain, None)?,
+                        Some(format!("{e:#}")),
+                    ),
+                },
+            };
             if cli.json {
                 return print_json(&v);
             }
-            let mut t =
-                table::Table::new(&["NAME", "EPOCH", "CREATED (UNIX)", "SIZE", "CLONES", "URI"]);
+            let mut t = table::Table::new(&[
+                "NAME",
+                "EPOCH",
+                "CREATED (UNIX)",
+                "SIZE",
+                "KEPT",
+                "FREED BY DELETE",
+                "CLONES",
+                "URI",
+            ]);
+            let size = |b: Option<u64>| b.map_or_else(|| "-".to_string(), format_size);
             for s in &v {
                 t.row(vec![
                     s.name.clone(),
                     s.epoch.to_string(),
                     s.created_unix.to_string(),
                     format_size(s.size_bytes),
+                    size(s.kept_bytes),
+                    size(s.freed_by_delete_bytes),
                     s.clones.len().to_string(),
                     s.uri.clone(),
                 ]);
             }
             print!("{}", t.render());
+            if let Some(n) = v.iter().find_map(|s| s.space_copies_unanswered) {
+                if n > 0 {
+                    println!("({n} copies did not answer: their share of KEPT is missing)");
+                }
+            }
+            if let Some(why) = why {
+                println!("(space figures unavailable: {why})");
+            }
         }
         SnapshotCmd::Delete { volume, name } => {
             check_name(volume)?;

@@ -46,6 +46,13 @@ fn snapshots_hold_what_was_acked_before_them_through_overwrites_load_kill_9_and_
             .sum()
     };
     assert_eq!(preserved(&lab), 3 * (128 << 20));
+    // The list says so per snapshot, and that deleting s1 would free all of it.
+    let v = lab.json(&["volume", "snapshot", "list", "vm"]);
+    assert_eq!(v[0]["kept_bytes"], 3 * (128u64 << 20), "{v}");
+    assert_eq!(v[0]["freed_by_delete_bytes"], 3 * (128u64 << 20), "{v}");
+    assert_eq!(v[0]["space_copies_unanswered"], 0, "{v}");
+    let t = lab.must(&["volume", "snapshot", "list", "vm"]);
+    assert!(t.contains("FREED BY DELETE") && t.contains("384"), "{t}");
 
     // s2 taken while fio writes (and verifies) the second half: the first half, written
     // and acked before, is exactly B's in it.

@@ -2406,6 +2406,17 @@ impl Tier {
             .write_shadow(key, epoch, snapshot, offset, data, crcs, versions)
     }
 
+    /// [`Drive::kept_blocks`]: what snapshots keep is on the capacity drive (a floor
+    /// destages the extent's logged blocks first).
+    pub fn kept_blocks(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshots: &[Epoch],
+    ) -> Result<Vec<(u64, u64)>, EngineError> {
+        self.cap.kept_blocks(key, epoch, snapshots)
+    }
+
     /// [`Drive::absent`], around a bound cache drive: a block still in the log was
     /// written, so a range holding one is drained first ([`Tier::around`]).
     pub fn absent(

@@ -226,7 +226,7 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, query: &str, body:
         (&Method::POST, ["v1", "volumes", name, "open"]) => open_here(node, name).await,
         (&Method::POST, ["v1", "volumes", name, "scrub"]) => scrub(node, name, body).await,
         (&Method::GET, ["v1", "volumes", name, "snapshots"]) => {
-            crate::snapshots::list(node, name).await
+            crate::snapshots::list(node, name, query).await
         }
         (&Method::POST, ["v1", "volumes", name, "snapshots"]) => {
             crate::snapshots::create(node, name, body).await

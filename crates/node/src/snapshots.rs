@@ -49,15 +49,52 @@ async fn info(node: &Node, rec: &VolumeRecord, s: &SnapshotRecord) -> SnapshotIn
         },
         uri: format!("nbd+unix:///{}@{}?socket={socket}", rec.name, s.name),
         clones: s.clones.clone(),
+        kept_bytes: None,
+        freed_by_delete_bytes: None,
+        space_copies_unanswered: None,
     }
 }
 
-/// `GET /v1/volumes/NAME/snapshots`: oldest first; one being deleted is not listed.
-pub(crate) async fn list(node: &Arc<Node>, name: &str) -> Out {
+/// `GET /v1/volumes/NAME/snapshots[?space=1]`: oldest first; one being deleted is not
+/// listed. With `space=1` the volume's owner (asked through this node) adds what the
+/// drives keep for each snapshot and what deleting it would free.
+pub(crate) async fn list(node: &Arc<Node>, name: &str, query: &str) -> Out {
+    let space = match query {
+        "" | "space=0" => false,
+        "space=1" => true,
+        other => {
+            return Err(ApiError::bad(format!(
+                "unknown query {other:?}: the snapshot list takes space=1 (or nothing)"
+            )))
+        }
+    };
     let (rec, _) = volume_record(node, name).await?;
     let mut out = Vec::new();
     for s in rec.snapshots.iter().filter(|s| !s.deleting) {
         out.push(info(node, &rec, s).await);
+    }
+    if !space || out.is_empty() {
+        return ok(&out);
+    }
+    if let Some(r) = forward_to_owner(
+        node,
+        serving_owner(node, &rec).await?,
+        "GET",
+        &format!("/v1/volumes/{name}/snapshots?space=1"),
+        b"",
+    )
+    .await?
+    {
+        return Ok(r);
+    }
+    let v = served_here(node, name).await?;
+    let (figures, unanswered) = v.snapshot_space().await.map_err(volume_error)?;
+    for i in out.iter_mut() {
+        if let Some(f) = figures.iter().find(|f| f.snapshot == i.epoch) {
+            i.kept_bytes = Some(f.kept_bytes);
+            i.freed_by_delete_bytes = Some(f.freed_by_delete_bytes);
+            i.space_copies_unanswered = Some(unanswered);
+        }
     }
     ok(&out)
 }

@@ -309,6 +309,16 @@ pub fn start(tier: &Tier, op: ExtentOp) -> Result<(ExtentReply, Durable), Engine
             count,
             any,
         } => ExtentReply::Versions(tier.versions_at(key, epoch, snapshot, offset, count, any)?),
+        ExtentOp::KeptBlocks {
+            key,
+            epoch,
+            snapshots,
+        } => ExtentReply::Counts(
+            tier.kept_blocks(key, epoch, &snapshots)?
+                .into_iter()
+                .flat_map(|(kept, freed)| [kept, freed])
+                .collect(),
+        ),
         ExtentOp::ReadBlocksAt {
             key,
             epoch,

@@ -1422,3 +1422,95 @@ async fn read_all<R: ReplicaIo, A: SlabAllocator>(vol: &Volume<R, A>) -> Vec<u8>
     }
     out
 }
+
+/// The per-snapshot space figures (`Volume::snapshot_space`, docs/SNAPSHOTS.md "Space")
+/// over real engines, mirror-2: a snapshot keeps what later writes replaced, on each copy;
+/// what deleting the newer of two would free is what only it reads (states written after
+/// the older one), not what the older one reads too; and deleting it frees exactly that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn snapshot_space_counts_what_each_keeps_and_what_a_delete_frees() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let io = Arc::new(drives(dir.path(), 2, 4 * SLAB));
+    let vol = Volume::new(
+        mirror2(13, "space", SLAB),
+        BTreeMap::new(),
+        io.clone(),
+        Arc::new(Records::default()),
+    );
+    let blocks = |n: u64, f: u8| Bytes::from(vec![f; (n * BS) as usize]);
+    let preserved = || -> u64 {
+        io.tiers
+            .values()
+            .map(|t| t.capacity().bytes_preserved)
+            .sum()
+    };
+    // X (8 blocks) and Y (5 blocks) written, then s1.
+    let (x, y) = (0, 100 * BS);
+    vol.write(x, blocks(8, 1)).await.expect("write");
+    vol.write(y, blocks(5, 2)).await.expect("write");
+    let snap = || async {
+        vol.snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+            .await
+            .expect("snapshot")
+    };
+    let s1 = snap().await;
+    assert_eq!(
+        vol.snapshot_space().await.expect("space").0[0],
+        converge_volume::SnapshotSpace {
+            snapshot: s1,
+            kept_bytes: 0,
+            freed_by_delete_bytes: 0
+        },
+        "nothing replaced yet"
+    );
+    // X overwritten: s1 keeps X's first states, on both copies.
+    vol.write(x, blocks(8, 3)).await.expect("write");
+    let s2 = snap().await;
+    // X again and Y: s2 keeps X's second states (only it reads them) and Y's first (s1
+    // reads those too).
+    vol.write(x, blocks(8, 4)).await.expect("write");
+    vol.write(y, blocks(5, 5)).await.expect("write");
+    let (space, unanswered) = vol.snapshot_space().await.expect("space");
+    assert_eq!(unanswered, 0);
+    let copies = 2;
+    assert_eq!(
+        space,
+        [
+            converge_volume::SnapshotSpace {
+                snapshot: s1,
+                kept_bytes: copies * 8 * BS,
+                freed_by_delete_bytes: copies * 8 * BS,
+            },
+            converge_volume::SnapshotSpace {
+                snapshot: s2,
+                kept_bytes: copies * 13 * BS,
+                freed_by_delete_bytes: copies * 8 * BS,
+            }
+        ]
+    );
+    assert_eq!(
+        preserved(),
+        copies * 21 * BS,
+        "the drives' own count agrees"
+    );
+    // Deleting s2 frees what it said; Y's first states move to s1.
+    vol.drop_snapshot(s2).await.expect("drop");
+    assert_eq!(preserved(), copies * 13 * BS);
+    let (space, _) = vol.snapshot_space().await.expect("space");
+    assert_eq!(
+        space,
+        [converge_volume::SnapshotSpace {
+            snapshot: s1,
+            kept_bytes: copies * 13 * BS,
+            freed_by_delete_bytes: copies * 13 * BS,
+        }]
+    );
+    assert_eq!(
+        &vol.read_at(s1, y, 5 * BS).await.expect("read")[..],
+        &blocks(5, 2)[..],
+        "s1 still reads Y's first states"
+    );
+    vol.drop_snapshot(s1).await.expect("drop");
+    assert_eq!(preserved(), 0);
+    assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
+}

@@ -62,6 +62,8 @@ pub mod msg {
     pub const VERSIONS_AT: u8 = 0x35;
     pub const READ_BLOCKS_AT: u8 = 0x36;
     pub const WRITE_SHADOW: u8 = 0x37;
+    /// What an extent keeps for each snapshot (per-snapshot space).
+    pub const KEPT_BLOCKS: u8 = 0x38;
     pub const VOL_READ: u8 = 0x20;
     pub const VOL_WRITE: u8 = 0x21;
     pub const VOL_ZERO: u8 = 0x22;
@@ -80,6 +82,7 @@ pub mod msg {
     pub const DIGEST_OK: u8 = 0x95;
     pub const PRIORS_OK: u8 = 0x96;
     pub const BITMAP_OK: u8 = 0x97;
+    pub const COUNTS_OK: u8 = 0x98;
     pub const ERR: u8 = 0xff;
 
     /// True for the request half of the type space.
@@ -473,6 +476,7 @@ pub fn request_type(req: &Request) -> u8 {
             ExtentOp::VersionsAt { .. } => msg::VERSIONS_AT,
             ExtentOp::ReadBlocksAt { .. } => msg::READ_BLOCKS_AT,
             ExtentOp::WriteShadow { .. } => msg::WRITE_SHADOW,
+            ExtentOp::KeptBlocks { .. } => msg::KEPT_BLOCKS,
         },
         Request::VolRead { .. } => msg::VOL_READ,
         Request::VolWrite { .. } => msg::VOL_WRITE,
@@ -496,6 +500,7 @@ pub fn response_type(resp: &Response) -> u8 {
             ExtentReply::Digest(_) => msg::DIGEST_OK,
             ExtentReply::Priors(_) => msg::PRIORS_OK,
             ExtentReply::Bitmap(_) => msg::BITMAP_OK,
+            ExtentReply::Counts(_) => msg::COUNTS_OK,
         },
         Response::Err { .. } => msg::ERR,
     }
@@ -844,6 +849,20 @@ fn encode_extent_op(drive: DriveId, op: &ExtentOp) -> (BytesMut, Bytes) {
             b.put_u32_le(*count);
             (b, Bytes::new())
         }
+        ExtentOp::KeptBlocks {
+            key,
+            epoch,
+            snapshots,
+        } => {
+            let mut b = new_head(36 + 8 * snapshots.len());
+            put_key(&mut b, drive, key);
+            b.put_u64_le(epoch.0);
+            b.put_u32_le(u32::try_from(snapshots.len()).unwrap_or(u32::MAX));
+            for s in snapshots {
+                b.put_u64_le(s.0);
+            }
+            (b, Bytes::new())
+        }
         ExtentOp::VersionsAt {
             key,
             epoch,
@@ -993,7 +1012,7 @@ fn encode_extent_reply(r: &ExtentReply) -> (BytesMut, Bytes) {
             }
             (b, Bytes::new())
         }
-        ExtentReply::Bitmap(words) => {
+        ExtentReply::Bitmap(words) | ExtentReply::Counts(words) => {
             let mut b = new_head(4 + 8 * words.len());
             b.put_u32_le(u32::try_from(words.len()).unwrap_or(u32::MAX));
             for w in words {
@@ -1204,7 +1223,7 @@ pub fn decode_request(msg_type: u8, payload: Bytes) -> Result<Request, WireError
             protocol_version: r.u16("protocol_version")?,
         }),
         msg::PING => Request::Ping,
-        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::WRITE_SHADOW => {
+        msg::WRITE..=msg::WRITE_BLOCKS_PACKED | msg::SNAPSHOT_FLOOR..=msg::KEPT_BLOCKS => {
             decode_extent_op(msg_type, &mut r)?
         }
         msg::VOL_READ => Request::VolRead {
@@ -1449,6 +1468,26 @@ fn decode_extent_op(msg_type: u8, r: &mut Reader) -> Result<Request, WireError> 
                 data,
             }
         }
+        msg::KEPT_BLOCKS => {
+            let epoch = Epoch(r.u64("epoch")?);
+            let snapshots: Vec<Epoch> = r
+                .versions("snapshots")?
+                .into_iter()
+                .map(|v| Epoch(v.0))
+                .collect();
+            if snapshots.len() > converge_types::KEPT_SNAPSHOTS_MAX {
+                return Err(WireError::Invalid(format!(
+                    "{} snapshots named; at most {}",
+                    snapshots.len(),
+                    converge_types::KEPT_SNAPSHOTS_MAX
+                )));
+            }
+            ExtentOp::KeptBlocks {
+                key,
+                epoch,
+                snapshots,
+            }
+        }
         other => return Err(WireError::UnknownType(other)),
     };
     Ok(Request::Extent { drive, op })
@@ -1509,18 +1548,21 @@ pub fn decode_response(msg_type: u8, payload: Bytes) -> Result<Response, WireErr
                 .collect();
             Response::Extent(ExtentReply::Priors(pairs))
         }
-        msg::BITMAP_OK => {
-            let n = r.u32("bitmap words")? as usize;
-            let raw = r.take(n.saturating_mul(8), "bitmap")?;
-            Response::Extent(ExtentReply::Bitmap(
-                raw.chunks_exact(8)
-                    .map(|c| {
-                        let mut a = [0u8; 8];
-                        a.copy_from_slice(c);
-                        u64::from_le_bytes(a)
-                    })
-                    .collect(),
-            ))
+        msg::BITMAP_OK | msg::COUNTS_OK => {
+            let n = r.u32("words")? as usize;
+            let raw = r.take(n.saturating_mul(8), "words")?;
+            let words = raw
+                .chunks_exact(8)
+                .map(|c| {
+                    let mut a = [0u8; 8];
+                    a.copy_from_slice(c);
+                    u64::from_le_bytes(a)
+                })
+                .collect();
+            Response::Extent(match msg_type {
+                msg::BITMAP_OK => ExtentReply::Bitmap(words),
+                _ => ExtentReply::Counts(words),
+            })
         }
         msg::ERR => {
             let code = ErrorCode::from_u16(r.u16("error code")?);
@@ -1562,7 +1604,17 @@ mod tests {
     }
 
     fn random_request(rng: &mut impl Rng) -> Request {
-        match rng.gen_range(0..28) {
+        match rng.gen_range(0..29) {
+            28 => Request::Extent {
+                drive: DriveId(rng.gen()),
+                op: ExtentOp::KeptBlocks {
+                    key: key(rng),
+                    epoch: Epoch(rng.gen()),
+                    snapshots: (0..rng.gen_range(0..70))
+                        .map(|_| Epoch(rng.gen()))
+                        .collect(),
+                },
+            },
             25 => Request::Extent {
                 drive: DriveId(rng.gen()),
                 op: ExtentOp::VersionsAt {
@@ -1846,7 +1898,10 @@ mod tests {
     }
 
     fn random_response(rng: &mut impl Rng) -> Response {
-        match rng.gen_range(0..11) {
+        match rng.gen_range(0..12) {
+            11 => Response::Extent(ExtentReply::Counts(
+                (0..rng.gen_range(0..40)).map(|_| rng.gen()).collect(),
+            )),
             10 => Response::Extent(ExtentReply::Bitmap(
                 (0..rng.gen_range(0..40)).map(|_| rng.gen()).collect(),
             )),
@@ -1917,7 +1972,7 @@ mod tests {
             let back = decode_request(h.msg_type, payload).expect("request decodes");
             assert_eq!(back, req);
         }
-        assert_eq!(seen.len(), 30, "every request type was exercised");
+        assert_eq!(seen.len(), 31, "every request type was exercised");
     }
 
     /// A write without compression keeps its message type and bytes (nodes of older
@@ -1983,7 +2038,7 @@ mod tests {
             seen.insert(h.msg_type);
             assert_eq!(decode_response(h.msg_type, payload).expect("decodes"), resp);
         }
-        assert_eq!(seen.len(), 11, "every response type was exercised");
+        assert_eq!(seen.len(), 12, "every response type was exercised");
     }
 
     /// One message of every type with fixed fields (lists of one entry, a few bytes of

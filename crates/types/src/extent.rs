@@ -260,7 +260,20 @@ pub enum ExtentOp {
         versions: Vec<Version>,
         data: Bytes,
     },
+    /// What the extent keeps for each of `snapshots` (the volume's, oldest first, at most
+    /// [`KEPT_SNAPSHOTS_MAX`]): [`ExtentReply::Counts`], two per snapshot — the blocks it
+    /// keeps for it, and how many of them deleting it would free (those the next older
+    /// snapshot does not read). Metadata only; 0 for a snapshot the extent keeps nothing
+    /// for (or an extent the drive does not hold).
+    KeptBlocks {
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshots: Vec<Epoch>,
+    },
 }
+
+/// The most snapshots one [`ExtentOp::KeptBlocks`] names (a volume holds at most 64).
+pub const KEPT_SNAPSHOTS_MAX: usize = 256;
 
 impl ExtentOp {
     pub fn key(&self) -> ExtentKey {
@@ -285,6 +298,7 @@ impl ExtentOp {
             | ExtentOp::VersionsAt { key, .. }
             | ExtentOp::ReadBlocksAt { key, .. }
             | ExtentOp::WriteShadow { key, .. }
+            | ExtentOp::KeptBlocks { key, .. }
             | ExtentOp::Free { key } => *key,
         }
     }
@@ -311,7 +325,8 @@ impl ExtentOp {
             | ExtentOp::Absent { epoch, .. }
             | ExtentOp::VersionsAt { epoch, .. }
             | ExtentOp::ReadBlocksAt { epoch, .. }
-            | ExtentOp::WriteShadow { epoch, .. } => Some(*epoch),
+            | ExtentOp::WriteShadow { epoch, .. }
+            | ExtentOp::KeptBlocks { epoch, .. } => Some(*epoch),
             ExtentOp::Free { .. } => None,
         }
     }
@@ -340,6 +355,7 @@ impl ExtentOp {
             ExtentOp::VersionsAt { .. } => "versions_at",
             ExtentOp::ReadBlocksAt { .. } => "read_blocks_at",
             ExtentOp::WriteShadow { .. } => "write_shadow",
+            ExtentOp::KeptBlocks { .. } => "kept_blocks",
         }
     }
 
@@ -405,6 +421,9 @@ impl ExtentOp {
             ExtentOp::Changed { count, .. } | ExtentOp::Absent { count, .. } => {
                 ReplyShape::Bitmap { count: *count }
             }
+            ExtentOp::KeptBlocks { snapshots, .. } => ReplyShape::Counts {
+                count: u32::try_from(2 * snapshots.len()).unwrap_or(u32::MAX),
+            },
         }
     }
 }
@@ -452,6 +471,8 @@ pub enum ExtentReply {
     /// A bitmap of blocks, bit `i % 64` of word `i / 64` for block `i`
     /// ([`ExtentOp::Changed`], [`ExtentOp::Absent`]).
     Bitmap(Vec<u64>),
+    /// Numbers an operation counted ([`ExtentOp::KeptBlocks`]).
+    Counts(Vec<u64>),
 }
 
 impl ExtentReply {
@@ -465,6 +486,7 @@ impl ExtentReply {
             ExtentReply::Versions(_) => "versions",
             ExtentReply::Priors(_) => "priors",
             ExtentReply::Bitmap(_) => "a change bitmap",
+            ExtentReply::Counts(_) => "counts",
         }
     }
 
@@ -520,6 +542,13 @@ impl ExtentReply {
             _ => None,
         }
     }
+
+    pub fn into_counts(self) -> Option<Vec<u64>> {
+        match self {
+            ExtentReply::Counts(v) => Some(v),
+            _ => None,
+        }
+    }
 }
 
 /// The answer an operation must get: its kind, and the sizes the asker will index by.
@@ -549,6 +578,10 @@ pub enum ReplyShape {
     },
     /// A bitmap of `count` blocks: `ceil(count / 64)` words, no bit set past `count`.
     Bitmap {
+        count: u32,
+    },
+    /// `count` numbers.
+    Counts {
         count: u32,
     },
 }
@@ -582,6 +615,7 @@ impl ReplyShape {
             (ReplyShape::Written { blocks }, ExtentReply::Written(n)) => *n <= blocks,
             (ReplyShape::Versions { count }, ExtentReply::Versions(v)) => v.len() == count as usize,
             (ReplyShape::Priors { count }, ExtentReply::Priors(v)) => v.len() == count as usize,
+            (ReplyShape::Counts { count }, ExtentReply::Counts(v)) => v.len() == count as usize,
             (ReplyShape::Bitmap { count }, ExtentReply::Bitmap(w)) => {
                 let tail = count % 64;
                 w.len() == (count as usize).div_ceil(64)
@@ -610,6 +644,7 @@ impl fmt::Display for ReplyShape {
             ReplyShape::Versions { count } => write!(f, "{count} versions"),
             ReplyShape::Priors { count } => write!(f, "{count} versions with their priors"),
             ReplyShape::Bitmap { count } => write!(f, "a bitmap of {count} blocks"),
+            ReplyShape::Counts { count } => write!(f, "{count} counts"),
         }
     }
 }
@@ -637,6 +672,7 @@ impl fmt::Display for Said<'_> {
             ExtentReply::Versions(v) => write!(f, "{} versions", v.len()),
             ExtentReply::Priors(v) => write!(f, "{} versions with their priors", v.len()),
             ExtentReply::Bitmap(w) => write!(f, "a bitmap of {} words", w.len()),
+            ExtentReply::Counts(v) => write!(f, "{} counts", v.len()),
             other => f.write_str(other.name()),
         }
     }

@@ -10,7 +10,7 @@ pub mod extent;
 pub mod mrc;
 pub use extent::{
     BadReply, BlocksReply, ExtentOp, ExtentReply, FloorHistory, ReadReply, ReplyShape, SettleRows,
-    SETTLE_ROWS_MAX,
+    KEPT_SNAPSHOTS_MAX, SETTLE_ROWS_MAX,
 };
 
 /// Every internal I/O is in units of this many bytes (DESIGN.md: local engine).

@@ -19,7 +19,7 @@ pub mod resync;
 mod scrub_snapshots;
 pub use clone::ParentRead;
 mod snapshot;
-pub use snapshot::CHANGES_MAX_BYTES;
+pub use snapshot::{SnapshotSpace, CHANGES_MAX_BYTES};
 pub mod stats;
 pub mod tenure;
 

@@ -18,7 +18,75 @@ use converge_types::FloorHistory;
 /// The most [`Volume::changed`] answers in one call: 4 GiB, a 128 KiB bitmap.
 pub const CHANGES_MAX_BYTES: u64 = 4 << 30;
 
+/// What the drives keep for one snapshot ([`Volume::snapshot_space`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SnapshotSpace {
+    pub snapshot: Epoch,
+    /// Bytes the drives keep for it, on every copy and chunk.
+    pub kept_bytes: u64,
+    /// Of those, the bytes deleting it would free (the rest the next older snapshot
+    /// also reads, and keeps).
+    pub freed_by_delete_bytes: u64,
+}
+
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
+    /// What the drives keep for each snapshot (oldest first), summed over every copy and
+    /// chunk that takes writes (metadata only: one `KeptBlocks` per copy). Returns the
+    /// figures and how many copies did not answer (their share is missing).
+    pub async fn snapshot_space(&self) -> Result<(Vec<SnapshotSpace>, u64), VolumeError> {
+        self.check_serving()?;
+        let snaps = self.snapshots();
+        let mut out: Vec<SnapshotSpace> = snaps
+            .iter()
+            .map(|&snapshot| SnapshotSpace {
+                snapshot,
+                kept_bytes: 0,
+                freed_by_delete_bytes: 0,
+            })
+            .collect();
+        if snaps.is_empty() {
+            return Ok((out, 0));
+        }
+        let targets: Vec<(SlabIndex, ExtentLoc)> = self
+            .slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .iter()
+            .flat_map(|(i, s)| writable(&s.extents()).into_iter().map(move |at| (*i, at)))
+            .collect();
+        let mut unanswered = 0;
+        // A bounded number of questions in flight at a time.
+        for batch in targets.chunks(64) {
+            let answers = join_all(
+                batch
+                    .iter()
+                    .map(|&(idx, at)| {
+                        let op = ExtentOp::KeptBlocks {
+                            key: self.key(idx),
+                            epoch: self.epoch(),
+                            snapshots: snaps.clone(),
+                        };
+                        self.ask(at, op, ExtentReply::into_counts)
+                    })
+                    .collect(),
+            )
+            .await;
+            for a in answers {
+                match a {
+                    Ok(c) if c.len() == 2 * snaps.len() => {
+                        for (o, pair) in out.iter_mut().zip(c.chunks_exact(2)) {
+                            o.kept_bytes += pair[0] * BS;
+                            o.freed_by_delete_bytes += pair[1] * BS;
+                        }
+                    }
+                    Err(ReplicaError::StaleEpoch(w)) => return Err(self.fenced(w)),
+                    _ => unanswered += 1,
+                }
+            }
+        }
+        Ok((out, unanswered))
+    }
+
     /// The volume's snapshots (their epochs, oldest first), as this owner knows them.
     pub fn snapshots(&self) -> Vec<Epoch> {
         self.snapshots.lock().expect("snapshot list lock").clone()

@@ -261,7 +261,8 @@ impl MemReplicas {
             | ExtentOp::Absent { .. }
             | ExtentOp::VersionsAt { .. }
             | ExtentOp::ReadBlocksAt { .. }
-            | ExtentOp::WriteShadow { .. } => {
+            | ExtentOp::WriteShadow { .. }
+            | ExtentOp::KeptBlocks { .. } => {
                 panic!("this fake replica keeps no snapshots: {}", op.name())
             }
             ExtentOp::Read { offset, len, .. } => {

@@ -709,6 +709,74 @@ impl Drive {
             .collect()
     }
 
+    /// What this extent keeps for each of the volume's snapshots `snapshots` (oldest
+    /// first): (blocks stored in its shadow, how many of them deleting the snapshot would
+    /// free). A state the snapshot keeps is also read by the next older snapshot (and so
+    /// moved into its keeping by a delete, not freed) when it is of that snapshot's epoch
+    /// or older and that snapshot keeps no state of the block itself. Metadata only; a
+    /// drive that does not hold the extent keeps nothing. Counts physical blocks (a
+    /// state kept for several snapshots counts once, for the newest).
+    pub fn kept_blocks(
+        &self,
+        key: ExtentKey,
+        epoch: Epoch,
+        snapshots: &[Epoch],
+    ) -> Result<Vec<(u64, u64)>, EngineError> {
+        self.check_failed()?;
+        let snaps: Vec<u32> = snapshots
+            .iter()
+            .map(|&s| snapshot_epoch(s, "snapshot"))
+            .collect::<Result<_, _>>()?;
+        if snaps.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(EngineError::InvalidArgument(
+                "snapshots must be named oldest first, each once".into(),
+            ));
+        }
+        let Some(ext) = self.lookup(key) else {
+            return Ok(vec![(0, 0); snaps.len()]);
+        };
+        Self::check_epoch(&ext, epoch)?;
+        // Table, then shadows oldest first (the order `states_at` takes them in).
+        let t = lock(&self.table);
+        let shadows: Vec<Option<Arc<Extent>>> = snaps
+            .iter()
+            .map(|&s| {
+                let slot = *t.shadows.get(&(key, s))?;
+                t.slots[slot as usize].live.clone()
+            })
+            .collect();
+        let held: Vec<Option<MutexGuard<'_, ExtentMeta>>> = shadows
+            .iter()
+            .map(|s| s.as_ref().map(|e| lock(&e.meta)))
+            .collect();
+        Ok((0..snaps.len())
+            .map(|i| {
+                let Some(h) = &held[i] else {
+                    return (0, 0);
+                };
+                let older = i.checked_sub(1).map(|j| (u64::from(snaps[j]), &held[j]));
+                let freed: Vec<BlockMeta> = h
+                    .blocks
+                    .iter()
+                    .enumerate()
+                    .filter(|(b, st)| {
+                        st.run().is_some()
+                            && match older {
+                                None => true,
+                                Some((g, o)) => {
+                                    epoch_of(st) > g
+                                        || o.as_ref()
+                                            .is_some_and(|o| o.blocks[*b] != BlockMeta::default())
+                                }
+                            }
+                    })
+                    .map(|(_, st)| *st)
+                    .collect();
+                (u64::from(h.stored_blocks), u64::from(stored_of(&freed)))
+            })
+            .collect())
+    }
+
     /// The extent's snapshot floor (0: none, or the drive does not hold the extent).
     pub fn snapshot_floor(&self, key: ExtentKey) -> u32 {
         self.lookup(key)
