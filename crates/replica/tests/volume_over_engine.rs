@@ -1514,3 +1514,85 @@ async fn snapshot_space_counts_what_each_keeps_and_what_a_delete_frees() {
     assert_eq!(preserved(), 0);
     assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
 }
+
+/// Scrub reads what a parity volume's chunks keep for snapshots too (docs/SNAPSHOTS.md,
+/// "Scrub"): a kept block rotted on one data chunk is found, decoded from the other chunks
+/// and written back into its keeping; that chunk with the parity chunk alone then reads
+/// the snapshot right (without the repair, the row would have one intact data block and
+/// the parity: fewer than K = 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scrub_repairs_a_parity_snapshot_block_rotted_on_one_chunk() {
+    use converge_volume::resync::{Progress, Throttle};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let io = Arc::new(drives(dir.path(), 3, 3 * SLAB));
+    let resiliency = Resiliency::parity(2, 1).unwrap();
+    let mut cfg = mirror2(14, "pscrub", resiliency.slab_span(SLAB));
+    cfg.resiliency = resiliency;
+    cfg.min_replicas = 2;
+    let vol = Volume::new(
+        cfg,
+        BTreeMap::new(),
+        io.clone(),
+        Arc::new(Records::default()),
+    );
+    let pattern = |seed: u8| -> Vec<u8> {
+        (0..4 * BS)
+            .map(|i| seed ^ (i as u8) ^ ((i >> 8) as u8))
+            .collect()
+    };
+    // Volume blocks 8..12: rows 4 and 5, chunk 0 holds blocks 8 and 10.
+    let a = pattern(0x5a);
+    vol.write(8 * BS, Bytes::from(a.clone()))
+        .await
+        .expect("write");
+    let s = vol
+        .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+        .await
+        .expect("snapshot");
+    vol.write(8 * BS, Bytes::from(pattern(0xa5)))
+        .await
+        .expect("overwrite");
+    let throttle = Throttle::new(u64::MAX / 4);
+    let rep = vol
+        .scrub(false, &throttle, &Progress::default())
+        .await
+        .expect("scrub");
+    assert!(rep.snapshot_blocks_checked > 0, "{rep:?}");
+    assert_eq!((rep.bad_checksums, rep.mismatches), (0, 0), "{rep:?}");
+    // Volume block 8 (chunk 0's block of row 4) at the snapshot is now kept only by
+    // drive 1: flip a bit wherever the drive file holds it.
+    let path = dir.path().join("drive1");
+    let mut file = std::fs::read(&path).expect("read drive file");
+    let first = &a[..BS as usize];
+    let mut rotted = 0;
+    for off in (0..file.len()).step_by(BS as usize) {
+        if file[off..off + BS as usize] == *first {
+            file[off + 100] ^= 0x10;
+            rotted += 1;
+        }
+    }
+    assert!(rotted > 0, "the snapshot's block is on drive 1");
+    std::fs::write(&path, &file).expect("write drive file");
+    drop(file);
+    let rep = vol
+        .scrub(true, &throttle, &Progress::default())
+        .await
+        .expect("scrub");
+    assert_eq!(
+        (rep.bad_checksums, rep.repaired, rep.snapshot_blocks_lost),
+        (1, 1, 0),
+        "{rep:?}"
+    );
+    let rep = vol
+        .scrub(false, &throttle, &Progress::default())
+        .await
+        .expect("scrub");
+    assert_eq!((rep.bad_checksums, rep.mismatches), (0, 0), "{rep:?}");
+    // Chunk 1 goes stale: chunk 0 (repaired) and the parity chunk read the snapshot.
+    vol.copy_failed(SlabIndex(0), DriveId(2))
+        .await
+        .expect("stale");
+    let got = vol.read_at(s, 8 * BS, 4 * BS).await.expect("read at");
+    assert!(got[..] == a[..], "the repaired chunk reads the snapshot");
+    assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
+}

@@ -16,7 +16,8 @@ use super::*;
 use crate::resync::{ScrubReport, Throttle, SCRUB_STEP_BLOCKS};
 
 impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
-    /// Scrubs slab `idx`'s snapshots (see the module docs); a parity slab has none.
+    /// Scrubs slab `idx`'s snapshots (see the module docs; a parity slab's in
+    /// [`Volume::parity_scrub_snapshot_step`]).
     pub(crate) async fn scrub_snapshots(
         &self,
         idx: SlabIndex,
@@ -25,9 +26,10 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         throttle: &Throttle,
     ) -> Result<ScrubReport, VolumeError> {
         let mut rep = ScrubReport::default();
-        if self.geometry_of(idx).is_some() || self.snapshots().is_empty() {
+        if self.snapshots().is_empty() {
             return Ok(rep);
         }
+        let geometry = self.geometry_of(idx);
         let _history = self.history.lock().await;
         let snaps = self.snapshots();
         let Some(&newest) = snaps.last() else {
@@ -47,11 +49,17 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 if slab.is_released() {
                     return Ok(rep);
                 }
-                rep.add(
-                    &self
-                        .scrub_snapshot_step(idx, slab, (s, newer), start, n, repair)
-                        .await?,
-                );
+                let step = match geometry {
+                    Some(g) => {
+                        self.parity_scrub_snapshot_step(g, idx, slab, (s, newer), start, n, repair)
+                            .await?
+                    }
+                    None => {
+                        self.scrub_snapshot_step(idx, slab, (s, newer), start, n, repair)
+                            .await?
+                    }
+                };
+                rep.add(&step);
                 start += n;
             }
         }
@@ -197,6 +205,206 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     e.node,
                     src.node
                 );
+            }
+        }
+        Ok(rep)
+    }
+
+    /// Rows `[start, start + n)` of parity slab `idx` at snapshot `s` (`newer`: the next
+    /// newer snapshot, None for the newest), on every in-sync chunk that holds it: only
+    /// rows whose version there differs from the next newer point (the chunks keep states
+    /// for those; a row is written whole at one version on every chunk). Each row's chunks
+    /// must agree on its version and hold it intact, and with all K+M present its parity
+    /// must match its data. With `repair`, a chunk's bad (or suspect) block is decoded from
+    /// K others and written back into its keeping (`WriteShadow`, the row's version), and
+    /// parity that does not match intact data is recomputed; a row fewer than K chunks
+    /// give intact counts its bad blocks as lost.
+    #[allow(clippy::too_many_arguments)]
+    async fn parity_scrub_snapshot_step(
+        &self,
+        g: crate::parity::Geometry,
+        idx: SlabIndex,
+        slab: &Slab,
+        (s, newer): (Epoch, Option<Epoch>),
+        start: u64,
+        n: u64,
+        repair: bool,
+    ) -> Result<ScrubReport, VolumeError> {
+        use crate::parity_io::{row_version, suspect_as_bad, BSZ};
+        let (k, key, epoch) = (usize::from(g.k()), self.key(idx), self.epoch());
+        let mut rep = ScrubReport::default();
+        let ex = self.chunks(g, idx, slab)?;
+        let versions_at = |at: ExtentLoc, point: Option<Epoch>| {
+            let op = match point {
+                Some(snapshot) => ExtentOp::VersionsAt {
+                    key,
+                    epoch,
+                    snapshot,
+                    offset: start * BS,
+                    count: n as u32,
+                    any: false,
+                },
+                None => ExtentOp::Versions {
+                    key,
+                    epoch,
+                    offset: start * BS,
+                    count: n as u32,
+                },
+            };
+            self.ask(at, op, ExtentReply::into_versions)
+        };
+        // The chunks that hold `s`, and the rows they keep states of for it.
+        let mut kept = vec![false; n as usize];
+        let mut holders = Vec::new();
+        for (c, &at) in ex.iter().enumerate() {
+            if at.state != ExtentState::InSync {
+                continue;
+            }
+            match (versions_at(at, Some(s)).await, versions_at(at, newer).await) {
+                (Ok(a), Ok(b)) if a.len() == n as usize && b.len() == n as usize => {
+                    for i in 0..n as usize {
+                        kept[i] |= a[i] != b[i] && a[i].0 != 0;
+                    }
+                    holders.push(c);
+                }
+                (Err(ReplicaError::StaleEpoch(w)), _) | (_, Err(ReplicaError::StaleEpoch(w))) => {
+                    return Err(self.fenced(w))
+                }
+                // It does not hold the snapshot, or it is away: not judged here.
+                _ => {}
+            }
+        }
+        if !kept.iter().any(|&x| x) {
+            return Ok(rep);
+        }
+        let mut got: Vec<Option<BlocksReply>> = vec![None; ex.len()];
+        for &c in &holders {
+            let op = ExtentOp::ReadBlocksAt {
+                key,
+                epoch,
+                snapshot: s,
+                offset: start * BS,
+                len: (n * BS) as u32,
+            };
+            match self.ask(ex[c], op, ExtentReply::into_blocks).await {
+                Ok(mut r) => {
+                    rep.bytes_read += n * BS;
+                    suspect_as_bad(&mut r);
+                    got[c] = Some(r);
+                }
+                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                Err(_) => {}
+            }
+        }
+        let all_present = got.iter().all(Option::is_some);
+        let mut fix: Vec<(usize, usize)> = Vec::new(); // (row, chunk)
+        let mut row_versions = vec![Version(0); n as usize];
+        for i in (0..n as usize).filter(|&i| kept[i]) {
+            rep.snapshot_blocks_checked += k as u64;
+            let bad: Vec<usize> = (0..ex.len())
+                .filter(|&c| {
+                    got[c]
+                        .as_ref()
+                        .is_some_and(|r| r.bad_blocks.contains(&(i as u32)))
+                })
+                .collect();
+            let Some(v) = row_version(&got, i, k) else {
+                rep.bad_checksums += u64::from(!bad.is_empty());
+                rep.snapshot_blocks_lost += bad.len() as u64;
+                rep.mismatches += u64::from(bad.is_empty());
+                log::error!(
+                    "scrub: volume {} slab {idx} row {}: fewer than {k} chunks holding snapshot {s} give it intact at one version",
+                    self.cfg.name,
+                    start + i as u64
+                );
+                continue;
+            };
+            row_versions[i] = v;
+            let disagree: Vec<usize> = (0..ex.len())
+                .filter(|&c| {
+                    got[c]
+                        .as_ref()
+                        .is_some_and(|r| !r.bad_blocks.contains(&(i as u32)) && r.versions[i] != v)
+                })
+                .collect();
+            if !disagree.is_empty() {
+                rep.mismatches += 1;
+                log::error!(
+                    "scrub: volume {} slab {idx} row {}: chunks {disagree:?} read snapshot {s} at another version than {v}",
+                    self.cfg.name,
+                    start + i as u64
+                );
+            }
+            if !bad.is_empty() {
+                rep.bad_checksums += 1;
+                fix.extend(bad.iter().map(|&c| (i, c)));
+            } else if disagree.is_empty() && all_present {
+                let shards: Vec<&[u8]> = got
+                    .iter()
+                    .map(|r| &r.as_ref().expect("present").data[i * BSZ..(i + 1) * BSZ])
+                    .collect();
+                let ok = self
+                    .with_codec(g, |codec| codec.verify(&shards))
+                    .map_err(|e| self.copy_error(idx, format!("parity codec: {e}")))?;
+                if !ok {
+                    rep.mismatches += 1;
+                    fix.extend((k..ex.len()).map(|c| (i, c)));
+                }
+            }
+        }
+        if !repair || fix.is_empty() {
+            return Ok(rep);
+        }
+        let wanted = |i: usize, c: usize| fix.contains(&(i, c));
+        // Parity blocks to recompute read as intact: left out of the decode's input.
+        let mut input = got.clone();
+        for &(i, c) in &fix {
+            if let Some(r) = input[c].as_mut() {
+                if !r.bad_blocks.contains(&(i as u32)) {
+                    r.bad_blocks.push(i as u32);
+                }
+            }
+        }
+        let decoded = match self.decode_rows(g, &input, &row_versions, &wanted) {
+            Ok(d) => d,
+            Err(why) => {
+                log::error!(
+                    "scrub: volume {} slab {idx}: snapshot {s} cannot be repaired: {why}",
+                    self.cfg.name
+                );
+                return Ok(rep);
+            }
+        };
+        for (i, c) in fix {
+            let Some(buf) = decoded[c].as_ref() else {
+                continue;
+            };
+            let data = Bytes::copy_from_slice(&buf[i * BSZ..(i + 1) * BSZ]);
+            let op = ExtentOp::WriteShadow {
+                key,
+                epoch,
+                snapshot: s,
+                offset: (start + i as u64) * BS,
+                crcs: block_crcs(&data),
+                versions: vec![row_versions[i]],
+                data,
+            };
+            match self.ask(ex[c], op, ExtentReply::into_written).await {
+                Ok(w) => {
+                    rep.repaired += u64::from(w);
+                    log::warn!(
+                        "scrub: volume {} slab {idx} row {}: repaired snapshot {s} on chunk {c} (node {})",
+                        self.cfg.name,
+                        start + i as u64,
+                        ex[c].node
+                    );
+                }
+                Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
+                Err(e) => log::error!(
+                    "scrub: volume {} slab {idx}: could not repair snapshot {s}'s row {} on chunk {c}: {e}",
+                    self.cfg.name,
+                    start + i as u64
+                ),
             }
         }
         Ok(rep)
