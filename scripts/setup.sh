@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 # chromium: the fleet's end-to-end test renders report.html headless and checks the console.
 # openssl, systemd: tests read certificates with `openssl x509` and check the packaged units
 # with `systemd-analyze verify` (nothing is started under systemd).
-PKGS=(etcd-server etcd-client fio libnbd-bin nbdkit qemu-utils iproute2 python3-libnbd procps chromium openssl systemd)
+# busybox-static: the VM tests' guest image (scripts/guest-image.sh; qemu below).
+PKGS=(etcd-server etcd-client fio libnbd-bin nbdkit iproute2 python3-libnbd procps chromium openssl systemd busybox-static)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
@@ -19,6 +20,31 @@ if [ ${#missing[@]} -gt 0 ]; then
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 # Debian starts etcd as a service on :2379 when installed; the lab runs its own etcd.
+
+# qemu-utils (qemu-img, qemu-io) and qemu-system-x86 (the VM tests boot a guest on a
+# volume under TCG: docs/VMS.md). On Debian 12 both come from bookworm-backports (qemu 10):
+# the two must be of one version, and machines of this project's CI have backports'
+# qemu-utils already.
+need_qemu=()
+for p in qemu-utils qemu-system-x86; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_qemu+=("$p")
+done
+if [ ${#need_qemu[@]} -gt 0 ]; then
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO="sudo"
+  target=()
+  if grep -q '^VERSION_CODENAME=bookworm' /etc/os-release 2>/dev/null; then
+    if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+      echo "setup: adding bookworm-backports to apt's sources (for qemu)"
+      printf 'Types: deb\nURIs: http://deb.debian.org/debian\nSuites: bookworm-backports\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+        | $SUDO tee /etc/apt/sources.list.d/converge-backports.sources >/dev/null
+    fi
+    target=(-t bookworm-backports)
+  fi
+  echo "setup: installing qemu-utils qemu-system-x86 ${target[*]}"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${target[@]}" \
+    qemu-utils qemu-system-x86 >/dev/null
+fi
 
 if ! command -v cargo >/dev/null 2>&1; then
   if [ -x "$HOME/.cargo/bin/cargo" ]; then

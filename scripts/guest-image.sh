@@ -1,0 +1,127 @@
+#!/usr/bin/env bash
+# Builds the tiny Linux guest the VM tests boot (docs/VMS.md): Debian 12's kernel (from its
+# package, not installed on the host) and an initramfs of busybox-static, the kernel's
+# virtio block modules and an /init that runs one job on the guest's first virtio disk
+# (/dev/vda, a converge volume attached by qemu) and prints its result on the serial
+# console. Output: OUT/vmlinuz and OUT/initrd.gz (default OUT: target/guest). Needs
+# apt-get (the kernel package is downloaded, once, into OUT/cache) and busybox-static;
+# scripts/setup.sh installs what is missing. Safe to run again: an image already built from
+# the same kernel and this script is kept.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${1:-target/guest}"
+mkdir -p "$OUT/cache"
+OUT="$(cd "$OUT" && pwd)"
+
+command -v busybox >/dev/null && busybox --list | grep -qx cpio || {
+  echo "guest-image: busybox-static is missing (scripts/setup.sh installs it)" >&2
+  exit 1
+}
+# The kernel package linux-image-amd64 points at.
+kernel_package() {
+  apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}'
+}
+KPKG="$(kernel_package)"
+if [ -z "$KPKG" ]; then
+  apt-get update -qq || true
+  KPKG="$(kernel_package)"
+fi
+[ -n "$KPKG" ] || { echo "guest-image: apt knows no linux-image-amd64 package" >&2; exit 1; }
+STAMP="$KPKG $(sha256sum "$0" | cut -c1-16)"
+if [ -f "$OUT/stamp" ] && [ "$(cat "$OUT/stamp")" = "$STAMP" ] && [ -f "$OUT/vmlinuz" ] && [ -f "$OUT/initrd.gz" ]; then
+  exit 0
+fi
+DEB="$(ls "$OUT/cache/${KPKG}"_*.deb 2>/dev/null | head -1 || true)"
+if [ -z "$DEB" ]; then
+  echo "guest-image: downloading $KPKG"
+  (cd "$OUT/cache" && apt-get download -q "$KPKG" 2>&1 | grep -v "^W: Download is performed unsandboxed" || true)
+  DEB="$(ls "$OUT/cache/${KPKG}"_*.deb 2>/dev/null | head -1 || true)"
+  [ -n "$DEB" ] || { echo "guest-image: could not download $KPKG" >&2; exit 1; }
+fi
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+dpkg-deb -x "$DEB" "$WORK/k"
+cp "$WORK"/k/boot/vmlinuz-* "$OUT/vmlinuz"
+ROOT="$WORK/root"
+mkdir -p "$ROOT"/{bin,dev,proc,sys,tmp,lib/modules}
+cp "$(command -v busybox)" "$ROOT/bin/busybox"
+# virtio-blk and what it needs, in load order (Debian builds them as modules).
+MODS="virtio_ring virtio virtio_pci_modern_dev virtio_pci_legacy_dev virtio_pci virtio_blk"
+for m in $MODS; do
+  f="$(find "$WORK/k/lib/modules" -name "$m.ko" | head -1)"
+  [ -n "$f" ] || { echo "guest-image: $m.ko is not in $KPKG" >&2; exit 1; }
+  cp "$f" "$ROOT/lib/modules/"
+done
+cat > "$ROOT/init" <<EOF
+#!/bin/busybox sh
+# The converge test guest (scripts/guest-image.sh). Kernel parameters:
+#   converge.job=write   write converge.mib MiB of random data to /dev/vda (O_DIRECT),
+#                        read it back (O_DIRECT) and compare
+#   converge.job=read    read converge.mib MiB of /dev/vda (O_DIRECT)
+#   converge.job=loop    for converge.secs seconds, write two random images in turn
+#                        (O_DIRECT, fsync) and read each back and compare; prints
+#                        "CONVERGE-GUEST loop-started" first, and the last image's sha256
+# Each prints "CONVERGE-GUEST <job> sha256=<hex> errors=<n> io_errors=<n> passes=<n>"
+# (io_errors: the kernel's I/O error messages) and powers off.
+/bin/busybox --install -s /bin
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in $MODS; do insmod /lib/modules/\$m.ko || echo "CONVERGE-GUEST insmod \$m failed"; done
+job=none; mib=16; secs=30; passes=0
+for a in \$(cat /proc/cmdline); do
+  case "\$a" in
+    converge.job=*) job="\${a#converge.job=}" ;;
+    converge.mib=*) mib="\${a#converge.mib=}" ;;
+    converge.secs=*) secs="\${a#converge.secs=}" ;;
+  esac
+done
+i=0
+while [ ! -b /dev/vda ] && [ \$i -lt 300 ]; do sleep 0.1; i=\$((i + 1)); done
+errors=0
+if [ ! -b /dev/vda ]; then
+  echo "CONVERGE-GUEST \$job no-disk"
+  poweroff -f
+fi
+case "\$job" in
+  write)
+    dd if=/dev/urandom of=/tmp/data bs=1M count=\$mib 2>/dev/null
+    want=\$(sha256sum /tmp/data | cut -d' ' -f1)
+    dd if=/tmp/data of=/dev/vda bs=1M oflag=direct conv=fsync 2>/tmp/err || errors=\$((errors + 1))
+    got=\$(dd if=/dev/vda bs=1M count=\$mib iflag=direct 2>>/tmp/err | sha256sum | cut -d' ' -f1)
+    [ "\$got" = "\$want" ] || errors=\$((errors + 1))
+    ;;
+  read)
+    want=\$(dd if=/dev/vda bs=1M count=\$mib iflag=direct 2>/tmp/err | sha256sum | cut -d' ' -f1)
+    grep -q "error" /tmp/err && errors=\$((errors + 1))
+    ;;
+  loop)
+    dd if=/dev/urandom of=/tmp/a bs=1M count=\$mib 2>/dev/null
+    dd if=/dev/urandom of=/tmp/b bs=1M count=\$mib 2>/dev/null
+    sa=\$(sha256sum /tmp/a | cut -d' ' -f1)
+    sb=\$(sha256sum /tmp/b | cut -d' ' -f1)
+    : > /tmp/err
+    echo "CONVERGE-GUEST loop-started"
+    end=\$(( \$(cut -d. -f1 /proc/uptime) + secs ))
+    while [ \$(cut -d. -f1 /proc/uptime) -lt \$end ]; do
+      for f in a b; do
+        if [ \$f = a ]; then want=\$sa; else want=\$sb; fi
+        dd if=/tmp/\$f of=/dev/vda bs=1M oflag=direct conv=fsync 2>>/tmp/err || errors=\$((errors + 1))
+        got=\$(dd if=/dev/vda bs=1M count=\$mib iflag=direct 2>>/tmp/err | sha256sum | cut -d' ' -f1)
+        [ "\$got" = "\$want" ] || errors=\$((errors + 1))
+        passes=\$((passes + 1))
+      done
+    done
+    ;;
+  *)
+    want=none; errors=1
+    ;;
+esac
+grep -i error /tmp/err | sed 's/^/CONVERGE-GUEST stderr: /'
+echo "CONVERGE-GUEST \$job sha256=\$want errors=\$errors io_errors=\$(dmesg | grep -c 'I/O error') passes=\$passes"
+poweroff -f
+EOF
+chmod +x "$ROOT/init"
+(cd "$ROOT" && find . | busybox cpio -o -H newc 2>/dev/null | gzip -9 > "$OUT/initrd.gz")
+echo "$STAMP" > "$OUT/stamp"
+echo "guest-image: $OUT/vmlinuz ($KPKG), $OUT/initrd.gz ($(du -k "$OUT/initrd.gz" | cut -f1) KiB)"
