@@ -161,13 +161,16 @@ fn a_guest_keeps_writing_without_an_error_through_kill_9_of_its_volumes_owner() 
         .expect("run qemu-system-x86_64 (scripts/setup.sh installs it)");
     let stdout = child.stdout.take().unwrap();
     // Whatever fails below, the guest does not outlive the test.
-    struct KillOnDrop(u32);
+    struct KillOnDrop(Option<u32>);
     impl Drop for KillOnDrop {
         fn drop(&mut self) {
-            let _ = Command::new("kill").arg(self.0.to_string()).status();
+            if let Some(pid) = self.0 {
+                // `timeout` passes the signal on to qemu.
+                let _ = Command::new("kill").arg(pid.to_string()).status();
+            }
         }
     }
-    let _guard = KillOnDrop(child.id());
+    let mut guard = KillOnDrop(Some(child.id()));
     let (tx, rx) = std::sync::mpsc::channel::<String>();
     let reader = std::thread::spawn(move || {
         use std::io::BufRead;
@@ -196,6 +199,7 @@ fn a_guest_keeps_writing_without_an_error_through_kill_9_of_its_volumes_owner() 
     std::thread::sleep(std::time::Duration::from_secs(5));
     lab.must(&["lab", "fault", "kill", "1"]);
     let status = child.wait().unwrap();
+    guard.0 = None;
     reader.join().unwrap();
     console.extend(rx.try_iter().map(|l| l + "\n"));
     let r = parse(&console, "loop", &format!("qemu exit {status:?}"));
