@@ -361,8 +361,7 @@ enum VolumeCmd {
         to: u32,
     },
     /// Snapshots: crash-consistent and instant (nothing is copied), each a read-only NBD
-    /// export `VOLUME@SNAPSHOT`; mirror, simple and parity volumes, compressed or not
-    /// (docs/SNAPSHOTS.md).
+    /// export `VOLUME@SNAPSHOT`; every resiliency, compressed or not (docs/SNAPSHOTS.md).
     #[command(subcommand)]
     Snapshot(SnapshotCmd),
     /// A new volume that reads as a snapshot until written: instant (nothing is copied;

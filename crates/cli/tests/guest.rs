@@ -4,7 +4,8 @@
 //! a KVM host attaches one (`file=nbd+unix:///VOLUME?socket=…`). Inside, the guest writes
 //! random data with O_DIRECT, reads it back and compares; the host then checks the volume
 //! holds exactly what the guest wrote, and a second boot — through another node, after
-//! kill -9 of every node — reads the same bytes.
+//! kill -9 of every node — reads the same bytes. A guest writing in a loop survives kill -9
+//! of its volume's owner, and a live migration to another node with the owner following.
 
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -217,6 +218,179 @@ fn a_guest_keeps_writing_without_an_error_through_kill_9_of_its_volumes_owner() 
         "node 2 never re-routed:\n{}",
         lab.logs()
     );
+    assert_eq!(
+        host_sha256(&lab.uri_on("vmdisk", 3), tmp.path(), mib),
+        r.sha256,
+        "the volume holds the last image the guest wrote"
+    );
+}
+
+/// A tiny QMP client: one command at a time, events skipped.
+struct Qmp {
+    r: std::io::BufReader<std::os::unix::net::UnixStream>,
+    w: std::os::unix::net::UnixStream,
+}
+
+impl Qmp {
+    fn connect(path: &Path) -> Qmp {
+        use std::io::BufRead;
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        let s = loop {
+            match std::os::unix::net::UnixStream::connect(path) {
+                Ok(s) => break s,
+                Err(e) if std::time::Instant::now() < deadline => {
+                    let _ = e;
+                    std::thread::sleep(std::time::Duration::from_millis(100));
+                }
+                Err(e) => panic!("QMP socket {}: {e}", path.display()),
+            }
+        };
+        let mut q = Qmp {
+            r: std::io::BufReader::new(s.try_clone().unwrap()),
+            w: s,
+        };
+        let mut greeting = String::new();
+        q.r.read_line(&mut greeting).unwrap();
+        assert!(greeting.contains("QMP"), "{greeting}");
+        q.call("qmp_capabilities", serde_json::json!({}));
+        q
+    }
+
+    fn call(&mut self, cmd: &str, args: serde_json::Value) -> serde_json::Value {
+        use std::io::{BufRead, Write};
+        let req = serde_json::json!({"execute": cmd, "arguments": args});
+        writeln!(self.w, "{req}").unwrap_or_else(|e| panic!("QMP {cmd}: {e}"));
+        loop {
+            let mut line = String::new();
+            let n = self
+                .r
+                .read_line(&mut line)
+                .unwrap_or_else(|e| panic!("QMP {cmd}: {e}"));
+            assert!(n > 0, "QMP closed during {cmd}");
+            let v: serde_json::Value = serde_json::from_str(&line).unwrap();
+            if let Some(r) = v.get("return") {
+                return r.clone();
+            }
+            assert!(v.get("error").is_none(), "QMP {cmd}: {v}");
+        }
+    }
+}
+
+/// Live migration of a running guest between two nodes (docs/VMS.md): the guest writes and
+/// verifies its disk in a loop, attached at node 1 (the volume's owner); a second qemu,
+/// attached at node 2, waits for the migration; qemu migrates the running guest to it while
+/// the disk stays attached on both sides, and the volume's owner then follows the VM
+/// (`volume move --to 2`). The guest sees no error, its loop goes on on node 2, and the
+/// volume holds the last image it wrote.
+#[test]
+fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
+    require_tools();
+    let image = guest_image();
+    let lab = Lab::up(3, &["--ram"]);
+    lab.create_owned("vmdisk", "64M", "mirror-3", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let mib = 8;
+    let (qmp_a, qmp_b, mig) = (
+        tmp.path().join("a.qmp"),
+        tmp.path().join("b.qmp"),
+        tmp.path().join("migrate.sock"),
+    );
+    let spawn = |uri: &str, extra: &[String], name: &str| {
+        let mut c = qemu(&image, uri, "loop", mib, 45);
+        let err = std::fs::File::create(tmp.path().join(format!("{name}.stderr"))).unwrap();
+        c.args(extra)
+            .stdout(std::process::Stdio::piped())
+            .stderr(err);
+        c.spawn()
+            .expect("run qemu-system-x86_64 (scripts/setup.sh installs it)")
+    };
+    // Whatever fails below, no guest outlives the test (`timeout` passes the signal on).
+    struct Guests(Vec<u32>);
+    impl Drop for Guests {
+        fn drop(&mut self) {
+            for pid in &self.0 {
+                let _ = Command::new("kill").arg(pid.to_string()).status();
+            }
+        }
+    }
+    let qmp_arg = |p: &Path| {
+        vec![
+            "-qmp".to_string(),
+            format!("unix:{},server=on,wait=off", p.display()),
+        ]
+    };
+    let mut a = spawn(&lab.uri_on("vmdisk", 1), &qmp_arg(&qmp_a), "a");
+    let mut guests = Guests(vec![a.id()]);
+    let lines = |child: &mut std::process::Child| {
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel::<String>();
+        std::thread::spawn(move || {
+            use std::io::BufRead;
+            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(l);
+            }
+        });
+        rx
+    };
+    let rx_a = lines(&mut a);
+    let started = rx_a
+        .iter()
+        .take_while(|_| true)
+        .any(|l| l.contains("CONVERGE-GUEST loop-started"));
+    assert!(started, "the guest did not start its loop on node 1");
+    std::thread::sleep(std::time::Duration::from_secs(3));
+
+    // The destination: the same machine and disk, attached at node 2, waiting for the
+    // guest's state.
+    let mut incoming = qmp_arg(&qmp_b);
+    incoming.extend(["-incoming".to_string(), format!("unix:{}", mig.display())]);
+    let mut b = spawn(&lab.uri_on("vmdisk", 2), &incoming, "b");
+    guests.0.push(b.id());
+    let rx_b = lines(&mut b);
+    let stderr = |name: &str| {
+        std::fs::read_to_string(tmp.path().join(format!("{name}.stderr"))).unwrap_or_default()
+    };
+    let mut qa = Qmp::connect(&qmp_a);
+    let _qb = Qmp::connect(&qmp_b);
+    if let Some(st) = b.try_wait().unwrap() {
+        panic!("the destination qemu exited ({st}): {}", stderr("b"));
+    }
+    qa.call(
+        "migrate",
+        serde_json::json!({"uri": format!("unix:{}", mig.display())}),
+    );
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    loop {
+        let s = qa.call("query-migrate", serde_json::json!({}));
+        match s["status"].as_str() {
+            Some("completed") => break,
+            Some("failed") | Some("cancelled") => panic!("migration {s}"),
+            _ => {}
+        }
+        assert!(std::time::Instant::now() < deadline, "migration: {s}");
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    // The source is done: the guest runs on node 2's side now.
+    qa.call("quit", serde_json::json!({}));
+    a.wait().unwrap();
+    // The volume's owner follows the VM.
+    lab.must(&["volume", "move", "vmdisk", "--to", "2"]);
+    assert_eq!(lab.json(&["volume", "show", "vmdisk"])["owner"], 2);
+    let status = b.wait().unwrap();
+    guests.0.clear();
+    let console: String = rx_b.iter().map(|l| l + "\n").collect();
+    let r = parse(
+        &console,
+        "loop",
+        &format!("destination qemu exit {status:?}"),
+    );
+    assert_eq!(
+        (r.errors, r.io_errors),
+        (0, 0),
+        "errors inside the guest:\n{console}\n{}",
+        lab.logs()
+    );
+    assert!(r.passes >= 2, "{} passes", r.passes);
     assert_eq!(
         host_sha256(&lab.uri_on("vmdisk", 3), tmp.path(), mib),
         r.sha256,
