@@ -13,7 +13,7 @@ OUT="${1:-target/guest}"
 mkdir -p "$OUT/cache"
 OUT="$(cd "$OUT" && pwd)"
 
-command -v busybox >/dev/null && busybox --list | grep -qx cpio || {
+command -v busybox >/dev/null && busybox --list | grep -x cpio >/dev/null || {
   echo "guest-image: busybox-static is missing (scripts/setup.sh installs it)" >&2
   exit 1
 }

@@ -21,12 +21,14 @@ if [ ${#missing[@]} -gt 0 ]; then
 fi
 # Debian starts etcd as a service on :2379 when installed; the lab runs its own etcd.
 
-# qemu-utils (qemu-img, qemu-io) and qemu-system-x86 (the VM tests boot a guest on a
-# volume under TCG: docs/VMS.md). On Debian 12 both come from bookworm-backports (qemu 10):
-# the two must be of one version, and machines of this project's CI have backports'
-# qemu-utils already.
+# qemu-utils (qemu-img, qemu-io), qemu-system-x86 (the VM tests boot a guest on a volume
+# under TCG: docs/VMS.md) and libvirt's QEMU driver and virsh (a test starts the guest as a
+# libvirt domain). On Debian 12 they come from bookworm-backports (qemu 10, libvirt 11):
+# qemu's packages must be of one version, and machines of this project's CI have
+# backports' qemu-utils already.
+VM_PKGS=(qemu-utils qemu-system-x86 libvirt-daemon libvirt-daemon-driver-qemu libvirt-clients)
 need_qemu=()
-for p in qemu-utils qemu-system-x86; do
+for p in "${VM_PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || need_qemu+=("$p")
 done
 if [ ${#need_qemu[@]} -gt 0 ]; then
@@ -40,10 +42,10 @@ if [ ${#need_qemu[@]} -gt 0 ]; then
     fi
     target=(-t bookworm-backports)
   fi
-  echo "setup: installing qemu-utils qemu-system-x86 ${target[*]}"
+  echo "setup: installing ${need_qemu[*]} ${target[*]}"
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${target[@]}" \
-    qemu-utils qemu-system-x86 >/dev/null
+    "${VM_PKGS[@]}" >/dev/null
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then

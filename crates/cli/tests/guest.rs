@@ -397,3 +397,126 @@ fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
         "the volume holds the last image the guest wrote"
     );
 }
+
+/// libvirt (docs/VMS.md, "libvirt"): `packaging/libvirt/domain-nbd.xml`, the documented
+/// domain with its virtio disk on a converge volume over NBD, is defined and started with
+/// virsh (libvirt's embedded QEMU driver, `qemu:///embed`: no daemon to run; the guest
+/// is the test guest, under TCG). The guest writes and verifies its disk through node 2
+/// (not the owner), powers off, and libvirt reports the domain shut off; the volume holds
+/// what the guest wrote.
+#[test]
+fn a_libvirt_domain_with_its_disk_on_a_volume_boots_writes_it_and_shuts_off() {
+    use std::io::Write;
+    require_tools();
+    let image = guest_image();
+    let lab = Lab::up(3, &["--ram"]);
+    lab.create_owned("vmdisk", "64M", "mirror-3", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("libvirt");
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    // The embedded driver's qemu.conf: qemu runs as this (root) test, no confinement or
+    // cgroups (none to manage here), its output to files rather than to virtlogd.
+    std::fs::write(
+        root.join("etc/qemu.conf"),
+        "user = \"root\"\ngroup = \"root\"\ndynamic_ownership = 0\nsecurity_driver = \"none\"\n\
+         cgroup_controllers = [ ]\nstdio_handler = \"file\"\n",
+    )
+    .unwrap();
+    let xml_in =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/libvirt/domain-nbd.xml");
+    let console = tmp.path().join("console.log");
+    let socket = lab.lab_json()["nodes"][1]["nbd_socket"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let xml = std::fs::read_to_string(&xml_in)
+        .unwrap()
+        .replace("@NAME@", "converge-guest")
+        .replace("@KERNEL@", &image.join("vmlinuz").display().to_string())
+        .replace("@INITRD@", &image.join("initrd.gz").display().to_string())
+        .replace(
+            "@CMDLINE@",
+            &format!("console=ttyS0 panic=-1 quiet converge.job=write converge.mib={MIB}"),
+        )
+        .replace("@VOLUME@", "vmdisk")
+        .replace("@SOCKET@", &socket)
+        .replace("@CONSOLE@", &console.display().to_string());
+    assert!(!xml.contains('@'), "every placeholder filled: {xml}");
+    let xml_path = tmp.path().join("domain.xml");
+    std::fs::write(&xml_path, &xml).unwrap();
+
+    // One virsh session (the embedded driver lives as long as virsh does).
+    let mut virsh = Command::new("virsh")
+        .arg("-c")
+        .arg(format!("qemu:///embed?root={}", root.display()))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("run virsh (scripts/setup.sh installs libvirt)");
+    let mut stdin = virsh.stdin.take().unwrap();
+    // Whatever fails below, the domain and virsh go (destroying an inactive domain only
+    // errs).
+    struct Session(Option<(std::process::ChildStdin, u32)>);
+    impl Drop for Session {
+        fn drop(&mut self) {
+            if let Some((mut s, pid)) = self.0.take() {
+                let _ = s.write_all(b"destroy converge-guest\nundefine converge-guest\nquit\n");
+                drop(s);
+                std::thread::sleep(std::time::Duration::from_secs(2));
+                let _ = Command::new("kill").arg(pid.to_string()).status();
+            }
+        }
+    }
+    writeln!(stdin, "define {}\nstart converge-guest", xml_path.display()).unwrap();
+    stdin.flush().unwrap();
+    let mut session = Session(Some((stdin, virsh.id())));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(240);
+    let report = loop {
+        let text = std::fs::read_to_string(&console).unwrap_or_default();
+        if text
+            .lines()
+            .any(|l| l.starts_with("CONVERGE-GUEST write sha256="))
+        {
+            break text;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the libvirt guest did not report:\n{text}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(500));
+    };
+    let r = parse(&report, "write", "libvirt");
+    assert_eq!((r.errors, r.io_errors), (0, 0), "errors inside the guest");
+    // The guest powered off: libvirt destroys the domain (on_poweroff). Its state is asked
+    // again after each second (virsh's `event --timeout 1` waits a second) for up to 10 s:
+    // the last answer must be "shut off".
+    let (mut stdin, _) = session.0.take().unwrap();
+    for _ in 0..10 {
+        writeln!(
+            stdin,
+            "domstate converge-guest\nevent --event lifecycle --timeout 1"
+        )
+        .unwrap();
+    }
+    writeln!(
+        stdin,
+        "domstate converge-guest\nundefine converge-guest\nquit"
+    )
+    .unwrap();
+    drop(stdin);
+    let o = virsh.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    let states: Vec<&str> = out
+        .lines()
+        .map(str::trim)
+        .filter(|l| ["running", "in shutdown", "shut off", "paused"].contains(l))
+        .collect();
+    assert_eq!(states.last(), Some(&"shut off"), "virsh: {out}");
+    assert!(out.contains("has been undefined"), "virsh: {out}");
+    assert_eq!(
+        host_sha256(&lab.uri("vmdisk"), tmp.path(), MIB),
+        r.sha256,
+        "the volume holds what the guest wrote"
+    );
+}
