@@ -101,6 +101,25 @@ fn boot(image: &Path, uri: &str, job: &str) -> GuestResult {
     parse(&String::from_utf8_lossy(&o.stdout), job, &how)
 }
 
+/// The lines a spawned qemu prints on its serial console (its stdout), as they come; the
+/// thread ends with qemu.
+fn console_lines(
+    child: &mut std::process::Child,
+) -> (
+    std::sync::mpsc::Receiver<String>,
+    std::thread::JoinHandle<()>,
+) {
+    let out = child.stdout.take().expect("qemu's stdout is piped");
+    let (tx, rx) = std::sync::mpsc::channel::<String>();
+    let t = std::thread::spawn(move || {
+        use std::io::BufRead;
+        for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
+            let _ = tx.send(l);
+        }
+    });
+    (rx, t)
+}
+
 /// sha256 of the first `mib` MiB of the volume at `uri`, read by the host.
 fn host_sha256(uri: &str, dir: &Path, mib: usize) -> String {
     let img = dir.join("volume.img");
@@ -160,7 +179,6 @@ fn a_guest_keeps_writing_without_an_error_through_kill_9_of_its_volumes_owner() 
         .stderr(std::process::Stdio::piped())
         .spawn()
         .expect("run qemu-system-x86_64 (scripts/setup.sh installs it)");
-    let stdout = child.stdout.take().unwrap();
     // Whatever fails below, the guest does not outlive the test.
     struct KillOnDrop(Option<u32>);
     impl Drop for KillOnDrop {
@@ -172,16 +190,7 @@ fn a_guest_keeps_writing_without_an_error_through_kill_9_of_its_volumes_owner() 
         }
     }
     let mut guard = KillOnDrop(Some(child.id()));
-    let (tx, rx) = std::sync::mpsc::channel::<String>();
-    let reader = std::thread::spawn(move || {
-        use std::io::BufRead;
-        for line in std::io::BufReader::new(stdout)
-            .lines()
-            .map_while(Result::ok)
-        {
-            let _ = tx.send(line);
-        }
-    });
+    let (rx, reader) = console_lines(&mut child);
     let mut console = String::new();
     let started = loop {
         match rx.recv_timeout(std::time::Duration::from_secs(240)) {
@@ -321,18 +330,7 @@ fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
     };
     let mut a = spawn(&lab.uri_on("vmdisk", 1), &qmp_arg(&qmp_a), "a");
     let mut guests = Guests(vec![a.id()]);
-    let lines = |child: &mut std::process::Child| {
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel::<String>();
-        std::thread::spawn(move || {
-            use std::io::BufRead;
-            for l in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(l);
-            }
-        });
-        rx
-    };
-    let rx_a = lines(&mut a);
+    let (rx_a, _) = console_lines(&mut a);
     let started = rx_a
         .iter()
         .take_while(|_| true)
@@ -346,7 +344,7 @@ fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
     incoming.extend(["-incoming".to_string(), format!("unix:{}", mig.display())]);
     let mut b = spawn(&lab.uri_on("vmdisk", 2), &incoming, "b");
     guests.0.push(b.id());
-    let rx_b = lines(&mut b);
+    let (rx_b, _) = console_lines(&mut b);
     let stderr = |name: &str| {
         std::fs::read_to_string(tmp.path().join(format!("{name}.stderr"))).unwrap_or_default()
     };

@@ -221,20 +221,6 @@ fn scrub_and_rebuild_of_parity_chunks_count_exactly() {
     lab.must(&["lab", "fault", "restart", &victim.to_string()]);
 }
 
-/// The slabs of `vol` as `volume show` names them (`0`, `m2`, …) with their copy count.
-fn slab_layout(lab: &Lab, vol: &str) -> Vec<(String, usize)> {
-    let v = lab.json(&["volume", "show", vol]);
-    v["slabs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            let idx = converge_types::SlabIndex(s["index"].as_u64().unwrap());
-            (idx.to_string(), s["extents"].as_array().unwrap().len())
-        })
-        .collect()
-}
-
 /// Mirror-accelerated parity (docs/adr/0009) on 3 nodes: parity-2+1 with a mirror part of
 /// half the volume (4 extents of 64 MiB, mirror-2). New data lands mirrored; when the part
 /// is full the coldest span rotates into parity in the background (a job of its owner),

@@ -424,17 +424,3 @@ fn snapshots_of_a_mirror_accelerated_parity_volume_survive_its_rotation_and_kill
         .sum();
     assert_eq!(preserved, 0, "deleting both returns their space");
 }
-
-/// The volume's slabs as (index text, copies or chunks), from `volume show`.
-fn slab_layout(lab: &Lab, vol: &str) -> Vec<(String, usize)> {
-    let v = lab.json(&["volume", "show", vol]);
-    v["slabs"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|s| {
-            let idx = converge_types::SlabIndex(s["index"].as_u64().unwrap());
-            (idx.to_string(), s["extents"].as_array().unwrap().len())
-        })
-        .collect()
-}

@@ -573,14 +573,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let wanted = |i: usize, c: usize| fix.iter().any(|f| f.0 == i && f.1 == c);
         // Parity blocks to recompute read as intact: leave them out of the decode's input.
-        let mut input = got.clone();
-        for &(i, c, _) in &fix {
-            if let Some(r) = input[c].as_mut() {
-                if !r.bad_blocks.contains(&(i as u32)) {
-                    r.bad_blocks.push(i as u32);
-                }
-            }
-        }
+        let input = without(&got, fix.iter().map(|&(i, c, _)| (i, c)));
         let decoded = match self.decode_rows(g, &input, &row_versions, &wanted) {
             Ok(d) => d,
             Err(why) => {
@@ -618,4 +611,21 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         Ok(rep)
     }
+}
+
+/// `got` with block `i` of chunk `c` counted bad for each `(i, c)` of `blocks`: what a
+/// decode must not take as input (blocks it is asked to recompute).
+pub(crate) fn without(
+    got: &[Option<BlocksReply>],
+    blocks: impl Iterator<Item = (usize, usize)>,
+) -> Vec<Option<BlocksReply>> {
+    let mut input = got.to_vec();
+    for (i, c) in blocks {
+        if let Some(r) = input[c].as_mut() {
+            if !r.bad_blocks.contains(&(i as u32)) {
+                r.bad_blocks.push(i as u32);
+            }
+        }
+    }
+    input
 }

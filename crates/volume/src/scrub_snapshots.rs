@@ -357,14 +357,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         let wanted = |i: usize, c: usize| fix.contains(&(i, c));
         // Parity blocks to recompute read as intact: left out of the decode's input.
-        let mut input = got.clone();
-        for &(i, c) in &fix {
-            if let Some(r) = input[c].as_mut() {
-                if !r.bad_blocks.contains(&(i as u32)) {
-                    r.bad_blocks.push(i as u32);
-                }
-            }
-        }
+        let input = crate::parity_sync::without(&got, fix.iter().copied());
         let decoded = match self.decode_rows(g, &input, &row_versions, &wanted) {
             Ok(d) => d,
             Err(why) => {

@@ -47,13 +47,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         if snaps.is_empty() {
             return Ok((out, 0));
         }
-        let targets: Vec<(SlabIndex, ExtentLoc)> = self
-            .slabs
-            .read()
-            .expect("slab map lock poisoned")
-            .iter()
-            .flat_map(|(i, s)| writable(&s.extents()).into_iter().map(move |at| (*i, at)))
-            .collect();
+        let targets = self.writable_copies();
         let mut unanswered = 0;
         // A bounded number of questions in flight at a time.
         for batch in targets.chunks(64) {
@@ -85,6 +79,16 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
         }
         Ok((out, unanswered))
+    }
+
+    /// Every copy (or chunk) of every slab that takes writes, with its slab.
+    fn writable_copies(&self) -> Vec<(SlabIndex, ExtentLoc)> {
+        self.slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .iter()
+            .flat_map(|(i, s)| writable(&s.extents()).into_iter().map(move |at| (*i, at)))
+            .collect()
     }
 
     /// The volume's snapshots (their epochs, oldest first), as this owner knows them.
@@ -314,13 +318,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .retain(|&s| s != snapshot);
         let below = self.snapshots().into_iter().filter(|&s| s < snapshot).max();
         let epoch = self.epoch();
-        let targets: Vec<(SlabIndex, ExtentLoc)> = self
-            .slabs
-            .read()
-            .expect("slab map lock poisoned")
-            .iter()
-            .flat_map(|(i, s)| writable(&s.extents()).into_iter().map(move |at| (*i, at)))
-            .collect();
+        let targets = self.writable_copies();
         let results = join_all(
             targets
                 .iter()

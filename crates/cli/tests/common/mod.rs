@@ -498,3 +498,17 @@ pub fn snap_uri(lab: &Lab, vol: &str, snap: &str) -> String {
         .unwrap()
         .to_string()
 }
+
+/// The volume's slabs as (index text, copies or chunks), from `volume show`.
+pub fn slab_layout(lab: &Lab, vol: &str) -> Vec<(String, usize)> {
+    let v = lab.json(&["volume", "show", vol]);
+    v["slabs"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            let idx = converge_types::SlabIndex(s["index"].as_u64().unwrap());
+            (idx.to_string(), s["extents"].as_array().unwrap().len())
+        })
+        .collect()
+}
