@@ -297,6 +297,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
         }
         let all_present = got.iter().all(Option::is_some);
+        let present = got.iter().flatten().count();
         let mut fix: Vec<(usize, usize)> = Vec::new(); // (row, chunk)
         let mut row_versions = vec![Version(0); n as usize];
         for i in (0..n as usize).filter(|&i| kept[i]) {
@@ -308,14 +309,36 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                         .is_some_and(|r| r.bad_blocks.contains(&(i as u32)))
                 })
                 .collect();
+            if present < k {
+                // Fewer than K chunks hold the snapshot here (the others were filled after
+                // it, their descent cut short): its rows cannot be decoded or checked
+                // against each other, only each block against its crc.
+                rep.bad_checksums += u64::from(!bad.is_empty());
+                rep.snapshot_blocks_lost += bad.len() as u64;
+                continue;
+            }
             let Some(v) = row_version(&got, i, k) else {
                 rep.bad_checksums += u64::from(!bad.is_empty());
                 rep.snapshot_blocks_lost += bad.len() as u64;
                 rep.mismatches += u64::from(bad.is_empty());
+                let seen: Vec<String> = got
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(c, r)| {
+                        let r = r.as_ref()?;
+                        let bad = r.bad_blocks.contains(&(i as u32));
+                        Some(format!(
+                            "chunk {c}: {}{}",
+                            r.versions[i],
+                            if bad { " (bad)" } else { "" }
+                        ))
+                    })
+                    .collect();
                 log::error!(
-                    "scrub: volume {} slab {idx} row {}: fewer than {k} chunks holding snapshot {s} give it intact at one version",
+                    "scrub: volume {} slab {idx} row {}: fewer than {k} chunks holding snapshot {s} give it intact at one version ({})",
                     self.cfg.name,
-                    start + i as u64
+                    start + i as u64,
+                    seen.join(", ")
                 );
                 continue;
             };
