@@ -399,8 +399,13 @@ fn variant_env(o: &Options) -> String {
     if o.drain {
         v.push("drain");
     }
-    if o.parity {
+    if o.parity && o.mirror_part {
+        v.push("mirror-part");
+    } else if o.parity {
         v.push("parity");
+    }
+    if o.compress {
+        v.push("compress");
     }
     if o.snapshots {
         v.push("snapshot");

@@ -135,6 +135,12 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 .is_some()
     }
 
+    /// Whether `idx` is a parity slab beside its span's mirror-part slabs (a rotation's
+    /// leftover, cut before its flip): not the span's truth, nor what its snapshots read.
+    pub(crate) fn is_leftover(&self, idx: SlabIndex) -> bool {
+        self.map.is_some() && !idx.is_mirror_part() && self.layout(idx.0) == Some(Layout::Mirror)
+    }
+
     /// The mirror part's size and use.
     pub fn mirror_part_usage(&self) -> Option<MirrorPartUsage> {
         let m = self.map.as_ref()?;

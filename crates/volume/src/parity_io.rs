@@ -7,7 +7,6 @@
 //! block `r` of every chunk; data block `j` of row `r` is volume byte
 //! `(r·K + j)·4096` of the slab.
 
-use crate::mirror_part::Layout;
 use crate::parity::{Codec, Geometry, Shard};
 use crate::{
     block_crcs, join_all, writable, BlocksReply, ExtentLoc, ExtentOp, ExtentReply, Piece,
@@ -522,7 +521,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // The volume's snapshots read what the chunks keep (checked under the gate: a
         // snapshot holds every gate while it is taken), but for a rotation's leftover:
         // the span's mirror part holds its data, and what its snapshots read.
-        if !self.snapshots().is_empty() && self.layout(idx.0) != Some(Layout::Mirror) {
+        if !self.snapshots().is_empty() && !self.is_leftover(idx) {
             return Ok(false);
         }
         let _c = slab.change.lock().await;
