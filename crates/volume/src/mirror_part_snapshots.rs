@@ -392,7 +392,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 const ROTATE_SNAPSHOT_STEP_BYTES: u64 = 4 << 20;
 
 /// The runs `[i, j)` of `0..n` where `pick` holds.
-fn runs(n: usize, pick: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
+pub(crate) fn runs(n: usize, pick: impl Fn(usize) -> bool) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
     let mut i = 0;
     while i < n {

@@ -426,16 +426,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
         };
         let buf = decoded[tc].as_ref().expect("the target's rows are wanted");
-        let mut i = 0;
-        while i < n as usize {
-            if !differ(i) {
-                i += 1;
-                continue;
-            }
-            let mut j = i + 1;
-            while j < n as usize && differ(j) {
-                j += 1;
-            }
+        for (i, j) in crate::mirror_part_snapshots::runs(n as usize, differ) {
             let data = Bytes::copy_from_slice(&buf[i * BSZ..j * BSZ]);
             let op = ExtentOp::WriteShadow {
                 key,
@@ -449,7 +440,6 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             self.ask(target, op, ExtentReply::into_written)
                 .await
                 .map_err(|e| self.replica_failed(idx, target, e))?;
-            i = j;
         }
         Ok(true)
     }
