@@ -723,3 +723,30 @@ pub struct VolumeMrc {
     pub volume: VolumeId,
     pub mrc: converge_types::mrc::Mrc,
 }
+
+/// `POST /v1/vhost`: offer a volume (or a snapshot, `VOLUME@SNAPSHOT`, read-only) to a
+/// qemu guest on this node as a vhost-user-blk disk.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttachVhost {
+    pub volume: String,
+    /// Queues offered (1 to 16; default 2); the guest uses at most this many.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queues: Option<u16>,
+}
+
+/// One vhost-user-blk disk of a node (`GET /v1/vhost`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VhostInfo {
+    pub node: NodeId,
+    pub volume: String,
+    /// The unix socket qemu connects to (`-chardev socket,path=…`).
+    pub socket: String,
+    pub queues: u16,
+    /// A guest is connected now.
+    pub connected: bool,
+    pub requests: u64,
+    /// Requests answered with an error status.
+    pub errors: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+}

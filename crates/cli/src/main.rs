@@ -17,6 +17,7 @@ mod pki_cmd;
 mod remove;
 mod rolling;
 mod table;
+mod vhost;
 
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
@@ -113,6 +114,10 @@ enum Cmd {
     /// with a report (tables, charts, CPU, queue length, write amplification, endurance).
     #[command(subcommand)]
     Fleet(fleet::FleetCmd),
+    /// vhost-user-blk: a volume as a qemu guest's virtio-blk disk on the node where the
+    /// guest runs, without NBD in between (attach, detach, list; docs/VMS.md).
+    #[command(subcommand)]
+    Vhost(vhost::VhostCmd),
 }
 
 #[derive(Subcommand)]
@@ -929,6 +934,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Volume(v) => run_volume(&cli, v)?,
         Cmd::Cache(c) => cache::run(c, cli.json, &api_base(&cli)?)?,
         Cmd::Advise(c) => advise::run(c, cli.json, &api_base(&cli)?)?,
+        Cmd::Vhost(c) => vhost::run(c, cli.json, &api_base(&cli)?)?,
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
         Cmd::Token(c) => run_token(&cli, c)?,
         Cmd::Cert(c) => pki_cmd::run(c)?,

@@ -44,9 +44,11 @@ struct GuestResult {
     passes: u64,
 }
 
-/// qemu booting the guest on `uri` with `job` over the first `mib` MiB (the loop job for
-/// `secs` seconds), its serial console on stdout; at most 5 minutes.
-fn qemu(image: &Path, uri: &str, job: &str, mib: usize, secs: u64) -> Command {
+/// qemu booting the guest on `disk` with `job` over the first `mib` MiB (the loop job for
+/// `secs` seconds), its serial console on stdout; at most 5 minutes. `disk` is an NBD URI,
+/// or `vhost:SOCKET` for a vhost-user-blk disk (then the guest's memory is shared with the
+/// node, as vhost-user needs).
+fn qemu(image: &Path, disk: &str, job: &str, mib: usize, secs: u64) -> Command {
     let mut c = Command::new("timeout");
     c.arg("300")
         .arg("qemu-system-x86_64")
@@ -61,9 +63,18 @@ fn qemu(image: &Path, uri: &str, job: &str, mib: usize, secs: u64) -> Command {
         .arg(format!(
             "console=ttyS0 panic=-1 quiet converge.job={job} converge.mib={mib} \
              converge.secs={secs}"
-        ))
-        .arg("-drive")
-        .arg(format!("file={uri},format=raw,if=virtio,cache=none"));
+        ));
+    match disk.strip_prefix("vhost:") {
+        Some(socket) => c
+            .args(["-object", "memory-backend-memfd,id=mem,size=256M,share=on"])
+            .args(["-machine", "memory-backend=mem"])
+            .arg("-chardev")
+            .arg(format!("socket,id=vd,path={socket},reconnect=1"))
+            .args(["-device", "vhost-user-blk-pci,chardev=vd,num-queues=2"]),
+        None => c
+            .arg("-drive")
+            .arg(format!("file={disk},format=raw,if=virtio,cache=none")),
+    };
     c
 }
 
@@ -87,10 +98,10 @@ fn parse(console: &str, job: &str, how: &str) -> GuestResult {
     }
 }
 
-/// Boots the guest on `uri` with `job` over the first `MIB` MiB and waits for it to power
-/// off.
-fn boot(image: &Path, uri: &str, job: &str) -> GuestResult {
-    let o = qemu(image, uri, job, MIB, 0)
+/// Boots the guest on `disk` (see [`qemu`]) with `job` over the first `MIB` MiB and waits
+/// for it to power off.
+fn boot(image: &Path, disk: &str, job: &str) -> GuestResult {
+    let o = qemu(image, disk, job, MIB, 0)
         .output()
         .expect("run qemu-system-x86_64 (scripts/setup.sh installs it)");
     let how = format!(
@@ -168,13 +179,35 @@ fn a_guest_writes_its_disk_on_a_volume_and_reads_it_back_after_kill_9_through_an
 /// guest wrote.
 #[test]
 fn a_guest_keeps_writing_without_an_error_through_kill_9_of_its_volumes_owner() {
+    survives_kill_9_of_the_owner(false);
+}
+
+/// The same through a vhost-user-blk disk offered by node 2: the vhost front end drives the
+/// NBD export's device, so it re-routes the same way.
+#[test]
+fn a_guest_on_a_vhost_user_disk_keeps_writing_without_an_error_through_kill_9_of_the_owner() {
+    survives_kill_9_of_the_owner(true);
+}
+
+/// `converge vhost attach VOLUME --node N`; the disk argument [`qemu`] takes.
+fn vhost_disk(lab: &Lab, volume: &str, node: u32) -> String {
+    let v = lab.json(&["vhost", "attach", volume, "--node", &node.to_string()]);
+    format!("vhost:{}", v["socket"].as_str().unwrap())
+}
+
+fn survives_kill_9_of_the_owner(vhost: bool) {
     require_tools();
     let image = guest_image();
     let lab = Lab::up(3, &["--ram"]);
     lab.create_owned("vmdisk", "64M", "mirror-3", 1);
     let tmp = tempfile::tempdir().unwrap();
     let mib = 8;
-    let mut child = qemu(&image, &lab.uri_on("vmdisk", 2), "loop", mib, 40)
+    let disk = if vhost {
+        vhost_disk(&lab, "vmdisk", 2)
+    } else {
+        lab.uri_on("vmdisk", 2)
+    };
+    let mut child = qemu(&image, &disk, "loop", mib, 40)
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .spawn()
@@ -232,6 +265,17 @@ fn a_guest_keeps_writing_without_an_error_through_kill_9_of_its_volumes_owner() 
         r.sha256,
         "the volume holds the last image the guest wrote"
     );
+    if vhost {
+        // The requests went through the vhost-user disk, and none failed.
+        let v = lab.json(&["vhost", "list", "--node", "2"]);
+        let d = &v.as_array().unwrap()[0];
+        assert_eq!(d["volume"], "vmdisk");
+        assert_eq!(d["errors"], 0, "{v}");
+        assert!(
+            d["bytes_written"].as_u64().unwrap() >= (2 * mib as u64) << 20,
+            "{v}"
+        );
+    }
 }
 
 /// A tiny QMP client: one command at a time, events skipped.
@@ -517,4 +561,57 @@ fn a_libvirt_domain_with_its_disk_on_a_volume_boots_writes_it_and_shuts_off() {
         r.sha256,
         "the volume holds what the guest wrote"
     );
+}
+
+/// A guest whose disk is a vhost-user-blk disk of node 2 (its I/O redirected to the owner,
+/// node 1) writes it; the host reads the same bytes over NBD. Node 2 is killed -9 and
+/// started again: it offers the disk again on the same socket (the attachment outlives the
+/// process), a second guest reads the same bytes through it, and detach removes the socket.
+#[test]
+fn a_guest_boots_on_a_vhost_user_disk_and_the_disk_is_offered_again_after_kill_9() {
+    require_tools();
+    let image = guest_image();
+    let lab = Lab::up(3, &["--ram"]);
+    lab.create_owned("vmdisk", "64M", "mirror-3", 1);
+    let tmp = tempfile::tempdir().unwrap();
+    let disk = vhost_disk(&lab, "vmdisk", 2);
+    // Attaching again answers the same socket; other queues are refused.
+    assert_eq!(vhost_disk(&lab, "vmdisk", 2), disk);
+    let e = lab.fails(&["vhost", "attach", "vmdisk", "--node", "2", "--queues", "4"]);
+    assert!(e.contains("detach it first"), "{e}");
+    let e = lab.fails(&["vhost", "attach", "nosuch", "--node", "2"]);
+    assert!(e.contains("no volume nosuch"), "{e}");
+
+    let w = boot(&image, &disk, "write");
+    assert_eq!((w.errors, w.io_errors), (0, 0), "errors inside the guest");
+    assert_eq!(
+        host_sha256(&lab.uri("vmdisk"), tmp.path(), MIB),
+        w.sha256,
+        "the volume holds what the guest wrote through vhost-user"
+    );
+
+    lab.must(&["lab", "fault", "kill", "2"]);
+    lab.must(&["lab", "fault", "restart", "2"]);
+    let socket = disk.strip_prefix("vhost:").unwrap().to_string();
+    // The killed process left its socket file behind; the restarted one lists the disk
+    // once it serves it again.
+    lab.wait_for(
+        "node 2 to offer the disk again",
+        std::time::Duration::from_secs(60),
+        || {
+            let o = run(&mut lab.cmd(&["vhost", "list", "--node", "2", "--json"]));
+            String::from_utf8_lossy(&o.stdout).contains("\"vmdisk\"")
+        },
+    );
+    let r = boot(&image, &disk, "read");
+    assert_eq!((r.errors, r.io_errors), (0, 0), "errors inside the guest");
+    assert_eq!(r.sha256, w.sha256, "the guest reads what it wrote");
+
+    lab.must(&["vhost", "detach", "vmdisk", "--node", "2"]);
+    assert!(
+        !std::path::Path::new(&socket).exists(),
+        "the socket is gone"
+    );
+    let v = lab.json(&["vhost", "list"]);
+    assert_eq!(v, serde_json::json!([]), "nothing attached");
 }

@@ -246,6 +246,9 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, query: &str, body:
         (&Method::POST, ["v1", "volumes", name, "snapshots", snap, "rollback"]) => {
             crate::snapshots::rollback(node, name, snap).await
         }
+        (&Method::GET, ["v1", "vhost"]) => crate::vhost::list(node),
+        (&Method::POST, ["v1", "vhost"]) => crate::vhost::attach(node, body).await,
+        (&Method::DELETE, ["v1", "vhost", volume]) => crate::vhost::detach(node, volume).await,
         (&Method::POST, ["v1", "nodes", id, "maintenance"]) => maintenance(node, id, body).await,
         (&Method::POST, ["v1", "nodes", id, "drain"]) => crate::drain::drain(node, id, body).await,
         (&Method::DELETE, ["v1", "nodes", id]) => crate::drain::remove(node, id).await,

@@ -100,6 +100,9 @@ struct RawNetwork {
     rpc: String,
     api: String,
     nbd_socket: PathBuf,
+    /// Where vhost-user-blk sockets go, one per attached volume (default: `vhost` beside
+    /// `nbd_socket`).
+    vhost_dir: Option<PathBuf>,
     nbd_tcp: Option<String>,
     /// Serve NBD on `nbd_tcp` without TLS: anyone who reaches the port reads and writes
     /// every volume. Only on a network where every host is trusted.
@@ -166,6 +169,9 @@ pub struct Config {
     pub rpc_addr: SocketAddr,
     pub api_addr: SocketAddr,
     pub nbd_socket: PathBuf,
+    /// vhost-user-blk sockets: `<vhost_dir>/<volume>.sock`, and the list of attached
+    /// volumes (`attached`), so they are served again after a restart.
+    pub vhost_dir: PathBuf,
     pub nbd_tcp: Option<SocketAddr>,
     /// NBD on TCP without TLS (the operator said so).
     pub nbd_tcp_insecure: bool,
@@ -380,6 +386,13 @@ impl Config {
             slab_size_bytes,
             rpc_addr: addr("network.rpc", &raw.network.rpc)?,
             api_addr: addr("network.api", &raw.network.api)?,
+            vhost_dir: raw.network.vhost_dir.clone().unwrap_or_else(|| {
+                raw.network
+                    .nbd_socket
+                    .parent()
+                    .unwrap_or(Path::new("."))
+                    .join("vhost")
+            }),
             nbd_socket: raw.network.nbd_socket,
             nbd_tcp: raw
                 .network

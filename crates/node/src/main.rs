@@ -24,6 +24,7 @@ mod scrub;
 mod snapshots;
 mod tiering;
 mod usage;
+mod vhost;
 mod wear;
 
 use anyhow::{anyhow, bail, Context, Result};
@@ -290,6 +291,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         auth: auth::Auth::new(cluster.clone(), internal_token, &cfg),
         https: https_client,
         me: Default::default(),
+        vhost: Default::default(),
     });
     let _ = node.me.set(Arc::downgrade(&node));
     for d in &drive_recs {
@@ -357,6 +359,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         );
     }
     let nbd_tcp = nbd_tcp.map(|l| tokio::spawn(converge_nbd::serve_tcp(l, exports, nbd_tcp_cfg)));
+    let vhost_restore = tokio::spawn(vhost::restore(node.clone()));
     let keepalive = tokio::spawn(keep_alive(node.clone()));
     let repairer = tokio::spawn(repair::run(node.clone()));
     let publisher = tokio::spawn(repair::publish(node.clone()));
@@ -392,6 +395,12 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     nbd.abort();
     if let Some(t) = nbd_tcp {
         t.abort();
+    }
+    vhost_restore.abort();
+    {
+        // Guests lose their vhost-user disks (qemu reconnects when the node is back).
+        let node = node.clone();
+        let _ = tokio::task::spawn_blocking(move || vhost::stop_all(&node)).await;
     }
     // No new I/O from here: destage the caches so a removed cache drive costs nothing.
     rpc.abort();

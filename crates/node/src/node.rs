@@ -65,6 +65,8 @@ pub struct Node {
     pub auth: crate::auth::Auth,
     /// HTTPS to the other nodes' APIs: trusts the cluster's CA.
     pub https: Arc<rustls::ClientConfig>,
+    /// Volumes offered to qemu guests here as vhost-user-blk disks (`vhost.rs`).
+    pub vhost: crate::vhost::Attachments,
     /// This node, for what it hands out that must reach it later (a clone's parent reader).
     pub me: std::sync::OnceLock<std::sync::Weak<Node>>,
 }

@@ -1,0 +1,276 @@
+//! vhost-user-blk disks of this node: a volume attached here gets a socket
+//! `<vhost_dir>/<volume>.sock` that a qemu guest on this host connects to
+//! (`converge_vhost`). Each serves the volume's NBD export device ([`crate::export`]), so
+//! ownership, redirection to the owner, failover and QoS are the NBD path's.
+//!
+//! The attached volumes are listed in `<vhost_dir>/attached`, so a restarted node offers
+//! them again and qemu (`reconnect=1` on its chardev) connects again.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
+
+use converge_api::{AttachVhost, VhostInfo};
+use converge_nbd::{ResolveError, Resolver};
+use hyper::StatusCode;
+
+use crate::api::{ok, ApiError, Out};
+use crate::node::Node;
+
+/// Queues a disk gets when the request names none.
+pub const DEFAULT_QUEUES: u16 = 2;
+
+#[derive(Default)]
+pub struct Attachments {
+    servers: Mutex<BTreeMap<String, converge_vhost::Server>>,
+    /// Attached before a restart, not served again yet (volume, queues).
+    pending: Mutex<Vec<(String, u16)>>,
+    /// Serializes attach / detach / restore (each rewrites the list file).
+    changing: tokio::sync::Mutex<()>,
+}
+
+fn socket_path(node: &Node, volume: &str) -> PathBuf {
+    node.cfg.vhost_dir.join(format!("{volume}.sock"))
+}
+
+fn list_path(node: &Node) -> PathBuf {
+    node.cfg.vhost_dir.join("attached")
+}
+
+fn info(node: &Node, volume: &str, s: &converge_vhost::Server) -> VhostInfo {
+    let st = s.stats();
+    VhostInfo {
+        node: node.cfg.node_id,
+        volume: volume.to_string(),
+        socket: s.path().display().to_string(),
+        queues: s.queues(),
+        connected: s.connected(),
+        requests: st.requests.load(Ordering::Relaxed),
+        errors: st.errors.load(Ordering::Relaxed),
+        bytes_read: st.bytes_read.load(Ordering::Relaxed),
+        bytes_written: st.bytes_written.load(Ordering::Relaxed),
+    }
+}
+
+/// Writes the list of attached volumes (`name queues` per line), atomically: those served
+/// and those still waiting to be (`pending`, after a restart).
+fn save(
+    node: &Node,
+    servers: &BTreeMap<String, converge_vhost::Server>,
+    pending: &[(String, u16)],
+) -> std::io::Result<()> {
+    let text: String = servers
+        .iter()
+        .map(|(v, s)| (v.as_str(), s.queues()))
+        .chain(pending.iter().map(|(v, q)| (v.as_str(), *q)))
+        .map(|(v, q)| format!("{v} {q}\n"))
+        .collect();
+    let path = list_path(node);
+    let tmp = path.with_extension("tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, &path)
+}
+
+async fn start(node: &Arc<Node>, volume: &str, queues: u16) -> Result<VhostInfo, ApiError> {
+    if volume.contains('/') || volume.is_empty() {
+        return Err(ApiError::bad(format!("{volume:?} is not a volume name")));
+    }
+    if queues == 0 || queues > converge_vhost::QUEUES_MAX {
+        return Err(ApiError::bad(format!(
+            "{queues} queues: a vhost-user-blk disk has 1 to {}",
+            converge_vhost::QUEUES_MAX
+        )));
+    }
+    let exports = crate::export::Exports { node: node.clone() };
+    let dev = exports.resolve(volume).await.map_err(|e| match e {
+        ResolveError::Unknown => ApiError(StatusCode::NOT_FOUND, format!("no volume {volume}")),
+        other => ApiError(
+            StatusCode::SERVICE_UNAVAILABLE,
+            other.client_message(volume),
+        ),
+    })?;
+    std::fs::create_dir_all(&node.cfg.vhost_dir).map_err(|e| {
+        ApiError(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("creating {}: {e}", node.cfg.vhost_dir.display()),
+        )
+    })?;
+    let path = socket_path(node, volume);
+    let opts = converge_vhost::Options {
+        queues,
+        serial: volume.chars().take(20).collect(),
+    };
+    let server = converge_vhost::Server::start(&path, dev, opts, tokio::runtime::Handle::current())
+        .map_err(|e| match e {
+            converge_vhost::Error::PathTooLong(_) => ApiError::bad(format!(
+                "{e}: use a shorter [network] vhost_dir or volume name"
+            )),
+            other => ApiError(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
+        })?;
+    let info = info(node, volume, &server);
+    node.vhost
+        .servers
+        .lock()
+        .expect("vhost lock")
+        .insert(volume.to_string(), server);
+    log::info!(
+        "vhost: volume {volume} offered on {} ({queues} queues)",
+        info.socket
+    );
+    Ok(info)
+}
+
+/// `POST /v1/vhost`.
+pub async fn attach(node: &Arc<Node>, body: &[u8]) -> Out {
+    let req: AttachVhost = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad(format!("bad attach request: {e}")))?;
+    let _g = node.vhost.changing.lock().await;
+    if let Some(s) = node
+        .vhost
+        .servers
+        .lock()
+        .expect("vhost lock")
+        .get(&req.volume)
+    {
+        let same = req.queues.is_none_or(|q| q == s.queues());
+        if same {
+            return ok(&info(node, &req.volume, s));
+        }
+        return Err(ApiError(
+            StatusCode::CONFLICT,
+            format!(
+                "volume {} is attached with {} queues already; detach it first to change that",
+                req.volume,
+                s.queues()
+            ),
+        ));
+    }
+    let v = start(node, &req.volume, req.queues.unwrap_or(DEFAULT_QUEUES)).await?;
+    let pending = node.vhost.pending.lock().expect("vhost lock").clone();
+    if let Err(e) = save(
+        node,
+        &node.vhost.servers.lock().expect("vhost lock"),
+        &pending,
+    ) {
+        log::warn!("vhost: saving the list of attached volumes: {e}");
+    }
+    Ok((StatusCode::CREATED, serde_json::to_value(v).expect("json")))
+}
+
+/// `DELETE /v1/vhost/VOLUME`: a connected guest loses its disk.
+pub async fn detach(node: &Arc<Node>, volume: &str) -> Out {
+    let _g = node.vhost.changing.lock().await;
+    let (server, was_pending) = {
+        let mut servers = node.vhost.servers.lock().expect("vhost lock");
+        let mut pending = node.vhost.pending.lock().expect("vhost lock");
+        let was_pending = pending.iter().any(|(v, _)| v == volume);
+        pending.retain(|(v, _)| v != volume);
+        let s = servers.remove(volume);
+        if s.is_some() || was_pending {
+            if let Err(e) = save(node, &servers, &pending) {
+                log::warn!("vhost: saving the list of attached volumes: {e}");
+            }
+        }
+        (s, was_pending)
+    };
+    let Some(server) = server else {
+        if was_pending {
+            return ok(&serde_json::json!({ "volume": volume, "detached": "not served yet" }));
+        }
+        return Err(ApiError(
+            StatusCode::NOT_FOUND,
+            format!("volume {volume} is not attached as a vhost-user disk on this node"),
+        ));
+    };
+    let was = info(node, volume, &server);
+    // Stopping joins the serving threads, which may wait for requests in flight.
+    tokio::task::spawn_blocking(move || server.stop())
+        .await
+        .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    log::info!("vhost: volume {volume} detached");
+    ok(&was)
+}
+
+/// `GET /v1/vhost`.
+pub fn list(node: &Node) -> Out {
+    let servers = node.vhost.servers.lock().expect("vhost lock");
+    let v: Vec<VhostInfo> = servers.iter().map(|(n, s)| info(node, n, s)).collect();
+    ok(&v)
+}
+
+/// At start-up: offers again what was attached when the node stopped. A volume that
+/// cannot be opened yet (etcd or its copies not ready) is tried again every 5 s; one that
+/// no longer exists is dropped from the list.
+pub async fn restore(node: Arc<Node>) {
+    let text = match std::fs::read_to_string(list_path(&node)) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return,
+        Err(e) => {
+            log::warn!("vhost: reading {}: {e}", list_path(&node).display());
+            return;
+        }
+    };
+    *node.vhost.pending.lock().expect("vhost lock") = text
+        .lines()
+        .filter_map(|line| {
+            let mut it = line.split_whitespace();
+            let volume = it.next()?.to_string();
+            let queues = it
+                .next()
+                .and_then(|q| q.parse().ok())
+                .unwrap_or(DEFAULT_QUEUES);
+            Some((volume, queues))
+        })
+        .collect();
+    loop {
+        {
+            let _g = node.vhost.changing.lock().await;
+            let todo = node.vhost.pending.lock().expect("vhost lock").clone();
+            for (volume, queues) in todo {
+                let r = start(&node, &volume, queues).await;
+                let keep = match r {
+                    Ok(i) => {
+                        log::info!("vhost: volume {volume} offered again on {}", i.socket);
+                        false
+                    }
+                    Err(ApiError(StatusCode::NOT_FOUND, why)) => {
+                        log::warn!("vhost: volume {volume} not offered again: {why}");
+                        false
+                    }
+                    Err(ApiError(status, why)) => {
+                        log::info!("vhost: volume {volume} not offered yet ({status}): {why}");
+                        true
+                    }
+                };
+                if !keep {
+                    node.vhost
+                        .pending
+                        .lock()
+                        .expect("vhost lock")
+                        .retain(|(v, _)| *v != volume);
+                }
+            }
+            let pending = node.vhost.pending.lock().expect("vhost lock").clone();
+            if let Err(e) = save(
+                &node,
+                &node.vhost.servers.lock().expect("vhost lock"),
+                &pending,
+            ) {
+                log::warn!("vhost: saving the list of attached volumes: {e}");
+            }
+            if pending.is_empty() {
+                return;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(5)).await;
+    }
+}
+
+/// At shutdown: stops every server (their sockets go; the list stays for the restart).
+pub fn stop_all(node: &Node) {
+    let servers = std::mem::take(&mut *node.vhost.servers.lock().expect("vhost lock"));
+    for (_, s) in servers {
+        s.stop();
+    }
+}
