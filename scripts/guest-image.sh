@@ -7,9 +7,19 @@
 # apt-get (the kernel package is downloaded, once, into OUT/cache) and busybox-static;
 # scripts/setup.sh installs what is missing. Safe to run again: an image already built from
 # the same kernel and this script is kept.
+#
+# --with-fio (before OUT; default OUT then target/guest-fio): the image also holds the
+# host's fio with its libraries (about 80 MB; the vhost-user-blk vs NBD benchmark,
+# bench/vms/) and the fio job.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-OUT="${1:-target/guest}"
+WITH_FIO=0
+if [ "${1:-}" = "--with-fio" ]; then
+  WITH_FIO=1
+  shift
+  command -v fio >/dev/null || { echo "guest-image: fio is missing (scripts/setup.sh installs it)" >&2; exit 1; }
+fi
+if [ $WITH_FIO = 1 ]; then OUT="${1:-target/guest-fio}"; else OUT="${1:-target/guest}"; fi
 mkdir -p "$OUT/cache"
 OUT="$(cd "$OUT" && pwd)"
 
@@ -27,7 +37,7 @@ if [ -z "$KPKG" ]; then
   KPKG="$(kernel_package)"
 fi
 [ -n "$KPKG" ] || { echo "guest-image: apt knows no linux-image-amd64 package" >&2; exit 1; }
-STAMP="$KPKG $(sha256sum "$0" | cut -c1-16)"
+STAMP="$KPKG $(sha256sum "$0" | cut -c1-16) fio=$WITH_FIO"
 if [ -f "$OUT/stamp" ] && [ "$(cat "$OUT/stamp")" = "$STAMP" ] && [ -f "$OUT/vmlinuz" ] && [ -f "$OUT/initrd.gz" ]; then
   exit 0
 fi
@@ -52,6 +62,15 @@ for m in $MODS; do
   [ -n "$f" ] || { echo "guest-image: $m.ko is not in $KPKG" >&2; exit 1; }
   cp "$f" "$ROOT/lib/modules/"
 done
+if [ $WITH_FIO = 1 ]; then
+  # fio and every library it links, at their paths, with the dynamic loader.
+  for f in "$(command -v fio)" $(ldd "$(command -v fio)" | grep -o '/[^ ]*'); do
+    mkdir -p "$ROOT$(dirname "$f")"
+    cp -L "$f" "$ROOT$f"
+  done
+  mkdir -p "$ROOT/bin"
+  [ -e "$ROOT/bin/fio" ] || ln -s "$(command -v fio)" "$ROOT/bin/fio"
+fi
 cat > "$ROOT/init" <<EOF
 #!/bin/busybox sh
 # The converge test guest (scripts/guest-image.sh). Kernel parameters:
@@ -61,6 +80,11 @@ cat > "$ROOT/init" <<EOF
 #   converge.job=loop    for converge.secs seconds, write two random images in turn
 #                        (O_DIRECT, fsync) and read each back and compare; prints
 #                        "CONVERGE-GUEST loop-started" first, and the last image's sha256
+#   converge.job=fio     (an image built --with-fio) for each RW:BS:QD of converge.fio
+#                        (comma-separated, e.g. randread:4k:1,randwrite:4k:32), fio with
+#                        libaio and O_DIRECT over the first converge.mib MiB of /dev/vda
+#                        for converge.secs seconds (after 1 s of ramp); prints each
+#                        result as one line "CONVERGE-FIO RW BS QD <fio's JSON>"
 # Each prints "CONVERGE-GUEST <job> sha256=<hex> errors=<n> io_errors=<n> passes=<n>"
 # (io_errors: the kernel's I/O error messages) and powers off.
 /bin/busybox --install -s /bin
@@ -68,12 +92,13 @@ mount -t proc proc /proc
 mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in $MODS; do insmod /lib/modules/\$m.ko || echo "CONVERGE-GUEST insmod \$m failed"; done
-job=none; mib=16; secs=30; passes=0
+job=none; mib=16; secs=30; passes=0; fiojobs=randread:4k:1
 for a in \$(cat /proc/cmdline); do
   case "\$a" in
     converge.job=*) job="\${a#converge.job=}" ;;
     converge.mib=*) mib="\${a#converge.mib=}" ;;
     converge.secs=*) secs="\${a#converge.secs=}" ;;
+    converge.fio=*) fiojobs="\${a#converge.fio=}" ;;
   esac
 done
 i=0
@@ -111,6 +136,17 @@ case "\$job" in
         [ "\$got" = "\$want" ] || errors=\$((errors + 1))
         passes=\$((passes + 1))
       done
+    done
+    ;;
+  fio)
+    want=none
+    for j in \$(echo "\$fiojobs" | tr ',' ' '); do
+      rw=\$(echo \$j | cut -d: -f1); bs=\$(echo \$j | cut -d: -f2); qd=\$(echo \$j | cut -d: -f3)
+      echo "CONVERGE-FIO-START \$rw \$bs \$qd"
+      out=\$(fio --name=guest --filename=/dev/vda --direct=1 --ioengine=libaio --rw=\$rw \\
+        --bs=\$bs --iodepth=\$qd --size=\${mib}M --ramp_time=1 --runtime=\$secs --time_based \\
+        --randrepeat=0 --output-format=json 2>>/tmp/err) || errors=\$((errors + 1))
+      echo "CONVERGE-FIO \$rw \$bs \$qd \$(echo "\$out" | tr -d '\\n')"
     done
     ;;
   *)

@@ -448,6 +448,17 @@ fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
 /// what the guest wrote.
 #[test]
 fn a_libvirt_domain_with_its_disk_on_a_volume_boots_writes_it_and_shuts_off() {
+    libvirt_domain(false);
+}
+
+/// The same with packaging/libvirt/domain-vhost.xml: the disk is a vhost-user-blk disk of
+/// node 2 (`converge vhost attach`), the domain's memory shared.
+#[test]
+fn a_libvirt_domain_with_a_vhost_user_disk_boots_writes_it_and_shuts_off() {
+    libvirt_domain(true);
+}
+
+fn libvirt_domain(vhost: bool) {
     use std::io::Write;
     require_tools();
     let image = guest_image();
@@ -464,13 +475,23 @@ fn a_libvirt_domain_with_its_disk_on_a_volume_boots_writes_it_and_shuts_off() {
          cgroup_controllers = [ ]\nstdio_handler = \"file\"\n",
     )
     .unwrap();
-    let xml_in =
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../packaging/libvirt/domain-nbd.xml");
+    let xml_in = Path::new(env!("CARGO_MANIFEST_DIR")).join(if vhost {
+        "../../packaging/libvirt/domain-vhost.xml"
+    } else {
+        "../../packaging/libvirt/domain-nbd.xml"
+    });
     let console = tmp.path().join("console.log");
-    let socket = lab.lab_json()["nodes"][1]["nbd_socket"]
-        .as_str()
-        .unwrap()
-        .to_string();
+    let socket = if vhost {
+        vhost_disk(&lab, "vmdisk", 2)
+            .strip_prefix("vhost:")
+            .unwrap()
+            .to_string()
+    } else {
+        lab.lab_json()["nodes"][1]["nbd_socket"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
     let xml = std::fs::read_to_string(&xml_in)
         .unwrap()
         .replace("@NAME@", "converge-guest")
