@@ -85,6 +85,10 @@ cat > "$ROOT/init" <<EOF
 #                        libaio and O_DIRECT over the first converge.mib MiB of /dev/vda
 #                        for converge.secs seconds (after 1 s of ramp); prints each
 #                        result as one line "CONVERGE-FIO RW BS QD <fio's JSON>"
+#   converge.job=fleet   (--with-fio; a `converge fleet run --vms` worker) prints
+#                        "CONVERGE-GUEST ready", waits for a line on the console, then
+#                        runs fio with converge.fioargs (comma-separated arguments) and
+#                        prints its output between CONVERGE-FIO-JSON-BEGIN and -END
 # Each prints "CONVERGE-GUEST <job> sha256=<hex> errors=<n> io_errors=<n> passes=<n>"
 # (io_errors: the kernel's I/O error messages) and powers off.
 /bin/busybox --install -s /bin
@@ -99,6 +103,7 @@ for a in \$(cat /proc/cmdline); do
     converge.mib=*) mib="\${a#converge.mib=}" ;;
     converge.secs=*) secs="\${a#converge.secs=}" ;;
     converge.fio=*) fiojobs="\${a#converge.fio=}" ;;
+    converge.fioargs=*) fioargs="\${a#converge.fioargs=}" ;;
   esac
 done
 i=0
@@ -148,6 +153,15 @@ case "\$job" in
         --randrepeat=0 --output-format=json 2>>/tmp/err) || errors=\$((errors + 1))
       echo "CONVERGE-FIO \$rw \$bs \$qd \$(echo "\$out" | tr -d '\\n')"
     done
+    ;;
+  fleet)
+    want=none
+    echo "CONVERGE-GUEST ready"
+    read go
+    fio \$(echo "\$fioargs" | tr ',' ' ') > /tmp/fio.json 2>>/tmp/err || errors=\$((errors + 1))
+    echo "CONVERGE-FIO-JSON-BEGIN"
+    cat /tmp/fio.json
+    echo "CONVERGE-FIO-JSON-END"
     ;;
   *)
     want=none; errors=1

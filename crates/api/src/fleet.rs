@@ -44,6 +44,23 @@ pub struct WorkerSpec {
     /// Share of written buffers that repeat earlier ones, 0..=100 (`dedupe_percentage`).
     #[serde(default)]
     pub dedupe_pct: u8,
+    /// Run fio inside a guest (`converge fleet run --vms`) rather than on the host: the
+    /// node offers the volume as a vhost-user-blk disk, boots the guest and, once the CLI
+    /// says go (`POST …/go`), runs the measurement there (`Measure` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm: Option<VmWorker>,
+}
+
+/// How a worker's guest runs.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VmWorker {
+    /// Directory on the node with the guest's `vmlinuz` and `initrd.gz`
+    /// (`scripts/guest-image.sh --with-fio`).
+    pub image: String,
+    /// qemu's accelerator: `kvm` (hardware virtualization) or `tcg` (emulation).
+    pub accel: String,
+    /// Guest memory, MiB.
+    pub memory_mib: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -70,6 +87,10 @@ pub struct WorkerStatus {
     /// Why it failed: fio's exit status and the end of its stderr.
     pub message: Option<String>,
     pub elapsed_ms: u64,
+    /// A guest worker (`spec.vm`) still booting: it measures nothing until it is up and
+    /// told to go.
+    #[serde(default)]
+    pub booting: bool,
 }
 
 /// A drive as the fleet reports it, with its endurance rating if the node's config has one.

@@ -38,6 +38,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 const POLL: Duration = Duration::from_millis(500);
 /// Workers must have ended this long after their warm-up + runtime.
 const END_GRACE: Duration = Duration::from_secs(60);
+/// How long the guests of a point (`--vms`) may take to boot, all together.
+const GUEST_BOOT_WAIT: Duration = Duration::from_secs(600);
 /// Volumes of the fleet are named `fleet-n<node>-w<k>`.
 const VOLUME_PREFIX: &str = "fleet-n";
 /// How long every cache drive has to report the mode `--cache-mode` set.
@@ -183,6 +185,20 @@ pub struct RunArgs {
     /// over the best below it. The report's Saturation section names each knee.
     #[arg(long)]
     saturate: bool,
+    /// Run each worker's fio inside a real guest, as VMFleet does: every node offers each
+    /// worker's volume as a vhost-user-blk disk and boots a qemu guest on it (the image of
+    /// `scripts/guest-image.sh --with-fio`, in DIR on every node; default
+    /// ./target/guest-fio); the points start once every guest is up. Needs
+    /// qemu-system-x86 on the nodes.
+    #[arg(long, value_name = "DIR", num_args = 0..=1, default_missing_value = "target/guest-fio")]
+    vms: Option<PathBuf>,
+    /// With --vms: qemu's accelerator, kvm (hardware virtualization: use it where the
+    /// nodes have it) or tcg (emulation: slow, the guest's CPU bounds what it measures).
+    #[arg(long, default_value = "tcg", value_parser = ["kvm", "tcg"])]
+    vm_accel: String,
+    /// With --vms: each guest's memory, MiB (the fio image needs about 200).
+    #[arg(long, default_value_t = 512)]
+    vm_memory: u32,
 }
 
 fn parse_cache_mode(s: &str) -> Result<CacheMode, String> {
@@ -559,7 +575,25 @@ struct Plan {
 
 fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
     // 1. The arguments alone.
-    let settings = profile::resolve(&a.profile, &overrides(a)?).map_err(|e| anyhow!("{e}"))?;
+    let mut settings = profile::resolve(&a.profile, &overrides(a)?).map_err(|e| anyhow!("{e}"))?;
+    if let Some(dir) = &a.vms {
+        let dir = std::path::absolute(dir).with_context(|| format!("--vms {}", dir.display()))?;
+        for f in ["vmlinuz", "initrd.gz"] {
+            if !dir.join(f).is_file() {
+                bail!(
+                    "--vms {}: no {f} there; build the guest image with \
+                     scripts/guest-image.sh --with-fio {}",
+                    dir.display(),
+                    dir.display()
+                );
+            }
+        }
+        settings.vm = Some(converge_api::fleet::VmWorker {
+            image: dir.display().to_string(),
+            accel: a.vm_accel.clone(),
+            memory_mib: a.vm_memory,
+        });
+    }
     let points = profile::points(&settings);
     let flag_tbw = a
         .drive_tbw
@@ -1462,6 +1496,7 @@ fn sweep(
                 runtime_s: 0,
                 compress_pct: settings.compress_pct,
                 dedupe_pct: settings.dedupe_pct,
+                vm: None,
             };
             session.start_worker(ni, &spec)?;
         }
@@ -1651,9 +1686,44 @@ fn measure_point(
                 runtime_s: s.duration_s,
                 compress_pct: s.compress_pct,
                 dedupe_pct: s.dedupe_pct,
+                vm: s.vm.clone(),
             };
             let w = session.start_worker(ni, &spec)?;
             slots.push((ni, k, w.id, spec.volume));
+        }
+    }
+    let mut first = first;
+    if s.vm.is_some() {
+        // Guests: every one boots first, then all start together.
+        let deadline = Instant::now() + GUEST_BOOT_WAIT;
+        loop {
+            session.check_workers()?;
+            let booting = session
+                .statuses()?
+                .iter()
+                .filter(|(_, w)| w.booting)
+                .count();
+            if booting == 0 {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{booting} guests of {} did not boot within {} s",
+                    point.label(),
+                    GUEST_BOOT_WAIT.as_secs()
+                );
+            }
+            progress.status(&format!(
+                "{head}: {booting} of {} guests booting — ETA {eta}",
+                slots.len()
+            ));
+            sleep_until(Instant::now() + POLL)?;
+        }
+        first = Instant::now();
+        for (ni, _, id, _) in &slots {
+            let n = &nodes[*ni];
+            let _: Value = http::call(&n.api, "POST", &format!("/v1/fleet/workers/{id}/go"), None)
+                .with_context(|| format!("starting guest worker {id} on node {}", n.id))?;
         }
     }
     let last = Instant::now();

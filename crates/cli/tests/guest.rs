@@ -636,3 +636,84 @@ fn a_guest_boots_on_a_vhost_user_disk_and_the_disk_is_offered_again_after_kill_9
     let v = lab.json(&["vhost", "list"]);
     assert_eq!(v, serde_json::json!([]), "nothing attached");
 }
+
+/// `converge fleet run --vms`: each worker's fio runs inside a guest booted by the worker's
+/// node on a vhost-user-blk disk of its volume (the guest image with fio,
+/// `scripts/guest-image.sh --with-fio`). A small sweep on 2 of 3 nodes (2 points): every
+/// point is measured (IOPS above 0, no error), each raw result is fio's inside the guest
+/// (libaio on /dev/vda), the report says the workers were guests, and the disks are gone
+/// at the end.
+#[test]
+fn fleet_workers_run_as_guests_on_vhost_user_disks() {
+    require_tools();
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+    let image = root.join("target/guest-fio");
+    must(
+        Command::new(root.join("scripts/guest-image.sh"))
+            .arg("--with-fio")
+            .arg(&image),
+    );
+    let lab = Lab::up(3, &["--ram"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("run");
+    let o = run(&mut lab.cmd(&[
+        "fleet",
+        "run",
+        "--profile",
+        "small-block",
+        "--quick",
+        "--qd",
+        "2",
+        "--write-pct",
+        "0,100",
+        "--nodes",
+        "1,3",
+        "--vms",
+        image.to_str().unwrap(),
+        "--out",
+        out.to_str().unwrap(),
+    ]));
+    assert!(
+        o.status.success(),
+        "fleet run --vms failed:\n{}{}\n{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr),
+        lab.logs()
+    );
+    let summary: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out.join("summary.json")).unwrap()).unwrap();
+    assert_eq!(summary["config"]["settings"]["vm"]["accel"], "tcg");
+    let points = summary["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2, "{summary}");
+    for p in points {
+        let iops = p["stats"]["iops"].as_f64().unwrap();
+        assert!(iops > 0.0, "a point measured nothing: {p}");
+    }
+    let mut raws = 0;
+    for dir in std::fs::read_dir(out.join("raw")).unwrap() {
+        for node in ["node1-w1.json", "node3-w1.json"] {
+            let f = dir.as_ref().unwrap().path().join("r1").join(node);
+            let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&f).unwrap()).unwrap();
+            let job = &v["jobs"][0];
+            assert_eq!(job["job options"]["ioengine"], "libaio", "{}", f.display());
+            assert_eq!(
+                job["job options"]["filename"],
+                "/dev/vda",
+                "{}",
+                f.display()
+            );
+            assert_eq!(job["error"], 0, "{}", f.display());
+            raws += 1;
+        }
+    }
+    assert_eq!(raws, 4, "a result per worker and point");
+    let md = std::fs::read_to_string(out.join("report.md")).unwrap();
+    assert!(md.contains("fio inside a qemu guest"), "{md}");
+    let log1 = std::fs::read_to_string(lab.path().join("node1/converged.log")).unwrap();
+    assert!(log1.contains("vhost-user-blk: a guest connected"), "{log1}");
+    assert_eq!(
+        lab.json(&["vhost", "list"]),
+        serde_json::json!([]),
+        "disks detached"
+    );
+}

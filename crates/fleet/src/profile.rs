@@ -122,6 +122,7 @@ impl Profile {
             compression: Compression::None,
             encrypt: false,
             saturate: false,
+            vm: None,
         };
         match self {
             Profile::SmallBlock => base,
@@ -236,6 +237,10 @@ pub struct Settings {
     /// [`SATURATION_GAIN`] IOPS over the best below it ([`saturated_at`]).
     #[serde(default)]
     pub saturate: bool,
+    /// The workers run fio inside guests on vhost-user-blk disks (`--vms`), not on the
+    /// hosts over NBD.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vm: Option<converge_api::fleet::VmWorker>,
 }
 
 impl Settings {

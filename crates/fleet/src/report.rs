@@ -183,6 +183,17 @@ fn configuration(s: &RunSummary) -> Section {
                 },
             ),
             (
+                "workers",
+                match &st.vm {
+                    Some(vm) => format!(
+                        "guests: fio inside a qemu guest each ({}, {} MiB, 1 vCPU), its disk \
+                         a vhost-user-blk disk of its node",
+                        vm.accel, vm.memory_mib
+                    ),
+                    None => "fio on each node, over NBD on the node's socket".to_string(),
+                },
+            ),
+            (
                 "data pattern",
                 format!(
                     "{} (fio buffer_compress_percentage {}, dedupe_percentage {})",

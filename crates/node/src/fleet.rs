@@ -9,8 +9,8 @@
 
 use crate::node::Node;
 use converge_api::fleet::{
-    DriveCounters, FleetDrive, FleetNode, FleetSample, VolumeIoCounters, WorkerKind, WorkerSpec,
-    WorkerState, WorkerStatus,
+    DriveCounters, FleetDrive, FleetNode, FleetSample, VmWorker, VolumeIoCounters, WorkerKind,
+    WorkerSpec, WorkerState, WorkerStatus,
 };
 use converge_types::{BLOCK_SIZE, MAX_IO_BYTES};
 use hyper::{Method, StatusCode};
@@ -31,6 +31,8 @@ const WORKER_GRACE_S: u64 = 120;
 const PREFILL_LIFETIME_MAX_S: u64 = 24 * 3600;
 /// Longest warm-up + runtime accepted, seconds (a week).
 const RUN_S_MAX: u64 = 7 * 24 * 3600;
+/// A guest worker has this long to boot, beyond its measuring bound.
+const GUEST_BOOT_MAX_S: u64 = 600;
 /// After SIGTERM, fio gets this long to write its result before SIGKILL.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 /// Percentiles fio prints itself (the fleet merges its own from fio's histogram bins).
@@ -44,6 +46,8 @@ struct Worker {
     output: PathBuf,
     stderr: PathBuf,
     stop: Option<oneshot::Sender<()>>,
+    /// A guest worker's start signal (sent once it has booted and the CLI says go).
+    go: Option<oneshot::Sender<()>>,
 }
 
 #[derive(Default)]
@@ -115,6 +119,21 @@ pub async fn route(node: &Arc<Node>, method: &Method, rest: &[&str], body: &[u8]
             let mut r = lock();
             let w = r.workers.get_mut(&id).ok_or_else(|| not_found(id))?;
             if let Some(tx) = w.stop.take() {
+                let _ = tx.send(());
+            }
+            to_value(StatusCode::OK, &current(w, node))
+        }
+        (&Method::POST, ["workers", id, "go"]) => {
+            let id = parse_id(id)?;
+            let mut r = lock();
+            let w = r.workers.get_mut(&id).ok_or_else(|| not_found(id))?;
+            if w.status.booting {
+                return Err((
+                    StatusCode::CONFLICT,
+                    format!("fleet worker {id}'s guest is still booting"),
+                ));
+            }
+            if let Some(tx) = w.go.take() {
                 let _ = tx.send(());
             }
             to_value(StatusCode::OK, &current(w, node))
@@ -388,6 +407,31 @@ async fn check_spec(node: &Node, s: &WorkerSpec) -> Result<(), (StatusCode, Stri
             s.runtime_s, s.ramp_s
         )));
     }
+    if let Some(vm) = &s.vm {
+        if s.kind != WorkerKind::Measure {
+            return Err(bad("only measuring workers run in a guest".to_string()));
+        }
+        if vm.accel != "kvm" && vm.accel != "tcg" {
+            return Err(bad(format!("accelerator {:?}: kvm or tcg", vm.accel)));
+        }
+        if !(128..=65536).contains(&vm.memory_mib) {
+            return Err(bad(format!(
+                "guest memory {} MiB: 128 to 65536",
+                vm.memory_mib
+            )));
+        }
+        for f in ["vmlinuz", "initrd.gz"] {
+            let p = Path::new(&vm.image).join(f);
+            if !p.is_file() {
+                return Err(bad(format!(
+                    "no guest image on node {}: {} is missing (build it there with \
+                     scripts/guest-image.sh --with-fio DIR)",
+                    node.cfg.node_id,
+                    p.display()
+                )));
+            }
+        }
+    }
     let rec = node
         .cluster
         .volume(&s.volume)
@@ -484,6 +528,124 @@ fn fio_args(node: &Node, s: &WorkerSpec, output: &Path) -> Vec<String> {
     a
 }
 
+/// The guest's fio arguments (its kernel command line's `converge.fioargs`, commas for
+/// spaces): the host worker's, on the guest's virtio disk with libaio and O_DIRECT, the
+/// result on its console.
+fn fio_guest_args(node: &Node, s: &WorkerSpec) -> String {
+    fio_args(node, s, Path::new("-"))
+        .into_iter()
+        .filter(|a| {
+            !a.starts_with("--ioengine=") && !a.starts_with("--uri=") && !a.starts_with("--output=")
+        })
+        .chain([
+            "--ioengine=libaio".to_string(),
+            "--direct=1".to_string(),
+            "--filename=/dev/vda".to_string(),
+        ])
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// qemu with the guest of `vm` on the vhost-user-blk disk at `socket`, its console on
+/// stdin/stdout.
+fn qemu_command(
+    node: &Node,
+    s: &WorkerSpec,
+    vm: &VmWorker,
+    socket: &str,
+) -> tokio::process::Command {
+    let image = Path::new(&vm.image);
+    let mut c = tokio::process::Command::new("qemu-system-x86_64");
+    c.args(["-accel", &vm.accel, "-smp", "1"])
+        .args(["-m", &vm.memory_mib.to_string()])
+        .args([
+            "-display",
+            "none",
+            "-monitor",
+            "none",
+            "-serial",
+            "stdio",
+            "-no-reboot",
+        ])
+        .arg("-kernel")
+        .arg(image.join("vmlinuz"))
+        .arg("-initrd")
+        .arg(image.join("initrd.gz"))
+        .arg("-append")
+        .arg(format!(
+            "console=ttyS0 panic=-1 quiet converge.job=fleet converge.fioargs={}",
+            fio_guest_args(node, s)
+        ))
+        .args([
+            "-object",
+            &format!(
+                "memory-backend-memfd,id=mem,size={}M,share=on",
+                vm.memory_mib
+            ),
+        ])
+        .args(["-machine", "memory-backend=mem"])
+        .args(["-chardev", &format!("socket,id=vd,path={socket}")])
+        .args(["-device", "vhost-user-blk-pci,chardev=vd,num-queues=1"]);
+    c
+}
+
+/// What a guest worker printed: fio's JSON between its markers, and its own verdict.
+#[derive(Default)]
+struct GuestOutput {
+    json: Vec<String>,
+    json_done: bool,
+    errors: Option<u64>,
+    tail: std::collections::VecDeque<String>,
+}
+
+/// Reads a guest's console: marks the worker booted at `CONVERGE-GUEST ready`, then waits
+/// for `go` and sends it the line that starts fio; gathers fio's JSON.
+async fn watch_guest(
+    id: u64,
+    stdout: tokio::process::ChildStdout,
+    mut stdin: tokio::process::ChildStdin,
+    go: oneshot::Receiver<()>,
+) -> GuestOutput {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let mut out = GuestOutput::default();
+    let mut go = Some(go);
+    let mut in_json = false;
+    while let Ok(Some(line)) = lines.next_line().await {
+        let line = line.trim_end_matches('\r').to_string();
+        if line == "CONVERGE-FIO-JSON-BEGIN" {
+            in_json = true;
+        } else if line == "CONVERGE-FIO-JSON-END" {
+            in_json = false;
+            out.json_done = true;
+        } else if in_json {
+            out.json.push(line);
+            continue;
+        } else if line.starts_with("CONVERGE-GUEST ready") {
+            if let Some(w) = lock().workers.get_mut(&id) {
+                w.status.booting = false;
+            }
+            if let Some(rx) = go.take() {
+                // Deleted or stopped meanwhile: the sender goes, and so does qemu soon.
+                if rx.await.is_ok() {
+                    let _ = stdin.write_all(b"go\n").await;
+                    let _ = stdin.flush().await;
+                }
+            }
+        } else if let Some(rest) = line.strip_prefix("CONVERGE-GUEST fleet ") {
+            out.errors = rest
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("errors="))
+                .and_then(|n| n.parse().ok());
+        }
+        if out.tail.len() == 12 {
+            out.tail.pop_front();
+        }
+        out.tail.push_back(line);
+    }
+    out
+}
+
 async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (StatusCode, String)> {
     check_spec(node, &spec).await?;
     let dir = work_dir(node);
@@ -533,23 +695,54 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
             format!("cannot create {}: {e}", stderr_path.display()),
         )
     })?;
-    let args = fio_args(node, &spec, &output);
-    let mut child = tokio::process::Command::new("fio")
-        .args(&args)
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(stderr)
-        .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| {
-            (
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!(
-                    "cannot start fio on node {} ({e}): is fio installed (apt-get install fio)?",
-                    node.cfg.node_id
-                ),
-            )
-        })?;
+    let (go_tx, go_rx) = oneshot::channel();
+    let mut guest = None;
+    let mut child = if let Some(vm) = &spec.vm {
+        let (_, disk) = crate::vhost::attach_volume(node, &spec.volume, Some(1))
+            .await
+            .map_err(|crate::api::ApiError(status, why)| (status, why))?;
+        let mut child = qemu_command(node, &spec, vm, &disk.socket)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!(
+                        "cannot start qemu-system-x86_64 on node {} ({e}): is it installed \
+                         (scripts/setup.sh)?",
+                        node.cfg.node_id
+                    ),
+                )
+            })?;
+        let (stdout, stdin) = (
+            child.stdout.take().expect("piped"),
+            child.stdin.take().expect("piped"),
+        );
+        guest = Some(tokio::spawn(watch_guest(id, stdout, stdin, go_rx)));
+        child
+    } else {
+        let args = fio_args(node, &spec, &output);
+        tokio::process::Command::new("fio")
+            .args(&args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr)
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| {
+                (
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    format!(
+                        "cannot start fio on node {} ({e}): is fio installed (apt-get install \
+                         fio)?",
+                        node.cfg.node_id
+                    ),
+                )
+            })?
+    };
     let pid = child.id().map(|p| p as i32);
     log::info!(
         "fleet worker {id} ({}) started: fio pid {pid:?} on volume {}",
@@ -558,10 +751,16 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
     );
     let lifetime = match spec.kind {
         WorkerKind::Prefill => Duration::from_secs(PREFILL_LIFETIME_MAX_S),
+        WorkerKind::Measure if spec.vm.is_some() => {
+            Duration::from_secs(spec.ramp_s + spec.runtime_s + WORKER_GRACE_S + GUEST_BOOT_MAX_S)
+        }
         WorkerKind::Measure => Duration::from_secs(spec.ramp_s + spec.runtime_s + WORKER_GRACE_S),
     };
     let (tx, rx) = oneshot::channel();
     let output_path = output.clone();
+    let spec_is_vm = spec.vm.is_some();
+    let guest_volume = spec.vm.as_ref().map(|_| spec.volume.clone());
+    let task_node = node.clone();
     let status = WorkerStatus {
         id,
         node: node.cfg.node_id,
@@ -571,6 +770,7 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
         exit_code: None,
         message: None,
         elapsed_ms: 0,
+        booting: spec_is_vm,
     };
     lock().workers.insert(
         id,
@@ -580,6 +780,7 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
             output,
             stderr: stderr_path.clone(),
             stop: Some(tx),
+            go: spec_is_vm.then_some(go_tx),
         },
     );
     tokio::spawn(async move {
@@ -597,6 +798,29 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
                 terminate(&mut child).await
             }
         };
+        // A guest's verdict and fio's JSON come from its console; its disk goes.
+        let guest_out = match guest {
+            Some(g) => g.await.ok(),
+            None => None,
+        };
+        if let Some(volume) = guest_volume {
+            let _ = crate::vhost::detach_volume(&task_node, &volume).await;
+        }
+        let mut guest_failure = None;
+        if let Some(g) = &guest_out {
+            let json_ok = g.json_done && std::fs::write(&output_path, g.json.join("\n")).is_ok();
+            if !json_ok || g.errors != Some(0) {
+                guest_failure = Some(format!(
+                    "the guest {}; its console ends with: {}",
+                    if json_ok {
+                        "reported errors"
+                    } else {
+                        "gave no fio result"
+                    },
+                    g.tail.iter().cloned().collect::<Vec<_>>().join(" | ")
+                ));
+            }
+        }
         let mut r = lock();
         let Some(w) = r.workers.get_mut(&id) else {
             // Deleted while it ran: fio may have written its result since; drop it too.
@@ -605,6 +829,8 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
             return;
         };
         w.stop = None;
+        w.go = None;
+        w.status.booting = false;
         w.status.pid = None;
         w.status.elapsed_ms = w.started.elapsed().as_millis() as u64;
         match exit {
@@ -612,6 +838,9 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
                 w.status.exit_code = st.code();
                 if stopped {
                     w.status.state = WorkerState::Stopped;
+                } else if let Some(why) = guest_failure {
+                    w.status.state = WorkerState::Failed;
+                    w.status.message = Some(why);
                 } else if st.success() {
                     w.status.state = WorkerState::Done;
                 } else {

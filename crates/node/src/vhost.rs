@@ -125,28 +125,37 @@ async fn start(node: &Arc<Node>, volume: &str, queues: u16) -> Result<VhostInfo,
 pub async fn attach(node: &Arc<Node>, body: &[u8]) -> Out {
     let req: AttachVhost = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("bad attach request: {e}")))?;
+    let (created, v) = attach_volume(node, &req.volume, req.queues).await?;
+    let status = if created {
+        StatusCode::CREATED
+    } else {
+        StatusCode::OK
+    };
+    Ok((status, serde_json::to_value(v).expect("json")))
+}
+
+/// Offers `volume` (if it is not offered yet: then `created`); `queues` `None` accepts
+/// what an existing attachment has.
+pub async fn attach_volume(
+    node: &Arc<Node>,
+    volume: &str,
+    queues: Option<u16>,
+) -> Result<(bool, VhostInfo), ApiError> {
     let _g = node.vhost.changing.lock().await;
-    if let Some(s) = node
-        .vhost
-        .servers
-        .lock()
-        .expect("vhost lock")
-        .get(&req.volume)
-    {
-        let same = req.queues.is_none_or(|q| q == s.queues());
-        if same {
-            return ok(&info(node, &req.volume, s));
+    if let Some(s) = node.vhost.servers.lock().expect("vhost lock").get(volume) {
+        if queues.is_none_or(|q| q == s.queues()) {
+            return Ok((false, info(node, volume, s)));
         }
         return Err(ApiError(
             StatusCode::CONFLICT,
             format!(
-                "volume {} is attached with {} queues already; detach it first to change that",
-                req.volume,
+                "volume {volume} is attached with {} queues already; detach it first to change \
+                 that",
                 s.queues()
             ),
         ));
     }
-    let v = start(node, &req.volume, req.queues.unwrap_or(DEFAULT_QUEUES)).await?;
+    let v = start(node, volume, queues.unwrap_or(DEFAULT_QUEUES)).await?;
     let pending = node.vhost.pending.lock().expect("vhost lock").clone();
     if let Err(e) = save(
         node,
@@ -155,11 +164,16 @@ pub async fn attach(node: &Arc<Node>, body: &[u8]) -> Out {
     ) {
         log::warn!("vhost: saving the list of attached volumes: {e}");
     }
-    Ok((StatusCode::CREATED, serde_json::to_value(v).expect("json")))
+    Ok((true, v))
 }
 
 /// `DELETE /v1/vhost/VOLUME`: a connected guest loses its disk.
 pub async fn detach(node: &Arc<Node>, volume: &str) -> Out {
+    detach_volume(node, volume).await
+}
+
+/// Stops offering `volume`; what it served, for the answer.
+pub async fn detach_volume(node: &Arc<Node>, volume: &str) -> Out {
     let _g = node.vhost.changing.lock().await;
     let (server, was_pending) = {
         let mut servers = node.vhost.servers.lock().expect("vhost lock");

@@ -220,6 +220,7 @@ fn study(
         runtime_s: duration_s,
         compress_pct: 0,
         dedupe_pct: 0,
+        vm: None,
     };
     for (k, v) in std::iter::once(&victim).chain(&noisy).enumerate() {
         s.start_worker(
