@@ -732,6 +732,11 @@ pub struct AttachVhost {
     /// Queues offered (1 to 16; default 2); the guest uses at most this many.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub queues: Option<u16>,
+    /// When a guest starts on the disk (boots, or is migrated in: its first request), this
+    /// node becomes the volume's owner (`volume move`), so its I/O is served here rather
+    /// than forwarded. Default true.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner_follows: Option<bool>,
 }
 
 /// One vhost-user-blk disk of a node (`GET /v1/vhost`).
@@ -742,6 +747,8 @@ pub struct VhostInfo {
     /// The unix socket qemu connects to (`-chardev socket,path=…`).
     pub socket: String,
     pub queues: u16,
+    /// This node takes the volume over when a guest starts on the disk.
+    pub owner_follows: bool,
     /// A guest is connected now.
     pub connected: bool,
     pub requests: u64,

@@ -22,6 +22,11 @@ pub enum VhostCmd {
         /// Queues offered (1-16); the guest uses at most this many (qemu's num-queues).
         #[arg(long, default_value_t = 2)]
         queues: u16,
+        /// Keep the volume's owner where it is when a guest starts on this disk. By
+        /// default the node takes the volume over at the guest's first request (a boot, or
+        /// a live migration arriving), so its I/O is served locally, not forwarded.
+        #[arg(long)]
+        owner_stays: bool,
     },
     /// Stop offering a volume on a node: its socket goes, and a guest still connected loses
     /// the disk.
@@ -71,11 +76,13 @@ pub fn run(c: &VhostCmd, json_out: bool, base: &str) -> Result<()> {
             volume,
             node,
             queues,
+            owner_stays,
         } => {
             let (api, _) = node_api(base, *node)?;
             let body = serde_json::to_value(AttachVhost {
                 volume: volume.clone(),
                 queues: Some(*queues),
+                owner_follows: Some(!owner_stays),
             })?;
             let v: VhostInfo = http::call(&api, "POST", "/v1/vhost", Some(&body))
                 .with_context(|| format!("attaching {volume}"))?;

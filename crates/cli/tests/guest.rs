@@ -189,9 +189,12 @@ fn a_guest_on_a_vhost_user_disk_keeps_writing_without_an_error_through_kill_9_of
     survives_kill_9_of_the_owner(true);
 }
 
-/// `converge vhost attach VOLUME --node N`; the disk argument [`qemu`] takes.
-fn vhost_disk(lab: &Lab, volume: &str, node: u32) -> String {
-    let v = lab.json(&["vhost", "attach", volume, "--node", &node.to_string()]);
+/// `converge vhost attach VOLUME --node N [EXTRA]`; the disk argument [`qemu`] takes.
+fn vhost_disk(lab: &Lab, volume: &str, node: u32, extra: &[&str]) -> String {
+    let node = node.to_string();
+    let mut args = vec!["vhost", "attach", volume, "--node", &node];
+    args.extend_from_slice(extra);
+    let v = lab.json(&args);
     format!("vhost:{}", v["socket"].as_str().unwrap())
 }
 
@@ -203,7 +206,8 @@ fn survives_kill_9_of_the_owner(vhost: bool) {
     let tmp = tempfile::tempdir().unwrap();
     let mib = 8;
     let disk = if vhost {
-        vhost_disk(&lab, "vmdisk", 2)
+        // The owner stays on node 1, so that the guest's I/O is forwarded to it.
+        vhost_disk(&lab, "vmdisk", 2, &["--owner-stays"])
     } else {
         lab.uri_on("vmdisk", 2)
     };
@@ -337,10 +341,31 @@ impl Qmp {
 /// volume holds the last image it wrote.
 #[test]
 fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
+    migrate(false);
+}
+
+/// The same with the guest's disk a vhost-user-blk disk on each side (node 1's, then node
+/// 2's): converged logs the pages it writes into guest memory for the migration, and node 2
+/// takes the volume over by itself when the migrated guest's first request reaches it — no
+/// `volume move`.
+#[test]
+fn a_running_guest_on_a_vhost_user_disk_migrates_and_the_owner_follows_by_itself() {
+    migrate(true);
+}
+
+fn migrate(vhost: bool) {
     require_tools();
     let image = guest_image();
     let lab = Lab::up(3, &["--ram"]);
     lab.create_owned("vmdisk", "64M", "mirror-3", 1);
+    let (disk_a, disk_b) = if vhost {
+        (
+            vhost_disk(&lab, "vmdisk", 1, &[]),
+            vhost_disk(&lab, "vmdisk", 2, &[]),
+        )
+    } else {
+        (lab.uri_on("vmdisk", 1), lab.uri_on("vmdisk", 2))
+    };
     let tmp = tempfile::tempdir().unwrap();
     let mib = 8;
     let (qmp_a, qmp_b, mig) = (
@@ -372,7 +397,7 @@ fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
             format!("unix:{},server=on,wait=off", p.display()),
         ]
     };
-    let mut a = spawn(&lab.uri_on("vmdisk", 1), &qmp_arg(&qmp_a), "a");
+    let mut a = spawn(&disk_a, &qmp_arg(&qmp_a), "a");
     let mut guests = Guests(vec![a.id()]);
     let (rx_a, _) = console_lines(&mut a);
     let started = rx_a
@@ -386,7 +411,7 @@ fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
     // guest's state.
     let mut incoming = qmp_arg(&qmp_b);
     incoming.extend(["-incoming".to_string(), format!("unix:{}", mig.display())]);
-    let mut b = spawn(&lab.uri_on("vmdisk", 2), &incoming, "b");
+    let mut b = spawn(&disk_b, &incoming, "b");
     guests.0.push(b.id());
     let (rx_b, _) = console_lines(&mut b);
     let stderr = |name: &str| {
@@ -415,8 +440,16 @@ fn a_running_guest_migrates_to_another_node_and_its_volumes_owner_follows() {
     // The source is done: the guest runs on node 2's side now.
     qa.call("quit", serde_json::json!({}));
     a.wait().unwrap();
-    // The volume's owner follows the VM.
-    lab.must(&["volume", "move", "vmdisk", "--to", "2"]);
+    // The volume's owner follows the VM: by itself on vhost-user disks, by a move on NBD.
+    if vhost {
+        lab.wait_for(
+            "node 2 to take the volume over",
+            std::time::Duration::from_secs(60),
+            || lab.json(&["volume", "show", "vmdisk"])["owner"] == 2,
+        );
+    } else {
+        lab.must(&["volume", "move", "vmdisk", "--to", "2"]);
+    }
     assert_eq!(lab.json(&["volume", "show", "vmdisk"])["owner"], 2);
     let status = b.wait().unwrap();
     guests.0.clear();
@@ -482,7 +515,7 @@ fn libvirt_domain(vhost: bool) {
     });
     let console = tmp.path().join("console.log");
     let socket = if vhost {
-        vhost_disk(&lab, "vmdisk", 2)
+        vhost_disk(&lab, "vmdisk", 2, &[])
             .strip_prefix("vhost:")
             .unwrap()
             .to_string()
@@ -584,10 +617,11 @@ fn libvirt_domain(vhost: bool) {
     );
 }
 
-/// A guest whose disk is a vhost-user-blk disk of node 2 (its I/O redirected to the owner,
-/// node 1) writes it; the host reads the same bytes over NBD. Node 2 is killed -9 and
-/// started again: it offers the disk again on the same socket (the attachment outlives the
-/// process), a second guest reads the same bytes through it, and detach removes the socket.
+/// A guest whose disk is a vhost-user-blk disk of node 2 (the volume owned by node 1) writes
+/// it; node 2 becomes the owner when the guest starts (the owner follows the guest), and
+/// the host reads the same bytes over NBD. Node 2 is killed -9 and started again: it offers
+/// the disk again on the same socket (the attachment outlives the process), a second guest
+/// reads the same bytes through it, and detach removes the socket.
 #[test]
 fn a_guest_boots_on_a_vhost_user_disk_and_the_disk_is_offered_again_after_kill_9() {
     require_tools();
@@ -595,16 +629,23 @@ fn a_guest_boots_on_a_vhost_user_disk_and_the_disk_is_offered_again_after_kill_9
     let lab = Lab::up(3, &["--ram"]);
     lab.create_owned("vmdisk", "64M", "mirror-3", 1);
     let tmp = tempfile::tempdir().unwrap();
-    let disk = vhost_disk(&lab, "vmdisk", 2);
+    let disk = vhost_disk(&lab, "vmdisk", 2, &[]);
     // Attaching again answers the same socket; other queues are refused.
-    assert_eq!(vhost_disk(&lab, "vmdisk", 2), disk);
+    assert_eq!(vhost_disk(&lab, "vmdisk", 2, &[]), disk);
     let e = lab.fails(&["vhost", "attach", "vmdisk", "--node", "2", "--queues", "4"]);
     assert!(e.contains("detach it first"), "{e}");
     let e = lab.fails(&["vhost", "attach", "nosuch", "--node", "2"]);
     assert!(e.contains("no volume nosuch"), "{e}");
 
+    assert_eq!(lab.json(&["volume", "show", "vmdisk"])["owner"], 1);
     let w = boot(&image, &disk, "write");
     assert_eq!((w.errors, w.io_errors), (0, 0), "errors inside the guest");
+    assert_eq!(
+        lab.json(&["volume", "show", "vmdisk"])["owner"],
+        2,
+        "the owner followed the guest to node 2:\n{}",
+        lab.logs()
+    );
     assert_eq!(
         host_sha256(&lab.uri("vmdisk"), tmp.path(), MIB),
         w.sha256,

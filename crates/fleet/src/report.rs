@@ -688,8 +688,9 @@ pub fn wait_analysis(s: &RunSummary) -> Vec<String> {
     let r = drive_queue_all_tiers(st) / st.drive_ql_expected;
     let verdict = if r < 0.5 {
         "most outstanding I/Os are not in drive queues: they wait above the drives — in \
-         the client and NBD, the volume layer (versioning, checksums, replication) and the \
-         peer RPC. Faster drives would change little; a leaner software path would."
+         the client and its attach path (NBD, or vhost-user-blk for guests), the volume \
+         layer (versioning, checksums, replication) and the peer RPC. Faster drives would \
+         change little; a leaner software path would."
     } else if r <= 1.5 {
         "the drives hold about the queue the load puts on them: the drives are where I/Os wait."
     } else {

@@ -698,7 +698,7 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
     let (go_tx, go_rx) = oneshot::channel();
     let mut guest = None;
     let mut child = if let Some(vm) = &spec.vm {
-        let (_, disk) = crate::vhost::attach_volume(node, &spec.volume, Some(1))
+        let (_, disk) = crate::vhost::attach_volume(node, &spec.volume, Some(1), false)
             .await
             .map_err(|crate::api::ApiError(status, why)| (status, why))?;
         let mut child = qemu_command(node, &spec, vm, &disk.socket)

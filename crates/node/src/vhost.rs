@@ -21,11 +21,17 @@ use crate::node::Node;
 /// Queues a disk gets when the request names none.
 pub const DEFAULT_QUEUES: u16 = 2;
 
+/// One attached volume.
+struct Attached {
+    server: converge_vhost::Server,
+    owner_follows: bool,
+}
+
 #[derive(Default)]
 pub struct Attachments {
-    servers: Mutex<BTreeMap<String, converge_vhost::Server>>,
-    /// Attached before a restart, not served again yet (volume, queues).
-    pending: Mutex<Vec<(String, u16)>>,
+    servers: Mutex<BTreeMap<String, Attached>>,
+    /// Attached before a restart, not served again yet.
+    pending: Mutex<Vec<Entry>>,
     /// Serializes attach / detach / restore (each rewrites the list file).
     changing: tokio::sync::Mutex<()>,
 }
@@ -38,13 +44,23 @@ fn list_path(node: &Node) -> PathBuf {
     node.cfg.vhost_dir.join("attached")
 }
 
-fn info(node: &Node, volume: &str, s: &converge_vhost::Server) -> VhostInfo {
+/// A line of the list file: `volume queues follows`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+struct Entry {
+    volume: String,
+    queues: u16,
+    owner_follows: bool,
+}
+
+fn info(node: &Node, volume: &str, a: &Attached) -> VhostInfo {
+    let s = &a.server;
     let st = s.stats();
     VhostInfo {
         node: node.cfg.node_id,
         volume: volume.to_string(),
         socket: s.path().display().to_string(),
         queues: s.queues(),
+        owner_follows: a.owner_follows,
         connected: s.connected(),
         requests: st.requests.load(Ordering::Relaxed),
         errors: st.errors.load(Ordering::Relaxed),
@@ -57,14 +73,18 @@ fn info(node: &Node, volume: &str, s: &converge_vhost::Server) -> VhostInfo {
 /// and those still waiting to be (`pending`, after a restart).
 fn save(
     node: &Node,
-    servers: &BTreeMap<String, converge_vhost::Server>,
-    pending: &[(String, u16)],
+    servers: &BTreeMap<String, Attached>,
+    pending: &[Entry],
 ) -> std::io::Result<()> {
     let text: String = servers
         .iter()
-        .map(|(v, s)| (v.as_str(), s.queues()))
-        .chain(pending.iter().map(|(v, q)| (v.as_str(), *q)))
-        .map(|(v, q)| format!("{v} {q}\n"))
+        .map(|(v, a)| (v.as_str(), a.server.queues(), a.owner_follows))
+        .chain(
+            pending
+                .iter()
+                .map(|e| (e.volume.as_str(), e.queues, e.owner_follows)),
+        )
+        .map(|(v, q, f)| format!("{v} {q} {}\n", if f { "follows" } else { "stays" }))
         .collect();
     let path = list_path(node);
     let tmp = path.with_extension("tmp");
@@ -72,7 +92,43 @@ fn save(
     std::fs::rename(&tmp, &path)
 }
 
-async fn start(node: &Arc<Node>, volume: &str, queues: u16) -> Result<VhostInfo, ApiError> {
+/// The guest started on this node: make this node the volume's owner.
+async fn follow(node: &Arc<Node>, volume: &str) {
+    if volume.contains('@') {
+        return; // a snapshot: served wherever it is read
+    }
+    let owner = match node.cluster.volume(volume).await {
+        Ok(Some((rec, _))) => rec.owner,
+        Ok(None) => return,
+        Err(e) => {
+            log::warn!("vhost: a guest started on {volume}; its owner is unknown ({e})");
+            return;
+        }
+    };
+    if owner == node.cfg.node_id {
+        return;
+    }
+    let body = serde_json::to_vec(&converge_api::MoveVolume {
+        to: node.cfg.node_id,
+    })
+    .expect("json");
+    match crate::api::move_volume(node, volume, &body).await {
+        Ok(_) => log::info!(
+            "vhost: a guest started on {volume} here: this node owns it now (was node {owner})"
+        ),
+        Err(ApiError(status, why)) => log::warn!(
+            "vhost: a guest started on {volume} here; moving its owner here failed ({status}): \
+             {why}"
+        ),
+    }
+}
+
+async fn start(
+    node: &Arc<Node>,
+    volume: &str,
+    queues: u16,
+    owner_follows: bool,
+) -> Result<VhostInfo, ApiError> {
     if volume.contains('/') || volume.is_empty() {
         return Err(ApiError::bad(format!("{volume:?} is not a volume name")));
     }
@@ -97,9 +153,21 @@ async fn start(node: &Arc<Node>, volume: &str, queues: u16) -> Result<VhostInfo,
         )
     })?;
     let path = socket_path(node, volume);
+    let on_start = owner_follows.then(|| {
+        let weak = Arc::downgrade(node);
+        let volume = volume.to_string();
+        let rt = tokio::runtime::Handle::current();
+        Arc::new(move || {
+            if let Some(node) = weak.upgrade() {
+                let volume = volume.clone();
+                rt.spawn(async move { follow(&node, &volume).await });
+            }
+        }) as Arc<dyn Fn() + Send + Sync>
+    });
     let opts = converge_vhost::Options {
         queues,
         serial: volume.chars().take(20).collect(),
+        on_start,
     };
     let server = converge_vhost::Server::start(&path, dev, opts, tokio::runtime::Handle::current())
         .map_err(|e| match e {
@@ -108,12 +176,16 @@ async fn start(node: &Arc<Node>, volume: &str, queues: u16) -> Result<VhostInfo,
             )),
             other => ApiError(StatusCode::INTERNAL_SERVER_ERROR, other.to_string()),
         })?;
-    let info = info(node, volume, &server);
+    let attached = Attached {
+        server,
+        owner_follows,
+    };
+    let info = info(node, volume, &attached);
     node.vhost
         .servers
         .lock()
         .expect("vhost lock")
-        .insert(volume.to_string(), server);
+        .insert(volume.to_string(), attached);
     log::info!(
         "vhost: volume {volume} offered on {} ({queues} queues)",
         info.socket
@@ -125,7 +197,13 @@ async fn start(node: &Arc<Node>, volume: &str, queues: u16) -> Result<VhostInfo,
 pub async fn attach(node: &Arc<Node>, body: &[u8]) -> Out {
     let req: AttachVhost = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad(format!("bad attach request: {e}")))?;
-    let (created, v) = attach_volume(node, &req.volume, req.queues).await?;
+    let (created, v) = attach_volume(
+        node,
+        &req.volume,
+        req.queues,
+        req.owner_follows.unwrap_or(true),
+    )
+    .await?;
     let status = if created {
         StatusCode::CREATED
     } else {
@@ -140,22 +218,31 @@ pub async fn attach_volume(
     node: &Arc<Node>,
     volume: &str,
     queues: Option<u16>,
+    owner_follows: bool,
 ) -> Result<(bool, VhostInfo), ApiError> {
     let _g = node.vhost.changing.lock().await;
-    if let Some(s) = node.vhost.servers.lock().expect("vhost lock").get(volume) {
-        if queues.is_none_or(|q| q == s.queues()) {
-            return Ok((false, info(node, volume, s)));
+    if let Some(a) = node.vhost.servers.lock().expect("vhost lock").get(volume) {
+        let s = &a.server;
+        if queues.is_none_or(|q| q == s.queues()) && owner_follows == a.owner_follows {
+            return Ok((false, info(node, volume, a)));
         }
         return Err(ApiError(
             StatusCode::CONFLICT,
             format!(
-                "volume {volume} is attached with {} queues already; detach it first to change \
-                 that",
-                s.queues()
+                "volume {volume} is attached with {} queues and owner_follows {} already; \
+                 detach it first to change that",
+                s.queues(),
+                a.owner_follows
             ),
         ));
     }
-    let v = start(node, volume, queues.unwrap_or(DEFAULT_QUEUES)).await?;
+    let v = start(
+        node,
+        volume,
+        queues.unwrap_or(DEFAULT_QUEUES),
+        owner_follows,
+    )
+    .await?;
     let pending = node.vhost.pending.lock().expect("vhost lock").clone();
     if let Err(e) = save(
         node,
@@ -178,8 +265,8 @@ pub async fn detach_volume(node: &Arc<Node>, volume: &str) -> Out {
     let (server, was_pending) = {
         let mut servers = node.vhost.servers.lock().expect("vhost lock");
         let mut pending = node.vhost.pending.lock().expect("vhost lock");
-        let was_pending = pending.iter().any(|(v, _)| v == volume);
-        pending.retain(|(v, _)| v != volume);
+        let was_pending = pending.iter().any(|e| e.volume == volume);
+        pending.retain(|e| e.volume != volume);
         let s = servers.remove(volume);
         if s.is_some() || was_pending {
             if let Err(e) = save(node, &servers, &pending) {
@@ -199,7 +286,7 @@ pub async fn detach_volume(node: &Arc<Node>, volume: &str) -> Out {
     };
     let was = info(node, volume, &server);
     // Stopping joins the serving threads, which may wait for requests in flight.
-    tokio::task::spawn_blocking(move || server.stop())
+    tokio::task::spawn_blocking(move || server.server.stop())
         .await
         .map_err(|e| ApiError(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
     log::info!("vhost: volume {volume} detached");
@@ -209,7 +296,7 @@ pub async fn detach_volume(node: &Arc<Node>, volume: &str) -> Out {
 /// `GET /v1/vhost`.
 pub fn list(node: &Node) -> Out {
     let servers = node.vhost.servers.lock().expect("vhost lock");
-    let v: Vec<VhostInfo> = servers.iter().map(|(n, s)| info(node, n, s)).collect();
+    let v: Vec<VhostInfo> = servers.iter().map(|(n, a)| info(node, n, a)).collect();
     ok(&v)
 }
 
@@ -234,15 +321,25 @@ pub async fn restore(node: Arc<Node>) {
                 .next()
                 .and_then(|q| q.parse().ok())
                 .unwrap_or(DEFAULT_QUEUES);
-            Some((volume, queues))
+            let owner_follows = it.next() != Some("stays");
+            Some(Entry {
+                volume,
+                queues,
+                owner_follows,
+            })
         })
         .collect();
     loop {
         {
             let _g = node.vhost.changing.lock().await;
             let todo = node.vhost.pending.lock().expect("vhost lock").clone();
-            for (volume, queues) in todo {
-                let r = start(&node, &volume, queues).await;
+            for Entry {
+                volume,
+                queues,
+                owner_follows,
+            } in todo
+            {
+                let r = start(&node, &volume, queues, owner_follows).await;
                 let keep = match r {
                     Ok(i) => {
                         log::info!("vhost: volume {volume} offered again on {}", i.socket);
@@ -262,7 +359,7 @@ pub async fn restore(node: Arc<Node>) {
                         .pending
                         .lock()
                         .expect("vhost lock")
-                        .retain(|(v, _)| *v != volume);
+                        .retain(|e| e.volume != volume);
                 }
             }
             let pending = node.vhost.pending.lock().expect("vhost lock").clone();
@@ -284,7 +381,7 @@ pub async fn restore(node: Arc<Node>) {
 /// At shutdown: stops every server (their sockets go; the list stays for the restart).
 pub fn stop_all(node: &Node) {
     let servers = std::mem::take(&mut *node.vhost.servers.lock().expect("vhost lock"));
-    for (_, s) in servers {
-        s.stop();
+    for (_, a) in servers {
+        a.server.stop();
     }
 }

@@ -26,6 +26,7 @@ use std::time::Duration;
 use converge_nbd::BlockDev;
 use vhost::vhost_user::message::{VhostUserProtocolFeatures, VhostUserVirtioFeatures};
 use vhost::vhost_user::Listener;
+use vhost_user_backend::bitmap::BitmapMmapRegion;
 use vhost_user_backend::{ShutdownHandle, VhostUserBackend, VhostUserDaemon, VringRwLock, VringT};
 use virtio_bindings::virtio_blk as vb;
 use virtio_bindings::virtio_config::VIRTIO_F_VERSION_1;
@@ -39,22 +40,40 @@ use vmm_sys_util::event::{
 
 pub use blk::Stats;
 
-type Mem = GuestMemoryAtomic<GuestMemoryMmap<()>>;
+/// The guest's memory, with the page log live migration reads (vm-memory marks a page
+/// dirty on every write through it: data read for the guest and the used ring alike).
+type Mem = GuestMemoryAtomic<GuestMemoryMmap<BitmapMmapRegion>>;
 
 /// Largest number of queues a guest may use (`num-queues` of qemu's device).
 pub const QUEUES_MAX: u16 = 16;
 /// Largest ring a guest may give each queue (`queue-size`; qemu's default is 128).
 pub const QUEUE_SIZE_MAX: u16 = 1024;
+/// Data segments a request may have (advertised): qemu's default ring of 128 less the
+/// header and status descriptors; larger requests come with indirect descriptors.
+const SEG_MAX: u32 = 126;
 /// How long a stopping queue waits for its requests in flight before it gives up on them.
 const STOP_WAIT: Duration = Duration::from_secs(120);
 
 /// How a disk is offered.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Options {
     /// Queues offered (1..=QUEUES_MAX); the guest uses at most this many.
     pub queues: u16,
     /// The disk's serial (`VIRTIO_BLK_T_GET_ID`, /dev/disk/by-id), at most 20 bytes used.
     pub serial: String,
+    /// Called once per guest connection, when the guest sends its first request: the
+    /// guest runs here now (booted, or migrated in).
+    pub on_start: Option<Arc<dyn Fn() + Send + Sync>>,
+}
+
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("queues", &self.queues)
+            .field("serial", &self.serial)
+            .field("on_start", &self.on_start.is_some())
+            .finish()
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -108,6 +127,8 @@ struct Backend<D: BlockDev> {
     stats: Arc<Stats>,
     event_idx: AtomicBool,
     inflight: Vec<Arc<InFlight>>,
+    on_start: Option<Arc<dyn Fn() + Send + Sync>>,
+    started: AtomicBool,
 }
 
 impl<D: BlockDev> Backend<D> {
@@ -169,7 +190,7 @@ impl<D: BlockDev> Backend<D> {
 }
 
 impl<D: BlockDev> VhostUserBackend for Backend<D> {
-    type Bitmap = ();
+    type Bitmap = BitmapMmapRegion;
     type Vring = VringRwLock<Mem>;
 
     fn num_queues(&self) -> usize {
@@ -189,7 +210,9 @@ impl<D: BlockDev> VhostUserBackend for Backend<D> {
             | 1 << vb::VIRTIO_BLK_F_TOPOLOGY
             | 1 << vb::VIRTIO_BLK_F_FLUSH
             | 1 << vb::VIRTIO_BLK_F_MQ
-            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits();
+            | VhostUserVirtioFeatures::PROTOCOL_FEATURES.bits()
+            // Live migration: writes into guest memory are logged (`Mem`).
+            | VhostUserVirtioFeatures::LOG_ALL.bits();
         if self.dev.read_only() {
             f |= 1 << vb::VIRTIO_BLK_F_RO;
         } else {
@@ -202,6 +225,7 @@ impl<D: BlockDev> VhostUserBackend for Backend<D> {
         VhostUserProtocolFeatures::CONFIG
             | VhostUserProtocolFeatures::MQ
             | VhostUserProtocolFeatures::REPLY_ACK
+            | VhostUserProtocolFeatures::LOG_SHMFD
     }
 
     fn set_event_idx(&self, enabled: bool) {
@@ -212,7 +236,7 @@ impl<D: BlockDev> VhostUserBackend for Backend<D> {
         let cfg = blk::Config {
             capacity_bytes: self.dev.size_bytes(),
             queues: self.queues,
-            seg_max: u32::from(QUEUE_SIZE_MAX) - 2,
+            seg_max: SEG_MAX,
         }
         .bytes();
         let (start, end) = (offset as usize, offset as usize + size as usize);
@@ -267,6 +291,11 @@ impl<D: BlockDev> VhostUserBackend for Backend<D> {
                 "no queue for event {device_event}"
             )));
         };
+        if !self.started.swap(true, Ordering::Relaxed) {
+            if let Some(f) = &self.on_start {
+                f();
+            }
+        }
         // One queue per thread: thread i serves queue i.
         if self.event_idx.load(Ordering::Relaxed) {
             loop {
@@ -417,6 +446,8 @@ fn accept_loop<D: BlockDev>(
             stats: stats.clone(),
             event_idx: AtomicBool::new(false),
             inflight: (0..opts.queues).map(|_| Arc::default()).collect(),
+            on_start: opts.on_start.clone(),
+            started: AtomicBool::new(false),
         });
         let mut daemon = match VhostUserDaemon::new("vhost-user-blk".into(), backend, mem) {
             Ok(d) => d,
