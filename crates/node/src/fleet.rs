@@ -646,6 +646,17 @@ async fn watch_guest(
     out
 }
 
+/// A worker's program could not start.
+fn spawn_failed(node: &Node, program: &str, e: std::io::Error, hint: &str) -> (StatusCode, String) {
+    (
+        StatusCode::INTERNAL_SERVER_ERROR,
+        format!(
+            "cannot start {program} on node {} ({e}): {hint}",
+            node.cfg.node_id
+        ),
+    )
+}
+
 async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (StatusCode, String)> {
     check_spec(node, &spec).await?;
     let dir = work_dir(node);
@@ -701,22 +712,25 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
         let (_, disk) = crate::vhost::attach_volume(node, &spec.volume, Some(1), false)
             .await
             .map_err(|crate::api::ApiError(status, why)| (status, why))?;
-        let mut child = qemu_command(node, &spec, vm, &disk.socket)
+        let spawned = qemu_command(node, &spec, vm, &disk.socket)
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(stderr)
             .kill_on_drop(true)
-            .spawn()
-            .map_err(|e| {
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!(
-                        "cannot start qemu-system-x86_64 on node {} ({e}): is it installed \
-                         (scripts/setup.sh)?",
-                        node.cfg.node_id
-                    ),
-                )
-            })?;
+            .spawn();
+        let mut child = match spawned {
+            Ok(c) => c,
+            Err(e) => {
+                // No guest will use the disk: do not leave it attached.
+                let _ = crate::vhost::detach_volume(node, &spec.volume).await;
+                return Err(spawn_failed(
+                    node,
+                    "qemu-system-x86_64",
+                    e,
+                    "is it installed (scripts/setup.sh)?",
+                ));
+            }
+        };
         let (stdout, stdin) = (
             child.stdout.take().expect("piped"),
             child.stdin.take().expect("piped"),
@@ -732,16 +746,7 @@ async fn start(node: &Arc<Node>, spec: WorkerSpec) -> Result<WorkerStatus, (Stat
             .stderr(stderr)
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| {
-                (
-                    StatusCode::INTERNAL_SERVER_ERROR,
-                    format!(
-                        "cannot start fio on node {} ({e}): is fio installed (apt-get install \
-                         fio)?",
-                        node.cfg.node_id
-                    ),
-                )
-            })?
+            .map_err(|e| spawn_failed(node, "fio", e, "is fio installed (apt-get install fio)?"))?
     };
     let pid = child.id().map(|p| p as i32);
     log::info!(
