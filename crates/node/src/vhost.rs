@@ -69,27 +69,29 @@ fn info(node: &Node, volume: &str, a: &Attached) -> VhostInfo {
     }
 }
 
-/// Writes the list of attached volumes (`name queues` per line), atomically: those served
-/// and those still waiting to be (`pending`, after a restart).
-fn save(
-    node: &Node,
-    servers: &BTreeMap<String, Attached>,
-    pending: &[Entry],
-) -> std::io::Result<()> {
-    let text: String = servers
-        .iter()
-        .map(|(v, a)| (v.as_str(), a.server.queues(), a.owner_follows))
-        .chain(
-            pending
-                .iter()
-                .map(|e| (e.volume.as_str(), e.queues, e.owner_follows)),
-        )
-        .map(|(v, q, f)| format!("{v} {q} {}\n", if f { "follows" } else { "stays" }))
-        .collect();
+/// Writes the list of attached volumes (`volume queues follows|stays` per line),
+/// atomically: those served and those still waiting to be (after a restart). Callers hold
+/// `changing`, so lists are written in the order of the changes.
+fn save(node: &Node) {
+    let text: String = {
+        let servers = node.vhost.servers.lock().expect("vhost lock");
+        let pending = node.vhost.pending.lock().expect("vhost lock");
+        servers
+            .iter()
+            .map(|(v, a)| (v.as_str(), a.server.queues(), a.owner_follows))
+            .chain(
+                pending
+                    .iter()
+                    .map(|e| (e.volume.as_str(), e.queues, e.owner_follows)),
+            )
+            .map(|(v, q, f)| format!("{v} {q} {}\n", if f { "follows" } else { "stays" }))
+            .collect()
+    };
     let path = list_path(node);
     let tmp = path.with_extension("tmp");
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, &path)
+    if let Err(e) = std::fs::write(&tmp, text).and_then(|()| std::fs::rename(&tmp, &path)) {
+        log::warn!("vhost: saving the list of attached volumes: {e}");
+    }
 }
 
 /// The guest started on this node: make this node the volume's owner.
@@ -243,14 +245,7 @@ pub async fn attach_volume(
         owner_follows,
     )
     .await?;
-    let pending = node.vhost.pending.lock().expect("vhost lock").clone();
-    if let Err(e) = save(
-        node,
-        &node.vhost.servers.lock().expect("vhost lock"),
-        &pending,
-    ) {
-        log::warn!("vhost: saving the list of attached volumes: {e}");
-    }
+    save(node);
     Ok((true, v))
 }
 
@@ -267,14 +262,11 @@ pub async fn detach_volume(node: &Arc<Node>, volume: &str) -> Out {
         let mut pending = node.vhost.pending.lock().expect("vhost lock");
         let was_pending = pending.iter().any(|e| e.volume == volume);
         pending.retain(|e| e.volume != volume);
-        let s = servers.remove(volume);
-        if s.is_some() || was_pending {
-            if let Err(e) = save(node, &servers, &pending) {
-                log::warn!("vhost: saving the list of attached volumes: {e}");
-            }
-        }
-        (s, was_pending)
+        (servers.remove(volume), was_pending)
     };
+    if server.is_some() || was_pending {
+        save(node);
+    }
     let Some(server) = server else {
         if was_pending {
             return ok(&serde_json::json!({ "volume": volume, "detached": "not served yet" }));
@@ -362,15 +354,8 @@ pub async fn restore(node: Arc<Node>) {
                         .retain(|e| e.volume != volume);
                 }
             }
-            let pending = node.vhost.pending.lock().expect("vhost lock").clone();
-            if let Err(e) = save(
-                &node,
-                &node.vhost.servers.lock().expect("vhost lock"),
-                &pending,
-            ) {
-                log::warn!("vhost: saving the list of attached volumes: {e}");
-            }
-            if pending.is_empty() {
+            save(&node);
+            if node.vhost.pending.lock().expect("vhost lock").is_empty() {
                 return;
             }
         }
