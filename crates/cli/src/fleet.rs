@@ -24,6 +24,7 @@ use converge_fleet::measure::{self, WorkerRun};
 use converge_fleet::model::{ClusterConfig, DriveConfig, NodeConfig, FORMAT_VERSION};
 use converge_fleet::profile::{self, Overrides, Point, Profile, Settings};
 use converge_fleet::report;
+use converge_fleet::scaleout;
 use converge_fleet::timeline::{self, Timeline};
 use converge_fleet::{PointRecord, RunConfig, RunStatus, RunSummary};
 use converge_types::{format_size, parse_size, CacheMode, Compression, NodeId, Resiliency};
@@ -59,11 +60,14 @@ pub enum FleetCmd {
         vm-scaling   4 KiB random, QD 1,8, workers per node 1..4\n  \
         oltp         8 KiB random, 10 % writes, QD 1..16\n  \
         exchange     32 KiB, 80 % random, 40 % writes, QD 1..16\n  \
-        seq          512 KiB sequential, QD 1, write 0,100 %\n\n\
+        seq          512 KiB sequential, QD 1, write 0,100 %\n  \
+        scale-out    4 KiB random, QD 1,8 x write 0,30,100 %, on half the nodes (the others\n               \
+        draining, so no copy lands there) then on all: the scale-out factor\n\n\
         Examples:\n  \
         converge fleet run --profile small-block --quick --out /tmp/fleet1\n  \
         converge fleet run --profile small-block --resiliency mirror-2 --out /tmp/fleet-m2\n  \
         converge fleet run --profile large-block --warmup 5m --duration 90m --repeat 3 --out ra\n  \
+        converge fleet run --profile scale-out --nodes 1,2,3,4,5,6 --out /tmp/scale\n  \
         converge fleet report /tmp/fleet1 /tmp/fleet-m2 --out /tmp/compare"
     )]
     Run(Box<RunArgs>),
@@ -92,7 +96,7 @@ pub enum FleetCmd {
 
 #[derive(Args, Clone)]
 pub struct RunArgs {
-    /// small-block, large-block, vm-scaling, oltp, exchange or seq.
+    /// small-block, large-block, vm-scaling, oltp, exchange, seq or scale-out.
     #[arg(long)]
     profile: String,
     /// Directory for the results (must not exist, or be empty).
@@ -129,7 +133,11 @@ pub struct RunArgs {
     /// OUT/<policy>/, then OUT/compare.md and compare.html lay them side by side with a
     /// density-vs-performance table (usable capacity, raw per written byte, IOPS, latency,
     /// CPU per I/O, write amplification). Give --compressible for data compression can
-    /// shrink (fio's default is random bytes).
+    /// shrink (fio's default is random bytes). `scale-out`: the profile's points on the
+    /// first half of the nodes (--nodes, or all live), the others draining so none of its
+    /// copies lands there, then on all of them; OUT/nodes-N and OUT/nodes-2N, and
+    /// OUT/scale-out.md/html/json with the factor per workload (`--profile scale-out`
+    /// implies it).
     #[arg(long, value_name = "STUDY")]
     study: Option<String>,
     /// Warm-up per point, excluded from the measurements (e.g. 30s, 5m).
@@ -199,6 +207,10 @@ pub struct RunArgs {
     /// With --vms: each guest's memory, MiB (the fio image needs about 200).
     #[arg(long, default_value_t = 512)]
     vm_memory: u32,
+    /// The scale-out study's smaller size: the run sees only these nodes (the others are
+    /// draining, and hold none of its copies).
+    #[arg(skip)]
+    cluster_nodes: Option<Vec<u32>>,
 }
 
 fn parse_cache_mode(s: &str) -> Result<CacheMode, String> {
@@ -428,7 +440,7 @@ fn flush_all(nodes: &[NodeCtx], when: &str) -> Result<Vec<Value>> {
 
 pub fn run(cmd: &FleetCmd, json: bool, api: impl Fn() -> Result<String>) -> Result<()> {
     match cmd {
-        FleetCmd::Run(a) if a.study.is_some() => run_study(a, json, &api()?),
+        FleetCmd::Run(a) if a.study.is_some() || is_scale_out(a) => run_study(a, json, &api()?),
         FleetCmd::Run(a) => run_fleet(a, json, &api()?),
         FleetCmd::Report { dirs, out } => report_cmd(dirs, out.as_deref(), json),
         FleetCmd::Profiles => {
@@ -623,7 +635,12 @@ fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
     let cache_settings: converge_api::Settings =
         http::call(api, "GET", "/v1/settings", None).context("reading the cluster's settings")?;
     check_cache_mode(a.cache_mode, &status.caches, &cache_settings)?;
-    let live: Vec<_> = status.nodes.iter().filter(|n| n.live).collect();
+    let live: Vec<_> = status
+        .nodes
+        .iter()
+        .filter(|n| n.live)
+        .filter(|n| a.cluster_nodes.as_ref().is_none_or(|c| c.contains(&n.id.0)))
+        .collect();
     let worker_ids: Vec<NodeId> = match &a.nodes {
         None => live.iter().map(|n| n.id).collect(),
         Some(ids) => {
@@ -785,6 +802,7 @@ fn plan(a: &RunArgs, api: &str) -> Result<Plan> {
             cache_mode: describe_caches(&status.caches, &drives),
         },
         capacity: None,
+        copy_nodes: Vec::new(),
         nodes: nodes
             .iter()
             .map(|n| NodeConfig {
@@ -1278,12 +1296,22 @@ fn density_defaults(api: &str) -> Result<Vec<Policy>> {
 
 /// `--study density`: one run per resiliency, then the comparison.
 fn run_study(a: &RunArgs, json: bool, api: &str) -> Result<()> {
-    let study = a.study.as_deref().unwrap_or_default();
-    if study != "density" {
-        bail!(
+    let study = a
+        .study
+        .as_deref()
+        .unwrap_or(if is_scale_out(a) { "scale-out" } else { "" });
+    match study {
+        "density" if is_scale_out(a) => bail!(
+            "--profile scale-out is a study of its own (N nodes, then 2N): run it without \
+             --study density"
+        ),
+        "density" => {}
+        "scale-out" => return run_scale_out(a, json, api),
+        _ => bail!(
             "--study {study:?}: the studies are `density` (the same profile on several \
-             resiliencies, side by side)"
-        );
+             resiliencies, side by side) and `scale-out` (the same per-node load on N nodes, \
+             then on 2N)"
+        ),
     }
     check_out_dir(&a.out)?;
     if a.compression.is_some() {
@@ -1351,6 +1379,227 @@ fn run_study(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         dirs.push(one.out);
     }
     report_cmd(&dirs, Some(&a.out), json)
+}
+
+fn is_scale_out(a: &RunArgs) -> bool {
+    a.profile.parse::<Profile>().is_ok_and(|p| p.is_scale_out())
+}
+
+/// Nodes the scale-out study set draining; dropping it cancels what it set, whatever
+/// happened meanwhile (a failed run, Ctrl-C).
+struct Draining<'a> {
+    api: &'a str,
+    set: Vec<u32>,
+}
+
+impl Draining<'_> {
+    fn drain(&mut self, node: u32) -> Result<()> {
+        let body = serde_json::to_value(converge_api::Drain { on: true })?;
+        self.set.push(node);
+        let _: Vec<converge_api::NodeInfo> = http::call(
+            self.api,
+            "POST",
+            &format!("/v1/nodes/{node}/drain"),
+            Some(&body),
+        )
+        .with_context(|| format!("setting node {node} draining"))?;
+        Ok(())
+    }
+
+    fn undrain(&mut self, node: u32) -> Result<()> {
+        crate::remove::cancel(self.api, node)
+            .with_context(|| format!("cancelling node {node}'s draining"))?;
+        self.set.retain(|&n| n != node);
+        Ok(())
+    }
+}
+
+impl Drop for Draining<'_> {
+    fn drop(&mut self) {
+        for n in std::mem::take(&mut self.set) {
+            if let Err(e) = crate::remove::cancel(self.api, n) {
+                eprintln!(
+                    "converge: node {n} is still draining after the scale-out study: {e:#}; \
+                     cancel it with `converge node remove {n} --cancel`"
+                );
+            }
+        }
+    }
+}
+
+/// `--profile scale-out` (or `--study scale-out`): the same per-node load on the first
+/// half of the nodes, every copy confined to them (placement skips draining nodes, so the
+/// others drain for that run), then on all of them; OUT/nodes-N and OUT/nodes-2N hold the
+/// runs, OUT/scale-out.{md,html,json} the factor per workload and each size's per-VM
+/// latencies.
+fn run_scale_out(a: &RunArgs, json: bool, api: &str) -> Result<()> {
+    check_out_dir(&a.out)?;
+    let settings = profile::resolve(&a.profile, &overrides(a)?).map_err(|e| anyhow!("{e}"))?;
+    let status: Status =
+        http::call(api, "GET", "/v1/status", None).context("reading the cluster's status")?;
+    let live: Vec<u32> = status
+        .nodes
+        .iter()
+        .filter(|n| n.live)
+        .map(|n| n.id.0)
+        .collect();
+    let mut all: Vec<u32> = match &a.nodes {
+        Some(ids) => {
+            for id in ids {
+                if !live.contains(id) {
+                    bail!("--nodes {id}: no live node {id} (live nodes: {live:?})");
+                }
+            }
+            ids.clone()
+        }
+        None => live.clone(),
+    };
+    all.sort_unstable();
+    all.dedup();
+    let copies = settings.resiliency.copies();
+    let half = all.len() / 2;
+    if half < copies {
+        bail!(
+            "the scale-out study runs on N nodes, then on 2N, with every copy of the N-node \
+             run inside its N nodes: {} needs N ≥ {copies}, so {} nodes, but {} {}. Add \
+             nodes (`converge lab up --nodes {}`) or use --resiliency with fewer copies",
+            settings.resiliency,
+            2 * copies,
+            if a.nodes.is_some() {
+                "--nodes names"
+            } else {
+                "the cluster has"
+            },
+            all.len(),
+            2 * copies
+        );
+    }
+    if all.len() % 2 == 1 {
+        let left = all.pop().unwrap_or_default();
+        println!("scale-out: an odd number of nodes; node {left} sits out both runs");
+    }
+    let small: Vec<u32> = all[..half].to_vec();
+    // Nodes outside a run's size must take none of its copies: they drain for it. Draining
+    // moves copies away, so those nodes must hold none of anything.
+    let drives: Vec<converge_api::DriveInfo> = http::call(api, "GET", "/v1/drives", None)?;
+    let outside: Vec<u32> = live
+        .iter()
+        .copied()
+        .filter(|n| !small.contains(n))
+        .collect();
+    for &n in &outside {
+        let held: u64 = drives
+            .iter()
+            .filter(|d| d.node.0 == n)
+            .map(|d| d.extents_used)
+            .sum();
+        if held > 0 {
+            bail!(
+                "the scale-out study keeps node {n}'s drives out of the {half}-node run by \
+                 draining node {n}, but node {n} holds {held} copies of other volumes, which \
+                 draining would move: run the study on a cluster whose nodes {} hold no \
+                 volumes (e.g. a fresh `converge lab up`)",
+                outside
+                    .iter()
+                    .map(|x| x.to_string())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+        }
+    }
+    if let Some(n) = status.nodes.iter().find(|n| n.draining) {
+        bail!(
+            "node {} is draining already: finish or cancel that first (`converge node remove \
+             {} --cancel`)",
+            n.id,
+            n.id
+        );
+    }
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let mut draining = Draining {
+        api,
+        set: Vec::new(),
+    };
+    let mut dirs = Vec::new();
+    for (i, size) in [small.clone(), all.clone()].into_iter().enumerate() {
+        for &n in &live {
+            let inside = size.contains(&n);
+            if !inside && !draining.set.contains(&n) {
+                draining.drain(n)?;
+            } else if inside && draining.set.contains(&n) {
+                draining.undrain(n)?;
+            }
+        }
+        let dir = format!("nodes-{}", size.len());
+        println!(
+            "scale-out: run {} of 2: nodes {} -> {}",
+            i + 1,
+            size.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", "),
+            a.out.join(&dir).display()
+        );
+        let mut one = a.clone();
+        one.study = None;
+        one.nodes = Some(size.clone());
+        one.cluster_nodes = Some(size.clone());
+        one.out = a.out.join(&dir);
+        run_fleet(&one, false, api).with_context(|| {
+            format!(
+                "scale-out: the {}-node run failed{}",
+                size.len(),
+                if dirs.is_empty() {
+                    String::new()
+                } else {
+                    format!(
+                        "; the {}-node run is in {}",
+                        half,
+                        a.out.join(&dirs[0]).display()
+                    )
+                }
+            )
+        })?;
+        dirs.push(dir);
+    }
+    drop(draining);
+    let load = |d: &str| report::load(&a.out.join(d)).map_err(|e| anyhow!("{e}"));
+    let (s1, s2) = (load(&dirs[0])?, load(&dirs[1])?);
+    let (z1, z2) = (
+        scaleout::Size {
+            dir: dirs[0].clone(),
+            summary: &s1,
+        },
+        scaleout::Size {
+            dir: dirs[1].clone(),
+            summary: &s2,
+        },
+    );
+    report::write_atomic(
+        &a.out.join("scale-out.md"),
+        scaleout::markdown(&z1, &z2).as_bytes(),
+    )?;
+    report::write_atomic(
+        &a.out.join("scale-out.html"),
+        scaleout::html(&z1, &z2).as_bytes(),
+    )?;
+    let study = scaleout::study(&z1, &z2);
+    report::write_atomic(
+        &a.out.join("scale-out.json"),
+        serde_json::to_string_pretty(&study)?.as_bytes(),
+    )?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&study)?);
+    } else {
+        print!("{}", scaleout::text(&z1, &z2));
+        println!(
+            "scale-out: {}/scale-out.html (and scale-out.md, scale-out.json; each run's \
+             report in {}/)",
+            a.out.display(),
+            dirs.join("/, ")
+        );
+    }
+    Ok(())
 }
 
 fn print_tail(s: &RunSummary, out: &Path) {
@@ -1427,6 +1676,19 @@ fn capacity_after_prefill(
         compression_saved_bytes: saved,
         stored_bytes: stored,
     })
+}
+
+/// Nodes whose drives hold a copy or chunk of `volumes`, from their slab records.
+fn copy_nodes(api: &str, volumes: &[String]) -> Result<Vec<u32>> {
+    let mut nodes = std::collections::BTreeSet::new();
+    for v in volumes {
+        let info: converge_api::VolumeInfo =
+            http::call(api, "GET", &format!("/v1/volumes/{v}"), None)?;
+        for slab in info.slabs.unwrap_or_default() {
+            nodes.extend(slab.extents.iter().map(|e| e.node.0));
+        }
+    }
+    Ok(nodes.into_iter().collect())
 }
 
 /// Power of two ≤ 1 MiB dividing `ws` (a multiple of 4 KiB): the pre-fill block size.
@@ -1544,6 +1806,12 @@ fn sweep(
         Ok(c) => summary.config.capacity = Some(c),
         Err(e) => progress.line(&format!(
             "warning: no capacity figures in the report: reading /v1/status: {e:#}"
+        )),
+    }
+    match copy_nodes(session.api, &session.created) {
+        Ok(n) => summary.config.copy_nodes = n,
+        Err(e) => progress.line(&format!(
+            "warning: the report does not say which nodes hold the copies: {e:#}"
         )),
     }
 

@@ -825,3 +825,112 @@ fn a_density_study_compares_resiliencies_side_by_side() {
     assert!(dir.join("compare.html").exists());
     assert!(fleet_volumes(&lab).is_empty(), "{:?}", fleet_volumes(&lab));
 }
+
+/// `--profile scale-out` on a 4-node mirror-2 lab: the same per-node load on nodes 1–2
+/// (3 and 4 draining, so no copy lands there) and then on all four; the factor per
+/// workload and each size's per-VM latencies; no node left draining, also when a run
+/// fails; a resiliency the half cannot hold refused before anything starts.
+#[test]
+fn a_scale_out_study_runs_on_half_the_nodes_then_all_and_reports_the_factor() {
+    let lab = Lab::up(4, &["--ram"]);
+    let out = tempfile::tempdir().unwrap();
+    let draining = |lab: &Lab| -> Vec<u64> {
+        lab.json(&["status"])["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|n| n["draining"] == true)
+            .map(|n| n["id"].as_u64().unwrap())
+            .collect()
+    };
+    let args = |dir: &Path, res: &str| -> Vec<String> {
+        [
+            "fleet",
+            "run",
+            "--profile",
+            "scale-out",
+            "--quick",
+            "--resiliency",
+            res,
+            "--qd",
+            "4",
+            "--write-pct",
+            "0,100",
+            "--warmup",
+            "1",
+            "--duration",
+            "2",
+            "--out",
+            dir.to_str().unwrap(),
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    fn refs(v: &[String]) -> Vec<&str> {
+        v.iter().map(String::as_str).collect()
+    }
+    // mirror-3 needs 3 nodes in the half: 6 in all.
+    let e = lab.fails(&refs(&args(&out.path().join("m3"), "mirror-3")));
+    assert!(e.contains("needs N ≥ 3, so 6 nodes"), "{e}");
+    assert!(!out.path().join("m3").join("nodes-2").exists());
+    // A run that fails after the draining began leaves no node draining: a volume in the
+    // way of the first run's workers.
+    lab.must(&[
+        "volume",
+        "create",
+        "fleet-n1-w1",
+        "--size",
+        "64M",
+        "--resiliency",
+        "mirror-2",
+    ]);
+    let e = lab.fails(&refs(&args(&out.path().join("blocked"), "mirror-2")));
+    assert!(e.contains("fleet-n1-w1 already exist"), "{e}");
+    assert_eq!(draining(&lab), Vec::<u64>::new());
+    lab.must(&["volume", "delete", "fleet-n1-w1"]);
+
+    let dir = out.path().join("scale");
+    let text = lab.must(&refs(&args(&dir, "mirror-2")));
+    assert!(text.contains("Median over the 2 workloads"), "{text}");
+    assert_eq!(draining(&lab), Vec::<u64>::new());
+    for (sub, nodes) in [("nodes-2", vec![1u32, 2]), ("nodes-4", vec![1, 2, 3, 4])] {
+        let s = report::load(&dir.join(sub)).unwrap();
+        assert_eq!(s.status, RunStatus::Complete, "{sub}: {:?}", s.status);
+        // The run saw only its nodes, ran workers on each, and its copies are on them
+        // (read from the slab records after pre-fill).
+        let ids: Vec<u32> = s.config.nodes.iter().map(|n| n.id).collect();
+        assert_eq!(ids, nodes, "{sub}");
+        assert!(s.config.nodes.iter().all(|n| n.runs_workers), "{sub}");
+        assert_eq!(s.config.copy_nodes, nodes, "{sub}");
+        assert_eq!(s.measured().count(), 2, "{sub}");
+        assert!(s.measured().all(|(_, st)| st.errors == 0 && st.iops > 0.0));
+    }
+    let v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("scale-out.json")).unwrap())
+            .unwrap();
+    let rows = v["workloads"].as_array().unwrap();
+    assert_eq!(rows.len(), 2, "{v}");
+    for r in rows {
+        let (a, b) = (
+            r["iops"][0].as_f64().unwrap(),
+            r["iops"][1].as_f64().unwrap(),
+        );
+        assert!(a > 0.0 && b > 0.0, "{r}");
+        assert!((r["factor"].as_f64().unwrap() - b / a).abs() < 1e-9, "{r}");
+        assert_eq!(r["ideal"], 2.0);
+        // One latency per VM: 2 workers, then 4.
+        assert_eq!(r["vm_latency"][0]["vms"], 2, "{r}");
+        assert_eq!(r["vm_latency"][1]["vms"], 4, "{r}");
+    }
+    let md = std::fs::read_to_string(dir.join("scale-out.md")).unwrap();
+    for want in [
+        "## Scale-out factor",
+        "## Per-VM latency at each size",
+        "| nodes-2 |",
+    ] {
+        assert!(md.contains(want), "{want:?} in {md}");
+    }
+    let html = std::fs::read_to_string(dir.join("scale-out.html")).unwrap();
+    assert_eq!(html.matches("<svg").count(), 2);
+    assert!(fleet_volumes(&lab).is_empty(), "{:?}", fleet_volumes(&lab));
+}

@@ -9,7 +9,6 @@ use crate::report::{html_page, Item, Section};
 use crate::svg::{Chart, GroupedChart, Series};
 use crate::table::{Table, NOT_MEASURED};
 use converge_types::format_size;
-use std::fmt::Write as _;
 
 /// A run and the name it goes by in the comparison.
 pub struct Run {
@@ -390,22 +389,7 @@ pub fn title(runs: &[Run]) -> String {
 
 pub fn markdown(runs: &[Run]) -> String {
     let mut o = format!("# {}\n\n", title(runs));
-    for sec in sections(runs) {
-        let _ = write!(o, "## {}\n\n", sec.title);
-        for it in &sec.items {
-            match it {
-                Item::Text(t) => {
-                    o.push_str(t);
-                    o.push_str("\n\n");
-                }
-                Item::Table(t) => {
-                    o.push_str(&t.to_markdown());
-                    o.push('\n');
-                }
-                _ => {}
-            }
-        }
-    }
+    o.push_str(&crate::report::sections_markdown(&sections(runs)));
     o
 }
 

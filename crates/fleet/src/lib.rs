@@ -18,6 +18,7 @@ pub mod measure;
 pub mod model;
 pub mod profile;
 pub mod report;
+pub mod scaleout;
 pub mod svg;
 pub mod table;
 pub mod timeline;

@@ -70,6 +70,10 @@ pub struct RunConfig {
     /// made before it was recorded, and in runs stopped before pre-fill ended).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub capacity: Option<RunCapacity>,
+    /// Nodes whose drives hold the fleet's volumes' copies or chunks, read from their slab
+    /// records after pre-fill (empty in runs made before it was recorded).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub copy_nodes: Vec<u32>,
 }
 
 /// The density side of a run: what its resiliency (and data) cost in capacity, from the
@@ -1010,6 +1014,7 @@ pub(crate) mod tests {
             settings,
             volumes: vec![],
             capacity: None,
+            copy_nodes: Vec::new(),
         }
     }
 

@@ -63,17 +63,27 @@ pub enum Profile {
     Oltp,
     Exchange,
     Seq,
+    /// The same per-node load on N nodes, then on 2N: the scale-out factor (a study of two
+    /// runs, [`Profile::is_scale_out`]).
+    ScaleOut,
 }
 
 impl Profile {
-    pub const ALL: [Profile; 6] = [
+    pub const ALL: [Profile; 7] = [
         Profile::SmallBlock,
         Profile::LargeBlock,
         Profile::VmScaling,
         Profile::Oltp,
         Profile::Exchange,
         Profile::Seq,
+        Profile::ScaleOut,
     ];
+
+    /// Runs twice, on half the nodes and then on all of them (`converge fleet run` makes
+    /// it a scale-out study, docs/FLEET.md).
+    pub fn is_scale_out(self) -> bool {
+        self == Profile::ScaleOut
+    }
 
     pub fn name(self) -> &'static str {
         match self {
@@ -83,6 +93,7 @@ impl Profile {
             Profile::Oltp => "oltp",
             Profile::Exchange => "exchange",
             Profile::Seq => "seq",
+            Profile::ScaleOut => "scale-out",
         }
     }
 
@@ -98,6 +109,10 @@ impl Profile {
                 "32 KiB, 80 % random / 20 % sequential, 40 % writes, QD sweep: mail-server-like"
             }
             Profile::Seq => "512 KiB sequential, QD 1, read and write: decision-support bandwidth",
+            Profile::ScaleOut => {
+                "4 KiB random, QD 1 and 8 x read 100/70/0 %, on half the nodes then on all: \
+                 the scale-out factor"
+            }
         }
     }
 
@@ -158,6 +173,11 @@ impl Profile {
                 write_pcts: vec![0, 100],
                 workers_per_node: vec![1],
                 working_set_bytes: 512 << 20,
+                ..base
+            },
+            Profile::ScaleOut => Settings {
+                queue_depths: vec![1, 8],
+                write_pcts: vec![0, 30, 100],
                 ..base
             },
         }

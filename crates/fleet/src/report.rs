@@ -35,23 +35,23 @@ pub struct Section {
 }
 
 impl Section {
-    fn new(id: &str, title: &str) -> Section {
+    pub(crate) fn new(id: &str, title: &str) -> Section {
         Section {
             id: id.into(),
             title: title.into(),
             items: Vec::new(),
         }
     }
-    fn text(&mut self, s: impl Into<String>) {
+    pub(crate) fn text(&mut self, s: impl Into<String>) {
         self.items.push(Item::Text(s.into()));
     }
-    fn table(&mut self, t: Table) {
+    pub(crate) fn table(&mut self, t: Table) {
         self.items.push(Item::Table(t));
     }
     fn tables(&mut self, ts: Vec<Table>) {
         self.items.extend(ts.into_iter().map(Item::Table));
     }
-    fn chart(&mut self, c: Chart) {
+    pub(crate) fn chart(&mut self, c: Chart) {
         self.items.push(Item::Chart(c));
     }
 }
@@ -250,6 +250,18 @@ fn configuration(s: &RunSummary) -> Section {
                 ),
             ),
             ("slab size", format_size(c.cluster.slab_size_bytes)),
+            (
+                "copies on nodes",
+                if c.copy_nodes.is_empty() {
+                    "not recorded".into()
+                } else {
+                    c.copy_nodes
+                        .iter()
+                        .map(|n| n.to_string())
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                },
+            ),
         ],
     ));
     let mut nodes = Table::new(
@@ -1612,7 +1624,14 @@ fn title(s: &RunSummary) -> String {
 pub fn markdown(s: &RunSummary) -> String {
     let mut o = format!("# {}\n\n{}\n\n", title(s), status_text(s));
     o.push_str("Charts are in `report.html`; every number is in `summary.json` and `summary.csv`, fio's raw output in `raw/`.\n\n");
-    for sec in sections(s) {
+    o.push_str(&sections_markdown(&sections(s)));
+    o
+}
+
+/// Sections as Markdown: their texts and tables (charts are in the HTML only).
+pub(crate) fn sections_markdown(secs: &[Section]) -> String {
+    let mut o = String::new();
+    for sec in secs {
         let _ = write!(o, "## {}\n\n", sec.title);
         for it in &sec.items {
             match it {
