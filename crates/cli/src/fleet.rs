@@ -1434,6 +1434,12 @@ impl Drop for Draining<'_> {
 /// latencies.
 fn run_scale_out(a: &RunArgs, json: bool, api: &str) -> Result<()> {
     check_out_dir(&a.out)?;
+    if a.keep {
+        bail!(
+            "--keep with the scale-out study: its second run creates the same volumes \
+             (fleet-n<node>-w<k>) as the first, so the first run's cannot stay"
+        );
+    }
     let settings = profile::resolve(&a.profile, &overrides(a)?).map_err(|e| anyhow!("{e}"))?;
     let status: Status =
         http::call(api, "GET", "/v1/status", None).context("reading the cluster's status")?;

@@ -873,6 +873,10 @@ fn a_scale_out_study_runs_on_half_the_nodes_then_all_and_reports_the_factor() {
     let e = lab.fails(&refs(&args(&out.path().join("m3"), "mirror-3")));
     assert!(e.contains("needs N ≥ 3, so 6 nodes"), "{e}");
     assert!(!out.path().join("m3").join("nodes-2").exists());
+    let mut keep = args(&out.path().join("keep"), "mirror-2");
+    keep.push("--keep".into());
+    let e = lab.fails(&refs(&keep));
+    assert!(e.contains("--keep with the scale-out study"), "{e}");
     // A run that fails after the draining began leaves no node draining: a volume in the
     // way of the first run's workers.
     lab.must(&[
