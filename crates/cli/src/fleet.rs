@@ -1569,7 +1569,36 @@ fn run_scale_out(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         dirs.push(dir);
     }
     drop(draining);
-    let load = |d: &str| report::load(&a.out.join(d)).map_err(|e| anyhow!("{e}"));
+    scale_out_report(&a.out, &dirs, json)
+}
+
+/// The scale-out study's directories under `out`: `nodes-N` and `nodes-2N`, by size.
+fn scale_out_dirs(out: &Path) -> Result<Vec<String>> {
+    let mut found: Vec<(usize, String)> = std::fs::read_dir(out)
+        .with_context(|| format!("reading {}", out.display()))?
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let n = name.strip_prefix("nodes-")?.parse().ok()?;
+            e.path().join("summary.json").is_file().then_some((n, name))
+        })
+        .collect();
+    found.sort();
+    if found.len() != 2 {
+        bail!(
+            "{} is neither a fleet run (no summary.json) nor a finished scale-out study (it \
+             needs nodes-N/ and nodes-2N/, each with summary.json; found {})",
+            out.display(),
+            found.len()
+        );
+    }
+    Ok(found.into_iter().map(|(_, d)| d).collect())
+}
+
+/// Writes OUT/scale-out.{md,html,json} from the runs in OUT/`dirs` (smaller first) and
+/// prints the factor table (or the JSON).
+fn scale_out_report(out: &Path, dirs: &[String], json: bool) -> Result<()> {
+    let load = |d: &str| report::load(&out.join(d)).map_err(|e| anyhow!("{e}"));
     let (s1, s2) = (load(&dirs[0])?, load(&dirs[1])?);
     let (z1, z2) = (
         scaleout::Size {
@@ -1581,19 +1610,14 @@ fn run_scale_out(a: &RunArgs, json: bool, api: &str) -> Result<()> {
             summary: &s2,
         },
     );
-    report::write_atomic(
-        &a.out.join("scale-out.md"),
-        scaleout::markdown(&z1, &z2).as_bytes(),
-    )?;
-    report::write_atomic(
-        &a.out.join("scale-out.html"),
-        scaleout::html(&z1, &z2).as_bytes(),
-    )?;
     let study = scaleout::study(&z1, &z2);
-    report::write_atomic(
-        &a.out.join("scale-out.json"),
-        serde_json::to_string_pretty(&study)?.as_bytes(),
-    )?;
+    for (name, body) in [
+        ("scale-out.md", scaleout::markdown(&z1, &z2)),
+        ("scale-out.html", scaleout::html(&z1, &z2)),
+        ("scale-out.json", serde_json::to_string_pretty(&study)?),
+    ] {
+        report::write_atomic(&out.join(name), body.as_bytes())?;
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&study)?);
     } else {
@@ -1601,7 +1625,7 @@ fn run_scale_out(a: &RunArgs, json: bool, api: &str) -> Result<()> {
         println!(
             "scale-out: {}/scale-out.html (and scale-out.md, scale-out.json; each run's \
              report in {}/)",
-            a.out.display(),
+            out.display(),
             dirs.join("/, ")
         );
     }
@@ -2112,6 +2136,18 @@ fn measure_point(
 }
 
 fn report_cmd(dirs: &[PathBuf], out: Option<&Path>, json: bool) -> Result<()> {
+    if let [d] = dirs {
+        if d.is_dir() && !d.join("summary.json").exists() {
+            // A scale-out study's directory: its report again, from its two runs.
+            if out.is_some() {
+                bail!(
+                    "--out with a scale-out study: its report is written into {}",
+                    d.display()
+                );
+            }
+            return scale_out_report(d, &scale_out_dirs(d)?, json);
+        }
+    }
     let mut runs = Vec::new();
     for d in dirs {
         let s = report::load(d).map_err(|e| anyhow!("{e}"))?;

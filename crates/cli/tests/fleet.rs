@@ -937,4 +937,14 @@ fn a_scale_out_study_runs_on_half_the_nodes_then_all_and_reports_the_factor() {
     let html = std::fs::read_to_string(dir.join("scale-out.html")).unwrap();
     assert_eq!(html.matches("<svg").count(), 2);
     assert!(fleet_volumes(&lab).is_empty(), "{:?}", fleet_volumes(&lab));
+    // `fleet report` renders the study again from its two runs.
+    std::fs::remove_file(dir.join("scale-out.md")).unwrap();
+    let again = lab.must(&["fleet", "report", dir.to_str().unwrap()]);
+    assert!(again.contains("Median over the 2 workloads"), "{again}");
+    assert_eq!(
+        std::fs::read_to_string(dir.join("scale-out.md")).unwrap(),
+        md
+    );
+    let e = lab.fails(&["fleet", "report", out.path().to_str().unwrap()]);
+    assert!(e.contains("nor a finished scale-out study"), "{e}");
 }
