@@ -16,6 +16,7 @@ mod error;
 pub mod faulty;
 pub mod file;
 pub mod layout;
+pub mod minisim;
 mod pool;
 mod recover;
 mod sample;

@@ -8,10 +8,13 @@
 //! tracked blocks come from a Fenwick tree over access times: O(log n) per sampled access.
 //!
 //! What is built is a [`Mrc`]: the hit ratio of an LRU cache of any size, for reads and for
-//! all accesses.
+//! all accesses. Beside it, on the same sample, a node runs the cache tier's own policy in
+//! miniature at a few cache sizes ([`crate::minisim`], [`TierEstimator`]): what the tier
+//! would hit, where the curve says what any cache could.
 
-use converge_types::mrc::Mrc;
-use converge_types::{ExtentKey, VolumeId, BLOCK_SIZE};
+use crate::minisim::{ladder, MiniTier, Policy};
+use converge_types::mrc::{Mrc, TierHit};
+use converge_types::{CacheMode, ExtentKey, VolumeId, BLOCK_SIZE};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -26,6 +29,11 @@ fn mix(mut z: u64) -> u64 {
     z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
     z ^ (z >> 31)
+}
+
+/// The hash that decides whether block `key` is sampled: below the threshold.
+pub(crate) fn sample_hash(key: u64) -> u64 {
+    mix(key) % MODULUS
 }
 
 /// The hash threshold that samples `rate` of all blocks.
@@ -100,6 +108,11 @@ impl Shards {
 
     fn capacity(max_blocks: usize) -> usize {
         4 * max_blocks
+    }
+
+    /// Blocks whose [`sample_hash`] is below this are sampled.
+    pub(crate) fn threshold(&self) -> u64 {
+        self.threshold
     }
 
     /// Share of blocks sampled now.
@@ -224,6 +237,115 @@ impl Shards {
     }
 }
 
+/// A miniature simulation is rescaled once the estimator's rate fell below its own by more
+/// than this factor (2 %): until then it keeps blocks no longer sampled, and a slightly
+/// larger scale, which about cancel; rescaling at every step of a saturated estimator
+/// (each new block lowers the threshold a little) would cost O(cache) per sampled access.
+const RESCALE_STEP: f64 = 1.02;
+
+/// A node's estimator: the LRU curve ([`Shards`]) and, on the same sampled accesses, the
+/// cache tier's policy simulated at a few cache sizes ([`MiniTier`]).
+pub struct TierEstimator {
+    shards: Shards,
+    minis: Vec<MiniTier>,
+    /// What the simulations are set up for: the cache logs' size together (0: none), the
+    /// watermarks, and the mode the cache is in.
+    setup: (u64, u8, u8, CacheMode),
+}
+
+impl TierEstimator {
+    /// Samples `rate` of blocks, tracks at most `max_blocks` of them for the curve, and
+    /// simulates the tier with the default watermarks (25 %, 80 %) at cache sizes of 128 MiB
+    /// to 4 GiB until [`TierEstimator::set_tier`] says what the node has.
+    pub fn new(rate: f64, max_blocks: usize) -> TierEstimator {
+        let mut t = TierEstimator {
+            shards: Shards::new(rate, max_blocks),
+            minis: Vec::new(),
+            setup: (0, 0, 0, CacheMode::ReadWrite),
+        };
+        t.set_tier(0, 25, 80, CacheMode::ReadWrite);
+        t
+    }
+
+    /// The node's cache: its logs' size together (0 without cache drives), destage's low and
+    /// high watermarks (percent), its mode. The read-write policy is simulated at ¼ to 4
+    /// times that size ([`ladder`]), and at that size in the cache's own mode too if it is
+    /// another. Simulations of sizes and modes kept go on; new ones start empty (they count
+    /// from now).
+    pub fn set_tier(&mut self, log_bytes: u64, low_pct: u8, high_pct: u8, mode: CacheMode) {
+        let setup = (log_bytes, low_pct, high_pct, mode);
+        if setup == self.setup {
+            return;
+        }
+        self.setup = setup;
+        let policy = |log_bytes, mode| Policy {
+            log_bytes,
+            mode,
+            low_pct,
+            high_pct,
+        };
+        let mut want: Vec<Policy> = ladder(log_bytes)
+            .into_iter()
+            .map(|b| policy(b, CacheMode::ReadWrite))
+            .collect();
+        if log_bytes > 0 && mode != CacheMode::ReadWrite {
+            want.push(policy(log_bytes, mode));
+        }
+        let mut old = std::mem::take(&mut self.minis);
+        let rate = self.shards.rate();
+        for p in want {
+            match old.iter().position(|m| m.policy() == p) {
+                Some(i) => self.minis.push(old.swap_remove(i)),
+                None => self.minis.push(MiniTier::new(p, rate)),
+            }
+        }
+    }
+
+    /// An access to block `key`, counted in the curve's totals.
+    pub fn access(&mut self, key: u64, read: bool) {
+        self.shards.count(1, u64::from(read));
+        self.sampled_access(key, read);
+    }
+
+    /// An access, looked at only if its block is sampled; not counted in the totals.
+    pub fn sampled_access(&mut self, key: u64, read: bool) {
+        self.shards.sampled_access(key, read);
+        let h = sample_hash(key);
+        let threshold = self.shards.threshold();
+        if h >= threshold {
+            return;
+        }
+        let rate = self.shards.rate();
+        for m in &mut self.minis {
+            if m.rate() > rate * RESCALE_STEP {
+                m.rescale(rate, threshold);
+            }
+            if read {
+                m.read(key, h);
+            } else {
+                m.write(key, h);
+            }
+        }
+    }
+
+    /// The node's caches were flushed (`converge cache flush`).
+    pub fn flushed(&mut self) {
+        for m in &mut self.minis {
+            m.flushed();
+        }
+    }
+
+    /// The curve so far ([`Shards::mrc`]).
+    pub fn mrc(&self) -> Mrc {
+        self.shards.mrc()
+    }
+
+    /// The tier's policy's hit ratios so far, one per simulated size (and mode).
+    pub fn tier(&self) -> Vec<TierHit> {
+        self.minis.iter().map(MiniTier::result).collect()
+    }
+}
+
 /// Sampling rate of a node's estimators: 1 % of blocks (SHARDS' evaluation found 0.1–1 %
 /// enough for real traces; the bound on tracked blocks lowers it for large working sets).
 pub const NODE_RATE: f64 = 0.01;
@@ -242,7 +364,7 @@ pub const VOLUMES_MAX: usize = 256;
 pub struct AccessSampler {
     /// Every access is counted (all, reads) outside the locks; the estimators see only the
     /// sampled ones.
-    node: Mutex<Shards>,
+    node: Mutex<TierEstimator>,
     volumes: Mutex<HashMap<VolumeId, Shards>>,
     accesses: AtomicU64,
     reads: AtomicU64,
@@ -267,11 +389,29 @@ impl Default for AccessSampler {
 impl AccessSampler {
     pub fn new() -> AccessSampler {
         AccessSampler {
-            node: Mutex::new(Shards::new(NODE_RATE, NODE_MAX_BLOCKS)),
+            node: Mutex::new(TierEstimator::new(NODE_RATE, NODE_MAX_BLOCKS)),
             volumes: Mutex::new(HashMap::new()),
             accesses: AtomicU64::new(0),
             reads: AtomicU64::new(0),
         }
+    }
+
+    /// What the node's cache is: see [`TierEstimator::set_tier`] (cheap when unchanged).
+    pub fn set_tier(&self, log_bytes: u64, low_pct: u8, high_pct: u8, mode: CacheMode) {
+        let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
+        n.set_tier(log_bytes, low_pct, high_pct, mode);
+    }
+
+    /// The node's caches were flushed: see [`TierEstimator::flushed`].
+    pub fn flushed(&self) {
+        let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
+        n.flushed();
+    }
+
+    /// The tier's policy simulated at each size: see [`TierEstimator::tier`].
+    pub fn tier(&self) -> Vec<TierHit> {
+        let n = self.node.lock().unwrap_or_else(|e| e.into_inner());
+        n.tier()
     }
 
     /// A client read or write of `len` bytes at byte `offset` of extent `key`. Blocks
@@ -315,7 +455,7 @@ impl AccessSampler {
             let mut n = self.node.lock().unwrap_or_else(|e| e.into_inner());
             // The counts are kept outside the lock: hand the estimator their totals.
             let (all, reads) = (self.accesses(), self.reads.load(Ordering::Relaxed));
-            n.set_totals(all, reads);
+            n.shards.set_totals(all, reads);
             n.mrc()
         };
         let vols = self.volumes.lock().unwrap_or_else(|e| e.into_inner());
@@ -524,6 +664,64 @@ mod tests {
         // Volume 1 alone: a cache of 20,000 of its 40,000 blocks holds half of its reads.
         let h = vols[0].1.hit_ratio(20_000, true).unwrap();
         assert!((h - 0.5).abs() < 0.06, "{h}");
+    }
+
+    #[test]
+    fn the_node_estimator_runs_the_tiers_policy_on_its_sample_as_the_rate_falls() {
+        use crate::minisim::{MiniTier, Policy};
+        use rand::seq::SliceRandom;
+        // A 400 MiB log (102,400 blocks, 81,920 usable, a ghost of 25,600) in write mode;
+        // random passes over 40,000 blocks. 2,000 of them sampled at 5 %, more than the
+        // 1,500 tracked: the rate falls to ~3.7 % on the first pass.
+        let log_bytes = 102_400 * BLOCK_SIZE as u64;
+        let mut e = TierEstimator::new(0.05, 1_500);
+        e.set_tier(log_bytes, 25, 80, CacheMode::Write);
+        let rw = Policy {
+            log_bytes,
+            mode: CacheMode::ReadWrite,
+            low_pct: 25,
+            high_pct: 80,
+        };
+        let mut full = MiniTier::new(rw, 1.0);
+        let mut r = StdRng::seed_from_u64(6);
+        for _ in 0..4 {
+            let mut v: Vec<u64> = (0..40_000).collect();
+            v.shuffle(&mut r);
+            for k in v {
+                e.access(k, true);
+                full.read(k, 0);
+            }
+        }
+        assert!(e.shards.rate() < 0.04, "rate {}", e.shards.rate());
+        let tier = e.tier();
+        let sizes: Vec<(u64, CacheMode)> = tier.iter().map(|t| (t.cache_bytes, t.mode)).collect();
+        assert_eq!(
+            sizes,
+            vec![
+                (log_bytes / 4, CacheMode::ReadWrite),
+                (log_bytes / 2, CacheMode::ReadWrite),
+                (log_bytes, CacheMode::ReadWrite),
+                (log_bytes * 2, CacheMode::ReadWrite),
+                (log_bytes * 4, CacheMode::ReadWrite),
+                (log_bytes, CacheMode::Write),
+            ]
+        );
+        let want = full.result().read_hit_ratio().unwrap();
+        let got = tier[2].read_hit_ratio().unwrap();
+        assert!((got - want).abs() < 0.05, "{got} vs {want}");
+        // Between a quarter and all of the log: the ghost admits slowly, far below LRU.
+        let lru = e.mrc().hit_ratio(102_400, true).unwrap();
+        assert!(lru > 0.7 && want < 0.4, "LRU {lru}, tier {want}");
+        // Write mode caches no reads; the largest cache holds everything after two passes.
+        assert_eq!(tier[5].read_hits, 0);
+        assert!(tier[4].read_hit_ratio().unwrap() > 0.4, "{:?}", tier[4]);
+        // A setup of the same sizes and mode keeps the simulations; a new mode restarts
+        // only its own.
+        e.set_tier(log_bytes, 25, 80, CacheMode::Write);
+        assert_eq!(e.tier(), tier);
+        e.set_tier(log_bytes, 25, 80, CacheMode::None);
+        assert_eq!(e.tier()[..5], tier[..5]);
+        assert_eq!(e.tier()[5].reads, 0);
     }
 
     #[test]

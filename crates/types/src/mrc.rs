@@ -116,6 +116,29 @@ impl Mrc {
     }
 }
 
+/// The cache tier's own policy simulated at one cache size on the sampled blocks (a
+/// miniature simulation, Waldspurger et al., ATC '17: `converge_engine::minisim`): what the
+/// tier would have hit, where [`Mrc`] says what an LRU cache could.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct TierHit {
+    /// The cache log's size simulated, bytes.
+    pub cache_bytes: u64,
+    /// The mode simulated (`read-write`: the read cache's policy).
+    pub mode: crate::CacheMode,
+    /// Share of blocks the simulation saw when taken (the estimator's rate).
+    pub rate: f64,
+    /// Sampled reads it saw, and how many of them hit.
+    pub reads: u64,
+    pub read_hits: u64,
+}
+
+impl TierHit {
+    /// Read hit ratio; None before any sampled read.
+    pub fn read_hit_ratio(&self) -> Option<f64> {
+        (self.reads > 0).then(|| self.read_hits as f64 / self.reads as f64)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
