@@ -6,8 +6,9 @@ mode read-write: a mirror-3 volume owned by node 1 is written whole, the caches 
 flushed, then fio reads the first READ_SET bytes at random, 4 KiB, for PASSES passes.
 Node 1 serves every read (the owner's copy), so its cache drive's read hits and misses
 (/metrics) are the measured hit ratio; `converge advise cache --node 1 --json` gives the
-predicted one for an LRU cache of the cache drive's size. Both count since the node
-started. Prints a Markdown table.
+predicted ones at the cache drive's size: the tier's own read-write policy simulated on the
+sampled blocks (`at_tier_read_hit`) and an LRU cache's (`at_lru_read_hit`, what any cache
+could). All count since the node started. Prints a Markdown table.
 
     bench/advise/study.py [--bin target/release] [--cache 256M] [--sets 128M,256M,384M,512M,1G]
 """
@@ -63,15 +64,20 @@ def one(conv, cache, read_set, passes, vol_size):
                    "-H", f"Authorization: Bearer {token}", f"{api}/metrics"])
         adv = json.loads(sh([conv, "advise", "cache", "--node", "1", "--json"], env))[0]
         cache_bytes = adv["advice"]["cache_bytes"]
-        curve = {c[0]: c[1] for c in adv["curve"]}
-        predicted = curve[cache_bytes]
+        assert adv["at_bytes"] == cache_bytes, adv["at_bytes"]
+        predicted = adv["at_lru_read_hit"]
+        tier = adv["at_tier_read_hit"]
         m = adv["advice"]["mrc"]
         # Node 1's cache counters.
         hits = metric(text, "converge_cache_read_hit_blocks_total")
         misses = metric(text, "converge_cache_read_miss_blocks_total")
         return {
             "read_set": read_set, "cache_bytes": cache_bytes,
-            "predicted": predicted, "measured": hits / (hits + misses) if hits + misses else None,
+            "predicted": predicted, "tier": tier,
+            "measured": hits / (hits + misses) if hits + misses else None,
+            "admitted": metric(text, "converge_cache_admitted_blocks_total"),
+            "evicted": metric(text, "converge_cache_evicted_blocks_total"),
+            "tier_sim": adv["advice"].get("tier", []),
             "reads": m["reads"], "hits": hits, "misses": misses,
             "working_set_mib": m["blocks"] * 4096 / 2**20, "rate": m["rate"],
         }
@@ -96,15 +102,20 @@ def main():
         r = one(conv, a.cache, s, a.passes, vol)
         rows.append(r)
         print(json.dumps(r), file=sys.stderr, flush=True)
-    print(f"| read set | cache | reads | predicted read hit (LRU) | measured read hit | difference |")
-    print("|---|---|---:|---:|---:|---:|")
+    def p(v):
+        return "–" if v is None else "%.1f %%" % (100 * v)
+
+    def d(a, b):
+        return "–" if a is None or b is None else "%+.1f points" % (100 * (a - b))
+
+    print("| read set | cache | reads | predicted: tier policy | predicted: LRU | measured read hit "
+          "| measured − tier | measured − LRU |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        meas = r["measured"]
-        mtxt = "–" if meas is None else "%.1f %%" % (100 * meas)
-        dtxt = "–" if meas is None else "%+.1f points" % (100 * (meas - r["predicted"]))
-        print("| %d MiB | %.0f MiB | %.0f | %.1f %% | %s | %s |" % (
-            r["read_set"] >> 20, r["cache_bytes"] / 2**20, r["reads"],
-            100 * r["predicted"], mtxt, dtxt))
+        print("| %d MiB | %.0f MiB | %.0f | %s | %s | %s | %s | %s |" % (
+            r["read_set"] >> 20, r["cache_bytes"] / 2**20, r["reads"], p(r["tier"]),
+            p(r["predicted"]), p(r["measured"]), d(r["measured"], r["tier"]),
+            d(r["measured"], r["predicted"])))
 
 
 if __name__ == "__main__":

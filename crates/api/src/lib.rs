@@ -716,6 +716,12 @@ pub struct CacheAdvice {
     pub mrc: converge_types::mrc::Mrc,
     /// Per volume, over its accesses on this node.
     pub volumes: Vec<VolumeMrc>,
+    /// The cache tier's own policy simulated on the same sample at a few cache sizes
+    /// (read-write at ¼ to 4 times `cache_bytes`, or 128 MiB to 4 GiB without cache
+    /// drives; and at `cache_bytes` in the cache's mode if it is another): what the tier
+    /// would hit, where `mrc` is what an LRU cache could. Absent from older nodes.
+    #[serde(default)]
+    pub tier: Vec<converge_types::mrc::TierHit>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]

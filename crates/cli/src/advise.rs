@@ -7,16 +7,17 @@ use crate::table::Table;
 use anyhow::{bail, Context, Result};
 use clap::Subcommand;
 use converge_api::{CacheAdvice, NodeInfo, VolumeInfo};
-use converge_types::mrc::Mrc;
-use converge_types::{format_size, parse_size, NodeId, BLOCK_SIZE};
+use converge_types::mrc::{Mrc, TierHit};
+use converge_types::{format_size, parse_size, CacheMode, NodeId, BLOCK_SIZE};
 use serde::Serialize;
 
 #[derive(Subcommand)]
 pub enum AdviseCmd {
     /// Hit ratios a cache of each size would have given each node's client I/O since the
-    /// node started (an LRU cache over all its capacity drives, from sampled block
-    /// addresses: SHARDS), the working set, and the cache mode that suits the workload.
-    /// Read the advice after the workload of interest ran for a while.
+    /// node started, from sampled block addresses: the cache tier's own read-cache policy
+    /// simulated in miniature at ¼ to 4 times the node's cache, and an LRU cache's at any
+    /// size (SHARDS: what any cache could); the working set, and the cache mode that suits
+    /// the workload. Read the advice after the workload of interest ran for a while.
     Cache {
         /// Only this node.
         #[arg(long)]
@@ -28,23 +29,30 @@ pub enum AdviseCmd {
     },
 }
 
+/// A row of the table: (cache bytes, read hit ratio of LRU, hit ratio of all accesses of
+/// LRU, read hit ratio of the tier's read-write policy where it was simulated).
+type Point = (u64, Option<f64>, Option<f64>, Option<f64>);
+
 /// One node's answer, as `--json` prints it.
 #[derive(Serialize)]
 struct NodeAdvice {
     node: NodeId,
     advice: CacheAdvice,
-    /// (cache bytes, read hit ratio, hit ratio of all accesses).
-    curve: Vec<(u64, Option<f64>, Option<f64>)>,
+    curve: Vec<Point>,
     /// Cache bytes the advice and the per-volume hit ratios are judged at: the node's
     /// cache now, else the first `--size`, else 1 GiB.
     at_bytes: u64,
+    /// Read hit ratios at `at_bytes`: the tier's read-write policy (if simulated at that
+    /// size), an LRU cache's.
+    at_tier_read_hit: Option<f64>,
+    at_lru_read_hit: Option<f64>,
     mode: &'static str,
     why: String,
 }
 
 /// Cache sizes: 64 MiB doubling to twice the working set (at least 1 GiB), the cache now,
-/// and those asked for; sorted, unique.
-fn sizes(m: &Mrc, now: u64, asked: &[u64]) -> Vec<u64> {
+/// the sizes the tier was simulated at, and those asked for; sorted, unique.
+fn sizes(m: &Mrc, now: u64, simulated: &[u64], asked: &[u64]) -> Vec<u64> {
     let ws = (m.blocks * BLOCK_SIZE as f64) as u64;
     let top = (2 * ws).max(1 << 30);
     let mut v = Vec::new();
@@ -54,25 +62,36 @@ fn sizes(m: &Mrc, now: u64, asked: &[u64]) -> Vec<u64> {
         s *= 2;
     }
     v.push(s);
+    let mut fixed: Vec<u64> = simulated.to_vec();
     if now > 0 {
-        v.push(now);
+        fixed.push(now);
     }
+    v.extend_from_slice(&fixed);
     v.extend_from_slice(asked);
     v.sort_unstable();
     v.dedup();
-    // A ladder step within 2 % of the cache now reads as the same size twice.
-    if now > 0 {
-        v.retain(|&s| s == now || asked.contains(&s) || s.abs_diff(now) * 50 > now);
-    }
+    // A ladder step within 2 % of the cache now or of a simulated size reads as the same
+    // size twice.
+    v.retain(|&s| {
+        fixed.contains(&s) || asked.contains(&s) || fixed.iter().all(|&f| s.abs_diff(f) * 50 > f)
+    });
     v
+}
+
+/// The tier's read-write policy's read hit ratio at `bytes`, if it was simulated there.
+fn tier_at(tier: &[TierHit], bytes: u64) -> Option<f64> {
+    tier.iter()
+        .find(|t| t.mode == CacheMode::ReadWrite && t.cache_bytes == bytes)
+        .and_then(TierHit::read_hit_ratio)
 }
 
 fn blocks(bytes: u64) -> u64 {
     bytes / BLOCK_SIZE as u64
 }
 
-/// The mode that suits what the curve shows at `size` bytes of cache.
-fn advise(m: &Mrc, size: u64) -> (&'static str, String) {
+/// The mode that suits what the curve shows at `size` bytes of cache: judged by the tier's
+/// read-write policy's read hit ratio `tier` where it was simulated, else by LRU's.
+fn advise(m: &Mrc, size: u64, tier: Option<f64>) -> (&'static str, String) {
     if m.refs <= 0.0 {
         return (
             "-",
@@ -81,20 +100,24 @@ fn advise(m: &Mrc, size: u64) -> (&'static str, String) {
     }
     let reads = m.reads / m.refs;
     let writes = 1.0 - reads;
-    let hit = m.hit_ratio(blocks(size), true);
-    let at = format_size(size);
+    let hit = tier.or_else(|| m.hit_ratio(blocks(size), true));
+    let at = if tier.is_some() {
+        format!("{} cache (the tier's policy, simulated)", format_size(size))
+    } else {
+        format!("{} cache (LRU)", format_size(size))
+    };
     match hit {
         Some(h) if h >= 0.3 => (
             "read-write",
             format!(
-                "{:.0} % of reads would hit a {at} cache: keep hot reads on the cache drive",
+                "{:.0} % of reads would hit a {at}: keep hot reads on the cache drive",
                 100.0 * h
             ),
         ),
         h if writes >= 0.1 => (
             "write",
             format!(
-                "reads would hit {} in a {at} cache, but {:.0} % of accesses are writes: the \
+                "reads would hit {} in a {at}, but {:.0} % of accesses are writes: the \
                  log absorbs them (acked at the cache drive's latency, destaged later)",
                 h.map_or("nothing".into(), |h| format!("{:.0} %", 100.0 * h)),
                 100.0 * writes
@@ -103,7 +126,7 @@ fn advise(m: &Mrc, size: u64) -> (&'static str, String) {
         h => (
             "none",
             format!(
-                "reads would hit {} in a {at} cache and only {:.0} % of accesses are writes: \
+                "reads would hit {} in a {at} and only {:.0} % of accesses are writes: \
                  a cache would not pay for itself here",
                 h.map_or("nothing".into(), |h| format!("{:.0} %", 100.0 * h)),
                 100.0 * writes
@@ -162,22 +185,32 @@ pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
         } else {
             asked.first().copied().unwrap_or(1 << 30)
         };
-        let (mode, why) = advise(&a.mrc, at);
-        let curve = sizes(&a.mrc, a.cache_bytes, &asked)
+        let at_tier = tier_at(&a.tier, at);
+        let (mode, why) = advise(&a.mrc, at, at_tier);
+        let simulated: Vec<u64> = a
+            .tier
+            .iter()
+            .filter(|t| t.mode == CacheMode::ReadWrite)
+            .map(|t| t.cache_bytes)
+            .collect();
+        let curve = sizes(&a.mrc, a.cache_bytes, &simulated, &asked)
             .into_iter()
             .map(|s| {
                 (
                     s,
                     a.mrc.hit_ratio(blocks(s), true),
                     a.mrc.hit_ratio(blocks(s), false),
+                    tier_at(&a.tier, s),
                 )
             })
             .collect();
         out.push(NodeAdvice {
             node: n.id,
+            at_lru_read_hit: a.mrc.hit_ratio(blocks(at), true),
             advice: a,
             curve,
             at_bytes: at,
+            at_tier_read_hit: at_tier,
             mode,
             why,
         });
@@ -216,22 +249,41 @@ pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
             100.0 * m.rate,
             m.samples
         );
-        let mut t = Table::new(&["CACHE SIZE", "READ HIT", "ALL HIT"]);
-        for &(s, r, all) in &na.curve {
+        let mut t = Table::new(&[
+            "CACHE SIZE",
+            "READ HIT: TIER POLICY",
+            "READ HIT: ANY CACHE COULD (LRU)",
+            "ALL HIT (LRU)",
+        ]);
+        for &(s, r, all, tier) in &na.curve {
             let label = if s == a.cache_bytes {
                 format!("{} (now)", format_size(s))
             } else {
                 format_size(s)
             };
-            t.row(vec![label, pct(r), pct(all)]);
+            t.row(vec![label, pct(tier), pct(r), pct(all)]);
         }
         t.row(vec![
             "unbounded".into(),
+            "–".into(),
             pct(m.max_hit_ratio(true)),
             pct(m.max_hit_ratio(false)),
         ]);
         for l in t.render().lines() {
             println!("  {l}");
+        }
+        // The cache's own mode, if it is not read-write: what the tier gives as it is.
+        for th in a
+            .tier
+            .iter()
+            .filter(|t| t.mode != CacheMode::ReadWrite && t.cache_bytes == a.cache_bytes)
+        {
+            println!(
+                "  at the cache now, in its mode {}: {} of reads hit (simulated; the column \
+                 above is read-write mode)",
+                th.mode,
+                pct(th.read_hit_ratio())
+            );
         }
         println!("  advice: {} — {}", na.mode, na.why);
         let at = blocks(na.at_bytes);
@@ -255,10 +307,10 @@ pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
         }
     }
     println!(
-        "\nHit ratios are an LRU cache's over the I/O since each node started: what a cache \
-         of that size could give. The cache tier admits a block only on its second miss and \
-         evicts FIFO with a second chance, so it gives less today, by up to tens of points \
-         (docs/studies/cache-advice.md)."
+        "\nOver the I/O since each node started. TIER POLICY: the cache tier's read-write \
+         policy (admission on the second miss, FIFO log) simulated on the sampled blocks at ¼ \
+         to 4 times the node's cache; LRU: what any cache of that size could give, often \
+         more (docs/CACHE.md, \"Cache advice\")."
     );
     Ok(())
 }
@@ -284,12 +336,23 @@ mod tests {
     fn the_mode_follows_the_reads_reuse_and_the_writes() {
         let g = 1u64 << 30;
         // Reads reuse within 1 GiB: read-write.
-        assert_eq!(advise(&curve(0.9, blocks(g) / 2), g).0, "read-write");
+        assert_eq!(advise(&curve(0.9, blocks(g) / 2), g, None).0, "read-write");
         // No reuse within the cache, many writes: write.
-        assert_eq!(advise(&curve(0.5, blocks(g) * 4), g).0, "write");
+        assert_eq!(advise(&curve(0.5, blocks(g) * 4), g, None).0, "write");
         // No reuse, nearly all reads: none.
-        assert_eq!(advise(&curve(0.95, blocks(g) * 4), g).0, "none");
-        assert_eq!(advise(&Mrc::default(), g).0, "-");
+        assert_eq!(advise(&curve(0.95, blocks(g) * 4), g, None).0, "none");
+        assert_eq!(advise(&Mrc::default(), g, None).0, "-");
+        // The tier's policy, where simulated, decides over LRU's curve.
+        let (mode, why) = advise(&curve(0.95, blocks(g) / 2), g, Some(0.1));
+        assert_eq!(mode, "none", "{why}");
+        assert!(
+            why.contains("10 %") && why.contains("tier's policy"),
+            "{why}"
+        );
+        assert_eq!(
+            advise(&curve(0.9, blocks(g) * 4), g, Some(0.4)).0,
+            "read-write"
+        );
     }
 
     #[test]
@@ -298,12 +361,14 @@ mod tests {
             blocks: (3u64 << 30) as f64 / 4096.0,
             ..Mrc::default()
         };
-        let v = sizes(&m, (256 << 20) - 8192, &[5 << 30]);
+        let now = (256 << 20) - 8192;
+        let v = sizes(&m, now, &[now / 4, now, now * 4], &[5 << 30]);
         assert!(
-            !v.contains(&(256 << 20)),
-            "the cache now stands for 256 MiB: {v:?}"
+            !v.contains(&(256 << 20)) && !v.contains(&(64 << 20)) && !v.contains(&(1 << 30)),
+            "the cache now and the simulated sizes stand for 64 MiB, 256 MiB, 1 GiB: {v:?}"
         );
-        let v = sizes(&m, 300 << 20, &[5 << 30]);
+        assert!(v.contains(&(now / 4)) && v.contains(&(now * 4)), "{v:?}");
+        let v = sizes(&m, 300 << 20, &[], &[5 << 30]);
         assert_eq!(v.first(), Some(&(64 << 20)));
         assert!(v.contains(&(300 << 20)) && v.contains(&(5 << 30)));
         assert!(*v.last().unwrap() >= 6 << 30);

@@ -284,6 +284,7 @@ pub fn advice(node: &Node) -> converge_api::CacheAdvice {
             .map(|id| node.caches[id].mode().to_string())
             .collect(),
         accesses: node.sampler.accesses(),
+        tier: node.sampler.tier(),
         mrc,
         volumes: volumes
             .into_iter()

@@ -252,6 +252,18 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let local = Arc::new(LocalDrives::new(drives.clone(), cluster.clone()));
     let hello = Hello::new(cluster_rec.cluster_id, cfg.node_id);
     let sampler = Arc::new(converge_engine::shards::AccessSampler::new());
+    // The tier's policy is simulated at the caches' size together, in their mode (the
+    // cache loop keeps the mode current: `tiering::infos`).
+    sampler.set_tier(
+        opened.caches.values().map(|c| c.log_bytes()).sum(),
+        cfg.knobs.cache_low_watermark_pct,
+        cfg.knobs.cache_high_watermark_pct,
+        opened
+            .caches
+            .values()
+            .next()
+            .map_or(converge_types::CacheMode::ReadWrite, |c| c.mode()),
+    );
     for t in drives.values() {
         t.set_sampler(sampler.clone());
     }

@@ -434,6 +434,14 @@ fn infos(
             .map(|t| t.identity().media);
         let mode = effective_mode(settings, node.cfg.node_id, media);
         c.set_mode(mode);
+        // The advisor simulates the tier in the mode it is in (one mode per node: with
+        // several cache drives, the last one's).
+        node.sampler.set_tier(
+            node.caches.values().map(|c| c.log_bytes()).sum(),
+            node.cfg.knobs.cache_low_watermark_pct,
+            node.cfg.knobs.cache_high_watermark_pct,
+            mode,
+        );
         let s = c.stats();
         let now = Instant::now();
         let rate = match last.insert(*id, (s.destaged_bytes, now)) {
@@ -476,6 +484,9 @@ pub async fn flush_local(node: &Node) -> Result<serde_json::Value, String> {
             .map_err(|e| format!("flush task failed: {e}"))?
             .map_err(|e| e.to_string())?;
         flushed += before;
+    }
+    if n > 0 {
+        node.sampler.flushed();
     }
     Ok(serde_json::json!({
         "node": node.cfg.node_id,
