@@ -29,6 +29,11 @@ use converge_types::mrc::TierHit;
 use converge_types::{CacheMode, BLOCK_SIZE};
 use std::collections::{HashMap, HashSet, VecDeque};
 
+/// Most log blocks a simulation holds: a cache too large for the estimator's rate is
+/// simulated at a lower one (a sub-sample of its blocks), so each simulation stays under
+/// ~0.7 MiB (log records, index and ghost). At 1 % this is a log of up to 4 GiB.
+pub const SIM_LOG_BLOCKS_MAX: u64 = 8192;
+
 /// The tier's policy at one cache size, at full scale.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Policy {
@@ -44,6 +49,12 @@ pub struct Policy {
 impl Policy {
     fn log_blocks(&self) -> u64 {
         self.log_bytes / BLOCK_SIZE as u64
+    }
+
+    /// Highest sampling rate at which a simulation of this policy stays within
+    /// [`SIM_LOG_BLOCKS_MAX`].
+    pub fn rate_max(&self) -> f64 {
+        (SIM_LOG_BLOCKS_MAX as f64 / self.high_blocks().max(1) as f64).min(1.0)
     }
 
     /// Blocks in use before the log is reclaimed under pressure.
@@ -89,6 +100,8 @@ type LogRec = (u64, u64, u64);
 pub struct MiniTier {
     policy: Policy,
     rate: f64,
+    /// Blocks are sampled below this hash (the caller's hash space).
+    threshold: u64,
     /// Scaled: log blocks in use before reclaim under pressure, dirty blocks before
     /// destage, ghost length.
     cap: usize,
@@ -107,11 +120,13 @@ pub struct MiniTier {
 }
 
 impl MiniTier {
-    /// The policy scaled to sampling rate `rate` (1: every block, an exact simulation).
-    pub fn new(policy: Policy, rate: f64) -> MiniTier {
+    /// The policy scaled to sampling rate `rate` (1: every block, an exact simulation), for
+    /// the blocks whose hash is below `threshold`.
+    pub fn new(policy: Policy, rate: f64, threshold: u64) -> MiniTier {
         let mut m = MiniTier {
             policy,
             rate,
+            threshold,
             cap: 0,
             dirty_max: 0,
             ghost_cap: 0,
@@ -147,6 +162,16 @@ impl MiniTier {
     /// The sampling rate the log and ghost are scaled to.
     pub fn rate(&self) -> f64 {
         self.rate
+    }
+
+    /// Blocks whose hash is below this are simulated.
+    pub fn threshold(&self) -> u64 {
+        self.threshold
+    }
+
+    /// Records in the simulated log (its memory, with the index and ghost that follow it).
+    pub fn log_len(&self) -> usize {
+        self.log.len()
     }
 
     /// A read of block `key` (sampled by `hash`); true if it hit.
@@ -202,6 +227,7 @@ impl MiniTier {
             }
         }
         self.ghost_fifo.retain(|g| g.1 < threshold);
+        self.threshold = threshold;
         self.size_for(rate);
         self.reclaim();
         self.trim_ghost();
@@ -443,7 +469,7 @@ mod tests {
                 let p = policy(5_000, mode);
                 let n = 2_000 + round * 1_400;
                 let write_share = [0.0, 0.1, 0.4][round as usize % 3];
-                let mut m = MiniTier::new(p, 1.0);
+                let mut m = MiniTier::new(p, 1.0, u64::MAX);
                 let mut reference = Reference::new(p);
                 for i in 0..30_000 {
                     let k = if r.gen::<f64>() < 0.5 {
@@ -493,10 +519,10 @@ mod tests {
     /// Policies of the tier at full size on `trace`, and scaled to a hashed sample of
     /// `rate` (block names are mixed so the sample is spatially random).
     fn full_and_sampled(p: Policy, trace: &[Op], rate: f64) -> (f64, f64) {
-        let mut full = MiniTier::new(p, 1.0);
+        let mut full = MiniTier::new(p, 1.0, u64::MAX);
         run(&mut full, trace);
-        let mut mini = MiniTier::new(p, rate);
         let t = (rate * (1u64 << 24) as f64) as u64;
+        let mut mini = MiniTier::new(p, rate, t);
         for &o in trace {
             let (k, read) = match o {
                 Op::Read(k) => (k, true),
@@ -575,8 +601,8 @@ mod tests {
         let trace = random_passes(50_000, 4, &mut r);
         let (full, _) = full_and_sampled(p, &trace, 0.04);
         // Start at 4 %, drop to 2 % half way through the first pass.
-        let mut m = MiniTier::new(p, 0.04);
         let t4 = (1u64 << 24) / 25;
+        let mut m = MiniTier::new(p, 0.04, t4);
         let t2 = (1u64 << 24) / 50;
         let mut t = t4;
         for (i, &o) in trace.iter().enumerate() {
@@ -607,7 +633,7 @@ mod tests {
             (CacheMode::Write, true, 0.0),
             (CacheMode::None, false, 0.0),
         ] {
-            let mut m = MiniTier::new(policy(10_000, mode), 1.0);
+            let mut m = MiniTier::new(policy(10_000, mode), 1.0, u64::MAX);
             let mut t: Vec<Op> = (0..1_000).map(Op::Write).collect();
             if flush {
                 t.push(Op::Flush);
@@ -617,7 +643,7 @@ mod tests {
             assert_eq!(hit_ratio(&m), want, "{mode} flush {flush}");
         }
         // 4,000 writes: only the last 2,500 (the low watermark) are still logged.
-        let mut m = MiniTier::new(policy(10_000, CacheMode::Write), 1.0);
+        let mut m = MiniTier::new(policy(10_000, CacheMode::Write), 1.0, u64::MAX);
         let t: Vec<Op> = (0..4_000)
             .map(Op::Write)
             .chain((0..4_000).map(Op::Read))

@@ -292,11 +292,14 @@ impl TierEstimator {
             want.push(policy(log_bytes, mode));
         }
         let mut old = std::mem::take(&mut self.minis);
-        let rate = self.shards.rate();
         for p in want {
             match old.iter().position(|m| m.policy() == p) {
                 Some(i) => self.minis.push(old.swap_remove(i)),
-                None => self.minis.push(MiniTier::new(p, rate)),
+                None => {
+                    let t = self.shards.threshold().min(threshold_of(p.rate_max()));
+                    self.minis
+                        .push(MiniTier::new(p, t as f64 / MODULUS as f64, t));
+                }
             }
         }
     }
@@ -315,10 +318,14 @@ impl TierEstimator {
         if h >= threshold {
             return;
         }
-        let rate = self.shards.rate();
         for m in &mut self.minis {
-            if m.rate() > rate * RESCALE_STEP {
-                m.rescale(rate, threshold);
+            // Its own rate: the estimator's, or lower for a cache too large to simulate at it.
+            let t = threshold.min(threshold_of(m.policy().rate_max()));
+            if m.threshold() as f64 > t as f64 * RESCALE_STEP {
+                m.rescale(t as f64 / MODULUS as f64, t);
+            }
+            if h >= m.threshold() {
+                continue;
             }
             if read {
                 m.read(key, h);
@@ -682,7 +689,7 @@ mod tests {
             low_pct: 25,
             high_pct: 80,
         };
-        let mut full = MiniTier::new(rw, 1.0);
+        let mut full = MiniTier::new(rw, 1.0, u64::MAX);
         let mut r = StdRng::seed_from_u64(6);
         for _ in 0..4 {
             let mut v: Vec<u64> = (0..40_000).collect();
@@ -722,6 +729,35 @@ mod tests {
         e.set_tier(log_bytes, 25, 80, CacheMode::None);
         assert_eq!(e.tier()[..5], tier[..5]);
         assert_eq!(e.tier()[5].reads, 0);
+    }
+
+    #[test]
+    fn a_cache_too_large_for_the_rate_is_simulated_on_fewer_blocks() {
+        use crate::minisim::SIM_LOG_BLOCKS_MAX;
+        // A 1.5 GiB log: at 1 % its 4 times (1.26 M usable blocks) would take 12,583 log
+        // records. 1.5 M rewrites of 100,000 blocks fill every log with dead records.
+        let log_bytes = 3u64 << 29;
+        let mut e = TierEstimator::new(0.01, 16_384);
+        e.set_tier(log_bytes, 25, 80, CacheMode::ReadWrite);
+        let mut r = StdRng::seed_from_u64(8);
+        for _ in 0..1_500_000 {
+            e.access(r.gen_range(0..100_000), false);
+        }
+        let rate = e.shards.rate();
+        for m in &e.minis {
+            let want = rate.min(m.policy().rate_max());
+            assert!(
+                (m.rate() / want - 1.0).abs() < 1e-3,
+                "{:?}: {} vs {want}",
+                m.policy(),
+                m.rate()
+            );
+            assert!(m.log_len() as u64 <= SIM_LOG_BLOCKS_MAX, "{}", m.log_len());
+        }
+        // ¼ of the log at the estimator's rate; 4 times at 2/3 of it, its log full.
+        assert_eq!(e.minis[0].rate(), rate);
+        assert!(e.minis[4].rate() < rate * 0.66, "{}", e.minis[4].rate());
+        assert!(e.minis[4].log_len() as u64 >= SIM_LOG_BLOCKS_MAX * 9 / 10);
     }
 
     #[test]
