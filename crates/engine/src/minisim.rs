@@ -27,7 +27,53 @@
 
 use converge_types::mrc::TierHit;
 use converge_types::{CacheMode, BLOCK_SIZE};
+use std::collections::hash_map::RandomState;
 use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::{BuildHasher, Hasher};
+
+/// Hashes the simulations' block keys with splitmix64's finaliser, salted per process: std's
+/// SipHash was most of a simulation's cost, and the salt keeps block addresses a client
+/// picks from colliding on purpose.
+#[derive(Clone)]
+struct Salted(u64);
+
+impl Default for Salted {
+    fn default() -> Self {
+        Salted(RandomState::new().build_hasher().finish())
+    }
+}
+
+impl BuildHasher for Salted {
+    type Hasher = KeyHasher;
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher(self.0)
+    }
+}
+
+struct KeyHasher(u64);
+
+impl KeyHasher {
+    fn mix(&mut self, x: u64) {
+        let mut z = (self.0 ^ x).wrapping_add(0x9E37_79B9_7F4A_7C15);
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        self.0 = z ^ (z >> 31);
+    }
+}
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.mix(u64::from(b));
+        }
+    }
+    fn write_u64(&mut self, x: u64) {
+        self.mix(x);
+    }
+}
 
 /// Most log blocks a simulation holds: a cache too large for the estimator's rate is
 /// simulated at a lower one (a sub-sample of its blocks), so each simulation stays under
@@ -109,9 +155,9 @@ pub struct MiniTier {
     ghost_cap: usize,
     /// Oldest record first.
     log: VecDeque<LogRec>,
-    index: HashMap<u64, Live>,
+    index: HashMap<u64, Live, Salted>,
     dirty: usize,
-    ghost: HashSet<u64>,
+    ghost: HashSet<u64, Salted>,
     /// (block, hash), oldest first; may hold blocks no longer in `ghost` (as the tier's).
     ghost_fifo: VecDeque<(u64, u64)>,
     seq: u64,
@@ -131,9 +177,9 @@ impl MiniTier {
             dirty_max: 0,
             ghost_cap: 0,
             log: VecDeque::new(),
-            index: HashMap::new(),
+            index: HashMap::default(),
             dirty: 0,
-            ghost: HashSet::new(),
+            ghost: HashSet::default(),
             ghost_fifo: VecDeque::new(),
             seq: 0,
             reads: 0,
