@@ -26,6 +26,10 @@ pub enum AdviseCmd {
         /// set) and the node's cache now, e.g. 512M,2G.
         #[arg(long, value_delimiter = ',')]
         size: Vec<String>,
+        /// Also draw each node's curve as a chart — read hit ratio against cache size, the
+        /// tier's policy beside LRU's — in this self-contained HTML file (SVG, no scripts).
+        #[arg(long, value_name = "FILE")]
+        html: Option<std::path::PathBuf>,
     },
 }
 
@@ -140,7 +144,7 @@ fn pct(v: Option<f64>) -> String {
 }
 
 pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
-    let AdviseCmd::Cache { node, size } = cmd;
+    let AdviseCmd::Cache { node, size, html } = cmd;
     let asked: Vec<u64> = size
         .iter()
         .map(|s| parse_size(s).map_err(|e| anyhow::anyhow!("--size {s}: {e}")))
@@ -214,6 +218,11 @@ pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
             mode,
             why,
         });
+    }
+    if let Some(path) = html {
+        std::fs::write(path, charts(&out))
+            .with_context(|| format!("--html: writing {}", path.display()))?;
+        eprintln!("charts: {}", path.display());
     }
     if json {
         return crate::print_json(&out);
@@ -313,6 +322,64 @@ pub fn run(cmd: &AdviseCmd, json: bool, base: &str) -> Result<()> {
          more (docs/CACHE.md, \"Cache advice\")."
     );
     Ok(())
+}
+
+/// The curves as a page: per node with I/O, read hit ratio (%) at each cache size — the
+/// tier's policy where simulated, LRU's everywhere — and LRU's hit ratio of all accesses.
+fn charts(out: &[NodeAdvice]) -> String {
+    use converge_fleet::report::{html_page, Item, Section};
+    use converge_fleet::svg::{Chart, GroupedChart, Series};
+    let secs: Vec<Section> = out
+        .iter()
+        .map(|na| {
+            let series = |name: &str, f: &dyn Fn(&Point) -> Option<f64>| Series {
+                name: name.into(),
+                values: na.curve.iter().map(|p| f(p).map(|h| 100.0 * h)).collect(),
+            };
+            let items = if na.advice.mrc.refs <= 0.0 {
+                vec![Item::Text(na.why.clone())]
+            } else {
+                vec![
+                    Item::Chart(Chart::Grouped(GroupedChart {
+                        title: format!("node {}: read hit ratio against cache size", na.node),
+                        x_label: "cache size".into(),
+                        groups: na
+                            .curve
+                            .iter()
+                            .map(|p| {
+                                if p.0 == na.advice.cache_bytes {
+                                    format!("{} (now)", format_size(p.0))
+                                } else {
+                                    format_size(p.0)
+                                }
+                            })
+                            .collect(),
+                        bars: vec![
+                            series("read hit: tier policy", &|p| p.3),
+                            series("read hit: any cache could (LRU)", &|p| p.1),
+                        ],
+                        bar_unit: "%".into(),
+                        lines: vec![series("all accesses hit (LRU)", &|p| p.2)],
+                        line_unit: None,
+                        fmt: |v| format!("{v:.1} %"),
+                        line_fmt: |v| format!("{v:.1} %"),
+                    })),
+                    Item::Text(format!("advice: {} — {}", na.mode, na.why)),
+                ]
+            };
+            Section {
+                id: format!("node{}", na.node),
+                title: format!("node {}", na.node),
+                items,
+            }
+        })
+        .collect();
+    html_page(
+        "converge advise cache",
+        "Over the I/O since each node started (docs/CACHE.md, \"Cache advice\").",
+        false,
+        &secs,
+    )
 }
 
 #[cfg(test)]

@@ -155,6 +155,12 @@ fn advise_cache_estimates_each_nodes_working_set_and_hit_ratios() {
             assert_eq!(n["mode"], "write", "{n}");
         }
     }
+    // The curves as charts: one per node, every node having seen I/O.
+    let page = tempfile::NamedTempFile::new().unwrap();
+    lab.must(&["advise", "cache", "--html", page.path().to_str().unwrap()]);
+    let html = std::fs::read_to_string(page.path()).unwrap();
+    assert_eq!(html.matches("<svg").count(), 3, "{html}");
+    assert!(html.contains("read hit: tier policy"), "{html}");
     let text = lab.must(&["advise", "cache", "--node", "1"]);
     for want in [
         "(now)",
