@@ -1394,15 +1394,9 @@ struct Draining<'a> {
 
 impl Draining<'_> {
     fn drain(&mut self, node: u32) -> Result<()> {
-        let body = serde_json::to_value(converge_api::Drain { on: true })?;
         self.set.push(node);
-        let _: Vec<converge_api::NodeInfo> = http::call(
-            self.api,
-            "POST",
-            &format!("/v1/nodes/{node}/drain"),
-            Some(&body),
-        )
-        .with_context(|| format!("setting node {node} draining"))?;
+        crate::remove::drain(self.api, node)
+            .with_context(|| format!("setting node {node} draining"))?;
         Ok(())
     }
 
@@ -1487,18 +1481,13 @@ fn run_scale_out(a: &RunArgs, json: bool, api: &str) -> Result<()> {
     let small: Vec<u32> = all[..half].to_vec();
     // Nodes outside a run's size must take none of its copies: they drain for it. Draining
     // moves copies away, so those nodes must hold none of anything.
-    let drives: Vec<converge_api::DriveInfo> = http::call(api, "GET", "/v1/drives", None)?;
     let outside: Vec<u32> = live
         .iter()
         .copied()
         .filter(|n| !small.contains(n))
         .collect();
     for &n in &outside {
-        let held: u64 = drives
-            .iter()
-            .filter(|d| d.node.0 == n)
-            .map(|d| d.extents_used)
-            .sum();
+        let held = crate::remove::copies_on(api, n)?;
         if held > 0 {
             bail!(
                 "the scale-out study keeps node {n}'s drives out of the {half}-node run by \

@@ -13,13 +13,24 @@ const POLL: Duration = Duration::from_millis(500);
 const REPORT_EVERY: Duration = Duration::from_secs(15);
 
 /// Copies still on `node`'s drives, as the slab records say.
-fn copies_on(base: &str, node: u32) -> Result<u64> {
+pub fn copies_on(base: &str, node: u32) -> Result<u64> {
     let drives: Vec<DriveInfo> = http::call(base, "GET", "/v1/drives", None)?;
     Ok(drives
         .iter()
         .filter(|d| d.node.0 == node)
         .map(|d| d.extents_used)
         .sum())
+}
+
+/// Starts draining `node`: placement skips it from now on, and its copies move away.
+pub fn drain(base: &str, node: u32) -> Result<Vec<NodeInfo>> {
+    let body = serde_json::to_value(Drain { on: true })?;
+    http::call(
+        base,
+        "POST",
+        &format!("/v1/nodes/{node}/drain"),
+        Some(&body),
+    )
 }
 
 /// Stops draining `node`: what moved stays moved.
@@ -36,13 +47,7 @@ pub fn cancel(base: &str, node: u32) -> Result<Vec<NodeInfo>> {
 /// Drains `node`, and unless `wait` is false waits up to `timeout` until it holds nothing
 /// and removes it. Progress goes to stderr (stdout is for the result).
 pub fn run(base: &str, node: u32, wait: bool, timeout: Duration) -> Result<Option<NodeRemoved>> {
-    let body = serde_json::to_value(Drain { on: true })?;
-    let _: Vec<NodeInfo> = http::call(
-        base,
-        "POST",
-        &format!("/v1/nodes/{node}/drain"),
-        Some(&body),
-    )?;
+    drain(base, node)?;
     let mut left = copies_on(base, node)?;
     eprintln!("node {node}: draining; {left} copies to move to other nodes");
     if !wait {
