@@ -502,10 +502,47 @@ pub struct Status {
     pub caches: Vec<CacheInfo>,
     /// The node that answered.
     pub answered_by: NodeId,
+    /// The control plane's etcd as the answering node sees it (absent from older nodes).
+    #[serde(default)]
+    pub etcd: Option<EtcdInfo>,
 }
 
-/// One cache drive, as its node publishes it (`/converge/caches/<node>` in etcd, every
-/// second or so).
+/// The cluster's etcd: each member's status and the alarms raised (`status`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EtcdInfo {
+    pub members: Vec<EtcdMember>,
+    /// Alarms raised, e.g. `NOSPACE on member 3a32b120a5b062ca`.
+    #[serde(default)]
+    pub alarms: Vec<String>,
+}
+
+/// One etcd member, by the client URL the nodes use.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EtcdMember {
+    pub endpoint: String,
+    /// Member id (hex), when it answered.
+    #[serde(default)]
+    pub id: Option<String>,
+    #[serde(default)]
+    pub leader: bool,
+    /// Store revision applied.
+    #[serde(default)]
+    pub revision: i64,
+    /// Bytes of its database file, and of live data in it (the rest a defragmentation
+    /// gives back).
+    #[serde(default)]
+    pub db_size_bytes: u64,
+    #[serde(default)]
+    pub db_in_use_bytes: u64,
+    #[serde(default)]
+    pub version: String,
+    /// Why it did not answer, if it did not.
+    #[serde(default)]
+    pub error: Option<String>,
+}
+
+/// One cache drive, as its node publishes it (`/converge/caches/<node>` in etcd: its mode,
+/// binding and failure as they change, its counters at most every 30 s).
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct CacheInfo {
     pub node: NodeId,

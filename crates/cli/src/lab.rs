@@ -174,7 +174,15 @@ pub struct UpOptions {
     pub threads_per_node: Option<usize>,
     /// etcd members: 1, 3 or 5.
     pub etcd_members: u32,
+    /// etcd's `--quota-backend-bytes`.
+    pub etcd_quota_bytes: u64,
 }
+
+/// etcd's history kept by its own compaction (`--auto-compaction-retention`), as in
+/// packaging/systemd/converge-etcd.service.
+pub const ETCD_COMPACTION_RETENTION: &str = "10m";
+/// Smallest etcd quota the lab starts: room for a lab's records and some history.
+pub const ETCD_QUOTA_MIN: u64 = 1 << 20;
 
 /// A lab node's share of the machine's cores (at least one): the lab stands for hosts of
 /// their own, and nodes that each take every core only fight over them.
@@ -790,6 +798,13 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             o.etcd_members
         );
     }
+    if o.etcd_quota_bytes < ETCD_QUOTA_MIN {
+        bail!(
+            "--etcd-quota {}: give at least {} (the lab's records and some history)",
+            converge_types::format_size(o.etcd_quota_bytes),
+            converge_types::format_size(ETCD_QUOTA_MIN)
+        );
+    }
     if o.netns && o.etcd_members > 1 && o.etcd_members > o.nodes {
         bail!(
             "--etcd-members {} with --netns runs member M in node M's namespace: give at least \
@@ -888,6 +903,13 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             .arg("--peer-client-cert-auth")
             .arg("--listen-metrics-urls")
             .arg(&m.metrics)
+            // Bounded: history older than 10 minutes compacted, the database capped.
+            .arg("--auto-compaction-mode")
+            .arg("periodic")
+            .arg("--auto-compaction-retention")
+            .arg(ETCD_COMPACTION_RETENTION)
+            .arg("--quota-backend-bytes")
+            .arg(o.etcd_quota_bytes.to_string())
             .arg("--log-level")
             .arg("warn");
         match spawn(
@@ -1002,11 +1024,12 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         }
         let config = ndir.join("converged.toml");
         let mut toml = format!(
-            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\nnbd_tcp = \"{nbd_tcp}\"\n\n[etcd]\nendpoints = {etcd_endpoints:?}\ncert_file = {:?}\nkey_file = {:?}\n",
+            "# written by `converge lab up`\n[node]\nid = {id}\nname = \"node{id}\"\ncluster_name = \"lab\"\nslab_size = {}\nthreads = {threads}\n\n[network]\nrpc = \"{rpc}\"\napi = \"{api}\"\nnbd_socket = \"{}\"\nnbd_tcp = \"{nbd_tcp}\"\n\n[etcd]\nendpoints = {etcd_endpoints:?}\ncert_file = {:?}\nkey_file = {:?}\nquota = {}\n",
             o.slab_size,
             sock.display(),
             ndir.join("pki").join(converge_pki::NODE_CERT).display().to_string(),
-            ndir.join("pki").join(converge_pki::NODE_KEY).display().to_string()
+            ndir.join("pki").join(converge_pki::NODE_KEY).display().to_string(),
+            o.etcd_quota_bytes
         );
         for d in &drives {
             toml.push_str(&drive_toml(
@@ -1030,7 +1053,7 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         // Failure detection tuned for rehearsing failures on one machine: a dead node is
         // noticed in seconds, not minutes; drives' wear counted every few seconds.
         toml.push_str(&format!(
-            "\n[knobs]\nnode_lease_ttl_s = 6\nreplica_timeout_ms = 3000\nrepair_delay_s = {}\nwear_record_s = 5\n",
+            "\n[knobs]\nnode_lease_ttl_s = 6\nreplica_timeout_ms = 3000\nrepair_delay_s = {}\nwear_record_s = 5\netcd_upkeep_s = 5\n",
             o.repair_delay_s
         ));
         // The lab's own admin token (whichever node starts first writes it), and the lab's
@@ -1439,6 +1462,7 @@ mod tests {
             netns: false,
             threads_per_node: None,
             etcd_members: 1,
+            etcd_quota_bytes: 2 << 30,
         }
     }
 

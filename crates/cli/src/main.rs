@@ -602,6 +602,11 @@ enum LabCmd {
         /// of a real cluster (so at most --nodes).
         #[arg(long, default_value_t = 1)]
         etcd_members: u32,
+        /// etcd's space quota (its --quota-backend-bytes): past it etcd raises NOSPACE and
+        /// refuses writes until space is freed (docs/OPERATIONS.md). The lab's etcd also
+        /// compacts history older than 10 minutes.
+        #[arg(long, default_value = "2G")]
+        etcd_quota: String,
     },
     /// Stop exactly the processes this lab started (paused ones too) and delete its
     /// network namespaces, veths and bridge.
@@ -1574,6 +1579,7 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
             netns,
             threads_per_node,
             etcd_members,
+            etcd_quota,
         } => {
             let o = lab::UpOptions {
                 threads_per_node: *threads_per_node,
@@ -1599,6 +1605,8 @@ fn run_lab(c: &LabCmd, json_out: bool) -> Result<()> {
                 timeout: Duration::from_secs(*timeout),
                 netns: *netns,
                 etcd_members: *etcd_members,
+                etcd_quota_bytes: parse_size(etcd_quota)
+                    .map_err(|e| anyhow::anyhow!("--etcd-quota: {e}"))?,
             };
             let lab = lab::up(&o)?;
             if json_out {
@@ -2046,6 +2054,9 @@ fn print_status(s: &Status) {
     println!("cluster   {} ({})", s.cluster.name, s.cluster.id);
     println!("health    {}", s.health);
     println!("nodes     {live}/{} live", s.nodes.len());
+    if let Some(e) = &s.etcd {
+        println!("etcd      {}", etcd_line(e));
+    }
     let c = &s.capacity;
     println!(
         "capacity  {} used of {} raw, {} free ({} provisioned, {} of volume data allocated, {} written)",
@@ -2095,6 +2106,30 @@ fn print_status(s: &Status) {
     for w in &s.warnings {
         println!("warning: {w}");
     }
+}
+
+/// etcd in one line: members answering, the revision, the leader's database size and how
+/// much of it is in use, and any alarm.
+fn etcd_line(e: &converge_api::EtcdInfo) -> String {
+    let answering: Vec<&converge_api::EtcdMember> =
+        e.members.iter().filter(|m| m.error.is_none()).collect();
+    let mut line = format!("{}/{} members answer", answering.len(), e.members.len());
+    if let Some(m) = answering
+        .iter()
+        .find(|m| m.leader)
+        .or_else(|| answering.first())
+    {
+        line.push_str(&format!(
+            ", revision {}, database {} ({} in use)",
+            m.revision,
+            format_size(m.db_size_bytes),
+            format_size(m.db_in_use_bytes)
+        ));
+    }
+    for a in &e.alarms {
+        line.push_str(&format!(", ALARM {a}"));
+    }
+    line
 }
 
 /// Each drive's lifetime writes, write rate per day over the last hour, day and week, and

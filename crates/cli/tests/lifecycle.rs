@@ -6,6 +6,9 @@
 //!   back (before, the owner's live handle re-allocated the freed extents).
 //! * Extents of a volume deleted while their node was down are freed when the node
 //!   starts again (orphan reclaim), so the drive's space returns.
+//! * etcd stays bounded: an idle cluster writes (next to) nothing to etcd, and an etcd out of
+//!   space (NOSPACE) is a health fault the cluster serves I/O through and recovers from by
+//!   itself once room returns.
 
 #![allow(clippy::unwrap_used)]
 
@@ -114,6 +117,171 @@ fn extents_of_a_volume_deleted_while_their_node_was_down_are_freed_when_it_retur
         lab.metric(3, "converge_orphan_extents_freed_total") >= before[2],
         "{}",
         lab.logs()
+    );
+    lab.must(&["lab", "down"]);
+}
+
+/// etcdctl as node 1 reaches etcd (its certificate, the lab's CA), with `args`; the
+/// value to put, if any, on stdin.
+fn etcdctl(lab: &Lab, args: &[&str], stdin: Option<&[u8]>) -> std::process::Output {
+    let conf = std::fs::read_to_string(lab.path().join("node1/converged.toml")).unwrap();
+    let field = |name: &str| -> String {
+        conf.lines()
+            .find_map(|l| l.strip_prefix(&format!("{name} = ")))
+            .unwrap_or_else(|| panic!("{name} in node 1's config:\n{conf}"))
+            .trim_matches('"')
+            .to_string()
+    };
+    let endpoint = lab.lab_json()["etcd_endpoint"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let mut c = Command::new("etcdctl");
+    c.env("ETCDCTL_API", "3")
+        .arg(format!("--endpoints={endpoint}"))
+        .arg(format!(
+            "--cacert={}",
+            lab.path().join("pki/ca.crt").display()
+        ))
+        .arg(format!("--cert={}", field("cert_file")))
+        .arg(format!("--key={}", field("key_file")))
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = c.spawn().expect("etcdctl (package etcd-client)");
+    {
+        use std::io::Write;
+        let mut input = child.stdin.take().unwrap();
+        if let Some(v) = stdin {
+            input.write_all(v).unwrap();
+        }
+    }
+    child.wait_with_output().unwrap()
+}
+
+/// etcd's store revision: every write (put, delete, transaction) raises it by one.
+fn etcd_revision(lab: &Lab) -> i64 {
+    let o = etcdctl(lab, &["endpoint", "status", "-w", "json"], None);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+    v[0]["Status"]["header"]["revision"].as_i64().unwrap()
+}
+
+/// Writes an idle cluster may make to etcd per node per minute. Before, every node with a
+/// cache drive rewrote its cache record every second and each drive's wear record every
+/// `wear_record_s` (5 s in the lab): ~100 writes per node-minute. Now records are written
+/// when they change, so an idle lab writes none; one per node-minute leaves room for a
+/// rewrite that falls in the window.
+const IDLE_WRITES_PER_NODE_MINUTE_MAX: i64 = 1;
+
+#[test]
+fn an_idle_cluster_leaves_etcd_alone_and_a_full_etcd_is_survived_and_recovered() {
+    let lab = Lab::up(
+        4,
+        &[
+            "--ram",
+            "--cache-drives",
+            "1",
+            "--cache-size",
+            "64M",
+            "--cache-in-ram",
+            "--etcd-quota",
+            "16M",
+        ],
+    );
+    lab.create_owned("v", "256M", "mirror-2", 1);
+    let uri = lab.uri("v");
+    // The first two slabs: written, cached, destaged.
+    let w = fio(
+        &uri,
+        &["--rw=write", "--bs=256k", "--size=128M", "--verify=crc32c"],
+    );
+    assert_eq!(fio_errors(&w), 0);
+    lab.must(&["cache", "flush"]);
+
+    // Idle: the caches' counters settle (published at most every 30 s), then a minute
+    // of nothing happening is counted.
+    std::thread::sleep(Duration::from_secs(35));
+    let before = etcd_revision(&lab);
+    std::thread::sleep(Duration::from_secs(60));
+    let writes = etcd_revision(&lab) - before;
+    assert!(
+        writes <= 4 * IDLE_WRITES_PER_NODE_MINUTE_MAX,
+        "an idle 4-node lab wrote {writes} times to etcd in a minute"
+    );
+
+    // etcd out of space: live data past the quota (16 MiB), which compaction cannot free.
+    let junk = vec![b'j'; 1 << 20];
+    let mut full = false;
+    for i in 0..40 {
+        let o = etcdctl(&lab, &["put", &format!("/junk/{i}")], Some(&junk));
+        if !o.status.success() {
+            let e = String::from_utf8_lossy(&o.stderr);
+            assert!(e.contains("database space exceeded"), "{e}");
+            full = true;
+            break;
+        }
+    }
+    assert!(full, "40 MiB of keys fill a 16 MiB quota");
+    lab.wait_for(
+        "status to say etcd is out of space",
+        Duration::from_secs(60),
+        || {
+            let st = lab.json(&["status"]);
+            st["health"].as_str().unwrap().contains("etcd out of space")
+                && st["etcd"]["alarms"][0]
+                    .as_str()
+                    .is_some_and(|a| a.starts_with("NOSPACE"))
+        },
+    );
+    // Allocated slabs keep serving reads and writes.
+    let w = fio(
+        &uri,
+        &[
+            "--rw=randwrite",
+            "--bs=4k",
+            "--size=128M",
+            "--io_size=16M",
+            "--verify=crc32c",
+        ],
+    );
+    assert_eq!(fio_errors(&w), 0, "{}", lab.logs());
+    assert!(
+        lab.json(&["status"])["health"]
+            .as_str()
+            .unwrap()
+            .contains("etcd out of space"),
+        "the alarm stays while etcd is still full"
+    );
+
+    // Room returns (the junk goes; deletes are allowed while etcd is full): the leader
+    // compacts, defragments and disarms by itself, and new slabs can be allocated again.
+    let o = etcdctl(&lab, &["del", "--prefix", "/junk/"], None);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    lab.wait_for(
+        "the cluster to be healthy again",
+        Duration::from_secs(60),
+        || lab.json(&["status"])["health"] == "healthy",
+    );
+    let w = fio(
+        &uri,
+        &[
+            "--rw=write",
+            "--bs=256k",
+            "--offset=128M",
+            "--size=128M",
+            "--verify=crc32c",
+        ],
+    );
+    assert_eq!(fio_errors(&w), 0, "{}", lab.logs());
+    let slabs = lab.json(&["volume", "show", "v"])["slabs"]
+        .as_array()
+        .unwrap()
+        .len();
+    assert_eq!(
+        slabs, 4,
+        "the last two slabs were allocated after the recovery"
     );
     lab.must(&["lab", "down"]);
 }

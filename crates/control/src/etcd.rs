@@ -34,9 +34,11 @@ use tokio::task::JoinHandle;
 use tokio_rustls::TlsConnector;
 
 mod auth;
+mod maintenance;
 mod security;
 
 use auth::{Credentials, Token};
+pub use maintenance::{Alarm, AlarmKind, MemberStatus, DEFRAGMENT_TIMEOUT};
 pub use security::{EtcdSecurity, PemRole, SecurityError, TlsFailure};
 
 /// Default bound on one request (connect + answer).
@@ -121,6 +123,13 @@ pub enum EtcdError {
         path: String,
         reason: String,
     },
+    #[error(
+        "etcd at {endpoint} refused {path}: its database reached its space quota (NOSPACE \
+         alarm), so it takes no writes until old revisions are compacted, the members are \
+         defragmented and the alarm is disarmed (converged's leader does this by itself once \
+         it can; docs/OPERATIONS.md, \"etcd out of space\")"
+    )]
+    NoSpace { endpoint: String, path: String },
     #[error("etcd at {endpoint} refused {path} (HTTP {status}): {message}")]
     Server {
         endpoint: String,
@@ -795,7 +804,9 @@ impl Etcd {
     fn refused(&self, idx: usize, path: &str, status: u16, message: String) -> EtcdError {
         let endpoint = self.inner.endpoints[idx].url.clone();
         let path = path.to_string();
-        if message.contains("CommonName of client sending a request against gateway") {
+        if message.contains("database space exceeded") {
+            EtcdError::NoSpace { endpoint, path }
+        } else if message.contains("CommonName of client sending a request against gateway") {
             EtcdError::ClientCertificateHasCommonName {
                 endpoint,
                 path,

@@ -174,11 +174,24 @@ impl EtcdServer {
         Self::try_start_with(None)
     }
 
+    /// Starts etcd with these extra flags (e.g. `--quota-backend-bytes`) and waits until it
+    /// is healthy. Panics with the reason (for tests).
+    pub fn start_with_flags(flags: &[&str]) -> EtcdServer {
+        match Self::try_start_full(None, flags) {
+            Ok(s) => s,
+            Err(e) => panic!("test etcd failed to start: {e}"),
+        }
+    }
+
     /// Starts etcd, serving https if `tls` is given, and waits until it is healthy.
     pub fn try_start_with(tls: Option<&TestTls>) -> Result<EtcdServer, TestEtcdError> {
+        Self::try_start_full(tls, &[])
+    }
+
+    fn try_start_full(tls: Option<&TestTls>, flags: &[&str]) -> Result<EtcdServer, TestEtcdError> {
         let mut last = None;
         for _ in 0..START_ATTEMPTS {
-            match Self::start_once(tls) {
+            match Self::start_once(tls, flags) {
                 Ok(s) => return Ok(s),
                 Err(e @ TestEtcdError::NotHealthy { .. }) => last = Some(e),
                 Err(e) => return Err(e),
@@ -191,7 +204,7 @@ impl EtcdServer {
         }))
     }
 
-    fn start_once(tls: Option<&TestTls>) -> Result<EtcdServer, TestEtcdError> {
+    fn start_once(tls: Option<&TestTls>, flags: &[&str]) -> Result<EtcdServer, TestEtcdError> {
         let dir = tempfile::Builder::new()
             .prefix("converge-etcd-")
             .tempdir()
@@ -248,6 +261,7 @@ impl EtcdServer {
             .arg(&peer)
             .arg("--initial-cluster")
             .arg(format!("{name}={peer}"))
+            .args(flags)
             .stdin(Stdio::null())
             .stdout(Stdio::from(log))
             .stderr(Stdio::from(log2))

@@ -304,3 +304,69 @@ async fn invalid_endpoints_are_refused_up_front() {
     assert!(matches!(e, EtcdError::InvalidEndpoint { .. }), "{e}");
     assert!(matches!(Etcd::new(vec![]), Err(EtcdError::NoEndpoints)));
 }
+
+/// The maintenance calls converged's etcd upkeep makes, against a real etcd with a tiny
+/// quota: status and its sizes, compaction, NOSPACE seen as such on a write and as an
+/// alarm, defragmentation giving the space back, and disarming letting writes in again.
+#[tokio::test]
+async fn maintenance_compacts_defragments_and_recovers_from_nospace() {
+    use converge_control::etcd::AlarmKind;
+    let srv = EtcdServer::start_with_flags(&["--quota-backend-bytes", "4194304"]);
+    let etcd = srv.client();
+    let statuses = etcd.member_statuses().await;
+    assert_eq!(statuses.len(), 1);
+    let first = statuses[0].1.as_ref().unwrap().clone();
+    assert!(first.is_leader(), "{first:?}");
+    assert!(first.db_size_bytes > 0 && first.db_size_in_use_bytes <= first.db_size_bytes);
+    assert!(etcd.alarms().await.unwrap().is_empty());
+
+    // Rewrite one key until etcd is full of its history.
+    let value = vec![7u8; 256 << 10];
+    let mut last_ok = 0;
+    let mut full = None;
+    for i in 0..200 {
+        match etcd.put("/h/key", &value, None).await {
+            Ok(rev) => last_ok = rev,
+            Err(e) => {
+                full = Some((i, e));
+                break;
+            }
+        }
+    }
+    let (i, err) = full.expect("a 4 MiB quota fills with 50 MiB of history");
+    assert!(
+        matches!(err, EtcdError::NoSpace { .. }),
+        "write {i}: {err:?}"
+    );
+    assert!(err.to_string().contains("quota"), "{err}");
+    let alarms = etcd.alarms().await.unwrap();
+    assert_eq!(alarms.len(), 1, "{alarms:?}");
+    assert_eq!(alarms[0].kind, AlarmKind::NoSpace);
+    assert_eq!(alarms[0].member_id, first.member_id);
+    // Reads and deletes still work; writes do not, even after the alarm's cause is gone,
+    // until the space is freed and the alarm disarmed.
+    assert_eq!(etcd.get("/h/key").await.unwrap().unwrap().value, value);
+
+    assert!(etcd.compact(last_ok).await.unwrap(), "history compacted");
+    assert!(
+        !etcd.compact(last_ok).await.unwrap(),
+        "nothing left to compact"
+    );
+    let before = etcd.member_statuses().await[0].1.as_ref().unwrap().clone();
+    etcd.defragment(&srv.endpoint).await.unwrap();
+    let after = etcd.member_statuses().await[0].1.as_ref().unwrap().clone();
+    assert!(
+        after.db_size_bytes * 2 < before.db_size_bytes,
+        "compaction freed the history's pages and defragmentation gave them back: \
+         {before:?} -> {after:?}"
+    );
+    assert!(matches!(
+        etcd.put("/h/other", b"x", None).await,
+        Err(EtcdError::NoSpace { .. })
+    ));
+    etcd.disarm(&alarms[0]).await.unwrap();
+    assert!(etcd.alarms().await.unwrap().is_empty());
+    etcd.put("/h/other", b"x", None).await.unwrap();
+    // An endpoint the client does not have is refused, not guessed.
+    assert!(etcd.defragment("http://127.0.0.1:1").await.is_err());
+}

@@ -718,9 +718,12 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     }
     let jobs = crate::repair::all_jobs(node).await;
     problems.extend(jobs_problem(&jobs));
+    let etcd = crate::etcd_upkeep::observe(node.cluster.etcd(), node.cfg.etcd_quota_bytes).await;
+    problems.extend(etcd.problems);
     let mut warnings = rebuild_warnings(node, &ns).await;
     warnings.extend(capacity.warnings.iter().cloned());
     warnings.extend(crate::wear::annotate(node, &mut ds).await);
+    warnings.extend(etcd.warnings);
     let c = &node.cluster_rec;
     Ok(Status {
         caches,
@@ -741,6 +744,7 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
         volumes: vs,
         capacity,
         answered_by: node.cfg.node_id,
+        etcd: Some(etcd.info),
     })
 }
 

@@ -25,6 +25,8 @@ pub enum ConfigError {
 
 /// Most runtime threads a node may ask for.
 pub const THREADS_MAX: usize = 1024;
+/// etcd's own default space quota, assumed when `[etcd] quota` is not given.
+pub const ETCD_QUOTA_DEFAULT_BYTES: u64 = 2 << 30;
 
 /// A size given as bytes (integer) or text ("2G").
 #[derive(Debug, Clone, Deserialize)]
@@ -123,6 +125,8 @@ struct RawEtcd {
     /// etcd user (its `auth enable`), with the password in `password_file`.
     username: Option<String>,
     password_file: Option<PathBuf>,
+    /// etcd's space quota (its `--quota-backend-bytes`; etcd's default is 2 GiB).
+    quota: Option<SizeField>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -178,6 +182,9 @@ pub struct Config {
     pub etcd_endpoints: Vec<String>,
     /// How to reach etcd securely: TLS files and a user ([etcd] section).
     pub etcd_tls: EtcdTlsConfig,
+    /// etcd's space quota as its members were started with (`[etcd] quota`): `status` warns
+    /// near it, and the leader disarms a NOSPACE alarm only once there is room below it.
+    pub etcd_quota_bytes: u64,
     pub drives: Vec<DriveConfig>,
     pub knobs: Knobs,
     /// Threads of the runtime that serves I/O (client requests, peers, RAM drives inline);
@@ -224,6 +231,16 @@ impl Config {
         };
         if raw.node.id == 0 {
             return Err(field("node.id", "must be 1 or more".into()));
+        }
+        let etcd_quota_bytes = match &raw.etcd.quota {
+            Some(q) => size("etcd.quota", q)?,
+            None => ETCD_QUOTA_DEFAULT_BYTES,
+        };
+        if etcd_quota_bytes < (1 << 20) {
+            return Err(field(
+                "etcd.quota",
+                format!("{etcd_quota_bytes} bytes: give etcd's --quota-backend-bytes (at least 1 MiB; etcd's default is 2G)"),
+            ));
         }
         let slab_size_bytes = match &raw.node.slab_size {
             Some(s) => size("node.slab_size", s)?,
@@ -403,6 +420,7 @@ impl Config {
             nbd_tcp_insecure: raw.network.nbd_tcp_insecure,
             etcd_endpoints: raw.etcd.endpoints,
             etcd_tls,
+            etcd_quota_bytes,
             drives,
             knobs: raw.knobs,
             threads: raw.node.threads,
@@ -446,6 +464,7 @@ size = "1G"
         let c = Config::parse(&path, &text).unwrap();
         assert_eq!(c.node_id, NodeId(2));
         assert_eq!(c.etcd_endpoints.len(), 3);
+        assert_eq!(c.etcd_quota_bytes, 8 << 30, "the package's etcd quota");
         assert_eq!(c.tls_dir, Path::new("/etc/converge/pki"));
         assert_eq!(
             c.etcd_tls.ca_file.as_deref(),

@@ -9,6 +9,7 @@ mod clones;
 mod config;
 mod drain;
 mod encryption;
+mod etcd_upkeep;
 mod export;
 mod fleet;
 mod http_client;
@@ -380,6 +381,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let usage = tokio::spawn(usage::publish(node.clone()));
     let qos = tokio::spawn(qos::run(node.clone()));
     let wear = tokio::spawn(wear::run(node.clone()));
+    let upkeep = tokio::spawn(etcd_upkeep::run(node.clone()));
     // Copies deleted or moved away while this node was down are freed now.
     let sweep = {
         let node = node.clone();
@@ -404,6 +406,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     usage.abort();
     qos.abort();
     wear.abort();
+    upkeep.abort();
     nbd.abort();
     if let Some(t) = nbd_tcp {
         t.abort();

@@ -151,28 +151,48 @@ impl Jobs {
     }
 }
 
-/// Publishes this node's jobs to etcd every second while any run.
+/// A running job's progress reaches etcd at most this often; a job starting or ending at
+/// once (within the publisher's second).
+const PROGRESS_PUBLISH_EVERY: Duration = Duration::from_secs(5);
+
+/// Publishes this node's jobs to etcd while any run: when the set of jobs changes, and
+/// their progress every [`PROGRESS_PUBLISH_EVERY`].
 pub async fn publish(node: Arc<Node>) {
     let key = format!("{JOBS_PREFIX}{}", node.cfg.node_id);
-    let mut published = false;
+    // The jobs last published (by what identifies them) and when; None: nothing is.
+    let mut published: Option<(Vec<JobKey>, std::time::Instant)> = None;
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
         let jobs = node.jobs.list();
         let etcd = node.cluster.etcd();
         if jobs.is_empty() {
-            if published && etcd.delete(&key).await.is_ok() {
-                published = false;
+            if published.is_some() && etcd.delete(&key).await.is_ok() {
+                published = None;
             }
+            continue;
+        }
+        let keys: Vec<JobKey> = jobs.iter().map(job_key).collect();
+        let due = published
+            .as_ref()
+            .is_none_or(|(k, at)| *k != keys || at.elapsed() >= PROGRESS_PUBLISH_EVERY);
+        if !due {
             continue;
         }
         match serde_json::to_vec(&jobs) {
             Ok(v) => match etcd.put(&key, &v, Some(node.lease())).await {
-                Ok(_) => published = true,
+                Ok(_) => published = Some((keys, std::time::Instant::now())),
                 Err(e) => log::debug!("publishing jobs: {e}"),
             },
             Err(e) => log::warn!("encoding jobs: {e}"),
         }
     }
+}
+
+/// What tells one job from another in the published list.
+type JobKey = (String, String, u64);
+
+fn job_key(j: &JobInfo) -> JobKey {
+    (j.kind.clone(), j.volume.clone(), j.slab)
 }
 
 /// Every node's published jobs.
@@ -453,7 +473,7 @@ fn scrub_running(node: &Node) -> bool {
 }
 
 /// Holds (or takes) the leader lease key.
-async fn is_leader(node: &Node) -> bool {
+pub(crate) async fn is_leader(node: &Node) -> bool {
     let etcd = node.cluster.etcd();
     let me = node.cfg.node_id.to_string();
     match etcd.get(LEADER_KEY).await {

@@ -341,7 +341,35 @@ pub fn effective_mode(
         .unwrap_or_else(|| CacheMode::default_for(bound_media.unwrap_or(MediaType::Ssd)))
 }
 
-/// Applies the cache mode settings and publishes this node's caches, every second.
+/// A cache drive's counters (used, dirty, clean, destage rate, hit ratio) reach etcd at most
+/// this often; its mode, binding and failure at once. An idle cache writes nothing.
+const COUNTERS_PUBLISH_EVERY: Duration = Duration::from_secs(30);
+
+/// Whether `now` must be published, given what was published last and when.
+fn publish_due(last: Option<&(Vec<CacheInfo>, Instant)>, now: &[CacheInfo]) -> bool {
+    let Some((prev, at)) = last else {
+        return true;
+    };
+    let settled = |c: &CacheInfo| {
+        (
+            c.node,
+            c.drive,
+            c.path.clone(),
+            c.media,
+            c.mode,
+            c.bound.clone(),
+            c.log_bytes,
+            c.failed.clone(),
+        )
+    };
+    if prev.len() != now.len() || prev.iter().zip(now).any(|(a, b)| settled(a) != settled(b)) {
+        return true;
+    }
+    prev.as_slice() != now && at.elapsed() >= COUNTERS_PUBLISH_EVERY
+}
+
+/// Applies the cache mode settings every second, and publishes this node's caches when
+/// they change ([`publish_due`]).
 pub async fn run(node: Arc<Node>) {
     if node.caches.is_empty() {
         // Still clear what an earlier run with cache drives published.
@@ -353,6 +381,7 @@ pub async fn run(node: Arc<Node>) {
         return;
     }
     let mut last: HashMap<DriveId, (u64, Instant)> = HashMap::new();
+    let mut published: Option<(Vec<CacheInfo>, Instant)> = None;
     loop {
         for (id, c) in &node.caches {
             if let Some(why) = c.failure() {
@@ -369,14 +398,17 @@ pub async fn run(node: Arc<Node>) {
         }
         let settings = crate::repair::settings(&node).await;
         let infos = infos(&node, &settings, &mut last);
-        if let Ok(b) = serde_json::to_vec(&infos) {
-            if let Err(e) = node
-                .cluster
-                .etcd()
-                .put(&format!("{CACHES_PREFIX}{}", node.cfg.node_id), &b, None)
-                .await
-            {
-                log::debug!("publishing cache state: {e}");
+        if publish_due(published.as_ref(), &infos) {
+            if let Ok(b) = serde_json::to_vec(&infos) {
+                match node
+                    .cluster
+                    .etcd()
+                    .put(&format!("{CACHES_PREFIX}{}", node.cfg.node_id), &b, None)
+                    .await
+                {
+                    Ok(_) => published = Some((infos, Instant::now())),
+                    Err(e) => log::debug!("publishing cache state: {e}"),
+                }
             }
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -524,5 +556,65 @@ pub async fn shutdown(node: &Node, limit: Duration) {
                 None,
             )
             .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cache(dirty: u64) -> CacheInfo {
+        CacheInfo {
+            node: NodeId(1),
+            drive: DriveId(7),
+            path: "/dev/nvme0n1".into(),
+            media: MediaType::Nvme,
+            mode: CacheMode::Write,
+            bound: vec![DriveId(8)],
+            log_bytes: 1 << 30,
+            used_bytes: dirty,
+            dirty_bytes: dirty,
+            clean_bytes: 0,
+            destage_bytes_per_s: 0.0,
+            read_hit_ratio: None,
+            failed: None,
+        }
+    }
+
+    #[test]
+    fn an_idle_cache_is_not_republished_and_counters_wait_their_turn() {
+        let now = vec![cache(4096)];
+        assert!(publish_due(None, &now), "the first state is published");
+        let just = (now.clone(), Instant::now());
+        assert!(!publish_due(Some(&just), &now), "nothing changed");
+        assert!(
+            !publish_due(Some(&just), &[cache(8192)]),
+            "counters wait for their interval"
+        );
+        let long_ago = (
+            now.clone(),
+            Instant::now() - COUNTERS_PUBLISH_EVERY - Duration::from_secs(1),
+        );
+        assert!(publish_due(Some(&long_ago), &[cache(8192)]));
+        assert!(
+            !publish_due(Some(&long_ago), &now),
+            "an idle cache writes nothing"
+        );
+        let mut failed = cache(4096);
+        failed.failed = Some("I/O error".into());
+        assert!(
+            publish_due(Some(&just), &[failed]),
+            "a failure goes out at once"
+        );
+        let mut mode = cache(4096);
+        mode.mode = CacheMode::ReadWrite;
+        assert!(
+            publish_due(Some(&just), &[mode]),
+            "a mode change goes out at once"
+        );
+        assert!(
+            publish_due(Some(&just), &[]),
+            "a cache gone goes out at once"
+        );
     }
 }

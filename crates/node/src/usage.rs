@@ -86,9 +86,13 @@ pub fn node_usage(node: &Node) -> converge_control::model::NodeUsage {
     u
 }
 
-/// Publishes [`node_usage`] when it changes (checked every 2 s) and at least every 30 s,
-/// so placement and `status` see what the drives hold within seconds; and checkpoints the
-/// drives that went quiet.
+/// An unchanged usage record is written again this often (in case it was deleted); an idle
+/// node writes nothing else.
+const UNCHANGED_REWRITE: Duration = Duration::from_secs(600);
+
+/// Publishes [`node_usage`] when it changes (checked every 2 s) and at least every
+/// [`UNCHANGED_REWRITE`], so placement and `status` see what the drives hold within
+/// seconds; and checkpoints the drives that went quiet.
 pub async fn publish(node: std::sync::Arc<Node>) {
     let mut last: Option<(converge_control::model::NodeUsage, std::time::Instant)> = None;
     loop {
@@ -102,7 +106,7 @@ pub async fn publish(node: std::sync::Arc<Node>) {
         let now = node_usage(&node);
         let stale = last
             .as_ref()
-            .is_none_or(|(u, at)| *u != now || at.elapsed() > Duration::from_secs(30));
+            .is_none_or(|(u, at)| *u != now || at.elapsed() > UNCHANGED_REWRITE);
         if stale {
             match node.cluster.put_usage(node.cfg.node_id, &now).await {
                 Ok(()) => last = Some((now, std::time::Instant::now())),

@@ -4,7 +4,8 @@
 //! The engines count the bytes written to each device since it was opened. Every
 //! `wear_record_s` seconds (and at a clean shutdown) the node adds that count to what the
 //! drive's record in etcd (`/converge/wear/<drive>`) held when the node started, keeps a
-//! sample of it (`WearHistory`), and writes the record back. `/v1/status`, `/metrics` and
+//! sample of it (`WearHistory`), and writes the record back if the count changed (an idle
+//! drive's record is rewritten at most hourly). `/v1/status`, `/metrics` and
 //! `converge status` read the records and forecast each drive against its rating.
 
 use crate::node::Node;
@@ -13,7 +14,7 @@ use converge_fleet::endurance::{self, Forecast, WearHistory, RATE_WINDOWS};
 use converge_types::DriveId;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 /// The local drives' wear records: what etcd held at start (the base the engines' counts
 /// since open add to) and the history as last counted.
@@ -22,7 +23,13 @@ pub struct WearBook {
     drives: Mutex<HashMap<DriveId, (u64, WearHistory)>>,
     /// Each local drive's rating, from its record (for `/metrics`).
     ratings: Mutex<HashMap<DriveId, Option<endurance::Rating>>>,
+    /// Each local drive's lifetime count as last written to etcd, and when.
+    written: Mutex<HashMap<DriveId, (u64, Instant)>>,
 }
+
+/// A drive whose count did not change is written again only this often (an idle drive's
+/// record stays as it was; its forecast is made at its last count).
+const UNCHANGED_REWRITE: Duration = Duration::from_secs(3600);
 
 impl WearBook {
     /// Each local drive counted so far: its history as last counted and its forecast then.
@@ -92,7 +99,15 @@ pub async fn record(node: &Node) {
                 let mut book = node.wear.drives.lock().expect("wear book poisoned");
                 for (id, _) in &counts {
                     book.entry(*id).or_insert_with(|| match recs.get(id) {
-                        Some(h) => (h.lifetime_bytes, h.clone()),
+                        Some(h) => {
+                            // What etcd holds already needs no rewrite until it changes.
+                            node.wear
+                                .written
+                                .lock()
+                                .expect("wear book poisoned")
+                                .insert(*id, (h.lifetime_bytes, Instant::now()));
+                            (h.lifetime_bytes, h.clone())
+                        }
                         None => (0, WearHistory::new(now)),
                     });
                 }
@@ -115,8 +130,24 @@ pub async fn record(node: &Node) {
             .collect()
     };
     for (id, h) in updated {
-        if let Err(e) = node.cluster.put_wear(id, &h).await {
-            log::debug!("writing drive {id}'s wear record: {e}");
+        let due = {
+            let written = node.wear.written.lock().expect("wear book poisoned");
+            written.get(&id).is_none_or(|(bytes, at)| {
+                *bytes != h.lifetime_bytes || at.elapsed() >= UNCHANGED_REWRITE
+            })
+        };
+        if !due {
+            continue;
+        }
+        match node.cluster.put_wear(id, &h).await {
+            Ok(()) => {
+                node.wear
+                    .written
+                    .lock()
+                    .expect("wear book poisoned")
+                    .insert(id, (h.lifetime_bytes, Instant::now()));
+            }
+            Err(e) => log::debug!("writing drive {id}'s wear record: {e}"),
         }
     }
 }

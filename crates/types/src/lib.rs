@@ -701,6 +701,13 @@ pub struct Knobs {
     /// (seconds; also at a clean shutdown). A node killed loses at most this much of the
     /// count.
     pub wear_record_s: u64,
+    /// How often the leader tends etcd (seconds): compacts history older than
+    /// `etcd_history_s`, defragments a member whose file is mostly free pages, and recovers
+    /// from a NOSPACE alarm (docs/OPERATIONS.md). One status request per member per round.
+    pub etcd_upkeep_s: u64,
+    /// How much etcd history the leader keeps (seconds): revisions older than this are
+    /// compacted away.
+    pub etcd_history_s: u64,
 }
 
 /// What an API token may do. Each role may do what the ones before it may.
@@ -807,6 +814,8 @@ impl Knobs {
             100,
         )?;
         within("wear_record_s", self.wear_record_s, 1, 3600)?;
+        within("etcd_upkeep_s", self.etcd_upkeep_s, 1, 3600)?;
+        within("etcd_history_s", self.etcd_history_s, 1, 7 * 86_400)?;
         Ok(())
     }
 }
@@ -833,6 +842,8 @@ impl Default for Knobs {
             cache_high_watermark_pct: 80,
             placement_locality_pct: 25,
             wear_record_s: 60,
+            etcd_upkeep_s: 60,
+            etcd_history_s: 600,
         }
     }
 }
