@@ -17,7 +17,7 @@ use std::path::{Path, PathBuf};
 
 /// First bytes of a diff file (format version 1).
 pub const MAGIC: &[u8; 8] = b"CVGDIFF1";
-const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 1;
 const BS: u64 = 4096;
 /// Largest data record's payload.
 pub const RECORD_MAX: u64 = 4 << 20;
@@ -676,6 +676,45 @@ pub fn import(
 
 #[cfg(test)]
 mod tests {
+
+    /// docs/FORMAT.md names this build's protocol, diff and fleet format versions (the
+    /// engine's are checked by converge-engine's compat test).
+    #[test]
+    fn format_md_names_this_builds_versions() {
+        let doc = std::fs::read_to_string(
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../../docs/FORMAT.md"),
+        )
+        .unwrap();
+        let row = |what: &str| {
+            doc.lines()
+                .find(|l| l.starts_with(&format!("| {what}")))
+                .unwrap_or_else(|| panic!("docs/FORMAT.md has no row for {what}"))
+                .to_string()
+        };
+        let p = converge_rpc::PROTOCOL_VERSION;
+        let d = FORMAT_VERSION;
+        let f = converge_fleet::model::FORMAT_VERSION;
+        for (what, cells) in [
+            (
+                "peer protocol",
+                format!("| rpc protocol {p} | rpc protocol {p} |"),
+            ),
+            (
+                "incremental backup",
+                format!("| diff format {d} | diff format {d} |"),
+            ),
+            (
+                "fleet results",
+                format!("| fleet format {f} | fleet format {f} |"),
+            ),
+        ] {
+            let r = row(what);
+            assert!(
+                r.contains(&cells),
+                "docs/FORMAT.md disagrees with the code: {r}"
+            );
+        }
+    }
     use super::*;
 
     fn body(h: &Header, recs: &[Record]) -> Vec<u8> {

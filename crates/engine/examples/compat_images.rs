@@ -20,8 +20,8 @@
 
 use converge_engine::{Cache, DirectFile, Drive, DriveIdentity, FormatOptions, Tier};
 use converge_types::{
-    ClusterId, Compression, DriveId, DriveRole, Epoch, ExtentKey, FloorHistory, MediaType,
-    NodeId, SlabIndex, Version, VolumeId,
+    ClusterId, Compression, DriveId, DriveRole, Epoch, ExtentKey, FloorHistory, MediaType, NodeId,
+    SlabIndex, Version, VolumeId,
 };
 use std::collections::HashMap;
 use std::path::Path;
@@ -130,13 +130,25 @@ fn main() {
     // snapshot keeps what they held).
     w(key(0), 1, 1, 0, 64);
     w(key(0), 1, 2, 0, 16);
-    d.zero(key(0), Epoch(1), Version(v(1, 3)), 32 * B as u64, 8 * B as u64)
-        .expect("zero");
+    d.zero(
+        key(0),
+        Epoch(1),
+        Version(v(1, 3)),
+        32 * B as u64,
+        8 * B as u64,
+    )
+    .expect("zero");
     d.set_snapshot_floor(key(0), Epoch(1), Epoch(1), None, FloorHistory::Continues)
         .expect("snapshot floor");
     w(key(0), 2, 1, 8, 16);
-    d.zero(key(0), Epoch(2), Version(v(2, 2)), 40 * B as u64, 8 * B as u64)
-        .expect("zero");
+    d.zero(
+        key(0),
+        Epoch(2),
+        Version(v(2, 2)),
+        40 * B as u64,
+        8 * B as u64,
+    )
+    .expect("zero");
     manifest.push("drive.img slab 0: 1.1 all, 1.2 [0,16), 1.3 zero [32,40), snapshot 1, 2.1 [8,24), 2.2 zero [40,48)".into());
     // lz4 extent (slab 1): 48 blocks at 2.4 (compressible: even n), then 8..12 at 2.5.
     d.set_codec(key(1), Epoch(2), Compression::Lz4)

@@ -23,7 +23,7 @@ mod sample;
 pub mod shards;
 mod stats;
 
-pub use cache::{Cache, CacheStats, OpenReport, Tier, CACHE_MIN_BYTES};
+pub use cache::{Cache, CacheStats, OpenReport, Tier, CACHE_FORMAT_VERSION, CACHE_MIN_BYTES};
 pub use drive::{Capacity, DestageRun, Drive, ExtentInfo, FormatOptions, ReadInfo, ShadowInfo};
 pub use durable::Durable;
 pub use error::EngineError;

@@ -138,7 +138,12 @@ fn drive_and_journal_images_of_earlier_releases_read_back_whole() {
             Want::At(v(1, 1)),
             &[(0, 16, Want::At(v(1, 2))), (32, 40, Want::Zero)],
         );
-        check(&format!("{release} slab 0 at snapshot 1"), key(0), &buf, &snap);
+        check(
+            &format!("{release} slab 0 at snapshot 1"),
+            key(0),
+            &buf,
+            &snap,
+        );
         // Slab 1, compressed.
         let lz4 = expect(
             64,
@@ -248,4 +253,35 @@ fn cache_images_of_earlier_releases_destage_their_log() {
         check(&format!("{release} through the cache"), key(5), &buf, &want);
         cache.stop();
     }
+}
+
+/// docs/FORMAT.md names this build's drive and cache format versions.
+#[test]
+fn format_md_names_this_builds_drive_and_cache_formats() {
+    let doc = std::fs::read_to_string(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../docs/FORMAT.md"),
+    )
+    .unwrap();
+    let row = |what: &str| {
+        doc.lines()
+            .find(|l| l.starts_with(&format!("| {what}")))
+            .unwrap_or_else(|| panic!("docs/FORMAT.md has no row for {what}"))
+            .to_string()
+    };
+    let drive = row("drive layout");
+    assert!(
+        drive.contains(&format!(
+            "| engine format {} | engine formats {}–{} |",
+            converge_engine::FORMAT_VERSION,
+            converge_engine::layout::FORMAT_VERSION_MIN,
+            converge_engine::FORMAT_VERSION
+        )),
+        "docs/FORMAT.md's drive row disagrees with the code: {drive}"
+    );
+    let cache = row("cache drive");
+    let v = converge_engine::CACHE_FORMAT_VERSION;
+    assert!(
+        cache.contains(&format!("| cache format {v} | cache format {v} |")),
+        "docs/FORMAT.md's cache row disagrees with the code: {cache}"
+    );
 }
