@@ -34,7 +34,7 @@ fn content(k: ExtentKey, block: u32, version: u64) -> Vec<u8> {
     b[8..16].copy_from_slice(&u64::from(block).to_le_bytes());
     b[16..24].copy_from_slice(&version.to_le_bytes());
     let mut x = k.slab.0 ^ (u64::from(block) << 24) ^ version.rotate_left(40) ^ 0x9E37_79B9;
-    let period = if version % 2 == 0 { 64 } else { B };
+    let period = if version.is_multiple_of(2) { 64 } else { B };
     for i in (24..B).step_by(8) {
         if (i - 24) % period == 0 {
             x ^= x << 13;
