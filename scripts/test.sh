@@ -9,6 +9,9 @@ echo "== format and lints"
 cargo fmt --all -- --check
 cargo fmt --manifest-path fuzz/Cargo.toml --all -- --check
 cargo clippy --release --workspace --all-targets --quiet -- -D warnings
+echo "== the previous release's binaries, for the rolling-upgrade test (built once, then cached)"
+CONVERGE_PREV_BIN="$(./scripts/prev-release.sh)"
+export CONVERGE_PREV_BIN
 echo "== tests"
 if cargo nextest --version >/dev/null 2>&1; then
   cargo nextest run --release --workspace --no-fail-fast

@@ -13,7 +13,9 @@ starts on the first. When its node dies (kill -9), the connection breaks: the wr
 flight is *unacked* (it may or may not have landed: reads accept the old or the new
 content of that block until a later write is acked), the client reconnects through the
 next node that accepts, and carries on. Whether the node died is asked of the kernel:
-the server's PID (SO_PEERCRED of the connection) no longer runs. Client-visible errors,
+the server's PID (SO_PEERCRED of the connection) no longer runs, or stops running within
+--exit-grace seconds (a node stopped cleanly, as a rolling restart does, closes its
+connections before it exits). Client-visible errors,
 counted in `io_errors`, are: an error reply to a read or write on a live connection, a
 connection closed by a server that still runs, and a handshake that a running server
 fails. Reads and writes are never retried on the same connection: an error is reported.
@@ -61,6 +63,18 @@ def running(pid):
             return f.read() != b""
     except OSError:
         return False
+
+
+def exits_within(pid, seconds):
+    """The process has exited, or exits within `seconds`: a node stopped cleanly
+    (SIGTERM: a rolling restart) closes its clients' connections first and exits once it
+    has destaged and left the cluster; a node killed is gone already."""
+    deadline = time.time() + seconds
+    while running(pid):
+        if time.time() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 class Lost(Exception):
@@ -134,7 +148,7 @@ class Worker(threading.Thread):
             if live:
                 self.note_error(what, str(e))
                 return None
-            died = self.pid is not None and not running(self.pid)
+            died = self.pid is not None and exits_within(self.pid, self.a.exit_grace)
             if died:
                 self.stats["lost_connections"] += 1
             else:
@@ -247,6 +261,9 @@ def main():
     p.add_argument("--connect-timeout", type=float, default=300,
                    help="seconds a worker tries the nodes in turn before it gives up")
     p.add_argument("--stop-file", required=True)
+    p.add_argument("--exit-grace", type=float, default=120,
+                   help="seconds a node that closed our connection may take to exit before "
+                        "the close counts as an error (a clean stop closes, then exits)")
     a = p.parse_args()
     stop = threading.Event()
     ws = [Worker(a, i, list(range(i, a.blocks, a.threads)), stop) for i in range(a.threads)]
