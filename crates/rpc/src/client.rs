@@ -6,7 +6,9 @@
 //! attempts so a dead peer is not hammered with connects.
 
 use crate::frame::{self, Outgoing, ReadError, READ_BUFFER_BYTES};
-use crate::wire::{self, ErrorCode, Hello, Request, Response, WireError, PROTOCOL_VERSION};
+use crate::wire::{
+    self, ErrorCode, Hello, Request, Response, WireError, PROTOCOL_VERSION, PROTOCOL_VERSION_MIN,
+};
 use converge_types::{Knobs, NodeId};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -160,6 +162,8 @@ struct Slot {
 
 struct Inner {
     addr: String,
+    /// The hello; its `protocol_version` is the newest version offered (see
+    /// [`RpcClient::connect`] for the older ones).
     hello: Hello,
     /// Mutual TLS: this node's client settings and the node the peer must prove to be.
     tls: Option<(tokio_rustls::TlsConnector, NodeId)>,
@@ -251,6 +255,24 @@ impl RpcClient {
                 }),
             }),
         }
+    }
+
+    /// The same client offering protocol versions up to `newest` (tests of how releases
+    /// negotiate; a node offers this build's newest, [`PROTOCOL_VERSION`]).
+    pub fn speaking(self, newest: u16) -> RpcClient {
+        let mut hello = self.inner.hello.clone();
+        hello.protocol_version = newest;
+        RpcClient::build(
+            self.inner.addr.clone(),
+            hello,
+            &Knobs {
+                rpc_inflight_max: self.inner.inflight_max,
+                rpc_frame_bytes_max: self.inner.frame_bytes_max,
+                replica_timeout_ms: self.inner.timeout.as_millis() as u64,
+                ..Knobs::default()
+            },
+            self.inner.tls.clone(),
+        )
     }
 
     /// The peer's address, as given to `new`.
@@ -409,8 +431,31 @@ impl RpcClient {
         slot.last_err = Some(e);
     }
 
-    /// Connects, says hello, and starts the reader and writer tasks.
+    /// Connects, says hello offering the newest protocol version, and starts the reader and
+    /// writer tasks. A peer of an older release that refuses the version (releases before
+    /// 0.2 refuse any but their own) is asked again in each older version this build
+    /// speaks, down to [`PROTOCOL_VERSION_MIN`].
     async fn connect(&self) -> Result<Conn, RpcError> {
+        let mut offered = self.inner.hello.protocol_version;
+        loop {
+            match self.connect_offering(offered).await {
+                Err(RpcError::Refused { message, .. })
+                    if message.contains("protocol version") && offered > PROTOCOL_VERSION_MIN =>
+                {
+                    log::info!(
+                        "rpc to {}: the peer does not speak protocol version {offered} \
+                         ({message}); saying hello in version {}",
+                        self.inner.addr,
+                        offered - 1
+                    );
+                    offered -= 1;
+                }
+                r => return r,
+            }
+        }
+    }
+
+    async fn connect_offering(&self, offered: u16) -> Result<Conn, RpcError> {
         let addr = &self.inner.addr;
         let io_err = |e: std::io::Error| RpcError::Connect {
             addr: addr.clone(),
@@ -421,7 +466,7 @@ impl RpcClient {
         match &self.inner.tls {
             None => {
                 let (rd, wr) = stream.into_split();
-                self.start(rd, wr, None).await
+                self.start(rd, wr, None, offered).await
             }
             Some((connector, peer)) => {
                 let name = converge_pki::node_server_name(peer.0);
@@ -432,14 +477,21 @@ impl RpcClient {
                     ))
                 })?;
                 let (rd, wr) = tokio::io::split(tls);
-                self.start(rd, wr, Some(*peer)).await
+                self.start(rd, wr, Some(*peer), offered).await
             }
         }
     }
 
-    /// Says hello over a connected stream and starts the reader and writer tasks. With
+    /// Says hello over a connected stream, offering protocol versions up to `offered`, and
+    /// starts the reader and writer tasks in the version the peer answers in. With
     /// `expect`, the peer must answer as that node.
-    async fn start<R, W>(&self, rd: R, mut wr: W, expect: Option<NodeId>) -> Result<Conn, RpcError>
+    async fn start<R, W>(
+        &self,
+        rd: R,
+        mut wr: W,
+        expect: Option<NodeId>,
+        offered: u16,
+    ) -> Result<Conn, RpcError>
     where
         R: AsyncRead + Unpin + Send + 'static,
         W: AsyncWrite + Unpin + Send + 'static,
@@ -452,7 +504,14 @@ impl RpcClient {
         let mut rd = BufReader::with_capacity(READ_BUFFER_BYTES, rd);
 
         let id = self.inner.next_id.fetch_add(1, Ordering::Relaxed);
-        let hello = wire::encode_request(id, &Request::Hello(self.inner.hello.clone()));
+        let hello = Hello {
+            protocol_version: offered,
+            ..self.inner.hello.clone()
+        };
+        // Framed in the oldest version this build speaks, which a peer one release older
+        // reads too; the version offered is in the hello itself.
+        let hello =
+            wire::encode_request(id, &Request::Hello(hello)).at_version(PROTOCOL_VERSION_MIN);
         frame::write_frame(&mut wr, &hello).await.map_err(io_err)?;
         let protocol = |source: WireError| RpcError::Protocol {
             addr: addr.clone(),
@@ -479,7 +538,15 @@ impl RpcClient {
                 h.request_id
             ))));
         }
+        // The answer comes in the version the connection runs at.
+        let version = h.version;
         let peer = match wire::decode_response(h.msg_type, payload).map_err(protocol)? {
+            Response::HelloOk { .. } if !(PROTOCOL_VERSION_MIN..=offered).contains(&version) => {
+                return Err(protocol(WireError::Invalid(format!(
+                    "the peer answered in protocol version {version}; this node offered \
+                     {PROTOCOL_VERSION_MIN} to {offered}"
+                ))))
+            }
             Response::HelloOk { node } => node,
             Response::Err { code, message } => {
                 log::warn!("rpc to {addr}: peer refused our hello ({code}): {message}");
@@ -502,7 +569,7 @@ impl RpcClient {
                 ))));
             }
         }
-        log::debug!("rpc to {addr}: connected to node {peer}");
+        log::debug!("rpc to {addr}: connected to node {peer} (protocol version {version})");
 
         let shared = Arc::new(ConnShared {
             addr: addr.clone(),
@@ -521,7 +588,7 @@ impl RpcClient {
                 // for their answers (a busy peer); with one request in flight, none.
                 let busy = shared.clone();
                 let more = move |n: usize| lock(&busy.pending).waiters.len() > n;
-                if let Err(e) = frame::write_loop(wr, rx, more).await {
+                if let Err(e) = frame::write_loop(wr, rx, more, version).await {
                     log::warn!("rpc to {}: write failed: {e}", shared.addr);
                 }
                 shared.fail();

@@ -122,10 +122,14 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
     mut w: W,
     mut rx: mpsc::Receiver<Outgoing>,
     more: impl Fn(usize) -> bool,
+    version: u16,
 ) -> io::Result<()> {
     let mut chunks: Vec<Bytes> = Vec::with_capacity(2 * BATCH_FRAMES_MAX);
     let mut next = rx.recv().await;
     while let Some(Outgoing::Frame(frame)) = next {
+        // Frames are encoded in this build's newest version; a connection that agreed on
+        // an older one gets them in that (a no-op otherwise).
+        let frame = frame.at_version(version);
         let mut frames = 1;
         let mut bytes = frame.wire_len();
         chunks.push(frame.head);
@@ -144,6 +148,7 @@ pub(crate) async fn write_loop<W: AsyncWrite + Unpin>(
             while frames < BATCH_FRAMES_MAX && bytes < BATCH_BYTES_MAX {
                 match rx.try_recv() {
                     Ok(Outgoing::Frame(f)) => {
+                        let f = f.at_version(version);
                         frames += 1;
                         bytes += f.wire_len();
                         chunks.push(f.head);
@@ -247,7 +252,9 @@ mod tests {
             out: Vec::new(),
             writes: 0,
         };
-        write_loop(&mut sink, rx, |_| true).await.expect("writes");
+        write_loop(&mut sink, rx, |_| true, crate::wire::PROTOCOL_VERSION)
+            .await
+            .expect("writes");
         assert_eq!(sink.out, expect);
         // 50 frames queued before the writer ran: one batch, split only by the sink's limit.
         assert!(

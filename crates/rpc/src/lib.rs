@@ -11,4 +11,6 @@ pub mod wire;
 
 pub use client::{RpcClient, RpcError, RECONNECT_BACKOFF_MAX_MS, RECONNECT_BACKOFF_MIN_MS};
 pub use server::{serve, Handler};
-pub use wire::{ErrorCode, Hello, Request, Response, WireError, PROTOCOL_VERSION};
+pub use wire::{
+    ErrorCode, Hello, Request, Response, WireError, PROTOCOL_VERSION, PROTOCOL_VERSION_MIN,
+};

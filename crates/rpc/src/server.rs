@@ -10,7 +10,8 @@
 
 use crate::frame::{self, Outgoing, ReadError, READ_BUFFER_BYTES};
 use crate::wire::{
-    self, msg, EncodedFrame, ErrorCode, FrameHeader, Request, Response, WireError, PROTOCOL_VERSION,
+    self, msg, EncodedFrame, ErrorCode, FrameHeader, Request, Response, WireError,
+    PROTOCOL_VERSION, PROTOCOL_VERSION_MIN,
 };
 use converge_types::{ClusterId, Knobs, NodeId};
 use rustls::pki_types::CertificateDer;
@@ -204,14 +205,15 @@ async fn serve_stream<H, R, W>(
     )
     .await
     {
-        Ok(Some(peer)) => peer,
+        Ok(Some(agreed)) => agreed,
         Ok(None) => return,
         Err(_) => {
             log::info!("rpc server: {addr} sent no hello within {handshake_timeout:?}");
             return;
         }
     };
-    log::debug!("rpc server: node {peer} connected from {addr}");
+    let (peer, version) = peer;
+    log::debug!("rpc server: node {peer} connected from {addr} (protocol version {version})");
 
     let (tx, rx) = mpsc::channel(inflight_max);
     let slots = Arc::new(Semaphore::new(inflight_max));
@@ -220,7 +222,7 @@ async fn serve_stream<H, R, W>(
     // for the next request.
     let busy = slots.clone();
     let more = move |_: usize| inflight_max - busy.available_permits() > 1;
-    let mut writer = tokio::spawn(frame::write_loop(wr, rx, more));
+    let mut writer = tokio::spawn(frame::write_loop(wr, rx, more, version));
     // Stop the writer (and so close the socket) however this task ends, aborted included.
     let _stop_writer = AbortOnDrop(writer.abort_handle());
 
@@ -362,7 +364,8 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Reads and checks the peer's hello; answers it. `None`: the connection must be closed.
+/// Reads and checks the peer's hello; answers it in the protocol version they agree on.
+/// The peer and that version; `None`: the connection must be closed.
 async fn handshake<R, W>(
     rd: &mut R,
     wr: &mut W,
@@ -371,7 +374,7 @@ async fn handshake<R, W>(
     my_node: NodeId,
     max: usize,
     cert: Option<&CertificateDer<'static>>,
-) -> Option<NodeId>
+) -> Option<(NodeId, u16)>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
@@ -389,10 +392,11 @@ where
     let answer = match parse(&h, payload) {
         Err(resp) => Err(resp),
         Ok(Request::Hello(hello)) => {
-            if hello.protocol_version != PROTOCOL_VERSION {
+            if wire::agree(hello.protocol_version).is_none() {
                 Err(refuse(format!(
-                    "protocol version mismatch: node {my_node} speaks {PROTOCOL_VERSION}, \
-                     node {} at {addr} speaks {}",
+                    "protocol version mismatch: node {my_node} speaks {PROTOCOL_VERSION_MIN} \
+                     to {PROTOCOL_VERSION}, node {} at {addr} speaks up to {}; upgrade it \
+                     (a release speaks its predecessor's version, docs/OPERATIONS.md)",
                     hello.node, hello.protocol_version
                 )))
             } else if hello.cluster != cluster {
@@ -419,7 +423,7 @@ where
                     my_node, hello.node
                 )))
             } else {
-                Ok(hello.node)
+                Ok((hello.node, hello.protocol_version))
             }
         }
         Ok(_) => Err(refuse(
@@ -427,7 +431,10 @@ where
         )),
     };
     let (resp, result) = match answer {
-        Ok(node) => (Response::HelloOk { node: my_node }, Some(node)),
+        Ok((node, offered)) => {
+            let version = wire::agree(offered).unwrap_or(PROTOCOL_VERSION);
+            (Response::HelloOk { node: my_node }, Some((node, version)))
+        }
         Err(resp) => {
             if let Response::Err { message, .. } = &resp {
                 log::warn!("rpc server: refusing connection from {addr}: {message}");
@@ -435,7 +442,10 @@ where
             (resp, None)
         }
     };
-    if let Err(e) = frame::write_frame(wr, &wire::encode_response(h.request_id, &resp)).await {
+    // Answered in the version agreed on; a refusal in the version the hello came in.
+    let version = result.map_or(h.version, |(_, v)| v);
+    let answer = wire::encode_response(h.request_id, &resp).at_version(version);
+    if let Err(e) = frame::write_frame(wr, &answer).await {
         log::info!("rpc server: cannot answer hello from {addr}: {e}");
         return None;
     }

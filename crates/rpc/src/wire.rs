@@ -21,6 +21,23 @@ use std::sync::Arc;
 pub const MAGIC: [u8; 4] = *b"CVRP";
 /// Version of the frame format and message set. Carried in every header and in `Hello`.
 pub const PROTOCOL_VERSION: u16 = 2;
+/// The oldest peer protocol version this build still speaks. A release speaks its
+/// predecessor's version too (N and N-1), so during a rolling upgrade nodes of both serve
+/// side by side (docs/FORMAT-rpc.md, "Versions").
+pub const PROTOCOL_VERSION_MIN: u16 = 2;
+
+/// The version a connection runs at when a caller speaking up to `offered` says hello to
+/// a node speaking `ours`: the newest both speak, or None when the caller's newest is
+/// older than the oldest the node speaks.
+pub fn agree_within(ours: std::ops::RangeInclusive<u16>, offered: u16) -> Option<u16> {
+    let v = offered.min(*ours.end());
+    (v >= *ours.start()).then_some(v)
+}
+
+/// [`agree_within`] this build's versions.
+pub fn agree(offered: u16) -> Option<u16> {
+    agree_within(PROTOCOL_VERSION_MIN..=PROTOCOL_VERSION, offered)
+}
 /// Size of the fixed frame header, bytes.
 pub const HEADER_LEN: usize = 32;
 /// Error messages longer than this are truncated by the encoder, bytes.
@@ -253,7 +270,10 @@ pub enum WireError {
     BadMagic([u8; 4]),
     #[error("frame header checksum mismatch: stored {stored:#010x}, computed {computed:#010x}")]
     HeaderChecksum { stored: u32, computed: u32 },
-    #[error("protocol version {got} not supported (this node speaks {PROTOCOL_VERSION})")]
+    #[error(
+        "protocol version {got} not supported (this node speaks {PROTOCOL_VERSION_MIN} to \
+         {PROTOCOL_VERSION})"
+    )]
     Version { got: u16 },
     #[error("frame payload of {len} bytes exceeds rpc_frame_bytes_max {max}")]
     TooLarge { len: usize, max: usize },
@@ -276,6 +296,8 @@ pub enum WireError {
 /// The fixed part of a frame.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct FrameHeader {
+    /// The protocol version the frame is in: the connection's, agreed at its hello.
+    pub version: u16,
     pub msg_type: u8,
     pub flags: u8,
     pub request_id: u64,
@@ -287,7 +309,7 @@ impl FrameHeader {
     pub fn encode(&self) -> [u8; HEADER_LEN] {
         let mut h = [0u8; HEADER_LEN];
         h[0..4].copy_from_slice(&MAGIC);
-        h[4..6].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
+        h[4..6].copy_from_slice(&self.version.to_le_bytes());
         h[6] = self.msg_type;
         h[7] = self.flags;
         h[8..16].copy_from_slice(&self.request_id.to_le_bytes());
@@ -316,7 +338,7 @@ impl FrameHeader {
             return Err(WireError::HeaderChecksum { stored, computed });
         }
         let version = u16::from_le_bytes([h[4], h[5]]);
-        if version != PROTOCOL_VERSION {
+        if !(PROTOCOL_VERSION_MIN..=PROTOCOL_VERSION).contains(&version) {
             return Err(WireError::Version { got: version });
         }
         if h[24..28] != [0, 0, 0, 0] {
@@ -332,6 +354,7 @@ impl FrameHeader {
             });
         }
         Ok(FrameHeader {
+            version,
             msg_type: h[6],
             flags: h[7],
             request_id: u64::from_le_bytes(id),
@@ -349,6 +372,24 @@ pub struct EncodedFrame {
 }
 
 impl EncodedFrame {
+    /// The same frame in protocol version `version` (a connection agreed on an older one
+    /// than this build's newest): the header's version and checksum are rewritten. The
+    /// messages of the versions this build speaks have the same bytes; a version that
+    /// changes a message encodes it by the connection's version instead.
+    pub fn at_version(self, version: u16) -> EncodedFrame {
+        if self.head.get(4..6) == Some(&version.to_le_bytes()[..]) {
+            return self;
+        }
+        let mut head = BytesMut::from(&self.head[..]);
+        head[4..6].copy_from_slice(&version.to_le_bytes());
+        let crc = crc32c::crc32c(&head[0..28]);
+        head[28..32].copy_from_slice(&crc.to_le_bytes());
+        EncodedFrame {
+            head: head.freeze(),
+            data: self.data,
+        }
+    }
+
     /// Length of the payload (everything after the header), bytes.
     pub fn payload_len(&self) -> usize {
         self.head.len() - HEADER_LEN + self.data.len()
@@ -428,6 +469,7 @@ fn finish(msg_type: u8, request_id: u64, mut head: BytesMut, data: Bytes) -> Enc
     // and senders check `payload_len()` against rpc_frame_bytes_max first.
     let payload_len = u32::try_from(body_len + data.len()).unwrap_or(u32::MAX);
     let header = FrameHeader {
+        version: PROTOCOL_VERSION,
         msg_type,
         flags: 0,
         request_id,
@@ -2497,6 +2539,24 @@ mod tests {
             longer.push(0);
             assert!(decode_request(request_type(&req), Bytes::from(longer)).is_err());
         }
+    }
+
+    #[test]
+    fn releases_agree_on_the_newest_version_both_speak() {
+        // This build and the next (speaking N and N+1), the previous (N-1 and N).
+        assert_eq!(agree_within(2..=3, 3), Some(3));
+        assert_eq!(agree_within(2..=3, 2), Some(2), "an older caller, in its version");
+        assert_eq!(agree_within(2..=2, 3), Some(2), "a newer caller, in ours");
+        assert_eq!(agree_within(3..=4, 2), None, "two releases apart");
+        assert_eq!(agree(PROTOCOL_VERSION), Some(PROTOCOL_VERSION));
+        assert_eq!(agree(PROTOCOL_VERSION + 1), Some(PROTOCOL_VERSION));
+        assert_eq!(agree(PROTOCOL_VERSION_MIN - 1), None);
+        // A frame moved to another version keeps everything but the version, and decodes.
+        let f = encode_request(9, &Request::Ping);
+        let g = f.clone().at_version(PROTOCOL_VERSION_MIN);
+        let (h, _, _) = decode_frame(&Bytes::from(g.to_vec()), MAX).unwrap();
+        assert_eq!((h.version, h.request_id), (PROTOCOL_VERSION_MIN, 9));
+        assert_eq!(f.to_vec(), f.clone().at_version(PROTOCOL_VERSION).to_vec());
     }
 
     #[test]

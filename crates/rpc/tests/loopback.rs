@@ -4,6 +4,7 @@ use bytes::Bytes;
 use converge_rpc::wire::{self, msg, FrameHeader, HEADER_LEN};
 use converge_rpc::{
     serve, ErrorCode, Handler, Hello, Request, Response, RpcClient, RpcError, PROTOCOL_VERSION,
+    PROTOCOL_VERSION_MIN,
 };
 use converge_types::{
     ClusterId, DriveId, Epoch, ExtentKey, ExtentOp, ExtentReply, Knobs, NodeId, ReadReply,
@@ -280,13 +281,13 @@ async fn wrong_cluster_is_refused_with_a_clear_error() {
 }
 
 #[tokio::test]
-async fn wrong_protocol_version_is_refused() {
+async fn a_caller_older_than_the_oldest_version_spoken_is_refused() {
     let k = knobs(10_000, 1 << 20);
     let (addr, _store, _server) = start(k.clone()).await;
     let hello = Hello {
         cluster: CLUSTER,
         node: NodeId(1),
-        protocol_version: PROTOCOL_VERSION + 1,
+        protocol_version: PROTOCOL_VERSION_MIN - 1,
     };
     let c = RpcClient::new(addr.to_string(), hello, &k);
     match c.call(Request::Ping).await {
@@ -295,6 +296,92 @@ async fn wrong_protocol_version_is_refused() {
         }
         other => panic!("{other:?}"),
     }
+}
+
+/// A caller of a newer release (speaking up to the next version) is answered in this
+/// build's newest version, and the connection runs in it.
+#[tokio::test]
+async fn a_newer_caller_is_answered_in_the_newest_version_both_speak() {
+    let k = knobs(10_000, 1 << 20);
+    let (addr, _store, _server) = start(k.clone()).await;
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect");
+    let hello = Hello {
+        cluster: CLUSTER,
+        node: NodeId(1),
+        protocol_version: PROTOCOL_VERSION + 1,
+    };
+    // A newer caller frames its hello in the oldest version it speaks.
+    let f = wire::encode_request(1, &Request::Hello(hello)).at_version(PROTOCOL_VERSION_MIN);
+    s.write_all(&f.to_vec()).await.expect("hello");
+    let (h, r) = raw_read(&mut s).await.expect("hello answer");
+    assert_eq!(r, Response::HelloOk { node: SERVER_NODE });
+    assert_eq!(
+        h.version, PROTOCOL_VERSION,
+        "answered in the version agreed"
+    );
+    s.write_all(&wire::encode_request(2, &Request::Ping).to_vec())
+        .await
+        .expect("ping");
+    let (h, _) = raw_read(&mut s).await.expect("pong");
+    assert_eq!((h.request_id, h.version), (2, PROTOCOL_VERSION));
+}
+
+/// A caller that speaks a newer version than a strict older peer (one that refuses any
+/// other version, as releases before 0.2 do) is refused, then says hello again in the
+/// next older version it speaks, and is served.
+#[tokio::test]
+async fn a_refused_newer_hello_is_retried_in_the_older_version() {
+    let k = knobs(10_000, 1 << 20);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let strict = tokio::spawn(async move {
+        let mut offered = Vec::new();
+        loop {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut head = [0u8; wire::HEADER_LEN];
+            s.read_exact(&mut head).await.unwrap();
+            let h = FrameHeader::decode(&head, 4096).unwrap();
+            let mut payload = vec![0u8; h.payload_len as usize];
+            s.read_exact(&mut payload).await.unwrap();
+            let Request::Hello(hello) = wire::decode_request(h.msg_type, payload.into()).unwrap()
+            else {
+                panic!("not a hello")
+            };
+            offered.push(hello.protocol_version);
+            if hello.protocol_version != PROTOCOL_VERSION {
+                let no = Response::err(ErrorCode::Invalid, "protocol version mismatch");
+                s.write_all(&wire::encode_response(h.request_id, &no).to_vec())
+                    .await
+                    .unwrap();
+                continue;
+            }
+            let ok = Response::HelloOk { node: SERVER_NODE };
+            s.write_all(&wire::encode_response(h.request_id, &ok).to_vec())
+                .await
+                .unwrap();
+            let mut head = [0u8; wire::HEADER_LEN];
+            s.read_exact(&mut head).await.unwrap();
+            let h = FrameHeader::decode(&head, 4096).unwrap();
+            assert_eq!(
+                h.version, PROTOCOL_VERSION,
+                "the connection runs in the version agreed"
+            );
+            let pong = wire::encode_response(h.request_id, &Response::Pong);
+            s.write_all(&pong.to_vec()).await.unwrap();
+            return offered;
+        }
+    });
+    let hello = Hello {
+        cluster: CLUSTER,
+        node: NodeId(1),
+        protocol_version: PROTOCOL_VERSION,
+    };
+    let c = RpcClient::new(addr.to_string(), hello, &k).speaking(PROTOCOL_VERSION + 1);
+    c.call(Request::Ping).await.expect("served after the retry");
+    assert_eq!(
+        strict.await.unwrap(),
+        vec![PROTOCOL_VERSION + 1, PROTOCOL_VERSION]
+    );
 }
 
 #[tokio::test]
@@ -416,6 +503,7 @@ async fn raw_connect(addr: SocketAddr) -> TcpStream {
 
 fn raw_frame(msg_type: u8, id: u64, payload: &[u8]) -> Vec<u8> {
     let h = FrameHeader {
+        version: PROTOCOL_VERSION,
         msg_type,
         flags: 0,
         request_id: id,
@@ -433,6 +521,7 @@ async fn server_refuses_frames_above_the_bound_and_closes() {
     let (addr, _store, _server) = start(k.clone()).await;
     let mut s = raw_connect(addr).await;
     let h = FrameHeader {
+        version: PROTOCOL_VERSION,
         msg_type: msg::WRITE,
         flags: 0,
         request_id: 77,
