@@ -8,6 +8,7 @@ writes at a fixed rate, each block verified while the run goes on), and samples 
 much of that is live data. Writes samples.csv, summary.json and chart.svg to --out, and
 prints revisions/s and the database size over the run. The load is light on purpose: what is
 measured is the control plane's own writes and whether compaction keeps the database flat.
+`--replot` redraws chart.svg from an earlier run's samples.csv.
 
     bench/soak/soak.py --duration 1h --out /tmp/soak            # then open /tmp/soak/chart.svg
     bench/soak/soak.py --duration 10m --idle --out /tmp/idle     # no load: an idle cluster
@@ -49,7 +50,8 @@ class Etcd:
 
 
 def chart(rows, path):
-    """Database size and live data (MiB, left axis) and revisions/s (right axis) over time."""
+    """Database file size and the part of it in use (MiB, left axis) and revisions/s (right
+    axis) over time."""
     W, H, L, R, T, B = 900, 380, 70, 70, 30, 50
     t = [r["t_s"] for r in rows]
     size = [r["db_size"] / 2**20 for r in rows]
@@ -81,8 +83,8 @@ def chart(rows, path):
             line(t, size, ymax, "#1f77b4"), line(t, used, ymax, "#2ca02c", 'stroke-dasharray="6,3"'),
             line(t, rate, rmax, "#d62728"),
             f'<text x="{L+10}" y="{T+14}" fill="#1f77b4">file size</text>',
-            f'<text x="{L+90}" y="{T+14}" fill="#2ca02c">live data</text>',
-            f'<text x="{L+170}" y="{T+14}" fill="#d62728">revisions/s</text>', "</svg>"]
+            f'<text x="{L+90}" y="{T+14}" fill="#2ca02c">in use (keys and the history kept)</text>',
+            f'<text x="{L+330}" y="{T+14}" fill="#d62728">revisions/s</text>', "</svg>"]
     open(path, "w").write("\n".join(out))
 
 
@@ -95,7 +97,12 @@ def main():
     p.add_argument("--idle", action="store_true", help="no load: an idle cluster")
     p.add_argument("--bin", help="directory with converge and converged (default: target/release)")
     p.add_argument("--out", required=True)
+    p.add_argument("--replot", action="store_true", help="only redraw OUT/chart.svg from OUT/samples.csv")
     a = p.parse_args()
+    if a.replot:
+        rows = [{k: float(v) for k, v in r.items()} for r in csv.DictReader(open(os.path.join(a.out, "samples.csv")))]
+        chart(rows, os.path.join(a.out, "chart.svg"))
+        return
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     os.environ["PATH"] = (a.bin or os.path.join(root, "target/release")) + ":" + os.environ["PATH"]
     os.makedirs(a.out, exist_ok=True)
