@@ -7,6 +7,7 @@ mod cache_api;
 mod capacity;
 mod clones;
 mod config;
+mod creds;
 mod drain;
 mod encryption;
 mod export;
@@ -176,10 +177,27 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     }
     let mut cfg = cfg;
     cfg.slab_size_bytes = cluster_rec.slab_size_bytes;
-    let internal_token = auth::bootstrap(&cluster, &cfg).await?;
-    // Every port speaks TLS with this node's certificate: no certificate, no node.
+    auth::bootstrap(&cluster, &cfg).await?;
+    // Every port speaks TLS with this node's certificate: no certificate, no node. Every
+    // handshake checks the revocation list, kept current from etcd from here on.
+    let (revocations, revocation_state) = creds::load(&cluster).await?;
     let tls = converge_pki::NodeTls::load(&cfg.tls_dir, cfg.node_id.0)
-        .map_err(|e| anyhow!("this node's TLS identity: {e}"))?;
+        .map_err(|e| anyhow!("this node's TLS identity: {e}"))?
+        .with_revocations(revocations.clone());
+    if let Some(why) = tls.own_cert().ok().and_then(|me| revocations.refusal(&me)) {
+        bail!(
+            "this node's certificate is refused by the cluster ({why}): issue a new one with \
+             `converge cert node` or `converge node join-token --replace`"
+        );
+    }
+    if cfg.nbd_tcp.is_some() && !tls.has_clients_ca() {
+        log::warn!(
+            "no {} in {}: NBD clients are checked against the cluster CA, so an NBD client \
+             certificate also reaches etcd; see docs/SECURITY.md, \"Migrating\"",
+            converge_pki::CLIENTS_CA_CERT,
+            cfg.tls_dir.display()
+        );
+    }
     let tls_err = |e: converge_pki::PkiError| anyhow!("TLS settings: {e}");
     let peer_server = tls.peer_server().map_err(tls_err)?;
     let peer_client = tls.peer_client().map_err(tls_err)?;
@@ -188,6 +206,9 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let https_client = tls.https_client().map_err(tls_err)?;
     let opened = tiering::open_drives(&cfg, cluster_rec.cluster_id)?;
     if args.check {
+        if let Some(p) = &cfg.etcd_crl_file {
+            println!("etcd's revocation list is kept in {}", p.display());
+        }
         println!(
             "config and {} drives are fine",
             opened.tiers.len() + opened.caches.len()
@@ -300,7 +321,8 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         scrub_stats: Default::default(),
         failed_reported: Mutex::new(Default::default()),
         orphans_freed: Default::default(),
-        auth: auth::Auth::new(cluster.clone(), internal_token, &cfg),
+        auth: auth::Auth::new(cluster.clone(), &cfg),
+        revocations: revocations.clone(),
         https: https_client,
         me: Default::default(),
         vhost: Default::default(),
@@ -319,6 +341,15 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         .register_node(&node.node_record(), lease)
         .await
         .map_err(|e| anyhow!("{e}"))?;
+    creds::register_own(&cluster, &tls, cfg.node_id.0).await?;
+    let revocation_watch = tokio::spawn(creds::watch(
+        cluster.clone(),
+        revocations.clone(),
+        cfg.etcd_crl_file
+            .clone()
+            .map(|p| creds::CrlFile::new(p, tls.clone())),
+        revocation_state,
+    ));
     log::info!(
         "node {} ({}) joined cluster {} ({}) with {} drives; rpc {}, api {}, nbd {}",
         cfg.node_id,
@@ -396,6 +427,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         r = &mut nbd => bail!("NBD server stopped: {r:?}"),
     }
     keepalive.abort();
+    revocation_watch.abort();
     sweep.abort();
     repairer.abort();
     publisher.abort();
