@@ -271,7 +271,10 @@ fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
         // port takes node certificates only, so the handshake fails.)
         match rt.block_on(qemu.call(free(drive))) {
             Err(RpcError::Connect { source, .. }) => {
-                assert!(source.to_string().contains("CertificateUnknown"), "{source}")
+                assert!(
+                    source.to_string().contains("CertificateUnknown"),
+                    "{source}"
+                )
             }
             other => panic!("a client certificate as a peer: {other:?}"),
         }

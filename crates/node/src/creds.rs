@@ -18,12 +18,35 @@ use converge_control::model::{keys, Cluster};
 use converge_pki::{NodeTls, Revocations, Revoked};
 use hyper::{Method, StatusCode};
 use std::collections::BTreeSet;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
 /// Pause before watching again after a watch failed (etcd restarting, a compaction).
 const RETRY_PAUSE: Duration = Duration::from_secs(1);
+/// Left in the node's PKI directory when the node sees its own removal: etcd refuses its
+/// certificate from then on, so a restart could not ask etcd whether it was removed.
+pub const REMOVED_MARK: &str = "removed";
+
+/// Whether this node saw its own removal before (then it must not start).
+pub fn removed_mark(tls_dir: &Path) -> Option<String> {
+    std::fs::read_to_string(tls_dir.join(REMOVED_MARK)).ok()
+}
+
+/// Records that this node was removed (see [`REMOVED_MARK`]).
+pub fn mark_removed(tls_dir: &Path, node: u32) {
+    let text = format!(
+        "node {node} was removed from this cluster (`converge node remove`); its certificate \
+         is revoked. To use this host again, join it with a new id (move this directory \
+         away first).\n"
+    );
+    if let Err(e) = converge_pki::write_file(&tls_dir.join(REMOVED_MARK), text.as_bytes(), 0o644) {
+        log::warn!(
+            "cannot record this node's removal in {}: {e}",
+            tls_dir.display()
+        );
+    }
+}
 
 fn to_revoked(state: &RevocationState) -> Revoked {
     Revoked {
@@ -95,15 +118,22 @@ impl CrlFile {
 }
 
 /// Watches removed nodes and revoked certificates and applies every change to
-/// `revocations` (and to etcd's CRL file if this node keeps one). Runs until the process
-/// ends; a failed watch (etcd away, a compaction) is read again and watched anew.
+/// `revocations` (and to etcd's CRL file if this node keeps one). Runs until this node
+/// itself is removed (it returns then: etcd refuses its certificate from the next
+/// connection, and only this open watch can still tell it); a failed watch (etcd away, a
+/// compaction) is read again and watched anew.
 pub async fn watch(
     cluster: Cluster,
+    me: converge_types::NodeId,
     revocations: Arc<Revocations>,
     mut crl: Option<CrlFile>,
     mut state: RevocationState,
 ) {
+    let my_key = format!("{}{}", keys::REMOVED, me.0);
     loop {
+        if state.removed.contains(&me) {
+            return;
+        }
         revocations.set(to_revoked(&state));
         if let Some(c) = crl.as_mut() {
             c.update(&revocations.snapshot().serials);
@@ -122,12 +152,20 @@ pub async fn watch(
             Ok((mut removed, mut revoked)) => {
                 // Any change: read both again (small, and never half-applied).
                 let r = tokio::select! {
-                    r = removed.next() => r.map(|_| ()),
-                    r = revoked.next() => r.map(|_| ()),
+                    r = removed.next() => r.map(|events| {
+                        events.iter().any(|e| {
+                            e.kind == converge_control::EventKind::Put && e.kv.key == my_key
+                        })
+                    }),
+                    r = revoked.next() => r.map(|_| false),
                 };
-                if let Err(e) = r {
-                    log::warn!("watching the revocation list: {e}; reading it again");
-                    tokio::time::sleep(RETRY_PAUSE).await;
+                match r {
+                    Ok(true) => return,
+                    Ok(false) => {}
+                    Err(e) => {
+                        log::warn!("watching the revocation list: {e}; reading it again");
+                        tokio::time::sleep(RETRY_PAUSE).await;
+                    }
                 }
             }
             Err(e) => {

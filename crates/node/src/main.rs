@@ -147,6 +147,11 @@ fn main() {
 const EXIT_REMOVED: i32 = 3;
 
 async fn run(args: Args, cfg: Config) -> Result<()> {
+    // A node that saw its own removal left a mark: etcd refuses its certificate now, so it
+    // could not ask etcd.
+    if creds::removed_mark(&cfg.tls_dir).is_some() {
+        return Err(ControlError::NodeRemoved { id: cfg.node_id }.into());
+    }
     let security = etcd_security(&cfg.etcd_tls).map_err(|e| anyhow!("etcd settings: {e}"))?;
     let etcd =
         Etcd::with_security(cfg.etcd_endpoints.clone(), security).map_err(|e| anyhow!("{e}"))?;
@@ -342,14 +347,29 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         .await
         .map_err(|e| anyhow!("{e}"))?;
     creds::register_own(&cluster, &tls, cfg.node_id.0).await?;
-    let revocation_watch = tokio::spawn(creds::watch(
-        cluster.clone(),
-        revocations.clone(),
-        cfg.etcd_crl_file
-            .clone()
-            .map(|p| creds::CrlFile::new(p, tls.clone())),
-        revocation_state,
-    ));
+    let revocation_watch = {
+        let watch = creds::watch(
+            cluster.clone(),
+            cfg.node_id,
+            revocations.clone(),
+            cfg.etcd_crl_file
+                .clone()
+                .map(|p| creds::CrlFile::new(p, tls.clone())),
+            revocation_state,
+        );
+        let node = node.clone();
+        tokio::spawn(async move {
+            watch.await;
+            // `converge node remove` finished: nothing of the cluster is here any more.
+            log::warn!(
+                "node {} was removed from the cluster (converge node remove); stopping",
+                node.cfg.node_id
+            );
+            creds::mark_removed(&node.cfg.tls_dir, node.cfg.node_id.0);
+            node.drop_all_volumes().await;
+            std::process::exit(0);
+        })
+    };
     log::info!(
         "node {} ({}) joined cluster {} ({}) with {} drives; rpc {}, api {}, nbd {}",
         cfg.node_id,

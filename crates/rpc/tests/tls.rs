@@ -155,7 +155,10 @@ async fn a_client_certificate_is_not_a_node() {
     let c = tls_client(&s, NodeId(1), &qemu, SERVER);
     match c.call(extent_req()).await {
         Err(RpcError::Connect { source, .. }) => {
-            assert!(source.to_string().contains("CertificateUnknown"), "{source}")
+            assert!(
+                source.to_string().contains("CertificateUnknown"),
+                "{source}"
+            )
         }
         other => panic!("expected Connect, got {other:?}"),
     }
