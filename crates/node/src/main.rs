@@ -197,8 +197,9 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     }
     if cfg.nbd_tcp.is_some() && !tls.has_clients_ca() {
         log::warn!(
-            "no {} in {}: NBD clients are checked against the cluster CA, so an NBD client \
-             certificate also reaches etcd; see docs/SECURITY.md, \"Migrating\"",
+            "no {} in {}: NBD/TCP takes only client certificates of the cluster CA (as made \
+             before the clients CA), which also reach etcd until revoked; see \
+             docs/SECURITY.md, \"Migrating\"",
             converge_pki::CLIENTS_CA_CERT,
             cfg.tls_dir.display()
         );

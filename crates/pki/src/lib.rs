@@ -12,7 +12,8 @@
 //!   tokens (converged's `auth`);
 //! * NBD over TCP: mutual TLS; the client's certificate must be an NBD client's, signed by
 //!   the cluster's *clients CA* (`clients-ca.crt`), which etcd and peers do not trust: an NBD
-//!   client certificate opens volumes and nothing else (docs/adr/0013);
+//!   client certificate opens volumes and nothing else (docs/adr/0013). Client certificates
+//!   the cluster CA made before the clients CA existed are still taken here;
 //! * every handshake that checks a certificate also checks the cluster's revocation list
 //!   ([`Revocations`]): a removed node's certificates and revoked serials are refused.
 //!
@@ -865,15 +866,14 @@ impl NodeTls {
         self.server(Some(self.client_verifier(&self.ca, revoke::Want::Node)?))
     }
 
-    /// NBD over TCP: the client must present an NBD client certificate of the clients CA
-    /// (of the cluster CA in a PKI directory without `clients-ca.crt`) that is not revoked.
+    /// NBD over TCP: the client must present an NBD client certificate that is not
+    /// revoked, of the clients CA or of the cluster CA (as made before the clients CA
+    /// existed: they keep working here while a cluster moves its clients over; what they
+    /// must lose, etcd, is theirs until revoked).
     pub fn nbd_server(&self) -> Result<Arc<ServerConfig>, PkiError> {
-        let roots = if self.clients_ca.is_empty() {
-            &self.ca
-        } else {
-            &self.clients_ca
-        };
-        self.server(Some(self.client_verifier(roots, revoke::Want::Client)?))
+        let roots: Vec<CertificateDer<'static>> =
+            self.clients_ca.iter().chain(&self.ca).cloned().collect();
+        self.server(Some(self.client_verifier(&roots, revoke::Want::Client)?))
     }
 
     /// HTTP API: the node proves itself; callers carry tokens, or (the other nodes) present

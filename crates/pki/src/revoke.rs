@@ -634,16 +634,27 @@ mod tests {
         let anonymous = crate::client_config(ca.cert_pem().as_bytes()).unwrap();
         handshake(api.clone(), anonymous.clone(), &name).unwrap();
         // An NBD client's certificate reaches neither the peer port nor the API, and a
-        // node's certificate does not open volumes; a client certificate of the cluster CA
-        // (as made before the clients CA) is refused where a clients CA is configured.
+        // node's certificate does not open volumes. A client certificate of the cluster CA
+        // (as made before the clients CA) still opens volumes, with or without a clients CA
+        // (a cluster moves its clients over without a gap), but is no node.
         assert!(handshake(peer.clone(), qemu(), &name).is_err());
         assert!(handshake(api.clone(), qemu(), &name).is_err());
         assert!(handshake(nbd.clone(), n2.peer_client().unwrap(), &name).is_err());
-        let legacy = nbd_client(&ca, &ca, Subject::Client { name: "old".into() });
-        assert!(handshake(nbd.clone(), legacy.clone(), &name).is_err());
-        // Without a clients CA (a PKI directory of before), such a client is still served.
-        let old_node = node_tls(&ca, None, 1);
-        handshake(old_node.nbd_server().unwrap(), legacy, &name).unwrap();
+        let legacy = || nbd_client(&ca, &ca, Subject::Client { name: "old".into() });
+        handshake(nbd.clone(), legacy(), &name).unwrap();
+        handshake(
+            node_tls(&ca, None, 1).nbd_server().unwrap(),
+            legacy(),
+            &name,
+        )
+        .unwrap();
+        assert!(handshake(peer.clone(), legacy(), &name).is_err());
+        // Another CA's client certificate is nobody's.
+        let stranger = Ca::generate_kind(CaKind::Clients).unwrap();
+        let q = Subject::Client {
+            name: "qemu".into(),
+        };
+        assert!(handshake(nbd.clone(), nbd_client(&ca, &stranger, q), &name).is_err());
         // Node 2 removed: refused on every port from the next handshake, both ways.
         revocations.add(Some(2), []);
         assert!(handshake(peer.clone(), n2.peer_client().unwrap(), &name).is_err());
