@@ -921,7 +921,9 @@ fn run(cli: Cli) -> Result<()> {
                     println!("volumes moved to other nodes: {}", r.moved.join(", "));
                 }
                 println!(
-                    "node {node} removed (drives {}); its converged stops by itself: disable                      its service on that host (`systemctl disable converged`)",
+                    "node {node} removed (drives {}); its certificate is revoked and its \
+                     converged stops by itself: disable its service on that host \
+                     (`systemctl disable converged`)",
                     r.drives
                         .iter()
                         .map(|d| d.to_string())
