@@ -847,6 +847,22 @@ fn api_seeds() -> Vec<(String, Vec<u8>)> {
             r#"{"node":1,"drive":5,"path":"c","media":"ram","mode":"write","bound":[],"log_bytes":0,"used_bytes":0,"dirty_bytes":0,"clean_bytes":0,"destage_bytes_per_s":2.5000000000000003e+64,"read_hit_ratio":null}"#,
         ),
         ("ErrorBody", r#"{"error":"volume vm01 does not exist"}"#),
+        (
+            "CreateJoinToken",
+            r#"{"node":4,"hosts":["10.0.0.4","host4.example"],"ttl_s":3600,"replace":true}"#,
+        ),
+        (
+            "Joined",
+            r#"{"node":4,"cert_pem":"-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n","ca_pem":"x","clients_ca_pem":null}"#,
+        ),
+        (
+            "RevokeCert",
+            r#"{"serial":"5b9181056fed4b5bacd34a9c785c4737","subject":"NBD client qemu-host4","reason":"lost"}"#,
+        ),
+        (
+            "RevokedCert",
+            r#"{"serial":"5b9181056fed4b5bacd34a9c785c4737","subject":"node 3","reason":"node 3 removed","revoked_unix":1796606532}"#,
+        ),
     ];
     bodies
         .iter()

@@ -14,9 +14,9 @@
 use converge_api::fleet::{FleetNode, FleetSample, WorkerSpec, WorkerStatus};
 use converge_api::lab::{SampleBlocks, SampledBlocks};
 use converge_api::{
-    CacheInfo, CreateToken, CreateVolume, CreatedToken, ErrorBody, JobInfo, Maintenance,
-    MoveVolume, NodeInfo, ResizeVolume, ScrubRequest, ScrubResult, SetCacheMode, Settings, Status,
-    TokenInfo, VolumeInfo,
+    CacheInfo, CreateJoinToken, CreateToken, CreateVolume, CreatedToken, ErrorBody, JobInfo,
+    Joined, Maintenance, MoveVolume, NodeInfo, ResizeVolume, RevokeCert, RevokedCert,
+    ScrubRequest, ScrubResult, SetCacheMode, Settings, Status, TokenInfo, VolumeInfo,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
@@ -92,6 +92,10 @@ pub const TYPES: &[&str] = &[
     "FleetSample",
     "SampledBlocks",
     "ErrorBody",
+    "CreateJoinToken",
+    "Joined",
+    "RevokeCert",
+    "RevokedCert",
 ];
 
 pub fn api_json(data: &[u8]) {
@@ -121,6 +125,10 @@ pub fn api_json(data: &[u8]) {
         19 => round_trip::<FleetNode>(body),
         20 => round_trip::<FleetSample>(body),
         21 => round_trip::<SampledBlocks>(body),
-        _ => round_trip::<ErrorBody>(body),
+        22 => round_trip::<ErrorBody>(body),
+        23 => round_trip::<CreateJoinToken>(body),
+        24 => round_trip::<Joined>(body),
+        25 => round_trip::<RevokeCert>(body),
+        _ => round_trip::<RevokedCert>(body),
     }
 }

@@ -705,6 +705,11 @@ pub struct CreateJoinToken {
     /// How long it may be used (default 1 hour, at most 7 days).
     #[serde(default)]
     pub ttl_s: Option<u64>,
+    /// The id is in use (a node registered it, has drives, or has a certificate): give it
+    /// to a new host anyway, revoking the old host's certificates when the new one is
+    /// issued. Without it such an id is refused; a removed id is refused always.
+    #[serde(default)]
+    pub replace: bool,
 }
 
 /// The answer: the token (shown once; etcd keeps its hash) and what it is for.
@@ -734,6 +739,32 @@ pub struct Joined {
     pub node: NodeId,
     pub cert_pem: String,
     pub ca_pem: String,
+    /// The clients CA's certificate (what the node's NBD/TCP port trusts), if the cluster
+    /// has one.
+    #[serde(default)]
+    pub clients_ca_pem: Option<String>,
+}
+
+/// `POST /v1/certs/revoke` (admin): refuse this certificate everywhere from now on.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevokeCert {
+    /// The serial number, hex (`openssl x509 -noout -serial`, or `converge cert revoke
+    /// FILE` reads it).
+    pub serial: String,
+    /// Whose it is ("NBD client qemu-host4"), for the list.
+    #[serde(default)]
+    pub subject: Option<String>,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+/// A revoked certificate (`GET /v1/certs/revoked`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RevokedCert {
+    pub serial: String,
+    pub subject: String,
+    pub reason: String,
+    pub revoked_unix: u64,
 }
 
 /// `GET /v1/cache/advice` (one node): what the node's working-set estimator saw of the

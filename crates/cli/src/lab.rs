@@ -330,6 +330,7 @@ fn join_node_pki(lab: &Lab, dir: &Path, id: u32, host: &str) -> Result<()> {
         node: converge_types::NodeId(id),
         hosts: vec![host.to_string()],
         ttl_s: Some(600),
+        replace: false,
     })?;
     let t: converge_api::CreatedJoinToken =
         crate::http::call(&first.api, "POST", "/v1/join-tokens", Some(&body))
@@ -339,20 +340,14 @@ fn join_node_pki(lab: &Lab, dir: &Path, id: u32, host: &str) -> Result<()> {
     Ok(())
 }
 
-/// The lab's NBD client certificate (`lab`), if not made yet.
-fn lab_client_cert(ca: &converge_pki::Ca, dir: &Path) -> Result<()> {
+/// The lab's NBD client certificate (`lab`, from the lab's clients CA), if not made yet.
+fn lab_client_cert(lab_pki: &Path, dir: &Path) -> Result<()> {
     if dir.join("client-cert.pem").exists() {
         return Ok(());
     }
-    let key = converge_pki::NewKey::generate().map_err(|e| anyhow!("{e}"))?;
-    let cert = ca
-        .issue(
-            &converge_pki::Subject::Client { name: "lab".into() },
-            &key.public_key(),
-        )
-        .map_err(|e| anyhow!("the lab's client certificate: {e}"))?;
-    converge_pki::write_client_dir(dir, ca.cert_pem(), &cert, &key.pem())
-        .map_err(|e| anyhow!("{e}"))
+    crate::pki_cmd::client_files(lab_pki, "lab", dir)
+        .map(|_| ())
+        .context("the lab's client certificate")
 }
 
 /// A node's PKI directory: a new key, and a certificate from `ca` naming the node and
@@ -867,7 +862,11 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
     let etcd_pki = dir.join("pki").join("etcd");
     let etcd_hosts: Vec<String> = members.iter().map(|m| m.ip.to_string()).collect();
     lab_etcd_cert(&ca, &etcd_pki, &etcd_hosts)?;
-    lab_client_cert(&ca, &dir.join("pki").join("client"))?;
+    // etcd refuses the certificates this list names (revoked ones, removed nodes'); the
+    // nodes keep it current. It must exist before etcd starts.
+    let etcd_crl = etcd_pki.join(crate::pki_cmd::ETCD_CRL);
+    crate::pki_cmd::initial_etcd_crl(&ca, &etcd_crl)?;
+    lab_client_cert(&dir.join("pki"), &dir.join("pki").join("client"))?;
     let mut procs = Vec::new();
     for m in &members {
         let mut cmd = Command::new(&etcd_bin);
@@ -894,6 +893,8 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             .arg("--trusted-ca-file")
             .arg(ca_cert(&dir))
             .arg("--client-cert-auth")
+            .arg("--client-crl-file")
+            .arg(&etcd_crl)
             .arg("--peer-cert-file")
             .arg(etcd_pki.join("server.crt"))
             .arg("--peer-key-file")
@@ -1011,6 +1012,11 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             // As `cluster init --node 1` leaves the first host: its certificate, and the CA
             // key with which it signs the certificates of the nodes that join.
             issue_node_pki(&ca, &ndir.join("pki"), id, &[ip.to_string()])?;
+            // Its NBD/TCP port trusts the lab's clients CA (the others get it by joining).
+            let (clients_ca, _) = converge_pki::Ca::load_or_make_clients(&dir.join("pki"))
+                .map_err(|e| anyhow!("the lab's clients CA: {e}"))?;
+            converge_pki::write_clients_ca(&ndir.join("pki"), clients_ca.cert_pem())
+                .map_err(|e| anyhow!("{e}"))?;
             let key = fs::read(dir.join("pki").join(converge_pki::CA_KEY))?;
             converge_pki::write_file(&ndir.join("pki").join(converge_pki::CA_KEY), &key, 0o600)
                 .map_err(|e| anyhow!("{e}"))?;
@@ -1063,8 +1069,9 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             dir.join("admin.token").display().to_string()
         ));
         toml.push_str(&format!(
-            "\n[tls]\ndir = {:?}\n\n[encryption]\nkey_file = {:?}\n",
+            "\n[tls]\ndir = {:?}\netcd_crl_file = {:?}\n\n[encryption]\nkey_file = {:?}\n",
             ndir.join("pki").display().to_string(),
+            etcd_crl.display().to_string(),
             key_file(&dir).display().to_string()
         ));
         fs::write(&config, toml)?;

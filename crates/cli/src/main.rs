@@ -101,8 +101,8 @@ enum Cmd {
     /// API tokens: who may use the HTTP API and for what (read-only, operator, admin).
     #[command(subcommand)]
     Token(TokenCmd),
-    /// Certificates of the cluster's CA: for nodes (peer RPC, API, NBD/TCP) and for NBD
-    /// clients (qemu, nbdcopy over nbds://).
+    /// Certificates: for nodes and etcd members (the cluster CA: peer RPC, API, etcd) and
+    /// for NBD clients (the clients CA: qemu, nbdcopy over nbds://); revoke them.
     #[command(subcommand)]
     Cert(pki_cmd::CertCmd),
     /// Cluster keys: the key file (outside etcd, on every node) that wraps encrypted
@@ -134,7 +134,9 @@ enum TokenCmd {
     /// The tokens (ids, names, roles; never the secrets).
     List,
     /// Revoke a token by id: refused at once by the node that revokes it, by the others
-    /// within 10 seconds.
+    /// within 10 seconds. `internal` retires the shared token of a cluster made before
+    /// nodes authenticated to each other with their certificates (once every node runs a
+    /// version that does; docs/SECURITY.md, "Migrating").
     Revoke { id: String },
 }
 
@@ -262,6 +264,11 @@ enum NodeCmd {
         /// How long it may be used, e.g. 30m, 1h (at most 7 days).
         #[arg(long, default_value = "1h")]
         ttl: String,
+        /// The id is in use (a host with it is live, has drives or a certificate): give it
+        /// to a new host, revoking the old host's certificates when the new one is issued.
+        /// A removed id is never used again, replace or not.
+        #[arg(long)]
+        replace: bool,
     },
     /// On a new host: trade a join token for this node's certificate. The key is made here
     /// and never leaves; the cluster is checked against the CA fingerprint in the token.
@@ -857,11 +864,17 @@ fn run(cli: Cli) -> Result<()> {
             println!("node {node}: maintenance {state}");
             print!("{}", nodes_table(&v));
         }
-        Cmd::Node(NodeCmd::JoinToken { node, hosts, ttl }) => {
+        Cmd::Node(NodeCmd::JoinToken {
+            node,
+            hosts,
+            ttl,
+            replace,
+        }) => {
             let body = serde_json::to_value(converge_api::CreateJoinToken {
                 node: converge_types::NodeId(*node),
                 hosts: hosts.clone(),
                 ttl_s: Some(parse_duration_s(ttl)?),
+                replace: *replace,
             })?;
             let t: converge_api::CreatedJoinToken =
                 http::call(&api_base(&cli)?, "POST", "/v1/join-tokens", Some(&body))?;
@@ -913,7 +926,9 @@ fn run(cli: Cli) -> Result<()> {
                     println!("volumes moved to other nodes: {}", r.moved.join(", "));
                 }
                 println!(
-                    "node {node} removed (drives {}); its converged stops by itself: disable                      its service on that host (`systemctl disable converged`)",
+                    "node {node} removed (drives {}); its certificate is revoked and its \
+                     converged stops by itself: disable its service on that host \
+                     (`systemctl disable converged`)",
                     r.drives
                         .iter()
                         .map(|d| d.to_string())
@@ -942,7 +957,7 @@ fn run(cli: Cli) -> Result<()> {
         Cmd::Vhost(c) => vhost::run(c, cli.json, &api_base(&cli)?)?,
         Cmd::Scrub(c) => run_scrub(&cli, c)?,
         Cmd::Token(c) => run_token(&cli, c)?,
-        Cmd::Cert(c) => pki_cmd::run(c)?,
+        Cmd::Cert(c) => pki_cmd::run(c, cli.json, &|| api_base(&cli))?,
         Cmd::Key(k) => key_cmd::run(k, api_base(&cli).ok().as_deref())?,
         Cmd::Cluster(ClusterCmd::Init { pki, node, hosts }) => pki_cmd::init(pki, *node, hosts)?,
         Cmd::Cluster(ClusterCmd::RollingRestart {

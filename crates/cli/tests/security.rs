@@ -267,9 +267,14 @@ fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
             ),
             NodeId(node as u32),
         );
+        // (A client certificate of the cluster CA, as made before the clients CA: the peer
+        // port takes node certificates only, so the handshake fails.)
         match rt.block_on(qemu.call(free(drive))) {
-            Err(RpcError::Refused { message, .. }) => {
-                assert!(message.contains(&format!("not node {me}'s")), "{message}")
+            Err(RpcError::Connect { source, .. }) => {
+                assert!(
+                    source.to_string().contains("CertificateUnknown"),
+                    "{source}"
+                )
             }
             other => panic!("a client certificate as a peer: {other:?}"),
         }
@@ -632,6 +637,45 @@ fn cluster_init_and_cert_make_the_clusters_certificates() {
         q.to_str().unwrap(),
     ]);
     assert!(String::from_utf8_lossy(&bad.stderr).contains("client name"));
+    // The client's certificate is the clients CA's, not the cluster CA's (which etcd and
+    // peers trust); its directory's ca-cert.pem holds both (qemu checks its certificate
+    // against it).
+    let m = std::fs::metadata(ca.join("clients-ca.key"))
+        .unwrap()
+        .permissions()
+        .mode();
+    assert_eq!(m & 0o777, 0o600);
+    let verify = |cafile: &std::path::Path| {
+        run(Command::new("openssl").args([
+            "verify",
+            "-CAfile",
+            cafile.to_str().unwrap(),
+            q.join("client-cert.pem").to_str().unwrap(),
+        ]))
+        .status
+        .success()
+    };
+    assert!(!verify(&ca.join("ca.crt")));
+    assert!(verify(&ca.join("clients-ca.crt")));
+    assert!(verify(&q.join("ca-cert.pem")));
+    // A node's host names cannot name another node.
+    let o = conv(&[
+        "cert",
+        "node",
+        "--ca-dir",
+        ca_s,
+        "--node",
+        "3",
+        "--host",
+        "node-1.converge",
+        "--out",
+        d.path().join("n3").to_str().unwrap(),
+    ]);
+    assert!(!o.status.success());
+    assert!(
+        String::from_utf8_lossy(&o.stderr).contains("converge's own"),
+        "{o:?}"
+    );
     // Without the CA key nothing can be issued.
     let none = conv(&[
         "cert",
@@ -773,4 +817,359 @@ fn packaged_systemd_units_verify_and_cert_etcd_works() {
     ]));
     assert!(text.contains("IP Address:10.0.0.1"), "{text}");
     assert!(text.contains("Server Authentication") && text.contains("Client Authentication"));
+    // And the (empty) revocation list etcd's --client-crl-file names.
+    let crl = must(Command::new("openssl").args([
+        "crl",
+        "-noout",
+        "-text",
+        "-in",
+        out.join("revoked.crl").to_str().unwrap(),
+    ]));
+    assert!(crl.contains("No Revoked Certificates"), "{crl}");
+}
+
+/// `etcdctl` with `cert`/`key` against the lab's etcd: its output, or why it failed.
+fn etcdctl(
+    lab: &Lab,
+    cert: &std::path::Path,
+    key: &std::path::Path,
+    args: &[&str],
+) -> Result<String, String> {
+    let endpoint = lab.lab_json()["etcd_endpoint"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let o = run(Command::new("etcdctl")
+        .env("ETCDCTL_API", "3")
+        .args([
+            "--endpoints",
+            &endpoint,
+            "--dial-timeout",
+            "5s",
+            "--command-timeout",
+            "20s",
+        ])
+        .arg("--cacert")
+        .arg(lab.path().join("pki/ca.crt"))
+        .arg("--cert")
+        .arg(cert)
+        .arg("--key")
+        .arg(key)
+        .args(args));
+    if o.status.success() {
+        Ok(String::from_utf8_lossy(&o.stdout).into_owned())
+    } else {
+        Err(String::from_utf8_lossy(&o.stderr).into_owned())
+    }
+}
+
+/// `GET path` on the API at `hostport` with a TLS client configuration of the caller's
+/// (e.g. one that presents a node's certificate) and `token` if any: the answer, or None if
+/// the handshake or the connection failed.
+fn api_get_with(
+    cfg: std::sync::Arc<rustls::ClientConfig>,
+    server: rustls::pki_types::ServerName<'static>,
+    hostport: &str,
+    path: &str,
+    token: Option<&str>,
+) -> Option<String> {
+    let tcp = TcpStream::connect(hostport).ok()?;
+    tcp.set_read_timeout(Some(Duration::from_secs(30))).ok()?;
+    let mut s = rustls::StreamOwned::new(rustls::ClientConnection::new(cfg, server).ok()?, tcp);
+    let auth = token
+        .map(|t| format!("Authorization: Bearer {t}\r\n"))
+        .unwrap_or_default();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\n{auth}Connection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut out = Vec::new();
+    read_until_closed(&mut s, &mut out).ok()?;
+    (!out.is_empty()).then(|| String::from_utf8_lossy(&out).into_owned())
+}
+
+/// Issue 48: every certificate of the cluster's CA was an etcd superuser (an NBD client's
+/// read `/converge/internal-token`, an admin token for every node's API). etcdctl with each
+/// kind of certificate: a node's reaches etcd, as does an etcd member's (it is etcd's own);
+/// an NBD client's (the lab's, and one made by `converge cert client`) and another CA's do
+/// not, while the NBD client's still opens volumes over NBD/TCP. And etcd holds no secret
+/// that grants more than its reader has: no value under /converge/ is an API credential.
+#[test]
+fn etcd_takes_node_certificates_only_and_holds_no_credential() {
+    let lab = Lab::up(3, &[]);
+    lab.create_volume("vol", "64M", "mirror-2");
+    let p = lab.path();
+    let node = (p.join("node2/pki/node.crt"), p.join("node2/pki/node.key"));
+    let member = (p.join("pki/etcd/server.crt"), p.join("pki/etcd/server.key"));
+    let lab_client = (
+        p.join("pki/client/client-cert.pem"),
+        p.join("pki/client/client-key.pem"),
+    );
+    let made = p.join("qemu-h4");
+    lab.must(&[
+        "cert",
+        "client",
+        "--ca-dir",
+        p.join("pki").to_str().unwrap(),
+        "--name",
+        "qemu-h4",
+        "--out",
+        made.to_str().unwrap(),
+    ]);
+    let made_client = (made.join("client-cert.pem"), made.join("client-key.pem"));
+    let other_dir = tempfile::tempdir().unwrap();
+    let other = converge_pki::Ca::generate().unwrap();
+    let key = converge_pki::NewKey::generate().unwrap();
+    let cert = other
+        .issue(
+            &converge_pki::Subject::Node {
+                id: 2,
+                hosts: vec!["127.0.0.3".into()],
+            },
+            &key.public_key(),
+        )
+        .unwrap();
+    converge_pki::write_node_dir(other_dir.path(), other.cert_pem(), &cert, &key.pem()).unwrap();
+    let foreign = (
+        other_dir.path().join("node.crt"),
+        other_dir.path().join("node.key"),
+    );
+
+    for (what, (c, k)) in [("node", &node), ("etcd member", &member)] {
+        let out = etcdctl(
+            &lab,
+            c,
+            k,
+            &["get", "/converge/cluster", "--print-value-only"],
+        )
+        .unwrap_or_else(|e| panic!("a {what} certificate was refused by etcd: {e}"));
+        assert!(out.contains("cluster_id"), "{what}: {out}");
+    }
+    for (what, (c, k)) in [
+        ("the lab's NBD client", &lab_client),
+        ("a `cert client`", &made_client),
+        ("another CA's node", &foreign),
+    ] {
+        let r = etcdctl(
+            &lab,
+            c,
+            k,
+            &["get", "--prefix", "/converge/", "--keys-only"],
+        );
+        assert!(r.is_err(), "{what} certificate read etcd: {r:?}");
+    }
+    // The NBD client's certificates do their own job.
+    let tcp = lab.lab_json()["nodes"][0]["nbd_tcp"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    for dir in [p.join("pki/client"), made] {
+        must(Command::new("nbdinfo").arg(format!(
+            "nbds://{tcp}/vol?tls-certificates={}",
+            dir.display()
+        )));
+    }
+
+    // Nothing etcd holds is a credential: not the legacy internal token, and no value is
+    // taken by the API as a token.
+    let all = etcdctl(
+        &lab,
+        &node.0,
+        &node.1,
+        &["get", "--prefix", "/converge/", "--print-value-only"],
+    )
+    .unwrap();
+    let keys = etcdctl(
+        &lab,
+        &node.0,
+        &node.1,
+        &["get", "--prefix", "/converge/", "--keys-only"],
+    )
+    .unwrap();
+    assert!(!keys.contains("internal-token"), "{keys}");
+    let api = node_api(&lab, 1);
+    let mut tried = 0;
+    for value in all.lines().map(str::trim).filter(|v| !v.is_empty()) {
+        let answer = try_get(&lab, &api, "/v1/status", value).unwrap();
+        assert!(
+            answer.starts_with("HTTP/1.1 401"),
+            "etcd value {value:?} opens the API: {answer}"
+        );
+        tried += 1;
+    }
+    assert!(tried > 10, "only {tried} values in etcd");
+}
+
+/// Issue 48: removing a node revoked nothing (its certificate still read etcd, and stayed
+/// good for peer RPC and NBD/TCP for its two years; the internal token it knew was
+/// nobody's to revoke), and an admin token could mint a join certificate for a live or a
+/// removed node id, or name another node among its host names. After `node remove 3`, each
+/// credential node 3 had is tried: its certificate on etcd, on peer RPC, on the API and on
+/// NBD/TCP, all refused within seconds; join tokens refuse the removed id, a live id unless
+/// `--replace`, and `.converge` host names; a replacing join revokes the old host's
+/// certificate.
+#[test]
+fn a_removed_node_keeps_no_credential_and_join_refuses_taken_ids() {
+    use converge_rpc::{Hello, Request, RpcClient, RpcError};
+    use converge_types::{ClusterId, Knobs, NodeId};
+    let lab = Lab::up(3, &[]);
+    let vol_uri = lab.create_volume("vol", "64M", "mirror-2");
+    let dir = tempfile::tempdir().unwrap();
+    let image = random_file(dir.path(), "image", 64 << 20, 11);
+    must(Command::new("nbdcopy").arg(&image).arg(&vol_uri));
+    let p = lab.path().to_path_buf();
+    let n3 = p.join("node3/pki");
+    let (cert3, key3) = (n3.join("node.crt"), n3.join("node.key"));
+    let tls3 = converge_pki::NodeTls::load(&n3, 3).unwrap();
+    let status = lab.json(&["status"]);
+    let cluster: ClusterId = status["cluster"]["id"].as_str().unwrap().parse().unwrap();
+    let rpc1 = status["nodes"][0]["rpc_addr"].as_str().unwrap().to_string();
+    let api1 = node_api(&lab, 1);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let ping_as_3 = || {
+        let c = RpcClient::with_tls(
+            rpc1.clone(),
+            Hello::new(cluster, NodeId(3)),
+            &Knobs::default(),
+            tls3.peer_client().unwrap(),
+            NodeId(1),
+        );
+        rt.block_on(c.call(Request::Ping))
+    };
+    let api_as_3 = || {
+        api_get_with(
+            tls3.https_client().unwrap(),
+            converge_pki::node_server_name(1),
+            &api1,
+            "/v1/status",
+            None,
+        )
+    };
+    // Before: node 3's certificate reaches etcd, its peers and (as a node) their APIs; etcd
+    // holds no shared token for it to learn.
+    let seen = etcdctl(&lab, &cert3, &key3, &["get", "/converge/internal-token"]).unwrap();
+    assert!(
+        seen.trim().is_empty(),
+        "etcd holds an internal token: {seen}"
+    );
+    ping_as_3().unwrap();
+    let answer = api_as_3().unwrap();
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+
+    lab.must(&["node", "remove", "3"]);
+
+    // After: refused everywhere, within seconds (the other nodes and etcd's revocation
+    // list learn it from a watch).
+    lab.wait_for(
+        "node 3's certificate refused by etcd",
+        Duration::from_secs(60),
+        || etcdctl(&lab, &cert3, &key3, &["get", "/converge/cluster"]).is_err(),
+    );
+    let node2 = (p.join("node2/pki/node.crt"), p.join("node2/pki/node.key"));
+    etcdctl(&lab, &node2.0, &node2.1, &["get", "/converge/cluster"]).unwrap();
+    match ping_as_3() {
+        Err(RpcError::Connect { source, .. }) => {
+            assert!(
+                source.to_string().contains("CertificateRevoked"),
+                "{source}"
+            )
+        }
+        other => panic!("node 3's certificate on the peer port after removal: {other:?}"),
+    }
+    assert_eq!(
+        api_as_3(),
+        None,
+        "node 3's certificate on the API after removal"
+    );
+    let as_client = dir.path().join("node3-as-client");
+    converge_pki::write_client_dir(
+        &as_client,
+        &std::fs::read_to_string(p.join("pki/ca.crt")).unwrap(),
+        &std::fs::read_to_string(&cert3).unwrap(),
+        &std::fs::read_to_string(&key3).unwrap(),
+    )
+    .unwrap();
+    let tcp = lab.lab_json()["nodes"][0]["nbd_tcp"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let o = run(Command::new("nbdinfo").arg(format!(
+        "nbds://{tcp}/vol?tls-certificates={}",
+        as_client.display()
+    )));
+    assert!(
+        !o.status.success(),
+        "node 3's certificate opened a volume over NBD/TCP"
+    );
+    let revoked = lab.json(&["cert", "revoked"]);
+    let serial3 = converge_pki::cert_info_pem(&std::fs::read(&cert3).unwrap())
+        .unwrap()
+        .serial;
+    assert!(
+        revoked
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["serial"] == serial3.as_str()),
+        "{revoked}"
+    );
+
+    // Join tokens: never a removed id; a live one only when replacing it; no `.converge`
+    // host names.
+    let e = lab.fails(&["node", "join-token", "--node", "3", "--host", "127.0.0.9"]);
+    assert!(e.contains("was removed"), "{e}");
+    let e = lab.fails(&["node", "join-token", "--node", "2", "--host", "127.0.0.9"]);
+    assert!(
+        e.contains("node 2 is live") && e.contains("--replace"),
+        "{e}"
+    );
+    let e = lab.fails(&[
+        "node",
+        "join-token",
+        "--node",
+        "9",
+        "--host",
+        "node-1.converge",
+    ]);
+    assert!(e.contains("converge's own"), "{e}");
+    let t = lab.json(&[
+        "node",
+        "join-token",
+        "--node",
+        "2",
+        "--host",
+        "127.0.0.3",
+        "--replace",
+    ]);
+    let new2 = dir.path().join("new-node2");
+    lab.must(&[
+        "node",
+        "join",
+        "--api",
+        &format!("https://{api1}"),
+        "--token",
+        t["token"].as_str().unwrap(),
+        "--pki",
+        new2.to_str().unwrap(),
+    ]);
+    // The new certificate is node 2's; the old host's is refused.
+    etcdctl(
+        &lab,
+        &new2.join("node.crt"),
+        &new2.join("node.key"),
+        &["get", "/converge/cluster"],
+    )
+    .unwrap();
+    lab.wait_for(
+        "node 2's old certificate refused by etcd",
+        Duration::from_secs(60),
+        || etcdctl(&lab, &node2.0, &node2.1, &["get", "/converge/cluster"]).is_err(),
+    );
+    // The data written before is intact (read through node 1, which serves it now or
+    // after the move).
+    compare(&lab.uri_on("vol", 1), &image, "after node 3's removal");
 }

@@ -78,7 +78,9 @@ pub enum EtcdError {
     },
     #[error(
         "etcd at {endpoint} closed the connection without answering {path}; if etcd serves \
-         TLS on this port, use an https:// endpoint and give its CA, else check etcd's health"
+         TLS on this port, use an https:// endpoint and give its CA; over https, etcd does \
+         this to a client certificate its revocation list names (a removed node's, or one \
+         revoked with `converge cert revoke`); else check etcd's health"
     )]
     ClosedWithoutAnswer { endpoint: String, path: String },
     #[error("etcd at {endpoint} refused to log in user {user:?}: {message}; check the username and password")]

@@ -7,9 +7,11 @@
 //! * [`kv`]: the key-value operations the model needs, as a trait ([`Etcd`] and the
 //!   simulator's store implement it).
 //! * [`model`]: typed records under `/converge/` and the transactions that change them.
+//! * [`creds`]: what etcd keeps about credentials: certificates by node, revoked ones.
 //! * [`placement`]: pure placement of slab copies on drives of distinct nodes.
 //! * `testing` (feature `testing`): a throwaway real etcd for integration tests.
 
+pub mod creds;
 pub mod etcd;
 pub mod kv;
 pub mod model;

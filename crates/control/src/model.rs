@@ -58,8 +58,18 @@ pub mod keys {
     pub const TOKENS: &str = "/converge/tokens/";
     /// One-time join tokens by id (their hashes): a new host trades one for its certificate.
     pub const JOIN_TOKENS: &str = "/converge/join-tokens/";
-    /// The secret the nodes present to each other's APIs (forwarded requests, scrubs).
+    /// The secret the nodes of clusters made before node certificates authenticated
+    /// node-to-node API calls present to each other's APIs; only read (and accepted) until
+    /// `converge token revoke internal` retires it (docs/SECURITY.md, "Migrating").
     pub const INTERNAL_TOKEN: &str = "/converge/internal-token";
+    /// Set once the first admin token is made: no node makes another.
+    pub const TOKENS_BOOTSTRAPPED: &str = "/converge/tokens-bootstrapped";
+    /// Certificates each node has used, by serial (`crate::creds::CertRecord`): what `node
+    /// remove` revokes.
+    pub const CERTS: &str = "/converge/certs/";
+    /// Revoked certificates by serial (`crate::creds::RevokedRecord`): refused at every
+    /// handshake, and listed in etcd's CRL file.
+    pub const REVOKED: &str = "/converge/revoked/";
     /// Nodes in maintenance (planned downtime): `/converge/maintenance/<node id>`.
     pub const MAINTENANCE: &str = "/converge/maintenance/";
     /// Nodes being drained for removal (`converge node remove`): their copies move to other
@@ -141,6 +151,10 @@ pub struct JoinTokenRecord {
     pub node: NodeId,
     pub hosts: Vec<String>,
     pub expires_unix: u64,
+    /// Made with `--replace`: the id may be in use; the old host's certificates are revoked
+    /// when this one's is issued.
+    #[serde(default)]
+    pub replace: bool,
 }
 
 /// A running node; the key lives as long as the node's lease.
@@ -395,7 +409,11 @@ fn now_unix() -> u64 {
         .unwrap_or(0)
 }
 
-fn encode<T: Serialize>(key: &str, what: &'static str, v: &T) -> Result<Vec<u8>, ControlError> {
+pub(crate) fn encode<T: Serialize>(
+    key: &str,
+    what: &'static str,
+    v: &T,
+) -> Result<Vec<u8>, ControlError> {
     serde_json::to_vec(v).map_err(|e| ControlError::Corrupt {
         key: key.to_string(),
         what,
@@ -403,7 +421,10 @@ fn encode<T: Serialize>(key: &str, what: &'static str, v: &T) -> Result<Vec<u8>,
     })
 }
 
-fn decode<T: DeserializeOwned>(kv: &KeyValue, what: &'static str) -> Result<T, ControlError> {
+pub(crate) fn decode<T: DeserializeOwned>(
+    kv: &KeyValue,
+    what: &'static str,
+) -> Result<T, ControlError> {
     serde_json::from_slice(&kv.value).map_err(|e| ControlError::Corrupt {
         key: kv.key.clone(),
         what,
@@ -449,7 +470,7 @@ pub fn valid_volume_name(name: &str) -> bool {
 /// Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct Cluster<K = Etcd> {
-    etcd: K,
+    pub(crate) etcd: K,
 }
 
 impl Cluster<Etcd> {
@@ -498,23 +519,23 @@ impl<K: Kv> Cluster<K> {
         })
     }
 
-    /// Registers the first admin token and the nodes' internal token, unless a node did so
-    /// before: `true` if this call did (its caller then hands the admin token to the
-    /// operator), `false` if the cluster had them already.
-    pub async fn bootstrap_tokens(
-        &self,
-        admin: &TokenRecord,
-        internal: &str,
-    ) -> Result<bool, ControlError> {
+    /// Registers the first admin token, unless a node did so before (a cluster made before
+    /// this marker existed has the legacy internal token instead): `true` if this call did
+    /// (its caller then hands the admin token to the operator), `false` if the cluster had
+    /// its first token already.
+    pub async fn bootstrap_tokens(&self, admin: &TokenRecord) -> Result<bool, ControlError> {
         let key = format!("{}{}", keys::TOKENS, admin.id);
         let r = self
             .etcd
             .txn(Txn {
-                compare: vec![Compare::ModRevision(keys::INTERNAL_TOKEN.to_string(), 0)],
+                compare: vec![
+                    Compare::ModRevision(keys::TOKENS_BOOTSTRAPPED.to_string(), 0),
+                    Compare::ModRevision(keys::INTERNAL_TOKEN.to_string(), 0),
+                ],
                 success: vec![
                     Op::Put(
-                        keys::INTERNAL_TOKEN.to_string(),
-                        internal.as_bytes().to_vec(),
+                        keys::TOKENS_BOOTSTRAPPED.to_string(),
+                        now_unix().to_string().into_bytes(),
                         None,
                     ),
                     Op::Put(key.clone(), encode(&key, "token record", admin)?, None),
@@ -523,15 +544,6 @@ impl<K: Kv> Cluster<K> {
             })
             .await?;
         Ok(r.succeeded)
-    }
-
-    /// The nodes' internal token (None before the first node bootstrapped it).
-    pub async fn internal_token(&self) -> Result<Option<String>, ControlError> {
-        Ok(self
-            .etcd
-            .get(keys::INTERNAL_TOKEN)
-            .await?
-            .map(|kv| String::from_utf8_lossy(&kv.value).into_owned()))
     }
 
     pub async fn token(&self, id: &str) -> Result<Option<TokenRecord>, ControlError> {
@@ -678,11 +690,28 @@ impl<K: Kv> Cluster<K> {
     }
 
     /// Removes a drained node from the cluster in one transaction: its drive records, its
-    /// live record, its maintenance and draining marks go, and its id is recorded as
-    /// removed (it can never register again). The caller checks first that no slab record
-    /// names its drives and that it owns no volume; placement skips a draining node, so
-    /// none can gain a copy meanwhile.
-    pub async fn decommission(&self, node: NodeId) -> Result<(), ControlError> {
+    /// live record, its maintenance and draining marks go, its id is recorded as removed
+    /// (it can never register again, and every node refuses its certificates from then on),
+    /// and the certificates it registered are revoked by serial (for etcd's CRL). The
+    /// caller checks first that no slab record names its drives and that it owns no volume;
+    /// placement skips a draining node, so none can gain a copy meanwhile. The revoked
+    /// certificates are returned.
+    pub async fn decommission(
+        &self,
+        node: NodeId,
+    ) -> Result<Vec<crate::creds::RevokedRecord>, ControlError> {
+        let revoked: Vec<crate::creds::RevokedRecord> = self
+            .certs_of(node)
+            .await?
+            .iter()
+            .map(|c| {
+                crate::creds::RevokedRecord::new(
+                    &c.serial,
+                    &format!("node {}", node.0),
+                    &format!("node {} removed", node.0),
+                )
+            })
+            .collect();
         let mut ops: Vec<Op> = self
             .drives()
             .await?
@@ -698,6 +727,7 @@ impl<K: Kv> Cluster<K> {
             now_unix().to_string().into_bytes(),
             None,
         ));
+        ops.extend(crate::creds::revoke_ops(&revoked)?);
         self.etcd
             .txn(Txn {
                 compare: vec![],
@@ -705,7 +735,7 @@ impl<K: Kv> Cluster<K> {
                 failure: vec![],
             })
             .await?;
-        Ok(())
+        Ok(revoked)
     }
 
     /// Nodes whose lease is alive, by id.

@@ -73,9 +73,15 @@ pub async fn serve(
                         return;
                     }
                 };
+            // Another node presents its certificate (checked by the handshake: the cluster
+            // CA's, a node's, not revoked); people and programs present none.
+            let caller = match converge_pki::peer_node(stream.get_ref().1.peer_certificates()) {
+                Some(id) => crate::auth::Caller::Node(id),
+                None => crate::auth::Caller::Anonymous,
+            };
             let svc = hyper::service::service_fn(move |req| {
                 let node = node.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(node, req).await) }
+                async move { Ok::<_, std::convert::Infallible>(handle(node, req, caller).await) }
             });
             let io = hyper_util::rt::TokioIo::new(stream);
             if let Err(e) = hyper::server::conn::http1::Builder::new()
@@ -120,7 +126,7 @@ fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Resp {
         .expect("static response parts are valid")
 }
 
-async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
+async fn handle(node: Arc<Node>, req: Request<Incoming>, caller: crate::auth::Caller) -> Resp {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
@@ -129,7 +135,7 @@ async fn handle(node: Arc<Node>, req: Request<Incoming>) -> Resp {
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    if let Err(denied) = node.auth.authorize(&method, &path, header).await {
+    if let Err(denied) = node.auth.authorize(&method, &path, header, caller).await {
         let (status, error) = match denied {
             crate::auth::Denied::Unauthenticated(m) => (StatusCode::UNAUTHORIZED, m),
             crate::auth::Denied::Forbidden(m) => (StatusCode::FORBIDDEN, m),
@@ -284,6 +290,7 @@ async fn route(node: &Arc<Node>, method: &Method, path: &str, query: &str, body:
             ))
         }
         (&Method::DELETE, ["v1", "tokens", id]) => revoke_token(node, id).await,
+        (_, ["v1", "certs", ..]) => crate::creds::route(node, method, &parts, body).await,
         (&Method::POST, ["v1", "join-tokens"]) => {
             let req: converge_api::CreateJoinToken = serde_json::from_slice(body)
                 .map_err(|e| ApiError::bad(format!("bad join token request: {e}")))?;
@@ -379,11 +386,18 @@ async fn create_token(node: &Node, req: CreateToken) -> Result<CreatedToken, Api
 }
 
 async fn revoke_token(node: &Node, id: &str) -> Out {
-    let gone = node
-        .cluster
-        .delete_token(id)
-        .await
-        .map_err(ApiError::unavailable)?;
+    let gone = if id == crate::auth::LEGACY_INTERNAL_ID {
+        // Once every node authenticates with its certificate (docs/SECURITY.md, "Migrating").
+        node.cluster
+            .retire_internal_token()
+            .await
+            .map_err(ApiError::unavailable)?
+    } else {
+        node.cluster
+            .delete_token(id)
+            .await
+            .map_err(ApiError::unavailable)?
+    };
     node.auth.forget(id);
     if !gone {
         return Err(ApiError(

@@ -8,8 +8,13 @@
 //! time; on the node that revoked it, at once).
 //!
 //! The nodes reach each other's APIs (a request forwarded to a volume's owner, a scrub, a
-//! volume move) with the cluster's internal token, which etcd keeps. The first node to start
-//! makes it, together with the first admin token, which it writes to its
+//! volume move) with their node certificates: the API's TLS asks for one, checks it
+//! against the cluster CA and the revocation list, and a caller that presents one acts as
+//! that node. No secret shared by the nodes is kept in etcd (docs/adr/0013). Clusters made
+//! before have a shared internal token there, which is still accepted (and sent, for nodes
+//! not yet upgraded) until `converge token revoke internal` retires it.
+//!
+//! The first node to start makes the first admin token, which it writes to its
 //! `[api] admin_token_file` (mode 0600) for the operator.
 
 use crate::config::Config;
@@ -27,6 +32,8 @@ pub const CACHE_TTL: Duration = Duration::from_secs(10);
 /// Token records cached at most (a flood of invented ids cannot grow it further).
 const CACHE_ENTRIES_MAX: usize = 4096;
 const PREFIX: &str = "cvt";
+/// What `converge token revoke` calls the legacy internal token.
+pub const LEGACY_INTERNAL_ID: &str = "internal";
 
 /// A new token and its record (the record holds only its hash).
 pub fn new_token(name: &str, role: Role) -> (String, TokenRecord) {
@@ -87,33 +94,62 @@ pub enum Denied {
     Unavailable(String),
 }
 
+/// Who is asking, as far as the connection says (before any token is looked at).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Caller {
+    /// No certificate: a person or program, with a token.
+    Anonymous,
+    /// Another node, by its certificate (the API's TLS checked it is the cluster CA's, names
+    /// this node and is not revoked).
+    Node(u32),
+}
+
 pub struct Auth {
     cluster: Cluster,
-    /// The nodes' own token.
-    internal: String,
     /// Where the first admin token was written (for the refusal's hint).
     admin_token_file: String,
     cache: Mutex<HashMap<String, (Option<TokenRecord>, Instant)>>,
+    /// The legacy internal token, as last read (and when).
+    legacy: Mutex<Option<(Option<String>, Instant)>>,
 }
 
 impl Auth {
-    pub fn new(cluster: Cluster, internal: String, cfg: &Config) -> Auth {
+    pub fn new(cluster: Cluster, cfg: &Config) -> Auth {
         Auth {
             cluster,
-            internal,
             admin_token_file: cfg.admin_token_file.display().to_string(),
             cache: Mutex::new(HashMap::new()),
+            legacy: Mutex::new(None),
         }
     }
 
-    /// The token this node presents to the other nodes' APIs.
-    pub fn internal(&self) -> &str {
-        &self.internal
+    /// The shared internal token of a cluster made before node certificates authenticated
+    /// node-to-node calls, while it is not retired: still sent along to the other nodes
+    /// (one not upgraded yet knows nothing else) and accepted from them. Read through a
+    /// cache like a token record; unreadable counts as none.
+    pub async fn legacy_internal(&self) -> Option<String> {
+        if let Some((t, at)) = self.legacy.lock().expect("legacy token poisoned").as_ref() {
+            if at.elapsed() < CACHE_TTL {
+                return t.clone();
+            }
+        }
+        let t = match self.cluster.legacy_internal_token().await {
+            Ok(t) => t,
+            Err(e) => {
+                log::warn!("cannot read the legacy internal token: {e}");
+                return None;
+            }
+        };
+        *self.legacy.lock().expect("legacy token poisoned") = Some((t.clone(), Instant::now()));
+        t
     }
 
     /// Forgets what it knew of token `id` (revoked here: refused from now on).
     pub fn forget(&self, id: &str) {
         self.cache.lock().expect("token cache poisoned").remove(id);
+        if id == LEGACY_INTERNAL_ID {
+            *self.legacy.lock().expect("legacy token poisoned") = Some((None, Instant::now()));
+        }
     }
 
     async fn record(&self, id: &str) -> Result<Option<TokenRecord>, Denied> {
@@ -142,16 +178,27 @@ impl Auth {
         method: &hyper::Method,
         path: &str,
         authorization: Option<&str>,
+        caller: Caller,
     ) -> Result<(), Denied> {
         let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
         match required(method, &parts) {
             None => Ok(()),
-            Some(needed) => allow(self.role(authorization).await?, needed, method, path),
+            Some(needed) => allow(
+                self.role(authorization, caller).await?,
+                needed,
+                method,
+                path,
+            ),
         }
     }
 
-    /// The role of the bearer of `authorization` (the header's value).
-    pub async fn role(&self, authorization: Option<&str>) -> Result<Role, Denied> {
+    /// The role of the caller: a node (by its certificate) acts for the cluster as the
+    /// internal token did; anyone else is the bearer of `authorization` (the header's
+    /// value).
+    pub async fn role(&self, authorization: Option<&str>, caller: Caller) -> Result<Role, Denied> {
+        if let Caller::Node(_) = caller {
+            return Ok(Role::Admin);
+        }
         let Some(value) = authorization else {
             return Err(Denied::Unauthenticated(format!(
                 "this API needs a token: pass --token or set CONVERGE_TOKEN (the first admin \
@@ -168,16 +215,22 @@ impl Auth {
                     "the Authorization header must be `Bearer <token>`".to_string(),
                 )
             })?;
-        if same(token.as_bytes(), self.internal.as_bytes()) {
-            return Ok(Role::Admin);
+        if let Some(id) = token_id(token) {
+            if let Some(rec) = self.record(id).await? {
+                if same(hash(token).as_bytes(), rec.sha256.as_bytes()) {
+                    return Ok(rec.role);
+                }
+            }
         }
-        let unknown = || Denied::Unauthenticated("unknown or revoked token".to_string());
-        let id = token_id(token).ok_or_else(unknown)?;
-        let rec = self.record(id).await?.ok_or_else(unknown)?;
-        if !same(hash(token).as_bytes(), rec.sha256.as_bytes()) {
-            return Err(unknown());
+        // A cluster made before node certificates: its nodes' shared token, until retired.
+        if let Some(legacy) = self.legacy_internal().await {
+            if same(token.as_bytes(), legacy.as_bytes()) {
+                return Ok(Role::Admin);
+            }
         }
-        Ok(rec.role)
+        Err(Denied::Unauthenticated(
+            "unknown or revoked token".to_string(),
+        ))
     }
 }
 
@@ -188,9 +241,10 @@ pub fn required(method: &hyper::Method, parts: &[&str]) -> Option<Role> {
         (&Method::GET, ["v1", "health"]) => None,
         // The join token in the body is the credential (join.rs).
         (&Method::POST, ["v1", "join"]) => None,
-        (_, ["v1", "tokens", ..]) | (_, ["v1", "join-tokens", ..]) | (_, ["v1", "lab", ..]) => {
-            Some(Role::Admin)
-        }
+        (_, ["v1", "tokens", ..])
+        | (_, ["v1", "join-tokens", ..])
+        | (_, ["v1", "certs", ..])
+        | (_, ["v1", "lab", ..]) => Some(Role::Admin),
         (&Method::GET, _) => Some(Role::ReadOnly),
         (&Method::DELETE, ["v1", "volumes", ..])
         | (&Method::POST, ["v1", "settings"])
@@ -213,26 +267,19 @@ pub fn allow(role: Role, needed: Role, method: &hyper::Method, path: &str) -> Re
     }
 }
 
-/// Makes the cluster's internal token and first admin token if no node has: the admin
-/// token goes to `cfg.admin_token_file` (0600), written before it is registered so it is
-/// never registered and lost. Returns the internal token.
-pub async fn bootstrap(cluster: &Cluster, cfg: &Config) -> anyhow::Result<String> {
+/// Makes the cluster's first admin token if no node has: it goes to
+/// `cfg.admin_token_file` (0600), written before it is registered so it is never
+/// registered and lost. A cluster made before this version (it has the legacy internal
+/// token) had its first admin token made then.
+pub async fn bootstrap(cluster: &Cluster, cfg: &Config) -> anyhow::Result<()> {
     use anyhow::Context;
-    if let Some(t) = cluster
-        .internal_token()
-        .await
-        .map_err(|e| anyhow::anyhow!("reading the internal token: {e}"))?
-    {
-        return Ok(t);
-    }
-    let (internal, _) = new_token("internal", Role::Admin);
     let (admin, rec) = new_token("bootstrap-admin", Role::Admin);
     let path = &cfg.admin_token_file;
     // Its own temporary file: the lab's nodes share one admin_token_file and start at once.
     let tmp = path.with_extension(format!("token.{}-{}.new", std::process::id(), rec.id));
     write_private(&tmp, &admin)
         .with_context(|| format!("writing the first admin token to {}", tmp.display()))?;
-    let won = cluster.bootstrap_tokens(&rec, &internal).await;
+    let won = cluster.bootstrap_tokens(&rec).await;
     match won {
         Ok(true) => {
             std::fs::rename(&tmp, path)
@@ -241,19 +288,15 @@ pub async fn bootstrap(cluster: &Cluster, cfg: &Config) -> anyhow::Result<String
                 "made the cluster's first admin token: {} (keep it safe; `converge token` makes more)",
                 path.display()
             );
-            Ok(internal)
+            Ok(())
         }
         Ok(false) => {
             let _ = std::fs::remove_file(&tmp);
-            cluster
-                .internal_token()
-                .await
-                .map_err(|e| anyhow::anyhow!("reading the internal token: {e}"))?
-                .ok_or_else(|| anyhow::anyhow!("the internal token vanished from etcd"))
+            Ok(())
         }
         Err(e) => {
             let _ = std::fs::remove_file(&tmp);
-            Err(anyhow::anyhow!("registering the first tokens: {e}"))
+            Err(anyhow::anyhow!("registering the first admin token: {e}"))
         }
     }
 }

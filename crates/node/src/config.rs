@@ -66,6 +66,9 @@ struct RawEncryption {
 struct RawTls {
     /// This node's PKI directory: ca.crt, node.crt, node.key (and ca.key where it signs).
     dir: Option<PathBuf>,
+    /// On an etcd member's host: the file etcd's `--client-crl-file` names, which this node
+    /// keeps listing the cluster's revoked certificates.
+    etcd_crl_file: Option<PathBuf>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -199,6 +202,9 @@ pub struct Config {
     pub fleet_api: bool,
     /// This node's PKI directory (default: `pki` beside the config file).
     pub tls_dir: PathBuf,
+    /// Where to keep etcd's certificate revocation list (`[tls] etcd_crl_file`), if this
+    /// host runs an etcd member.
+    pub etcd_crl_file: Option<PathBuf>,
     /// The cluster key file that wraps encrypted volumes' keys ([encryption] key_file);
     /// `None`: this node cannot create or serve encrypted volumes.
     pub key_file: Option<PathBuf>,
@@ -431,6 +437,7 @@ impl Config {
             lab_api: raw.api.lab,
             fleet_api: raw.api.fleet,
             tls_dir,
+            etcd_crl_file: raw.tls.etcd_crl_file,
             key_file: raw.encryption.key_file,
         })
     }

@@ -181,11 +181,20 @@ pub async fn remove(node: &Arc<Node>, id: &str) -> Out {
         .filter(|d| d.node == id)
         .map(|d| d.id)
         .collect();
-    node.cluster
+    let revoked = node
+        .cluster
         .decommission(id)
         .await
         .map_err(ApiError::unavailable)?;
-    log::info!("node {id} was removed from the cluster (drives {drives:?}, moved {moved:?})");
+    // Its certificates are refused here at once, on the other nodes as soon as their
+    // watch of the revocation list says so.
+    node.revocations
+        .add(Some(id.0), revoked.iter().map(|r| r.serial.clone()));
+    log::info!(
+        "node {id} was removed from the cluster (drives {drives:?}, moved {moved:?}, \
+         certificates revoked {:?})",
+        revoked.iter().map(|r| &r.serial).collect::<Vec<_>>()
+    );
     ok(&NodeRemoved {
         node: id,
         moved,

@@ -6,8 +6,10 @@ use converge_control::model::NodeRecord;
 use http_body_util::{BodyExt, Full};
 use std::time::Duration;
 
-/// Sends one request to `target`'s API over TLS (its certificate must be the cluster's and
-/// name `target`), carrying the nodes' internal token.
+/// Sends one request to `target`'s API over TLS (its certificate must be the cluster's,
+/// name `target` and not be revoked), presenting this node's certificate, which is how the
+/// other node knows it is a node. Until a cluster made before that retires its shared
+/// internal token, the token goes along too (a node not upgraded yet knows only that).
 pub async fn request(
     node: &Node,
     target: &NodeRecord,
@@ -16,6 +18,7 @@ pub async fn request(
     body: &[u8],
 ) -> Result<(u16, Bytes), String> {
     let addr = target.api_addr.as_str();
+    let legacy = node.auth.legacy_internal().await;
     let go = async {
         let stream = tokio::net::TcpStream::connect(addr)
             .await
@@ -29,12 +32,15 @@ pub async fn request(
             .await
             .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
-        let req = hyper::Request::builder()
+        let mut req = hyper::Request::builder()
             .method(method)
             .uri(path)
             .header("host", addr)
-            .header("content-type", "application/json")
-            .header("authorization", format!("Bearer {}", node.auth.internal()))
+            .header("content-type", "application/json");
+        if let Some(t) = &legacy {
+            req = req.header("authorization", format!("Bearer {t}"));
+        }
+        let req = req
             .body(Full::new(Bytes::copy_from_slice(body)))
             .map_err(|e| e.to_string())?;
         let resp = send.send_request(req).await.map_err(|e| e.to_string())?;

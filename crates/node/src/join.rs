@@ -8,10 +8,17 @@
 //! certificate, signed by this node if it holds the cluster's CA key (where `cluster init`
 //! ran). The joining host pins the CA by the fingerprint in the token, so it cannot be
 //! talked into another cluster.
+//!
+//! An id that is in use (a live node, drives recorded for it, or a certificate registered
+//! for it) is refused unless the token was made with `replace`; then the old host's
+//! certificates are revoked when the new one is issued. A removed id is refused always: ids
+//! are never used again. The host names are the token's: the joining host cannot choose
+//! them, and names under `.converge` (another node's name) are refused.
 
 use crate::auth::{hex, same};
 use crate::node::Node;
 use converge_api::{CreateJoinToken, CreatedJoinToken, JoinRequest, Joined};
+use converge_control::creds::RevokedRecord;
 use converge_control::model::JoinTokenRecord;
 use converge_types::NodeId;
 use hyper::StatusCode;
@@ -64,6 +71,60 @@ fn ca_fingerprint(node: &Node) -> Result<String, Failure> {
         .map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, e.to_string()))
 }
 
+fn unavailable(e: converge_control::model::ControlError) -> Failure {
+    (
+        StatusCode::SERVICE_UNAVAILABLE,
+        format!("control plane unavailable: {e}"),
+    )
+}
+
+/// Refuses node id `id` for a new host if it was removed, or if it is in use and
+/// `replace` was not asked; what uses it otherwise.
+async fn check_id(node: &Node, id: NodeId, replace: bool) -> Result<Option<String>, Failure> {
+    if node.cluster.is_removed(id).await.map_err(unavailable)? {
+        return Err((
+            StatusCode::CONFLICT,
+            format!(
+                "node {id} was removed from this cluster; a removed id is never used again \
+                 (its certificates are refused everywhere): give the new host another id"
+            ),
+        ));
+    }
+    let live = node
+        .cluster
+        .live_nodes()
+        .await
+        .map_err(unavailable)?
+        .iter()
+        .any(|n| n.id == id);
+    let drives = node
+        .cluster
+        .drives()
+        .await
+        .map_err(unavailable)?
+        .iter()
+        .filter(|d| d.node == id)
+        .count();
+    let certs = node.cluster.certs_of(id).await.map_err(unavailable)?.len();
+    let in_use = match (live, drives, certs) {
+        (true, _, _) => Some(format!("node {id} is live")),
+        (_, d, _) if d > 0 => Some(format!("node {id} has {d} drives in the cluster")),
+        (_, _, c) if c > 0 => Some(format!("node {id} has a certificate")),
+        _ => None,
+    };
+    match in_use {
+        Some(why) if !replace => Err((
+            StatusCode::CONFLICT,
+            format!(
+                "{why}: a join token for it would give a second host its identity. Use a new \
+                 id, or `--replace` to give the id to a new host (the old host's certificates \
+                 are revoked when the new one is issued)"
+            ),
+        )),
+        other => Ok(other),
+    }
+}
+
 /// `POST /v1/join-tokens`.
 pub async fn create(node: &Node, req: CreateJoinToken) -> Result<CreatedJoinToken, Failure> {
     let bad = |m: String| (StatusCode::BAD_REQUEST, m);
@@ -85,6 +146,7 @@ pub async fn create(node: &Node, req: CreateJoinToken) -> Result<CreatedJoinToke
             "ttl {ttl} s: a join token lives 1 s to {TTL_MAX_S} s (7 days)"
         )));
     }
+    check_id(node, req.node, req.replace).await?;
     let fp = ca_fingerprint(node)?;
     let mut id = [0u8; 8];
     let mut secret = [0u8; 32];
@@ -97,6 +159,7 @@ pub async fn create(node: &Node, req: CreateJoinToken) -> Result<CreatedJoinToke
         node: req.node,
         hosts: req.hosts.clone(),
         expires_unix: now_unix() + ttl,
+        replace: req.replace,
     };
     let made = node.cluster.create_join_token(&rec).await.map_err(|e| {
         (
@@ -150,12 +213,6 @@ pub async fn join(node: &Node, req: JoinRequest) -> Result<Joined, Failure> {
             "public_key_hex: an uncompressed P-256 public key (65 bytes, hex)".to_string(),
         )
     })?;
-    let unavailable = |e: converge_control::model::ControlError| {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            format!("control plane unavailable: {e}"),
-        )
-    };
     let Some((rec, rev)) = node.cluster.join_token(id).await.map_err(unavailable)? else {
         return Err(refused("unknown or already used join token"));
     };
@@ -181,6 +238,10 @@ pub async fn join(node: &Node, req: JoinRequest) -> Result<Joined, Failure> {
             ))
         }
     };
+    // Checked again: the id may have been taken or removed since the token was made.
+    let replaced = check_id(node, rec.node, rec.replace).await?;
+    let clients_ca_pem =
+        std::fs::read_to_string(node.cfg.tls_dir.join(converge_pki::CLIENTS_CA_CERT)).ok();
     if !node
         .cluster
         .consume_join_token(id, rev)
@@ -188,6 +249,21 @@ pub async fn join(node: &Node, req: JoinRequest) -> Result<Joined, Failure> {
         .map_err(unavailable)?
     {
         return Err(refused("unknown or already used join token"));
+    }
+    if let Some(why) = replaced {
+        // The old host's identity ends before the new one's begins.
+        let gone = node
+            .cluster
+            .revoke_node_certs(rec.node, &format!("node {} given to a new host", rec.node))
+            .await
+            .map_err(unavailable)?;
+        node.revocations
+            .add(None, gone.iter().map(|r: &RevokedRecord| r.serial.clone()));
+        log::info!(
+            "join token {id} replaces node {} ({why}): revoked its certificates {:?}",
+            rec.node,
+            gone.iter().map(|r| &r.serial).collect::<Vec<_>>()
+        );
     }
     let cert = ca
         .issue(
@@ -198,6 +274,15 @@ pub async fn join(node: &Node, req: JoinRequest) -> Result<Joined, Failure> {
             &key,
         )
         .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?;
+    // Registered at once, so that removing or replacing the node revokes it even if the
+    // host never starts with it.
+    let serial = converge_pki::cert_info_pem(cert.as_bytes())
+        .map_err(|e| (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()))?
+        .serial;
+    node.cluster
+        .register_cert(rec.node, &serial)
+        .await
+        .map_err(unavailable)?;
     log::info!(
         "join token {id} used: certificate issued for node {} at {}",
         rec.node,
@@ -207,6 +292,7 @@ pub async fn join(node: &Node, req: JoinRequest) -> Result<Joined, Failure> {
         node: NodeId(rec.node.0),
         cert_pem: cert,
         ca_pem: ca.cert_pem().to_string(),
+        clients_ca_pem,
     })
 }
 

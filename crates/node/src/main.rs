@@ -7,6 +7,7 @@ mod cache_api;
 mod capacity;
 mod clones;
 mod config;
+mod creds;
 mod drain;
 mod encryption;
 mod etcd_upkeep;
@@ -147,6 +148,11 @@ fn main() {
 const EXIT_REMOVED: i32 = 3;
 
 async fn run(args: Args, cfg: Config) -> Result<()> {
+    // A node that saw its own removal left a mark: etcd refuses its certificate now, so it
+    // could not ask etcd.
+    if creds::removed_mark(&cfg.tls_dir).is_some() {
+        return Err(ControlError::NodeRemoved { id: cfg.node_id }.into());
+    }
     let security = etcd_security(&cfg.etcd_tls).map_err(|e| anyhow!("etcd settings: {e}"))?;
     let etcd =
         Etcd::with_security(cfg.etcd_endpoints.clone(), security).map_err(|e| anyhow!("{e}"))?;
@@ -177,10 +183,28 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     }
     let mut cfg = cfg;
     cfg.slab_size_bytes = cluster_rec.slab_size_bytes;
-    let internal_token = auth::bootstrap(&cluster, &cfg).await?;
-    // Every port speaks TLS with this node's certificate: no certificate, no node.
+    auth::bootstrap(&cluster, &cfg).await?;
+    // Every port speaks TLS with this node's certificate: no certificate, no node. Every
+    // handshake checks the revocation list, kept current from etcd from here on.
+    let (revocations, revocation_state) = creds::load(&cluster).await?;
     let tls = converge_pki::NodeTls::load(&cfg.tls_dir, cfg.node_id.0)
-        .map_err(|e| anyhow!("this node's TLS identity: {e}"))?;
+        .map_err(|e| anyhow!("this node's TLS identity: {e}"))?
+        .with_revocations(revocations.clone());
+    if let Some(why) = tls.own_cert().ok().and_then(|me| revocations.refusal(&me)) {
+        bail!(
+            "this node's certificate is refused by the cluster ({why}): issue a new one with \
+             `converge cert node` or `converge node join-token --replace`"
+        );
+    }
+    if cfg.nbd_tcp.is_some() && !tls.has_clients_ca() {
+        log::warn!(
+            "no {} in {}: NBD/TCP takes only client certificates of the cluster CA (as made \
+             before the clients CA), which also reach etcd until revoked; see \
+             docs/SECURITY.md, \"Migrating\"",
+            converge_pki::CLIENTS_CA_CERT,
+            cfg.tls_dir.display()
+        );
+    }
     let tls_err = |e: converge_pki::PkiError| anyhow!("TLS settings: {e}");
     let peer_server = tls.peer_server().map_err(tls_err)?;
     let peer_client = tls.peer_client().map_err(tls_err)?;
@@ -189,6 +213,9 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let https_client = tls.https_client().map_err(tls_err)?;
     let opened = tiering::open_drives(&cfg, cluster_rec.cluster_id)?;
     if args.check {
+        if let Some(p) = &cfg.etcd_crl_file {
+            println!("etcd's revocation list is kept in {}", p.display());
+        }
         println!(
             "config and {} drives are fine",
             opened.tiers.len() + opened.caches.len()
@@ -301,7 +328,8 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         scrub_stats: Default::default(),
         failed_reported: Mutex::new(Default::default()),
         orphans_freed: Default::default(),
-        auth: auth::Auth::new(cluster.clone(), internal_token, &cfg),
+        auth: auth::Auth::new(cluster.clone(), &cfg),
+        revocations: revocations.clone(),
         https: https_client,
         me: Default::default(),
         vhost: Default::default(),
@@ -320,6 +348,30 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         .register_node(&node.node_record(), lease)
         .await
         .map_err(|e| anyhow!("{e}"))?;
+    creds::register_own(&cluster, &tls, cfg.node_id.0).await?;
+    let revocation_watch = {
+        let watch = creds::watch(
+            cluster.clone(),
+            cfg.node_id,
+            revocations.clone(),
+            cfg.etcd_crl_file
+                .clone()
+                .map(|p| creds::CrlFile::new(p, tls.clone())),
+            revocation_state,
+        );
+        let node = node.clone();
+        tokio::spawn(async move {
+            watch.await;
+            // `converge node remove` finished: nothing of the cluster is here any more.
+            log::warn!(
+                "node {} was removed from the cluster (converge node remove); stopping",
+                node.cfg.node_id
+            );
+            creds::mark_removed(&node.cfg.tls_dir, node.cfg.node_id.0);
+            node.drop_all_volumes().await;
+            std::process::exit(0);
+        })
+    };
     log::info!(
         "node {} ({}) joined cluster {} ({}) with {} drives; rpc {}, api {}, nbd {}",
         cfg.node_id,
@@ -398,6 +450,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         r = &mut nbd => bail!("NBD server stopped: {r:?}"),
     }
     keepalive.abort();
+    revocation_watch.abort();
     sweep.abort();
     repairer.abort();
     publisher.abort();

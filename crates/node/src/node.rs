@@ -61,8 +61,10 @@ pub struct Node {
     pub orphans_freed: std::sync::atomic::AtomicU64,
     /// Local drives whose failure is recorded in etcd.
     pub failed_reported: Mutex<std::collections::HashSet<DriveId>>,
-    /// Who may use the API (`auth.rs`), and this node's token for the other nodes' APIs.
+    /// Who may use the API (`auth.rs`).
     pub auth: crate::auth::Auth,
+    /// Removed nodes and revoked certificates, checked at every TLS handshake (`creds.rs`).
+    pub revocations: Arc<converge_pki::Revocations>,
     /// HTTPS to the other nodes' APIs: trusts the cluster's CA.
     pub https: Arc<rustls::ClientConfig>,
     /// Volumes offered to qemu guests here as vhost-user-blk disks (`vhost.rs`).

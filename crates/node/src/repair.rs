@@ -232,6 +232,7 @@ pub async fn run(node: Arc<Node>) {
                     "node {} was removed from the cluster (converge node remove); stopping",
                     node.cfg.node_id
                 );
+                crate::creds::mark_removed(&node.cfg.tls_dir, node.cfg.node_id.0);
                 node.drop_all_volumes().await;
                 std::process::exit(0);
             }

@@ -10,12 +10,20 @@
 //!   refused);
 //! * HTTP API: the node proves itself with its certificate; callers prove themselves with
 //!   tokens (converged's `auth`);
-//! * NBD over TCP: mutual TLS; any certificate of this cluster's CA may attach volumes.
+//! * NBD over TCP: mutual TLS; the client's certificate must be an NBD client's, signed by
+//!   the cluster's *clients CA* (`clients-ca.crt`), which etcd and peers do not trust: an NBD
+//!   client certificate opens volumes and nothing else (docs/adr/0013). Client certificates
+//!   the cluster CA made before the clients CA existed are still taken here;
+//! * every handshake that checks a certificate also checks the cluster's revocation list
+//!   ([`Revocations`]): a removed node's certificates and revoked serials are refused.
 //!
 //! Keys are ECDSA P-256. A private key never leaves the host that generated it: a joining
 //! node sends only its public key ([`PublicKey`]) and gets its certificate back.
 
 pub mod keys;
+mod revoke;
+
+pub use revoke::{cert_info, cert_info_pem, check_serial, CertInfo, Revocations, Revoked};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
@@ -41,6 +49,15 @@ pub const CA_KEY: &str = "ca.key";
 pub const NODE_CERT: &str = "node.crt";
 /// This node's private key.
 pub const NODE_KEY: &str = "node.key";
+/// The certificate of the CA that signs NBD client certificates (and nothing else): nodes
+/// trust it on the NBD/TCP port only.
+pub const CLIENTS_CA_CERT: &str = "clients-ca.crt";
+/// The clients CA's private key, beside `ca.key`.
+pub const CLIENTS_CA_KEY: &str = "clients-ca.key";
+/// Names under this domain are converge's own (`node-<id>.converge`,
+/// `client-<name>.converge`): a certificate's host names may not use it, or a node's
+/// certificate could name another node.
+pub const RESERVED_DOMAIN: &str = ".converge";
 
 /// How long a CA certificate is valid.
 pub const CA_DAYS: i64 = 3650;
@@ -191,20 +208,47 @@ pub enum Subject {
     Etcd { hosts: Vec<String> },
 }
 
-/// The cluster's certificate authority (its key included): signs node and client
-/// certificates.
+/// Which of the cluster's two certificate authorities.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CaKind {
+    /// `ca.crt`/`ca.key`: signs nodes and etcd members; what peers, etcd and API clients
+    /// trust.
+    Cluster,
+    /// `clients-ca.crt`/`clients-ca.key`: signs NBD client certificates; trusted by the
+    /// NBD/TCP port only.
+    Clients,
+}
+
+impl CaKind {
+    fn files(self) -> (&'static str, &'static str) {
+        match self {
+            CaKind::Cluster => (CA_CERT, CA_KEY),
+            CaKind::Clients => (CLIENTS_CA_CERT, CLIENTS_CA_KEY),
+        }
+    }
+}
+
+/// One of the cluster's certificate authorities (its key included): the cluster CA signs
+/// node and etcd certificates, the clients CA NBD client certificates.
 pub struct Ca {
     key: KeyPair,
     cert_pem: String,
+    kind: CaKind,
 }
 
 /// The CA's name and usages: the same on every load, so a CA read back from its files
 /// signs exactly as the one that was created.
-fn ca_params() -> CertificateParams {
+fn ca_params(kind: CaKind) -> CertificateParams {
     let mut p = CertificateParams::default();
     let mut dn = DistinguishedName::new();
     dn.push(DnType::OrganizationName, "converge");
-    dn.push(DnType::CommonName, "converge cluster CA");
+    dn.push(
+        DnType::CommonName,
+        match kind {
+            CaKind::Cluster => "converge cluster CA",
+            CaKind::Clients => "converge NBD clients CA",
+        },
+    );
     p.distinguished_name = dn;
     p.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
     p.key_usages = vec![
@@ -234,11 +278,16 @@ fn validity(p: &mut CertificateParams, days: i64) -> Result<(), PkiError> {
 }
 
 impl Ca {
-    /// A new CA with a new key.
+    /// A new cluster CA with a new key.
     pub fn generate() -> Result<Ca, PkiError> {
+        Ca::generate_kind(CaKind::Cluster)
+    }
+
+    /// A new CA of `kind` with a new key.
+    pub fn generate_kind(kind: CaKind) -> Result<Ca, PkiError> {
         let key =
             KeyPair::generate_for(the_algorithm()).map_err(rcgen_err("generating the CA key"))?;
-        let mut params = ca_params();
+        let mut params = ca_params(kind);
         validity(&mut params, CA_DAYS)?;
         let cert = params
             .self_signed(&key)
@@ -246,13 +295,34 @@ impl Ca {
         Ok(Ca {
             key,
             cert_pem: cert.pem(),
+            kind,
         })
     }
 
-    /// The CA of PKI directory `dir` (its `ca.crt` and `ca.key`).
+    /// The cluster CA of PKI directory `dir` (its `ca.crt` and `ca.key`).
     pub fn load(dir: &Path) -> Result<Ca, PkiError> {
-        let key_path = dir.join(CA_KEY);
-        let cert_path = dir.join(CA_CERT);
+        Ca::load_kind(dir, CaKind::Cluster)
+    }
+
+    /// The clients CA of directory `dir`, made there (beside the cluster CA) if it has none
+    /// yet: clusters made before it existed get one on the first `converge cert client`.
+    /// `made` says whether it was just made (then the nodes need its certificate).
+    pub fn load_or_make_clients(dir: &Path) -> Result<(Ca, bool), PkiError> {
+        if dir.join(CLIENTS_CA_KEY).exists() {
+            return Ok((Ca::load_kind(dir, CaKind::Clients)?, false));
+        }
+        // Only where the cluster CA is: the same people hold both keys.
+        Ca::load(dir)?;
+        let ca = Ca::generate_kind(CaKind::Clients)?;
+        ca.write(dir)?;
+        Ok((ca, true))
+    }
+
+    /// The CA of `kind` in directory `dir`.
+    pub fn load_kind(dir: &Path, kind: CaKind) -> Result<Ca, PkiError> {
+        let (cert_file, key_file) = kind.files();
+        let key_path = dir.join(key_file);
+        let cert_path = dir.join(cert_file);
         let key_pem = std::fs::read_to_string(&key_path).map_err(io_err(&key_path))?;
         let cert_pem = std::fs::read_to_string(&cert_path).map_err(io_err(&cert_path))?;
         let key = KeyPair::from_pem(&key_pem).map_err(|e| PkiError::Bad {
@@ -266,7 +336,11 @@ impl Ca {
             })?;
         // The key must be the certificate's: check by signing a throwaway certificate and
         // verifying it against the CA certificate.
-        let ca = Ca { key, cert_pem };
+        let ca = Ca {
+            key,
+            cert_pem,
+            kind,
+        };
         let probe = NewKey::generate()?;
         let issued = ca.issue(
             &Subject::Client {
@@ -289,11 +363,13 @@ impl Ca {
         Ok(ca)
     }
 
-    /// Writes `ca.crt` (0644) and `ca.key` (0600) into `dir`; refuses to replace a CA key
-    /// that is already there (every certificate of the cluster depends on it).
+    /// Writes `ca.crt` (0644) and `ca.key` (0600) into `dir` (`clients-ca.*` for the
+    /// clients CA); refuses to replace a CA key that is already there (every certificate of
+    /// the cluster depends on it).
     pub fn write(&self, dir: &Path) -> Result<(), PkiError> {
         make_dir(dir)?;
-        let key_path = dir.join(CA_KEY);
+        let (cert_file, key_file) = self.kind.files();
+        let key_path = dir.join(key_file);
         if key_path.exists() {
             return Err(PkiError::Bad {
                 path: key_path,
@@ -303,11 +379,25 @@ impl Ca {
             });
         }
         write_file(&key_path, self.key.serialize_pem().as_bytes(), 0o600)?;
-        write_file(&dir.join(CA_CERT), self.cert_pem.as_bytes(), 0o644)
+        write_file(&dir.join(cert_file), self.cert_pem.as_bytes(), 0o644)
     }
 
     pub fn cert_pem(&self) -> &str {
         &self.cert_pem
+    }
+
+    pub fn kind(&self) -> CaKind {
+        self.kind
+    }
+
+    /// A certificate revocation list (PEM) of `serials` (hex), signed by this CA: the file
+    /// etcd's `--client-crl-file` reads (etcd refuses a connection whose certificate's
+    /// serial it lists).
+    pub fn crl_pem<'a>(
+        &self,
+        serials: impl IntoIterator<Item = &'a String>,
+    ) -> Result<String, PkiError> {
+        revoke::crl_pem(&Issuer::new(ca_params(self.kind), &self.key), serials)
     }
 
     /// SHA-256 of the CA certificate: what a joining host checks the CA it is given against.
@@ -329,6 +419,7 @@ impl Ca {
                 dn.push(DnType::CommonName, name.clone());
                 p.subject_alt_names.push(san(&name)?);
                 for h in hosts {
+                    check_host(h)?;
                     let s = san(h)?;
                     if !p.subject_alt_names.contains(&s) {
                         p.subject_alt_names.push(s);
@@ -349,6 +440,7 @@ impl Ca {
                     ));
                 }
                 for h in hosts {
+                    check_host(h)?;
                     let s = san(h)?;
                     if !p.subject_alt_names.contains(&s) {
                         p.subject_alt_names.push(s);
@@ -381,7 +473,7 @@ impl Ca {
         p.extended_key_usages = usages;
         p.use_authority_key_identifier_extension = true;
         validity(&mut p, days)?;
-        let issuer = Issuer::new(ca_params(), &self.key);
+        let issuer = Issuer::new(ca_params(self.kind), &self.key);
         let cert = p
             .signed_by(public_key, &issuer)
             .map_err(rcgen_err("signing the certificate"))?;
@@ -389,9 +481,20 @@ impl Ca {
     }
 }
 
-/// Is `host` an IP address or DNS name a certificate can carry?
+/// Is `host` an IP address or DNS name a node's or etcd member's certificate can carry?
+/// Names under `.converge` are refused: they are converge's own (`node-7.converge` among a
+/// node's host names would let node 3's certificate pass for node 7's).
 pub fn check_host(host: &str) -> Result<(), PkiError> {
-    san(host).map(|_| ())
+    san(host)?;
+    let lower = host.to_ascii_lowercase();
+    let lower = lower.trim_end_matches('.');
+    if lower.ends_with(RESERVED_DOMAIN) || lower == &RESERVED_DOMAIN[1..] {
+        return Err(PkiError::Invalid(format!(
+            "{host:?}: names under {RESERVED_DOMAIN} are converge's own (they name nodes and \
+             clients); give the host's real name or address"
+        )));
+    }
+    Ok(())
 }
 
 fn san(host: &str) -> Result<SanType, PkiError> {
@@ -457,8 +560,18 @@ pub fn write_node_dir(
     write_file(&dir.join(CA_CERT), ca_pem.as_bytes(), 0o644)
 }
 
+/// Writes the clients CA's certificate into a node's PKI directory: the node's NBD/TCP
+/// port trusts it (and only that port).
+pub fn write_clients_ca(dir: &Path, clients_ca_pem: &str) -> Result<(), PkiError> {
+    make_dir(dir)?;
+    write_file(&dir.join(CLIENTS_CA_CERT), clients_ca_pem.as_bytes(), 0o644)
+}
+
 /// Writes a client's certificate directory in the layout qemu (`tls-creds-x509`) and
 /// libnbd (`tls-certificates=`) read: `ca-cert.pem`, `client-cert.pem`, `client-key.pem`.
+/// `ca_pem` holds the cluster CA (the client checks nodes against it) and, for a
+/// certificate of the clients CA, that CA too (qemu checks its own certificate against
+/// `ca-cert.pem` before it uses it).
 pub fn write_client_dir(
     dir: &Path,
     ca_pem: &str,
@@ -504,19 +617,26 @@ pub fn client_config(ca_pem: &[u8]) -> Result<Arc<ClientConfig>, PkiError> {
 }
 
 /// A node's certificate, key and CA, read from its PKI directory: the TLS settings of its
-/// ports come from here.
+/// ports come from here. Every configuration it builds checks certificates against the
+/// revocation list it was given ([`NodeTls::with_revocations`]) at each handshake.
 pub struct NodeTls {
     ca: Vec<CertificateDer<'static>>,
+    /// The clients CA (NBD/TCP); empty in a PKI directory of before it existed, where NBD
+    /// clients are checked against the cluster CA as they were then.
+    clients_ca: Vec<CertificateDer<'static>>,
     chain: Vec<CertificateDer<'static>>,
     key: PrivateKeyDer<'static>,
+    revocations: Arc<Revocations>,
 }
 
 impl Clone for NodeTls {
     fn clone(&self) -> Self {
         NodeTls {
             ca: self.ca.clone(),
+            clients_ca: self.clients_ca.clone(),
             chain: self.chain.clone(),
             key: self.key.clone_key(),
+            revocations: self.revocations.clone(),
         }
     }
 }
@@ -559,15 +679,80 @@ impl NodeTls {
                 });
             }
         }
-        let tls = NodeTls::from_pem(&ca_pem, &cert_pem, &key_pem).map_err(|e| PkiError::Bad {
-            path: dir.to_path_buf(),
-            message: e.to_string(),
-        })?;
+        let mut tls =
+            NodeTls::from_pem(&ca_pem, &cert_pem, &key_pem).map_err(|e| PkiError::Bad {
+                path: dir.to_path_buf(),
+                message: e.to_string(),
+            })?;
         tls.check_node(node).map_err(|e| PkiError::Bad {
             path: dir.join(NODE_CERT),
             message: e.to_string(),
         })?;
+        let clients_path = dir.join(CLIENTS_CA_CERT);
+        match std::fs::read(&clients_path) {
+            Ok(pem) => {
+                tls.clients_ca = CertificateDer::pem_slice_iter(&pem)
+                    .collect::<Result<Vec<_>, _>>()
+                    .map_err(|e| PkiError::Bad {
+                        path: clients_path.clone(),
+                        message: format!("not a PEM certificate: {e}"),
+                    })?;
+                if tls.clients_ca.is_empty() {
+                    return Err(PkiError::Bad {
+                        path: clients_path,
+                        message: "holds no certificate".into(),
+                    });
+                }
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => return Err(io_err(&clients_path)(e)),
+        }
         Ok(tls)
+    }
+
+    /// The same identity, checking every certificate it is shown against `revocations`
+    /// (which the node keeps current from etcd).
+    pub fn with_revocations(mut self, revocations: Arc<Revocations>) -> NodeTls {
+        self.revocations = revocations;
+        self
+    }
+
+    /// The revocation list the configurations check.
+    pub fn revocations(&self) -> &Arc<Revocations> {
+        &self.revocations
+    }
+
+    /// Whether NBD clients are checked against a clients CA (false: against the cluster
+    /// CA, as before the clients CA existed; see docs/SECURITY.md, "Migrating").
+    pub fn has_clients_ca(&self) -> bool {
+        !self.clients_ca.is_empty()
+    }
+
+    /// What this node's own certificate is (serial, node id).
+    pub fn own_cert(&self) -> Result<CertInfo, PkiError> {
+        cert_info(&self.chain[0])
+    }
+
+    /// A certificate revocation list (PEM) of `serials`, signed with this node's key: the
+    /// file etcd's `--client-crl-file` reads on the etcd members' hosts. etcd checks only
+    /// the serials in it, not who signed it (etcd 3.4's `checkCRL`), and only the cluster
+    /// CA's holder could sign as the CA.
+    pub fn crl_pem<'a>(
+        &self,
+        serials: impl IntoIterator<Item = &'a String>,
+    ) -> Result<String, PkiError> {
+        let key = KeyPair::try_from(&self.key).map_err(rcgen_err("this node's key"))?;
+        let mut params = CertificateParams::default();
+        let mut dn = DistinguishedName::new();
+        dn.push(DnType::OrganizationName, "converge");
+        let who = self
+            .own_cert()
+            .ok()
+            .and_then(|c| c.node)
+            .map_or("a converge node".to_string(), node_name);
+        dn.push(DnType::CommonName, format!("revocation list kept by {who}"));
+        params.distinguished_name = dn;
+        revoke::crl_pem(&Issuer::new(params, &key), serials)
     }
 
     pub fn from_pem(ca_pem: &[u8], cert_pem: &[u8], key_pem: &[u8]) -> Result<NodeTls, PkiError> {
@@ -584,7 +769,13 @@ impl NodeTls {
                 "a certificate file holds no certificate".into(),
             ));
         }
-        let tls = NodeTls { ca, chain, key };
+        let tls = NodeTls {
+            ca,
+            clients_ca: Vec::new(),
+            chain,
+            key,
+            revocations: Arc::new(Revocations::default()),
+        };
         // Building a server config checks that the key matches the certificate.
         tls.api_server()?;
         Ok(tls)
@@ -621,65 +812,125 @@ impl NodeTls {
         Ok(())
     }
 
-    fn server(&self, client_auth: bool) -> Result<Arc<ServerConfig>, PkiError> {
+    /// A server configuration whose callers are checked by `clients` (None: callers
+    /// present nothing). Sessions are never resumed: a resumed session skips the
+    /// certificate check, and with it the revocation list.
+    fn server(
+        &self,
+        clients: Option<Arc<dyn rustls::server::danger::ClientCertVerifier>>,
+    ) -> Result<Arc<ServerConfig>, PkiError> {
         let b = ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(tls_err("TLS versions"))?;
-        let b = if client_auth {
-            let v = WebPkiClientVerifier::builder_with_provider(roots_of(&self.ca)?, provider())
-                .build()
-                .map_err(|e| PkiError::Invalid(format!("client verifier: {e}")))?;
-            b.with_client_cert_verifier(v)
-        } else {
-            b.with_no_client_auth()
+        let b = match clients {
+            Some(v) => b.with_client_cert_verifier(v),
+            None => b.with_no_client_auth(),
         };
         // The CA goes along with the node's certificate: a joining host pins it by its
         // fingerprint (`pinned_client_config`); everyone else has it already.
         let mut chain = self.chain.clone();
         chain.extend(self.ca.iter().cloned());
-        let cfg = b
+        let mut cfg = b
             .with_single_cert(chain, self.key.clone_key())
             .map_err(tls_err("the node certificate and key"))?;
+        cfg.session_storage = Arc::new(rustls::server::NoServerSessionStorage {});
+        cfg.send_tls13_tickets = 0;
         Ok(Arc::new(cfg))
     }
 
-    /// Peer RPC, answering side: the caller must present a certificate of this CA (whether
-    /// it names the node it claims is checked with [`cert_names_node`] after the hello).
+    fn client_verifier(
+        &self,
+        roots: &[CertificateDer<'static>],
+        want: revoke::Want,
+    ) -> Result<Arc<dyn rustls::server::danger::ClientCertVerifier>, PkiError> {
+        let b = WebPkiClientVerifier::builder_with_provider(roots_of(roots)?, provider());
+        let b = if want == revoke::Want::NodeIfAny {
+            b.allow_unauthenticated()
+        } else {
+            b
+        };
+        let inner = b
+            .build()
+            .map_err(|e| PkiError::Invalid(format!("client verifier: {e}")))?;
+        Ok(Arc::new(revoke::CheckedClients::new(
+            inner,
+            self.revocations.clone(),
+            want,
+        )))
+    }
+
+    /// Peer RPC, answering side: the caller must present a node certificate of the cluster
+    /// CA that is not revoked (whether it names the node it claims is checked with
+    /// [`cert_names_node`] after the hello).
     pub fn peer_server(&self) -> Result<Arc<ServerConfig>, PkiError> {
-        self.server(true)
+        self.server(Some(self.client_verifier(&self.ca, revoke::Want::Node)?))
     }
 
-    /// NBD over TCP: the client must present a certificate of this CA.
+    /// NBD over TCP: the client must present an NBD client certificate that is not
+    /// revoked, of the clients CA or of the cluster CA (as made before the clients CA
+    /// existed: they keep working here while a cluster moves its clients over; what they
+    /// must lose, etcd, is theirs until revoked).
     pub fn nbd_server(&self) -> Result<Arc<ServerConfig>, PkiError> {
-        self.server(true)
+        let roots: Vec<CertificateDer<'static>> =
+            self.clients_ca.iter().chain(&self.ca).cloned().collect();
+        self.server(Some(self.client_verifier(&roots, revoke::Want::Client)?))
     }
 
-    /// HTTP API: the node proves itself; callers carry tokens.
+    /// HTTP API: the node proves itself; callers carry tokens, or (the other nodes) present
+    /// their node certificate, which must then be the cluster CA's, name a node and not be
+    /// revoked. Which node it names is [`peer_node`] of the connection's certificate.
     pub fn api_server(&self) -> Result<Arc<ServerConfig>, PkiError> {
-        self.server(false)
+        self.server(Some(
+            self.client_verifier(&self.ca, revoke::Want::NodeIfAny)?,
+        ))
     }
 
-    /// Peer RPC, calling side: trusts this CA and presents the node's certificate. The
-    /// server name to check is [`node_name`] of the node called.
-    pub fn peer_client(&self) -> Result<Arc<ClientConfig>, PkiError> {
-        let cfg = ClientConfig::builder_with_provider(provider())
+    fn server_verifier(
+        &self,
+    ) -> Result<Arc<dyn rustls::client::danger::ServerCertVerifier>, PkiError> {
+        let inner = rustls::client::WebPkiServerVerifier::builder_with_provider(
+            roots_of(&self.ca)?,
+            provider(),
+        )
+        .build()
+        .map_err(|e| PkiError::Invalid(format!("server verifier: {e}")))?;
+        Ok(Arc::new(revoke::CheckedServer::new(
+            inner,
+            self.revocations.clone(),
+        )))
+    }
+
+    fn node_client(&self) -> Result<Arc<ClientConfig>, PkiError> {
+        let mut cfg = ClientConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(tls_err("TLS versions"))?
-            .with_root_certificates(roots_of(&self.ca)?)
+            .dangerous()
+            .with_custom_certificate_verifier(self.server_verifier()?)
             .with_client_auth_cert(self.chain.clone(), self.key.clone_key())
             .map_err(tls_err("the node certificate and key"))?;
+        cfg.resumption = rustls::client::Resumption::disabled();
         Ok(Arc::new(cfg))
     }
 
-    /// HTTPS to another node's API: trusts this CA, presents nothing.
-    pub fn https_client(&self) -> Result<Arc<ClientConfig>, PkiError> {
-        let cfg = ClientConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(tls_err("TLS versions"))?
-            .with_root_certificates(roots_of(&self.ca)?)
-            .with_no_client_auth();
-        Ok(Arc::new(cfg))
+    /// Peer RPC, calling side: trusts this CA, refuses a revoked server certificate, and
+    /// presents the node's certificate. The server name to check is [`node_name`] of the
+    /// node called.
+    pub fn peer_client(&self) -> Result<Arc<ClientConfig>, PkiError> {
+        self.node_client()
     }
+
+    /// HTTPS to another node's API: trusts this CA, refuses a revoked server certificate,
+    /// and presents the node's certificate (the other node takes it for this node's
+    /// identity: node-to-node calls need no shared secret).
+    pub fn https_client(&self) -> Result<Arc<ClientConfig>, PkiError> {
+        self.node_client()
+    }
+}
+
+/// The node a connection's (verified) client certificate names, if any: the identity a
+/// node calls another node's API with.
+pub fn peer_node(certs: Option<&[CertificateDer<'_>]>) -> Option<u32> {
+    cert_info(certs?.first()?).ok()?.node
 }
 
 /// A client configuration for a host that has no CA certificate yet but knows the CA's
@@ -910,5 +1161,26 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("neither an IP address nor a DNS name"), "{e}");
+        // A node's certificate may not carry another node's (or any converge) name.
+        for reserved in [
+            "node-7.converge",
+            "NODE-7.CONVERGE.",
+            "converge",
+            "x.converge",
+        ] {
+            let e = ca
+                .issue(
+                    &Subject::Node {
+                        id: 3,
+                        hosts: vec![reserved.into()],
+                    },
+                    &key.public_key(),
+                )
+                .err()
+                .unwrap()
+                .to_string();
+            assert!(e.contains("converge's own"), "{reserved}: {e}");
+        }
+        assert!(check_host("converge.example").is_ok());
     }
 }

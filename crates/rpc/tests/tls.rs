@@ -151,13 +151,18 @@ async fn a_client_certificate_is_not_a_node() {
             name: "qemu-1".into(),
         },
     );
+    // Refused in the handshake: the peer port takes node certificates only.
     let c = tls_client(&s, NodeId(1), &qemu, SERVER);
     match c.call(extent_req()).await {
-        Err(RpcError::Refused { message, .. }) => {
-            assert!(message.contains("not node 1's"), "{message}")
+        Err(RpcError::Connect { source, .. }) => {
+            assert!(
+                source.to_string().contains("CertificateUnknown"),
+                "{source}"
+            )
         }
-        other => panic!("expected Refused, got {other:?}"),
+        other => panic!("expected Connect, got {other:?}"),
     }
+    assert_eq!(c.connections_made(), 0);
     assert_eq!(s.handled.0.load(Ordering::SeqCst), 0);
 }
 

@@ -1,0 +1,243 @@
+//! Keeps this node's revocation list current, so that every handshake it answers or makes
+//! refuses removed nodes and revoked certificates within a second of the change in etcd
+//! (docs/adr/0013), and on the etcd members' hosts writes that list as the CRL file etcd's
+//! `--client-crl-file` reads on each new connection. Also the API of revocation:
+//! `POST /v1/certs/revoke` and `GET /v1/certs/revoked` (admin).
+//!
+//! Cost at 1,000 nodes: two etcd watches per node (removed nodes, revoked serials), idle
+//! unless something is revoked; each change makes every node read both prefixes once (a few
+//! hundred bytes per removed node or revoked certificate): 1,000 small reads per
+//! revocation. The certificate registry is one key per certificate a node has used, written
+//! when the node starts with a new one.
+
+use crate::api::{ok, ApiError, Out};
+use crate::node::Node;
+use converge_api::{RevokeCert, RevokedCert};
+use converge_control::creds::{RevocationState, RevokedRecord};
+use converge_control::model::{keys, Cluster};
+use converge_pki::{NodeTls, Revocations, Revoked};
+use hyper::{Method, StatusCode};
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Pause before watching again after a watch failed (etcd restarting, a compaction).
+const RETRY_PAUSE: Duration = Duration::from_secs(1);
+/// Left in the node's PKI directory when the node sees its own removal: etcd refuses its
+/// certificate from then on, so a restart could not ask etcd whether it was removed.
+pub const REMOVED_MARK: &str = "removed";
+
+/// Whether this node saw its own removal before (then it must not start).
+pub fn removed_mark(tls_dir: &Path) -> Option<String> {
+    std::fs::read_to_string(tls_dir.join(REMOVED_MARK)).ok()
+}
+
+/// Records that this node was removed (see [`REMOVED_MARK`]).
+pub fn mark_removed(tls_dir: &Path, node: u32) {
+    let text = format!(
+        "node {node} was removed from this cluster (`converge node remove`); its certificate \
+         is revoked. To use this host again, join it with a new id (move this directory \
+         away first).\n"
+    );
+    if let Err(e) = converge_pki::write_file(&tls_dir.join(REMOVED_MARK), text.as_bytes(), 0o644) {
+        log::warn!(
+            "cannot record this node's removal in {}: {e}",
+            tls_dir.display()
+        );
+    }
+}
+
+fn to_revoked(state: &RevocationState) -> Revoked {
+    Revoked {
+        removed_nodes: state.removed.iter().map(|n| n.0).collect(),
+        serials: state.revoked.iter().map(|r| r.serial.clone()).collect(),
+    }
+}
+
+/// The revocation list as etcd holds it now.
+pub async fn load(cluster: &Cluster) -> anyhow::Result<(Arc<Revocations>, RevocationState)> {
+    let state = cluster
+        .revocation_state()
+        .await
+        .map_err(|e| anyhow::anyhow!("reading the revocation list: {e}"))?;
+    Ok((Revocations::new(to_revoked(&state)), state))
+}
+
+/// Records the certificate this node runs with, so that removing the node (or giving its
+/// id to a new host) revokes it by serial, which etcd's CRL needs.
+pub async fn register_own(cluster: &Cluster, tls: &NodeTls, node: u32) -> anyhow::Result<()> {
+    let me = tls
+        .own_cert()
+        .map_err(|e| anyhow::anyhow!("this node's certificate: {e}"))?;
+    cluster
+        .register_cert(converge_types::NodeId(node), &me.serial)
+        .await
+        .map_err(|e| anyhow::anyhow!("registering this node's certificate: {e}"))
+}
+
+/// Writes etcd's CRL file (`[tls] etcd_crl_file`) when the revoked serials differ from what
+/// it last wrote. A failure is logged: etcd keeps the file it has.
+pub struct CrlFile {
+    path: PathBuf,
+    tls: NodeTls,
+    written: Option<BTreeSet<String>>,
+}
+
+impl CrlFile {
+    pub fn new(path: PathBuf, tls: NodeTls) -> CrlFile {
+        CrlFile {
+            path,
+            tls,
+            written: None,
+        }
+    }
+
+    pub fn update(&mut self, serials: &BTreeSet<String>) {
+        if self.written.as_ref() == Some(serials) {
+            return;
+        }
+        let r = self.tls.crl_pem(serials).and_then(|pem| {
+            converge_pki::write_file(&self.path, pem.as_bytes(), 0o644).map(|_| ())
+        });
+        match r {
+            Ok(()) => {
+                log::info!(
+                    "etcd's revocation list {} now lists {} certificates",
+                    self.path.display(),
+                    serials.len()
+                );
+                self.written = Some(serials.clone());
+            }
+            Err(e) => log::error!(
+                "cannot write etcd's revocation list {}: {e}; etcd keeps the one it has",
+                self.path.display()
+            ),
+        }
+    }
+}
+
+/// Watches removed nodes and revoked certificates and applies every change to
+/// `revocations` (and to etcd's CRL file if this node keeps one). Runs until this node
+/// itself is removed (it returns then: etcd refuses its certificate from the next
+/// connection, and only this open watch can still tell it); a failed watch (etcd away, a
+/// compaction) is read again and watched anew.
+pub async fn watch(
+    cluster: Cluster,
+    me: converge_types::NodeId,
+    revocations: Arc<Revocations>,
+    mut crl: Option<CrlFile>,
+    mut state: RevocationState,
+) {
+    let my_key = format!("{}{}", keys::REMOVED, me.0);
+    loop {
+        if state.removed.contains(&me) {
+            return;
+        }
+        revocations.set(to_revoked(&state));
+        if let Some(c) = crl.as_mut() {
+            c.update(&revocations.snapshot().serials);
+        }
+        let etcd = cluster.etcd();
+        let watches = async {
+            let removed = etcd
+                .watch_prefix(keys::REMOVED, state.removed_revision + 1)
+                .await?;
+            let revoked = etcd
+                .watch_prefix(keys::REVOKED, state.revoked_revision + 1)
+                .await?;
+            Ok::<_, converge_control::EtcdError>((removed, revoked))
+        };
+        match watches.await {
+            Ok((mut removed, mut revoked)) => {
+                // Any change: read both again (small, and never half-applied).
+                let r = tokio::select! {
+                    r = removed.next() => r.map(|events| {
+                        events.iter().any(|e| {
+                            e.kind == converge_control::EventKind::Put && e.kv.key == my_key
+                        })
+                    }),
+                    r = revoked.next() => r.map(|_| false),
+                };
+                match r {
+                    Ok(true) => return,
+                    Ok(false) => {}
+                    Err(e) => {
+                        log::warn!("watching the revocation list: {e}; reading it again");
+                        tokio::time::sleep(RETRY_PAUSE).await;
+                    }
+                }
+            }
+            Err(e) => {
+                log::warn!("cannot watch the revocation list: {e}; trying again");
+                tokio::time::sleep(RETRY_PAUSE).await;
+            }
+        }
+        loop {
+            match cluster.revocation_state().await {
+                Ok(s) => {
+                    state = s;
+                    break;
+                }
+                Err(e) => {
+                    log::warn!("reading the revocation list: {e}; trying again");
+                    tokio::time::sleep(RETRY_PAUSE).await;
+                }
+            }
+        }
+    }
+}
+
+/// `/v1/certs/...` (admin).
+pub async fn route(node: &Node, method: &Method, parts: &[&str], body: &[u8]) -> Out {
+    match (method, parts) {
+        (&Method::GET, ["v1", "certs", "revoked"]) => {
+            let list: Vec<RevokedCert> = node
+                .cluster
+                .revoked_certs()
+                .await
+                .map_err(ApiError::unavailable)?
+                .into_iter()
+                .map(|r| RevokedCert {
+                    serial: r.serial,
+                    subject: r.subject,
+                    reason: r.reason,
+                    revoked_unix: r.revoked_unix,
+                })
+                .collect();
+            ok(&list)
+        }
+        (&Method::POST, ["v1", "certs", "revoke"]) => {
+            let req: RevokeCert = serde_json::from_slice(body)
+                .map_err(|e| ApiError::bad(format!("bad revoke request: {e}")))?;
+            let serial = converge_pki::check_serial(&req.serial)
+                .map_err(|e| ApiError::bad(e.to_string()))?;
+            let rec = RevokedRecord::new(
+                &serial,
+                req.subject.as_deref().unwrap_or("a certificate"),
+                req.reason.as_deref().unwrap_or("revoked by an admin"),
+            );
+            node.cluster
+                .revoke_certs(std::slice::from_ref(&rec))
+                .await
+                .map_err(ApiError::unavailable)?;
+            // Refused here at once; elsewhere as soon as the watch says so.
+            node.revocations.add(None, [serial.clone()]);
+            log::info!(
+                "revoked the certificate of {} (serial {serial}): {}",
+                rec.subject,
+                rec.reason
+            );
+            ok(&RevokedCert {
+                serial: rec.serial,
+                subject: rec.subject,
+                reason: rec.reason,
+                revoked_unix: rec.revoked_unix,
+            })
+        }
+        _ => Err(ApiError(
+            StatusCode::NOT_FOUND,
+            "no such certificate request (GET /v1/certs/revoked, POST /v1/certs/revoke)".into(),
+        )),
+    }
+}
