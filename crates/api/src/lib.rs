@@ -114,9 +114,9 @@ pub struct DriveInfo {
     /// only what they store, docs/adr/0010); absent: as many as `extents_total`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots_total: Option<u64>,
-    /// Bytes its extents claim: the extents placed on it, whole, less the room its node
-    /// last reported its compressed extents do not take (an extent placed since counts
-    /// whole): what counts as used.
+    /// Bytes its extents claim: what its node last reported they claim (compressed ones
+    /// less than whole, blocks kept for snapshots more), an extent placed since counted
+    /// whole: what counts as used, and what placement counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub committed_bytes: Option<u64>,
     /// Lifetime writes and the endurance forecast (`/v1/status`; absent until the drive's

@@ -482,12 +482,11 @@ async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<Driv
             written_bytes: None,
             stored_bytes: None,
             slots_total: d.slots_total,
-            // The extents placed on it, whole, less the room its node last reported
-            // its compressed extents do not take: an extent placed since counts whole.
-            committed_bytes: usage.get(&d.id).map(|u| {
-                let placed = used.get(&d.id).copied().unwrap_or(0) * d.slab_size_bytes;
-                placed.saturating_sub(u.saved_bytes(d.slab_size_bytes))
-            }),
+            // What its node last reported its extents claim (compressed ones less than
+            // whole, blocks kept for snapshots more), an extent placed since whole.
+            committed_bytes: usage
+                .get(&d.id)
+                .map(|u| u.claimed_bytes(used.get(&d.id).copied().unwrap_or(0), d.slab_size_bytes)),
             wear: None,
         })
         .collect();

@@ -46,11 +46,11 @@ pub fn account(nodes: &[NodeInfo], drives: &[DriveInfo], vols: &[VolumeInfo]) ->
     let mut cap: BTreeMap<NodeId, u64> = BTreeMap::new();
     let mut used: BTreeMap<NodeId, u64> = BTreeMap::new();
     // A drive's extents use what they claim: plain ones whole, compressed ones (on thin
-    // drives, docs/adr/0010) what they store, as its node last reported.
+    // drives, docs/adr/0010) what they store, blocks kept for snapshots what they take,
+    // as its node last reported (`DriveUsage::claimed_bytes`).
     let claimed = |d: &DriveInfo| {
         d.committed_bytes
             .unwrap_or(d.extents_used * d.slab_size_bytes)
-            .min(d.extents_used * d.slab_size_bytes)
     };
     for d in drives.iter().filter(capacity) {
         *cap.entry(d.node).or_default() += d.extents_total * d.slab_size_bytes;
@@ -248,9 +248,10 @@ mod tests {
             "{:?}",
             c.warnings
         );
-        // A stale report that claims more than whole extents counts as whole extents.
-        let c = account(&nodes, &[thin(1, 2, 9)], &[]);
-        assert_eq!(c.used_bytes, 2 * G);
+        // Blocks kept for snapshots count beyond whole extents: 2 extents placed and
+        // 3 GiB claimed (`DriveUsage::claimed_bytes` folds a stale report in first).
+        let c = account(&nodes, &[thin(1, 2, 3)], &[]);
+        assert_eq!(c.used_bytes, 3 * G);
     }
 
     #[test]
