@@ -691,7 +691,10 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
         d.written_bytes = Some(u.written);
         d.stored_bytes = Some(u.stored);
     }
-    let capacity = crate::capacity::account(&ns, &ds, &vs);
+    let settings = crate::repair::settings(node).await;
+    let mut capacity = crate::capacity::account(&ns, &ds, &vs, settings.overcommit_pct());
+    let unplaceable = crate::provisioning::unplaceable(node, &ns, &vs).await;
+    let short = crate::capacity::settle_state(&mut capacity, &unplaceable);
     let mut problems = Vec::new();
     let down: Vec<String> = ns
         .iter()
@@ -730,10 +733,15 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
             name: c.name.clone(),
             slab_size_bytes: c.slab_size_bytes,
         },
-        health: if problems.is_empty() {
-            "healthy".into()
-        } else {
-            format!("degraded: {}", problems.join("; "))
+        // Capacity short of room (near-full, full) is its own state; after a degradation.
+        health: match (problems.is_empty(), short) {
+            (true, None) => "healthy".into(),
+            (true, Some(s)) => s,
+            (false, s) => format!(
+                "degraded: {}{}",
+                problems.join("; "),
+                s.map(|s| format!("; {s}")).unwrap_or_default()
+            ),
         },
         nodes: ns,
         drives: ds,
@@ -885,6 +893,18 @@ pub(crate) async fn create_volume_with(
             format!("cannot create volume {}: {e}", req.name),
         )
     })?;
+    let part = req
+        .resiliency
+        .mirror_part()
+        .filter(|_| mirror_part_bytes > 0)
+        .map(|m| (m, mirror_part_bytes));
+    crate::provisioning::check(
+        node,
+        crate::capacity::provisioned_bytes(req.resiliency, req.size_bytes, part),
+        crate::provisioning::describe(req.size_bytes, req.resiliency),
+        &format!("cannot create volume {}", req.name),
+    )
+    .await?;
     let id = VolumeId(rand::random::<u64>() >> 1);
     let encryption = if req.encrypt {
         Some(crate::encryption::new_record(&node.cfg, id.0).map_err(|e| {
@@ -1406,6 +1426,16 @@ async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
                 )
             },
         )?;
+        crate::provisioning::check(
+            node,
+            rec.resiliency.raw_bytes(grow),
+            format!(
+                "{} more",
+                crate::provisioning::describe(grow, rec.resiliency)
+            ),
+            &format!("cannot grow volume {name}"),
+        )
+        .await?;
     }
     rec.size_bytes = req.size_bytes;
     update_record(node, name, &rec, rev).await?;
