@@ -693,7 +693,9 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     }
     let settings = crate::repair::settings(node).await;
     let mut capacity = crate::capacity::account(&ns, &ds, &vs, settings.overcommit_pct());
-    let unplaceable = crate::provisioning::unplaceable(node, &ns, &vs).await;
+    // One read of the drives' use (every slab record) for both placement questions.
+    let loads = drive_loads(&node.cluster).await.ok();
+    let unplaceable = crate::provisioning::unplaceable(loads.as_deref(), &ns, &vs);
     let short = crate::capacity::settle_state(&mut capacity, &unplaceable);
     let mut problems = Vec::new();
     let down: Vec<String> = ns
@@ -720,7 +722,7 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     }
     let jobs = crate::repair::all_jobs(node).await;
     problems.extend(jobs_problem(&jobs));
-    let mut warnings = rebuild_warnings(node, &ns).await;
+    let mut warnings = rebuild_warnings(node, &ns, loads.as_deref()).await;
     warnings.extend(capacity.warnings.iter().cloned());
     warnings.extend(crate::wear::annotate(node, &mut ds).await);
     let c = &node.cluster_rec;
@@ -764,12 +766,16 @@ fn jobs_problem(jobs: &[JobInfo]) -> Option<String> {
 }
 
 /// Lost copies (on nodes that are down) that no drive could take if they had to be rebuilt.
-async fn rebuild_warnings(node: &Node, ns: &[NodeInfo]) -> Vec<String> {
+async fn rebuild_warnings(
+    node: &Node,
+    ns: &[NodeInfo],
+    loads: Option<&[converge_control::DriveLoad]>,
+) -> Vec<String> {
     let live: Vec<NodeId> = ns.iter().filter(|n| n.live).map(|n| n.id).collect();
     let Ok(vols) = node.cluster.volumes().await else {
         return Vec::new();
     };
-    let Ok(loads) = drive_loads(&node.cluster).await else {
+    let Some(loads) = loads else {
         return Vec::new();
     };
     let mut out = Vec::new();
@@ -780,7 +786,7 @@ async fn rebuild_warnings(node: &Node, ns: &[NodeInfo]) -> Vec<String> {
         for (idx, (s, _)) in slabs {
             for e in s.extents.iter().filter(|e| !live.contains(&e.node)) {
                 let holding: Vec<NodeId> = s.extents.iter().map(|x| x.node).collect();
-                if let Err(err) = placement::place(1, &loads, &holding) {
+                if let Err(err) = placement::place(1, loads, &holding) {
                     out.push(format!(
                         "volume {} slab {idx}: the copy on node {} (down) cannot be rebuilt elsewhere: {err}",
                         v.name, e.node
