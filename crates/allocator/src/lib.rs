@@ -127,7 +127,7 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
             Ok((rec, _)) => Ok(extents_of(&rec)),
             Err(ControlError::Placement(e)) => Err(VolumeError::NoSpace {
                 volume: volume.to_string(),
-                why: e.to_string(),
+                why: format!("its slab {slab} cannot be placed: {e}"),
             }),
             Err(e) => Err(fenced(volume, epoch, e, "allocate its slabs")),
         }

@@ -114,9 +114,9 @@ pub struct DriveInfo {
     /// only what they store, docs/adr/0010); absent: as many as `extents_total`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub slots_total: Option<u64>,
-    /// Bytes its extents claim: the extents placed on it, whole, less the room its node
-    /// last reported its compressed extents do not take (an extent placed since counts
-    /// whole): what counts as used.
+    /// Bytes its extents claim: what its node last reported they claim (compressed ones
+    /// less than whole, blocks kept for snapshots more), an extent placed since counted
+    /// whole: what counts as used, and what placement counts.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub committed_bytes: Option<u64>,
     /// Lifetime writes and the endurance forecast (`/v1/status`; absent until the drive's
@@ -476,15 +476,46 @@ pub struct Capacity {
     #[serde(default)]
     pub usable_bytes: std::collections::BTreeMap<String, u64>,
     /// What is wrong or about to be: the pool can no longer rebuild its fullest node, or
-    /// soon cannot.
+    /// soon cannot; it is near full or full; it is overcommitted.
     #[serde(default)]
     pub warnings: Vec<String>,
+    /// How full the pool is (docs/CAPACITY.md): `ok`, `near-full` (85 % of raw used) or
+    /// `full` (95 %, or no room for a new slab of some volume's layout).
+    #[serde(default)]
+    pub state: PoolState,
+    /// The overcommit ratio in effect, in percent (provisioned may reach this share of
+    /// raw).
+    #[serde(default)]
+    pub overcommit_pct: u32,
+}
+
+impl Status {
+    /// Every node live, every copy in sync, no repair running: `healthy`, or a pool that is
+    /// only short of room (`near-full`, `full`), which restarting a node does not make worse.
+    pub fn redundant(&self) -> bool {
+        !self.health.starts_with("degraded")
+    }
+}
+
+/// How full the pool is, as `status` reports it (docs/CAPACITY.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PoolState {
+    #[default]
+    Ok,
+    /// 85 % of raw capacity or more is used.
+    NearFull,
+    /// 95 % or more is used, or a new slab of some volume cannot be placed: writes to
+    /// space not yet allocated fail with ENOSPC.
+    Full,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct Status {
     pub cluster: ClusterInfo,
-    /// `healthy`, or `degraded: ...` with the reasons.
+    /// `healthy`; `near-full: ...` or `full: ...` when only capacity is short
+    /// ([`Capacity::state`]); or `degraded: ...` with the reasons (and the capacity state
+    /// after them, if not ok).
     pub health: String,
     pub nodes: Vec<NodeInfo>,
     pub drives: Vec<DriveInfo>,
@@ -593,18 +624,45 @@ pub struct Settings {
     /// Per-node cache modes, overriding the pool's.
     #[serde(default)]
     pub node_cache_modes: BTreeMap<NodeId, CacheMode>,
+    /// The overcommit ratio, in percent: the volumes' provisioned bytes (sizes × their
+    /// resiliency's raw multiplier) may reach this share of the pool's raw capacity, and a
+    /// volume create, resize or clone beyond it is refused (docs/CAPACITY.md). Absent:
+    /// [`OVERCOMMIT_PCT_DEFAULT`] (1.0×: no overcommit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub overcommit_pct: Option<u32>,
 }
+
+/// The overcommit ratio when none is set: provisioned may reach raw (1.0×), no more.
+pub const OVERCOMMIT_PCT_DEFAULT: u32 = 100;
+/// Bounds of the overcommit ratio, in percent (0.1× to 100×).
+pub const OVERCOMMIT_PCT_MIN: u32 = 10;
+pub const OVERCOMMIT_PCT_MAX: u32 = 10_000;
 
 impl Settings {
     /// Refuses values the cluster cannot run with (the same bounds as the nodes' knobs).
     pub fn check(&self) -> Result<(), String> {
-        match self.repair_delay_s {
-            Some(d) if d > converge_types::REPAIR_DELAY_S_MAX => Err(format!(
-                "repair_delay_s = {d} is above {} (30 days): rebuilds would all but never start",
-                converge_types::REPAIR_DELAY_S_MAX
-            )),
-            _ => Ok(()),
+        if let Some(d) = self.repair_delay_s {
+            if d > converge_types::REPAIR_DELAY_S_MAX {
+                return Err(format!(
+                    "repair_delay_s = {d} is above {} (30 days): rebuilds would all but never start",
+                    converge_types::REPAIR_DELAY_S_MAX
+                ));
+            }
         }
+        if let Some(p) = self.overcommit_pct {
+            if !(OVERCOMMIT_PCT_MIN..=OVERCOMMIT_PCT_MAX).contains(&p) {
+                return Err(format!(
+                    "overcommit_pct = {p} is outside {OVERCOMMIT_PCT_MIN}..={OVERCOMMIT_PCT_MAX} \
+                     (an overcommit ratio of 0.1 to 100; 100 = 1.0: provisioned may reach raw)"
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// The overcommit ratio in effect, in percent.
+    pub fn overcommit_pct(&self) -> u32 {
+        self.overcommit_pct.unwrap_or(OVERCOMMIT_PCT_DEFAULT)
     }
 }
 

@@ -181,7 +181,33 @@ enum ClusterCmd {
         /// 600s, 10m, 1h (vSAN waits 60 minutes; the knob's default is 10 minutes).
         #[arg(long)]
         repair_delay: Option<String>,
+        /// How far the volumes' provisioned bytes (sizes × copies, or (K+M)/K for parity)
+        /// may exceed the pool's raw capacity: 1.0 (the default) allows none, 1.5 half as
+        /// much again. A volume create, resize or clone beyond it is refused
+        /// (docs/CAPACITY.md).
+        #[arg(long, value_name = "R")]
+        overcommit_ratio: Option<String>,
     },
+}
+
+/// "1.5" → 150 (percent, what the settings keep): 0.1 to 100, at most two decimals.
+fn parse_overcommit_ratio(s: &str) -> Result<u32> {
+    let r: f64 = s.trim().parse().map_err(|_| {
+        anyhow::anyhow!("--overcommit-ratio {s:?} is not a number (e.g. 1.0, 1.5, 2)")
+    })?;
+    let pct = (r * 100.0).round();
+    let (lo, hi) = (
+        converge_api::OVERCOMMIT_PCT_MIN,
+        converge_api::OVERCOMMIT_PCT_MAX,
+    );
+    if !r.is_finite() || pct < f64::from(lo) || pct > f64::from(hi) {
+        bail!(
+            "--overcommit-ratio {s} is outside {:.1} to {:.0} (1.0: provisioned may reach raw capacity, no more)",
+            f64::from(lo) / 100.0,
+            f64::from(hi) / 100.0
+        );
+    }
+    Ok(pct as u32)
 }
 
 /// "90", "90s", "10m", "1h" → seconds.
@@ -996,11 +1022,18 @@ fn run(cli: Cli) -> Result<()> {
                     bail!("handled above")
                 }
                 ClusterCmd::Settings => http::call(&base, "GET", "/v1/settings", None)?,
-                ClusterCmd::Set { repair_delay } => {
+                ClusterCmd::Set {
+                    repair_delay,
+                    overcommit_ratio,
+                } => {
                     let body = serde_json::to_value(converge_api::Settings {
                         repair_delay_s: repair_delay
                             .as_deref()
                             .map(parse_duration_s)
+                            .transpose()?,
+                        overcommit_pct: overcommit_ratio
+                            .as_deref()
+                            .map(parse_overcommit_ratio)
                             .transpose()?,
                         ..Default::default()
                     })?;
@@ -1013,6 +1046,16 @@ fn run(cli: Cli) -> Result<()> {
             match v.repair_delay_s {
                 Some(s) => println!("repair delay  {s} s (cluster setting)"),
                 None => println!("repair delay  each node's repair_delay_s knob (default 600 s)"),
+            }
+            match v.overcommit_pct {
+                Some(p) => println!(
+                    "overcommit    {:.2}× (provisioned may reach {p}% of raw capacity)",
+                    f64::from(p) / 100.0
+                ),
+                None => println!(
+                    "overcommit    {:.2}× (the default: provisioned may reach raw capacity, no more)",
+                    f64::from(converge_api::OVERCOMMIT_PCT_DEFAULT) / 100.0
+                ),
             }
             for l in cache::settings_lines(&v) {
                 println!("{l}");
@@ -2073,12 +2116,22 @@ fn print_status(s: &Status) {
         println!("etcd      {}", etcd_line(e));
     }
     let c = &s.capacity;
+    let of_raw = |b: u64| b as f64 / c.total_bytes.max(1) as f64;
     println!(
-        "capacity  {} used of {} raw, {} free ({} provisioned, {} of volume data allocated, {} written)",
+        "capacity  {} used of {} raw ({}%), {} free ({} provisioned: {:.2}× raw, overcommit limit {:.2}×; {} of volume data allocated, {} written)",
         format_size(c.used_bytes),
         format_size(c.total_bytes),
+        // Rounded down, as the health line's near-full (85 %) and full (95 %) are.
+        (u128::from(c.used_bytes) * 100 / u128::from(c.total_bytes.max(1))),
         format_size(c.free_bytes),
         format_size(c.provisioned_bytes),
+        of_raw(c.provisioned_bytes),
+        // A node of an older build does not say: the default.
+        f64::from(if c.overcommit_pct == 0 {
+            converge_api::OVERCOMMIT_PCT_DEFAULT
+        } else {
+            c.overcommit_pct
+        }) / 100.0,
         format_size(c.allocated_bytes),
         c.written_bytes.map_or("?".into(), format_size)
     );

@@ -46,9 +46,7 @@ fn wait_healthy(base: &str, timeout: Duration, why: &str) -> Result<()> {
     let deadline = Instant::now() + timeout;
     loop {
         let last = match status(base) {
-            Ok(s) if s.health == "healthy" && s.nodes.iter().all(|n| !n.maintenance) => {
-                return Ok(())
-            }
+            Ok(s) if s.redundant() && s.nodes.iter().all(|n| !n.maintenance) => return Ok(()),
             Ok(s) => s.health,
             Err(e) => format!("{e:#}"),
         };

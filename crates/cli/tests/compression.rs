@@ -217,7 +217,8 @@ fn compressed_volumes_store_less_read_back_exactly_and_survive_kill_9() {
 }
 
 /// Thin drives (docs/adr/0010): a compressed volume may be provisioned up to the drives'
-/// extent slots (twice what they hold plain), and once its data is written compressed,
+/// extent slots (twice what they hold plain; with the overcommit ratio at 2, as
+/// docs/CAPACITY.md says), and once its data is written compressed,
 /// placement counts its extents by what they store, so plain volumes still find room; a
 /// plain volume larger than what the drives hold is refused, as is one more slab than
 /// there are slots.
@@ -249,7 +250,9 @@ fn compressed_volumes_hold_more_than_the_drives_hold_plain() {
         "mirror-3",
     ]);
     assert!(e.contains("cannot create volume"), "{e}");
-    // ... but provisioned for a compressed one, up to the slots.
+    // ... but provisioned for a compressed one, up to the slots, once the overcommit
+    // ratio allows twice the raw capacity (the default, 1.0, allows none beyond it).
+    lab.must(&["cluster", "set", "--overcommit-ratio", "2"]);
     let slabs = slots - 2;
     let size = format!("{}M", slabs * 32);
     lab.must(&[

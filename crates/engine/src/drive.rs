@@ -104,6 +104,9 @@ pub struct Capacity {
     /// Extent slots (more than `extents_total` on a thin drive: compressed extents take
     /// only the blocks they store).
     pub slots_total: u64,
+    /// Slots in use: the extents (`extents_used`) and the shadow extents that keep
+    /// blocks for snapshots (docs/adr/0012). A new extent needs a free one.
+    pub slots_used: u64,
     /// Bytes the allocated extents have claimed: plain ones whole, compressed ones what
     /// they store. A new extent is taken only while one more whole extent fits.
     pub bytes_committed: u64,
@@ -2488,14 +2491,23 @@ impl Drive {
     }
 
     pub fn capacity(&self) -> Capacity {
-        let used = lock(&self.table).by_key.len() as u64;
+        let (used, free_slots) = {
+            let t = lock(&self.table);
+            (t.by_key.len() as u64, t.free.len() as u64)
+        };
         let total = u64::from(self.layout.data_extents);
+        let slots = u64::from(self.layout.extents_total);
+        assert!(
+            free_slots <= slots,
+            "the free list holds {free_slots} slots of {slots}"
+        );
         Capacity {
             extents_total: total,
             extents_used: used,
             bytes_total: total * self.layout.slab_size_bytes,
             bytes_used: used * self.layout.slab_size_bytes,
-            slots_total: u64::from(self.layout.extents_total),
+            slots_total: slots,
+            slots_used: slots - free_slots,
             bytes_committed: self.committed_blocks() * BLOCK,
             bytes_stored: (self.plain_stored.load(Ordering::Relaxed)
                 + self.thin_stored.load(Ordering::Relaxed))

@@ -69,6 +69,13 @@ pub enum EngineError {
 }
 
 impl EngineError {
+    /// The drive has no room for what was asked: no free extent slot, or no room for one
+    /// more whole extent (or for blocks a snapshot keeps) beside what its extents claim.
+    /// Nothing was written; the owner answers the client "no space" (ENOSPC), not EIO.
+    pub fn is_no_space(&self) -> bool {
+        matches!(self, EngineError::NoSpace { .. } | EngineError::Full { .. })
+    }
+
     pub(crate) fn io(op: &'static str) -> impl FnOnce(std::io::Error) -> EngineError {
         move |source| EngineError::Io { op, source }
     }

@@ -496,12 +496,11 @@ async fn drives_with(node: &Node, caches: &cache_api::Caches) -> Result<Vec<Driv
             written_bytes: None,
             stored_bytes: None,
             slots_total: d.slots_total,
-            // The extents placed on it, whole, less the room its node last reported
-            // its compressed extents do not take: an extent placed since counts whole.
-            committed_bytes: usage.get(&d.id).map(|u| {
-                let placed = used.get(&d.id).copied().unwrap_or(0) * d.slab_size_bytes;
-                placed.saturating_sub(u.saved_bytes(d.slab_size_bytes))
-            }),
+            // What its node last reported its extents claim (compressed ones less than
+            // whole, blocks kept for snapshots more), an extent placed since whole.
+            committed_bytes: usage
+                .get(&d.id)
+                .map(|u| u.claimed_bytes(used.get(&d.id).copied().unwrap_or(0), d.slab_size_bytes)),
             wear: None,
         })
         .collect();
@@ -706,7 +705,12 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
         d.written_bytes = Some(u.written);
         d.stored_bytes = Some(u.stored);
     }
-    let capacity = crate::capacity::account(&ns, &ds, &vs);
+    let settings = crate::repair::settings(node).await;
+    let mut capacity = crate::capacity::account(&ns, &ds, &vs, settings.overcommit_pct());
+    // One read of the drives' use (every slab record) for both placement questions.
+    let loads = drive_loads(&node.cluster).await.ok();
+    let unplaceable = crate::provisioning::unplaceable(loads.as_deref(), &ns, &vs);
+    let short = crate::capacity::settle_state(&mut capacity, &unplaceable);
     let mut problems = Vec::new();
     let down: Vec<String> = ns
         .iter()
@@ -734,7 +738,7 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
     problems.extend(jobs_problem(&jobs));
     let etcd = crate::etcd_upkeep::observe(node.cluster.etcd(), node.cfg.etcd_quota_bytes).await;
     problems.extend(etcd.problems);
-    let mut warnings = rebuild_warnings(node, &ns).await;
+    let mut warnings = rebuild_warnings(node, &ns, loads.as_deref()).await;
     warnings.extend(capacity.warnings.iter().cloned());
     warnings.extend(crate::wear::annotate(node, &mut ds).await);
     warnings.extend(etcd.warnings);
@@ -748,10 +752,15 @@ async fn status(node: &Node) -> Result<Status, ApiError> {
             name: c.name.clone(),
             slab_size_bytes: c.slab_size_bytes,
         },
-        health: if problems.is_empty() {
-            "healthy".into()
-        } else {
-            format!("degraded: {}", problems.join("; "))
+        // Capacity short of room (near-full, full) is its own state; after a degradation.
+        health: match (problems.is_empty(), short) {
+            (true, None) => "healthy".into(),
+            (true, Some(s)) => s,
+            (false, s) => format!(
+                "degraded: {}{}",
+                problems.join("; "),
+                s.map(|s| format!("; {s}")).unwrap_or_default()
+            ),
         },
         nodes: ns,
         drives: ds,
@@ -775,12 +784,16 @@ fn jobs_problem(jobs: &[JobInfo]) -> Option<String> {
 }
 
 /// Lost copies (on nodes that are down) that no drive could take if they had to be rebuilt.
-async fn rebuild_warnings(node: &Node, ns: &[NodeInfo]) -> Vec<String> {
+async fn rebuild_warnings(
+    node: &Node,
+    ns: &[NodeInfo],
+    loads: Option<&[converge_control::DriveLoad]>,
+) -> Vec<String> {
     let live: Vec<NodeId> = ns.iter().filter(|n| n.live).map(|n| n.id).collect();
     let Ok(vols) = node.cluster.volumes().await else {
         return Vec::new();
     };
-    let Ok(loads) = drive_loads(&node.cluster).await else {
+    let Some(loads) = loads else {
         return Vec::new();
     };
     let mut out = Vec::new();
@@ -791,7 +804,7 @@ async fn rebuild_warnings(node: &Node, ns: &[NodeInfo]) -> Vec<String> {
         for (idx, (s, _)) in slabs {
             for e in s.extents.iter().filter(|e| !live.contains(&e.node)) {
                 let holding: Vec<NodeId> = s.extents.iter().map(|x| x.node).collect();
-                if let Err(err) = placement::place(1, &loads, &holding) {
+                if let Err(err) = placement::place(1, loads, &holding) {
                     out.push(format!(
                         "volume {} slab {idx}: the copy on node {} (down) cannot be rebuilt elsewhere: {err}",
                         v.name, e.node
@@ -904,6 +917,18 @@ pub(crate) async fn create_volume_with(
             format!("cannot create volume {}: {e}", req.name),
         )
     })?;
+    let part = req
+        .resiliency
+        .mirror_part()
+        .filter(|_| mirror_part_bytes > 0)
+        .map(|m| (m, mirror_part_bytes));
+    crate::provisioning::check(
+        node,
+        crate::capacity::provisioned_bytes(req.resiliency, req.size_bytes, part),
+        crate::provisioning::describe(req.size_bytes, req.resiliency),
+        &format!("cannot create volume {}", req.name),
+    )
+    .await?;
     let id = VolumeId(rand::random::<u64>() >> 1);
     let encryption = if req.encrypt {
         Some(crate::encryption::new_record(&node.cfg, id.0).map_err(|e| {
@@ -1425,6 +1450,16 @@ async fn resize_volume(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
                 )
             },
         )?;
+        crate::provisioning::check(
+            node,
+            rec.resiliency.raw_bytes(grow),
+            format!(
+                "{} more",
+                crate::provisioning::describe(grow, rec.resiliency)
+            ),
+            &format!("cannot grow volume {name}"),
+        )
+        .await?;
     }
     rec.size_bytes = req.size_bytes;
     update_record(node, name, &rec, rev).await?;

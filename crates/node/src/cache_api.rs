@@ -167,6 +167,9 @@ pub fn merge_settings(cur: &mut Settings, new: &Settings) {
     if new.cache_mode.is_some() {
         cur.cache_mode = new.cache_mode;
     }
+    if new.overcommit_pct.is_some() {
+        cur.overcommit_pct = new.overcommit_pct;
+    }
     for (n, m) in &new.node_cache_modes {
         cur.node_cache_modes.insert(*n, *m);
     }
@@ -458,6 +461,7 @@ mod tests {
             repair_delay_s: Some(60),
             cache_mode: Some(CacheMode::Write),
             node_cache_modes: [(NodeId(1), CacheMode::None)].into_iter().collect(),
+            overcommit_pct: Some(150),
         };
         merge_settings(
             &mut cur,
@@ -477,6 +481,16 @@ mod tests {
             },
         );
         assert_eq!(cur.node_cache_modes.len(), 2);
+        assert_eq!(cur.repair_delay_s, Some(90));
+        assert_eq!(cur.overcommit_pct, Some(150));
+        merge_settings(
+            &mut cur,
+            &Settings {
+                overcommit_pct: Some(200),
+                ..Default::default()
+            },
+        );
+        assert_eq!(cur.overcommit_pct, Some(200));
         assert_eq!(cur.repair_delay_s, Some(90));
     }
 }

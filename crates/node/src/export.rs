@@ -12,7 +12,7 @@ use converge_nbd::{
 };
 use converge_rpc::{ErrorCode, Request, Response, RpcError};
 use converge_types::{ExtentReply, NodeId, VolumeId};
-use converge_volume::{ReplicaError, VolumeError};
+use converge_volume::VolumeError;
 use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
@@ -42,11 +42,7 @@ fn dev_error(e: VolumeError) -> Attempt {
         VolumeError::OutOfRange { .. }
         | VolumeError::TooLong { .. }
         | VolumeError::Snapshot { .. } => DevErrorKind::Invalid,
-        VolumeError::NoSpace { .. } => DevErrorKind::NoSpace,
-        VolumeError::Replica {
-            error: ReplicaError::NoSpace(_),
-            ..
-        } => DevErrorKind::NoSpace,
+        _ if e.is_no_space() => DevErrorKind::NoSpace,
         _ => DevErrorKind::Io,
     };
     log::warn!("nbd I/O failed: {e}");

@@ -19,6 +19,7 @@ mod lab_api;
 mod metrics;
 mod node;
 mod orphans;
+mod provisioning;
 mod qos;
 mod repair;
 mod rotate;

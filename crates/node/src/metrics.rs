@@ -199,6 +199,8 @@ pub async fn render(node: &Node) -> String {
         );
         let c = d.capacity();
         let _ = writeln!(o, "converge_drive_extents_total{{{l}}} {}", c.extents_total);
+        // Its raw capacity (data region, in whole extents): what `status` sums as raw.
+        let _ = writeln!(o, "converge_drive_capacity_bytes{{{l}}} {}", c.bytes_total);
         let _ = writeln!(o, "converge_drive_extents_used{{{l}}} {}", c.extents_used);
         // Thin drives: slots, and the data bytes extents have claimed (plain ones whole,
         // compressed ones what they store) against what the data region holds.
@@ -310,6 +312,12 @@ pub async fn render(node: &Node) -> String {
             s.write_bytes
         );
         let _ = writeln!(o, "converge_volume_errors_total{{{l}}} {}", s.errors);
+        // Writes refused for lack of space (ENOSPC to the client; docs/CAPACITY.md).
+        let _ = writeln!(
+            o,
+            "converge_volume_no_space_errors_total{{{l}}} {}",
+            s.no_space_errors
+        );
         let _ = writeln!(
             o,
             "converge_volume_repaired_blocks_total{{{l}}} {}",
@@ -344,6 +352,17 @@ pub async fn render(node: &Node) -> String {
         );
         let map = vols[name].slab_map();
         let cfg = vols[name].config();
+        // Raw bytes the volume takes written full (size × its resiliency's multiplier).
+        let part = cfg
+            .resiliency
+            .mirror_part()
+            .filter(|_| cfg.mirror_part_bytes > 0)
+            .map(|m| (m, cfg.mirror_part_bytes));
+        let _ = writeln!(
+            o,
+            "converge_volume_provisioned_bytes{{{l}}} {}",
+            crate::capacity::provisioned_bytes(cfg.resiliency, vols[name].size_bytes(), part)
+        );
         let _ = writeln!(
             o,
             "converge_volume_allocated_bytes{{{l}}} {}",

@@ -347,7 +347,7 @@ fn engine_to_response(e: EngineError) -> Response {
     let code = match &e {
         EngineError::StaleEpoch { .. } => ErrorCode::StaleEpoch,
         EngineError::ChecksumMismatch { .. } => ErrorCode::ChecksumMismatch,
-        EngineError::NoSpace { .. } => ErrorCode::NoSpace,
+        _ if e.is_no_space() => ErrorCode::NoSpace,
         EngineError::HeldFull { .. } => ErrorCode::Busy,
         EngineError::InvalidArgument(_) | EngineError::InvalidIo { .. } => ErrorCode::Invalid,
         _ => ErrorCode::Io,
@@ -613,7 +613,7 @@ fn volume_to_response(e: VolumeError) -> Response {
         VolumeError::Control(..) => ErrorCode::Busy,
         VolumeError::OutOfRange { .. } => ErrorCode::OutOfRange,
         VolumeError::TooLong { .. } => ErrorCode::Invalid,
-        VolumeError::NoSpace { .. } => ErrorCode::NoSpace,
+        _ if e.is_no_space() => ErrorCode::NoSpace,
         VolumeError::Snapshot { .. } => ErrorCode::Invalid,
         _ => ErrorCode::Io,
     };

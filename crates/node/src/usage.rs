@@ -67,23 +67,26 @@ impl Usage {
 }
 
 /// This node's capacity drives as their engines count them: what placement needs to count
-/// a thin drive's compressed extents by the room they take (docs/adr/0010).
+/// a drive's extents by the room they claim (compressed ones less than whole, docs/adr/0010;
+/// blocks kept for snapshots more, docs/adr/0012) and its slots by the shadow extents too.
 pub fn node_usage(node: &Node) -> converge_control::model::NodeUsage {
     let mut u = converge_control::model::NodeUsage::default();
     for (id, t) in &node.drives {
         if t.failure().is_some() {
             continue;
         }
-        let c = t.capacity();
-        u.drives.insert(
-            *id,
-            converge_control::model::DriveUsage {
-                extents_used: c.extents_used,
-                committed_bytes: c.bytes_committed,
-            },
-        );
+        u.drives.insert(*id, drive_usage(&t.capacity()));
     }
     u
+}
+
+/// One drive's report, from what its engine counts.
+pub fn drive_usage(c: &converge_engine::Capacity) -> converge_control::model::DriveUsage {
+    converge_control::model::DriveUsage {
+        extents_used: c.extents_used,
+        committed_bytes: c.bytes_committed,
+        slots_used: Some(c.slots_used),
+    }
 }
 
 /// An unchanged usage record is written again this often (in case it was deleted); an idle
@@ -395,5 +398,161 @@ mod tests {
         g.written.insert((DriveId(2), VolumeId(10), 1), u(4096));
         assert_eq!(written(v, Resiliency::Mirror3, &slabs, &g), None);
         assert_eq!(g.per_drive()[&DriveId(2)].written, 40 + 8 + 4096);
+    }
+
+    /// Placement never places an extent its drive refuses, nor refuses one it would take:
+    /// a real engine (a thin drive: two slots per data extent) takes random new extents,
+    /// overwrites, compressed extents, snapshots (their kept blocks claim room and shadow
+    /// extents take slots) and frees; before every new extent, placement decides from the
+    /// drive record and this node's report of the engine's count, as the cluster does
+    /// (`drive_load`), and the engine must agree. Placement used to drop the kept blocks'
+    /// claim, and so placed extents on drives that had no room for them (issue 42).
+    #[test]
+    fn placement_places_exactly_the_extents_a_drive_takes() {
+        use converge_control::model::{drive_load, DriveRecord};
+        use converge_engine::{Drive, DriveIdentity, FaultyFile, FormatOptions};
+        use converge_types::{
+            ClusterId, Compression, Epoch, ExtentKey, FloorHistory, MediaType, Version,
+        };
+        use rand::{Rng, SeedableRng};
+        const SLAB: u64 = 1 << 20;
+        const B: usize = 4096;
+        let mut refused = 0;
+        let mut placed_total = 0;
+        for seed in 0..4u64 {
+            let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+            let id = DriveIdentity {
+                cluster: ClusterId(1),
+                node: NodeId(1),
+                drive: DriveId(9),
+                slab_size_bytes: SLAB,
+                role: converge_types::DriveRole::Capacity,
+                media: MediaType::Ssd,
+            };
+            let d = Drive::format_with(
+                std::sync::Arc::new(FaultyFile::new(8 << 20)),
+                id,
+                FormatOptions {
+                    journal_bytes: Some(256 << 10),
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            let cap = d.capacity();
+            assert!(cap.slots_total > cap.extents_total, "a thin drive: {cap:?}");
+            let rec = DriveRecord {
+                id: DriveId(9),
+                node: NodeId(1),
+                path: String::new(),
+                role: converge_types::DriveRole::Capacity,
+                media: MediaType::Ssd,
+                size_bytes: cap.bytes_total,
+                extents_total: cap.extents_total,
+                slab_size_bytes: SLAB,
+                tbw_bytes: None,
+                warranty_years: None,
+                slots_total: Some(cap.slots_total),
+            };
+            let data = |rng: &mut rand::rngs::StdRng, blocks: usize, plain: bool| {
+                let mut v = vec![0u8; blocks * B];
+                if plain {
+                    rng.fill(&mut v[..]);
+                } else {
+                    // Compressible: one random byte per 512.
+                    for c in v.chunks_mut(512) {
+                        c.fill(rng.gen());
+                    }
+                }
+                v
+            };
+            let (mut epoch, mut seq) = (1u64, 0u64);
+            let mut keys: Vec<ExtentKey> = Vec::new();
+            let mut next = 0u64;
+            let mut snapshots: Vec<u64> = Vec::new();
+            for op in 0..300 {
+                seq += 1;
+                let version = Version(epoch << 32 | seq);
+                let ctx = format!("seed {seed} op {op}: {:?}", d.capacity());
+                match rng.gen_range(0..10) {
+                    // A new extent, where placement says there is room.
+                    0..=3 => {
+                        let load = drive_load(
+                            &rec,
+                            keys.len() as u64,
+                            Some(&drive_usage(&d.capacity())),
+                            true,
+                        );
+                        let fits = converge_control::place(1, &[load], &[]).is_ok();
+                        next += 1;
+                        let k = ExtentKey {
+                            volume: VolumeId(1),
+                            slab: SlabIndex(next),
+                        };
+                        // Whole and incompressible: the most a new extent may take.
+                        let v = data(&mut rng, (SLAB as usize) / B, true);
+                        let crcs = converge_volume::block_crcs(&v);
+                        let r = d.write(k, Epoch(epoch), version, 0, &v, &crcs);
+                        match (fits, r) {
+                            (true, Ok(())) => {
+                                keys.push(k);
+                                placed_total += 1;
+                            }
+                            (false, Err(_)) => refused += 1,
+                            (true, Err(e)) => {
+                                panic!("{ctx}: placement placed {load:?}; the drive refused: {e}")
+                            }
+                            (false, Ok(())) => {
+                                panic!("{ctx}: placement refused {load:?}; the drive took it")
+                            }
+                        }
+                    }
+                    // Part of an extent rewritten (kept for the snapshot, if any); the
+                    // drive may refuse it when full: not placement's business.
+                    4..=6 if !keys.is_empty() => {
+                        let k = keys[rng.gen_range(0..keys.len())];
+                        let n = rng.gen_range(1..=64);
+                        let first = rng.gen_range(0..(SLAB as usize / B) - n);
+                        let plain = rng.gen_bool(0.5);
+                        let v = data(&mut rng, n, plain);
+                        let crcs = converge_volume::block_crcs(&v);
+                        let off = (first * B) as u64;
+                        let _ = d.write(k, Epoch(epoch), version, off, &v, &crcs);
+                    }
+                    // Later writes of an extent compressed.
+                    7 if !keys.is_empty() => {
+                        let k = keys[rng.gen_range(0..keys.len())];
+                        let _ = d.set_codec(k, Epoch(epoch), Compression::Lz4);
+                    }
+                    // A snapshot of every extent; the owner writes at the next epoch.
+                    8 => {
+                        let previous = snapshots.last().copied().map(Epoch);
+                        for &k in &keys {
+                            d.set_snapshot_floor(
+                                k,
+                                Epoch(epoch),
+                                Epoch(epoch),
+                                previous,
+                                FloorHistory::Continues,
+                            )
+                            .unwrap();
+                        }
+                        snapshots.push(epoch);
+                        epoch += 1;
+                        seq = 0;
+                    }
+                    // An extent freed (its volume deleted).
+                    _ if !keys.is_empty() => {
+                        let k = keys.swap_remove(rng.gen_range(0..keys.len()));
+                        d.free_extent(k).unwrap();
+                    }
+                    _ => {}
+                }
+            }
+        }
+        // Both sides of the check were exercised.
+        assert!(
+            refused > 20 && placed_total > 20,
+            "{refused} {placed_total}"
+        );
     }
 }

@@ -388,7 +388,7 @@ pub fn replica_error(e: EngineError) -> ReplicaError {
     match e {
         EngineError::StaleEpoch { .. } => ReplicaError::StaleEpoch(e.to_string()),
         EngineError::ChecksumMismatch { .. } => ReplicaError::Checksum(e.to_string()),
-        EngineError::NoSpace { .. } => ReplicaError::NoSpace(e.to_string()),
+        _ if e.is_no_space() => ReplicaError::NoSpace(e.to_string()),
         EngineError::HeldFull { .. } => ReplicaError::Busy(e.to_string()),
         other => ReplicaError::Io(other.to_string()),
     }
@@ -668,6 +668,36 @@ mod tests {
         assert!(execute(&t, op).is_ok());
         let e = execute(&t, read(2, 0, BS)).expect_err("epoch 2 is fenced now");
         assert!(matches!(e, EngineError::StaleEpoch { .. }), "{e}");
+    }
+
+    /// A drive with no room for another whole extent refuses it as `Full` (a thin drive
+    /// still has slots): the owner must hear "no space", never an I/O error (issue 42).
+    #[test]
+    fn a_full_drive_answers_no_space() {
+        let t = tier();
+        let mut e = None;
+        for slab in 1..1_000 {
+            let (crcs, data) = blocks(16, slab as u8);
+            let op = ExtentOp::Write {
+                key: ExtentKey {
+                    volume: KEY.volume,
+                    slab: SlabIndex(slab),
+                },
+                epoch: Epoch(1),
+                version: Version(1),
+                offset: 0,
+                crcs,
+                data,
+                codec: converge_types::Compression::None,
+            };
+            if let Err(err) = execute(&t, op) {
+                e = Some(err);
+                break;
+            }
+        }
+        let e = e.expect("a 2 MiB drive fills");
+        assert!(matches!(e, EngineError::Full { .. }), "{e}");
+        assert!(matches!(replica_error(e), ReplicaError::NoSpace(_)));
     }
 
     #[test]

@@ -2545,7 +2545,11 @@ mod tests {
     fn releases_agree_on_the_newest_version_both_speak() {
         // This build and the next (speaking N and N+1), the previous (N-1 and N).
         assert_eq!(agree_within(2..=3, 3), Some(3));
-        assert_eq!(agree_within(2..=3, 2), Some(2), "an older caller, in its version");
+        assert_eq!(
+            agree_within(2..=3, 2),
+            Some(2),
+            "an older caller, in its version"
+        );
         assert_eq!(agree_within(2..=2, 3), Some(2), "a newer caller, in ours");
         assert_eq!(agree_within(3..=4, 2), None, "two releases apart");
         assert_eq!(agree(PROTOCOL_VERSION), Some(PROTOCOL_VERSION));

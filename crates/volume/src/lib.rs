@@ -218,7 +218,9 @@ pub enum VolumeError {
     },
     #[error("volume {volume}: a read or write of {len} bytes is longer than one request may be ({max} bytes); split it")]
     TooLong { volume: String, len: u64, max: u64 },
-    #[error("cannot place a new slab of volume {volume}: {why}")]
+    /// No room for the write: its new slab could not be placed, or the drives of its
+    /// copies refused it for lack of space. Nothing was acked; the client gets ENOSPC.
+    #[error("volume {volume}: no space for the write: {why}")]
     NoSpace { volume: String, why: String },
     #[error("volume {volume}: replica on node {node} drive {drive} failed: {error}")]
     Replica {
@@ -255,6 +257,22 @@ pub enum VolumeError {
     /// A snapshot operation that cannot be done (docs/SNAPSHOTS.md says what is supported).
     #[error("volume {volume}: {why}")]
     Snapshot { volume: String, why: String },
+}
+
+impl VolumeError {
+    /// The write failed for lack of space (placement, or a drive of a copy), whichever
+    /// layer said so: the one test every front end (NBD, vhost, redirected I/O) uses to
+    /// answer "no space" rather than an I/O error.
+    pub fn is_no_space(&self) -> bool {
+        matches!(
+            self,
+            VolumeError::NoSpace { .. }
+                | VolumeError::Replica {
+                    error: ReplicaError::NoSpace(_),
+                    ..
+                }
+        )
+    }
 }
 
 /// What the owner needs to serve a volume.
@@ -787,7 +805,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 copies,
                 !self.compression().is_none(),
             )
-            .await?;
+            .await
+            .map_err(|e| match e {
+                // The allocator knows the volume by id; the client and the log by name.
+                VolumeError::NoSpace { why, .. } => VolumeError::NoSpace {
+                    volume: self.cfg.name.clone(),
+                    why,
+                },
+                e => e,
+            })?;
         self.floor_new_slab(idx, &extents).await;
         self.adopt(idx, extents).await
     }
@@ -879,8 +905,11 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     fn account<T>(&self, r: &Result<T, VolumeError>, start: Instant, write: bool, len: u64) {
         let c = &self.counters;
-        if r.is_err() {
+        if let Err(e) = r {
             c.errors.fetch_add(1, Ordering::Relaxed);
+            if e.is_no_space() {
+                c.no_space_errors.fetch_add(1, Ordering::Relaxed);
+            }
             return;
         }
         let us = start.elapsed().as_micros() as u64;
@@ -985,7 +1014,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// Runs `op` on every target copy in parallel and settles the outcome. While fewer
     /// than `min_replicas` in-sync copies succeeded, the copies that failed are retried
     /// (the same version: idempotent) until `degraded_write_wait` — a slow or briefly
-    /// unreachable copy does not fail the write.
+    /// unreachable copy does not fail the write. A copy whose drive has no room is not
+    /// retried: space does not come back in a moment, and the client is owed a prompt
+    /// "no space" (a VM may pause on it, an application free space and retry).
     async fn replicate<F, Fut>(
         &self,
         idx: SlabIndex,
@@ -1027,7 +1058,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     Err(e) => failed.push((at, e)),
                 }
             }
-            let in_sync_failed = failed.iter().any(|(at, _)| at.state == ExtentState::InSync);
+            let in_sync_failed = failed
+                .iter()
+                .any(|(at, e)| at.state == ExtentState::InSync && retryable(e));
             if failed.is_empty()
                 || ok_in_sync >= self.min_replicas_of(idx)
                 || !in_sync_failed
@@ -1039,8 +1072,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             // Retry only in-sync copies still in sync (one marked stale meanwhile is out).
             let now = slab.extents();
-            let (retry, rest): (Vec<_>, Vec<_>) = failed.into_iter().partition(|(at, _)| {
+            let (retry, rest): (Vec<_>, Vec<_>) = failed.into_iter().partition(|(at, e)| {
                 at.state == ExtentState::InSync
+                    && retryable(e)
                     && now
                         .iter()
                         .any(|e| e.drive == at.drive && e.state == ExtentState::InSync)
@@ -1086,6 +1120,19 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
         }
         if ok_in_sync < self.min_replicas_of(idx) {
+            // Short of copies because drives had no room: the client is told so.
+            if let Some((at, e)) = failed
+                .iter()
+                .find(|(_, e)| matches!(e, ReplicaError::NoSpace(_)))
+            {
+                return Err(VolumeError::NoSpace {
+                    volume: self.cfg.name.clone(),
+                    why: format!(
+                        "slab {idx}: the drive of its copy on node {} ({}) has no room: {e}",
+                        at.node, at.drive
+                    ),
+                });
+            }
             return Err(VolumeError::Degraded {
                 volume: self.cfg.name.clone(),
                 slab: idx,
@@ -1675,8 +1722,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .await
             .and_then(|()| self.check_serving());
         self.counters.zero_ops.fetch_add(1, Ordering::Relaxed);
-        if r.is_err() {
+        if let Err(e) = &r {
             self.counters.errors.fetch_add(1, Ordering::Relaxed);
+            if e.is_no_space() {
+                self.counters
+                    .no_space_errors
+                    .fetch_add(1, Ordering::Relaxed);
+            }
         }
         r
     }
@@ -1811,6 +1863,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // failed on some copies: they are marked stale, and repair resyncs them (from a
         // zeroed copy) as after any failed write.
         if let Err(e) = &zeroed {
+            if e.is_no_space() {
+                // Drives of its copies had no room for it: it holds nothing yet, so it is
+                // given back, and a later write places it afresh where there is room then
+                // (space freed later may be on other drives than these).
+                self.give_back_new_slab(idx, &slab).await;
+                return Err(e.clone());
+            }
             if matches!(e, VolumeError::Fenced { .. }) || slab.suspect.load(Ordering::Acquire) {
                 return Err(e.clone());
             }
@@ -1820,6 +1879,26 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             .expect("slab map lock poisoned")
             .insert(idx, slab.clone());
         zeroed.map(|_| slab)
+    }
+
+    /// Deletes the record of a slab this owner just placed and that was never taken up
+    /// (its first zero found no room), and frees whatever copies took the zero. The
+    /// caller holds `alloc_lock`, so no write can use the slab meanwhile. If the record
+    /// cannot be deleted now, it stays: the next write takes it up again and zeroes first.
+    async fn give_back_new_slab(&self, idx: SlabIndex, slab: &Arc<Slab>) {
+        let extents = slab.extents();
+        let upto = Version(self.epoch().0 << 32 | slab.seq.load(Ordering::Acquire));
+        match self.alloc.release(self.cfg.id, &[idx], self.epoch()).await {
+            Ok(()) => {
+                self.forget_released(idx, slab);
+                self.free_extents(idx, &extents, upto).await;
+            }
+            Err(e) => log::warn!(
+                "volume {}: new slab {idx} found no room and could not be given back ({e}); \
+                 the next write to it tries its copies again",
+                self.cfg.name
+            ),
+        }
     }
 
     /// Zeroes part of a slab; when the zeroes of this term add up to the whole slab, it is
@@ -2074,6 +2153,12 @@ where
 
 /// A small join-all: polls every future each wake-up (the sets here are tiny: one future
 /// per copy or per slab touched; the node's API uses it for one request per node).
+/// Whether a copy's failure may pass if the operation is asked again shortly (a slow or
+/// briefly unreachable copy); a drive with no room does not.
+fn retryable(e: &ReplicaError) -> bool {
+    !matches!(e, ReplicaError::NoSpace(_))
+}
+
 pub async fn join_all<F: Future>(futs: Vec<F>) -> Vec<F::Output> {
     use std::pin::Pin;
     use std::task::Poll;

@@ -55,6 +55,8 @@ pub struct VolumeCounters {
     pub write_bytes: AtomicU64,
     pub zero_ops: AtomicU64,
     pub errors: AtomicU64,
+    /// Client writes (and zeroes) refused for lack of space (counted in `errors` too).
+    pub no_space_errors: AtomicU64,
     /// Blocks found bad on a replica and rewritten from a good copy.
     pub repaired_blocks: AtomicU64,
     /// Copies marked stale because they failed a write.
@@ -84,6 +86,8 @@ pub struct VolumeStats {
     pub write_bytes: u64,
     pub zero_ops: u64,
     pub errors: u64,
+    #[serde(default)]
+    pub no_space_errors: u64,
     pub repaired_blocks: u64,
     pub extents_marked_stale: u64,
     #[serde(default)]
@@ -111,6 +115,7 @@ impl VolumeCounters {
             write_bytes: self.write_bytes.load(Relaxed),
             zero_ops: self.zero_ops.load(Relaxed),
             errors: self.errors.load(Relaxed),
+            no_space_errors: self.no_space_errors.load(Relaxed),
             repaired_blocks: self.repaired_blocks.load(Relaxed),
             extents_marked_stale: self.extents_marked_stale.load(Relaxed),
             slabs_released: self.slabs_released.load(Relaxed),

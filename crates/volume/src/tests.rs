@@ -38,6 +38,10 @@ struct MemReplicas {
     reverts: AtomicU64,
     /// Blocks a replica's recovery rolled back (reads list them as suspect until written).
     suspect: Mutex<std::collections::HashSet<(DriveId, ExtentKey, u64)>>,
+    /// Nodes whose drives have no room for a new extent (they refuse the first write or
+    /// zero of a copy they do not hold), and how many times they refused.
+    full: Mutex<Vec<NodeId>>,
+    refused_for_room: AtomicU64,
 }
 
 /// The node whose reads wait, the flag a read sets on arrival, and what lets it go on.
@@ -141,6 +145,23 @@ impl MemReplicas {
         }
         let key = op.key();
         self.check(at, key, op.epoch().expect("the owner never frees unfenced"))?;
+        if matches!(
+            op,
+            ExtentOp::Write { .. } | ExtentOp::Zero { .. } | ExtentOp::WriteHeld { .. }
+        ) && self.full.lock().unwrap().contains(&at.node)
+            && !self
+                .blocks
+                .lock()
+                .unwrap()
+                .keys()
+                .any(|k| k.0 == at.drive && k.1 == key)
+        {
+            self.refused_for_room.fetch_add(1, Ordering::Relaxed);
+            return Err(ReplicaError::NoSpace(format!(
+                "drive {} has no room for another extent",
+                at.drive
+            )));
+        }
         Ok(match op {
             ExtentOp::Write {
                 version,
@@ -1637,3 +1658,57 @@ async fn an_owner_past_its_tenure_or_retired_answers_nothing() {
 
 mod mirror_part;
 mod parity;
+
+/// A full pool (issue 42): a write that finds no room on its copies' drives fails at once
+/// with "no space" (the client's ENOSPC), not an I/O error after `degraded_write_wait` of
+/// retries; the new slab is given back, so a later write places it afresh once there is
+/// room; and what was acked before reads back. (The clock is paused: waits pass at once,
+/// so a retry loop shows as refusals counted, not as time.)
+#[tokio::test(start_paused = true)]
+async fn a_write_finding_no_room_fails_at_once_with_no_space_and_loses_nothing() {
+    let slab = 64 * 1024;
+    let (mut vol, io, alloc) = volume_with_alloc(4 * slab, slab);
+    vol.cfg.degraded_write_wait = std::time::Duration::from_secs(600);
+    let first = pattern(slab as usize, 1);
+    vol.write(0, first.clone()).await.unwrap();
+
+    // No drive has room: the new slab's first zero is refused once by each copy.
+    *io.full.lock().unwrap() = vec![NodeId(1), NodeId(2), NodeId(3)];
+    let e = vol.write(slab, pattern(4096, 2)).await.unwrap_err();
+    assert!(e.is_no_space(), "{e}");
+    assert!(e.to_string().contains("no room"), "{e}");
+    assert_eq!(
+        io.refused_for_room.load(Ordering::Relaxed),
+        3,
+        "asked once each"
+    );
+    assert!(
+        !alloc.records.lock().unwrap().contains_key(&SlabIndex(1)),
+        "the new slab was given back"
+    );
+
+    // Two of three copies without room: below min_replicas 2, so no space either; the
+    // copy that took the zero is freed with the slab.
+    *io.full.lock().unwrap() = vec![NodeId(2), NodeId(3)];
+    let e = vol.write(slab, pattern(4096, 3)).await.unwrap_err();
+    assert!(e.is_no_space(), "{e}");
+    assert!(!alloc.records.lock().unwrap().contains_key(&SlabIndex(1)));
+    let key = ExtentKey {
+        volume: VolumeId(7),
+        slab: SlabIndex(1),
+    };
+    assert!(
+        io.copy_of(DriveId(10), key).is_empty(),
+        "node 1's copy freed"
+    );
+    assert_eq!(vol.stats().no_space_errors, 2);
+
+    // Room again: the slab is placed afresh and the write acked; nothing acked was lost.
+    io.full.lock().unwrap().clear();
+    let calls = alloc.calls.load(Ordering::Relaxed);
+    let second = pattern(4096, 4);
+    vol.write(slab, second.clone()).await.unwrap();
+    assert_eq!(alloc.calls.load(Ordering::Relaxed), calls + 1);
+    assert_eq!(vol.read(0, slab).await.unwrap(), first);
+    assert_eq!(vol.read(slab, 4096).await.unwrap(), second);
+}
