@@ -286,6 +286,8 @@ fn an_idle_cluster_leaves_etcd_alone_and_a_full_etcd_is_survived_and_recovered()
         slabs, 4,
         "the last two slabs were allocated after the recovery"
     );
+    lab.must(&["lab", "down"]);
+}
 
 /// Runs fio on `uri` (its nbd engine) to the end or its first error, and returns its JSON.
 /// Fails if fio has not returned within `deadline`: a write that hangs instead of failing
