@@ -15,8 +15,8 @@ use converge_api::fleet::{FleetNode, FleetSample, WorkerSpec, WorkerStatus};
 use converge_api::lab::{SampleBlocks, SampledBlocks};
 use converge_api::{
     CacheInfo, CreateJoinToken, CreateToken, CreateVolume, CreatedToken, ErrorBody, JobInfo,
-    Joined, Maintenance, MoveVolume, NodeInfo, ResizeVolume, RevokeCert, RevokedCert,
-    ScrubRequest, ScrubResult, SetCacheMode, Settings, Status, TokenInfo, VolumeInfo,
+    Joined, Maintenance, MoveVolume, NodeInfo, ResizeVolume, RevokeCert, RevokedCert, ScrubRequest,
+    ScrubResult, SetCacheMode, Settings, Status, TokenInfo, VolumeInfo,
 };
 use serde::de::DeserializeOwned;
 use serde::Serialize;
