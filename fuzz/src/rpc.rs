@@ -36,6 +36,7 @@ pub fn rpc_wire(data: &[u8]) {
 /// A frame around `payload` with correct header and payload crcs.
 pub fn frame(msg_type: u8, request_id: u64, payload: &[u8]) -> Vec<u8> {
     let h = FrameHeader {
+        version: converge_rpc::PROTOCOL_VERSION,
         msg_type,
         flags: 0,
         request_id,

@@ -163,6 +163,7 @@ pub fn client_bytes(data: &[u8]) -> (Vec<u8>, bool) {
         let len = usize::from(inp.u16());
         let payload = inp.bytes(len);
         let mut h = FrameHeader {
+            version: PROTOCOL_VERSION,
             msg_type,
             flags: u8::from(ctl & 2 != 0),
             request_id: id,
