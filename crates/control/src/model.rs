@@ -1514,6 +1514,32 @@ impl<K: Kv> Cluster<K> {
         }
     }
 
+    /// The highest epoch ever granted for `volume` and its current owner, read together in
+    /// one request (a replica checks both when a request names a new epoch).
+    pub async fn granted_and_owner(
+        &self,
+        volume: VolumeId,
+    ) -> Result<(Epoch, Option<OwnerRecord>), ControlError> {
+        let r = self
+            .etcd
+            .txn(Txn {
+                compare: vec![],
+                success: vec![Op::Get(keys::epoch(volume)), Op::Get(keys::owner(volume))],
+                failure: vec![],
+            })
+            .await?;
+        let mut gets = r.gets.into_iter();
+        let granted = match gets.next().flatten() {
+            Some(kv) => decode(&kv, "epoch")?,
+            None => Epoch(0),
+        };
+        let owner = match gets.next().flatten() {
+            Some(kv) => Some(decode(&kv, "owner record")?),
+            None => None,
+        };
+        Ok((granted, owner))
+    }
+
     /// The current owner of a volume, if its lease is alive.
     pub async fn owner(&self, volume: VolumeId) -> Result<Option<OwnerRecord>, ControlError> {
         match self.etcd.get(&keys::owner(volume)).await? {

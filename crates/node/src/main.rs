@@ -14,6 +14,7 @@ mod fleet;
 mod http_client;
 mod join;
 mod lab_api;
+mod members;
 mod metrics;
 mod node;
 mod orphans;
@@ -304,6 +305,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         https: https_client,
         me: Default::default(),
         vhost: Default::default(),
+        members: Default::default(),
     });
     let _ = node.me.set(Arc::downgrade(&node));
     for d in &drive_recs {
@@ -373,6 +375,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let nbd_tcp = nbd_tcp.map(|l| tokio::spawn(converge_nbd::serve_tcp(l, exports, nbd_tcp_cfg)));
     let vhost_restore = tokio::spawn(vhost::restore(node.clone()));
     let keepalive = tokio::spawn(keep_alive(node.clone()));
+    let membership = tokio::spawn(members::run(node.clone()));
     let repairer = tokio::spawn(repair::run(node.clone()));
     let publisher = tokio::spawn(repair::publish(node.clone()));
     let caches = tokio::spawn(tiering::run(node.clone()));
@@ -396,6 +399,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         r = &mut nbd => bail!("NBD server stopped: {r:?}"),
     }
     keepalive.abort();
+    membership.abort();
     sweep.abort();
     repairer.abort();
     publisher.abort();
