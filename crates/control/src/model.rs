@@ -129,6 +129,10 @@ pub struct TokenRecord {
     /// Hex SHA-256 of the whole token.
     pub sha256: String,
     pub created_unix: u64,
+    /// Refused from then on (unix seconds); absent (tokens made before expiry existed, or
+    /// without one): until revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_unix: Option<u64>,
 }
 
 /// A one-time join token: whoever presents it before `expires_unix` gets a certificate
