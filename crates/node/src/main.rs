@@ -22,6 +22,7 @@ mod qos;
 mod repair;
 mod rotate;
 mod scrub;
+mod secret_files;
 mod snapshots;
 mod tiering;
 mod usage;
@@ -92,7 +93,11 @@ fn etcd_security(
         .map_err(|e| e.to_string())?,
         None => converge_control::etcd::EtcdSecurity::default(),
     };
+    if let Some(key) = &c.key_file {
+        secret_files::check(key, "etcd client key")?;
+    }
     if let (Some(user), Some(pw)) = (&c.username, &c.password_file) {
+        secret_files::check(pw, "etcd password file")?;
         let password = std::fs::read_to_string(pw)
             .map_err(|e| format!("etcd password file {}: {e}", pw.display()))?;
         sec = sec.with_user(user.clone(), password.trim_end_matches(['\n', '\r']));
@@ -148,6 +153,18 @@ const EXIT_REMOVED: i32 = 3;
 
 async fn run(args: Args, cfg: Config) -> Result<()> {
     let security = etcd_security(&cfg.etcd_tls).map_err(|e| anyhow!("etcd settings: {e}"))?;
+    if cfg.admin_token_file.exists() {
+        secret_files::check(&cfg.admin_token_file, "admin token file")
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    if cfg.etcd_endpoints.iter().any(|e| e.starts_with("http://")) {
+        log::warn!(
+            "etcd at {:?} without TLS: anyone on the network path reads and writes the \
+             control plane (epochs, placements, token hashes, the internal token); use \
+             https:// endpoints with client certificates (docs/SECURITY.md, \"etcd\")",
+            cfg.etcd_endpoints
+        );
+    }
     let etcd =
         Etcd::with_security(cfg.etcd_endpoints.clone(), security).map_err(|e| anyhow!("{e}"))?;
     let cluster = Cluster::new(etcd.clone());
