@@ -869,3 +869,59 @@ fn packaged_systemd_units_verify_and_cert_etcd_works() {
     assert!(text.contains("IP Address:10.0.0.1"), "{text}");
     assert!(text.contains("Server Authentication") && text.contains("Client Authentication"));
 }
+
+/// A read never makes a node take a volume over: `GET …/changes` and `…/snapshots?space=1`
+/// opened a volume no node served (a new epoch, every copy fenced, at a read-only token's
+/// word). Now they answer 409 saying how to have it served, and are answered once a client
+/// serves it. And a token made to expire is refused once it has, saying so.
+#[test]
+fn reads_never_take_a_volume_over_and_tokens_expire() {
+    let lab = Lab::up(1, &[]);
+    let api = node_api(&lab, 1);
+    let uri = lab.create_volume("v", "16M", "simple");
+    lab.must(&["volume", "snapshot", "create", "v", "s0"]);
+    // After a restart nobody serves it (nothing is degraded: the leader leaves it be).
+    lab.kill_all_and_restart(1);
+    lab.wait_for("the node to answer", Duration::from_secs(120), || {
+        try_get(&lab, &api, "/v1/status", &lab.token())
+            .is_some_and(|a| a.starts_with("HTTP/1.1 200"))
+    });
+    let token = |args: &[&str]| -> String {
+        let mut all = vec!["token", "create"];
+        all.extend_from_slice(args);
+        all.push("--json");
+        let v: serde_json::Value = serde_json::from_str(&lab.must(&all)).unwrap();
+        v["token"].as_str().unwrap().to_string()
+    };
+    let ro = token(&["backup", "--role", "read-only"]);
+    let reads = [
+        "/v1/volumes/v/changes?from=s0",
+        "/v1/volumes/v/snapshots?space=1",
+    ];
+    for _ in 0..2 {
+        for path in reads {
+            let (status, text) = api_call(&lab, &api, "GET", path, Some(&ro), "");
+            assert_eq!(status, 409, "{path}: {text}");
+            assert!(text.contains("not served by any node"), "{text}");
+        }
+    }
+    // A client serves it (it takes the volume, as before); then the reads are answered.
+    must(Command::new("nbdinfo").arg(&uri));
+    for path in reads {
+        let (status, text) = api_call(&lab, &api, "GET", path, Some(&ro), "");
+        assert_eq!(status, 200, "{path}: {text}");
+    }
+
+    // Expiry: a token that lasts one second works, then is refused as expired.
+    let brief = token(&["brief", "--role", "read-only", "--expires-in", "1s"]);
+    let list = lab.must(&["token", "list"]);
+    assert!(list.contains("EXPIRES") && list.contains("never"), "{list}");
+    lab.wait_for("the token to expire", Duration::from_secs(60), || {
+        let (status, text) = api_call(&lab, &api, "GET", "/v1/status", Some(&brief), "");
+        status == 401 && text.contains("expired")
+    });
+    assert_eq!(
+        api_call(&lab, &api, "GET", "/v1/status", Some(&ro), "").0,
+        200
+    );
+}

@@ -533,6 +533,30 @@ mod tests {
                 data,
                 codec: converge_types::Compression::None,
             },
+            // A bound of a later term reaches every later write too: a release would free
+            // the copy whatever it holds, a settle drop the priors of writes not yet made.
+            ExtentOp::Release {
+                key: KEY,
+                epoch: Epoch(1),
+                upto: Version(u64::MAX),
+            },
+            ExtentOp::Settle {
+                key: KEY,
+                epoch: Epoch(1),
+                upto: Version(1 << 32),
+                rows: vec![converge_types::SettleRows {
+                    first: 0,
+                    count: 1,
+                    upto: Version(u64::MAX),
+                }],
+            },
+            ExtentOp::Revert {
+                key: KEY,
+                epoch: Epoch(1),
+                version: Version(2 << 32),
+                offset: 0,
+                len: BS as u32,
+            },
         ] {
             let what = op.name();
             match execute(&t, op) {
