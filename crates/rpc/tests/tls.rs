@@ -234,7 +234,11 @@ async fn a_host_holding_every_slot_in_handshakes_does_not_keep_a_peer_out() {
             Err(_) => break,
         }
     }
-    assert!(held.len() >= converge_rpc::CONNECTIONS_MAX, "{}", held.len());
+    assert!(
+        held.len() >= converge_rpc::CONNECTIONS_MAX,
+        "{}",
+        held.len()
+    );
     // A real peer from another address (127.0.0.1), with a generous wait (longer than
     // the new handshake deadline, far shorter than the stranger's hold before).
     let peer = RpcClient::with_tls(
