@@ -537,7 +537,17 @@ impl World {
         } else {
             Caller::Peer(from)
         };
-        match admission.check(&cluster, caller, drive, op, || holds).await {
+        let checked = admission.check(&cluster, caller, drive, op, || holds).await;
+        if let Err(r) = &checked {
+            self.trace(|| {
+                format!(
+                    "n{node}: admission refused n{from}'s {} of {key:?} at {:?}: {r:?}",
+                    op.name(),
+                    op.epoch()
+                )
+            });
+        }
+        match checked {
             Ok(()) => None,
             Err(Refusal::NotOwner(why)) if op.epoch().is_some() => {
                 // Only owners send epochs, and an epoch is one node's: a bug.
