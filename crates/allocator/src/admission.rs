@@ -19,12 +19,15 @@
 //!   when the extent is freed (a slab released by TRIM, a copy moved), so a deposed
 //!   owner's late write must not create it again under a new incarnation's record.
 //!   Checked only when the drive does not hold the extent yet;
-//! * a copy its slab record still places on this drive is never freed, by a `Free` or by
-//!   a `Release` (its blocks would read as zeros): the owner releases a slab only after it
-//!   deleted the slab's record.
+//! * a copy its slab record still places on this drive is never freed by a `Free` (its
+//!   blocks would read as zeros). A `Release` (thin reclaim) comes only from the owner (the
+//!   caller check above), which sends it once it has deleted the slab's record; the engine
+//!   keeps the extent if a block is newer than the release's bound (a later incarnation).
+//!   It is not checked against the record here: that read would delay the release past a
+//!   new incarnation's first write, which the simulator showed losing that write.
 //!
 //! Per request this costs two hash lookups under read locks; etcd is asked once per volume
-//! and new epoch (a takeover, a snapshot), and for every `Free` and `Release` (rare).
+//! and new epoch (a takeover, a snapshot), and for every `Free` (rare).
 
 use converge_control::kv::Kv;
 use converge_control::model::{Cluster, OwnerRecord};
@@ -112,9 +115,6 @@ impl Admission {
                 }
                 confirm_free(cluster, drive, key).await?
             }
-        }
-        if matches!(op, ExtentOp::Release { .. }) {
-            confirm_free(cluster, drive, key).await?;
         }
         if op.creates_extent() && !holds_extent() {
             confirm_placed(cluster, drive, key).await?;
