@@ -119,3 +119,153 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
     new.allocate(vol, SlabIndex(2), e2, 2, false).await.unwrap();
     assert_eq!(c.slabs(vol).await.unwrap().len(), 3);
 }
+
+/// A peer's extent operations are admitted only from the volume's owner (issue 48): another
+/// member at the current epoch is refused (writes, fences, releases), a deposed owner is
+/// fenced, and a `Free` of a volume with an owner comes only from it. Learned once per
+/// volume and epoch: with etcd gone, the owner's requests are still admitted from what this
+/// node knows (no etcd read per request).
+#[tokio::test]
+async fn only_the_owner_acts_on_copies_and_placed_copies_are_never_released() {
+    use converge_allocator::admission::{Admission, Caller, Refusal};
+    use converge_types::{ExtentKey, ExtentOp, Version};
+    let mut srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let lease = etcd.lease_grant(60).await.unwrap();
+    cluster_of(&c, 3, lease).await;
+    let vol = VolumeId(11);
+    let e1 = c.claim_ownership(vol, NodeId(1), lease).await.unwrap();
+    let owner = Allocator::new(c.clone(), NodeId(1), 0);
+    let placed = owner
+        .allocate(vol, SlabIndex(0), e1, 3, false)
+        .await
+        .unwrap();
+    // This replica is node 3; it holds a copy of slab 0.
+    let drive = placed.iter().find(|e| e.node == NodeId(3)).unwrap().drive;
+    let key = ExtentKey {
+        volume: vol,
+        slab: SlabIndex(0),
+    };
+    let adm = Admission::new();
+    let check = |caller: Caller, op: ExtentOp| {
+        let adm = &adm;
+        let c = &c;
+        async move { adm.check(c, caller, drive, &op, || true).await }
+    };
+    let in_term_max = Version(e1.0 << 32 | 0xffff_ffff);
+    let write = |epoch: Epoch| ExtentOp::Zero {
+        key,
+        epoch,
+        version: in_term_max,
+        offset: 0,
+        len: 4096,
+    };
+    let release = |epoch: Epoch, upto: Version| ExtentOp::Release { key, epoch, upto };
+
+    // The owner is admitted; another member at the same epoch is not, for writes, fences
+    // and releases alike.
+    assert_eq!(check(Caller::Peer(NodeId(1)), write(e1)).await, Ok(()));
+    for op in [
+        write(e1),
+        ExtentOp::Digest { key, epoch: e1 },
+        release(e1, in_term_max),
+    ] {
+        match check(Caller::Peer(NodeId(2)), op).await {
+            Err(Refusal::NotOwner(m)) => assert!(m.contains("not the owner"), "{m}"),
+            other => panic!("a member that is not the owner: {other:?}"),
+        }
+    }
+    // The owner's release is its own to send (the engine keeps what is newer than it).
+    assert_eq!(
+        check(Caller::Peer(NodeId(1)), release(e1, in_term_max)).await,
+        Ok(())
+    );
+    // A free of a copy of an owned volume, from another member: refused.
+    assert!(matches!(
+        check(Caller::Peer(NodeId(2)), ExtentOp::Free { key }).await,
+        Err(Refusal::NotOwner(_))
+    ));
+    // This node's own requests are not the owner check's business.
+    assert_eq!(
+        check(Caller::Local, ExtentOp::Digest { key, epoch: e1 }).await,
+        Ok(())
+    );
+
+    // Node 2 takes over: node 1 is deposed, node 2 admitted.
+    c.release_ownership(vol, NodeId(1)).await.unwrap();
+    let e2 = c.claim_ownership(vol, NodeId(2), lease).await.unwrap();
+    assert_eq!(check(Caller::Peer(NodeId(2)), write(e2)).await, Ok(()));
+    match check(Caller::Peer(NodeId(1)), write(e1)).await {
+        Err(Refusal::Deposed { current, .. }) => assert_eq!(current, e2),
+        other => panic!("a deposed owner: {other:?}"),
+    }
+    assert!(matches!(
+        check(Caller::Peer(NodeId(1)), write(e2)).await,
+        Err(Refusal::NotOwner(_))
+    ));
+
+    // Learned: with etcd gone, the owner's requests at its epoch are still admitted, and
+    // the others still refused, from memory.
+    srv.stop();
+    assert_eq!(check(Caller::Peer(NodeId(2)), write(e2)).await, Ok(()));
+    assert_eq!(
+        check(Caller::Peer(NodeId(2)), ExtentOp::Digest { key, epoch: e2 }).await,
+        Ok(())
+    );
+    assert!(matches!(
+        check(Caller::Peer(NodeId(3)), write(e2)).await,
+        Err(Refusal::NotOwner(_))
+    ));
+}
+
+/// Once a slab's record is deleted (thin reclaim), its owner's release is admitted; and a
+/// deleted volume's copies may be freed by any member (the node that ran the delete).
+#[tokio::test]
+async fn released_and_deleted_copies_may_be_freed() {
+    use converge_allocator::admission::{Admission, Caller};
+    use converge_types::{ExtentKey, ExtentOp, Version};
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let lease = etcd.lease_grant(60).await.unwrap();
+    cluster_of(&c, 3, lease).await;
+    let vol = VolumeId(12);
+    let e1 = c.claim_ownership(vol, NodeId(1), lease).await.unwrap();
+    let owner = Allocator::new(c.clone(), NodeId(1), 0);
+    let placed = owner
+        .allocate(vol, SlabIndex(0), e1, 3, false)
+        .await
+        .unwrap();
+    let drive = placed.iter().find(|e| e.node == NodeId(3)).unwrap().drive;
+    let key = ExtentKey {
+        volume: vol,
+        slab: SlabIndex(0),
+    };
+    let adm = Admission::new();
+    owner.release(vol, &[SlabIndex(0)], e1).await.unwrap();
+    let upto = Version(e1.0 << 32 | 7);
+    let release = ExtentOp::Release {
+        key,
+        epoch: e1,
+        upto,
+    };
+    assert_eq!(
+        adm.check(&c, Caller::Peer(NodeId(1)), drive, &release, || true)
+            .await,
+        Ok(())
+    );
+    // The volume is deleted (its owner record goes with it): any member may free.
+    c.release_ownership(vol, NodeId(1)).await.unwrap();
+    assert_eq!(
+        adm.check(
+            &c,
+            Caller::Peer(NodeId(2)),
+            drive,
+            &ExtentOp::Free { key },
+            || true
+        )
+        .await,
+        Ok(())
+    );
+}

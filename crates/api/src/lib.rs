@@ -735,7 +735,14 @@ pub struct CreateToken {
     /// What it is for ("ci", "grafana", a person's name).
     pub name: String,
     pub role: Role,
+    /// Seconds it may be used from now (at most [`TOKEN_TTL_S_MAX`]); absent: until
+    /// revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_in_s: Option<u64>,
 }
+
+/// The longest an expiring API token may be made to last: ten years.
+pub const TOKEN_TTL_S_MAX: u64 = 10 * 366 * 24 * 3600;
 
 /// One API token as listed (`GET /v1/tokens`): never the secret.
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -744,6 +751,9 @@ pub struct TokenInfo {
     pub name: String,
     pub role: Role,
     pub created_unix: u64,
+    /// When it stops being accepted (unix seconds); absent: when revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_unix: Option<u64>,
 }
 
 /// The answer to `POST /v1/tokens`: the token itself, shown this once.

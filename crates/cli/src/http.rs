@@ -5,7 +5,8 @@
 //! The API speaks only TLS (`https://`, the default for a bare `HOST:PORT`); the node's
 //! certificate is checked against the cluster's CA certificate (`--ca`/`$CONVERGE_CA`, else
 //! the lab's, else `/etc/converge/pki/ca.crt`) and the host name or address in the URL.
-//! `http://` is for other services (etcd's `/health`).
+//! `http://` is for other services (etcd's `/health`): a request that would carry the API
+//! token over it is refused before anything is sent.
 //!
 //! Any node answers for the cluster, so the CLI is given a list of API endpoints
 //! (`--api`/`$CONVERGE_API`, comma-separated) and tries them in turn: a node that cannot be
@@ -229,6 +230,7 @@ fn request_one(
             "API address {base:?} must start with https://"
         )));
     };
+    let auth = plain_text_guard(tls, base, auth_header(path)).map_err(Failure::NotSent)?;
     // A bounded connect: a node cut off the network (a lab partition) must fail in
     // seconds, not after the kernel's SYN retries.
     let tcp = connect(hostport).map_err(|e| Failure::NotSent(e.into()))?;
@@ -260,7 +262,7 @@ fn request_one(
         let body = body.unwrap_or(&[]);
         let head = format!(
             "{method} {path} HTTP/1.1\r\nHost: {hostport}\r\nConnection: close\r\nContent-Type: application/json\r\n{}Content-Length: {}\r\n\r\n",
-            auth_header(path),
+            auth,
             body.len()
         );
         s.write_all(head.as_bytes())?;
@@ -276,6 +278,20 @@ fn request_one(
     parse(&raw)
         .with_context(|| format!("bad HTTP answer from {base}{path}"))
         .map_err(Failure::NoAnswer)
+}
+
+/// The `Authorization` header line for a request to `base`, refused over plain `http://`:
+/// a bearer token sent in the clear is anyone's who can watch the network.
+fn plain_text_guard(tls: bool, base: &str, header: String) -> Result<String> {
+    if !tls && !header.is_empty() {
+        bail!(
+            "refusing to send the API token to {base} over plain http:// (anyone on the \
+             network could read it and act as you): the converge API speaks https only; give \
+             https://{}",
+            base.trim_start_matches("http://")
+        );
+    }
+    Ok(header)
 }
 
 /// The host part of `host:port` (`[v6]:port` too).
@@ -391,6 +407,28 @@ mod tests {
         let r = parse(b"HTTP/1.1 404 Not Found\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n").unwrap();
         assert_eq!((r.status, &r.body[..]), (404, &b"abcde"[..]));
         assert!(parse(b"garbage").is_err());
+    }
+
+    /// The bearer token never leaves over plain http (before, `--api http://HOST:PORT`
+    /// sent it in the clear).
+    #[test]
+    fn the_token_is_never_sent_over_plain_http() {
+        let token = "Authorization: Bearer cvt.x.y\r\n".to_string();
+        let e = plain_text_guard(false, "http://10.0.0.1:7200", token.clone()).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains("refusing to send the API token") && msg.contains("https://10.0.0.1:7200"),
+            "{msg}"
+        );
+        assert_eq!(
+            plain_text_guard(true, "https://10.0.0.1:7200", token.clone()).unwrap(),
+            token
+        );
+        // Without a token (etcd's /health), plain http is fine.
+        assert_eq!(
+            plain_text_guard(false, "http://127.0.0.1:2379", String::new()).unwrap(),
+            ""
+        );
     }
 
     #[test]

@@ -130,8 +130,12 @@ enum TokenCmd {
         /// admin (also delete volumes, change settings, manage tokens).
         #[arg(long, default_value = "read-only")]
         role: converge_types::Role,
+        /// How long it may be used, e.g. 30d, 12h, 90m (at most 10 years); without it, the
+        /// token lasts until revoked.
+        #[arg(long)]
+        expires_in: Option<String>,
     },
-    /// The tokens (ids, names, roles; never the secrets).
+    /// The tokens (ids, names, roles, expiry; never the secrets).
     List,
     /// Revoke a token by id: refused at once by the node that revokes it, by the others
     /// within 10 seconds. `internal` retires the shared token of a cluster made before
@@ -210,18 +214,19 @@ fn parse_overcommit_ratio(s: &str) -> Result<u32> {
     Ok(pct as u32)
 }
 
-/// "90", "90s", "10m", "1h" → seconds.
+/// "90", "90s", "10m", "1h", "30d" → seconds.
 fn parse_duration_s(s: &str) -> Result<u64> {
     let t = s.trim();
     let (num, mul) = match t.char_indices().last() {
         Some((i, 's')) => (&t[..i], 1),
         Some((i, 'm')) => (&t[..i], 60),
         Some((i, 'h')) => (&t[..i], 3600),
+        Some((i, 'd')) => (&t[..i], 86_400),
         _ => (t, 1),
     };
     let n: u64 = num
         .parse()
-        .map_err(|_| anyhow::anyhow!("{s:?} is not a duration like 90s, 10m or 1h"))?;
+        .map_err(|_| anyhow::anyhow!("{s:?} is not a duration like 90s, 10m, 1h or 30d"))?;
     n.checked_mul(mul)
         .ok_or_else(|| anyhow::anyhow!("{s:?} is too long a duration"))
 }
@@ -822,10 +827,23 @@ fn api_base(cli: &Cli) -> Result<String> {
 fn run_token(cli: &Cli, c: &TokenCmd) -> Result<()> {
     let base = api_base(cli)?;
     match c {
-        TokenCmd::Create { name, role } => {
+        TokenCmd::Create {
+            name,
+            role,
+            expires_in,
+        } => {
+            let expires_in_s = expires_in
+                .as_deref()
+                .map(|t| {
+                    parse_duration_s(t).with_context(|| {
+                        format!("--expires-in {t:?}: give a duration such as 30d, 12h or 90m")
+                    })
+                })
+                .transpose()?;
             let body = serde_json::to_value(converge_api::CreateToken {
                 name: name.clone(),
                 role: *role,
+                expires_in_s,
             })?;
             let t: converge_api::CreatedToken =
                 http::call(&base, "POST", "/v1/tokens", Some(&body))?;
@@ -843,9 +861,18 @@ fn run_token(cli: &Cli, c: &TokenCmd) -> Result<()> {
             if cli.json {
                 return print_json(&v);
             }
-            println!("{:<18} {:<10} NAME", "ID", "ROLE");
+            println!("{:<18} {:<10} {:<12} NAME", "ID", "ROLE", "EXPIRES");
             for t in v {
-                println!("{:<18} {:<10} {}", t.id, t.role.to_string(), t.name);
+                let expires = t
+                    .expires_unix
+                    .map_or_else(|| "never".to_string(), |at| at.to_string());
+                println!(
+                    "{:<18} {:<10} {:<12} {}",
+                    t.id,
+                    t.role.to_string(),
+                    expires,
+                    t.name
+                );
             }
         }
         TokenCmd::Revoke { id } => {

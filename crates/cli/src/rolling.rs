@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 
 /// How one node is restarted.
 pub enum Restart {
-    /// `sh -c TEMPLATE` with `{id}`, `{name}` and `{host}` (the host of the node's API
-    /// address) replaced.
+    /// `sh -c TEMPLATE` where `{id}`, `{name}` and `{host}` (the host of the node's API
+    /// address) stand for the node's values, passed to the shell as arguments (`"$1"`,
+    /// `"$2"`, `"$3"`), never spliced into the command: a name in etcd is data, not shell.
     Exec(String),
     /// The lab in this directory stops the node's process and starts it again.
     Lab(PathBuf),
@@ -105,26 +106,12 @@ fn log_line(s: &str) {
 fn restart(how: &Restart, info: &NodeInfo) -> Result<()> {
     match how {
         Restart::Exec(template) => {
-            let host = info
-                .api_addr
-                .trim_start_matches("https://")
-                .rsplit_once(':')
-                .map_or(info.api_addr.as_str(), |(h, _)| h)
-                .trim_start_matches('[')
-                .trim_end_matches(']')
-                .to_string();
-            let cmd = template
-                .replace("{id}", &info.id.0.to_string())
-                .replace("{name}", &info.name)
-                .replace("{host}", &host);
-            log_line(&format!("node {}: running {cmd}", info.id));
-            let st = std::process::Command::new("sh")
-                .arg("-c")
-                .arg(&cmd)
-                .status()
-                .with_context(|| format!("running {cmd}"))?;
+            let mut cmd = exec_command(template, info)?;
+            let shown = format!("{cmd:?}");
+            log_line(&format!("node {}: running {shown}", info.id));
+            let st = cmd.status().with_context(|| format!("running {shown}"))?;
             if !st.success() {
-                bail!("node {}: `{cmd}` failed ({st}); stopping here", info.id);
+                bail!("node {}: `{shown}` failed ({st}); stopping here", info.id);
             }
             Ok(())
         }
@@ -139,6 +126,55 @@ fn restart(how: &Restart, info: &NodeInfo) -> Result<()> {
             crate::lab::restart_node(&mut l, info.id.0)
         }
     }
+}
+
+/// The host of a node's API address (`HOST:PORT`, `[V6]:PORT`, with or without https://).
+fn host_of(api_addr: &str) -> &str {
+    api_addr
+        .trim_start_matches("https://")
+        .rsplit_once(':')
+        .map_or(api_addr, |(h, _)| h)
+        .trim_start_matches('[')
+        .trim_end_matches(']')
+}
+
+/// `sh -c TEMPLATE sh ID NAME HOST`, with `{id}`, `{name}` and `{host}` in the template
+/// turned into `"$1"`, `"$2"` and `"$3"`: whatever the values hold, the shell sees them as
+/// words, never as commands. Values that are no node name or host name at all (a record
+/// written by hand into etcd, say) are refused before anything runs.
+fn exec_command(template: &str, info: &NodeInfo) -> Result<std::process::Command> {
+    let host = host_of(&info.api_addr);
+    if !converge_types::valid_node_name(&info.name) {
+        bail!(
+            "node {}: its name {:?} in etcd is not a node name (letters, digits, '.', '_', \
+             '-'): refusing to run --exec for it",
+            info.id,
+            info.name
+        );
+    }
+    if host.is_empty()
+        || !host
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'-' | b':'))
+    {
+        bail!(
+            "node {}: the host {host:?} of its API address in etcd is not an address or host \
+             name: refusing to run --exec for it",
+            info.id
+        );
+    }
+    let script = template
+        .replace("{id}", "\"$1\"")
+        .replace("{name}", "\"$2\"")
+        .replace("{host}", "\"$3\"");
+    let mut cmd = std::process::Command::new("sh");
+    cmd.arg("-c")
+        .arg(script)
+        .arg("sh")
+        .arg(info.id.0.to_string())
+        .arg(&info.name)
+        .arg(host);
+    Ok(cmd)
 }
 
 /// Restarts `nodes` (all, in id order, if empty) one at a time; see the module doc.
@@ -198,4 +234,55 @@ pub fn run(base: &str, how: &Restart, nodes: &[u32], timeout: Duration) -> Resul
         steps.push(step);
     }
     Ok(steps)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn info(name: &str, api: &str) -> NodeInfo {
+        NodeInfo {
+            name: name.to_string(),
+            api_addr: api.to_string(),
+            live: true,
+            ..NodeInfo::down(converge_types::NodeId(2))
+        }
+    }
+
+    fn output(template: &str, i: &NodeInfo) -> String {
+        let out = exec_command(template, i).unwrap().output().unwrap();
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    }
+
+    /// The values come from etcd, which anyone holding a node's etcd credentials writes:
+    /// they reach the command as words, never as shell (before, a node named
+    /// `x;touch /tmp/owned` ran that command on the operator's machine).
+    #[test]
+    fn exec_values_are_arguments_not_shell() {
+        let ok = info("node-2.rack1", "10.0.0.2:7200");
+        assert_eq!(
+            output("echo {id} {name} {host}", &ok),
+            "2 node-2.rack1 10.0.0.2\n"
+        );
+        let v6 = info("n2", "https://[fd00::2]:7200");
+        assert_eq!(output("echo ssh root@{host}", &v6), "ssh root@fd00::2\n");
+        let dir = tempfile::tempdir().unwrap();
+        let marker = dir.path().join("owned");
+        for (name, api) in [
+            (
+                format!("x;touch {}", marker.display()),
+                "10.0.0.2:7200".to_string(),
+            ),
+            ("$(id)".to_string(), "10.0.0.2:7200".to_string()),
+            (
+                "n2".to_string(),
+                format!("`touch {}`:7200", marker.display()),
+            ),
+        ] {
+            let e = exec_command("echo {name} {host}", &info(&name, &api)).unwrap_err();
+            assert!(e.to_string().contains("refusing to run --exec"), "{e}");
+        }
+        assert!(!marker.exists());
+    }
 }

@@ -153,7 +153,9 @@ fn a_half_sent_api_request_is_closed() {
 
 /// What a stranger who learned the cluster id (from `GET /v1/status`) could do with a few
 /// peer requests, each of which once worked (now the peer port wants a certificate of the
-/// cluster's CA naming the node, so these are tried with a member's genuine certificate): stamp a version from the far future on every
+/// cluster's CA naming the node, so these are tried with members' genuine certificates, the
+/// owner's and another's: a member that is not the owner may not act on the copies at all,
+/// nor a node that never joined forward volume I/O): stamp a version from the far future on every
 /// copy (later writes acked and dropped), fence every copy at epoch `u64::MAX` (the volume
 /// unwritable for good), free every copy (reads return zeros), write to an invented volume
 /// (space the control plane does not see), and make the owner allocate 512 MiB for one
@@ -280,9 +282,8 @@ fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
         }
     }
     // Defence in depth: even a member's genuine certificate (a compromised node) cannot do
-    // any of what follows.
-    let client = |node: u64| {
-        let me = node as u32 % 3 + 1;
+    // any of what follows, whether it is the volume's owner or not.
+    let client = |node: u64, me: u32| {
         RpcClient::with_tls(
             rpc_of(node),
             Hello::new(cluster, NodeId(me)),
@@ -302,76 +303,145 @@ fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
         data: block.clone(),
         codec: converge_types::Compression::None,
     };
-    let refused = |what: &str, node: u64, req: Request, because: &str| {
-        let r = rt.block_on(client(node).call(req));
-        match r {
+    let refusal = |node: u64, me: u32, req: Request| -> (ErrorCode, String) {
+        match rt.block_on(client(node, me).call(req)) {
             Ok(Response::Err { code, message }) | Err(RpcError::Remote { code, message }) => {
-                assert_eq!(code, ErrorCode::Invalid, "{what}: {message}");
-                assert!(message.contains(because), "{what}: {message}");
+                (code, message)
             }
-            other => panic!("{what} on node {node}: not refused: {other:?}"),
+            other => panic!("node {node} did not refuse node {me}: {other:?}"),
         }
     };
+    let refused = |what: &str, node: u64, me: u32, req: Request, because: &str| {
+        let (code, message) = refusal(node, me, req);
+        assert_eq!(code, ErrorCode::Invalid, "{what}: {message}");
+        assert!(message.contains(because), "{what}: {message}");
+    };
+    let owner_id = owner as u32;
+    let other = owner_id % 3 + 1;
+    // The volume's current epoch, as a replica's refusal of a later one names it.
+    let epoch: u64 = {
+        let (_, m) = refusal(
+            copies[0].0,
+            owner_id,
+            Request::Extent {
+                drive: copies[0].1,
+                op: write(key, u64::MAX, 1),
+            },
+        );
+        let at = m.find("latest is ").expect("the granted epoch") + "latest is ".len();
+        m[at..]
+            .split(|c: char| !c.is_ascii_digit())
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap()
+    };
+    let in_term_max = epoch << 32 | 0xffff_ffff;
     for &(node, drive) in &copies {
+        let extent = |op: ExtentOp| Request::Extent { drive, op };
+        // As the owner itself.
         refused(
             "a version from the far future",
             node,
-            Request::Extent {
-                drive,
-                op: write(key, 1, u64::MAX),
-            },
+            owner_id,
+            extent(write(key, epoch, u64::MAX)),
             "later than the request's epoch",
         );
         refused(
             "a write at an epoch never granted",
             node,
-            Request::Extent {
-                drive,
-                op: write(key, u64::MAX, u64::MAX),
-            },
+            owner_id,
+            extent(write(key, u64::MAX, u64::MAX)),
             "never granted",
         );
         refused(
             "fencing at epoch u64::MAX",
             node,
-            Request::Extent {
-                drive,
-                op: ExtentOp::Digest {
-                    key,
-                    epoch: Epoch(u64::MAX),
-                },
-            },
+            owner_id,
+            extent(ExtentOp::Digest {
+                key,
+                epoch: Epoch(u64::MAX),
+            }),
             "never granted",
         );
         refused(
             "freeing a live copy",
             node,
-            Request::Extent {
-                drive,
-                op: ExtentOp::Free { key },
-            },
+            owner_id,
+            extent(ExtentOp::Free { key }),
             "not freed",
+        );
+        refused(
+            "a release naming a version from the far future",
+            node,
+            owner_id,
+            extent(ExtentOp::Release {
+                key,
+                epoch: Epoch(epoch),
+                upto: Version(u64::MAX),
+            }),
+            "later than the request's epoch",
         );
         refused(
             "a write to an invented volume",
             node,
-            Request::Extent {
-                drive,
-                op: write(
-                    ExtentKey {
-                        volume: VolumeId(0x0bad),
-                        slab: SlabIndex(0),
-                    },
-                    1,
-                    1 << 32 | 1,
-                ),
-            },
+            owner_id,
+            extent(write(
+                ExtentKey {
+                    volume: VolumeId(0x0bad),
+                    slab: SlabIndex(0),
+                },
+                1,
+                1 << 32 | 1,
+            )),
             "never granted",
+        );
+        // As another member, at the volume's current epoch: the owner alone acts on its
+        // copies (each of these once went through).
+        for (what, op) in [
+            (
+                "an in-term version above the owner's",
+                write(key, epoch, in_term_max),
+            ),
+            (
+                "a release",
+                ExtentOp::Release {
+                    key,
+                    epoch: Epoch(epoch),
+                    upto: Version(in_term_max),
+                },
+            ),
+            (
+                "a fence",
+                ExtentOp::Digest {
+                    key,
+                    epoch: Epoch(epoch),
+                },
+            ),
+            (
+                "a read of a copy",
+                ExtentOp::Read {
+                    key,
+                    epoch: Epoch(epoch),
+                    offset: 0,
+                    len: 4096,
+                },
+            ),
+        ] {
+            refused(what, node, other, extent(op), "is not the owner");
+        }
+        refused(
+            "a member freeing another's copy",
+            node,
+            other,
+            extent(ExtentOp::Free { key }),
+            "may not free",
         );
     }
     refused(
         "a 512 MiB volume read",
         owner,
+        other,
         Request::VolRead {
             volume,
             offset: 0,
@@ -379,6 +449,29 @@ fn forged_peer_requests_are_refused_and_the_data_stays_intact() {
         },
         "longer than one request may be",
     );
+    // Forwarded volume I/O from a certificate of the cluster's CA for a node that never
+    // joined (no drive of it is recorded): refused, while a member's is served.
+    refused(
+        "volume I/O from a node that is no member",
+        owner,
+        9,
+        Request::VolRead {
+            volume,
+            offset: 0,
+            len: 4096,
+        },
+        "not a member",
+    );
+    match rt.block_on(client(owner, other).call(Request::VolRead {
+        volume,
+        offset: 0,
+        len: 4096,
+    })) {
+        Ok(Response::Extent(converge_types::ExtentReply::Read(r))) => {
+            assert_eq!(r.data.len(), 4096)
+        }
+        other => panic!("a member's forwarded read: {other:?}"),
+    }
 
     // Nothing of it reached the data: every byte reads back, the owner still owns the
     // volume and its writes land (a verified fio run), and the copies agree.
@@ -1172,4 +1265,60 @@ fn a_removed_node_keeps_no_credential_and_join_refuses_taken_ids() {
     // The data written before is intact (read through node 1, which serves it now or
     // after the move).
     compare(&lab.uri_on("vol", 1), &image, "after node 3's removal");
+}
+
+/// A read never makes a node take a volume over: `GET …/changes` and `…/snapshots?space=1`
+/// opened a volume no node served (a new epoch, every copy fenced, at a read-only token's
+/// word). Now they answer 409 saying how to have it served, and are answered once a client
+/// serves it. And a token made to expire is refused once it has, saying so.
+#[test]
+fn reads_never_take_a_volume_over_and_tokens_expire() {
+    let lab = Lab::up(1, &[]);
+    let api = node_api(&lab, 1);
+    let uri = lab.create_volume("v", "16M", "simple");
+    lab.must(&["volume", "snapshot", "create", "v", "s0"]);
+    // After a restart nobody serves it (nothing is degraded: the leader leaves it be).
+    lab.kill_all_and_restart(1);
+    lab.wait_for("the node to answer", Duration::from_secs(120), || {
+        try_get(&lab, &api, "/v1/status", &lab.token())
+            .is_some_and(|a| a.starts_with("HTTP/1.1 200"))
+    });
+    let token = |args: &[&str]| -> String {
+        let mut all = vec!["token", "create"];
+        all.extend_from_slice(args);
+        all.push("--json");
+        let v: serde_json::Value = serde_json::from_str(&lab.must(&all)).unwrap();
+        v["token"].as_str().unwrap().to_string()
+    };
+    let ro = token(&["backup", "--role", "read-only"]);
+    let reads = [
+        "/v1/volumes/v/changes?from=s0",
+        "/v1/volumes/v/snapshots?space=1",
+    ];
+    for _ in 0..2 {
+        for path in reads {
+            let (status, text) = api_call(&lab, &api, "GET", path, Some(&ro), "");
+            assert_eq!(status, 409, "{path}: {text}");
+            assert!(text.contains("not served by any node"), "{text}");
+        }
+    }
+    // A client serves it (it takes the volume, as before); then the reads are answered.
+    must(Command::new("nbdinfo").arg(&uri));
+    for path in reads {
+        let (status, text) = api_call(&lab, &api, "GET", path, Some(&ro), "");
+        assert_eq!(status, 200, "{path}: {text}");
+    }
+
+    // Expiry: a token that lasts one second works, then is refused as expired.
+    let brief = token(&["brief", "--role", "read-only", "--expires-in", "1s"]);
+    let list = lab.must(&["token", "list"]);
+    assert!(list.contains("EXPIRES") && list.contains("never"), "{list}");
+    lab.wait_for("the token to expire", Duration::from_secs(60), || {
+        let (status, text) = api_call(&lab, &api, "GET", "/v1/status", Some(&brief), "");
+        status == 401 && text.contains("expired")
+    });
+    assert_eq!(
+        api_call(&lab, &api, "GET", "/v1/status", Some(&ro), "").0,
+        200
+    );
 }

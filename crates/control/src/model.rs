@@ -139,6 +139,10 @@ pub struct TokenRecord {
     /// Hex SHA-256 of the whole token.
     pub sha256: String,
     pub created_unix: u64,
+    /// Refused from then on (unix seconds); absent (tokens made before expiry existed, or
+    /// without one): until revoked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_unix: Option<u64>,
 }
 
 /// A one-time join token: whoever presents it before `expires_unix` gets a certificate
@@ -1573,6 +1577,32 @@ impl<K: Kv> Cluster<K> {
             None => Ok(Epoch(0)),
             Some(kv) => decode(&kv, "epoch"),
         }
+    }
+
+    /// The highest epoch ever granted for `volume` and its current owner, read together in
+    /// one request (a replica checks both when a request names a new epoch).
+    pub async fn granted_and_owner(
+        &self,
+        volume: VolumeId,
+    ) -> Result<(Epoch, Option<OwnerRecord>), ControlError> {
+        let r = self
+            .etcd
+            .txn(Txn {
+                compare: vec![],
+                success: vec![Op::Get(keys::epoch(volume)), Op::Get(keys::owner(volume))],
+                failure: vec![],
+            })
+            .await?;
+        let mut gets = r.gets.into_iter();
+        let granted = match gets.next().flatten() {
+            Some(kv) => decode(&kv, "epoch")?,
+            None => Epoch(0),
+        };
+        let owner = match gets.next().flatten() {
+            Some(kv) => Some(decode(&kv, "owner record")?),
+            None => None,
+        };
+        Ok((granted, owner))
     }
 
     /// The current owner of a volume, if its lease is alive.

@@ -19,21 +19,56 @@ use crate::cache_api;
 type Resp = Response<Full<Bytes>>;
 
 const BODY_BYTES_MAX: usize = 1 << 20;
+/// Body bound of a request that carries no token (`POST /v1/join`: a join request is a few
+/// hundred bytes).
+const OPEN_BODY_BYTES_MAX: usize = 16 << 10;
 
 /// Connections the API serves at once; further ones wait in the listen backlog.
 const CONNECTIONS_MAX: usize = 256;
-/// How long a connection may take to send a request's headers, and may sit idle between
-/// requests, before it is closed.
+/// Connections one source host may hold before it has shown a token (in a TLS handshake,
+/// sending headers, or on the routes that need none): one host cannot hold every slot.
+const UNAUTHENTICATED_PER_SOURCE_MAX: usize = 32;
+/// How long a connection may take from accept to its first request's headers (the TLS
+/// handshake included).
+const FIRST_REQUEST_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
+/// How long an authenticated connection may take to send a request's headers, and may sit
+/// idle between requests, before it is closed.
 const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 /// How long a request's body may take to arrive.
 const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// How long the body of a request without a token may take (`POST /v1/join`).
+const OPEN_BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(5);
 /// Pause after a failed `accept` (out of file descriptors, most likely) before the next.
 const ACCEPT_ERROR_PAUSE: std::time::Duration = std::time::Duration::from_millis(100);
 
+/// A connection's standing: unauthenticated (it holds a place of its source host's) until a
+/// request shows a valid token.
+#[derive(Clone)]
+struct Standing {
+    pending: Arc<std::sync::Mutex<Option<converge_rpc::handshakes::Pending>>>,
+    started: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Standing {
+    /// A request arrived (its headers are in).
+    fn started(&self) {
+        self.started
+            .store(true, std::sync::atomic::Ordering::Release);
+    }
+    /// A request showed a valid token: the connection no longer counts against its host.
+    fn authenticated(&self) {
+        self.pending.lock().expect("standing poisoned").take();
+    }
+}
+
 /// Serves the API on `listener` until the process ends. A failed `accept` (the process out
-/// of file descriptors, say) is logged and retried after a pause, never the end of the API;
-/// a client that opens connections and sends nothing holds one of `CONNECTIONS_MAX` for at
-/// most `HEADER_READ_TIMEOUT`.
+/// of file descriptors, say) is logged and retried after a pause, never the end of the API.
+/// A connection must send its first request's headers within `FIRST_REQUEST_TIMEOUT` of
+/// being accepted; until a request shows a token it holds one of its source host's
+/// `UNAUTHENTICATED_PER_SOURCE_MAX` places (a host holding them all gets further
+/// connections closed at once), and every answer to a request without a valid token closes
+/// the connection. So a stranger holds at most that many of `CONNECTIONS_MAX` slots, each
+/// for seconds.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     node: Arc<Node>,
@@ -41,56 +76,89 @@ pub async fn serve(
 ) -> std::io::Result<()> {
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let slots = Arc::new(tokio::sync::Semaphore::new(CONNECTIONS_MAX));
+    let handshakes = converge_rpc::handshakes::Handshakes::new(UNAUTHENTICATED_PER_SOURCE_MAX);
     loop {
         let permit = slots
             .clone()
             .acquire_owned()
             .await
             .expect("the semaphore is never closed");
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, addr) = match listener.accept().await {
+            Ok(a) => a,
             Err(e) => {
                 log::warn!("api: accept failed: {e}; retrying in {ACCEPT_ERROR_PAUSE:?}");
                 tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
                 continue;
             }
         };
+        let Some(pending) = handshakes.enter(addr.ip()) else {
+            log::debug!(
+                "api: {addr} holds {UNAUTHENTICATED_PER_SOURCE_MAX} unauthenticated \
+                 connections already; closed"
+            );
+            continue;
+        };
         let node = node.clone();
         let acceptor = acceptor.clone();
         tokio::spawn(async move {
             let _permit = permit;
-            // The TLS handshake is bounded like a request's head: a client that stalls in
-            // it holds a connection slot no longer.
-            let stream =
-                match tokio::time::timeout(HEADER_READ_TIMEOUT, acceptor.accept(stream)).await {
-                    Ok(Ok(s)) => s,
-                    Ok(Err(e)) => {
-                        log::debug!("api: TLS handshake failed: {e}");
-                        return;
-                    }
-                    Err(_) => {
-                        log::debug!("api: no TLS handshake within {HEADER_READ_TIMEOUT:?}");
-                        return;
-                    }
-                };
+            let deadline = tokio::time::Instant::now() + FIRST_REQUEST_TIMEOUT;
+            let standing = Standing {
+                pending: Arc::new(std::sync::Mutex::new(Some(pending))),
+                started: Default::default(),
+            };
+            // The TLS handshake is bounded with the first request's headers: a client that
+            // stalls in it holds a connection slot no longer.
+            let stream = match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
+                Ok(Ok(s)) => s,
+                Ok(Err(e)) => {
+                    log::debug!("api: TLS handshake with {addr} failed: {e}");
+                    return;
+                }
+                Err(_) => {
+                    log::debug!(
+                        "api: no TLS handshake from {addr} within {FIRST_REQUEST_TIMEOUT:?}"
+                    );
+                    return;
+                }
+            };
             // Another node presents its certificate (checked by the handshake: the cluster
             // CA's, a node's, not revoked); people and programs present none.
             let caller = match converge_pki::peer_node(stream.get_ref().1.peer_certificates()) {
                 Some(id) => crate::auth::Caller::Node(id),
                 None => crate::auth::Caller::Anonymous,
             };
+            let st = standing.clone();
             let svc = hyper::service::service_fn(move |req| {
                 let node = node.clone();
-                async move { Ok::<_, std::convert::Infallible>(handle(node, req, caller).await) }
+                let st = st.clone();
+                async move { Ok::<_, std::convert::Infallible>(handle(node, req, &st, caller).await) }
             });
             let io = hyper_util::rt::TokioIo::new(stream);
-            if let Err(e) = hyper::server::conn::http1::Builder::new()
+            let conn = hyper::server::conn::http1::Builder::new()
                 .timer(hyper_util::rt::TokioTimer::new())
                 .header_read_timeout(HEADER_READ_TIMEOUT)
-                .serve_connection(io, svc)
-                .await
-            {
-                log::debug!("api connection: {e}");
+                .serve_connection(io, svc);
+            tokio::pin!(conn);
+            let mut first = true;
+            loop {
+                tokio::select! {
+                    r = &mut conn => {
+                        if let Err(e) = r {
+                            log::debug!("api connection: {e}");
+                        }
+                        return;
+                    }
+                    _ = tokio::time::sleep_until(deadline), if first => {
+                        first = false;
+                        if !standing.started.load(std::sync::atomic::Ordering::Acquire) {
+                            log::debug!(
+                                "api: {addr} sent no request within {FIRST_REQUEST_TIMEOUT:?}; closed"
+                            );
+                            return;
+                        }
+                    }
+                }
             }
         });
     }
@@ -126,7 +194,36 @@ fn json<T: serde::Serialize>(status: StatusCode, v: &T) -> Resp {
         .expect("static response parts are valid")
 }
 
-async fn handle(node: Arc<Node>, req: Request<Incoming>, caller: crate::auth::Caller) -> Resp {
+/// Answers `req`; an answer to a request that showed no valid token closes the connection
+/// (its next request would have to start over, a new connection counted against its host).
+async fn handle(
+    node: Arc<Node>,
+    req: Request<Incoming>,
+    standing: &Standing,
+    caller: crate::auth::Caller,
+) -> Resp {
+    standing.started();
+    let mut resp = answer(node, req, standing, caller).await;
+    if standing
+        .pending
+        .lock()
+        .expect("standing poisoned")
+        .is_some()
+    {
+        resp.headers_mut().insert(
+            hyper::header::CONNECTION,
+            hyper::header::HeaderValue::from_static("close"),
+        );
+    }
+    resp
+}
+
+async fn answer(
+    node: Arc<Node>,
+    req: Request<Incoming>,
+    standing: &Standing,
+    caller: crate::auth::Caller,
+) -> Resp {
     let method = req.method().clone();
     let path = req.uri().path().to_string();
     let query = req.uri().query().unwrap_or("").to_string();
@@ -135,17 +232,30 @@ async fn handle(node: Arc<Node>, req: Request<Incoming>, caller: crate::auth::Ca
         .headers()
         .get(hyper::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok());
-    if let Err(denied) = node.auth.authorize(&method, &path, header, caller).await {
-        let (status, error) = match denied {
-            crate::auth::Denied::Unauthenticated(m) => (StatusCode::UNAUTHORIZED, m),
-            crate::auth::Denied::Forbidden(m) => (StatusCode::FORBIDDEN, m),
-            crate::auth::Denied::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, m),
-        };
-        return json(status, &ErrorBody { error });
-    }
+    let open = match node.auth.authorize(&method, &path, header, caller).await {
+        Ok(crate::auth::Granted::Token) => {
+            standing.authenticated();
+            false
+        }
+        Ok(crate::auth::Granted::Open) => true,
+        Err(denied) => {
+            let (status, error) = match denied {
+                crate::auth::Denied::Unauthenticated(m) => (StatusCode::UNAUTHORIZED, m),
+                crate::auth::Denied::Forbidden(m) => (StatusCode::FORBIDDEN, m),
+                crate::auth::Denied::Unavailable(m) => (StatusCode::SERVICE_UNAVAILABLE, m),
+            };
+            return json(status, &ErrorBody { error });
+        }
+    };
+    // A request without a token (the join) sends a small body, promptly.
+    let (body_timeout, body_max) = if open {
+        (OPEN_BODY_READ_TIMEOUT, OPEN_BODY_BYTES_MAX)
+    } else {
+        (BODY_READ_TIMEOUT, BODY_BYTES_MAX)
+    };
     let body = match tokio::time::timeout(
-        BODY_READ_TIMEOUT,
-        Limited::new(req.into_body(), BODY_BYTES_MAX).collect(),
+        body_timeout,
+        Limited::new(req.into_body(), body_max).collect(),
     )
     .await
     {
@@ -154,7 +264,7 @@ async fn handle(node: Arc<Node>, req: Request<Incoming>, caller: crate::auth::Ca
             return json(
                 StatusCode::REQUEST_TIMEOUT,
                 &ErrorBody {
-                    error: format!("request body not received within {BODY_READ_TIMEOUT:?}"),
+                    error: format!("request body not received within {body_timeout:?}"),
                 },
             )
         }
@@ -162,7 +272,7 @@ async fn handle(node: Arc<Node>, req: Request<Incoming>, caller: crate::auth::Ca
             return json(
                 StatusCode::PAYLOAD_TOO_LARGE,
                 &ErrorBody {
-                    error: format!("request body unreadable or above {BODY_BYTES_MAX} bytes: {e}"),
+                    error: format!("request body unreadable or above {body_max} bytes: {e}"),
                 },
             )
         }
@@ -346,6 +456,7 @@ fn token_info(r: &converge_control::model::TokenRecord) -> TokenInfo {
         name: r.name.clone(),
         role: r.role,
         created_unix: r.created_unix,
+        expires_unix: r.expires_unix,
     }
 }
 
@@ -366,7 +477,18 @@ async fn create_token(node: &Node, req: CreateToken) -> Result<CreatedToken, Api
             "a token's name is 1 to 64 letters, digits, spaces or -_.@",
         ));
     }
-    let (token, rec) = crate::auth::new_token(name, req.role);
+    let expires_unix = match req.expires_in_s {
+        None => None,
+        Some(s) if (1..=TOKEN_TTL_S_MAX).contains(&s) => Some(crate::repair::unix_now() + s),
+        Some(s) => {
+            return Err(ApiError::bad(format!(
+                "expires_in_s {s}: a token lasts 1 s to {} days (leave it out for one that \
+                 lasts until revoked)",
+                TOKEN_TTL_S_MAX / 86_400
+            )))
+        }
+    };
+    let (token, rec) = crate::auth::new_token(name, req.role, expires_unix);
     if !node
         .cluster
         .create_token(&rec)
@@ -378,6 +500,7 @@ async fn create_token(node: &Node, req: CreateToken) -> Result<CreatedToken, Api
             "token id taken (a 1 in 2^64 chance); try again".to_string(),
         ));
     }
+    node.auth.remember(&rec);
     log::info!("made {} token {} ({})", rec.role, rec.id, rec.name);
     Ok(CreatedToken {
         info: token_info(&rec),

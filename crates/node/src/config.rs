@@ -248,6 +248,19 @@ impl Config {
                 format!("{etcd_quota_bytes} bytes: give etcd's --quota-backend-bytes (at least 1 MiB; etcd's default is 2G)"),
             ));
         }
+        if let Some(name) = &raw.node.name {
+            if !converge_types::valid_node_name(name) {
+                return Err(field(
+                    "node.name",
+                    format!(
+                        "{name:?} is not a node name: 1 to {} letters, digits, '.', '_' or \
+                         '-', starting with a letter or digit (it names the host in tables, \
+                         logs and `cluster rolling-restart --exec`)",
+                        converge_types::NODE_NAME_BYTES_MAX
+                    ),
+                ));
+            }
+        }
         let slab_size_bytes = match &raw.node.slab_size {
             Some(s) => size("node.slab_size", s)?,
             None => DEFAULT_SLAB_SIZE_BYTES,
@@ -532,6 +545,20 @@ size = "1G"
             .unwrap_err()
             .to_string();
         assert!(e.contains("node.threads"), "{e}");
+        // A name reaches shell commands (rolling-restart --exec): plain words only.
+        let bad = GOOD.replace("id = 1", "id = 1\nname = \"n1;reboot\"");
+        let e = Config::parse(Path::new("x.toml"), &bad)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("node.name") && e.contains("not a node name"),
+            "{e}"
+        );
+        let good = GOOD.replace("id = 1", "id = 1\nname = \"rack1-n1\"");
+        assert_eq!(
+            Config::parse(Path::new("x.toml"), &good).unwrap().name,
+            "rack1-n1"
+        );
     }
 
     #[test]

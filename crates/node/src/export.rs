@@ -49,6 +49,17 @@ fn dev_error(e: VolumeError) -> Attempt {
     Attempt::Fail(DevError::new(kind, e.to_string()))
 }
 
+/// Whether a route looked up again leads where the failed one did (the same instance here,
+/// or the same owner): then the retry waits a little, so an owner that answers `Busy` for a
+/// while (cut from etcd, or holding a node in maintenance) is not asked in a tight loop.
+fn same_route(a: &Route, b: &Route) -> bool {
+    match (a, b) {
+        (Route::Local(x), Route::Local(y)) => Arc::ptr_eq(x, y),
+        (Route::Remote { owner: x, .. }, Route::Remote { owner: y, .. }) => x == y,
+        _ => false,
+    }
+}
+
 fn remote_error(owner: NodeId, e: RpcError) -> Attempt {
     match e {
         RpcError::Remote { code, message } => {
@@ -155,7 +166,7 @@ impl Export {
                             format!("volume {} was deleted", self.name),
                         ));
                     }
-                    if Arc::ptr_eq(&route, &self.route()) {
+                    if same_route(&route, &self.route()) {
                         tokio::time::sleep(Duration::from_millis(250)).await;
                     }
                 }

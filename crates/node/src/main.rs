@@ -16,6 +16,7 @@ mod fleet;
 mod http_client;
 mod join;
 mod lab_api;
+mod members;
 mod metrics;
 mod node;
 mod orphans;
@@ -24,6 +25,7 @@ mod qos;
 mod repair;
 mod rotate;
 mod scrub;
+mod secret_files;
 mod snapshots;
 mod tiering;
 mod usage;
@@ -94,7 +96,11 @@ fn etcd_security(
         .map_err(|e| e.to_string())?,
         None => converge_control::etcd::EtcdSecurity::default(),
     };
+    if let Some(key) = &c.key_file {
+        secret_files::check(key, "etcd client key")?;
+    }
     if let (Some(user), Some(pw)) = (&c.username, &c.password_file) {
+        secret_files::check(pw, "etcd password file")?;
         let password = std::fs::read_to_string(pw)
             .map_err(|e| format!("etcd password file {}: {e}", pw.display()))?;
         sec = sec.with_user(user.clone(), password.trim_end_matches(['\n', '\r']));
@@ -155,6 +161,18 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         return Err(ControlError::NodeRemoved { id: cfg.node_id }.into());
     }
     let security = etcd_security(&cfg.etcd_tls).map_err(|e| anyhow!("etcd settings: {e}"))?;
+    if cfg.admin_token_file.exists() {
+        secret_files::check(&cfg.admin_token_file, "admin token file")
+            .map_err(|e| anyhow!("{e}"))?;
+    }
+    if cfg.etcd_endpoints.iter().any(|e| e.starts_with("http://")) {
+        log::warn!(
+            "etcd at {:?} without TLS: anyone on the network path reads and writes the \
+             control plane (epochs, placements, token hashes, the internal token); use \
+             https:// endpoints with client certificates (docs/SECURITY.md, \"etcd\")",
+            cfg.etcd_endpoints
+        );
+    }
     let etcd =
         Etcd::with_security(cfg.etcd_endpoints.clone(), security).map_err(|e| anyhow!("{e}"))?;
     let cluster = Cluster::new(etcd.clone());
@@ -334,6 +352,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         https: https_client,
         me: Default::default(),
         vhost: Default::default(),
+        members: Default::default(),
     });
     let _ = node.me.set(Arc::downgrade(&node));
     for d in &drive_recs {
@@ -427,6 +446,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let nbd_tcp = nbd_tcp.map(|l| tokio::spawn(converge_nbd::serve_tcp(l, exports, nbd_tcp_cfg)));
     let vhost_restore = tokio::spawn(vhost::restore(node.clone()));
     let keepalive = tokio::spawn(keep_alive(node.clone()));
+    let membership = tokio::spawn(members::run(node.clone()));
     let repairer = tokio::spawn(repair::run(node.clone()));
     let publisher = tokio::spawn(repair::publish(node.clone()));
     let caches = tokio::spawn(tiering::run(node.clone()));
@@ -452,6 +472,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     }
     keepalive.abort();
     revocation_watch.abort();
+    membership.abort();
     sweep.abort();
     repairer.abort();
     publisher.abort();

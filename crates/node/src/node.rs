@@ -3,7 +3,7 @@
 
 use crate::config::Config;
 use bytes::Bytes;
-use converge_allocator::admission::Refusal;
+use converge_allocator::admission::{Caller, Refusal};
 use converge_control::etcd::LeaseId;
 use converge_control::model::{Cluster, ClusterRecord, NodeRecord, SlabRecord, VolumeRecord};
 use converge_engine::{Cache, EngineError, Tier};
@@ -71,6 +71,9 @@ pub struct Node {
     pub vhost: crate::vhost::Attachments,
     /// This node, for what it hands out that must reach it later (a clone's parent reader).
     pub me: std::sync::OnceLock<std::sync::Weak<Node>>,
+    /// The cluster's membership as this node sees it: who may ask what over the peer
+    /// protocol (`members.rs`).
+    pub members: crate::members::Members,
 }
 
 /// Totals of this node's scrubs (for /metrics).
@@ -433,20 +436,26 @@ impl LocalDrives {
         Ok(())
     }
 
-    /// Runs `op` on one of this node's drives (the replica service), after the checks with
-    /// the control plane (`converge_allocator::admission`): a request's epoch must be one
-    /// etcd granted, an operation may create only an extent a slab record places here, and
-    /// a copy the records still place here is never freed. A drive whose I/O takes
-    /// microseconds (`Tier::inline_io`) is driven from this task: the I/O inline, then an
-    /// async wait for its journal batch, which this task writes itself if nobody is. Any
-    /// other drive is driven from a blocking thread, which may wait there for its device.
-    pub async fn call(&self, drive: DriveId, op: ExtentOp) -> Result<ExtentReply, EngineError> {
+    /// Runs `op` from `caller` on one of this node's drives (the replica service), after
+    /// the checks with the control plane (`converge_allocator::admission`): a request's
+    /// epoch must be one etcd granted, a peer's must come from the volume's owner, an
+    /// operation may create only an extent a slab record places here, and a copy the
+    /// records still place here is never freed. A drive whose I/O takes microseconds
+    /// (`Tier::inline_io`) is driven from this task: the I/O inline, then an async wait
+    /// for its journal batch, which this task writes itself if nobody is. Any other drive
+    /// is driven from a blocking thread, which may wait there for its device.
+    pub async fn call(
+        &self,
+        caller: Caller,
+        drive: DriveId,
+        op: ExtentOp,
+    ) -> Result<ExtentReply, EngineError> {
         let d = self.drive(drive)?;
         if op.stores_blocks() {
             self.condemned(drive, op.key())?;
         }
         self.admission
-            .check(&self.cluster, drive, &op, || d.has_extent(op.key()))
+            .check(&self.cluster, caller, drive, &op, || d.has_extent(op.key()))
             .await
             .map_err(|r| match r {
                 Refusal::Unavailable(reason) => EngineError::Failed { reason },
@@ -566,7 +575,11 @@ impl Replicas {
         op: ExtentOp,
     ) -> Result<ExtentReply, ReplicaError> {
         if node == self.me {
-            return self.local.call(drive, op).await.map_err(replica_error);
+            return self
+                .local
+                .call(Caller::Local, drive, op)
+                .await
+                .map_err(replica_error);
         }
         match self.request(node, Request::Extent { drive, op }).await? {
             Response::Extent(r) => Ok(r),
@@ -725,12 +738,20 @@ enum VolIo {
 }
 
 impl Handler for RpcHandler {
-    async fn handle(&self, _peer: NodeId, req: Request) -> Response {
+    /// Every request is checked against who sends it: the cluster's membership first
+    /// (`members.rs`: removed nodes get nothing, forwarded volume I/O only from members out
+    /// of maintenance), then an extent operation against the volume's owner (admission).
+    async fn handle(&self, peer: NodeId, req: Request) -> Response {
+        if let Err(refused) = self.node.members.admit(peer, &req) {
+            return refused;
+        }
         match req {
-            Request::Extent { drive, op } => match self.local.call(drive, op).await {
-                Ok(r) => Response::Extent(r),
-                Err(e) => engine_to_response(e),
-            },
+            Request::Extent { drive, op } => {
+                match self.local.call(Caller::Peer(peer), drive, op).await {
+                    Ok(r) => Response::Extent(r),
+                    Err(e) => engine_to_response(e),
+                }
+            }
             req @ (Request::VolRead { .. }
             | Request::VolWrite { .. }
             | Request::VolZero { .. }

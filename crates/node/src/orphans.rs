@@ -54,7 +54,11 @@ pub async fn reclaim(node: &Node) -> Result<u64, String> {
         let r = match fresh {
             Ok(Some((rec, _))) if rec.extents.iter().any(|e| e.drive == drive) => Ok(false),
             Ok(_) => local
-                .call(drive, ExtentOp::Free { key })
+                .call(
+                    converge_allocator::admission::Caller::Local,
+                    drive,
+                    ExtentOp::Free { key },
+                )
                 .await
                 .map(|_| true)
                 .map_err(|e| e.to_string()),

@@ -76,18 +76,13 @@ pub(crate) async fn list(node: &Arc<Node>, name: &str, query: &str) -> Out {
     if !space || out.is_empty() {
         return ok(&out);
     }
-    if let Some(r) = forward_to_owner(
-        node,
-        serving_owner(node, &rec).await?,
-        "GET",
-        &format!("/v1/volumes/{name}/snapshots?space=1"),
-        b"",
-    )
-    .await?
-    {
-        return Ok(r);
-    }
-    let v = served_here(node, name).await?;
+    let v = match serving_for_read(node, &rec).await? {
+        ReadAt::Here(v) => v,
+        ReadAt::Owner(owner) => {
+            let path = format!("/v1/volumes/{name}/snapshots?space=1");
+            return forward_read(node, &rec, owner, &path).await;
+        }
+    };
     let (figures, unanswered) = v.snapshot_space().await.map_err(volume_error)?;
     for i in out.iter_mut() {
         if let Some(f) = figures.iter().find(|f| f.snapshot == i.epoch) {
@@ -97,6 +92,60 @@ pub(crate) async fn list(node: &Arc<Node>, name: &str, query: &str) -> Out {
         }
     }
     ok(&out)
+}
+
+/// Where a read-only question about a volume is answered.
+pub(crate) enum ReadAt {
+    /// This node serves it.
+    Here(Arc<Vol>),
+    /// Another live node does.
+    Owner(converge_types::NodeId),
+}
+
+/// Where a `GET` about `rec`'s volume is answered, without changing who serves it: here if
+/// this node serves it, else by its owner. A read never opens a volume (that would take it
+/// over: a new epoch, every copy fenced, from a read-only token): one nobody serves is
+/// refused, saying how to have it served.
+pub(crate) async fn serving_for_read(
+    node: &Arc<Node>,
+    rec: &VolumeRecord,
+) -> Result<ReadAt, ApiError> {
+    if let Some(v) = node.volumes.lock().await.get(&rec.name) {
+        return Ok(ReadAt::Here(v.clone()));
+    }
+    match node
+        .cluster
+        .owner(rec.id)
+        .await
+        .map_err(ApiError::unavailable)?
+    {
+        Some(o) if o.node != node.cfg.node_id => Ok(ReadAt::Owner(o.node)),
+        _ => Err(not_served(&rec.name)),
+    }
+}
+
+fn not_served(name: &str) -> ApiError {
+    ApiError(
+        StatusCode::CONFLICT,
+        format!(
+            "volume {name} is not served by any node now, and a read does not make one take it \
+             over: have it served first (a client attached to it, a snapshot taken, or \
+             `converge volume move {name} --to NODE`), then ask again"
+        ),
+    )
+}
+
+/// Forwards a read to the volume's owner; an owner that is gone serves nothing.
+async fn forward_read(
+    node: &Arc<Node>,
+    rec: &VolumeRecord,
+    owner: converge_types::NodeId,
+    path: &str,
+) -> Out {
+    match forward_to_owner(node, owner, "GET", path, b"").await? {
+        Some(r) => Ok(r),
+        None => Err(not_served(&rec.name)),
+    }
 }
 
 /// The volume as this node serves it (it is the serving owner, or takes it over).
@@ -343,18 +392,13 @@ pub(crate) async fn changes(node: &Arc<Node>, name: &str, query: &str) -> Out {
             )));
         }
     }
-    if let Some(r) = forward_to_owner(
-        node,
-        serving_owner(node, &rec).await?,
-        "GET",
-        &format!("/v1/volumes/{name}/changes?{query}"),
-        b"",
-    )
-    .await?
-    {
-        return Ok(r);
-    }
-    let v = served_here(node, name).await?;
+    let v = match serving_for_read(node, &rec).await? {
+        ReadAt::Here(v) => v,
+        ReadAt::Owner(owner) => {
+            let path = format!("/v1/volumes/{name}/changes?{query}");
+            return forward_read(node, &rec, owner, &path).await;
+        }
+    };
     let size = match &to {
         Some(t) if t.size_bytes > 0 => t.size_bytes.min(v.size_bytes()),
         _ => v.size_bytes(),

@@ -23,7 +23,10 @@ pub fn execute(tier: &Tier, op: ExtentOp) -> Result<ExtentReply, EngineError> {
 /// A version is `epoch << 32 | sequence` (docs/adr/0003): an owner stamps only versions of
 /// its own term or, when it copies blocks, of older ones. A version of a later term than
 /// the request's epoch would stand above every write the real owner makes from then on (its
-/// writes would be acked and silently dropped), so it is refused.
+/// writes would be acked and silently dropped), so it is refused, whether it is written
+/// or names a bound (release, settle, revert). Within the term, only the owner sends
+/// versions at all (`converge_allocator::admission`: a peer's request comes from the
+/// volume's owner), so none can stand above the owner's own sequence.
 fn check_versions(op: &ExtentOp) -> Result<(), EngineError> {
     let later = |epoch: Epoch, v: &Version| v.0 >> 32 > epoch.0;
     let bad = match op {
@@ -36,8 +39,28 @@ fn check_versions(op: &ExtentOp) -> Result<(), EngineError> {
         // expects one no block can have, u64::MAX, to skip a block).
         ExtentOp::WriteBlocks {
             epoch, versions, ..
+        }
+        | ExtentOp::WriteShadow {
+            epoch, versions, ..
         } => versions
             .iter()
+            .find(|v| later(*epoch, v))
+            .map(|v| (*epoch, *v)),
+        // A bound that names a later term would reach every write the owner makes from
+        // then on: a release would free them, a settle drop their priors, a revert undo
+        // them (`Release { upto: u64::MAX }` freed a copy whatever it held).
+        ExtentOp::Release { epoch, upto, .. }
+        | ExtentOp::Revert {
+            epoch,
+            version: upto,
+            ..
+        } => Some(*upto)
+            .filter(|v| later(*epoch, v))
+            .map(|v| (*epoch, v)),
+        ExtentOp::Settle {
+            epoch, upto, rows, ..
+        } => std::iter::once(upto)
+            .chain(rows.iter().map(|r| &r.upto))
             .find(|v| later(*epoch, v))
             .map(|v| (*epoch, *v)),
         _ => None,
@@ -509,6 +532,30 @@ mod tests {
                 expect: vec![Version(1 << 32 | 1)],
                 data,
                 codec: converge_types::Compression::None,
+            },
+            // A bound of a later term reaches every later write too: a release would free
+            // the copy whatever it holds, a settle drop the priors of writes not yet made.
+            ExtentOp::Release {
+                key: KEY,
+                epoch: Epoch(1),
+                upto: Version(u64::MAX),
+            },
+            ExtentOp::Settle {
+                key: KEY,
+                epoch: Epoch(1),
+                upto: Version(1 << 32),
+                rows: vec![converge_types::SettleRows {
+                    first: 0,
+                    count: 1,
+                    upto: Version(u64::MAX),
+                }],
+            },
+            ExtentOp::Revert {
+                key: KEY,
+                epoch: Epoch(1),
+                version: Version(2 << 32),
+                offset: 0,
+                len: BS as u32,
             },
         ] {
             let what = op.name();

@@ -9,6 +9,7 @@
 //! cancelled at an arbitrary await point; only its answer is lost.
 
 use crate::frame::{self, Outgoing, ReadError, READ_BUFFER_BYTES};
+use crate::handshakes::{Handshakes, Pending};
 use crate::wire::{
     self, msg, EncodedFrame, ErrorCode, FrameHeader, Request, Response, WireError,
     PROTOCOL_VERSION, PROTOCOL_VERSION_MIN,
@@ -29,8 +30,16 @@ const ACCEPT_ERROR_PAUSE_MS: u64 = 100;
 /// The largest first frame (the hello) of a connection: a hello is a few dozen bytes.
 const HELLO_FRAME_BYTES_MAX: usize = 4096;
 /// Connections served at once; further ones wait in the listen backlog. Peers hold one
-/// each; the rest are strangers, each dropped after the handshake timeout at most.
-const CONNECTIONS_MAX: usize = 1024;
+/// each; the rest are strangers, each dropped after the handshake deadline at most.
+pub const CONNECTIONS_MAX: usize = 1024;
+/// Connections one source host may hold before they are authenticated (TLS and hello): a
+/// node needs one per peer connection it opens, a lab on one address a few per node. A
+/// host holding these many gets its next connections closed at once, so no host can hold
+/// the others' slots in handshakes it never finishes.
+pub const HANDSHAKES_PER_SOURCE_MAX: usize = 32;
+/// The longest a connection may take from accept to a checked hello (TLS handshake
+/// included); `replica_timeout_ms` if that is shorter.
+pub const HANDSHAKE_MS_MAX: u64 = 5_000;
 
 /// What the node plugs into the server: the engine, in production.
 pub trait Handler: Send + Sync + 'static {
@@ -53,13 +62,22 @@ pub async fn serve<H: Handler>(
     let tls = tls.map(tokio_rustls::TlsAcceptor::from);
     let mut conns = JoinSet::new();
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
+    let handshakes = Handshakes::new(HANDSHAKES_PER_SOURCE_MAX);
     loop {
         tokio::select! {
             accepted = accept(&listener, &slots) => match accepted {
                 Ok((stream, addr, permit)) => {
+                    let Some(pending) = handshakes.enter(addr.ip()) else {
+                        log::debug!(
+                            "rpc server: {addr} holds {HANDSHAKES_PER_SOURCE_MAX} unfinished \
+                             handshakes already; closed"
+                        );
+                        continue;
+                    };
                     let conn = serve_conn(
                         stream,
                         addr,
+                        pending,
                         cluster,
                         my_node,
                         handler.clone(),
@@ -130,10 +148,16 @@ impl Drop for ReplyGuard {
     }
 }
 
+/// How long a connection may take from accept to a checked hello.
+fn handshake_deadline(knobs: &Knobs) -> Duration {
+    Duration::from_millis(knobs.replica_timeout_ms.min(HANDSHAKE_MS_MAX))
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn serve_conn<H: Handler>(
     stream: TcpStream,
     addr: SocketAddr,
+    pending: Pending,
     cluster: ClusterId,
     my_node: NodeId,
     handler: Arc<H>,
@@ -143,14 +167,19 @@ async fn serve_conn<H: Handler>(
     if let Err(e) = stream.set_nodelay(true) {
         log::warn!("rpc server: cannot set TCP_NODELAY for {addr}: {e}");
     }
-    let handshake_timeout = Duration::from_millis(knobs.replica_timeout_ms);
+    // One deadline for the TLS handshake and the hello together.
+    let deadline = tokio::time::Instant::now() + handshake_deadline(&knobs);
+    let handshake_timeout = handshake_deadline(&knobs);
     let Some(acceptor) = tls else {
         let (rd, wr) = stream.into_split();
-        return serve_stream(rd, wr, None, addr, cluster, my_node, handler, knobs).await;
+        return serve_stream(
+            rd, wr, None, addr, pending, deadline, cluster, my_node, handler, knobs,
+        )
+        .await;
     };
     // The TLS handshake checks that the caller holds a certificate of this cluster's CA;
     // which node it names is checked against the hello.
-    let stream = match tokio::time::timeout(handshake_timeout, acceptor.accept(stream)).await {
+    let stream = match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             log::warn!("rpc server: TLS handshake with {addr} failed, refused: {e}");
@@ -174,17 +203,32 @@ async fn serve_conn<H: Handler>(
         return;
     };
     let (rd, wr) = tokio::io::split(stream);
-    serve_stream(rd, wr, Some(cert), addr, cluster, my_node, handler, knobs).await
+    serve_stream(
+        rd,
+        wr,
+        Some(cert),
+        addr,
+        pending,
+        deadline,
+        cluster,
+        my_node,
+        handler,
+        knobs,
+    )
+    .await
 }
 
-/// One connection after TLS (if any): the hello, then requests until it ends. `cert`: the
-/// caller's verified certificate, which must name the node its hello claims.
+/// One connection after TLS (if any): the hello (by `deadline`), then requests until it
+/// ends. `cert`: the caller's verified certificate, which must name the node its hello
+/// claims. `pending` is given back once the hello is checked.
 #[allow(clippy::too_many_arguments)]
 async fn serve_stream<H, R, W>(
     rd: R,
     mut wr: W,
     cert: Option<CertificateDer<'static>>,
     addr: SocketAddr,
+    pending: Pending,
+    deadline: tokio::time::Instant,
     cluster: ClusterId,
     my_node: NodeId,
     handler: Arc<H>,
@@ -198,9 +242,9 @@ async fn serve_stream<H, R, W>(
     let inflight_max = knobs.rpc_inflight_max.max(1);
     let mut rd = BufReader::with_capacity(READ_BUFFER_BYTES, rd);
 
-    let handshake_timeout = Duration::from_millis(knobs.replica_timeout_ms);
-    let peer = match tokio::time::timeout(
-        handshake_timeout,
+    let handshake_timeout = handshake_deadline(&knobs);
+    let peer = match tokio::time::timeout_at(
+        deadline,
         handshake(&mut rd, &mut wr, addr, cluster, my_node, max, cert.as_ref()),
     )
     .await
@@ -212,6 +256,7 @@ async fn serve_stream<H, R, W>(
             return;
         }
     };
+    drop(pending);
     let (peer, version) = peer;
     log::debug!("rpc server: node {peer} connected from {addr} (protocol version {version})");
 

@@ -197,3 +197,68 @@ async fn a_server_that_is_not_the_node_expected_is_refused_by_the_caller() {
         other => panic!("expected Connect, got {other:?}"),
     }
 }
+
+/// Binds a TCP connection to `server` from `source` (another loopback address: another
+/// host, as far as the server can tell).
+async fn connect_from(source: &str, server: &str) -> std::io::Result<tokio::net::TcpStream> {
+    let sock = tokio::net::TcpSocket::new_v4()?;
+    sock.bind(format!("{source}:0").parse().expect("address"))?;
+    sock.connect(server.parse().expect("address")).await
+}
+
+/// A host that opens every connection the server will hold and never finishes a handshake
+/// (it once held all 1,024 slots, each for a replica timeout, and again as soon as they
+/// were freed) takes only its own few places: a real peer on another address still
+/// connects and is served at once, while the stranger's connections are still open.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_holding_every_slot_in_handshakes_does_not_keep_a_peer_out() {
+    let ca = Ca::generate().expect("ca");
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let addr = listener.local_addr().expect("addr").to_string();
+    let handled = Arc::new(Counter::default());
+    // A long replica timeout: before, each silent connection held its slot that long.
+    let slow = Knobs {
+        replica_timeout_ms: 120_000,
+        ..Knobs::default()
+    };
+    let tls = node(&ca, SERVER.0).peer_server().expect("server config");
+    let _task = tokio::spawn(serve(
+        listener,
+        CLUSTER,
+        SERVER,
+        handled.clone(),
+        slow,
+        Some(tls),
+    ));
+    // More connections than the server serves at once, from one address, silent.
+    let mut held = Vec::new();
+    for _ in 0..converge_rpc::CONNECTIONS_MAX + 64 {
+        match connect_from("127.0.0.3", &addr).await {
+            Ok(s) => held.push(s),
+            // The listen backlog is full: every slot is taken or queued.
+            Err(_) => break,
+        }
+    }
+    assert!(
+        held.len() >= converge_rpc::CONNECTIONS_MAX,
+        "{}",
+        held.len()
+    );
+    // A real peer from another address (127.0.0.1), with a generous wait (longer than
+    // the new handshake deadline, far shorter than the stranger's hold before).
+    let peer = RpcClient::with_tls(
+        addr.clone(),
+        Hello::new(CLUSTER, NodeId(1)),
+        &Knobs {
+            replica_timeout_ms: 60_000,
+            ..Knobs::default()
+        },
+        node(&ca, 1).peer_client().expect("client config"),
+        SERVER,
+    );
+    peer.call(extent_req())
+        .await
+        .expect("a real peer is served");
+    assert_eq!(handled.0.load(Ordering::SeqCst), 1);
+    drop(held);
+}

@@ -40,7 +40,7 @@ impl ReplicaIo for SimReplicas {
         let r = if at.node == from {
             // Local drive: a little device latency, no network.
             tokio::time::sleep(w.us(5, 100)).await;
-            match w.serve(at.node, at.drive, op).await {
+            match w.serve(from, at.node, at.drive, op).await {
                 Delivery::Done(r) => Some(r),
                 Delivery::NoReply => {
                     // This very node lost power: the owner is dead too and is being
@@ -65,7 +65,7 @@ impl ReplicaIo for SimReplicas {
                     return;
                 }
                 let inc = w2.incarnation(to);
-                let r = match w2.serve(to, at.drive, op).await {
+                let r = match w2.serve(from, to, at.drive, op).await {
                     Delivery::Done(r) => r,
                     Delivery::NoReply => return,
                 };

@@ -10,7 +10,7 @@ use crate::control::{Ctl, SimKv};
 use crate::history::History;
 use crate::owner::VolRt;
 use crate::Options;
-use converge_allocator::admission::{Admission, Refusal};
+use converge_allocator::admission::{Admission, Caller, Refusal};
 use converge_control::model::Cluster;
 use converge_control::placement::DriveLoad;
 use converge_engine::{
@@ -476,12 +476,13 @@ impl World {
     /// node's files may fire in either part.
     pub(crate) async fn serve(
         self: &Arc<Self>,
+        from: NodeId,
         node: NodeId,
         drive: DriveId,
         op: ExtentOp,
     ) -> Delivery<ExtentReply> {
         let inc = self.incarnation(node);
-        if let Some(refused) = self.admit(node, drive, &op).await {
+        if let Some(refused) = self.admit(from, node, drive, &op).await {
             return refused;
         }
         if self.incarnation(node) != inc {
@@ -515,6 +516,7 @@ impl World {
     /// (etcd out of its reach) gets no answer, as the daemon's error would not help either.
     async fn admit(
         self: &Arc<Self>,
+        from: NodeId,
         node: NodeId,
         drive: DriveId,
         op: &ExtentOp,
@@ -530,8 +532,38 @@ impl World {
             world: self.clone(),
             node,
         });
-        match admission.check(&cluster, drive, op, || holds).await {
+        let caller = if from == node {
+            Caller::Local
+        } else {
+            Caller::Peer(from)
+        };
+        let checked = admission.check(&cluster, caller, drive, op, || holds).await;
+        if let Err(r) = &checked {
+            self.trace(|| {
+                format!(
+                    "n{node}: admission refused n{from}'s {} of {key:?} at {:?}: {r:?}",
+                    op.name(),
+                    op.epoch()
+                )
+            });
+        }
+        match checked {
             Ok(()) => None,
+            Err(Refusal::NotOwner(why)) if op.epoch().is_some() => {
+                // Only owners send epochs, and an epoch is one node's: a bug.
+                self.fail(format!(
+                    "node {node} drive {drive} refused node {from}'s {} of epoch {:?} as not \
+                     the owner's: {why}",
+                    op.name(),
+                    op.epoch()
+                ));
+                Some(Delivery::NoReply)
+            }
+            Err(Refusal::NotOwner(why)) => {
+                // A deposed owner's late free of a copy it replaced: the new owner's now.
+                self.count("frees refused to a node that is not the owner");
+                Some(Delivery::Done(Err(EngineError::Failed { reason: why })))
+            }
             Err(Refusal::Unavailable(why)) => {
                 self.trace(|| format!("n{node}: admission unavailable: {why}"));
                 self.count("replica checks the control plane could not answer");

@@ -38,6 +38,21 @@ id_type!(
     /// A node: one server running `converged`; the default fault domain.
     NodeId(u32)
 );
+/// Longest node name accepted.
+pub const NODE_NAME_BYTES_MAX: usize = 63;
+
+/// Whether a node name (`[node] name`) is one: 1 to 63 letters, digits, `.`, `_` and `-`,
+/// starting with a letter or digit. Names reach shell commands (`cluster rolling-restart
+/// --exec`), logs and tables; nothing else is needed to name a host.
+pub fn valid_node_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= NODE_NAME_BYTES_MAX
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
 id_type!(
     /// A drive, unique in the cluster (random, written in the drive's superblock).
     DriveId(u64)
@@ -851,6 +866,34 @@ impl Default for Knobs {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn node_names_are_plain_words() {
+        for ok in [
+            "node1",
+            "n",
+            "rack-2.host_7",
+            &"a".repeat(NODE_NAME_BYTES_MAX),
+        ] {
+            assert!(valid_node_name(ok), "{ok}");
+        }
+        for bad in [
+            "",
+            "-n",
+            ".n",
+            "a b",
+            "x;reboot",
+            "$(id)",
+            "`id`",
+            "n'",
+            "n\"",
+            "n/1",
+            "née",
+            &"a".repeat(NODE_NAME_BYTES_MAX + 1),
+        ] {
+            assert!(!valid_node_name(bad), "{bad}");
+        }
+    }
 
     #[test]
     fn default_knobs_are_within_bounds_and_absurd_ones_are_refused() {
