@@ -96,40 +96,38 @@ fn many_seeds() {
     );
 }
 
-/// The seeds that found the engine's last-batch limit (1311 found it first, but no longer
-/// meets it since quiet drives checkpoint): a block rots while its write is in the drive's
-/// last journal batch, then its node loses power, and recovery, unable to tell that batch
-/// from one the crash cut short, takes the block back to its previous state. Such a block is now marked suspect and the owner checks it against the other
-/// copies before serving it (docs/FORMAT-engine.md, "Recovery"). Each seed must pass and
-/// must actually roll a block back, or it no longer tests this.
+/// The engine's last-batch limit: a block rots while its write is in the drive's last
+/// journal batch, then its node loses power, and recovery, unable to tell that batch from
+/// one the crash cut short, takes the block back to its previous state. Such a block is
+/// now marked suspect and the owner checks it against the other copies before serving it
+/// (docs/FORMAT-engine.md, "Recovery"). Seeds that meet it are rare and move whenever the
+/// simulator's schedule changes (seed 1311 found it first; 12, then 23, met it later), so
+/// this runs parity seeds from 1 until one rolls a block back: every seed run must pass,
+/// and one within `LAST_BATCH_SEEDS_MAX` must meet the case, or this no longer tests it.
 #[test]
 fn rot_in_the_last_batch_before_a_power_loss() {
-    for (seed, variant) in [(12, "parity,drain")] {
-        let mut o = Options::for_seed(seed);
-        for v in variant.split(',') {
-            match v {
-                "parity" => o.parity = true,
-                "drain" => o.drain = true,
-                "mirror-part" => {
-                    o.parity = true;
-                    o.mirror_part = true;
+    const LAST_BATCH_SEEDS_MAX: u64 = 300;
+    for seed in 1..=LAST_BATCH_SEEDS_MAX {
+        for (variant, drain) in [("parity", false), ("parity,drain", true)] {
+            let mut o = Options::for_seed(seed);
+            o.parity = true;
+            o.drain = drain;
+            match run(o) {
+                Ok(r) => {
+                    if r.counters.iter().any(|(k, v)| {
+                        k.starts_with("blocks rolled back by recovery") && *v > 0
+                    }) {
+                        eprintln!("seed {seed} ({variant}) rolled a block back, and passed");
+                        return;
+                    }
                 }
-                _ => {}
+                Err(f) => panic!(
+                    "seed {seed} failed; replay it with CONVERGE_SIM_VARIANT={variant} CONVERGE_SIM_SEED={seed}:\n{f}"
+                ),
             }
         }
-        match run(o) {
-            Ok(r) => assert!(
-                r.counters
-                    .iter()
-                    .any(|(k, v)| k.starts_with("blocks rolled back by recovery") && *v > 0),
-                "seed {seed} ({variant}) rolled no block back: {:?}",
-                r.counters
-            ),
-            Err(f) => panic!(
-                "seed {seed} failed; replay it with CONVERGE_SIM_VARIANT={variant} CONVERGE_SIM_SEED={seed}:\n{f}"
-            ),
-        }
     }
+    panic!("no parity seed up to {LAST_BATCH_SEEDS_MAX} rolled a block back: the case is no longer met");
 }
 
 #[test]
