@@ -248,7 +248,10 @@ pub async fn observe(etcd: &Etcd, quota_bytes: u64) -> Observed {
         .collect();
     if !no_space.is_empty() {
         problems.push(format!(
-            "etcd out of space (NOSPACE on member {}): it takes no writes, so no new slab can              be allocated, no copy marked stale and no volume fail over; the leader compacts              and defragments etcd and disarms the alarm once there is room              (docs/OPERATIONS.md, \"etcd out of space\")",
+            "etcd out of space (NOSPACE on member {}): it takes no writes, so no new slab can \
+             be allocated, no copy marked stale and no volume fail over; the leader compacts \
+             and defragments etcd and disarms the alarm once there is room \
+             (docs/OPERATIONS.md, \"etcd out of space\")",
             no_space.join(", ")
         ));
     }

@@ -98,16 +98,11 @@ pub async fn record(node: &Node) {
                 drop(ratings);
                 let mut book = node.wear.drives.lock().expect("wear book poisoned");
                 for (id, _) in &counts {
+                    // The first count after the node starts is written even if unchanged
+                    // (one write per drive and start): the record then says this node
+                    // counted it since (`updated_unix`).
                     book.entry(*id).or_insert_with(|| match recs.get(id) {
-                        Some(h) => {
-                            // What etcd holds already needs no rewrite until it changes.
-                            node.wear
-                                .written
-                                .lock()
-                                .expect("wear book poisoned")
-                                .insert(*id, (h.lifetime_bytes, Instant::now()));
-                            (h.lifetime_bytes, h.clone())
-                        }
+                        Some(h) => (h.lifetime_bytes, h.clone()),
                         None => (0, WearHistory::new(now)),
                     });
                 }
