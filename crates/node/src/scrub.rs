@@ -35,6 +35,22 @@ pub async fn scrub_volume(
         Route::Local(v) => v,
         Route::Remote { owner, .. } => return forward(node, owner, name, repair).await,
     };
+    // In a task of its own: a caller that stops waiting (a request cut off) must not cut
+    // the scrub short, which would leave its running mark until the node's lease ends and
+    // record nothing.
+    let (n, name) = (node.clone(), name.to_string());
+    tokio::spawn(async move { scrub_here(&n, v, &name, repair).await })
+        .await
+        .map_err(|e| format!("the scrub task ended abnormally: {e}"))
+}
+
+/// Scrubs `name`, which this node serves as `v`, and records the result.
+async fn scrub_here(
+    node: &Arc<Node>,
+    v: Arc<crate::node::Vol>,
+    name: &str,
+    repair: bool,
+) -> ScrubResult {
     let started = unix_now();
     let running = format!("{SCRUBS_RUNNING_PREFIX}{name}");
     let me = node.cfg.node_id.to_string();
@@ -117,7 +133,7 @@ pub async fn scrub_volume(
         log::warn!("clearing the running mark of the scrub of {name}: {e}");
     }
     crate::orphans::reclaim_logged(node, "after the scrub").await;
-    Ok(result)
+    result
 }
 
 /// Starts the scrub of `name` on its owner and returns at once: here in a task of its own,
