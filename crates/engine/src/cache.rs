@@ -360,6 +360,9 @@ pub struct CacheStats {
     pub evicted_blocks: u64,
     /// Writes that waited for log space (the cache was full of dirty data).
     pub write_stalls: u64,
+    /// Blocks of failed capacity drives logged again at the head instead of destaged
+    /// (`Cache::carry`).
+    pub carried_blocks: u64,
     pub failed: Option<String>,
 }
 
@@ -371,6 +374,7 @@ struct Extra {
     admitted: AtomicU64,
     evicted: AtomicU64,
     stalls: AtomicU64,
+    carried: AtomicU64,
     dirty: AtomicI64,
     clean: AtomicI64,
 }
@@ -650,6 +654,7 @@ impl Cache {
             admitted_blocks: e.admitted.load(Ordering::Relaxed),
             evicted_blocks: e.evicted.load(Ordering::Relaxed),
             write_stalls: e.stalls.load(Ordering::Relaxed),
+            carried_blocks: e.carried.load(Ordering::Relaxed),
             failed,
         }
     }
@@ -1141,6 +1146,14 @@ impl Cache {
             let idx = self.ext((r.drive, r.key), true).expect("created");
             let mut m = lock(&idx.m);
             if r.kind == K_DIRTY {
+                if m.entries
+                    .get(&r.block)
+                    .is_some_and(|e| e.version > r.version)
+                {
+                    // Logged versions of a block only rise, but for a carried block
+                    // (`Cache::carry`), which must never hide a newer write.
+                    continue;
+                }
                 let old = m.entries.insert(
                     r.block,
                     Entry {
@@ -1264,16 +1277,41 @@ impl Cache {
             }
         }
         // Only read-write mode keeps a read cache; the other modes drop the copies.
-        self.destage_live(&mut dirty, self.mode() == CacheMode::ReadWrite)?;
-        Ok(())
+        let mut carried = Vec::new();
+        self.destage_live(
+            &mut dirty,
+            self.mode() == CacheMode::ReadWrite,
+            &mut carried,
+        )?;
+        match carried.first() {
+            None => Ok(()),
+            // Not flushed: those acked writes are still only in the log (a clean shutdown
+            // must not count this cache drive as holding nothing).
+            Some(b) => Err(EngineError::Failed {
+                reason: format!(
+                    "cache {}: {} logged blocks of failed capacity drive {} stay in the log \
+                     (they are destaged if the drive opens again at the node's restart)",
+                    self.id.drive,
+                    carried.len(),
+                    b.0
+                ),
+            }),
+        }
     }
 
     /// Writes live dirty blocks (capacity drive, extent, block, log offset, version, crc)
     /// to their capacity drives, per extent in address order, then marks each one not
     /// rewritten meanwhile clean (`keep_clean`: it stays as a read-cache copy) or forgets
-    /// it. Blocks of a drive no longer bound are dropped. A logged block failing its crc
-    /// fails the cache (that acked write is lost on this node). Returns the bytes written.
-    fn destage_live(&self, dirty: &mut [LiveBlock], keep_clean: bool) -> Result<u64, EngineError> {
+    /// it. Blocks of a drive no longer bound are dropped. Blocks of a bound drive that has
+    /// failed are left dirty and listed in `carried` (`Cache::carry`: the cache goes on
+    /// for the other drives). A logged block failing its crc fails the cache (that acked
+    /// write is lost on this node). Returns the bytes written.
+    fn destage_live(
+        &self,
+        dirty: &mut [LiveBlock],
+        keep_clean: bool,
+        carried: &mut Vec<LiveBlock>,
+    ) -> Result<u64, EngineError> {
         dirty.sort_unstable();
         let caps = read(&self.capacity).clone();
         let mut bytes = 0;
@@ -1287,10 +1325,23 @@ impl Cache {
             let blocks: Vec<(u32, u64, u64, u32)> =
                 dirty[s..i].iter().map(|d| (d.2, d.3, d.4, d.5)).collect();
             let cap = caps.get(&drive);
+            if cap.is_some_and(|c| c.failure().is_some()) {
+                carried.extend_from_slice(&dirty[s..i]);
+                continue;
+            }
             match cap {
                 Some(cap) => {
+                    let mut failed_under = false;
                     for part in blocks.chunks(BATCH_BLOCKS_MAX) {
-                        let (lost, _) = self.destage_blocks(cap, key, part, false)?;
+                        let (lost, _) = match self.destage_blocks(cap, key, part, false) {
+                            // The drive failed under this destage: carry the extent's
+                            // blocks (written or not: the log keeps them, newest wins).
+                            Err(_) if cap.failure().is_some() => {
+                                failed_under = true;
+                                break;
+                            }
+                            r => r?,
+                        };
                         if lost > 0 {
                             let e = EngineError::Corrupt(format!(
                                 "{lost} logged blocks of extent {key:?} fail their checksum"
@@ -1299,6 +1350,10 @@ impl Cache {
                             return Err(e);
                         }
                         bytes += part.len() as u64 * BS;
+                    }
+                    if failed_under {
+                        carried.extend_from_slice(&dirty[s..i]);
+                        continue;
                     }
                 }
                 None => log::warn!(
@@ -1518,8 +1573,11 @@ impl Cache {
                 }
             }
         }
-        // Destage: per drive and extent, in address order.
-        let bytes = self.destage_live(&mut dirty, false)?;
+        // Destage: per drive and extent, in address order; a failed drive's blocks are
+        // carried to the head of the log instead, before the tail moves past them.
+        let mut carried = Vec::new();
+        let bytes = self.destage_live(&mut dirty, false, &mut carried)?;
+        self.carry(&carried)?;
         // Second chance for hot read-cached blocks: read them before their space goes.
         let mut readmit_data = Vec::new();
         if !readmit.is_empty() {
@@ -2631,5 +2689,6 @@ impl Tier {
     }
 }
 
+mod carry;
 #[cfg(test)]
 mod tests;

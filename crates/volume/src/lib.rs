@@ -1210,9 +1210,29 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         {
             return Ok(());
         }
+        if let (None, ExtentState::Stale) = (self.geometry_of(idx), to) {
+            // A mirror's last in-sync copy stays so, whoever asks (the repair policy marks
+            // the copies of a node that went down): with none in sync, no copy could be
+            // resynced or rebuilt from any other, even once every node is back. It stays in
+            // sync, out of reach: I/O waits for it (`settle`, `fence_and_compare`).
+            let leaving = current
+                .iter()
+                .any(|e| e.drive == drive && e.state == ExtentState::InSync);
+            let staying = current
+                .iter()
+                .any(|e| e.drive != drive && e.state == ExtentState::InSync);
+            if leaving && !staying {
+                return Err(self.copy_error(
+                    idx,
+                    format!(
+                        "the copy on drive {drive} is the slab's last in-sync copy and stays so"
+                    ),
+                ));
+            }
+        }
         if let (Some(g), ExtentState::Stale) = (self.geometry_of(idx), to) {
             // A parity slab keeps K chunks in sync, as a mirror keeps its last in-sync copy
-            // (`settle`, `fence_and_compare`): below K no chunk can be resynced or rebuilt
+            // (above): below K no chunk can be resynced or rebuilt
             // (each is filled from K others) and none could ever come back, even once every
             // chunk's node does. Such a chunk stays in sync, out of reach: I/O waits for it.
             let leaving = current

@@ -1659,6 +1659,26 @@ async fn an_owner_past_its_tenure_or_retired_answers_nothing() {
 mod mirror_part;
 mod parity;
 
+/// Simulator, seed 16 of `compress` (issue 42's sweeps): the repair policy marks the
+/// copies of a node without a lease stale through `copy_failed`, and marked a slab's last
+/// in-sync copy stale after a lost answer had marked the other one; with no copy in sync
+/// no resync had a source, for ever. The last in-sync copy stays in sync, whoever asks.
+#[tokio::test]
+async fn the_repair_policy_never_marks_a_mirror_s_last_in_sync_copy_stale() {
+    let (v, _io) = volume(1 << 20, 64 << 10);
+    v.write(0, pattern(4096, 1)).await.unwrap();
+    let drives: Vec<(NodeId, DriveId)> = v.slab_map()[&SlabIndex(0)]
+        .iter()
+        .map(|e| (e.node, e.drive))
+        .collect();
+    v.copy_failed(SlabIndex(0), drives[0].1).await.unwrap();
+    v.copy_failed(SlabIndex(0), drives[1].1).await.unwrap();
+    let e = v.copy_failed(SlabIndex(0), drives[2].1).await.unwrap_err();
+    assert!(e.to_string().contains("last in-sync copy"), "{e}");
+    assert_eq!(state_of(&v, 0, drives[2].0 .0), ExtentState::InSync);
+    assert_eq!(state_of(&v, 0, drives[0].0 .0), ExtentState::Stale);
+}
+
 /// A full pool (issue 42): a write that finds no room on its copies' drives fails at once
 /// with "no space" (the client's ENOSPC), not an I/O error after `degraded_write_wait` of
 /// retries; the new slab is given back, so a later write places it afresh once there is

@@ -735,3 +735,93 @@ fn snapshots_through_the_cache_keep_what_was_logged_before_them() {
     r.tier.drop_snapshot(k, Epoch(2), Epoch(1), None).unwrap();
     assert_eq!(r.cap.capacity().bytes_preserved, 0);
 }
+
+fn capacity(f: &FaultyFile, id: u64, fresh: bool) -> Arc<Drive> {
+    Arc::new(if fresh {
+        Drive::format_with(
+            Arc::new(f.clone()),
+            ident(id, DriveRole::Capacity),
+            FormatOptions {
+                journal_bytes: Some(1 << 20),
+                ..Default::default()
+            },
+        )
+        .expect("format capacity")
+    } else {
+        Drive::open(Arc::new(f.reattach())).expect("open capacity")
+    })
+}
+
+/// Issue 42: a capacity drive failing behind a cache failed the whole cache drive at the
+/// next destage step that met one of its logged blocks (every copy behind the cache was
+/// then resynced). Its blocks are now carried in the log, lap after lap, while the cache
+/// goes on for the other drive; when the failed drive opens again at the restart (a
+/// transient failure), replay destages them, and none of its acked writes is lost. (If it
+/// is replaced instead, replay drops them as blocks of an unknown drive, as before.)
+#[test]
+fn a_failed_capacity_drive_s_logged_blocks_are_carried_not_the_cache_failed() {
+    let (fa, fb, fc) = (
+        FaultyFile::new(16 << 20),
+        FaultyFile::new(16 << 20),
+        FaultyFile::new(CACHE_MIN_BYTES),
+    );
+    let (a, b) = (capacity(&fa, 7, true), capacity(&fb, 8, true));
+    let caps: HashMap<DriveId, Arc<Drive>> =
+        [(DriveId(7), a.clone()), (DriveId(8), b.clone())].into();
+    let (cache, _) =
+        Cache::open(Arc::new(fc.reattach()), ident(9, DriveRole::Cache), &caps).expect("open");
+    cache.set_mode(CacheMode::Write);
+    let (ta, tb) = (Tier::new(a.clone()), Tier::new(b.clone()));
+    ta.bind(cache.clone());
+    tb.bind(cache.clone());
+    let (ka, kb) = (key(1, 0), key(2, 0));
+    for blk in 0..16u64 {
+        write(&ta, ka, blk, 100 + blk, 7000 + blk);
+    }
+    a.fail_now("the test");
+    // Rewrites of drive 8 lap the 16 MiB log many times; each lap meets drive 7's blocks.
+    let mut v = 1000;
+    for round in 0..40u64 {
+        for blk in 0..(NB.min(64)) {
+            v += 1;
+            write(&tb, kb, blk, v, round * 1000 + blk);
+        }
+        while cache.used_pct() >= 50 {
+            cache
+                .background_step(true)
+                .expect("destage goes on past the failed drive's blocks");
+        }
+    }
+    assert_eq!(cache.failure(), None, "the cache drive did not fail");
+    assert!(
+        cache.stats().carried_blocks >= 16,
+        "the failed drive's blocks were carried: {:?}",
+        cache.stats()
+    );
+    let flush = cache.flush();
+    assert!(
+        flush.is_err(),
+        "a flush that leaves acked blocks in the log says so"
+    );
+    // Power loss; the node restarts and drive 7 opens again (its failure was the
+    // process's, not the media's): replay destages its carried blocks.
+    cache.stop();
+    drop((ta, tb, cache, a, b));
+    fa.crash(1);
+    fb.crash(2);
+    fc.crash(3);
+    let (a, b) = (capacity(&fa, 7, false), capacity(&fb, 8, false));
+    let caps: HashMap<DriveId, Arc<Drive>> =
+        [(DriveId(7), a.clone()), (DriveId(8), b.clone())].into();
+    let (_cache, report) =
+        Cache::open(Arc::new(fc.reattach()), ident(9, DriveRole::Cache), &caps).expect("reopen");
+    assert_eq!(report.blocks_lost, 0);
+    assert!(report.blocks_destaged >= 16, "{report:?}");
+    for blk in 0..16u64 {
+        assert_eq!(
+            read_cap(&a, ka, blk),
+            block(7000 + blk).0,
+            "drive 7 block {blk}"
+        );
+    }
+}
