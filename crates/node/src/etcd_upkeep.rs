@@ -201,10 +201,9 @@ async fn defragment(etcd: &Etcd, m: &MemberStatus, why: &str) {
 /// etcd as `status` sees it.
 pub struct Observed {
     pub info: converge_api::EtcdInfo,
-    /// What makes the cluster unhealthy: a NOSPACE alarm (etcd takes no writes), a member
-    /// that does not answer.
+    /// What makes the cluster unhealthy: a NOSPACE alarm (etcd takes no writes).
     pub problems: Vec<String>,
-    /// What will: a database near its quota.
+    /// What may: a member that does not answer, a database near its quota.
     pub warnings: Vec<String>,
 }
 
@@ -260,26 +259,35 @@ pub async fn observe(etcd: &Etcd, quota_bytes: u64) -> Observed {
         .filter(|m| m.error.is_some())
         .map(|m| m.endpoint.as_str())
         .collect();
+    // A warning, not a degradation: the data keeps every copy and the cluster works on
+    // with a quorum of the others (a rolling restart of the nodes may go on), but etcd has
+    // one fault less to spare.
+    let mut warnings: Vec<String> = Vec::new();
     if !silent.is_empty() {
-        problems.push(format!("etcd members not answering: {}", silent.join(", ")));
+        warnings.push(format!(
+            "etcd members not answering: {} (etcd works on while a majority answers; bring \
+             them back or replace them: docs/DEPLOY.md)",
+            silent.join(", ")
+        ));
     }
-    let warnings = members
-        .iter()
-        .filter(|m| {
-            m.db_size_bytes.saturating_mul(100) >= quota_bytes.saturating_mul(QUOTA_WARN_PCT)
-        })
-        .map(|m| {
-            format!(
-                "etcd member {} holds {} ({} of it live data), {}% of its {} quota: past the \
+    warnings.extend(
+        members
+            .iter()
+            .filter(|m| {
+                m.db_size_bytes.saturating_mul(100) >= quota_bytes.saturating_mul(QUOTA_WARN_PCT)
+            })
+            .map(|m| {
+                format!(
+                    "etcd member {} holds {} ({} of it live data), {}% of its {} quota: past the \
                  quota etcd refuses every write (docs/OPERATIONS.md, \"etcd out of space\")",
-                m.endpoint,
-                converge_types::format_size(m.db_size_bytes),
-                converge_types::format_size(m.db_in_use_bytes),
-                m.db_size_bytes * 100 / quota_bytes.max(1),
-                converge_types::format_size(quota_bytes)
-            )
-        })
-        .collect();
+                    m.endpoint,
+                    converge_types::format_size(m.db_size_bytes),
+                    converge_types::format_size(m.db_in_use_bytes),
+                    m.db_size_bytes * 100 / quota_bytes.max(1),
+                    converge_types::format_size(quota_bytes)
+                )
+            }),
+    );
     let info = converge_api::EtcdInfo {
         members,
         alarms: alarms
