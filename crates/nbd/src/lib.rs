@@ -28,7 +28,7 @@ pub use dev::{
 };
 pub use error::{ConfigError, NbdError};
 pub use server::{
-    serve_connection, serve_tcp, serve_unix, ServerConfig, ServerStats, StatsSnapshot,
+    serve_connection, serve_tcp, serve_unix, ClientWatch, ServerConfig, ServerStats, StatsSnapshot,
 };
 pub use tls::{tls_server_config, tls_server_config_from_files, TlsConfigError};
 /// The rustls this crate was built with, so callers name the same `rustls::ServerConfig`.

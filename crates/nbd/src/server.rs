@@ -1,6 +1,7 @@
 //! Server entry points: configuration, counters, accept loops and the per-connection driver.
 
 use std::io;
+use std::os::fd::{AsFd, OwnedFd};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -10,6 +11,7 @@ use tokio::net::{TcpListener, UnixListener};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_rustls::rustls;
+use tokio_rustls::rustls::pki_types::CertificateDer;
 
 use crate::dev::Resolver;
 use crate::error::{ConfigError, NbdError};
@@ -47,6 +49,24 @@ pub struct ServerConfig {
     /// `None` (default): no TLS, STARTTLS is refused with `NBD_REP_ERR_POLICY`.
     /// `serve_tcp` and `serve_connection` honour it; `serve_unix` never uses TLS.
     pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// Told of each TCP client's certificate once its TLS handshake is done, to end the
+    /// connection if that certificate is revoked while it is open (`serve_tcp` only).
+    pub client_watch: Option<Arc<dyn ClientWatch>>,
+}
+
+/// Ends TLS connections whose client certificate comes to be refused while they are open
+/// (a revoked certificate): see [`ServerConfig::client_watch`].
+pub trait ClientWatch: Send + Sync + std::fmt::Debug {
+    /// Starts watching the connection from `peer`, whose client presented `cert`; calling
+    /// `cut` ends the connection (its socket is shut down both ways: requests in flight
+    /// finish, their replies are lost). What it returns is dropped when the connection ends,
+    /// and should stop the watch then.
+    fn watch(
+        &self,
+        cert: &CertificateDer<'_>,
+        peer: &str,
+        cut: Box<dyn FnOnce() + Send>,
+    ) -> Option<Box<dyn Send>>;
 }
 
 impl Default for ServerConfig {
@@ -61,6 +81,7 @@ impl Default for ServerConfig {
             connections_max: 1024,
             stats: Arc::new(ServerStats::default()),
             tls: None,
+            client_watch: None,
         }
     }
 }
@@ -144,6 +165,28 @@ where
     R: Resolver,
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
+    serve_watched(stream, None, resolver, cfg).await
+}
+
+/// A TCP connection's socket, for [`ServerConfig::client_watch`] to cut.
+struct Watched {
+    /// A duplicate descriptor of the connection's socket.
+    socket: OwnedFd,
+    /// The peer's address, for the log.
+    peer: String,
+}
+
+/// [`serve_connection`], with what a client watch needs to end the connection.
+async fn serve_watched<R, S>(
+    stream: S,
+    watched: Option<Watched>,
+    resolver: Arc<R>,
+    cfg: ServerConfig,
+) -> Result<(), NbdError>
+where
+    R: Resolver,
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
     cfg.validate()?;
     cfg.stats
         .connections_accepted
@@ -196,6 +239,7 @@ where
                 client,
                 options_seen,
                 deadline,
+                watched,
             };
             Box::pin(serve_tls(rd, wr, upgrade, &*resolver, &cfg)).await
         }
@@ -219,6 +263,7 @@ struct Upgrade {
     client: ClientFlags,
     options_seen: usize,
     deadline: Instant,
+    watched: Option<Watched>,
 }
 
 /// After an acknowledged STARTTLS: the TLS handshake on the same stream, then option
@@ -251,7 +296,7 @@ where
             .map_err(NbdError::TlsHandshake)
     };
     let stream = within(up.deadline, cfg, accept).await?;
-    {
+    let _watch = {
         let (_, session) = stream.get_ref();
         log::debug!(
             "nbd: TLS established: {:?}, {:?}, client certificate: {}",
@@ -259,7 +304,14 @@ where
             session.negotiated_cipher_suite().map(|s| s.suite()),
             session.peer_certificates().is_some_and(|c| !c.is_empty()),
         );
-    }
+        let cert = session.peer_certificates().and_then(|c| c.first());
+        match (&cfg.client_watch, cert, up.watched.take()) {
+            (Some(w), Some(cert), Some(Watched { socket, peer })) => {
+                w.watch(cert, &peer, Box::new(move || shut_down(socket)))
+            }
+            _ => None,
+        }
+    };
 
     let (rd, wr) = tokio::io::split(stream);
     let mut rd = BufReader::with_capacity(STREAM_BUFFER_BYTES, rd);
@@ -310,6 +362,15 @@ where
     transmission::run(rd, wr.get_mut(), neg, cfg).await
 }
 
+/// Shuts a TCP socket down both ways, given a duplicate of its descriptor: the
+/// connection's reads see the end of the stream and its writes fail.
+fn shut_down(socket: OwnedFd) {
+    let s = std::net::TcpStream::from(socket);
+    if let Err(e) = s.shutdown(std::net::Shutdown::Both) {
+        log::debug!("nbd: shutting a connection's socket down: {e}");
+    }
+}
+
 fn config_io_error(e: ConfigError) -> io::Error {
     io::Error::new(io::ErrorKind::InvalidInput, e)
 }
@@ -322,15 +383,19 @@ async fn accept_backoff(e: &io::Error) {
 
 /// A listener the shared accept loop can take connections from.
 trait Acceptor: Send + Sync {
-    type Stream: AsyncRead + AsyncWrite + Unpin + Send + 'static;
+    type Stream: AsyncRead + AsyncWrite + AsFd + Unpin + Send + 'static;
     /// The next connection and a name for the peer, for logs.
     fn accept_one(
         &self,
     ) -> impl std::future::Future<Output = io::Result<(Self::Stream, String)>> + Send;
+    /// Whether a client watch can end this kind of connection.
+    const WATCHABLE: bool;
 }
 
 impl Acceptor for UnixListener {
     type Stream = tokio::net::UnixStream;
+    // No TLS, so no certificate to revoke.
+    const WATCHABLE: bool = false;
     async fn accept_one(&self) -> io::Result<(Self::Stream, String)> {
         let (stream, _) = self.accept().await?;
         Ok((stream, "unix socket".to_string()))
@@ -339,6 +404,7 @@ impl Acceptor for UnixListener {
 
 impl Acceptor for TcpListener {
     type Stream = tokio::net::TcpStream;
+    const WATCHABLE: bool = true;
     async fn accept_one(&self) -> io::Result<(Self::Stream, String)> {
         let (stream, peer) = self.accept().await?;
         // Replies are small and latency-bound; do not let Nagle hold them back.
@@ -370,9 +436,24 @@ async fn accept_loop<R: Resolver, L: Acceptor>(
                 continue;
             }
         };
+        // A duplicate of the socket, for a client watch to shut it down.
+        let watched = if L::WATCHABLE && cfg.tls.is_some() && cfg.client_watch.is_some() {
+            match stream.as_fd().try_clone_to_owned() {
+                Ok(socket) => Some(Watched {
+                    socket,
+                    peer: peer.clone(),
+                }),
+                Err(e) => {
+                    log::warn!("nbd: cannot watch the connection from {peer} ({e}); closed");
+                    continue;
+                }
+            }
+        } else {
+            None
+        };
         let (resolver, cfg) = (Arc::clone(&resolver), cfg.clone());
         tokio::spawn(async move {
-            if let Err(e) = serve_connection(stream, resolver, cfg).await {
+            if let Err(e) = serve_watched(stream, watched, resolver, cfg).await {
                 log::info!("nbd: connection from {peer} ended: {e}");
             }
             drop(permit);

@@ -107,6 +107,15 @@ pub async fn serve(
                 pending: Arc::new(std::sync::Mutex::new(Some(pending))),
                 started: Default::default(),
             };
+            // A duplicate descriptor of the socket, to shut it down if the certificate the
+            // caller shows is revoked while the connection is open (keep-alive).
+            let socket = match std::os::fd::AsFd::as_fd(&stream).try_clone_to_owned() {
+                Ok(s) => s,
+                Err(e) => {
+                    log::warn!("api: cannot watch the connection from {addr} ({e}); closed");
+                    return;
+                }
+            };
             // The TLS handshake is bounded with the first request's headers: a client that
             // stalls in it holds a connection slot no longer.
             let stream = match tokio::time::timeout_at(deadline, acceptor.accept(stream)).await {
@@ -124,10 +133,20 @@ pub async fn serve(
             };
             // Another node presents its certificate (checked by the handshake: the cluster
             // CA's, a node's, not revoked); people and programs present none.
-            let caller = match converge_pki::peer_node(stream.get_ref().1.peer_certificates()) {
+            let certs = stream.get_ref().1.peer_certificates();
+            let caller = match converge_pki::peer_node(certs) {
                 Some(id) => crate::auth::Caller::Node(id),
                 None => crate::auth::Caller::Anonymous,
             };
+            // A node's certificate acts for the cluster as long as the connection lasts:
+            // revoking it (or removing the node) ends the connection.
+            let _watchman = certs.and_then(|c| c.first()).and_then(|cert| {
+                node.revocations.watch_connection(
+                    cert,
+                    format!("api: the connection from {addr}"),
+                    converge_pki::cut_socket(socket),
+                )
+            });
             let st = standing.clone();
             let svc = hyper::service::service_fn(move |req| {
                 let node = node.clone();

@@ -188,6 +188,23 @@ pub async fn watch(
     }
 }
 
+/// Ends an NBD/TCP connection whose client certificate is revoked while it is open.
+#[derive(Debug)]
+pub struct NbdClientWatch(pub Arc<Revocations>);
+
+impl converge_nbd::ClientWatch for NbdClientWatch {
+    fn watch(
+        &self,
+        cert: &rustls::pki_types::CertificateDer<'_>,
+        peer: &str,
+        cut: Box<dyn FnOnce() + Send>,
+    ) -> Option<Box<dyn Send>> {
+        self.0
+            .watch_connection(cert, format!("nbd: the client connection from {peer}"), cut)
+            .map(|w| Box::new(w) as Box<dyn Send>)
+    }
+}
+
 /// `/v1/certs/...` (admin).
 pub async fn route(node: &Node, method: &Method, parts: &[&str], body: &[u8]) -> Out {
     match (method, parts) {

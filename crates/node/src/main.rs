@@ -323,6 +323,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
             hello,
             cfg.knobs.clone(),
             peer_client,
+            revocations.clone(),
         )),
         allocator: Arc::new(Allocator::new(
             cluster.clone(),
@@ -413,7 +414,10 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
             node: node.clone(),
         }),
         cfg.knobs.clone(),
-        Some(peer_server),
+        Some(converge_rpc::ServerTls {
+            config: peer_server,
+            revocations: revocations.clone(),
+        }),
     ));
     let api = tokio::spawn(api::serve(api_listener, node.clone(), api_server));
     let exports = Arc::new(export::Exports { node: node.clone() });
@@ -434,6 +438,8 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         } else {
             Some(nbd_tls)
         },
+        // A client whose certificate is revoked is disconnected, not only refused next time.
+        client_watch: Some(Arc::new(creds::NbdClientWatch(revocations.clone()))),
         ..nbd_cfg
     };
     if nbd_tcp.is_some() && cfg.nbd_tcp_insecure {

@@ -484,6 +484,8 @@ pub struct Replicas {
     pub knobs: Knobs,
     /// Mutual TLS to peers: this node's certificate, the cluster's CA.
     tls: Arc<rustls::ClientConfig>,
+    /// Ends a connection to a peer whose certificate is revoked while it is open.
+    revocations: Arc<converge_pki::Revocations>,
     peers: RwLock<HashMap<NodeId, RpcClient>>,
 }
 
@@ -495,6 +497,7 @@ impl Replicas {
         hello: Hello,
         knobs: Knobs,
         tls: Arc<rustls::ClientConfig>,
+        revocations: Arc<converge_pki::Revocations>,
     ) -> Replicas {
         Replicas {
             me,
@@ -503,6 +506,7 @@ impl Replicas {
             hello,
             knobs,
             tls,
+            revocations,
             peers: RwLock::new(HashMap::new()),
         }
     }
@@ -524,12 +528,13 @@ impl Replicas {
         let c = peers
             .entry(node)
             .or_insert_with(|| {
-                RpcClient::with_tls(
+                RpcClient::with_tls_watching(
                     rec.rpc_addr.clone(),
                     self.hello.clone(),
                     &self.knobs,
                     self.tls.clone(),
                     node,
+                    self.revocations.clone(),
                 )
             })
             .clone();

@@ -23,7 +23,9 @@
 pub mod keys;
 mod revoke;
 
-pub use revoke::{cert_info, cert_info_pem, check_serial, CertInfo, Revocations, Revoked};
+pub use revoke::{
+    cert_info, cert_info_pem, check_serial, cut_socket, CertInfo, Revocations, Revoked, Watchman,
+};
 
 use rcgen::{
     BasicConstraints, CertificateParams, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,

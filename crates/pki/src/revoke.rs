@@ -8,6 +8,12 @@
 //! [`crate::NodeTls`] read it on each handshake, so a change applies to the next
 //! connection without rebuilding any configuration. Sessions are never resumed (a resumed
 //! session would skip the check).
+//!
+//! Connections opened before a revocation are ended by it: each server and client that
+//! authenticated a peer by certificate keeps a [`Watchman`] for the connection
+//! ([`Revocations::watch_connection`]), which shuts the socket down when the certificate
+//! becomes refused. The connection then ends through its own error path (requests in
+//! flight finish, their answers are lost), so nothing on the data path polls the list.
 
 use crate::{node_name, PkiError};
 use rcgen::{
@@ -20,6 +26,7 @@ use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
 use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{CertificateError, DigitallySignedStruct, DistinguishedName, SignatureScheme};
 use std::collections::BTreeSet;
+use std::os::fd::OwnedFd;
 use std::sync::{Arc, RwLock};
 
 /// What a certificate says about itself that revocation and authorization need.
@@ -130,28 +137,53 @@ pub struct Revoked {
 
 /// The revocation list a node checks at every handshake, shared by every TLS
 /// configuration it built; kept current from etcd by the node.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Revocations {
     state: RwLock<Revoked>,
+    /// Bumped at every change of `state`: the connections' watchmen look again.
+    changes: tokio::sync::watch::Sender<u64>,
+}
+
+impl Default for Revocations {
+    fn default() -> Revocations {
+        Revocations {
+            state: RwLock::new(Revoked::default()),
+            changes: tokio::sync::watch::Sender::new(0),
+        }
+    }
 }
 
 impl Revocations {
     pub fn new(state: Revoked) -> Arc<Revocations> {
-        Arc::new(Revocations {
-            state: RwLock::new(state),
-        })
+        let r = Revocations::default();
+        *r.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        Arc::new(r)
     }
 
     /// Replaces the list (a fresh read from etcd).
     pub fn set(&self, state: Revoked) {
-        *self.state.write().unwrap_or_else(|p| p.into_inner()) = state;
+        {
+            let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
+            if *s == state {
+                return;
+            }
+            *s = state;
+        }
+        self.changed();
     }
 
     /// Adds to the list (what this node just revoked, before the watch tells it).
     pub fn add(&self, removed_node: Option<u32>, serials: impl IntoIterator<Item = String>) {
-        let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
-        s.removed_nodes.extend(removed_node);
-        s.serials.extend(serials);
+        {
+            let mut s = self.state.write().unwrap_or_else(|p| p.into_inner());
+            s.removed_nodes.extend(removed_node);
+            s.serials.extend(serials);
+        }
+        self.changed();
+    }
+
+    fn changed(&self) {
+        self.changes.send_modify(|n| *n += 1);
     }
 
     pub fn snapshot(&self) -> Revoked {
@@ -179,6 +211,68 @@ impl Revocations {
                 info.serial
             )
         })
+    }
+
+    /// Why `info`'s certificate is refused, once it is: at once if it is now, else at the
+    /// change of the list that refuses it.
+    pub async fn until_refused(&self, info: &CertInfo) -> String {
+        // Subscribed before looking, so that no change between the two is missed.
+        let mut changes = self.changes.subscribe();
+        loop {
+            if let Some(why) = self.refusal(info) {
+                return why;
+            }
+            if changes.changed().await.is_err() {
+                // The sender lives as long as `self`: never.
+                std::future::pending::<()>().await;
+            }
+        }
+    }
+
+    /// Watches an open connection whose peer authenticated with `cert`: when the list comes
+    /// to refuse it, `cut` is called (see [`cut_socket`]) and the refusal is logged, naming
+    /// the connection by `what` ("NBD client 10.0.0.7:51234"). Dropping the watchman stops
+    /// the watch; keep it as long as the connection. `None` for a certificate that cannot be
+    /// read (the handshake refused those). Needs a tokio runtime. Costs one idle task per
+    /// connection, woken only when the list changes.
+    pub fn watch_connection(
+        self: &Arc<Self>,
+        cert: &CertificateDer<'_>,
+        what: String,
+        cut: impl FnOnce() + Send + 'static,
+    ) -> Option<Watchman> {
+        let info = cert_info(cert).ok()?;
+        let me = self.clone();
+        let task = tokio::spawn(async move {
+            let why = me.until_refused(&info).await;
+            log::warn!("{what}: {why}; connection closed");
+            cut();
+        });
+        Some(Watchman(task.abort_handle()))
+    }
+}
+
+/// Ends the watch of one connection when dropped (see [`Revocations::watch_connection`]).
+#[derive(Debug)]
+pub struct Watchman(tokio::task::AbortHandle);
+
+impl Drop for Watchman {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// A `cut` for [`Revocations::watch_connection`] that shuts a TCP socket down both ways,
+/// given a duplicate of its descriptor (`stream.as_fd().try_clone_to_owned()`): the
+/// connection's own reads see the end of the stream and its writes fail, so it ends by
+/// its usual path. The duplicate is closed after.
+pub fn cut_socket(socket: OwnedFd) -> impl FnOnce() + Send + 'static {
+    move || {
+        let s = std::net::TcpStream::from(socket);
+        if let Err(e) = s.shutdown(std::net::Shutdown::Both) {
+            // Already closed by the peer: nothing is left to cut.
+            log::debug!("shutting a revoked connection's socket down: {e}");
+        }
     }
 }
 
@@ -484,6 +578,82 @@ mod tests {
         assert!(r.refusal(&n5).unwrap().contains("revoked"));
         r.set(Revoked::default());
         assert_eq!(r.refusal(&n4), None);
+    }
+
+    /// Polls `f` once: `Some` if it is ready.
+    fn poll_once<F: std::future::Future + Unpin>(f: &mut F) -> Option<F::Output> {
+        let waker = std::task::Waker::noop();
+        let mut cx = std::task::Context::from_waker(waker);
+        match std::pin::Pin::new(f).poll(&mut cx) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
+    }
+
+    #[test]
+    fn a_watch_ends_at_the_change_that_refuses_its_certificate_and_at_no_other() {
+        let ca = Ca::generate().unwrap();
+        let node = |id| cert_info(&der(&ca, Subject::Node { id, hosts: vec![] })).unwrap();
+        let (n4, n5, n6) = (node(4), node(5), node(6));
+        let r = Revocations::new(Revoked::default());
+        let mut w4 = Box::pin(r.until_refused(&n4));
+        let mut w5 = Box::pin(r.until_refused(&n5));
+        assert_eq!(poll_once(&mut w4), None);
+        assert_eq!(poll_once(&mut w5), None);
+        // Another node's removal and another serial change nothing for these two.
+        r.add(Some(6), [n6.serial.clone()]);
+        assert_eq!(poll_once(&mut w4), None);
+        assert_eq!(poll_once(&mut w5), None);
+        // A fresh read from etcd equal to what is held is no change at all.
+        r.set(r.snapshot());
+        assert_eq!(poll_once(&mut w4), None);
+        // Node 4 removed (any certificate naming it), node 5's serial revoked.
+        r.set(Revoked {
+            removed_nodes: [4, 6].into(),
+            serials: [n6.serial.clone(), n5.serial.clone()].into(),
+        });
+        assert!(poll_once(&mut w4).unwrap().contains("node 4 was removed"));
+        assert!(poll_once(&mut w5).unwrap().contains(&n5.serial));
+        // Already refused: at once.
+        assert!(poll_once(&mut Box::pin(r.until_refused(&n6))).is_some());
+    }
+
+    #[tokio::test]
+    async fn a_watched_connection_is_shut_down_when_its_certificate_is_revoked() {
+        use std::os::fd::AsFd;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let ca = Ca::generate().unwrap();
+        let cert = der(
+            &ca,
+            Subject::Node {
+                id: 7,
+                hosts: vec![],
+            },
+        );
+        let serial = cert_info(&cert).unwrap().serial;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let mut client = tokio::net::TcpStream::connect(listener.local_addr().unwrap())
+            .await
+            .unwrap();
+        let (mut server, _) = listener.accept().await.unwrap();
+        let r = Revocations::new(Revoked::default());
+        let dup = server.as_fd().try_clone_to_owned().unwrap();
+        let watchman = r.watch_connection(&cert, "test connection".into(), cut_socket(dup));
+        assert!(watchman.is_some());
+        client.write_all(b"ping").await.unwrap();
+        let mut buf = [0u8; 4];
+        server.read_exact(&mut buf).await.unwrap();
+        r.add(None, [serial]);
+        // The server's side is shut down: its reads end, and the client sees the close.
+        // (The bound only keeps a broken build from hanging the suite.)
+        let limit = std::time::Duration::from_secs(60);
+        let n = tokio::time::timeout(limit, server.read(&mut buf)).await;
+        assert_eq!(
+            n.expect("the server's socket was not shut down").unwrap(),
+            0
+        );
+        let n = tokio::time::timeout(limit, client.read(&mut buf)).await;
+        assert_eq!(n.expect("the client saw no close").unwrap(), 0);
     }
 
     #[test]

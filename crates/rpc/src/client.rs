@@ -9,8 +9,10 @@ use crate::frame::{self, Outgoing, ReadError, READ_BUFFER_BYTES};
 use crate::wire::{
     self, ErrorCode, Hello, Request, Response, WireError, PROTOCOL_VERSION, PROTOCOL_VERSION_MIN,
 };
+use converge_pki::{Revocations, Watchman};
 use converge_types::{Knobs, NodeId};
 use std::collections::HashMap;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -133,6 +135,8 @@ struct Conn {
     tx: mpsc::Sender<Outgoing>,
     shared: Arc<ConnShared>,
     peer: NodeId,
+    /// Ends the connection if the peer's certificate is revoked while it is open.
+    _watchman: Option<Watchman>,
 }
 
 impl Drop for Conn {
@@ -166,7 +170,7 @@ struct Inner {
     /// [`RpcClient::connect`] for the older ones).
     hello: Hello,
     /// Mutual TLS: this node's client settings and the node the peer must prove to be.
-    tls: Option<(tokio_rustls::TlsConnector, NodeId)>,
+    tls: Option<ClientTls>,
     frame_bytes_max: usize,
     timeout: Duration,
     inflight: Semaphore,
@@ -177,6 +181,15 @@ struct Inner {
     /// (taken only to connect): calls from every runtime thread share it.
     live: std::sync::RwLock<Option<Arc<Conn>>>,
     slot: tokio::sync::Mutex<Slot>,
+}
+
+/// Mutual TLS of a client: the settings, the node the peer must prove to be, and the
+/// revocation list that ends an open connection whose certificate it comes to refuse.
+#[derive(Clone)]
+struct ClientTls {
+    connector: tokio_rustls::TlsConnector,
+    peer: NodeId,
+    revocations: Option<Arc<Revocations>>,
 }
 
 /// A pipelined connection to one peer. Cheap to clone; clones share the connection.
@@ -224,16 +237,39 @@ impl RpcClient {
             addr,
             hello,
             knobs,
-            Some((tokio_rustls::TlsConnector::from(tls), peer)),
+            Some(ClientTls {
+                connector: tokio_rustls::TlsConnector::from(tls),
+                peer,
+                revocations: None,
+            }),
         )
     }
 
-    fn build(
+    /// As [`RpcClient::with_tls`], and a connection open when `revocations` comes to
+    /// refuse the peer's certificate (the peer removed, its certificate revoked) is closed;
+    /// the next call's handshake then refuses the peer. `tls` should check `revocations`
+    /// too (`NodeTls::peer_client` of a `NodeTls` given them), as a node's does.
+    pub fn with_tls_watching(
         addr: String,
         hello: Hello,
         knobs: &Knobs,
-        tls: Option<(tokio_rustls::TlsConnector, NodeId)>,
+        tls: Arc<rustls::ClientConfig>,
+        peer: NodeId,
+        revocations: Arc<Revocations>,
     ) -> RpcClient {
+        Self::build(
+            addr,
+            hello,
+            knobs,
+            Some(ClientTls {
+                connector: tokio_rustls::TlsConnector::from(tls),
+                peer,
+                revocations: Some(revocations),
+            }),
+        )
+    }
+
+    fn build(addr: String, hello: Hello, knobs: &Knobs, tls: Option<ClientTls>) -> RpcClient {
         let inflight_max = knobs.rpc_inflight_max.max(1);
         RpcClient {
             inner: Arc::new(Inner {
@@ -468,7 +504,16 @@ impl RpcClient {
                 let (rd, wr) = stream.into_split();
                 self.start(rd, wr, None, offered).await
             }
-            Some((connector, peer)) => {
+            Some(ClientTls {
+                connector,
+                peer,
+                revocations,
+            }) => {
+                // A duplicate descriptor of the socket, for the watch to shut it down.
+                let socket = match revocations {
+                    Some(_) => Some(stream.as_fd().try_clone_to_owned().map_err(io_err)?),
+                    None => None,
+                };
                 let name = converge_pki::node_server_name(peer.0);
                 let tls = connector.connect(name, stream).await.map_err(|e| {
                     io_err(std::io::Error::new(
@@ -476,8 +521,19 @@ impl RpcClient {
                         format!("TLS handshake with node {peer} failed: {e}"),
                     ))
                 })?;
+                let cert = tls.get_ref().1.peer_certificates().and_then(|c| c.first());
+                let watchman = match (revocations, cert, socket) {
+                    (Some(r), Some(cert), Some(socket)) => r.watch_connection(
+                        cert,
+                        format!("rpc to {addr} (node {peer})"),
+                        converge_pki::cut_socket(socket),
+                    ),
+                    _ => None,
+                };
                 let (rd, wr) = tokio::io::split(tls);
-                self.start(rd, wr, Some(*peer), offered).await
+                let mut conn = self.start(rd, wr, Some(*peer), offered).await?;
+                conn._watchman = watchman;
+                Ok(conn)
             }
         }
     }
@@ -596,7 +652,12 @@ impl RpcClient {
         };
         let reader = tokio::spawn(read_loop(rd, shared.clone(), self.inner.frame_bytes_max));
         shared.set_tasks(vec![writer.abort_handle(), reader.abort_handle()]);
-        Ok(Conn { tx, shared, peer })
+        Ok(Conn {
+            tx,
+            shared,
+            peer,
+            _watchman: None,
+        })
     }
 }
 

@@ -12,7 +12,9 @@ mod server;
 pub mod wire;
 
 pub use client::{RpcClient, RpcError, RECONNECT_BACKOFF_MAX_MS, RECONNECT_BACKOFF_MIN_MS};
-pub use server::{serve, Handler, CONNECTIONS_MAX, HANDSHAKES_PER_SOURCE_MAX, HANDSHAKE_MS_MAX};
+pub use server::{
+    serve, Handler, ServerTls, CONNECTIONS_MAX, HANDSHAKES_PER_SOURCE_MAX, HANDSHAKE_MS_MAX,
+};
 pub use wire::{
     ErrorCode, Hello, Request, Response, WireError, PROTOCOL_VERSION, PROTOCOL_VERSION_MIN,
 };

@@ -14,10 +14,12 @@ use crate::wire::{
     self, msg, EncodedFrame, ErrorCode, FrameHeader, Request, Response, WireError,
     PROTOCOL_VERSION, PROTOCOL_VERSION_MIN,
 };
+use converge_pki::Revocations;
 use converge_types::{ClusterId, Knobs, NodeId};
 use rustls::pki_types::CertificateDer;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::os::fd::AsFd;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, BufReader};
@@ -41,6 +43,15 @@ pub const HANDSHAKES_PER_SOURCE_MAX: usize = 32;
 /// included); `replica_timeout_ms` if that is shorter.
 pub const HANDSHAKE_MS_MAX: u64 = 5_000;
 
+/// The peer port's mutual TLS: the server settings (which check the revocation list at each
+/// handshake) and that list, which also ends an open connection whose certificate it comes
+/// to refuse (`converge node remove`, `converge cert revoke`).
+#[derive(Clone)]
+pub struct ServerTls {
+    pub config: Arc<rustls::ServerConfig>,
+    pub revocations: Arc<Revocations>,
+}
+
 /// What the node plugs into the server: the engine, in production.
 pub trait Handler: Send + Sync + 'static {
     /// Answers one request from node `peer`. `Hello` and `Ping` never reach the handler
@@ -56,10 +67,10 @@ pub async fn serve<H: Handler>(
     my_node: NodeId,
     handler: Arc<H>,
     knobs: Knobs,
-    tls: Option<Arc<rustls::ServerConfig>>,
+    tls: Option<ServerTls>,
 ) -> std::io::Result<()> {
     let knobs = Arc::new(knobs);
-    let tls = tls.map(tokio_rustls::TlsAcceptor::from);
+    let tls = tls.map(|t| (tokio_rustls::TlsAcceptor::from(t.config), t.revocations));
     let mut conns = JoinSet::new();
     let slots = Arc::new(Semaphore::new(CONNECTIONS_MAX));
     let handshakes = Handshakes::new(HANDSHAKES_PER_SOURCE_MAX);
@@ -162,7 +173,7 @@ async fn serve_conn<H: Handler>(
     my_node: NodeId,
     handler: Arc<H>,
     knobs: Arc<Knobs>,
-    tls: Option<tokio_rustls::TlsAcceptor>,
+    tls: Option<(tokio_rustls::TlsAcceptor, Arc<Revocations>)>,
 ) {
     if let Err(e) = stream.set_nodelay(true) {
         log::warn!("rpc server: cannot set TCP_NODELAY for {addr}: {e}");
@@ -170,12 +181,21 @@ async fn serve_conn<H: Handler>(
     // One deadline for the TLS handshake and the hello together.
     let deadline = tokio::time::Instant::now() + handshake_deadline(&knobs);
     let handshake_timeout = handshake_deadline(&knobs);
-    let Some(acceptor) = tls else {
+    let Some((acceptor, revocations)) = tls else {
         let (rd, wr) = stream.into_split();
         return serve_stream(
             rd, wr, None, addr, pending, deadline, cluster, my_node, handler, knobs,
         )
         .await;
+    };
+    // To end the connection if its certificate is revoked later (a duplicate descriptor of
+    // the same socket; the watch shuts the socket down, the stream below sees its end).
+    let socket = match stream.as_fd().try_clone_to_owned() {
+        Ok(s) => s,
+        Err(e) => {
+            log::warn!("rpc server: cannot watch the connection from {addr} ({e}); closed");
+            return;
+        }
     };
     // The TLS handshake checks that the caller holds a certificate of this cluster's CA;
     // which node it names is checked against the hello.
@@ -202,6 +222,11 @@ async fn serve_conn<H: Handler>(
         log::warn!("rpc server: {addr} presented no certificate; refused");
         return;
     };
+    let _watchman = revocations.watch_connection(
+        &cert,
+        format!("rpc server: the peer connection from {addr}"),
+        converge_pki::cut_socket(socket),
+    );
     let (rd, wr) = tokio::io::split(stream);
     serve_stream(
         rd,

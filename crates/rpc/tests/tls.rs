@@ -1,8 +1,10 @@
 //! Peer RPC over mutual TLS on real loopback TCP: a node proves who it is with a certificate
 //! of the cluster's CA that names it, and nothing else gets through.
 
-use converge_pki::{Ca, NewKey, NodeTls, Subject};
-use converge_rpc::{serve, ErrorCode, Handler, Hello, Request, Response, RpcClient, RpcError};
+use converge_pki::{Ca, NewKey, NodeTls, Revocations, Revoked, Subject};
+use converge_rpc::{
+    serve, ErrorCode, Handler, Hello, Request, Response, RpcClient, RpcError, ServerTls,
+};
 use converge_types::{ClusterId, Knobs, NodeId};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -53,6 +55,8 @@ fn knobs() -> Knobs {
 struct Server {
     addr: String,
     handled: Arc<Counter>,
+    /// The list the server checks, at handshakes and for open connections.
+    revocations: Arc<Revocations>,
     _task: tokio::task::JoinHandle<std::io::Result<()>>,
 }
 
@@ -60,18 +64,22 @@ async fn start(ca: &Ca) -> Server {
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let addr = listener.local_addr().expect("addr").to_string();
     let handled = Arc::new(Counter::default());
-    let tls = node(ca, SERVER.0).peer_server().expect("server config");
+    let tls = node(ca, SERVER.0);
     let task = tokio::spawn(serve(
         listener,
         CLUSTER,
         SERVER,
         handled.clone(),
         knobs(),
-        Some(tls),
+        Some(ServerTls {
+            config: tls.peer_server().expect("server config"),
+            revocations: tls.revocations().clone(),
+        }),
     ));
     Server {
         addr,
         handled,
+        revocations: tls.revocations().clone(),
         _task: task,
     }
 }
@@ -221,14 +229,17 @@ async fn a_host_holding_every_slot_in_handshakes_does_not_keep_a_peer_out() {
         replica_timeout_ms: 120_000,
         ..Knobs::default()
     };
-    let tls = node(&ca, SERVER.0).peer_server().expect("server config");
+    let tls = node(&ca, SERVER.0);
     let _task = tokio::spawn(serve(
         listener,
         CLUSTER,
         SERVER,
         handled.clone(),
         slow,
-        Some(tls),
+        Some(ServerTls {
+            config: tls.peer_server().expect("server config"),
+            revocations: tls.revocations().clone(),
+        }),
     ));
     // More connections than the server serves at once, from one address, silent.
     let mut held = Vec::new();
@@ -261,4 +272,80 @@ async fn a_host_holding_every_slot_in_handshakes_does_not_keep_a_peer_out() {
         .expect("a real peer is served");
     assert_eq!(handled.0.load(Ordering::SeqCst), 1);
     drop(held);
+}
+
+/// Pings over `c` until a ping fails: the connection it had was closed (Ping is answered by
+/// the rpc layer itself, so only a closed connection fails it). The bound only keeps a
+/// broken build from hanging the suite.
+async fn until_cut(c: &RpcClient) -> RpcError {
+    let wait = async {
+        loop {
+            match c.call(Request::Ping).await {
+                Ok(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+                Err(e) => return e,
+            }
+        }
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(60), wait)
+        .await
+        .expect("the connection was never closed")
+}
+
+/// Issue 48: a certificate was checked when a connection opened, and a connection open when
+/// it was revoked went on being served. The server now closes it, and only it.
+#[tokio::test]
+async fn the_server_closes_an_open_connection_whose_certificate_is_revoked() {
+    let ca = Ca::generate().expect("ca");
+    let s = start(&ca).await;
+    let one = node(&ca, 1);
+    let serial = one.own_cert().expect("own cert").serial;
+    let c = tls_client(&s, NodeId(1), &one, SERVER);
+    let c2 = tls_client(&s, NodeId(2), &node(&ca, 2), SERVER);
+    c.call(extent_req()).await.expect("served before");
+    c2.call(extent_req()).await.expect("served before");
+    // Another node removed, another serial revoked: nothing happens to these two.
+    let other = node(&ca, 3).own_cert().expect("own cert").serial;
+    s.revocations.add(Some(9), [other]);
+    s.revocations.add(None, [serial]);
+    until_cut(&c).await;
+    match c.call(extent_req()).await {
+        Err(RpcError::Connect { source, .. }) => {
+            assert!(
+                source.to_string().contains("CertificateRevoked"),
+                "{source}"
+            )
+        }
+        other => panic!("expected the handshake to refuse it, got {other:?}"),
+    }
+    assert_eq!(c.connections_made(), 1);
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 2);
+    // Node 2's connection was not touched: still the first one.
+    c2.call(extent_req()).await.expect("node 2 served after");
+    assert_eq!(c2.connections_made(), 1);
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 3);
+}
+
+/// And a node closes its own connection to a peer whose certificate is revoked (or which
+/// is removed) while the connection is open; its handshake refuses the peer from then on.
+#[tokio::test]
+async fn a_caller_closes_its_connection_to_a_peer_that_is_removed() {
+    let ca = Ca::generate().expect("ca");
+    let s = start(&ca).await;
+    let mine = Revocations::new(Revoked::default());
+    let me = node(&ca, 1).with_revocations(mine.clone());
+    let c = RpcClient::with_tls_watching(
+        s.addr.clone(),
+        Hello::new(CLUSTER, NodeId(1)),
+        &knobs(),
+        me.peer_client().expect("client config"),
+        SERVER,
+        mine.clone(),
+    );
+    c.call(extent_req()).await.expect("served before");
+    mine.add(Some(SERVER.0), []);
+    until_cut(&c).await;
+    let r = c.call(extent_req()).await;
+    assert!(matches!(r, Err(RpcError::Connect { .. })), "{r:?}");
+    assert_eq!(c.connections_made(), 1);
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 1);
 }
