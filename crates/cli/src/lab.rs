@@ -818,6 +818,11 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
         log: PathBuf,
     }
     let mut members = Vec::new();
+    // The client port of member M, for node M to reset its connections when etcd's
+    // revocation list gains a certificate (`[tls] etcd_client_port`): when the member
+    // listens in node M's network (this host, or node M's namespace). One member beside
+    // namespaced nodes listens on the bridge, where no node can reach its sockets.
+    let mut reset_ports: Vec<Option<u16>> = Vec::new();
     for m in 1..=o.etcd_members {
         let (ip, netns, ports) = match &net {
             Some(net) if o.etcd_members > 1 => {
@@ -831,6 +836,11 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
                 free_ports(Ipv4Addr::LOCALHOST, 3)?,
             ),
         };
+        reset_ports.push(match &net {
+            Some(_) if o.etcd_members > 1 => Some(ports[0]),
+            Some(_) => None,
+            None => Some(ports[0]),
+        });
         let suffix = if m == 1 { String::new() } else { m.to_string() };
         members.push(Member {
             name: format!("etcd{suffix}"),
@@ -1069,9 +1079,15 @@ pub fn up(o: &UpOptions) -> Result<Lab> {
             dir.join("admin.token").display().to_string()
         ));
         toml.push_str(&format!(
-            "\n[tls]\ndir = {:?}\netcd_crl_file = {:?}\n\n[encryption]\nkey_file = {:?}\n",
+            "\n[tls]\ndir = {:?}\netcd_crl_file = {:?}\n",
             ndir.join("pki").display().to_string(),
             etcd_crl.display().to_string(),
+        ));
+        if let Some(Some(port)) = reset_ports.get(id as usize - 1) {
+            toml.push_str(&format!("etcd_client_port = {port}\n"));
+        }
+        toml.push_str(&format!(
+            "\n[encryption]\nkey_file = {:?}\n",
             key_file(&dir).display().to_string()
         ));
         fs::write(&config, toml)?;

@@ -1079,47 +1079,95 @@ impl Drop for NbdSession {
     }
 }
 
-/// One HTTPS connection to a node's API kept alive across requests (as a client that
-/// keeps its connection would), presenting the certificate `cfg` holds.
-struct KeptApi(rustls::StreamOwned<rustls::ClientConnection, TcpStream>);
+/// One HTTPS connection kept alive across requests (as a client that keeps its connection
+/// would: to a node's API, to etcd's JSON gateway), presenting the certificate `cfg` holds.
+struct KeptHttps(rustls::StreamOwned<rustls::ClientConnection, TcpStream>);
 
-impl KeptApi {
+impl KeptHttps {
     fn open(
         cfg: std::sync::Arc<rustls::ClientConfig>,
         server: rustls::pki_types::ServerName<'static>,
         hostport: &str,
-    ) -> KeptApi {
+    ) -> KeptHttps {
         let tcp = TcpStream::connect(hostport).unwrap();
         tcp.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
         let conn = rustls::ClientConnection::new(cfg, server).unwrap();
-        KeptApi(rustls::StreamOwned::new(conn, tcp))
+        KeptHttps(rustls::StreamOwned::new(conn, tcp))
     }
 
-    /// `GET path` on the same connection: the status line, or None once the connection is
-    /// closed.
-    fn get(&mut self, path: &str) -> Option<String> {
-        write!(self.0, "GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").ok()?;
-        self.0.flush().ok()?;
-        let mut head = Vec::new();
+    fn line(&mut self) -> Option<String> {
+        let mut line = Vec::new();
         let mut b = [0u8; 1];
-        while !head.ends_with(b"\r\n\r\n") {
+        while !line.ends_with(b"\r\n") {
             match self.0.read(&mut b) {
-                Ok(1) => head.push(b[0]),
+                Ok(1) => line.push(b[0]),
                 _ => return None,
             }
         }
-        let head = String::from_utf8_lossy(&head).into_owned();
-        let len: usize = head
-            .lines()
-            .find_map(|l| {
-                let (k, v) = l.split_once(':')?;
-                k.eq_ignore_ascii_case("content-length")
-                    .then(|| v.trim().parse().ok())?
-            })
-            .unwrap_or(0);
-        let mut body = vec![0u8; len];
-        self.0.read_exact(&mut body).ok()?;
-        head.lines().next().map(str::to_string)
+        line.truncate(line.len() - 2);
+        Some(String::from_utf8_lossy(&line).into_owned())
+    }
+
+    /// `method path` with `body` on the same connection: the status line, or None once the
+    /// connection is closed.
+    fn request(&mut self, method: &str, path: &str, body: &str) -> Option<String> {
+        write!(
+            self.0,
+            "{method} {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .ok()?;
+        self.0.flush().ok()?;
+        let status = self.line()?;
+        let (mut len, mut chunked) = (0usize, false);
+        loop {
+            let l = self.line()?;
+            if l.is_empty() {
+                break;
+            }
+            let (k, v) = l.split_once(':')?;
+            if k.eq_ignore_ascii_case("content-length") {
+                len = v.trim().parse().ok()?;
+            } else if k.eq_ignore_ascii_case("transfer-encoding") {
+                chunked = v.trim().eq_ignore_ascii_case("chunked");
+            }
+        }
+        if chunked {
+            loop {
+                let size = usize::from_str_radix(self.line()?.trim(), 16).ok()?;
+                let mut chunk = vec![0u8; size + 2];
+                self.0.read_exact(&mut chunk).ok()?;
+                if size == 0 {
+                    break;
+                }
+            }
+        } else {
+            let mut body = vec![0u8; len];
+            self.0.read_exact(&mut body).ok()?;
+        }
+        Some(status)
+    }
+
+    /// Keeps the connection busy (a request every half second: an idle one may be closed
+    /// by a server's idle timeout anyway) until the server closes it, and sets `closed`
+    /// then. What it answers meanwhile does not matter: the connection is what is tested.
+    fn keep_busy(
+        mut self,
+        method: &'static str,
+        path: &'static str,
+        body: &'static str,
+        closed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    ) -> std::thread::JoinHandle<()> {
+        std::thread::spawn(move || loop {
+            match self.request(method, path, body) {
+                Some(line) => assert!(line.starts_with("HTTP/1.1 "), "{path}: {line}"),
+                None => {
+                    closed.store(true, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                }
+            }
+            std::thread::sleep(Duration::from_millis(500));
+        })
     }
 }
 
@@ -1304,39 +1352,54 @@ fn a_removed_node_keeps_no_credential_and_join_refuses_taken_ids() {
         NodeId(1),
     );
     rt.block_on(held.call(Request::Ping)).unwrap();
-    let mut kept = KeptApi::open(
+    let mut kept = KeptHttps::open(
         tls3.https_client().unwrap(),
         converge_pki::node_server_name(1),
         &api1,
     );
-    let line = kept.get("/v1/status").unwrap();
+    let line = kept.request("GET", "/v1/status", "").unwrap();
     assert!(line.starts_with("HTTP/1.1 200"), "{line}");
-    // Kept busy (a request every half second: an idle one would be closed after the API's
-    // header timeout anyway) until node 1 closes it; answers other than 200 would be news.
-    let api_closed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let busy = {
-        let closed = api_closed.clone();
-        std::thread::spawn(move || loop {
-            match kept.get("/v1/status") {
-                Some(line) => assert!(line.starts_with("HTTP/1.1 200"), "{line}"),
-                None => {
-                    closed.store(true, std::sync::atomic::Ordering::SeqCst);
-                    return;
-                }
-            }
-            std::thread::sleep(Duration::from_millis(500));
-        })
+    let closed = || std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let is = |b: &std::sync::Arc<std::sync::atomic::AtomicBool>| {
+        b.load(std::sync::atomic::Ordering::SeqCst)
     };
+    let api_closed = closed();
+    let api_busy = kept.keep_busy("GET", "/v1/status", "", api_closed.clone());
+    // And one to etcd (its JSON gateway), reading the cluster record.
+    let etcd_at = lab.lab_json()["etcd_endpoint"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("https://")
+        .to_string();
+    let etcd_host = etcd_at.rsplit_once(':').unwrap().0.to_string();
+    let mut kept_etcd = KeptHttps::open(
+        tls3.https_client().unwrap(),
+        rustls::pki_types::ServerName::try_from(etcd_host).unwrap(),
+        &etcd_at,
+    );
+    // {"key": base64("/converge/cluster")}
+    const RANGE: &str = r#"{"key":"L2NvbnZlcmdlL2NsdXN0ZXI="}"#;
+    let line = kept_etcd.request("POST", "/v3/kv/range", RANGE).unwrap();
+    assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+    let etcd_closed = closed();
+    let etcd_busy = kept_etcd.keep_busy("POST", "/v3/kv/range", RANGE, etcd_closed.clone());
 
     lab.must(&["node", "remove", "3"]);
 
-    // Both are closed by node 1, however busy they are kept.
+    // All three are closed, however busy they are kept: the API's and the peer's by node
+    // 1, etcd's by node 1 resetting its member's connections once its CRL lists node 3.
     lab.wait_for(
         "node 3's open API connection closed",
         Duration::from_secs(60),
-        || api_closed.load(std::sync::atomic::Ordering::SeqCst),
+        || is(&api_closed),
     );
-    busy.join().unwrap();
+    api_busy.join().unwrap();
+    lab.wait_for(
+        "node 3's open etcd connection closed",
+        Duration::from_secs(60),
+        || is(&etcd_closed),
+    );
+    etcd_busy.join().unwrap();
     lab.wait_for(
         "node 3's open peer connection closed",
         Duration::from_secs(60),

@@ -69,6 +69,9 @@ struct RawTls {
     /// On an etcd member's host: the file etcd's `--client-crl-file` names, which this node
     /// keeps listing the cluster's revoked certificates.
     etcd_crl_file: Option<PathBuf>,
+    /// With `etcd_crl_file`: the local etcd member's client port, whose connections this
+    /// node resets when the list gains a certificate (etcd checks it at connect only).
+    etcd_client_port: Option<u16>,
 }
 
 #[derive(Debug, Default, Deserialize)]
@@ -205,6 +208,10 @@ pub struct Config {
     /// Where to keep etcd's certificate revocation list (`[tls] etcd_crl_file`), if this
     /// host runs an etcd member.
     pub etcd_crl_file: Option<PathBuf>,
+    /// The local etcd member's client port (`[tls] etcd_client_port`): when the list in
+    /// `etcd_crl_file` gains a certificate, this node resets every connection to that
+    /// port, so that each reconnects and meets the list (etcd checks it at connect only).
+    pub etcd_client_port: Option<u16>,
     /// The cluster key file that wraps encrypted volumes' keys ([encryption] key_file);
     /// `None`: this node cannot create or serve encrypted volumes.
     pub key_file: Option<PathBuf>,
@@ -229,6 +236,23 @@ impl Config {
             field: field.to_string(),
             message,
         };
+        match (raw.tls.etcd_client_port, &raw.tls.etcd_crl_file) {
+            (Some(0), _) => {
+                return Err(field(
+                    "tls.etcd_client_port",
+                    "must be the local etcd member's client port (1 to 65535)".into(),
+                ))
+            }
+            (Some(_), None) => {
+                return Err(field(
+                    "tls.etcd_client_port",
+                    "goes with tls.etcd_crl_file: only a node that keeps etcd's revocation \
+                     list resets the member's connections"
+                        .into(),
+                ))
+            }
+            _ => {}
+        }
         let size = |name: &str, s: &SizeField| -> Result<u64, ConfigError> {
             match s {
                 SizeField::Bytes(b) => Ok(*b),
@@ -451,6 +475,7 @@ impl Config {
             fleet_api: raw.api.fleet,
             tls_dir,
             etcd_crl_file: raw.tls.etcd_crl_file,
+            etcd_client_port: raw.tls.etcd_client_port,
             key_file: raw.encryption.key_file,
         })
     }
@@ -507,6 +532,24 @@ size = "1G"
             .unwrap_err()
             .to_string();
         assert!(e.contains("unknown field"), "{e}");
+    }
+
+    #[test]
+    fn an_etcd_client_port_goes_with_the_revocation_list_it_enforces() {
+        let with =
+            |tls: &str| Config::parse(Path::new("x.toml"), &format!("{GOOD}\n[tls]\n{tls}\n"));
+        let c = with("etcd_crl_file = \"/e/revoked.crl\"\netcd_client_port = 2379").unwrap();
+        assert_eq!(c.etcd_client_port, Some(2379));
+        assert_eq!(with("").unwrap().etcd_client_port, None);
+        let e = with("etcd_client_port = 2379").unwrap_err().to_string();
+        assert!(
+            e.contains("tls.etcd_client_port") && e.contains("etcd_crl_file"),
+            "{e}"
+        );
+        let e = with("etcd_crl_file = \"/e/revoked.crl\"\netcd_client_port = 0")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("tls.etcd_client_port"), "{e}");
     }
 
     #[test]

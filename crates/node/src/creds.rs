@@ -77,43 +77,94 @@ pub async fn register_own(cluster: &Cluster, tls: &NodeTls, node: u32) -> anyhow
 }
 
 /// Writes etcd's CRL file (`[tls] etcd_crl_file`) when the revoked serials differ from what
-/// it last wrote. A failure is logged: etcd keeps the file it has.
+/// it last wrote. A failure is logged: etcd keeps the file it has. etcd reads the file at
+/// each new connection only, so when the list gains a serial and `[tls] etcd_client_port`
+/// names the local member's client port, every connection to that port is reset: each
+/// client reconnects and meets the new list, and one opened with the revoked certificate
+/// is refused.
 pub struct CrlFile {
     path: PathBuf,
     tls: NodeTls,
+    reset_port: Option<u16>,
     written: Option<BTreeSet<String>>,
+    /// What the file listed when this node started (`None`: missing or unreadable).
+    found: Option<BTreeSet<String>>,
 }
 
 impl CrlFile {
-    pub fn new(path: PathBuf, tls: NodeTls) -> CrlFile {
+    pub fn new(path: PathBuf, tls: NodeTls, reset_port: Option<u16>) -> CrlFile {
+        let found = std::fs::read(&path)
+            .ok()
+            .and_then(|pem| converge_pki::crl_serials(&pem).ok());
         CrlFile {
             path,
             tls,
+            reset_port,
             written: None,
+            found,
         }
     }
 
-    pub fn update(&mut self, serials: &BTreeSet<String>) {
+    pub async fn update(&mut self, serials: &BTreeSet<String>) {
         if self.written.as_ref() == Some(serials) {
             return;
         }
         let r = self.tls.crl_pem(serials).and_then(|pem| {
             converge_pki::write_file(&self.path, pem.as_bytes(), 0o644).map(|_| ())
         });
-        match r {
-            Ok(()) => {
-                log::info!(
-                    "etcd's revocation list {} now lists {} certificates",
-                    self.path.display(),
-                    serials.len()
-                );
-                self.written = Some(serials.clone());
-            }
-            Err(e) => log::error!(
+        if let Err(e) = r {
+            log::error!(
                 "cannot write etcd's revocation list {}: {e}; etcd keeps the one it has",
                 self.path.display()
-            ),
+            );
+            return;
         }
+        log::info!(
+            "etcd's revocation list {} now lists {} certificates",
+            self.path.display(),
+            serials.len()
+        );
+        // What etcd refused until now: what this node wrote last, or what the file held
+        // when it started.
+        let before = self.written.take().or_else(|| self.found.take());
+        self.written = Some(serials.clone());
+        let gained = before.is_none_or(|b| !serials.is_subset(&b));
+        if let (true, Some(port)) = (gained, self.reset_port) {
+            reset_etcd_connections(port).await;
+        }
+    }
+}
+
+/// Resets every established TCP connection to this host's port `port` (etcd's client
+/// port) with `ss -K`, which needs CAP_NET_ADMIN and a kernel built with
+/// INET_DIAG_DESTROY. Every client of that member reconnects (converge's etcd client and
+/// etcd's own JSON gateway do so by themselves), and etcd checks its CRL at the new
+/// connection. A failure is logged with what to do instead.
+async fn reset_etcd_connections(port: u16) {
+    let filter = format!(":{port}");
+    let out = tokio::process::Command::new("ss")
+        .args(["-K", "-t", "-n", "-H", "state", "established", "sport", "="])
+        .arg(&filter)
+        .output()
+        .await;
+    let restart = "restart the etcd member on this host, so that connections opened before \
+                   the revocation end";
+    match out {
+        Ok(o) if o.status.success() => {
+            let n = String::from_utf8_lossy(&o.stdout).lines().count();
+            log::warn!(
+                "etcd's revocation list gained a certificate: reset {n} connections to etcd's \
+                 client port {port}, so that each reconnects and meets it"
+            );
+        }
+        Ok(o) => log::error!(
+            "cannot reset the connections to etcd's client port {port} (ss -K: {}); {restart}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ),
+        Err(e) => log::error!(
+            "cannot reset the connections to etcd's client port {port} (running ss: {e}); \
+             {restart}"
+        ),
     }
 }
 
@@ -136,7 +187,7 @@ pub async fn watch(
         }
         revocations.set(to_revoked(&state));
         if let Some(c) = crl.as_mut() {
-            c.update(&revocations.snapshot().serials);
+            c.update(&revocations.snapshot().serials).await;
         }
         let etcd = cluster.etcd();
         let watches = async {

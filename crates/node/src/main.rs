@@ -235,6 +235,12 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         if let Some(p) = &cfg.etcd_crl_file {
             println!("etcd's revocation list is kept in {}", p.display());
         }
+        if let Some(port) = cfg.etcd_client_port {
+            println!(
+                "when it gains a certificate, the connections to etcd's client port {port} \
+                 on this host are reset"
+            );
+        }
         println!(
             "config and {} drives are fine",
             opened.tiers.len() + opened.caches.len()
@@ -377,7 +383,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
             revocations.clone(),
             cfg.etcd_crl_file
                 .clone()
-                .map(|p| creds::CrlFile::new(p, tls.clone())),
+                .map(|p| creds::CrlFile::new(p, tls.clone(), cfg.etcd_client_port)),
             revocation_state,
         );
         let node = node.clone();

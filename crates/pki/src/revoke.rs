@@ -456,6 +456,21 @@ impl ServerCertVerifier for CheckedServer {
     }
 }
 
+/// The serials (as [`CertInfo::serial`] spells them) a CRL file (PEM) lists: what etcd
+/// refuses while it reads that file.
+pub fn crl_serials(pem: &[u8]) -> Result<BTreeSet<String>, PkiError> {
+    let der = rustls::pki_types::CertificateRevocationListDer::from_pem_slice(pem)
+        .map_err(|e| PkiError::Invalid(format!("not a PEM revocation list: {e}")))?;
+    let crl = webpki::BorrowedCertRevocationList::from_der(der.as_ref())
+        .map_err(|e| PkiError::Invalid(format!("not a revocation list: {e}")))?;
+    let mut out = BTreeSet::new();
+    for r in &crl {
+        let r = r.map_err(|e| PkiError::Invalid(format!("a revocation list entry: {e}")))?;
+        out.insert(serial_hex(r.serial_number));
+    }
+    Ok(out)
+}
+
 /// A CRL (PEM) listing `serials`, signed by `issuer`.
 pub(crate) fn crl_pem<'a>(
     issuer: &Issuer<'_, impl SigningKey>,
@@ -654,6 +669,17 @@ mod tests {
         );
         let n = tokio::time::timeout(limit, client.read(&mut buf)).await;
         assert_eq!(n.expect("the client saw no close").unwrap(), 0);
+    }
+
+    #[test]
+    fn the_serials_of_a_revocation_list_read_back() {
+        let ca = Ca::generate().unwrap();
+        let serials: BTreeSet<String> = ["1f".to_string(), "abcdef0123".to_string()].into();
+        let pem = ca.crl_pem(&serials).unwrap();
+        assert_eq!(crl_serials(pem.as_bytes()).unwrap(), serials);
+        let empty = ca.crl_pem(&BTreeSet::new()).unwrap();
+        assert!(crl_serials(empty.as_bytes()).unwrap().is_empty());
+        assert!(crl_serials(b"not a list").is_err());
     }
 
     #[test]
