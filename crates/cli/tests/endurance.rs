@@ -58,13 +58,32 @@ fn newest_count(wear: &BTreeMap<u64, serde_json::Value>) -> u64 {
         .unwrap()
 }
 
-/// Waits until every capacity drive was counted after `since` (unix seconds).
-fn counted_after(lab: &Lab, since: u64, drives: usize) {
+/// Waits until the wall clock is past the second `t` (unix). Wear records are dated to
+/// the second: one a node writes from then on (at its start, say) is dated after every
+/// record of second `t`, so it can be told from them.
+fn past_second(t: u64) {
+    let now = || {
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_secs()
+    };
+    while now() <= t {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Waits until every capacity drive of `prior` was counted again: its record is dated
+/// after the one `prior` holds.
+fn counted_after(lab: &Lab, prior: &BTreeMap<u64, serde_json::Value>) {
     lab.wait_for("every drive counted again", Duration::from_secs(90), || {
         let w = wear(lab);
-        w.len() == drives
-            && w.values()
-                .all(|w| w["updated_unix"].as_u64().unwrap() > since)
+        w.len() == prior.len()
+            && prior.iter().all(|(id, p)| {
+                w.get(id).is_some_and(|w| {
+                    w["updated_unix"].as_u64().unwrap() > p["updated_unix"].as_u64().unwrap()
+                })
+            })
     });
 }
 
@@ -145,11 +164,16 @@ fn drive_wear_is_counted_forecast_and_kept_across_restarts() {
         }
         let nodes: Vec<u64> = group.iter().map(|n| n.parse().unwrap()).collect();
         let st = lab.json(&["status"]);
+        let mut group_wear = BTreeMap::new();
         for d in st["drives"].as_array().unwrap() {
             if d["role"] == "capacity" && nodes.contains(&d["node"].as_u64().unwrap()) {
-                stopped.insert(d["id"].as_u64().unwrap(), d["wear"].clone());
+                group_wear.insert(d["id"].as_u64().unwrap(), d["wear"].clone());
             }
         }
+        // Restarted in a later second than their last records, so that the records they
+        // write at start are seen as new (a restart within the same second was not).
+        past_second(newest_count(&group_wear));
+        stopped.extend(group_wear);
         for n in group {
             lab.must(&["lab", "fault", "restart", n]);
         }
@@ -162,7 +186,7 @@ fn drive_wear_is_counted_forecast_and_kept_across_restarts() {
         });
     }
     assert_eq!(stopped.len(), 6);
-    counted_after(&lab, newest_count(&stopped), 6);
+    counted_after(&lab, &stopped);
     let after = wear(&lab);
     for (id, w) in &after {
         let (b, s) = (&before[id], &stopped[id]);
@@ -177,8 +201,9 @@ fn drive_wear_is_counted_forecast_and_kept_across_restarts() {
     }
 
     // kill -9 of every node: what was counted before stays counted.
+    past_second(newest_count(&after));
     lab.kill_all_and_restart(3);
-    counted_after(&lab, newest_count(&after), 6);
+    counted_after(&lab, &after);
     for (id, w) in wear(&lab) {
         assert!(
             lifetime(&w) >= lifetime(&after[&id]),
