@@ -26,7 +26,7 @@
 //!    slab's redundancy.
 
 use converge_control::kv::Kv;
-use converge_control::model::{Cluster, ControlError};
+use converge_control::model::{Cluster, ControlError, ExtentRecord};
 use converge_control::placement::{self, DriveLoad};
 use converge_types::{DriveId, ExtentState, NodeId, Resiliency, SlabIndex};
 use converge_volume::ExtentLoc;
@@ -114,6 +114,29 @@ pub fn copies_to_mark_stale(
         .flat_map(|(idx, ex)| ex.iter().map(move |e| (*idx, *e)))
         .filter(|(_, e)| e.state != ExtentState::Stale && view.away(e))
         .collect()
+}
+
+/// The first slab that no takeover could serve now, with how many of its copies could
+/// answer: fewer of them are in sync on a live node and a drive not failed than a read
+/// needs (one copy of a mirror, `data` chunks of a parity slab). The leader does not claim
+/// a volume with such a slab: the claim would take a new epoch and fail, once a second for
+/// as long as the copies are away. It claims it once enough of them are back.
+pub fn unservable_slab<'a>(
+    slabs: impl IntoIterator<Item = (SlabIndex, &'a [ExtentRecord])>,
+    resiliency: Resiliency,
+    view: &View,
+) -> Option<(SlabIndex, usize)> {
+    slabs.into_iter().find_map(|(idx, extents)| {
+        let answering = extents
+            .iter()
+            .filter(|e| {
+                e.state == ExtentState::InSync
+                    && view.live.contains(&e.node)
+                    && !view.failed.contains(&e.drive)
+            })
+            .count();
+        (answering < resiliency.needed()).then_some((idx, answering))
+    })
 }
 
 /// Why a copy is rebuilt elsewhere.
@@ -300,6 +323,61 @@ mod tests {
             "the copy already stale (node 2, drive 21) is left alone"
         );
         assert!(copies_to_mark_stale(&slabs, &view(&[1, 2, 3, 4], &[], &[])).is_empty());
+    }
+
+    #[test]
+    fn a_slab_no_copy_of_which_can_answer_is_unservable() {
+        use ExtentState::*;
+        let rec = |node: u32, drive: u64, state| ExtentRecord {
+            node: NodeId(node),
+            drive: DriveId(drive),
+            state,
+        };
+        let mirror = [
+            vec![rec(1, 10, InSync), rec(2, 20, InSync)],
+            vec![rec(2, 21, InSync), rec(3, 30, Stale)],
+        ];
+        fn slabs(s: &[Vec<ExtentRecord>]) -> Vec<(SlabIndex, &[ExtentRecord])> {
+            s.iter()
+                .enumerate()
+                .map(|(i, e)| (SlabIndex(i as u64), e.as_slice()))
+                .collect()
+        }
+        let m2 = Resiliency::Mirror2;
+        assert_eq!(
+            unservable_slab(slabs(&mirror), m2, &view(&[1, 2, 3], &[], &[])),
+            None
+        );
+        // Node 2 down: slab 1's only in-sync copy is away (its stale copy cannot serve).
+        assert_eq!(
+            unservable_slab(slabs(&mirror), m2, &view(&[1, 3], &[], &[])),
+            Some((SlabIndex(1), 0))
+        );
+        // Node 2 live but drive 21 failed: the same.
+        assert_eq!(
+            unservable_slab(slabs(&mirror), m2, &view(&[1, 2, 3], &[], &[21])),
+            Some((SlabIndex(1), 0))
+        );
+        // A node in maintenance still answers reads.
+        assert_eq!(
+            unservable_slab(slabs(&mirror), m2, &view(&[1, 2, 3], &[2], &[])),
+            None
+        );
+        // Parity 2+1: two of the three chunks must answer.
+        let parity = [vec![
+            rec(1, 10, InSync),
+            rec(2, 20, InSync),
+            rec(3, 30, InSync),
+        ]];
+        let p21 = Resiliency::parity(2, 1).unwrap();
+        assert_eq!(
+            unservable_slab(slabs(&parity), p21, &view(&[1, 3], &[], &[])),
+            None
+        );
+        assert_eq!(
+            unservable_slab(slabs(&parity), p21, &view(&[1], &[], &[])),
+            Some((SlabIndex(0), 1))
+        );
     }
 
     #[test]

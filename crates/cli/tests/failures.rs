@@ -29,6 +29,32 @@ fn patch(path: &std::path::Path, off: u64, len: usize, pattern: u8) {
     f.write_all_at(&vec![pattern; len], off).unwrap();
 }
 
+/// The highest epoch granted for `vol`, read from etcd with node 2's certificate.
+fn granted_epoch(lab: &Lab, vol: &str) -> u64 {
+    let id = lab.json(&["volume", "show", vol])["id"].as_u64().unwrap();
+    let endpoint = lab.lab_json()["etcd_endpoint"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let p = lab.path();
+    let out = must(
+        Command::new("etcdctl")
+            .env("ETCDCTL_API", "3")
+            .args(["--endpoints", &endpoint, "--cacert"])
+            .arg(p.join("pki/ca.crt"))
+            .arg("--cert")
+            .arg(p.join("node2/pki/node.crt"))
+            .arg("--key")
+            .arg(p.join("node2/pki/node.key"))
+            .args([
+                "get",
+                "--print-value-only",
+                &format!("/converge/epochs/{id}"),
+            ]),
+    );
+    out.trim().parse().unwrap_or(0)
+}
+
 /// Any node serves any volume: I/O on a non-owner is forwarded to the owner; `volume
 /// move` hands ownership over, and clients of the old owner keep working.
 #[test]
@@ -162,12 +188,39 @@ fn owner_killed_another_node_takes_over() {
     let tmp = tempfile::tempdir().unwrap();
     let img = random_file(tmp.path(), "o.img", 128 << 20, 5);
     must(Command::new("nbdcopy").arg(&img).arg(lab.uri_on("o", 1)));
+    // And a volume with its one copy on node 1 (the owner's node takes a copy of each new
+    // slab), which nothing can serve while node 1 is down.
+    lab.create_owned("lone", "64M", "simple", 1);
+    qemu_io(&lab.uri_on("lone", 1), "write -P 0x55 0 65536");
+    let ext = lab.extents("lone");
+    assert!(
+        ext.iter().all(|e| e.1 == 1),
+        "lone's copy is on node 1: {ext:?}"
+    );
     lab.must(&["lab", "fault", "kill", "1"]);
     // Node 2 is asked: it waits out the dead owner's lease, takes over, serves.
     compare(
         &lab.uri_on("o", 2),
         &img,
         "read via node 2 after the owner died",
+    );
+    // The leader leaves "lone" unowned instead of claiming it every second, each claim a
+    // new epoch that fails: no epoch is spent over three of its passes.
+    let deferred = || {
+        (2..=4)
+            .map(|n| lab.metric(n, "converge_takeovers_deferred_total"))
+            .sum::<u64>()
+    };
+    lab.wait_for("the leader to defer lone", MIN, || deferred() >= 1);
+    let epoch = granted_epoch(&lab, "lone");
+    let seen = deferred();
+    lab.wait_for("three more passes of the leader", MIN, || {
+        deferred() >= seen + 3
+    });
+    assert_eq!(
+        granted_epoch(&lab, "lone"),
+        epoch,
+        "epochs spent on a volume no takeover can serve"
     );
     qemu_io(&lab.uri_on("o", 2), "write -P 0x77 0 1048576");
     patch(&img, 0, 1 << 20, 0x77);
@@ -179,6 +232,9 @@ fn owner_killed_another_node_takes_over() {
     // The restarted node 1 serves nothing now: its clients are forwarded.
     compare(&lab.uri_on("o", 1), &img, "via the old owner");
     assert_copies_agree(&lab, "o");
+    // "lone" is served again, from its copy.
+    let out = qemu_io(&lab.uri_on("lone", 2), "read -P 0x55 0 65536");
+    assert!(out.contains("read 65536/65536"), "{out}");
 }
 
 /// A node stays dead past the repair delay: its copies are rebuilt on other nodes.

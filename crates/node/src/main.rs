@@ -354,6 +354,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         scrub_stats: Default::default(),
         failed_reported: Mutex::new(Default::default()),
         orphans_freed: Default::default(),
+        takeovers_deferred: Default::default(),
         auth: auth::Auth::new(cluster.clone(), &cfg),
         revocations: revocations.clone(),
         https: https_client,

@@ -431,6 +431,10 @@ pub async fn render(node: &Node) -> String {
             "converge_orphan_extents_freed_total",
             ld(&node.orphans_freed),
         ),
+        (
+            "converge_takeovers_deferred_total",
+            ld(&node.takeovers_deferred),
+        ),
     ] {
         let _ = writeln!(o, "{name} {val}");
     }

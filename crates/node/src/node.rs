@@ -59,6 +59,9 @@ pub struct Node {
     pub scrub_stats: ScrubStats,
     /// Orphan extents freed by this node (`orphans.rs`).
     pub orphans_freed: std::sync::atomic::AtomicU64,
+    /// Times the leader did not claim an unowned volume because no takeover could serve it
+    /// (`repair::unservable_slab`): each such claim would have spent an epoch.
+    pub takeovers_deferred: std::sync::atomic::AtomicU64,
     /// Local drives whose failure is recorded in etcd.
     pub failed_reported: Mutex<std::collections::HashSet<DriveId>>,
     /// Who may use the API (`auth.rs`).

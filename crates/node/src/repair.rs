@@ -21,7 +21,7 @@
 use crate::node::{drive_loads, Node, Route, Vol};
 use converge_allocator::repair::{self, Cause, DownClock, Step, View};
 use converge_api::JobInfo;
-use converge_types::{ExtentKey, ExtentState, NodeId, SlabIndex, BLOCK_SIZE};
+use converge_types::{ExtentKey, ExtentState, NodeId, SlabIndex, VolumeId, BLOCK_SIZE};
 use converge_volume::resync::Progress;
 use converge_volume::ExtentLoc;
 use std::collections::{BTreeMap, HashSet};
@@ -214,6 +214,8 @@ pub async fn all_jobs(node: &Node) -> Vec<JobInfo> {
 /// out with jobs that `converge status` lists.
 pub async fn run(node: Arc<Node>) {
     let mut down = DownClock::default();
+    // Unowned volumes the leader found it could not serve, each reported once.
+    let mut unservable = HashSet::new();
     let mut warned: HashSet<(String, SlabIndex)> = HashSet::new();
     loop {
         tokio::time::sleep(Duration::from_secs(1)).await;
@@ -247,7 +249,7 @@ pub async fn run(node: Arc<Node>) {
             log::info!("in maintenance: still serving {names:?} until they are moved");
         }
         if is_leader(&node).await {
-            adopt_orphans(&node, &view).await;
+            adopt_orphans(&node, &view, &mut unservable).await;
             if !scrub_running(&node) {
                 let n = node.clone();
                 tokio::spawn(async move { crate::scrub::scheduled(&n).await });
@@ -490,8 +492,11 @@ pub(crate) async fn is_leader(node: &Node) -> bool {
 /// Leader duty: serve (and so repair) volumes that have no owner and are degraded, or
 /// have copies on a node whose lease is gone (an owner that died with them marked nobody
 /// stale: with no client I/O to claim the volume, nothing would rebuild them), or on a
-/// draining node (so they are moved).
-async fn adopt_orphans(node: &Node, view: &View) {
+/// draining node (so they are moved). One that no takeover could serve (a slab without
+/// enough copies in sync on live nodes) is not claimed until it can be: a claim takes a new
+/// epoch, and a failed one would take another the next second. `unservable` holds those
+/// found so at the last pass, so each is logged once while it lasts.
+async fn adopt_orphans(node: &Node, view: &View, unservable: &mut HashSet<VolumeId>) {
     let Ok(vols) = node.cluster.volumes().await else {
         return;
     };
@@ -502,6 +507,7 @@ async fn adopt_orphans(node: &Node, view: &View) {
         // A node on its way out takes on no volumes.
         return;
     }
+    let mut still = HashSet::new();
     for rec in vols {
         if matches!(node.cluster.owner(rec.id).await, Ok(Some(_)) | Err(_)) {
             continue;
@@ -518,25 +524,48 @@ async fn adopt_orphans(node: &Node, view: &View) {
         let on_dead = slabs
             .values()
             .any(|(s, _)| s.extents.iter().any(|e| !view.live.contains(&e.node)));
-        if degraded || draining || on_dead {
-            log::info!(
-                "leader: volume {} is unowned and {}; taking it over",
-                rec.name,
-                if degraded {
-                    "degraded"
-                } else if on_dead {
-                    "has copies on a node that is down"
-                } else {
-                    "has copies on a draining node"
-                }
-            );
-            match node.open_volume(&rec.name).await {
-                Ok(Route::Local(_)) | Ok(Route::Remote { .. }) => {}
-                Err(crate::node::OpenError::Unknown) => {}
-                Err(crate::node::OpenError::Unavailable(e)) => {
-                    log::warn!("leader: volume {}: {e}", rec.name)
-                }
+        if !(degraded || draining || on_dead) {
+            continue;
+        }
+        let by_slab = slabs.iter().map(|(i, (s, _))| (*i, s.extents.as_slice()));
+        if let Some((idx, answering)) =
+            converge_allocator::repair::unservable_slab(by_slab, rec.resiliency, view)
+        {
+            node.takeovers_deferred
+                .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            still.insert(rec.id);
+            if !unservable.contains(&rec.id) {
+                log::warn!(
+                    "leader: volume {} is unowned and cannot be served: {answering} of the \
+                     {} copies of slab {idx} a read needs are in sync on a live node and \
+                     drive; it is taken over once they are back (no epoch is spent until then)",
+                    rec.name,
+                    rec.resiliency.needed()
+                );
+            }
+            continue;
+        }
+        if unservable.contains(&rec.id) {
+            log::info!("leader: volume {} can be served again", rec.name);
+        }
+        log::info!(
+            "leader: volume {} is unowned and {}; taking it over",
+            rec.name,
+            if degraded {
+                "degraded"
+            } else if on_dead {
+                "has copies on a node that is down"
+            } else {
+                "has copies on a draining node"
+            }
+        );
+        match node.open_volume(&rec.name).await {
+            Ok(Route::Local(_)) | Ok(Route::Remote { .. }) => {}
+            Err(crate::node::OpenError::Unknown) => {}
+            Err(crate::node::OpenError::Unavailable(e)) => {
+                log::warn!("leader: volume {}: {e}", rec.name)
             }
         }
     }
+    *unservable = still;
 }
