@@ -233,16 +233,7 @@ impl RpcClient {
         tls: Arc<rustls::ClientConfig>,
         peer: NodeId,
     ) -> RpcClient {
-        Self::build(
-            addr,
-            hello,
-            knobs,
-            Some(ClientTls {
-                connector: tokio_rustls::TlsConnector::from(tls),
-                peer,
-                revocations: None,
-            }),
-        )
+        Self::build_tls(addr, hello, knobs, tls, peer, None)
     }
 
     /// As [`RpcClient::with_tls`], and a connection open when `revocations` comes to
@@ -257,16 +248,23 @@ impl RpcClient {
         peer: NodeId,
         revocations: Arc<Revocations>,
     ) -> RpcClient {
-        Self::build(
-            addr,
-            hello,
-            knobs,
-            Some(ClientTls {
-                connector: tokio_rustls::TlsConnector::from(tls),
-                peer,
-                revocations: Some(revocations),
-            }),
-        )
+        Self::build_tls(addr, hello, knobs, tls, peer, Some(revocations))
+    }
+
+    fn build_tls(
+        addr: String,
+        hello: Hello,
+        knobs: &Knobs,
+        tls: Arc<rustls::ClientConfig>,
+        peer: NodeId,
+        revocations: Option<Arc<Revocations>>,
+    ) -> RpcClient {
+        let tls = ClientTls {
+            connector: tokio_rustls::TlsConnector::from(tls),
+            peer,
+            revocations,
+        };
+        Self::build(addr, hello, knobs, Some(tls))
     }
 
     fn build(addr: String, hello: Hello, knobs: &Knobs, tls: Option<ClientTls>) -> RpcClient {
