@@ -378,6 +378,14 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
         .map_err(|e| anyhow!("{e}"))?;
     creds::register_own(&cluster, &tls, cfg.node_id.0).await?;
     let revocation_watch = {
+        // Whom to ask whether this node was removed if etcd stops answering it.
+        let at_start = match cluster.live_nodes().await {
+            Ok(nodes) => nodes.into_iter().map(|n| (n.id, n.rpc_addr)).collect(),
+            Err(e) => {
+                log::warn!("reading the live nodes: {e}");
+                Vec::new()
+            }
+        };
         let watch = creds::watch(
             cluster.clone(),
             cfg.node_id,
@@ -386,6 +394,7 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
                 .clone()
                 .map(|p| creds::CrlFile::new(p, tls.clone(), cfg.etcd_client_port)),
             revocation_state,
+            creds::RemovalProbe::new(node.replicas.clone(), at_start),
         );
         let node = node.clone();
         tokio::spawn(async move {

@@ -544,6 +544,37 @@ impl Replicas {
         Ok(c)
     }
 
+    /// The peers this node has a client for, with their addresses (for
+    /// [`Replicas::told_removed`]).
+    pub fn known_peers(&self) -> Vec<(NodeId, String)> {
+        self.peers
+            .read()
+            .expect("peers lock poisoned")
+            .iter()
+            .map(|(n, c)| (*n, c.addr().to_string()))
+            .collect()
+    }
+
+    /// Asks `peers`, each over a new connection, whether it refuses this node's certificate
+    /// as a removed node's (`converge_pki::says_removed`); the first that does. A removed
+    /// node asks this when etcd no longer answers it (`creds::watch`). Costs one TLS
+    /// handshake and a ping per peer asked.
+    pub async fn told_removed(&self, peers: &[(NodeId, String)]) -> Option<NodeId> {
+        for (node, addr) in peers.iter().filter(|(n, _)| *n != self.me) {
+            let c = RpcClient::with_tls(
+                addr.clone(),
+                self.hello.clone(),
+                &self.knobs,
+                self.tls.clone(),
+                *node,
+            );
+            if let Err(RpcError::ThisNodeRemoved { .. }) = c.call(Request::Ping).await {
+                return Some(*node);
+            }
+        }
+        None
+    }
+
     /// A request to a peer, with the peer protocol's own errors (for redirected I/O).
     pub async fn call_peer(&self, node: NodeId, req: Request) -> Result<Response, RpcError> {
         let c = self.peer(node).await.map_err(|e| RpcError::Connect {

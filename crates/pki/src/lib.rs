@@ -24,8 +24,8 @@ pub mod keys;
 mod revoke;
 
 pub use revoke::{
-    cert_info, cert_info_pem, check_serial, crl_serials, cut_socket, CertInfo, Revocations,
-    Revoked, Watchman,
+    cert_info, cert_info_pem, check_serial, crl_serials, cut_socket, io_says_removed, says_removed,
+    CertInfo, Revocations, Revoked, Watchman,
 };
 
 use rcgen::{

@@ -318,10 +318,38 @@ fn check(
         }
         _ => {}
     }
+    if info.node.is_some_and(|n| revocations.node_removed(n)) {
+        // access_denied: the alert that tells a removed node it was removed (see
+        // [`says_removed`]).
+        return Err(rustls::Error::InvalidCertificate(
+            CertificateError::ApplicationVerificationFailure,
+        ));
+    }
     if revocations.refusal(&info).is_some() {
         return Err(rustls::Error::InvalidCertificate(CertificateError::Revoked));
     }
     Ok(())
+}
+
+/// Does a TLS error mean "the peer refuses this node's certificate because this node was
+/// removed from the cluster"? A node's ports answer the certificate of a removed node with
+/// the alert access_denied (a valid certificate, refused by access control), and any other
+/// revoked certificate with certificate_revoked. A removed node that etcd no longer
+/// answers learns its removal from this: etcd cuts its connections at the revocation,
+/// possibly before its watch delivered the removal (`converged`'s `creds::watch`). Only
+/// trust it from a peer whose own certificate was verified under the cluster's CA.
+pub fn says_removed(e: &rustls::Error) -> bool {
+    matches!(
+        e,
+        rustls::Error::AlertReceived(rustls::AlertDescription::AccessDenied)
+    )
+}
+
+/// [`says_removed`] on an I/O error from a TLS stream (tokio-rustls wraps the TLS error).
+pub fn io_says_removed(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(says_removed)
 }
 
 /// A client-certificate verifier under a CA that also wants the right kind of certificate
@@ -746,7 +774,18 @@ mod tests {
             while !rd.is_empty() {
                 s.read_tls(&mut rd).unwrap();
             }
-            s.process_new_packets()?;
+            if let Err(e) = s.process_new_packets() {
+                // The alert the server sends with its refusal: what the client is told.
+                let mut buf = Vec::new();
+                while s.wants_write() {
+                    s.write_tls(&mut buf).unwrap();
+                }
+                let mut rd = &buf[..];
+                while !rd.is_empty() {
+                    c.read_tls(&mut rd).unwrap();
+                }
+                return Err(c.process_new_packets().err().unwrap_or(e));
+            }
             let mut buf = Vec::new();
             while s.wants_write() {
                 s.write_tls(&mut buf).unwrap();
@@ -852,9 +891,15 @@ mod tests {
         };
         assert!(handshake(nbd.clone(), nbd_client(&ca, &stranger, q), &name).is_err());
         // Node 2 removed: refused on every port from the next handshake, both ways.
+        // The removed node is told so (access_denied), and nothing else is.
+        assert!(!says_removed(
+            &handshake(peer.clone(), qemu(), &name).unwrap_err()
+        ));
         revocations.add(Some(2), []);
-        assert!(handshake(peer.clone(), n2.peer_client().unwrap(), &name).is_err());
-        assert!(handshake(api.clone(), n2.https_client().unwrap(), &name).is_err());
+        let told = handshake(peer.clone(), n2.peer_client().unwrap(), &name).unwrap_err();
+        assert!(says_removed(&told), "{told:?}");
+        let told = handshake(api.clone(), n2.https_client().unwrap(), &name).unwrap_err();
+        assert!(says_removed(&told), "{told:?}");
         handshake(api.clone(), anonymous, &name).unwrap();
         let n2_server = node_tls(&ca, None, 2).peer_server().unwrap();
         assert!(handshake(n2_server, n1.peer_client().unwrap(), &node_name(2)).is_err());
@@ -886,7 +931,12 @@ mod tests {
         );
         handshake(nbd.clone(), lost.clone(), &name).unwrap();
         revocations.add(None, [info.serial]);
-        assert!(handshake(nbd.clone(), lost, &name).is_err());
+        let e = handshake(nbd.clone(), lost, &name).unwrap_err();
+        assert_eq!(
+            e,
+            rustls::Error::AlertReceived(rustls::AlertDescription::CertificateRevoked)
+        );
+        assert!(!says_removed(&e));
         handshake(nbd, qemu(), &name).unwrap();
     }
 }

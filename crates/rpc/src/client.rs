@@ -39,6 +39,13 @@ pub enum RpcError {
         addr: String,
         source: Arc<std::io::Error>,
     },
+    /// The peer's TLS port refused this node's certificate as that of a removed node
+    /// (`converge_pki::says_removed`).
+    #[error(
+        "rpc to {addr}: the peer refuses this node's certificate: this node was removed from \
+         the cluster (converge node remove)"
+    )]
+    ThisNodeRemoved { addr: String },
     #[error("rpc to {addr}: peer refused the connection ({code}): {message}")]
     Refused {
         addr: String,
@@ -514,6 +521,9 @@ impl RpcClient {
                 };
                 let name = converge_pki::node_server_name(peer.0);
                 let tls = connector.connect(name, stream).await.map_err(|e| {
+                    if converge_pki::io_says_removed(&e) {
+                        return RpcError::ThisNodeRemoved { addr: addr.clone() };
+                    }
                     io_err(std::io::Error::new(
                         e.kind(),
                         format!("TLS handshake with node {peer} failed: {e}"),
@@ -551,9 +561,14 @@ impl RpcClient {
         W: AsyncWrite + Unpin + Send + 'static,
     {
         let addr = &self.inner.addr;
-        let io_err = |e: std::io::Error| RpcError::Connect {
-            addr: addr.clone(),
-            source: Arc::new(e),
+        // Under TLS 1.3 the server judges our certificate after our side finished the
+        // handshake: its refusal arrives here, at the hello.
+        let io_err = |e: std::io::Error| match converge_pki::io_says_removed(&e) {
+            true => RpcError::ThisNodeRemoved { addr: addr.clone() },
+            false => RpcError::Connect {
+                addr: addr.clone(),
+                source: Arc::new(e),
+            },
         };
         let mut rd = BufReader::with_capacity(READ_BUFFER_BYTES, rd);
 

@@ -325,6 +325,42 @@ async fn the_server_closes_an_open_connection_whose_certificate_is_revoked() {
     assert_eq!(s.handled.0.load(Ordering::SeqCst), 3);
 }
 
+/// A removed node learns it from a peer's handshake (it may no longer reach etcd to read
+/// it): its certificate is refused as a removed node's, which no other refusal is.
+#[tokio::test]
+async fn a_removed_node_is_told_so_at_the_handshake_and_a_revoked_one_is_not() {
+    let ca = Ca::generate().expect("ca");
+    let s = start(&ca).await;
+    let (one, two) = (node(&ca, 1), node(&ca, 2));
+    s.revocations.add(Some(1), []);
+    s.revocations
+        .add(None, [two.own_cert().expect("own cert").serial]);
+    match tls_client(&s, NodeId(1), &one, SERVER)
+        .call(Request::Ping)
+        .await
+    {
+        Err(RpcError::ThisNodeRemoved { addr }) => assert_eq!(addr, s.addr),
+        other => panic!("node 1 is removed: {other:?}"),
+    }
+    match tls_client(&s, NodeId(2), &two, SERVER)
+        .call(Request::Ping)
+        .await
+    {
+        Err(RpcError::Connect { source, .. }) => {
+            assert!(
+                source.to_string().contains("CertificateRevoked"),
+                "{source}"
+            )
+        }
+        other => panic!("node 2's certificate is revoked, node 2 is not removed: {other:?}"),
+    }
+    tls_client(&s, NodeId(3), &node(&ca, 3), SERVER)
+        .call(Request::Ping)
+        .await
+        .expect("node 3 is served");
+    assert_eq!(s.handled.0.load(Ordering::SeqCst), 0);
+}
+
 /// And a node closes its own connection to a peer whose certificate is revoked (or which
 /// is removed) while the connection is open; its handshake refuses the peer from then on.
 #[tokio::test]
