@@ -222,6 +222,23 @@ fn owner_killed_another_node_takes_over() {
         epoch,
         "epochs spent on a volume no takeover can serve"
     );
+    // Nor does a client asking another node for it: it is told the volume cannot be
+    // served now (before, each attempt claimed it with a new epoch that failed).
+    for _ in 0..3 {
+        let out = Command::new("qemu-io")
+            .args(["-f", "raw", "-c", "read 0 4096", &lab.uri_on("lone", 3)])
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string()
+            + &String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{text}");
+        assert!(text.contains("cannot be served now"), "{text}");
+    }
+    assert_eq!(
+        granted_epoch(&lab, "lone"),
+        epoch,
+        "epochs spent on client opens of a volume no takeover can serve"
+    );
     qemu_io(&lab.uri_on("o", 2), "write -P 0x77 0 1048576");
     patch(&img, 0, 1 << 20, 0x77);
     qemu_io(&lab.uri_on("o", 3), "write -P 0x78 67108864 4096");

@@ -59,8 +59,9 @@ pub struct Node {
     pub scrub_stats: ScrubStats,
     /// Orphan extents freed by this node (`orphans.rs`).
     pub orphans_freed: std::sync::atomic::AtomicU64,
-    /// Times the leader did not claim an unowned volume because no takeover could serve it
-    /// (`repair::unservable_slab`): each such claim would have spent an epoch.
+    /// Times this node did not claim an unowned volume because no takeover could serve it
+    /// (`repair::unservable_slab`), as the leader or for a client: each such claim would
+    /// have spent an epoch.
     pub takeovers_deferred: std::sync::atomic::AtomicU64,
     /// Local drives whose failure is recorded in etcd.
     pub failed_reported: Mutex<std::collections::HashSet<DriveId>>,
@@ -186,6 +187,7 @@ impl Node {
             log::error!("cannot serve volume {}: {e}", rec.name);
             OpenError::Unavailable(e)
         })?;
+        self.check_servable(&rec).await?;
         let epoch = match self
             .cluster
             .claim_ownership(rec.id, self.cfg.node_id, self.lease())
@@ -267,6 +269,49 @@ impl Node {
         }
         vols.insert(name.to_string(), v.clone());
         Ok(Route::Local(v))
+    }
+
+    /// Refuses a takeover that could not serve `rec` (a slab with fewer copies in sync on
+    /// live nodes and drives than a read needs, `repair::unservable_slab`): its claim would
+    /// spend an epoch and fail, at each attempt of a client retrying. Costs three reads
+    /// (slabs, live nodes, failed drives) per takeover, none on a volume already served.
+    async fn check_servable(&self, rec: &VolumeRecord) -> Result<(), OpenError> {
+        let unavailable =
+            |e: converge_control::model::ControlError| OpenError::Unavailable(e.to_string());
+        let slabs = self.cluster.slabs(rec.id).await.map_err(unavailable)?;
+        let view = converge_allocator::repair::View {
+            live: self
+                .cluster
+                .live_nodes()
+                .await
+                .map_err(unavailable)?
+                .into_iter()
+                .map(|n| n.id)
+                .collect(),
+            failed: self
+                .cluster
+                .failed_drives()
+                .await
+                .map_err(unavailable)?
+                .into_keys()
+                .collect(),
+            ..Default::default()
+        };
+        let by_slab = slabs.iter().map(|(i, (s, _))| (*i, s.extents.as_slice()));
+        match converge_allocator::repair::unservable_slab(by_slab, rec.resiliency, &view) {
+            None => Ok(()),
+            Some((idx, answering)) => {
+                self.takeovers_deferred
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                Err(OpenError::Unavailable(format!(
+                    "volume {} cannot be served now: {answering} of the {} copies of slab \
+                     {idx} a read needs are in sync on a live node and drive (not taken over \
+                     until they are back)",
+                    rec.name,
+                    rec.resiliency.needed()
+                )))
+            }
+        }
     }
 
     /// Stops serving `v` if it is still the instance this node serves under its name: a
