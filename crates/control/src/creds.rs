@@ -158,6 +158,41 @@ impl<K: Kv> Cluster<K> {
             .collect()
     }
 
+    /// Deletes the records of certificates that have surely expired: revocation records
+    /// revoked, and certificate records first seen, more than `lifetime_s` before
+    /// `now_unix` (a certificate is issued before either, and is valid for at most
+    /// `lifetime_s`: past that every handshake refuses it by its date). Without this both
+    /// lists grow with every node replaced, certificate renewed or client revoked, for the
+    /// life of the cluster; with it they hold what was revoked or used within one
+    /// certificate lifetime. Removal records (`/converge/removed/<id>`) stay: an id is never
+    /// used again. Returns how many revocation and certificate records were deleted.
+    pub async fn prune_expired_certs(
+        &self,
+        now_unix: u64,
+        lifetime_s: u64,
+    ) -> Result<(usize, usize), ControlError> {
+        let expired = |at: u64| at.saturating_add(lifetime_s) < now_unix;
+        let mut revoked = 0;
+        let (kvs, _) = self.etcd.get_prefix(keys::REVOKED).await?;
+        for kv in &kvs {
+            let rec: RevokedRecord = decode(kv, "revoked certificate")?;
+            if expired(rec.revoked_unix) {
+                self.etcd.delete(&kv.key).await?;
+                revoked += 1;
+            }
+        }
+        let mut certs = 0;
+        let (kvs, _) = self.etcd.get_prefix(keys::CERTS).await?;
+        for kv in &kvs {
+            let rec: CertRecord = decode(kv, "certificate record")?;
+            if expired(rec.registered_unix) {
+                self.etcd.delete(&kv.key).await?;
+                certs += 1;
+            }
+        }
+        Ok((revoked, certs))
+    }
+
     /// Removed nodes and revoked certificates, with the revisions to watch them from.
     pub async fn revocation_state(&self) -> Result<RevocationState, ControlError> {
         let (kvs, removed_revision) = self.etcd.get_prefix(keys::REMOVED).await?;

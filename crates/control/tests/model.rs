@@ -683,3 +683,42 @@ async fn snapshots_close_the_owners_epoch_in_one_transaction() {
         .snapshots
         .is_empty());
 }
+
+/// Certificate records do not pile up for the life of the cluster: once a certificate has
+/// surely expired (revoked, or first seen, more than a certificate's lifetime ago) its
+/// records go; the younger ones and the removal marks stay.
+#[tokio::test]
+async fn records_of_expired_certificates_are_pruned_and_nothing_else() {
+    use converge_control::creds::RevokedRecord;
+    let srv = EtcdServer::start();
+    let c = Cluster::new(srv.client());
+    let day = 86_400;
+    let now = RevokedRecord::new("aa", "x", "y").revoked_unix;
+    let mut old = RevokedRecord::new("0b", "NBD client old", "revoked by an admin");
+    old.revoked_unix = now - 800 * day;
+    let young = RevokedRecord::new("0c", "NBD client young", "revoked by an admin");
+    c.revoke_certs(&[old, young]).await.unwrap();
+    c.register_cert(NodeId(4), "0d").await.unwrap();
+    c.decommission(NodeId(4)).await.unwrap();
+    let lifetime = 731 * day;
+    assert_eq!(c.prune_expired_certs(now, lifetime).await.unwrap(), (1, 0));
+    let left: Vec<String> = c
+        .revoked_certs()
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|r| r.serial)
+        .collect();
+    assert_eq!(left, ["0c", "0d"]);
+    assert_eq!(c.certs_of(NodeId(4)).await.unwrap().len(), 1);
+    // Nothing goes twice; a lifetime later the rest goes, but not the removal.
+    assert_eq!(c.prune_expired_certs(now, lifetime).await.unwrap(), (0, 0));
+    let later = now + lifetime + day;
+    assert_eq!(
+        c.prune_expired_certs(later, lifetime).await.unwrap(),
+        (2, 1)
+    );
+    assert!(c.revoked_certs().await.unwrap().is_empty());
+    assert!(c.certs_of(NodeId(4)).await.unwrap().is_empty());
+    assert!(c.is_removed(NodeId(4)).await.unwrap());
+}

@@ -14,6 +14,10 @@
 //!
 //! Cost per round: one status request per member, one alarm list, at most one compaction and
 //! one defragmentation — the same at 3 nodes and at 1,000 (docs/SCALE.md).
+//!
+//! Once a day the leader also deletes the records of certificates that have expired
+//! ([`prune_certs`]), so the revocation list and the certificate registry do not grow for
+//! the life of the cluster.
 
 use crate::node::Node;
 use converge_control::etcd::{AlarmKind, Etcd, EtcdError, MemberStatus};
@@ -51,6 +55,7 @@ pub async fn run(node: Arc<Node>) {
         compacted: 0,
         quota_bytes: node.cfg.etcd_quota_bytes,
     };
+    let mut pruned_at: Option<Instant> = None;
     loop {
         tokio::time::sleep(every).await;
         if !crate::repair::is_leader(&node).await {
@@ -58,6 +63,34 @@ pub async fn run(node: Arc<Node>) {
             continue;
         }
         round(node.cluster.etcd(), &mut u, history).await;
+        if pruned_at.is_none_or(|t| t.elapsed() >= PRUNE_EVERY) {
+            pruned_at = Some(Instant::now());
+            prune_certs(&node).await;
+        }
+    }
+}
+
+/// How often the leader deletes the records of expired certificates.
+const PRUNE_EVERY: Duration = Duration::from_secs(86_400);
+
+/// Deletes revocation and certificate records of certificates that have surely expired
+/// (`Cluster::prune_expired_certs`): the longest a certificate converge issues lives, and a
+/// day for clocks that disagree. Once a day: two prefix reads (about one record per node
+/// and per revoked certificate) and a delete per expired record.
+async fn prune_certs(node: &Node) {
+    let days = converge_pki::NODE_DAYS.max(converge_pki::CLIENT_DAYS) + 1;
+    let lifetime = u64::try_from(days).unwrap_or(0) * 86_400;
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    match node.cluster.prune_expired_certs(now, lifetime).await {
+        Ok((0, 0)) => {}
+        Ok((revoked, certs)) => log::info!(
+            "deleted the records of expired certificates: {revoked} revocations, {certs} \
+             certificates seen (all older than {days} days)"
+        ),
+        Err(e) => log::warn!("deleting the records of expired certificates: {e}"),
     }
 }
 
