@@ -183,7 +183,7 @@ pub async fn serve(
     }
 }
 
-pub(crate) struct ApiError(pub(crate) StatusCode, pub(crate) String);
+pub struct ApiError(pub StatusCode, pub String);
 
 impl From<cache_api::CacheApiError> for ApiError {
     fn from((status, msg): cache_api::CacheApiError) -> ApiError {
@@ -192,10 +192,10 @@ impl From<cache_api::CacheApiError> for ApiError {
 }
 
 impl ApiError {
-    pub(crate) fn bad(msg: impl Into<String>) -> ApiError {
+    pub fn bad(msg: impl Into<String>) -> ApiError {
         ApiError(StatusCode::BAD_REQUEST, msg.into())
     }
-    pub(crate) fn unavailable(msg: impl std::fmt::Display) -> ApiError {
+    pub fn unavailable(msg: impl std::fmt::Display) -> ApiError {
         ApiError(
             StatusCode::SERVICE_UNAVAILABLE,
             format!("control plane unavailable: {msg}"),
@@ -309,9 +309,9 @@ async fn answer(
     }
 }
 
-pub(crate) type Out = Result<(StatusCode, serde_json::Value), ApiError>;
+pub type Out = Result<(StatusCode, serde_json::Value), ApiError>;
 
-pub(crate) fn ok<T: serde::Serialize>(v: &T) -> Out {
+pub fn ok<T: serde::Serialize>(v: &T) -> Out {
     Ok((
         StatusCode::OK,
         serde_json::to_value(v)
