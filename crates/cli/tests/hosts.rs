@@ -399,6 +399,20 @@ fn a_node_is_drained_and_removed_under_a_verifying_client() {
         err.contains(&format!("node {gone} was removed from this cluster")),
         "{err}"
     );
+    // As a node that was down through its removal would (no mark left): etcd refuses it,
+    // and the peers it saw at its last start tell it why.
+    let mark = lab.path().join(format!("node{gone}/pki/removed"));
+    std::fs::remove_file(&mark).unwrap();
+    let again =
+        run(Command::new(converge_bin().with_file_name("converged"))
+            .args(["--config", cfg.as_str()]));
+    let err = String::from_utf8_lossy(&again.stderr);
+    assert_eq!(again.status.code(), Some(3), "{err}");
+    assert!(
+        err.contains(&format!("node {gone} was removed from this cluster")),
+        "{err}"
+    );
+    assert!(mark.exists(), "the removal is marked again");
     assert!(lab.json(&["node", "list"]).as_array().unwrap().len() == 3);
 
     // The data written before is all there.

@@ -48,6 +48,63 @@ pub fn mark_removed(tls_dir: &Path, node: u32) {
     }
 }
 
+/// The peers a node saw at its last start, in its PKI directory: the cluster's id (hex) on
+/// the first line, then `<node id> <rpc address>` per line. A node that was down through
+/// its removal finds etcd refusing it at its next start and asks these (see
+/// [`removed_say_remembered_peers`]).
+pub const PEERS_FILE: &str = "peers";
+
+/// Writes [`PEERS_FILE`] (at each start; a failure costs only that later answer).
+pub fn remember_peers(
+    tls_dir: &Path,
+    cluster: converge_types::ClusterId,
+    peers: &[(converge_types::NodeId, String)],
+) {
+    let mut text = format!("{:032x}\n", cluster.0);
+    for (n, addr) in peers {
+        text.push_str(&format!("{} {addr}\n", n.0));
+    }
+    if let Err(e) = converge_pki::write_file(&tls_dir.join(PEERS_FILE), text.as_bytes(), 0o644) {
+        log::warn!("cannot record the peers in {}: {e}", tls_dir.display());
+    }
+}
+
+/// Asks the peers of [`PEERS_FILE`] (up to five) whether they refuse this node's
+/// certificate as a removed node's; the first that does. For a start-up that etcd refuses.
+pub async fn removed_say_remembered_peers(
+    cfg: &crate::config::Config,
+) -> Option<converge_types::NodeId> {
+    let text = std::fs::read_to_string(cfg.tls_dir.join(PEERS_FILE)).ok()?;
+    let mut lines = text.lines();
+    let cluster = converge_types::ClusterId(u128::from_str_radix(lines.next()?, 16).ok()?);
+    let peers: Vec<(converge_types::NodeId, String)> = lines
+        .filter_map(|l| {
+            let (n, addr) = l.split_once(' ')?;
+            Some((converge_types::NodeId(n.parse().ok()?), addr.to_string()))
+        })
+        .filter(|(n, _)| *n != cfg.node_id)
+        .take(5)
+        .collect();
+    let tls = NodeTls::load(&cfg.tls_dir, cfg.node_id.0)
+        .and_then(|t| t.peer_client())
+        .ok()?;
+    for (node, addr) in peers {
+        let c = converge_rpc::RpcClient::with_tls(
+            addr,
+            converge_rpc::Hello::new(cluster, cfg.node_id),
+            &cfg.knobs,
+            tls.clone(),
+            node,
+        );
+        if let Err(converge_rpc::RpcError::ThisNodeRemoved { .. }) =
+            c.call(converge_rpc::Request::Ping).await
+        {
+            return Some(node);
+        }
+    }
+    None
+}
+
 fn to_revoked(state: &RevocationState) -> Revoked {
     Revoked {
         removed_nodes: state.removed.iter().map(|n| n.0).collect(),

@@ -152,15 +152,27 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     let etcd =
         Etcd::with_security(cfg.etcd_endpoints.clone(), security).map_err(|e| anyhow!("{e}"))?;
     let cluster = Cluster::new(etcd.clone());
-    let cluster_rec = cluster
+    let cluster_rec = match cluster
         .init_or_load(&cfg.cluster_name, cfg.slab_size_bytes)
         .await
-        .map_err(|e| {
-            anyhow!(
+    {
+        Ok(r) => r,
+        Err(e) => {
+            // Down through its removal, a node finds etcd refusing it; a peer can say why.
+            if let Some(peer) = creds::removed_say_remembered_peers(&cfg).await {
+                log::warn!(
+                    "etcd does not answer this node, and node {peer} refuses its certificate \
+                     as that of a removed node"
+                );
+                creds::mark_removed(&cfg.tls_dir, cfg.node_id.0);
+                return Err(ControlError::NodeRemoved { id: cfg.node_id }.into());
+            }
+            bail!(
                 "joining the cluster through etcd {:?}: {e}",
                 cfg.etcd_endpoints
-            )
-        })?;
+            );
+        }
+    };
     // A removed node stays out: before its drives are opened or recorded again.
     if cluster
         .is_removed(cfg.node_id)
@@ -355,13 +367,14 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
     creds::register_own(&cluster, &tls, cfg.node_id.0).await?;
     let revocation_watch = {
         // Whom to ask whether this node was removed if etcd stops answering it.
-        let at_start = match cluster.live_nodes().await {
+        let at_start: Vec<_> = match cluster.live_nodes().await {
             Ok(nodes) => nodes.into_iter().map(|n| (n.id, n.rpc_addr)).collect(),
             Err(e) => {
                 log::warn!("reading the live nodes: {e}");
                 Vec::new()
             }
         };
+        creds::remember_peers(&cfg.tls_dir, cluster_rec.cluster_id, &at_start);
         let watch = creds::watch(
             cluster.clone(),
             cfg.node_id,
