@@ -390,28 +390,22 @@ fn a_node_is_drained_and_removed_under_a_verifying_client() {
         .as_str()
         .unwrap()
         .to_string();
-    let again =
-        run(Command::new(converge_bin().with_file_name("converged"))
+    let refused_at_start = || {
+        let again = run(Command::new(converge_bin().with_file_name("converged"))
             .args(["--config", cfg.as_str()]));
-    let err = String::from_utf8_lossy(&again.stderr);
-    assert_eq!(again.status.code(), Some(3), "{err}");
-    assert!(
-        err.contains(&format!("node {gone} was removed from this cluster")),
-        "{err}"
-    );
+        let err = String::from_utf8_lossy(&again.stderr);
+        assert_eq!(again.status.code(), Some(3), "{err}");
+        assert!(
+            err.contains(&format!("node {gone} was removed from this cluster")),
+            "{err}"
+        );
+    };
+    refused_at_start();
     // As a node that was down through its removal would (no mark left): etcd refuses it,
     // and the peers it saw at its last start tell it why.
     let mark = lab.path().join(format!("node{gone}/pki/removed"));
     std::fs::remove_file(&mark).unwrap();
-    let again =
-        run(Command::new(converge_bin().with_file_name("converged"))
-            .args(["--config", cfg.as_str()]));
-    let err = String::from_utf8_lossy(&again.stderr);
-    assert_eq!(again.status.code(), Some(3), "{err}");
-    assert!(
-        err.contains(&format!("node {gone} was removed from this cluster")),
-        "{err}"
-    );
+    refused_at_start();
     assert!(mark.exists(), "the removal is marked again");
     assert!(lab.json(&["node", "list"]).as_array().unwrap().len() == 3);
 

@@ -88,18 +88,31 @@ pub async fn removed_say_remembered_peers(
     let tls = NodeTls::load(&cfg.tls_dir, cfg.node_id.0)
         .and_then(|t| t.peer_client())
         .ok()?;
-    for (node, addr) in peers {
+    let hello = converge_rpc::Hello::new(cluster, cfg.node_id);
+    ask_if_removed(&peers, &hello, &cfg.knobs, &tls).await
+}
+
+/// Asks `peers`, each over a new connection, whether it refuses this node's certificate as
+/// a removed node's (`converge_pki::says_removed`); the first that does. Costs one TLS
+/// handshake and a ping per peer asked.
+pub async fn ask_if_removed(
+    peers: &[(converge_types::NodeId, String)],
+    hello: &converge_rpc::Hello,
+    knobs: &converge_types::Knobs,
+    tls: &Arc<rustls::ClientConfig>,
+) -> Option<converge_types::NodeId> {
+    for (node, addr) in peers.iter().filter(|(n, _)| *n != hello.node) {
         let c = converge_rpc::RpcClient::with_tls(
-            addr,
-            converge_rpc::Hello::new(cluster, cfg.node_id),
-            &cfg.knobs,
+            addr.clone(),
+            hello.clone(),
+            knobs,
             tls.clone(),
-            node,
+            *node,
         );
         if let Err(converge_rpc::RpcError::ThisNodeRemoved { .. }) =
             c.call(converge_rpc::Request::Ping).await
         {
-            return Some(node);
+            return Some(*node);
         }
     }
     None

@@ -273,30 +273,16 @@ impl Node {
 
     /// Refuses a takeover that could not serve `rec` (a slab with fewer copies in sync on
     /// live nodes and drives than a read needs, `repair::unservable_slab`): its claim would
-    /// spend an epoch and fail, at each attempt of a client retrying. Costs three reads
-    /// (slabs, live nodes, failed drives) per takeover, none on a volume already served.
+    /// spend an epoch and fail, at each attempt of a client retrying. Costs the slab records
+    /// and the repair view (live nodes, failed drives...) per takeover, nothing on a volume
+    /// already served.
     async fn check_servable(&self, rec: &VolumeRecord) -> Result<(), OpenError> {
         let unavailable =
             |e: converge_control::model::ControlError| OpenError::Unavailable(e.to_string());
         let slabs = self.cluster.slabs(rec.id).await.map_err(unavailable)?;
-        let view = converge_allocator::repair::View {
-            live: self
-                .cluster
-                .live_nodes()
-                .await
-                .map_err(unavailable)?
-                .into_iter()
-                .map(|n| n.id)
-                .collect(),
-            failed: self
-                .cluster
-                .failed_drives()
-                .await
-                .map_err(unavailable)?
-                .into_keys()
-                .collect(),
-            ..Default::default()
-        };
+        let view = converge_allocator::repair::View::read(&self.cluster)
+            .await
+            .map_err(unavailable)?;
         let by_slab = slabs.iter().map(|(i, (s, _))| (*i, s.extents.as_slice()));
         match converge_allocator::repair::unservable_slab(by_slab, rec.resiliency, &view) {
             None => Ok(()),
@@ -600,24 +586,9 @@ impl Replicas {
             .collect()
     }
 
-    /// Asks `peers`, each over a new connection, whether it refuses this node's certificate
-    /// as a removed node's (`converge_pki::says_removed`); the first that does. A removed
-    /// node asks this when etcd no longer answers it (`creds::watch`). Costs one TLS
-    /// handshake and a ping per peer asked.
+    /// Asks `peers` whether they refuse this node as removed (`creds::ask_if_removed`).
     pub async fn told_removed(&self, peers: &[(NodeId, String)]) -> Option<NodeId> {
-        for (node, addr) in peers.iter().filter(|(n, _)| *n != self.me) {
-            let c = RpcClient::with_tls(
-                addr.clone(),
-                self.hello.clone(),
-                &self.knobs,
-                self.tls.clone(),
-                *node,
-            );
-            if let Err(RpcError::ThisNodeRemoved { .. }) = c.call(Request::Ping).await {
-                return Some(*node);
-            }
-        }
-        None
+        crate::creds::ask_if_removed(peers, &self.hello, &self.knobs, &self.tls).await
     }
 
     /// A request to a peer, with the peer protocol's own errors (for redirected I/O).
