@@ -117,15 +117,16 @@ pub fn copies_to_mark_stale(
 }
 
 /// The first slab that no takeover could serve now, with how many of its copies could
-/// answer: fewer of them are in sync on a live node and a drive not failed than a read
-/// needs (one copy of a mirror, `data` chunks of a parity slab). The leader does not claim
+/// answer and how many a read needs: fewer of them are in sync on a live node and a drive
+/// not failed than a read of that slab needs (one copy of a mirror or of a mirror-part
+/// slab, `data` chunks of a parity slab). The leader does not claim
 /// a volume with such a slab: the claim would take a new epoch and fail, once a second for
 /// as long as the copies are away. It claims it once enough of them are back.
 pub fn unservable_slab<'a>(
     slabs: impl IntoIterator<Item = (SlabIndex, &'a [ExtentRecord])>,
     resiliency: Resiliency,
     view: &View,
-) -> Option<(SlabIndex, usize)> {
+) -> Option<(SlabIndex, usize, usize)> {
     slabs.into_iter().find_map(|(idx, extents)| {
         let answering = extents
             .iter()
@@ -135,7 +136,9 @@ pub fn unservable_slab<'a>(
                     && !view.failed.contains(&e.drive)
             })
             .count();
-        (answering < resiliency.needed()).then_some((idx, answering))
+        // A mirror-accelerated parity volume's mirror-part slabs are mirrors.
+        let needed = resiliency.of_slab(idx).needed();
+        (answering < needed).then_some((idx, answering, needed))
     })
 }
 
@@ -351,12 +354,12 @@ mod tests {
         // Node 2 down: slab 1's only in-sync copy is away (its stale copy cannot serve).
         assert_eq!(
             unservable_slab(slabs(&mirror), m2, &view(&[1, 3], &[], &[])),
-            Some((SlabIndex(1), 0))
+            Some((SlabIndex(1), 0, 1))
         );
         // Node 2 live but drive 21 failed: the same.
         assert_eq!(
             unservable_slab(slabs(&mirror), m2, &view(&[1, 2, 3], &[], &[21])),
-            Some((SlabIndex(1), 0))
+            Some((SlabIndex(1), 0, 1))
         );
         // A node in maintenance still answers reads.
         assert_eq!(
@@ -376,7 +379,19 @@ mod tests {
         );
         assert_eq!(
             unservable_slab(slabs(&parity), p21, &view(&[1], &[], &[])),
-            Some((SlabIndex(0), 1))
+            Some((SlabIndex(0), 1, 2))
+        );
+        // Its mirror part is a mirror: one copy of a mirror-part slab serves it (CI: a
+        // mirror-accelerated parity volume whose owner died was never taken over).
+        let part = vec![rec(1, 11, InSync), rec(2, 21, InSync)];
+        let with_part = [(SlabIndex::mirror_part(0), part.as_slice())];
+        assert_eq!(
+            unservable_slab(with_part, p21, &view(&[2, 3], &[], &[])),
+            None
+        );
+        assert_eq!(
+            unservable_slab(with_part, p21, &view(&[3], &[], &[])),
+            Some((SlabIndex::mirror_part(0), 0, 1))
         );
     }
 

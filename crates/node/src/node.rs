@@ -286,15 +286,14 @@ impl Node {
         let by_slab = slabs.iter().map(|(i, (s, _))| (*i, s.extents.as_slice()));
         match converge_allocator::repair::unservable_slab(by_slab, rec.resiliency, &view) {
             None => Ok(()),
-            Some((idx, answering)) => {
+            Some((idx, answering, needed)) => {
                 self.takeovers_deferred
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 Err(OpenError::Unavailable(format!(
-                    "volume {} cannot be served now: {answering} of the {} copies of slab \
-                     {idx} a read needs are in sync on a live node and drive (not taken over \
-                     until they are back)",
-                    rec.name,
-                    rec.resiliency.needed()
+                    "volume {} cannot be served now: {answering} of the {needed} copies of \
+                     slab {idx} a read needs are in sync on a live node and drive (not taken \
+                     over until they are back)",
+                    rec.name
                 )))
             }
         }

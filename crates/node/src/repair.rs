@@ -528,7 +528,7 @@ async fn adopt_orphans(node: &Node, view: &View, unservable: &mut HashSet<Volume
             continue;
         }
         let by_slab = slabs.iter().map(|(i, (s, _))| (*i, s.extents.as_slice()));
-        if let Some((idx, answering)) =
+        if let Some((idx, answering, needed)) =
             converge_allocator::repair::unservable_slab(by_slab, rec.resiliency, view)
         {
             node.takeovers_deferred
@@ -537,10 +537,10 @@ async fn adopt_orphans(node: &Node, view: &View, unservable: &mut HashSet<Volume
             if !unservable.contains(&rec.id) {
                 log::warn!(
                     "leader: volume {} is unowned and cannot be served: {answering} of the \
-                     {} copies of slab {idx} a read needs are in sync on a live node and \
-                     drive; it is taken over once they are back (no epoch is spent until then)",
-                    rec.name,
-                    rec.resiliency.needed()
+                     {needed} copies of slab {idx} a read needs are in sync on a live node \
+                     and drive; it is taken over once they are back (no epoch is spent until \
+                     then)",
+                    rec.name
                 );
             }
             continue;
