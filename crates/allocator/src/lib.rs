@@ -125,6 +125,11 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
             .await
         {
             Ok((rec, _)) => Ok(extents_of(&rec)),
+            Err(ControlError::Placement(e)) if e.waits_for_nodes() => Err(VolumeError::NodesDown {
+                volume: volume.to_string(),
+                slab,
+                why: e.to_string(),
+            }),
             Err(ControlError::Placement(e)) => Err(VolumeError::NoSpace {
                 volume: volume.to_string(),
                 why: format!("its slab {slab} cannot be placed: {e}"),

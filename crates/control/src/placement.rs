@@ -79,6 +79,8 @@ pub enum PlacementError {
         layout: String,
         copies: usize,
         available: usize,
+        /// Nodes that are down and would have room: with them back, `available + down`.
+        down: usize,
         detail: String,
     },
     #[error(
@@ -99,6 +101,15 @@ pub enum PlacementError {
     },
 }
 
+impl PlacementError {
+    /// The copies could be placed once the nodes that are down are back: not a full pool
+    /// (a node restarting in a rolling upgrade), so a write waits rather than fail as one.
+    pub fn waits_for_nodes(&self) -> bool {
+        matches!(self, PlacementError::NotEnoughNodes { copies, available, down, .. }
+            if *down > 0 && available + down >= *copies)
+    }
+}
+
 /// A slab of `copies` extents in the user's words (allocation knows the count, not the
 /// resiliency: a mirror's copies or a parity slab's chunks).
 fn layout_name(copies: usize) -> String {
@@ -112,6 +123,8 @@ fn layout_name(copies: usize) -> String {
 #[derive(Default)]
 struct NodeSummary {
     free: u64,
+    /// Free extents of its capacity drives whether or not it is live.
+    free_when_up: u64,
     total: u64,
     capacity_drives: usize,
     live: bool,
@@ -126,6 +139,9 @@ fn summarize(candidates: &[DriveLoad], exclude_nodes: &[NodeId]) -> BTreeMap<Nod
         if d.live {
             n.live = true;
         }
+        if d.role == DriveRole::Capacity {
+            n.free_when_up += d.free();
+        }
         if d.live && d.role == DriveRole::Capacity {
             n.capacity_drives += 1;
             n.free += d.free();
@@ -133,6 +149,14 @@ fn summarize(candidates: &[DriveLoad], exclude_nodes: &[NodeId]) -> BTreeMap<Nod
         }
     }
     nodes
+}
+
+/// Nodes that are down but would have room (and hold no copy of the slab yet).
+fn down_with_room(nodes: &BTreeMap<NodeId, NodeSummary>) -> usize {
+    nodes
+        .values()
+        .filter(|n| !n.live && !n.excluded && n.free_when_up > 0)
+        .count()
 }
 
 fn describe(nodes: &BTreeMap<NodeId, NodeSummary>) -> String {
@@ -236,11 +260,13 @@ pub fn place_near(
         }
     }
     if best.len() < copies {
+        let nodes = summarize(candidates, exclude_nodes);
         return Err(PlacementError::NotEnoughNodes {
             layout: layout_name(copies),
             copies,
             available: best.len(),
-            detail: describe(&summarize(candidates, exclude_nodes)),
+            down: down_with_room(&nodes),
+            detail: describe(&nodes),
         });
     }
     // A node's use counts all its live capacity drives, full ones too: they are its share.
@@ -317,6 +343,7 @@ pub fn can_place_parts(
             layout,
             copies,
             available: with_space,
+            down: down_with_room(&nodes),
             detail: describe(&nodes),
         });
     }
@@ -644,6 +671,43 @@ mod tests {
                 Err(e) => panic!("case {case}: unexpected {e}"),
             }
         }
+    }
+
+    /// A node down is not a full pool: the copies wait for it (CI: a rolling restart's
+    /// write to a new slab got ENOSPC). Full nodes, or too few nodes even with it, are.
+    #[test]
+    fn nodes_down_make_a_wait_not_a_full_pool() {
+        let down = |mut d: DriveLoad| {
+            d.live = false;
+            d
+        };
+        let three = [
+            drive(1, 1, 10, 0),
+            drive(2, 2, 10, 0),
+            down(drive(3, 3, 10, 0)),
+        ];
+        let e = place(3, &three, &[]).unwrap_err();
+        assert!(e.waits_for_nodes(), "{e}");
+        assert!(e.to_string().contains("node 3: down"), "{e}");
+        // Down, but full: no wait helps.
+        let full = [
+            drive(1, 1, 10, 0),
+            drive(2, 2, 10, 0),
+            down(drive(3, 3, 10, 10)),
+        ];
+        assert!(!place(3, &full, &[]).unwrap_err().waits_for_nodes());
+        // Down, and one node short even with it back.
+        assert!(!place(4, &three, &[]).unwrap_err().waits_for_nodes());
+        // The down node already holds a copy of the slab: it does not count.
+        assert!(!place(3, &three, &[NodeId(3)])
+            .unwrap_err()
+            .waits_for_nodes());
+        assert!(!can_place_parts(&[(Resiliency::Mirror3, 30)], 10, &full)
+            .unwrap_err()
+            .waits_for_nodes());
+        assert!(can_place_parts(&[(Resiliency::Mirror3, 30)], 10, &three)
+            .unwrap_err()
+            .waits_for_nodes());
     }
 
     /// Property (the documented guarantee): placing slab after slab on equal drives, the same

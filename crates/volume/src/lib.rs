@@ -222,6 +222,19 @@ pub enum VolumeError {
     /// copies refused it for lack of space. Nothing was acked; the client gets ENOSPC.
     #[error("volume {volume}: no space for the write: {why}")]
     NoSpace { volume: String, why: String },
+    /// A new slab could not be placed because nodes that would hold its copies are down
+    /// (not for lack of room: with them back it fits). The write waited
+    /// `degraded_write_wait` for them and was not acked; a client gets an I/O error, not
+    /// ENOSPC.
+    #[error(
+        "volume {volume}: slab {slab} cannot be placed while nodes are down ({why}); the \
+         write was not acked"
+    )]
+    NodesDown {
+        volume: String,
+        slab: SlabIndex,
+        why: String,
+    },
     #[error("volume {volume}: replica on node {node} drive {drive} failed: {error}")]
     Replica {
         volume: String,
@@ -796,24 +809,36 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
     /// `alloc_lock`.
     async fn allocate_locked(&self, idx: SlabIndex) -> Result<Arc<Slab>, VolumeError> {
         let copies = self.cfg.resiliency.of_slab(idx).copies();
-        let extents = self
-            .alloc
-            .allocate(
-                self.cfg.id,
-                idx,
-                self.epoch(),
-                copies,
-                !self.compression().is_none(),
-            )
-            .await
-            .map_err(|e| match e {
-                // The allocator knows the volume by id; the client and the log by name.
-                VolumeError::NoSpace { why, .. } => VolumeError::NoSpace {
-                    volume: self.cfg.name.clone(),
-                    why,
-                },
-                e => e,
-            })?;
+        // Nodes down (a restart): wait for them as a degraded write waits for its copies.
+        let deadline = Instant::now() + self.cfg.degraded_write_wait;
+        let extents = loop {
+            let r = self
+                .alloc
+                .allocate(
+                    self.cfg.id,
+                    idx,
+                    self.epoch(),
+                    copies,
+                    !self.compression().is_none(),
+                )
+                .await;
+            // The allocator knows the volume by id; the client and the log by name.
+            let volume = self.cfg.name.clone();
+            match r {
+                Ok(e) => break e,
+                Err(VolumeError::NodesDown { slab, why, .. }) if Instant::now() < deadline => {
+                    log::debug!("volume {volume}: slab {slab} waits for nodes: {why}");
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+                }
+                Err(VolumeError::NodesDown { slab, why, .. }) => {
+                    return Err(VolumeError::NodesDown { volume, slab, why })
+                }
+                Err(VolumeError::NoSpace { why, .. }) => {
+                    return Err(VolumeError::NoSpace { volume, why })
+                }
+                Err(e) => return Err(e),
+            }
+        };
         self.floor_new_slab(idx, &extents).await;
         self.adopt(idx, extents).await
     }
