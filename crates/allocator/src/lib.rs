@@ -16,6 +16,7 @@
 
 pub mod admission;
 pub mod repair;
+pub mod snapshots;
 
 use converge_control::etcd::Etcd;
 use converge_control::kv::Kv;

@@ -304,6 +304,15 @@ pub struct VolumeRecord {
     /// A clone's parent snapshot (docs/SNAPSHOTS.md "Clones"); None once flattened.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub parent: Option<ParentRecord>,
+    /// Epochs that copies may keep a floor or states for though the volume has no such
+    /// snapshot, oldest first: a snapshot begun and not (yet) recorded (noted before it
+    /// sets any floor, [`Cluster::note_snapshot_attempt`]; its own record removes it), and
+    /// a snapshot deleted while some copy was out of sync
+    /// ([`Cluster::remove_snapshot_left_on`]). Removed once an owner has released them
+    /// with every copy in sync ([`Cluster::settle_stray_floors`]). At most
+    /// [`STRAY_FLOORS_MAX`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub stray_floors: Vec<Epoch>,
 }
 
 /// The snapshot a clone reads its never-written blocks from.
@@ -337,6 +346,20 @@ pub struct SnapshotRecord {
 
 /// Most snapshots a volume keeps (docs/adr/0012, "Limits").
 pub const SNAPSHOTS_MAX: usize = 64;
+
+/// Adds `epoch` to `rec`'s stray floors (kept sorted, the newest [`STRAY_FLOORS_MAX`]).
+fn add_stray_floor(rec: &mut VolumeRecord, epoch: Epoch) {
+    if !rec.stray_floors.contains(&epoch) {
+        rec.stray_floors.push(epoch);
+        rec.stray_floors.sort_unstable();
+    }
+    let extra = rec.stray_floors.len().saturating_sub(STRAY_FLOORS_MAX);
+    rec.stray_floors.drain(..extra);
+}
+
+/// Most stray floors a volume record lists (the newest are kept): an older one stays on its
+/// copies until the volume's next snapshot drops it (docs/SNAPSHOTS.md).
+pub const STRAY_FLOORS_MAX: usize = 16;
 
 /// How an encrypted volume's data key is kept (docs/adr/0011).
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -1394,6 +1417,8 @@ impl<K: Kv> Cluster<K> {
                 )));
             }
             let size_bytes = rec.size_bytes;
+            // Noted before its floors were set: it is no stray now.
+            rec.stray_floors.retain(|&s| s != epoch);
             rec.snapshots.push(SnapshotRecord {
                 name: snap.to_string(),
                 epoch,
@@ -1447,6 +1472,98 @@ impl<K: Kv> Cluster<K> {
         }
         Err(ControlError::Contended {
             what: format!("recording snapshot {snap} of volume {name}"),
+        })
+    }
+
+    /// Notes in volume `name`'s record that its owner (`node` at `epoch`) begins a
+    /// snapshot of that epoch, before any copy's floor is set ([`VolumeRecord::
+    /// stray_floors`]). Refused ([`ControlError::OwnedElsewhere`]) to an owner deposed
+    /// since. One compare-and-swap per snapshot, before writes pause.
+    pub async fn note_snapshot_attempt(
+        &self,
+        name: &str,
+        node: NodeId,
+        epoch: Epoch,
+    ) -> Result<(), ControlError> {
+        let vkey = keys::volume(name);
+        for _ in 0..TXN_RETRIES_MAX {
+            let Some(kv) = self.etcd.get(&vkey).await? else {
+                return Err(ControlError::Refused(format!("no volume named {name}")));
+            };
+            let mut rec: VolumeRecord = decode(&kv, "volume record")?;
+            if rec.stray_floors.contains(&epoch) {
+                return Ok(());
+            }
+            add_stray_floor(&mut rec, epoch);
+            let okey = keys::owner(rec.id);
+            let r = self
+                .etcd
+                .txn(Txn {
+                    compare: vec![
+                        Compare::ModRevision(vkey.clone(), kv.mod_revision),
+                        Compare::Value(
+                            okey.clone(),
+                            encode(&okey, "owner record", &OwnerRecord { node, epoch })?,
+                        ),
+                    ],
+                    success: vec![Op::Put(
+                        vkey.clone(),
+                        encode(&vkey, "volume record", &rec)?,
+                        None,
+                    )],
+                    failure: vec![Op::Get(okey.clone())],
+                })
+                .await?;
+            if r.succeeded {
+                return Ok(());
+            }
+            let now: Option<OwnerRecord> = match r.gets.into_iter().next().flatten() {
+                Some(kv) => Some(decode(&kv, "owner record")?),
+                None => None,
+            };
+            if now != Some(OwnerRecord { node, epoch }) {
+                return Err(ControlError::OwnedElsewhere {
+                    volume: rec.id,
+                    node: now.map_or(NodeId(0), |o| o.node),
+                    epoch: now.map_or(epoch, |o| o.epoch),
+                });
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("noting a snapshot of volume {name}"),
+        })
+    }
+
+    /// Removes `released` from volume `name`'s stray floors (an owner dropped them from
+    /// every copy: `Volume::release_stray_floors`). A volume gone is Ok.
+    pub async fn settle_stray_floors(
+        &self,
+        name: &str,
+        released: &[Epoch],
+    ) -> Result<(), ControlError> {
+        let vkey = keys::volume(name);
+        for _ in 0..TXN_RETRIES_MAX {
+            let Some(kv) = self.etcd.get(&vkey).await? else {
+                return Ok(());
+            };
+            let mut rec: VolumeRecord = decode(&kv, "volume record")?;
+            let before = rec.stray_floors.len();
+            rec.stray_floors.retain(|s| !released.contains(s));
+            if rec.stray_floors.len() == before
+                || self
+                    .etcd
+                    .cas(
+                        &vkey,
+                        &encode(&vkey, "volume record", &rec)?,
+                        kv.mod_revision,
+                    )
+                    .await?
+            {
+                return Ok(());
+            }
+        }
+        Err(ControlError::Contended {
+            what: format!("settling the stray floors of volume {name}"),
         })
     }
 
@@ -1529,8 +1646,27 @@ impl<K: Kv> Cluster<K> {
         name: &str,
         snap: &str,
     ) -> Result<Option<Epoch>, ControlError> {
-        self.change_snapshot(name, snap, |snaps, i| (snaps.remove(i).epoch, true))
-            .await
+        self.remove_snapshot_left_on(name, snap, false).await
+    }
+
+    /// [`Cluster::remove_snapshot`]; with `left_on_copies`, some copies did not take the
+    /// delete (they were out of sync), so its epoch joins the record's stray floors in the
+    /// same write: a fill that finds the volume with no snapshot does not clear them, a
+    /// release does.
+    pub async fn remove_snapshot_left_on(
+        &self,
+        name: &str,
+        snap: &str,
+        left_on_copies: bool,
+    ) -> Result<Option<Epoch>, ControlError> {
+        self.change_volume_snapshot(name, snap, |rec, i| {
+            let epoch = rec.snapshots.remove(i).epoch;
+            if left_on_copies {
+                add_stray_floor(rec, epoch);
+            }
+            (epoch, true)
+        })
+        .await
     }
 
     /// Read-modify-writes volume `name`'s record for its snapshot `snap` (None if it has
@@ -1542,6 +1678,17 @@ impl<K: Kv> Cluster<K> {
         snap: &str,
         f: impl Fn(&mut Vec<SnapshotRecord>, usize) -> (T, bool),
     ) -> Result<Option<T>, ControlError> {
+        self.change_volume_snapshot(name, snap, |rec, i| f(&mut rec.snapshots, i))
+            .await
+    }
+
+    /// [`Cluster::change_snapshot`], with the whole record to change.
+    async fn change_volume_snapshot<T>(
+        &self,
+        name: &str,
+        snap: &str,
+        f: impl Fn(&mut VolumeRecord, usize) -> (T, bool),
+    ) -> Result<Option<T>, ControlError> {
         let vkey = keys::volume(name);
         for _ in 0..TXN_RETRIES_MAX {
             let Some(kv) = self.etcd.get(&vkey).await? else {
@@ -1551,7 +1698,7 @@ impl<K: Kv> Cluster<K> {
             let Some(i) = rec.snapshots.iter().position(|s| s.name == snap) else {
                 return Ok(None);
             };
-            let (answer, changed) = f(&mut rec.snapshots, i);
+            let (answer, changed) = f(&mut rec, i);
             if !changed
                 || self
                     .etcd

@@ -42,6 +42,7 @@ fn volume(id: u64, name: &str) -> VolumeRecord {
         qos: Default::default(),
         snapshots: Vec::new(),
         parent: None,
+        stray_floors: Vec::new(),
     }
 }
 
@@ -682,6 +683,76 @@ async fn snapshots_close_the_owners_epoch_in_one_transaction() {
         .0
         .snapshots
         .is_empty());
+}
+
+/// A snapshot begun is noted in the volume record before any floor is set (only by the
+/// owner), and so is one deleted while a copy was out of sync; recording a snapshot
+/// clears its own attempt, settling clears the ones released, and the list keeps only the
+/// newest STRAY_FLOORS_MAX.
+#[tokio::test]
+async fn snapshots_begun_and_not_recorded_stay_listed_until_settled() {
+    use converge_control::model::STRAY_FLOORS_MAX;
+    let srv = EtcdServer::start();
+    let etcd = srv.client();
+    let c = Cluster::new(etcd.clone());
+    let v = volume(22, "strays");
+    c.create_volume(&v).await.unwrap();
+    let l1 = etcd.lease_grant(60).await.unwrap();
+    let e = c.claim_ownership(v.id, NodeId(1), l1).await.unwrap();
+    let strays = || async { c.volume("strays").await.unwrap().unwrap().0.stray_floors };
+    c.note_snapshot_attempt("strays", NodeId(1), e)
+        .await
+        .unwrap();
+    c.note_snapshot_attempt("strays", NodeId(1), e)
+        .await
+        .unwrap();
+    assert_eq!(strays().await, [e], "noted once");
+    let err = c
+        .note_snapshot_attempt("strays", NodeId(2), Epoch(e.0 + 5))
+        .await
+        .unwrap_err();
+    assert!(matches!(err, ControlError::OwnedElsewhere { .. }), "{err}");
+    // Recorded: the attempt is no stray.
+    let next = c
+        .take_snapshot("strays", NodeId(1), l1, e, "s1", 7)
+        .await
+        .unwrap();
+    assert!(strays().await.is_empty());
+    // Begun and not recorded: it stays, through a new term, until settled.
+    c.note_snapshot_attempt("strays", NodeId(1), next)
+        .await
+        .unwrap();
+    c.release_ownership(v.id, NodeId(1)).await.unwrap();
+    let l2 = etcd.lease_grant(60).await.unwrap();
+    let e2 = c.claim_ownership(v.id, NodeId(2), l2).await.unwrap();
+    assert_eq!(strays().await, [next]);
+    c.settle_stray_floors("strays", &[Epoch(1)]).await.unwrap();
+    assert_eq!(strays().await, [next], "only what was released goes");
+    c.settle_stray_floors("strays", &[next]).await.unwrap();
+    assert!(strays().await.is_empty());
+    // A snapshot deleted while a copy was out of sync leaves its epoch listed.
+    assert_eq!(
+        c.remove_snapshot_left_on("strays", "s1", true)
+            .await
+            .unwrap(),
+        Some(e)
+    );
+    assert_eq!(strays().await, [e]);
+    c.settle_stray_floors("strays", &[e]).await.unwrap();
+    // Bounded: the newest are kept.
+    let mut r = c.volume("strays").await.unwrap().unwrap();
+    r.0.stray_floors = (0..=STRAY_FLOORS_MAX as u64)
+        .filter(|&x| x != e2.0)
+        .take(STRAY_FLOORS_MAX)
+        .map(Epoch)
+        .collect();
+    assert!(c.update_volume(&r.0, r.1).await.unwrap());
+    c.note_snapshot_attempt("strays", NodeId(2), e2)
+        .await
+        .unwrap();
+    let left = strays().await;
+    assert_eq!(left.len(), STRAY_FLOORS_MAX);
+    assert!(left.contains(&e2) && !left.contains(&Epoch(0)), "{left:?}");
 }
 
 /// Certificate records do not pile up for the life of the cluster: once a certificate has

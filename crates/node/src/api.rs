@@ -1100,6 +1100,7 @@ pub(crate) async fn create_volume_with(
         qos,
         snapshots: Vec::new(),
         parent,
+        stray_floors: Vec::new(),
     };
     node.cluster
         .create_volume(&rec)

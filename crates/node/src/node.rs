@@ -268,6 +268,8 @@ impl Node {
             }
         }
         vols.insert(name.to_string(), v.clone());
+        let (cluster, vol) = (self.cluster.clone(), v.clone());
+        tokio::spawn(async move { crate::snapshots::release_stray_floors(&cluster, &vol).await });
         Ok(Route::Local(v))
     }
 

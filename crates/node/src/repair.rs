@@ -314,6 +314,9 @@ async fn resync(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
         Ok(r) => {
             node.jobs.resync_done.fetch_add(1, Ordering::Relaxed);
             node.jobs.copied(&r);
+            // A copy filled while the volume had no snapshot kept what it held of deleted
+            // ones: released now (one record read; nothing more if none is listed).
+            crate::snapshots::release_stray_floors(&node.cluster, v).await;
             log::info!(
                 "resync of volume {name} slab {idx} on node {} done in {:.1}s: {} of {} blocks differed",
                 e.node,

@@ -206,8 +206,11 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
     let (me, lease) = (node.cfg.node_id, node.lease());
     let cluster = node.cluster.clone();
     let (vname, sname) = (name.to_string(), req.name.clone());
-    let epoch = v
-        .snapshot(|e| async move {
+    let noter = node.cluster.clone();
+    let note =
+        |e| async move { converge_allocator::snapshots::note_snapshot(&noter, name, me, e).await };
+    let taken = v
+        .snapshot_noted(note, |e| async move {
             cluster
                 .take_snapshot(&vname, me, lease, e, &sname, created)
                 .await
@@ -224,8 +227,12 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
                     },
                 })
         })
-        .await
-        .map_err(volume_error)?;
+        .await;
+    if taken.is_err() && !v.is_retired() {
+        // Still serving: it undid its floors or marked their copies stale (none is stray).
+        release_stray_floors(&node.cluster, &v).await;
+    }
+    let epoch = taken.map_err(volume_error)?;
     log::info!("volume {name}: snapshot {} at epoch {epoch}", req.name);
     let (rec, _) = volume_record(node, name).await?;
     let s = rec
@@ -280,8 +287,9 @@ pub(crate) async fn delete(node: &Arc<Node>, name: &str, snap: &str) -> Out {
         ));
     };
     v.drop_snapshot(epoch).await.map_err(volume_error)?;
+    // A copy out of sync did not take the delete: its epoch stays listed until released.
     node.cluster
-        .remove_snapshot(name, snap)
+        .remove_snapshot_left_on(name, snap, v.has_copies_out_of_sync())
         .await
         .map_err(ApiError::unavailable)?;
     log::info!("volume {name}: snapshot {snap} (epoch {epoch}) deleted");
@@ -447,4 +455,16 @@ pub(crate) async fn changes(node: &Arc<Node>, name: &str, query: &str) -> Out {
         changed_bytes: runs.iter().map(|r| r.length).sum(),
         runs,
     })
+}
+
+/// After a takeover (spawned once the volume serves), a snapshot that failed while the
+/// volume is still served, and a resync: what copies keep for epochs that are no snapshot
+/// of the volume is released (`converge_allocator::snapshots::release_stray_floors`).
+pub(crate) async fn release_stray_floors(cluster: &converge_control::Cluster, v: &Vol) {
+    if let Err(e) = converge_allocator::snapshots::release_stray_floors(cluster, v).await {
+        log::warn!(
+            "volume {}: releasing the floors of snapshots never recorded: {e}",
+            v.config().name
+        );
+    }
 }

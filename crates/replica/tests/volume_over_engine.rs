@@ -1062,6 +1062,138 @@ async fn a_copy_left_with_a_failed_snapshots_floor_keeps_no_wrong_snapshot() {
     assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
 }
 
+/// A snapshot whose commit answer was lost leaves its floors on the copies (its owner
+/// stops serving: the snapshot may exist). It was noted before the floors were set, so the
+/// next term, once it serves, releases them: what the copies kept for that epoch is
+/// freed, the real snapshot keeps what it reads. Without the release the copies go on
+/// keeping every state the next term overwrites (until the next snapshot).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_floors_a_snapshot_never_recorded_left_are_released_by_the_next_term() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let io = Arc::new(drives(dir.path(), 2, 4 * SLAB));
+    let records = Arc::new(Records::default());
+    let vol = Volume::new(
+        mirror2(14, "strays", SLAB),
+        BTreeMap::new(),
+        io.clone(),
+        records.clone(),
+    );
+    let blocks = |n: u64, f: u8| Bytes::from(vec![f; (n * BS) as usize]);
+    let preserved = || -> u64 {
+        io.tiers
+            .values()
+            .map(|t| t.capacity().bytes_preserved)
+            .sum()
+    };
+    vol.write(0, blocks(8, 1)).await.expect("write");
+    let s1 = vol
+        .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
+        .await
+        .expect("snapshot");
+    vol.write(0, blocks(8, 2)).await.expect("write");
+    let copies = 2;
+    assert_eq!(preserved(), copies * 8 * BS, "s1 keeps the first states");
+    // Noted, floors set, and the control plane's answer lost.
+    let noted = Arc::new(Mutex::new(Vec::new()));
+    let n2 = noted.clone();
+    let r = vol
+        .snapshot_noted(
+            |e| async move {
+                n2.lock().unwrap().push(e);
+                Ok(())
+            },
+            |_| async move { Err(VolumeError::Control("answer lost".into(), "strays".into())) },
+        )
+        .await;
+    assert!(r.is_err() && vol.is_retired(), "{r:?}");
+    let strays = noted.lock().unwrap().clone();
+    assert_eq!(strays, [vol.epoch()]);
+    // The next term writes at a higher epoch: the stray floor keeps what it overwrites.
+    let mut cfg = mirror2(14, "strays", SLAB);
+    cfg.epoch = Epoch(vol.epoch().0 + 1);
+    let slabs = records.0.lock().unwrap().clone();
+    let next = Volume::new(cfg, slabs, io.clone(), records.clone());
+    next.set_snapshots(vec![s1]);
+    next.reconcile().await.expect("takeover");
+    next.write(0, blocks(8, 3)).await.expect("write");
+    assert_eq!(
+        preserved(),
+        2 * copies * 8 * BS,
+        "the stray floor keeps the second states"
+    );
+    assert_eq!(next.release_stray_floors(&strays).await, strays);
+    assert_eq!(preserved(), copies * 8 * BS, "only s1's keeping is left");
+    assert_eq!(
+        &next.read_at(s1, 0, 8 * BS).await.expect("read")[..],
+        &blocks(8, 1)[..]
+    );
+    assert_eq!(
+        &next.read(0, 8 * BS).await.expect("read")[..],
+        &blocks(8, 3)[..]
+    );
+    // Released on every copy: nothing is left to release.
+    assert_eq!(next.release_stray_floors(&strays).await, strays);
+    assert_eq!(preserved(), copies * 8 * BS);
+    assert!(io.refused.lock().unwrap().is_empty(), "{:?}", io.refused);
+}
+
+/// A write that waited at a slab's gate while a snapshot held it does not write once that
+/// snapshot ended the owner's serving (its commit answer lost: the snapshot may exist, and
+/// a copy may hold its floor, which would take the write for the snapshot's own). Before
+/// the check after the gate, the write went on at the old epoch and was acked.
+#[tokio::test]
+async fn a_write_waiting_behind_a_snapshot_that_ended_the_term_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let io = Arc::new(drives(dir.path(), 2, 4 * SLAB));
+    let records = Arc::new(Records::default());
+    let vol = Arc::new(Volume::new(
+        mirror2(15, "gated", SLAB),
+        BTreeMap::new(),
+        io.clone(),
+        records.clone(),
+    ));
+    let blocks = |n: u64, f: u8| Bytes::from(vec![f; (n * BS) as usize]);
+    vol.write(0, blocks(4, 1)).await.expect("write");
+    let (in_commit, mut committing) = tokio::sync::mpsc::unbounded_channel::<()>();
+    let (answer, answered) = tokio::sync::oneshot::channel::<()>();
+    let snap = tokio::spawn({
+        let vol = vol.clone();
+        async move {
+            vol.snapshot(|_| async move {
+                in_commit.send(()).unwrap();
+                answered.await.unwrap();
+                Err(VolumeError::Control("answer lost".into(), "gated".into()))
+            })
+            .await
+        }
+    });
+    committing
+        .recv()
+        .await
+        .expect("the commit runs, every gate held");
+    let write = tokio::spawn({
+        let vol = vol.clone();
+        async move { vol.write(0, blocks(4, 2)).await }
+    });
+    // One thread: the write runs until it waits for the gate.
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    answer.send(()).unwrap();
+    assert!(snap.await.unwrap().is_err() && vol.is_retired());
+    let w = write.await.unwrap();
+    assert!(matches!(w, Err(VolumeError::Fenced { .. })), "{w:?}");
+    let mut cfg = mirror2(15, "gated", SLAB);
+    cfg.epoch = Epoch(vol.epoch().0 + 1);
+    let slabs = records.0.lock().unwrap().clone();
+    let next = Volume::new(cfg, slabs, io.clone(), records.clone());
+    next.reconcile().await.expect("takeover");
+    assert_eq!(
+        &next.read(0, 4 * BS).await.expect("read")[..],
+        &blocks(4, 1)[..]
+    );
+}
+
 /// Snapshots of a parity volume (docs/SNAPSHOTS.md, "Parity volumes") over real engines:
 /// snapshots taken among unaligned writes, zeroes and sub-row writes read back exactly,
 /// from the data chunks and, with a data chunk gone stale, decoded from the others; the

@@ -221,6 +221,7 @@ async fn create(w: &Arc<World>, c: usize) {
             epoch: pinned.epoch,
             size_bytes,
         }),
+        stray_floors: Vec::new(),
     };
     let created = cluster.create_volume(&rec).await;
     // Whatever the answer said (a lost one, or an earlier attempt's record), the record

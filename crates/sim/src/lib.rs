@@ -540,6 +540,7 @@ async fn run(w: Arc<World>) {
                 qos: Default::default(),
                 snapshots: Vec::new(),
                 parent: None,
+                stray_floors: Vec::new(),
             };
             lock(&w.ctl).put_volume(&rec);
         }
@@ -744,7 +745,10 @@ async fn final_checks(w: &Arc<World>) {
         owner::crash_owner(w, *v);
     }
     loop {
-        let ready = all_served(w);
+        // Each takeover done, with what it does once it serves (stray floors released).
+        let ready = all_served(w)
+            && lock(&w.vols).iter().all(|r| !r.takeover_running)
+            && w.releases_running.load(std::sync::atomic::Ordering::SeqCst) == 0;
         if ready {
             break;
         }
@@ -759,8 +763,61 @@ async fn final_checks(w: &Arc<World>) {
         read_back(w, *v, o, "after a final takeover").await;
     }
     compare_copies(w, false);
+    check_no_stray_floors(w);
     if w.opts.cache && !w.has_failed() {
         cache_final_checks(w).await;
+    }
+}
+
+/// After the final takeovers (each released what snapshots begun and never recorded left):
+/// every in-sync copy keeps states only for snapshots its volume's record lists (taken, or
+/// being deleted), and the record lists no stray floor. A floor left by a snapshot that
+/// was not recorded would keep space for ever (until the volume's next snapshot).
+fn check_no_stray_floors(w: &Arc<World>) {
+    // A dormant volume has no owner to release them.
+    let vols: Vec<(VolumeId, String)> = lock(&w.vols)
+        .iter()
+        .filter(|r| r.current.is_some())
+        .map(|r| (r.id, r.name.clone()))
+        .collect();
+    for (id, name) in vols {
+        let Some(rec) = lock(&w.ctl).volume_record(&name) else {
+            continue;
+        };
+        if !rec.stray_floors.is_empty() {
+            w.fail(format!(
+                "vol {name}: its record still lists stray snapshot floors {:?} after the final takeover",
+                rec.stray_floors
+            ));
+        }
+        let known: Vec<u64> = rec.snapshots.iter().map(|s| s.epoch.0).collect();
+        for (slab, extents) in lock(&w.ctl).slabs_of(id) {
+            let key = world::slab_key(id, slab.0);
+            for e in extents
+                .iter()
+                .filter(|e| e.state == converge_types::ExtentState::InSync)
+            {
+                let kept = w.exec(e.node, e.drive, move |t| {
+                    let d = t.drive();
+                    let mut kept: Vec<u64> = d
+                        .shadows(key)
+                        .iter()
+                        .map(|s| u64::from(s.snapshot))
+                        .collect();
+                    kept.push(u64::from(d.snapshot_floor(key)));
+                    Ok(kept)
+                });
+                let world::Delivery::Done(Ok(kept)) = kept else {
+                    continue;
+                };
+                if let Some(s) = kept.iter().find(|&&s| s != 0 && !known.contains(&s)) {
+                    w.fail(format!(
+                        "vol {name} slab {slab}: the copy on node {} drive {} keeps a floor or states for epoch {s}, which is no snapshot of the volume (its snapshots: {known:?})",
+                        e.node, e.drive
+                    ));
+                }
+            }
+        }
     }
 }
 
@@ -1122,7 +1179,20 @@ pub(crate) fn check_agree(w: &Arc<World>, volume: VolumeId, epoch: converge_type
     let blocks = w.opts.slab_blocks;
     let res = volumes_by_id(w).get(&volume).map(|&(_, _, res)| res);
     let slabs = lock(&w.ctl).slabs_of(volume);
+    // A rotation's leftover (a parity slab beside its span's mirror-part records) is not
+    // the span's truth: a cut rotation may have written some of its chunks (`shadowed`).
+    let leftovers: BTreeSet<u64> = match res {
+        Some(r) => slabs
+            .iter()
+            .filter(|(s, _)| s.is_mirror_part())
+            .map(|(s, _)| s.position() / r.needed() as u64)
+            .collect(),
+        None => BTreeSet::new(),
+    };
     for (slab, extents) in slabs {
+        if !slab.is_mirror_part() && leftovers.contains(&slab.0) {
+            continue;
+        }
         if let Some((k, m)) = res.and_then(|r| parity_shape(r.of_slab(slab))) {
             let key = world::slab_key(volume, slab.0);
             let in_sync =

@@ -406,6 +406,9 @@ async fn takeover(w: &Arc<World>, v: usize) {
                         rep.blocks_compared, rep.blocks_differing, rep.blocks_written
                     )
                 });
+                // As the daemon does once it serves a volume it took: beside serving, so a
+                // takeover is over (another may start) whatever the release waits for.
+                spawn_release(w, v, &o);
                 return;
             }
             (_, other) => {
@@ -420,5 +423,56 @@ async fn takeover(w: &Arc<World>, v: usize) {
                 tokio::time::sleep(w.ms(10, 60)).await;
             }
         }
+    }
+}
+
+/// The release a new owner runs beside serving (the daemon spawns it too).
+fn spawn_release(w: &Arc<World>, v: usize, o: &Arc<Owner>) {
+    w.releases_running.fetch_add(1, Ordering::SeqCst);
+    let (w, o) = (w.clone(), o.clone());
+    tokio::spawn(async move {
+        release_stray_floors(&w, v, &o).await;
+        w.releases_running.fetch_sub(1, Ordering::SeqCst);
+    });
+}
+
+/// What the daemon does once it serves a volume it took, and after a snapshot that failed
+/// while its owner serves on: the floors that snapshots begun and never recorded left on
+/// the copies are released (`converge_allocator::snapshots::release_stray_floors`).
+pub(crate) async fn release_stray_floors(w: &Arc<World>, v: usize, o: &Arc<Owner>) {
+    let cluster = Cluster::new(SimKv {
+        world: w.clone(),
+        node: o.node,
+    });
+    let vol = o.vol.clone();
+    // A volume whose record lists none is left alone without a read through the
+    // simulated etcd (its latency would shift every run that has no snapshots); one that
+    // lists some is released as the daemon does, reading the record again.
+    let listed = lock(&w.ctl)
+        .volume_record(&vol.config().name)
+        .is_some_and(|r| !r.stray_floors.is_empty());
+    if !listed {
+        return;
+    }
+    let r = match o.spawn(async move {
+        converge_allocator::snapshots::release_stray_floors(&cluster, &vol).await
+    }) {
+        Some(h) => h.await.ok(),
+        None => None,
+    };
+    match r {
+        Some(Ok(released)) => {
+            let strays = released.len() as u64;
+            if strays > 0 {
+                *lock(&w.stats)
+                    .entry("stray snapshot floors released")
+                    .or_insert(0) += strays;
+                w.trace(|| {
+                    format!("vol{v}: floors of snapshots never recorded released: {released:?}")
+                });
+            }
+        }
+        Some(Err(e)) => w.trace(|| format!("vol{v}: releasing stray floors: {e}")),
+        None => {}
     }
 }

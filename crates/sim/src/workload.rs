@@ -432,6 +432,10 @@ async fn resync_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
     if matches!(r, Some(Ok(_))) && o.vol.config().resiliency.is_parity() {
         w.count("parity chunks resynced");
     }
+    if matches!(r, Some(Ok(_))) {
+        // As the daemon does after a resync.
+        crate::owner::release_stray_floors(w, v, o).await;
+    }
     w.trace(|| match r {
         Some(Ok(rep)) => format!(
             "vol{v} epoch {}: RESYNC slab {idx} node {} drive {drive}: {} differed, {} written",
@@ -665,8 +669,17 @@ async fn take_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>, n
     });
     let vol = o.vol.clone();
     let (vname, sname) = (name.clone(), snap.clone());
+    let noter = Cluster::new(SimKv {
+        world: w.clone(),
+        node,
+    });
     let r = match o.spawn(async move {
-        vol.snapshot(|e| async move {
+        let nname = vname.clone();
+        let note = |e| {
+            let (noter, name) = (&noter, &nname);
+            async move { converge_allocator::snapshots::note_snapshot(noter, name, node, e).await }
+        };
+        vol.snapshot_noted(note, |e| async move {
             cluster
                 .take_snapshot(&vname, node, crate::control::lease_of(node), e, &sname, 0)
                 .await
@@ -686,6 +699,9 @@ async fn take_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>, n
         None => None,
     };
     let end = lock(&w.hist).tick();
+    if matches!(r, Some(Err(_))) && !o.vol.is_retired() {
+        crate::owner::release_stray_floors(w, v, o).await;
+    }
     // An owner that could not tell what the copies hold stops serving (a commit whose
     // answer was lost, a failed snapshot's floor it could neither drop nor mark stale):
     // as in the daemon, its clients are fenced, and the volume gets a new term.
@@ -810,8 +826,9 @@ async fn delete_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>)
         vol.drop_snapshot(epoch)
             .await
             .map_err(|e| Some(e.to_string()))?;
+        let left_on_copies = vol.has_copies_out_of_sync();
         cluster
-            .remove_snapshot(&vname, &sname)
+            .remove_snapshot_left_on(&vname, &sname, left_on_copies)
             .await
             .map_err(|e| Some(e.to_string()))?;
         Ok::<bool, Option<String>>(true)
@@ -822,6 +839,7 @@ async fn delete_snapshot(w: &Arc<World>, v: usize, o: &Arc<crate::owner::Owner>)
     match r {
         Some(Ok(_)) => {
             w.count("snapshots deleted");
+            w.trace(|| format!("vol{v}: snapshot {} (epoch {}) deleted", s.name, s.epoch));
             lock(&w.vols)[v].snaps.retain(|r| r.name != s.name);
         }
         Some(Err(None)) => {

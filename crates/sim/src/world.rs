@@ -167,6 +167,9 @@ pub struct World {
     /// Set when the fault phase is over: no new faults, clients stop.
     pub(crate) stopping: AtomicBool,
     pub(crate) stats: Mutex<BTreeMap<&'static str, u64>>,
+    /// Stray-floor releases that new owners run beside serving, as the daemon spawns them
+    /// (`owner::spawn_release`); the final checks wait for them.
+    pub(crate) releases_running: AtomicU64,
     /// Nodes a recent fault may still make stale (a lost message, an ended partition or
     /// outage whose timeouts have not all been noticed yet), and until when.
     recently_hit: Mutex<BTreeMap<NodeId, Instant>>,
@@ -323,6 +326,7 @@ impl World {
                 recent: VecDeque::new(),
             }),
             stopping: AtomicBool::new(false),
+            releases_running: AtomicU64::new(0),
             stats: Mutex::new(BTreeMap::new()),
             recently_hit: Mutex::new(BTreeMap::new()),
             recently_hit_copies: Mutex::new(BTreeMap::new()),

@@ -978,6 +978,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let slab = self.slab_or_allocate(p.slab).await?;
             self.wait_min_replicas(p.slab, &slab).await?;
             let _gate = slab.gate.read().await;
+            // A snapshot may have ended this owner's serving while the write waited for
+            // the gate (`Volume::snapshot`): it must not write at that epoch any more.
+            self.check_serving()?;
             if slab.is_released() {
                 // A TRIM released it while this write waited: the next one is allocated.
                 continue;
@@ -1973,6 +1976,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             };
             self.wait_min_replicas(p.slab, &slab).await?;
             let _gate = slab.gate.read().await;
+            self.check_serving()?;
             if slab.is_released() {
                 continue;
             }
@@ -2019,6 +2023,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             // Zeroed below, but kept: see `shadows_parity`; and a snapshot still reads
             // the slab's states before the zero (its copies' extents keep them).
             let _gate = slab.gate.read().await;
+            self.check_serving()?;
             if !slab.is_released() && !if_zeroed {
                 self.zero_whole(idx, &slab).await?;
             }
@@ -2026,6 +2031,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         }
         self.wait_min_replicas(idx, &slab).await?;
         let _gate = slab.gate.write().await;
+        self.check_serving()?;
         if slab.is_released() || (if_zeroed && !slab.zeroed.all(self.cfg.slab_size_bytes / BS)) {
             return Ok(());
         }

@@ -216,6 +216,8 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let slab = self.slab_or_allocate(p.slab).await?;
             self.wait_min_replicas(p.slab, &slab).await?;
             let gate = slab.gate.read().await;
+            // As a mirror write: not after a snapshot ended this owner's serving.
+            self.check_serving()?;
             if slab.is_released() {
                 continue;
             }

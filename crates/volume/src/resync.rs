@@ -943,6 +943,15 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 continue;
             };
             let blocks = self.cfg.slab_size_bytes / BS;
+            if self.is_leftover(idx) {
+                // A rotation's parity slab beside its span's mirror-part slabs (in progress,
+                // or cut before its flip): not the span's truth, and a cut copy may have
+                // reached some chunks only. The next rotation pass discards it.
+                progress
+                    .bytes_done
+                    .fetch_add(blocks * BS, Ordering::Relaxed);
+                continue;
+            }
             let mut start = 0;
             while start < blocks {
                 let n = SCRUB_STEP_BLOCKS.min(blocks - start);

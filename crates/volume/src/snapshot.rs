@@ -122,11 +122,33 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         F: FnOnce(Epoch) -> Fut,
         Fut: Future<Output = Result<Epoch, VolumeError>>,
     {
+        self.snapshot_noted(|_| std::future::ready(Ok(())), commit)
+            .await
+    }
+
+    /// [`Volume::snapshot`], with `note(e)` run first, before any copy's floor is set and
+    /// before writes pause: it records in the control plane that a snapshot of epoch `e`
+    /// is being taken (the volume record's `stray_floors`), so that if the snapshot is
+    /// neither recorded nor undone everywhere, a later term releases the floors it left
+    /// ([`Volume::release_stray_floors`]). A failed `note` takes no snapshot.
+    pub async fn snapshot_noted<N, NFut, F, Fut>(
+        &self,
+        note: N,
+        commit: F,
+    ) -> Result<Epoch, VolumeError>
+    where
+        N: FnOnce(Epoch) -> NFut,
+        NFut: Future<Output = Result<(), VolumeError>>,
+        F: FnOnce(Epoch) -> Fut,
+        Fut: Future<Output = Result<Epoch, VolumeError>>,
+    {
         self.check_serving()?;
         // No fill copies snapshots meanwhile, no slab is allocated and no write runs: every
         // slab's gate, in order (a write holds one gate per piece; pieces of one write take
         // them independently).
         let _history = self.history.lock().await;
+        // The epoch moves only under `history`: this is the snapshot's.
+        note(self.epoch()).await?;
         let _alloc = self.alloc_lock.lock().await;
         let slabs: Vec<(SlabIndex, Arc<Slab>)> = self
             .slabs
@@ -302,6 +324,60 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 }
             }
         }
+    }
+
+    /// Releases the floors and states that copies may keep for epochs that are no
+    /// snapshot of the volume (`strays`: the volume record's stray floors — snapshots
+    /// begun and never recorded, snapshots deleted while a copy was out of sync;
+    /// docs/SNAPSHOTS.md, "Stray floors"). Each is dropped from every copy that takes
+    /// writes as the newest snapshot is deleted: what the volume's snapshots read stays
+    /// with them, the rest is freed (a copy that does not hold it answers Ok). Returns the
+    /// epochs the caller may settle in the record: those dropped everywhere, if every copy
+    /// of the volume is in sync (a copy out of sync did not get the drops; its fill or a
+    /// later release does), and any that turned out to be a snapshot of the volume.
+    pub async fn release_stray_floors(&self, strays: &[Epoch]) -> Vec<Epoch> {
+        let mut settled = Vec::new();
+        let mut dropped = Vec::new();
+        for &s in strays {
+            if self.snapshots().contains(&s) {
+                settled.push(s);
+                continue;
+            }
+            if s >= self.epoch() {
+                // This term's own: its snapshot at this epoch may still be taken (which
+                // makes such a floor the snapshot's), else the next term releases it.
+                continue;
+            }
+            match self.drop_snapshot(s).await {
+                Ok(()) => dropped.push(s),
+                Err(e) => log::warn!(
+                    "volume {}: what the copies keep for epoch {s}, no snapshot of the volume, is not released yet: {e}",
+                    self.cfg.name
+                ),
+            }
+        }
+        let all_in_sync = !self.has_copies_out_of_sync();
+        if !dropped.is_empty() {
+            log::info!(
+                "volume {}: released what the copies kept for epochs {dropped:?}, no snapshots of the volume{}",
+                self.cfg.name,
+                if all_in_sync { "" } else { " (copies out of sync get it at their fill)" }
+            );
+        }
+        if all_in_sync {
+            settled.extend(dropped);
+        }
+        settled
+    }
+
+    /// Is any copy of the volume out of sync (stale or being filled)? Such a copy does not
+    /// take a snapshot's delete: the caller lists the epoch as a stray floor.
+    pub fn has_copies_out_of_sync(&self) -> bool {
+        self.slabs
+            .read()
+            .expect("slab map lock poisoned")
+            .values()
+            .any(|s| s.extents().iter().any(|e| e.state != ExtentState::InSync))
     }
 
     /// Deletes snapshot `snapshot` from every copy: the states only it reads are freed,
