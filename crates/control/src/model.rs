@@ -488,6 +488,29 @@ pub(crate) fn encode<T: Serialize>(
     })
 }
 
+/// After a transaction fenced by `owner`'s record failed, with the owner record read in
+/// its failure branch (`gets`): Ok if `owner` still owns `volume` (something else changed
+/// meanwhile: the caller retries), else who owns it now ([`ControlError::OwnedElsewhere`];
+/// node 0 if nobody does).
+fn still_owner(
+    gets: Vec<Option<KeyValue>>,
+    volume: VolumeId,
+    owner: OwnerRecord,
+) -> Result<(), ControlError> {
+    let now: Option<OwnerRecord> = match gets.into_iter().next().flatten() {
+        Some(kv) => Some(decode(&kv, "owner record")?),
+        None => None,
+    };
+    match now {
+        Some(o) if o == owner => Ok(()),
+        now => Err(ControlError::OwnedElsewhere {
+            volume,
+            node: now.map_or(NodeId(0), |o| o.node),
+            epoch: now.map_or(owner.epoch, |o| o.epoch),
+        }),
+    }
+}
+
 pub(crate) fn decode<T: DeserializeOwned>(
     kv: &KeyValue,
     what: &'static str,
@@ -1296,23 +1319,7 @@ impl<K: Kv> Cluster<K> {
         if r.succeeded {
             return Ok(Some(()));
         }
-        let now: Option<OwnerRecord> = match r.gets.into_iter().next().flatten() {
-            Some(kv) => Some(decode(&kv, "owner record")?),
-            None => None,
-        };
-        match now {
-            Some(o) if o == owner => Ok(None),
-            Some(o) => Err(ControlError::OwnedElsewhere {
-                volume,
-                node: o.node,
-                epoch: o.epoch,
-            }),
-            None => Err(ControlError::OwnedElsewhere {
-                volume,
-                node: NodeId(0),
-                epoch: owner.epoch,
-            }),
-        }
+        still_owner(r.gets, volume, owner).map(|()| None)
     }
 
     /// Makes `node` the owner of `volume` under `lease` with a new epoch, higher than every
@@ -1457,17 +1464,7 @@ impl<K: Kv> Cluster<K> {
                 log::info!("volume {name}: snapshot {snap} at epoch {epoch}; owner now at {next}");
                 return Ok(next);
             }
-            let now: Option<OwnerRecord> = match r.gets.into_iter().next().flatten() {
-                Some(kv) => Some(decode(&kv, "owner record")?),
-                None => None,
-            };
-            if now != Some(OwnerRecord { node, epoch }) {
-                return Err(ControlError::OwnedElsewhere {
-                    volume: rec.id,
-                    node: now.map_or(NodeId(0), |o| o.node),
-                    epoch: now.map_or(epoch, |o| o.epoch),
-                });
-            }
+            still_owner(r.gets, rec.id, OwnerRecord { node, epoch })?;
             // The volume record changed meanwhile (a setting): read it again.
         }
         Err(ControlError::Contended {
@@ -1517,17 +1514,7 @@ impl<K: Kv> Cluster<K> {
             if r.succeeded {
                 return Ok(());
             }
-            let now: Option<OwnerRecord> = match r.gets.into_iter().next().flatten() {
-                Some(kv) => Some(decode(&kv, "owner record")?),
-                None => None,
-            };
-            if now != Some(OwnerRecord { node, epoch }) {
-                return Err(ControlError::OwnedElsewhere {
-                    volume: rec.id,
-                    node: now.map_or(NodeId(0), |o| o.node),
-                    epoch: now.map_or(epoch, |o| o.epoch),
-                });
-            }
+            still_owner(r.gets, rec.id, OwnerRecord { node, epoch })?;
         }
         Err(ControlError::Contended {
             what: format!("noting a snapshot of volume {name}"),

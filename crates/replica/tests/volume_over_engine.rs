@@ -122,6 +122,19 @@ impl SlabAllocator for Records {
     }
 }
 
+/// `n` blocks of byte `f`.
+fn filled(n: u64, f: u8) -> Bytes {
+    Bytes::from(vec![f; (n * BS) as usize])
+}
+
+/// What every drive keeps for snapshots, in bytes (the drives' own count).
+fn preserved_bytes(io: &Drives) -> u64 {
+    io.tiers
+        .values()
+        .map(|t| t.capacity().bytes_preserved)
+        .sum()
+}
+
 /// `copies` drives of `len` bytes (sparse files).
 fn drives(dir: &std::path::Path, copies: u32, len: u64) -> Drives {
     let mut tiers = HashMap::new();
@@ -1078,13 +1091,8 @@ async fn the_floors_a_snapshot_never_recorded_left_are_released_by_the_next_term
         io.clone(),
         records.clone(),
     );
-    let blocks = |n: u64, f: u8| Bytes::from(vec![f; (n * BS) as usize]);
-    let preserved = || -> u64 {
-        io.tiers
-            .values()
-            .map(|t| t.capacity().bytes_preserved)
-            .sum()
-    };
+    let blocks = filled;
+    let preserved = || preserved_bytes(&io);
     vol.write(0, blocks(8, 1)).await.expect("write");
     let s1 = vol
         .snapshot(|e| async move { Ok(Epoch(e.0 + 1)) })
@@ -1569,13 +1577,8 @@ async fn snapshot_space_counts_what_each_keeps_and_what_a_delete_frees() {
         io.clone(),
         Arc::new(Records::default()),
     );
-    let blocks = |n: u64, f: u8| Bytes::from(vec![f; (n * BS) as usize]);
-    let preserved = || -> u64 {
-        io.tiers
-            .values()
-            .map(|t| t.capacity().bytes_preserved)
-            .sum()
-    };
+    let blocks = filled;
+    let preserved = || preserved_bytes(&io);
     // X (8 blocks) and Y (5 blocks) written, then s1.
     let (x, y) = (0, 100 * BS);
     vol.write(x, blocks(8, 1)).await.expect("write");
