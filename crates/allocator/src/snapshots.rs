@@ -1,7 +1,6 @@
 //! Snapshot bookkeeping between a volume's owner and its record that the daemon and the
-//! simulator share: noting a snapshot before its floors are set, and releasing after a
-//! takeover the floors of snapshots begun and never recorded (docs/SNAPSHOTS.md, "A commit
-//! whose answer is lost").
+//! simulator share: noting a snapshot before its floors are set, and releasing what copies
+//! keep for epochs that are no snapshot of the volume (docs/SNAPSHOTS.md, "Stray floors").
 
 use converge_control::kv::Kv;
 use converge_control::model::{Cluster, ControlError};
@@ -25,11 +24,11 @@ pub async fn note_snapshot<K: Kv>(
         })
 }
 
-/// Releases the floors that snapshots begun and never recorded left on `v`'s copies (the
-/// record's `stray_floors`, read now: a term may note one until it ends, so a new owner
-/// calls this once it serves), then settles them in the record. Returns the epochs
-/// settled; those a copy did not answer for stay listed for a later term (the volume's
-/// next snapshot drops them from the copies too). Costs one read of the record, and when
+/// Releases what `v`'s copies keep for the record's `stray_floors` (snapshots begun and
+/// never recorded, snapshots deleted while a copy was out of sync; read now: a term may
+/// note one until it ends, so a new owner calls this once it serves), then settles them
+/// in the record. Returns the epochs settled; the others (a copy did not answer, a copy
+/// is out of sync, this term's own) stay listed for a later call. Costs one read of the record, and when
 /// it lists some, one drop per copy and stray.
 pub async fn release_stray_floors<K: Kv, R: ReplicaIo, A: SlabAllocator>(
     cluster: &Cluster<K>,

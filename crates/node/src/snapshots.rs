@@ -229,7 +229,8 @@ pub(crate) async fn create(node: &Arc<Node>, name: &str, body: &[u8]) -> Out {
         })
         .await;
     if taken.is_err() && !v.is_retired() {
-        // Still serving: it undid its floors or marked their copies stale (none is stray).
+        // Still serving: it undid its floors or marked their copies stale, so this term's
+        // epoch stays listed for the next term; strays of earlier terms go now.
         release_stray_floors(&node.cluster, &v).await;
     }
     let epoch = taken.map_err(volume_error)?;
@@ -463,7 +464,7 @@ pub(crate) async fn changes(node: &Arc<Node>, name: &str, query: &str) -> Out {
 pub(crate) async fn release_stray_floors(cluster: &converge_control::Cluster, v: &Vol) {
     if let Err(e) = converge_allocator::snapshots::release_stray_floors(cluster, v).await {
         log::warn!(
-            "volume {}: releasing the floors of snapshots never recorded: {e}",
+            "volume {}: releasing what copies keep for epochs that are no snapshot: {e}",
             v.config().name
         );
     }

@@ -359,7 +359,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let all_in_sync = !self.has_copies_out_of_sync();
         if !dropped.is_empty() {
             log::info!(
-                "volume {}: released what the copies kept for epochs {dropped:?}, no snapshots of the volume{}",
+                "volume {}: released what the copies kept for epochs {dropped:?}, which are no snapshots of the volume{}",
                 self.cfg.name,
                 if all_in_sync { "" } else { " (copies out of sync get it at their fill)" }
             );
