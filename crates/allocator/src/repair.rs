@@ -262,8 +262,19 @@ pub fn round(
 /// Where a rebuilt copy of a slab whose copies are `copies` goes: one drive on a live node
 /// that holds no copy of it (`placement::place`), as a `syncing` copy; else why there is
 /// none (placement's explanation: which nodes are full, down, or already hold a copy).
-pub fn rebuild_target(copies: &[ExtentLoc], loads: &[DriveLoad]) -> Result<ExtentLoc, String> {
-    let holding: Vec<NodeId> = copies.iter().map(|x| x.node).collect();
+/// The copy on a failed drive that the new one replaces, `replacing`, does not count: its
+/// node may take the new copy on another drive (a node's blank drive in the place of the
+/// failed one, or a three-node cluster's mirror-3 slab, has nowhere else to go).
+pub fn rebuild_target(
+    copies: &[ExtentLoc],
+    replacing: Option<DriveId>,
+    loads: &[DriveLoad],
+) -> Result<ExtentLoc, String> {
+    let holding: Vec<NodeId> = copies
+        .iter()
+        .filter(|x| Some(x.drive) != replacing)
+        .map(|x| x.node)
+        .collect();
     let drive = placement::place(1, loads, &holding).map_err(|e| e.to_string())?[0];
     let node = loads
         .iter()
@@ -550,7 +561,7 @@ mod tests {
         ];
         let copies = [loc(1, 10, InSync), loc(2, 20, Stale), loc(4, 40, InSync)];
         assert_eq!(
-            rebuild_target(&copies, &loads).unwrap(),
+            rebuild_target(&copies, None, &loads).unwrap(),
             loc(3, 30, Syncing)
         );
         let full = [
@@ -559,6 +570,22 @@ mod tests {
             loc(3, 30, InSync),
             loc(4, 40, InSync),
         ];
-        assert!(rebuild_target(&full, &loads).is_err());
+        assert!(rebuild_target(&full, None, &loads).is_err());
+
+        // Three nodes, mirror-3, node 3's drive 30 failed: its copy is replaced on node 3's
+        // other drive (or the blank one in its place), which only the failed copy's
+        // exception allows.
+        let three = [
+            load(1, 10, 0, true),
+            load(2, 20, 0, true),
+            load(3, 30, 0, false),
+            load(3, 31, 5, true),
+        ];
+        let copies = [loc(1, 10, InSync), loc(2, 20, InSync), loc(3, 30, Stale)];
+        assert!(rebuild_target(&copies, None, &three).is_err());
+        assert_eq!(
+            rebuild_target(&copies, Some(DriveId(30)), &three).unwrap(),
+            loc(3, 31, Syncing)
+        );
     }
 }

@@ -471,4 +471,43 @@ fn a_drive_that_fails_is_marked_failed_and_its_copies_rebuilt() {
     });
     compare(&uri, &img, "after the drive failed");
     assert_copies_agree(&lab, "f");
+
+    // Node 4's drives are replaced while it is down (blank devices at their paths): the
+    // failed one, and the other one, which nobody saw fail. The node formats both under new
+    // ids and records the missing one failed at start-up, so its copies are rebuilt too.
+    let other = lj["nodes"][3]["drives"][1].as_str().unwrap().to_string();
+    let ids_before: Vec<serde_json::Value> = lab
+        .json(&["drive", "list"])
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|d| d["node"] == 4 && d["failed"].is_null())
+        .map(|d| d["id"].clone())
+        .collect();
+    assert_eq!(ids_before.len(), 1, "{ids_before:?}");
+    let replaced = ids_before[0].clone();
+    lab.must(&["lab", "fault", "stop", "4"]);
+    std::fs::remove_file(&other).unwrap();
+    std::fs::remove_file(&drive).unwrap();
+    std::fs::remove_file(&small).unwrap();
+    lab.must(&["lab", "fault", "restart", "4"]);
+    lab.wait_for("the replaced drive recorded failed", MIN, || {
+        lab.json(&["drive", "list"])
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d["id"] == replaced && !d["failed"].is_null())
+    });
+    lab.wait_for("copies rebuilt off the replaced drive", 3 * MIN, || {
+        let v = lab.json(&["volume", "show", "f"]);
+        v["slabs"].as_array().unwrap().iter().all(|s| {
+            s["extents"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|e| e["drive"] != replaced && e["drive"] != bad && e["state"] == "in-sync")
+        })
+    });
+    compare(&uri, &img, "after the drive was replaced");
+    assert_copies_agree(&lab, "f");
 }

@@ -983,6 +983,39 @@ impl<K: Kv> Cluster<K> {
         Ok(())
     }
 
+    /// What a node does at start-up once its drives are open (`present`): each capacity
+    /// drive the control plane has for `node` that did not open is recorded failed, unless
+    /// it is already. Such a drive was replaced (a blank one in its place formats under a
+    /// new id) or taken out of the configuration while the node was down, so nobody saw it
+    /// fail; without the record its copies would be resynced there for ever and never
+    /// rebuilt elsewhere. Returns the drives newly recorded. The drive's record stays, as a
+    /// failed drive's does.
+    pub async fn fail_missing_drives(
+        &self,
+        node: NodeId,
+        present: &[DriveId],
+    ) -> Result<Vec<DriveId>, ControlError> {
+        let failed = self.failed_drives().await?;
+        let mut newly = Vec::new();
+        for d in self.drives().await? {
+            if d.node != node
+                || d.role != DriveRole::Capacity
+                || present.contains(&d.id)
+                || failed.contains_key(&d.id)
+            {
+                continue;
+            }
+            let why = format!(
+                "drive {} ({}) of node {node} was not there when the node started: replaced \
+                 or taken out of its configuration",
+                d.id, d.path
+            );
+            self.set_drive_failed(d.id, Some(&why)).await?;
+            newly.push(d.id);
+        }
+        Ok(newly)
+    }
+
     /// Failed drives and why.
     pub async fn failed_drives(&self) -> Result<HashMap<DriveId, String>, ControlError> {
         let (kvs, _) = self.etcd.get_prefix(keys::FAILED_DRIVES).await?;

@@ -160,7 +160,45 @@ async fn drives_round_trip() {
     c.put_drive(&d2).await.unwrap();
     d.extents_total = 3999;
     c.put_drive(&d).await.unwrap();
-    assert_eq!(c.drives().await.unwrap(), vec![d2, d]);
+    assert_eq!(c.drives().await.unwrap(), vec![d2.clone(), d.clone()]);
+
+    // At start-up a node records its capacity drives that did not open as failed (a blank
+    // drive in the place of drive 42 formats under a new id): caches, other nodes' drives
+    // and drives failed already are left alone.
+    let mut other = d.clone();
+    other.id = DriveId(9);
+    other.node = NodeId(2);
+    c.put_drive(&other).await.unwrap();
+    assert!(c
+        .fail_missing_drives(NodeId(1), &[DriveId(42)])
+        .await
+        .unwrap()
+        .is_empty());
+    assert!(c.failed_drives().await.unwrap().is_empty());
+    assert_eq!(
+        c.fail_missing_drives(NodeId(1), &[DriveId(43)])
+            .await
+            .unwrap(),
+        vec![DriveId(42)]
+    );
+    let failed = c.failed_drives().await.unwrap();
+    assert_eq!(
+        failed.keys().copied().collect::<Vec<_>>(),
+        vec![DriveId(42)]
+    );
+    assert!(failed[&DriveId(42)].contains("not there when the node started"));
+    c.set_drive_failed(DriveId(42), Some("its writes failed"))
+        .await
+        .unwrap();
+    assert!(c
+        .fail_missing_drives(NodeId(1), &[])
+        .await
+        .unwrap()
+        .is_empty());
+    assert_eq!(
+        c.failed_drives().await.unwrap()[&DriveId(42)],
+        "its writes failed"
+    );
 }
 
 #[tokio::test]

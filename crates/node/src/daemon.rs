@@ -360,6 +360,20 @@ async fn run(args: Args, cfg: Config) -> Result<()> {
             .await
             .map_err(|e| anyhow!("{e}"))?;
     }
+    // A drive of this node that did not open (replaced by a blank one, or taken out of the
+    // configuration while the node was down) failed as far as its copies go: they are
+    // rebuilt elsewhere.
+    let present: Vec<_> = drive_recs.iter().map(|d| d.id).collect();
+    for d in cluster
+        .fail_missing_drives(cfg.node_id, &present)
+        .await
+        .map_err(|e| anyhow!("{e}"))?
+    {
+        log::warn!(
+            "drive {d} of this node is not in its configuration or did not open as itself \
+             (replaced?): recorded failed, its copies are rebuilt on other drives"
+        );
+    }
     cluster
         .register_node(&node.node_record(), lease)
         .await

@@ -444,9 +444,18 @@ impl LocalDrives {
     }
 
     fn drive(&self, id: DriveId) -> Result<Arc<Tier>, EngineError> {
-        self.drives.get(&id).cloned().ok_or_else(|| {
-            EngineError::InvalidArgument(format!("drive {id:016x} is not on this node", id = id.0))
-        })
+        // A copy's drive that did not open at start-up (replaced, or taken out of the
+        // configuration) is a failed drive to the owner: it marks the copy stale, and the
+        // repair rebuilds it once the start-up's record of the drive is seen.
+        self.drives
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| EngineError::Failed {
+                reason: format!(
+                    "drive {id:016x} is not on this node (replaced, or not in its configuration)",
+                    id = id.0
+                ),
+            })
     }
 
     /// An extent being freed as an orphan takes no writes meanwhile (they would bring it

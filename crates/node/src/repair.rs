@@ -356,7 +356,9 @@ async fn rebuild(
             return;
         }
     };
-    let new = match repair::rebuild_target(&map, &loads) {
+    // A failed drive's node may take the new copy on another of its drives.
+    let replacing = (cause == Some(Cause::FailedDrive)).then_some(e.drive);
+    let new = match repair::rebuild_target(&map, replacing, &loads) {
         Ok(n) => n,
         Err(err) => {
             if warned.insert((name.clone(), idx)) {

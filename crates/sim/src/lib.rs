@@ -618,8 +618,13 @@ async fn heal(w: &Arc<World>) {
     }
     // A failed drive ends as an operator would end it: its node reboots and the drive
     // opens again (its copies are rebuilt elsewhere or resynced; the cluster may lack the
-    // room to rebuild them, which the run cannot judge).
-    let failed: BTreeSet<NodeId> = lock(&w.failed_drives).values().copied().collect();
+    // room to rebuild them, which the run cannot judge), or, lost for good, a blank one
+    // takes its place.
+    let failed: BTreeSet<NodeId> = lock(&w.failed_drives)
+        .iter()
+        .filter(|(d, n)| w.holds_drive(**n, **d))
+        .map(|(_, n)| *n)
+        .collect();
     for n in failed {
         if w.is_up(n) {
             w.crash_node(

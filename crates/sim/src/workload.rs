@@ -303,6 +303,23 @@ pub(crate) async fn report_failed_drives(w: &Arc<World>) {
         }
         w.trace(|| format!("node {node}: reporting drive {drive} failed ({reason}): {r:?}"));
     }
+    // A node that started with a blank drive in the place of a lost one records the
+    // missing drive failed, as the daemon's start-up does.
+    for (node, present) in w.replaced_unreported() {
+        let cluster = Cluster::new(SimKv {
+            world: w.clone(),
+            node,
+        });
+        let r = cluster.fail_missing_drives(node, &present).await;
+        if let Ok(drives) = &r {
+            if !drives.is_empty() {
+                w.count("missing drives recorded failed at a start");
+            }
+            lock(&w.replaced_on).remove(&node);
+            lock(&w.failures_reported).extend(drives.iter().copied());
+        }
+        w.trace(|| format!("node {node}: recording its missing drives failed: {r:?}"));
+    }
 }
 
 /// Runs `f` as one of `o`'s tasks and waits for it; None if the owner died meanwhile.
@@ -464,7 +481,8 @@ async fn rebuild_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc, cause: Option<Ca
     let Some(Ok(loads)) = on_owner(o, async move { drive_loads(&cluster).await }).await else {
         return;
     };
-    let new = match repair::rebuild_target(&copies, &loads) {
+    let replacing = (cause == Some(Cause::FailedDrive)).then_some(e.drive);
+    let new = match repair::rebuild_target(&copies, replacing, &loads) {
         Ok(n) => n,
         Err(err) => {
             w.count("rebuilds without a target");
@@ -571,7 +589,7 @@ pub(crate) async fn movable_copies_on_draining_nodes(w: &Arc<World>) -> Vec<Stri
     };
     let mut out = Vec::new();
     for ((v, s), e, copies) in left {
-        if repair::rebuild_target(&copies, &loads).is_ok() {
+        if repair::rebuild_target(&copies, None, &loads).is_ok() {
             out.push(format!(
                 "vol {v} slab {s} node {} drive {}",
                 e.node, e.drive

@@ -159,6 +159,13 @@ pub struct World {
     pub(crate) failed_drives: Mutex<BTreeMap<DriveId, NodeId>>,
     /// Failed drives the node has recorded in the control plane.
     pub(crate) failures_reported: Mutex<BTreeSet<DriveId>>,
+    /// Failed drives that are gone for good (a subset of `failed_drives`): at their node's
+    /// next start a blank drive takes the place of each, under a new id.
+    pub(crate) lost_drives: Mutex<BTreeSet<DriveId>>,
+    /// Nodes that started with a blank drive in the place of a lost one and have not yet
+    /// recorded the missing drive failed (`Cluster::fail_missing_drives`, as the daemon
+    /// does at start-up).
+    pub(crate) replaced_on: Mutex<BTreeSet<NodeId>>,
     /// Drive failures injected so far (at most `Options::drive_failures_max`).
     drive_failures: AtomicU64,
     pub(crate) vols: Mutex<Vec<VolRt>>,
@@ -317,6 +324,8 @@ impl World {
             rots: Mutex::new(Vec::new()),
             failed_drives: Mutex::new(BTreeMap::new()),
             failures_reported: Mutex::new(BTreeSet::new()),
+            lost_drives: Mutex::new(BTreeSet::new()),
+            replaced_on: Mutex::new(BTreeSet::new()),
             drive_failures: AtomicU64::new(0),
             vols: Mutex::new(Vec::new()),
             failures: Mutex::new(Vec::new()),
@@ -437,6 +446,12 @@ impl World {
 
     pub(crate) fn node_ids(&self) -> Vec<NodeId> {
         lock(&self.nodes).iter().map(|n| n.id).collect()
+    }
+
+    /// Whether `drive` is (still) one of `node`'s drives.
+    pub(crate) fn holds_drive(&self, node: NodeId, drive: DriveId) -> bool {
+        self.with_node(node, |n| n.drives.iter().any(|d| d.id == drive))
+            .unwrap_or(false)
     }
 
     pub(crate) fn is_up(&self, id: NodeId) -> bool {
@@ -611,12 +626,17 @@ impl World {
         drive: DriveId,
         op: impl FnOnce(&Tier) -> Result<T, EngineError>,
     ) -> Delivery<T> {
+        let lost = lock(&self.lost_drives).contains(&drive);
         let got = self.with_node(node, |n| {
             if !n.up {
                 return None;
             }
             let cache = n.cache.as_ref().and_then(|c| c.cache.clone());
             Some(match n.drives.iter().find(|d| d.id == drive) {
+                // As the daemon answers for a drive it did not open.
+                None if lost => Err(EngineError::Failed {
+                    reason: format!("drive {drive} is not on node {node} (replaced?)"),
+                }),
                 None => Err(EngineError::InvalidArgument(format!(
                     "node {node} has no drive {drive}"
                 ))),
@@ -803,6 +823,9 @@ impl World {
             None
         };
         let slab_bytes = self.opts.slab_blocks * BLOCK_SIZE as u64;
+        if self.is_down(id) {
+            self.replace_lost_drives(id);
+        }
         let mut errors = Vec::new();
         let mut reports = Vec::new();
         let outcome = self
@@ -924,9 +947,11 @@ impl World {
                 self.hit(id, Instant::now());
                 // As converged at start-up: a drive that opened is not failed any more (its
                 // copies were rebuilt elsewhere, or are still stale and get resynced).
+                // (A drive lost for good is not there any more: a blank one took its place.)
+                let lost = lock(&self.lost_drives).clone();
                 let drives: Vec<DriveId> = lock(&self.failed_drives)
                     .iter()
-                    .filter(|(_, n)| **n == id)
+                    .filter(|(d, n)| **n == id && !lost.contains(d))
                     .map(|(d, _)| *d)
                     .collect();
                 for d in drives {
@@ -1348,7 +1373,74 @@ impl World {
         lock(&self.failed_drives).insert(id, node);
         self.drive_failures.fetch_add(1, Ordering::Relaxed);
         self.count("drive failures");
+        // Half the seeds lose the drive for good (a bit of the seed, so that no other
+        // fault's schedule moves): a blank drive replaces it at the node's next start. If
+        // the budget lets the whole node go, it goes now, as an operator powers a node
+        // down to swap the drive; its start then finds the drive missing, unreported.
+        if (self.opts.seed >> 1) & 1 == 1 {
+            lock(&self.lost_drives).insert(id);
+            self.count("drives lost for good");
+            if self.may_impair(node) {
+                self.crash_node(node, &format!("powered down to replace drive {id}"));
+            }
+            return Some(format!("node {node}: drive {id} FAILED, lost for good"));
+        }
         Some(format!("node {node}: drive {id} FAILED"))
+    }
+
+    /// Puts a blank drive, formatted under a new id, in the place of each of `node`'s
+    /// drives that is lost for good (the node is down), and publishes it as the node's
+    /// start-up does. The lost drive's records stay; `replaced_on` has the node record the
+    /// missing drive failed once it is up (`workload::report_failed_drives`).
+    fn replace_lost_drives(self: &Arc<Self>, node: NodeId) {
+        let lost = lock(&self.lost_drives).clone();
+        let slab_bytes = self.opts.slab_blocks * BLOCK_SIZE as u64;
+        let mut added = Vec::new();
+        let mut errors = Vec::new();
+        self.with_node(node, |n| {
+            for d in n.drives.iter_mut().filter(|d| lost.contains(&d.id)) {
+                let id = DriveId(d.id.0 + 1000);
+                let image = FaultyFile::new(self.opts.drive_bytes);
+                let live = image.reattach();
+                let ident = DriveIdentity {
+                    cluster: ClusterId(0x5157),
+                    node,
+                    drive: id,
+                    slab_size_bytes: slab_bytes,
+                    role: DriveRole::Capacity,
+                    media: MediaType::Ram,
+                };
+                let opts = FormatOptions {
+                    journal_bytes: Some(self.opts.journal_bytes),
+                    ..Default::default()
+                };
+                match Drive::format_with(Arc::new(live.clone()), ident, opts) {
+                    Ok(drive) => {
+                        let extents_total = drive.capacity().extents_total;
+                        added.push((d.id, id, extents_total));
+                        *d = SimDrive {
+                            id,
+                            image,
+                            live,
+                            extents_total,
+                            tier: None,
+                        };
+                    }
+                    Err(e) => errors.push(format!("formatting the blank drive {id}: {e}")),
+                }
+            }
+        });
+        for e in errors {
+            self.fail(format!("node {node}: {e}"));
+        }
+        for (old, new, extents_total) in added {
+            lock(&self.ctl).add_drive(node, new, extents_total, slab_bytes);
+            lock(&self.replaced_on).insert(node);
+            self.count("blank drives in place of lost ones");
+            self.trace(|| {
+                format!("node {node}: blank drive {new} in the place of lost drive {old}")
+            });
+        }
     }
 
     /// What converged does at start-up and after its scrubs (`orphans::reclaim`): frees the
@@ -1416,7 +1508,7 @@ impl World {
             .iter()
             .filter(|(_, ex)| ex.iter().any(|e| e.drive == drive))
         {
-            match converge_allocator::repair::rebuild_target(ex, &loads) {
+            match converge_allocator::repair::rebuild_target(ex, Some(drive), &loads) {
                 Ok(t) => {
                     if let Some(l) = loads.iter_mut().find(|l| l.drive == t.drive) {
                         l.extents_used += 1;
@@ -1449,6 +1541,20 @@ impl World {
                         .and_then(|t| t.failure())
                 })??;
                 Some((n, d, reason))
+            })
+            .collect()
+    }
+
+    /// Nodes that are up with a blank drive in the place of a lost one, not yet recorded,
+    /// with the drives they opened.
+    pub(crate) fn replaced_unreported(&self) -> Vec<(NodeId, Vec<DriveId>)> {
+        let nodes = lock(&self.replaced_on).clone();
+        nodes
+            .into_iter()
+            .filter(|n| self.is_up(*n))
+            .filter_map(|n| {
+                let present = self.with_node(n, |x| x.drives.iter().map(|d| d.id).collect())?;
+                Some((n, present))
             })
             .collect()
     }

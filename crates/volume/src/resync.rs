@@ -301,9 +301,13 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             let _g = slab.gate.write().await;
             let _c = slab.change.lock().await;
             self.check_not_released(idx, &slab)?;
-            if self.geometry_of(idx).is_some() && slab.extents().iter().any(|e| e.node == new.node)
+            if self.geometry_of(idx).is_some()
+                && slab
+                    .extents()
+                    .iter()
+                    .any(|e| e.node == new.node && e.drive != old)
             {
-                // Each chunk of a parity slab on its own node.
+                // Each chunk of a parity slab on its own node (the chunk replaced aside).
                 return Err(self.copy_error(
                     idx,
                     format!("node {} already holds a chunk of the slab", new.node),
