@@ -30,6 +30,19 @@ fn patch(path: &std::path::Path, off: u64, len: usize, pattern: u8) {
 }
 
 /// The highest epoch granted for `vol`, read from etcd with node 2's certificate.
+/// Whether every copy of `vol` is in sync and on none of `drives` (ids as `drive list`
+/// prints them).
+fn in_sync_off(lab: &Lab, vol: &str, drives: &[&serde_json::Value]) -> bool {
+    let v = lab.json(&["volume", "show", vol]);
+    v["slabs"].as_array().unwrap().iter().all(|s| {
+        s["extents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|e| !drives.contains(&&e["drive"]) && e["state"] == "in-sync")
+    })
+}
+
 fn granted_epoch(lab: &Lab, vol: &str) -> u64 {
     let id = lab.json(&["volume", "show", vol])["id"].as_u64().unwrap();
     let endpoint = lab.lab_json()["etcd_endpoint"]
@@ -460,14 +473,7 @@ fn a_drive_that_fails_is_marked_failed_and_its_copies_rebuilt() {
         "{st}"
     );
     lab.wait_for("copies rebuilt off the failed drive", 3 * MIN, || {
-        let v = lab.json(&["volume", "show", "f"]);
-        v["slabs"].as_array().unwrap().iter().all(|s| {
-            s["extents"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|e| e["drive"] != bad && e["state"] == "in-sync")
-        })
+        in_sync_off(&lab, "f", &[&bad])
     });
     compare(&uri, &img, "after the drive failed");
     assert_copies_agree(&lab, "f");
@@ -499,14 +505,7 @@ fn a_drive_that_fails_is_marked_failed_and_its_copies_rebuilt() {
             .any(|d| d["id"] == replaced && !d["failed"].is_null())
     });
     lab.wait_for("copies rebuilt off the replaced drive", 3 * MIN, || {
-        let v = lab.json(&["volume", "show", "f"]);
-        v["slabs"].as_array().unwrap().iter().all(|s| {
-            s["extents"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .all(|e| e["drive"] != replaced && e["drive"] != bad && e["state"] == "in-sync")
-        })
+        in_sync_off(&lab, "f", &[&bad, &replaced])
     });
     compare(&uri, &img, "after the drive was replaced");
     assert_copies_agree(&lab, "f");
