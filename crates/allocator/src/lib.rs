@@ -24,7 +24,7 @@ use converge_control::model::{
     Cluster, ControlError, ExtentRecord, OwnerRecord, SlabRecord, TXN_RETRIES_MAX,
 };
 use converge_control::placement::DriveLoad;
-use converge_types::{DriveId, Epoch, NodeId, SlabIndex, VolumeId};
+use converge_types::{DriveId, Epoch, ExtentState, NodeId, SlabIndex, VolumeId};
 use converge_volume::{ExtentLoc, SlabAllocator, SlabChange, VolumeError};
 use std::collections::HashMap;
 
@@ -51,6 +51,76 @@ pub fn extents_of(s: &SlabRecord) -> Vec<ExtentLoc> {
             node: e.node,
             drive: e.drive,
             state: e.state,
+        })
+        .collect()
+}
+
+/// The record after `change`, with its `holds_acked` marks; `None` when the change does
+/// not apply to it (its precondition fails, or a promotion the record does not allow).
+pub fn changed(rec: &SlabRecord, change: &SlabChange) -> Option<SlabRecord> {
+    let mut extents = extents_of(rec);
+    if !promotable(rec, change) || !change.apply(&mut extents) {
+        return None;
+    }
+    Some(SlabRecord {
+        extents: with_holds_acked(rec, &extents, change),
+    })
+}
+
+/// Whether the record lets `change` through: a promotion only of a copy it marks as
+/// holding every acked write (docs/adr/0014).
+fn promotable(rec: &SlabRecord, change: &SlabChange) -> bool {
+    match change {
+        SlabChange::Promote { drive } => rec
+            .extents
+            .iter()
+            .any(|e| e.drive == *drive && e.state != ExtentState::InSync && e.holds_acked),
+        _ => true,
+    }
+}
+
+/// The record's copies after `change` left them as `after`, with their `holds_acked`
+/// marks (docs/adr/0014): a copy that went from in sync to stale holds every acked write
+/// if fewer than `min_replicas` copies stay in sync (nothing is acked without it from
+/// then on); it keeps the mark while it is resynced (a syncing copy takes every write,
+/// and its fill only adds) and if that resync fails, until a change leaves
+/// `min_replicas` copies in sync again (acks resume without it); every other copy has
+/// none (a new copy may be partial), and a promotion clears every mark (its copy is the
+/// one truth now).
+fn with_holds_acked(
+    before: &SlabRecord,
+    after: &[ExtentLoc],
+    change: &SlabChange,
+) -> Vec<ExtentRecord> {
+    let min_replicas = match change {
+        SlabChange::State { min_replicas, .. } => Some(*min_replicas),
+        _ => None,
+    };
+    let in_sync = after
+        .iter()
+        .filter(|e| e.state == ExtentState::InSync)
+        .count();
+    let acks_resume = min_replicas.is_some_and(|m| in_sync >= m);
+    after
+        .iter()
+        .map(|e| {
+            let was = before.extents.iter().find(|b| b.drive == e.drive);
+            let holds_acked = e.state != ExtentState::InSync
+                && !acks_resume
+                && !matches!(change, SlabChange::Promote { .. })
+                && match was {
+                    Some(b) if b.state != ExtentState::InSync => b.holds_acked,
+                    Some(b) if b.state == ExtentState::InSync => {
+                        min_replicas.is_some_and(|m| in_sync < m)
+                    }
+                    _ => false,
+                };
+            ExtentRecord {
+                drive: e.drive,
+                node: e.node,
+                state: e.state,
+                holds_acked,
+            }
         })
         .collect()
 }
@@ -173,7 +243,7 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
         change: SlabChange,
     ) -> Result<Vec<ExtentLoc>, VolumeError> {
         for _ in 0..TXN_RETRIES_MAX {
-            let Some((mut rec, rev)) = self
+            let Some((rec, rev)) = self
                 .cluster
                 .slab(volume, slab)
                 .await
@@ -181,18 +251,9 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
             else {
                 return Err(control(volume, format!("slab {slab} has no record")));
             };
-            let mut extents = extents_of(&rec);
-            if !change.apply(&mut extents) {
-                return Ok(extents);
-            }
-            rec.extents = extents
-                .iter()
-                .map(|e| ExtentRecord {
-                    drive: e.drive,
-                    node: e.node,
-                    state: e.state,
-                })
-                .collect();
+            let Some(rec) = changed(&rec, &change) else {
+                return Ok(extents_of(&rec));
+            };
             match self
                 .cluster
                 .cas_slab_as_owner(volume, slab, &rec, rev, self.owner(epoch))
@@ -219,5 +280,117 @@ impl<K: Kv> SlabAllocator for Allocator<K> {
             .release_slab_as_owner(volume, slabs, self.owner(epoch))
             .await
             .map_err(|e| fenced(volume, epoch, e, "release its slabs"))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rec(copies: &[(u64, ExtentState)]) -> SlabRecord {
+        SlabRecord {
+            extents: copies
+                .iter()
+                .map(|&(d, state)| ExtentRecord {
+                    drive: DriveId(d),
+                    node: NodeId(d as u32),
+                    state,
+                    holds_acked: false,
+                })
+                .collect(),
+        }
+    }
+
+    fn state(drive: u64, from: &[ExtentState], to: ExtentState) -> SlabChange {
+        SlabChange::State {
+            drive: DriveId(drive),
+            from: from.to_vec(),
+            to,
+            min_replicas: 2,
+        }
+    }
+
+    fn stale(drive: u64) -> SlabChange {
+        state(drive, &[ExtentState::InSync], ExtentState::Stale)
+    }
+
+    fn marked(r: &SlabRecord) -> Vec<u64> {
+        r.extents
+            .iter()
+            .filter(|e| e.holds_acked)
+            .map(|e| e.drive.0)
+            .collect()
+    }
+
+    use ExtentState::{InSync, Stale, Syncing};
+
+    #[test]
+    fn the_copy_that_leaves_a_slab_below_min_replicas_holds_every_acked_write() {
+        // Mirror-3, min_replicas 2: the first copy to go stale leaves two in sync (acks go
+        // on without it), the second leaves one (nothing is acked from then on).
+        let r = rec(&[(1, InSync), (2, InSync), (3, InSync)]);
+        let r = changed(&r, &stale(1)).unwrap();
+        assert_eq!(marked(&r), Vec::<u64>::new());
+        let r = changed(&r, &stale(2)).unwrap();
+        assert_eq!(marked(&r), vec![2]);
+        // It keeps the mark while resynced and if that fails.
+        let r = changed(&r, &state(2, &[Stale], Syncing)).unwrap();
+        assert_eq!(marked(&r), vec![2]);
+        let r = changed(&r, &state(2, &[Syncing], Stale)).unwrap();
+        assert_eq!(marked(&r), vec![2]);
+        // The last in-sync copy going stale is marked too: it held every acked write.
+        let r = changed(&r, &stale(3)).unwrap();
+        assert_eq!(marked(&r), vec![2, 3]);
+        // Copy 1 was never marked: it may be promoted by no one.
+        assert!(changed(&r, &SlabChange::Promote { drive: DriveId(1) }).is_none());
+        // A promotion makes the copy the one truth and clears every mark.
+        let r = changed(&r, &SlabChange::Promote { drive: DriveId(2) }).unwrap();
+        assert_eq!(marked(&r), Vec::<u64>::new());
+        let states: Vec<_> = r.extents.iter().map(|e| e.state).collect();
+        assert_eq!(states, vec![Stale, InSync, Stale]);
+        // It is in sync now, so it cannot be promoted again.
+        assert!(changed(&r, &SlabChange::Promote { drive: DriveId(2) }).is_none());
+    }
+
+    #[test]
+    fn marks_are_cleared_once_acks_resume_without_them() {
+        let r = rec(&[(1, InSync), (2, InSync), (3, Stale)]);
+        let r = changed(&r, &stale(1)).unwrap();
+        assert_eq!(marked(&r), vec![1]);
+        // Copy 3 resynced back in sync: two copies in sync again, writes are acked on them
+        // and copy 1 misses them.
+        let r = changed(&r, &state(3, &[Stale], Syncing)).unwrap();
+        assert_eq!(marked(&r), vec![1]);
+        let r = changed(&r, &state(3, &[Syncing], InSync)).unwrap();
+        assert_eq!(marked(&r), Vec::<u64>::new());
+        assert!(changed(&r, &SlabChange::Promote { drive: DriveId(1) }).is_none());
+    }
+
+    #[test]
+    fn a_new_copy_and_an_older_record_hold_no_mark() {
+        // An older build's record has no marks: unknown is never promoted.
+        let r = rec(&[(1, Stale), (2, Stale), (3, Stale)]);
+        assert!(changed(&r, &SlabChange::Promote { drive: DriveId(1) }).is_none());
+        // A rebuilt copy may be partial: it replaces a marked one without the mark.
+        let r = rec(&[(1, InSync), (2, InSync), (3, InSync)]);
+        let r = changed(&r, &stale(1)).unwrap();
+        let r = changed(&r, &stale(2)).unwrap();
+        assert_eq!(marked(&r), vec![2]);
+        let new = ExtentLoc {
+            node: NodeId(4),
+            drive: DriveId(4),
+            state: Syncing,
+        };
+        let r = changed(
+            &r,
+            &SlabChange::Replace {
+                old: DriveId(2),
+                new,
+            },
+        )
+        .unwrap();
+        assert_eq!(marked(&r), Vec::<u64>::new());
+        // A change whose precondition fails changes nothing.
+        assert!(changed(&r, &stale(2)).is_none());
     }
 }

@@ -119,7 +119,9 @@ pub fn copies_to_mark_stale(
 /// The first slab that no takeover could serve now, with how many of its copies could
 /// answer and how many a read needs: fewer of them are in sync on a live node and a drive
 /// not failed than a read of that slab needs (one copy of a mirror or of a mirror-part
-/// slab, `data` chunks of a parity slab). The leader does not claim
+/// slab, `data` chunks of a parity slab; a mirror slab with a reachable stale copy that
+/// holds every acked write can answer: a takeover promotes it, docs/adr/0014). The
+/// leader does not claim
 /// a volume with such a slab: the claim would take a new epoch and fail, once a second for
 /// as long as the copies are away. It claims it once enough of them are back.
 pub fn unservable_slab<'a>(
@@ -128,17 +130,23 @@ pub fn unservable_slab<'a>(
     view: &View,
 ) -> Option<(SlabIndex, usize, usize)> {
     slabs.into_iter().find_map(|(idx, extents)| {
+        let up = |e: &&ExtentRecord| view.live.contains(&e.node) && !view.failed.contains(&e.drive);
         let answering = extents
             .iter()
-            .filter(|e| {
-                e.state == ExtentState::InSync
-                    && view.live.contains(&e.node)
-                    && !view.failed.contains(&e.drive)
-            })
+            .filter(|e| e.state == ExtentState::InSync)
+            .filter(up)
             .count();
         // A mirror-accelerated parity volume's mirror-part slabs are mirrors.
-        let needed = resiliency.of_slab(idx).needed();
-        (answering < needed).then_some((idx, answering, needed))
+        let layout = resiliency.of_slab(idx);
+        let needed = layout.needed();
+        // A mirror's stale copy that holds every acked write serves once a takeover
+        // promotes it (docs/adr/0014).
+        let holder = !layout.is_parity()
+            && extents
+                .iter()
+                .filter(|e| e.state != ExtentState::InSync && e.holds_acked)
+                .any(|e| up(&e));
+        (answering < needed && !holder).then_some((idx, answering, needed))
     })
 }
 
@@ -166,6 +174,10 @@ pub enum Step {
     /// Drop this in-sync copy on a draining node: the slab has its full count of in-sync
     /// copies on other nodes (an evacuation that stopped between its two halves).
     Drop(SlabIndex, ExtentLoc),
+    /// Make this stale copy of a mirror slab in sync: every in-sync copy is out of reach
+    /// (`Volume::promote`; the control plane refuses unless its record says the copy holds
+    /// every acked write, docs/adr/0014).
+    Promote(SlabIndex, ExtentLoc),
 }
 
 /// What to do about each stale copy (see the module docs); copies on nodes in maintenance,
@@ -226,8 +238,30 @@ pub fn evacuations(
         .collect()
 }
 
-/// One round's steps for one volume, as its owner runs them: [`plan`] for the stale
-/// copies, then, while nodes are draining, [`evacuations`]. A copy that the evacuations
+/// Mirror slabs none of whose in-sync copies can answer (node without a lease, failed
+/// drive): a [`Step::Promote`] of each of its other copies that can answer (the control
+/// plane lets through the one its record marks, if any; the rest are refused, unchanged).
+pub fn promotions(
+    slabs: &BTreeMap<SlabIndex, Vec<ExtentLoc>>,
+    view: &View,
+    resiliency: Resiliency,
+) -> Vec<Step> {
+    let gone = |e: &ExtentLoc| !view.live.contains(&e.node) || view.failed.contains(&e.drive);
+    slabs
+        .iter()
+        .filter(|(idx, _)| !resiliency.of_slab(**idx).is_parity())
+        .flat_map(|(idx, ex)| {
+            let mut in_sync = ex.iter().filter(|e| e.state == ExtentState::InSync);
+            let stuck = in_sync.clone().next().is_some() && in_sync.all(gone);
+            ex.iter()
+                .filter(move |e| stuck && e.state != ExtentState::InSync && !gone(e))
+                .map(|e| Step::Promote(*idx, *e))
+        })
+        .collect()
+}
+
+/// One round's steps for one volume, as its owner runs them: [`promotions`] first, then
+/// [`plan`] for the stale copies, then, while nodes are draining, [`evacuations`]. A copy that the evacuations
 /// drop (its slab has its full count of in-sync copies elsewhere) is not also rebuilt.
 #[allow(clippy::too_many_arguments)]
 pub fn round(
@@ -251,10 +285,14 @@ pub fn round(
             _ => None,
         })
         .collect();
-    let mut steps: Vec<Step> = plan(stale, view, down, repair_delay, now)
-        .into_iter()
-        .filter(|s| !matches!(s, Step::Rebuild(idx, e, _) if dropped.contains(&(*idx, e.drive))))
-        .collect();
+    let mut steps = promotions(slabs, view, resiliency);
+    steps.extend(
+        plan(stale, view, down, repair_delay, now)
+            .into_iter()
+            .filter(
+                |s| !matches!(s, Step::Rebuild(idx, e, _) if dropped.contains(&(*idx, e.drive))),
+            ),
+    );
     steps.extend(moves);
     steps
 }
@@ -312,6 +350,42 @@ mod tests {
     }
 
     #[test]
+    fn a_mirror_slab_whose_in_sync_copies_are_all_gone_tries_its_reachable_others() {
+        use ExtentState::*;
+        let mut slabs = BTreeMap::new();
+        // Slab 0: its one in-sync copy is on node 1 (down); node 2's copy is stale, node
+        // 3's syncing, node 4's stale on a failed drive.
+        slabs.insert(
+            SlabIndex(0),
+            vec![
+                loc(1, 10, InSync),
+                loc(2, 20, Stale),
+                loc(3, 30, Syncing),
+                loc(4, 40, Stale),
+            ],
+        );
+        // Slab 1: an in-sync copy still answers; nothing to promote.
+        slabs.insert(
+            SlabIndex(1),
+            vec![loc(1, 10, InSync), loc(2, 20, InSync), loc(3, 30, Stale)],
+        );
+        let v = view(&[2, 3, 4], &[], &[40]);
+        let steps = promotions(&slabs, &v, Resiliency::Mirror3);
+        assert_eq!(
+            steps,
+            vec![
+                Step::Promote(SlabIndex(0), loc(2, 20, Stale)),
+                Step::Promote(SlabIndex(0), loc(3, 30, Syncing)),
+            ]
+        );
+        // With every node up, nothing is stuck.
+        assert!(promotions(&slabs, &view(&[1, 2, 3, 4], &[], &[]), Resiliency::Mirror3).is_empty());
+        // A parity slab is never promoted: its chunks are not copies of each other.
+        let p21 = Resiliency::parity(2, 1).unwrap();
+        assert!(promotions(&slabs, &v, p21).is_empty());
+    }
+
+    #[test]
     fn away_copies_are_marked_stale_once() {
         use ExtentState::*;
         let mut slabs = BTreeMap::new();
@@ -346,6 +420,7 @@ mod tests {
             node: NodeId(node),
             drive: DriveId(drive),
             state,
+            holds_acked: false,
         };
         let mirror = [
             vec![rec(1, 10, InSync), rec(2, 20, InSync)],
@@ -370,6 +445,19 @@ mod tests {
         // Node 2 live but drive 21 failed: the same.
         assert_eq!(
             unservable_slab(slabs(&mirror), m2, &view(&[1, 2, 3], &[], &[21])),
+            Some((SlabIndex(1), 0, 1))
+        );
+        // Unless the stale copy holds every acked write (docs/adr/0014): a takeover
+        // promotes it.
+        let mut holder = mirror.clone();
+        holder[1][1].holds_acked = true;
+        assert_eq!(
+            unservable_slab(slabs(&holder), m2, &view(&[1, 3], &[], &[])),
+            None
+        );
+        // (Not when it is away too.)
+        assert_eq!(
+            unservable_slab(slabs(&holder), m2, &view(&[1], &[], &[])),
             Some((SlabIndex(1), 0, 1))
         );
         // A node in maintenance still answers reads.

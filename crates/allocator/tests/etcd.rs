@@ -96,6 +96,7 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
         drive: a[0].drive,
         from: vec![ExtentState::InSync],
         to: ExtentState::Stale,
+        min_replicas: 2,
     };
     fenced(old.change(vol, SlabIndex(0), e1, stale.clone()).await, e1);
     fenced(old.lookup(vol, SlabIndex(0), e1).await, e1);
@@ -118,6 +119,46 @@ async fn a_deposed_owner_can_neither_allocate_nor_change_nor_look_up() {
     assert_eq!(new.lookup(vol, SlabIndex(2), e2).await.unwrap(), None);
     new.allocate(vol, SlabIndex(2), e2, 2, false).await.unwrap();
     assert_eq!(c.slabs(vol).await.unwrap().len(), 3);
+
+    // Slab 0 has gone below min_replicas: the copy that took it there is marked in etcd as
+    // holding every acked write (docs/adr/0014); only it may be promoted, and only by the
+    // owner.
+    let second = SlabChange::State {
+        drive: a[1].drive,
+        from: vec![ExtentState::InSync],
+        to: ExtentState::Stale,
+        min_replicas: 2,
+    };
+    new.change(vol, SlabIndex(0), e2, second).await.unwrap();
+    let rec = &c.slabs(vol).await.unwrap()[&SlabIndex(0)].0;
+    let marked: Vec<DriveId> = rec
+        .extents
+        .iter()
+        .filter(|e| e.holds_acked)
+        .map(|e| e.drive)
+        .collect();
+    assert_eq!(marked, vec![a[1].drive]);
+    let promote = |drive| SlabChange::Promote { drive };
+    let unchanged = new
+        .change(vol, SlabIndex(0), e2, promote(a[0].drive))
+        .await
+        .unwrap();
+    assert_eq!(unchanged[0].state, ExtentState::Stale, "unmarked: refused");
+    fenced(
+        old.change(vol, SlabIndex(0), e1, promote(a[1].drive)).await,
+        e1,
+    );
+    let promoted = new
+        .change(vol, SlabIndex(0), e2, promote(a[1].drive))
+        .await
+        .unwrap();
+    let states: Vec<ExtentState> = promoted.iter().map(|e| e.state).collect();
+    assert_eq!(
+        states,
+        vec![ExtentState::Stale, ExtentState::InSync, ExtentState::Stale]
+    );
+    let rec = &c.slabs(vol).await.unwrap()[&SlabIndex(0)].0;
+    assert!(rec.extents.iter().all(|e| !e.holds_acked));
 }
 
 /// A peer's extent operations are admitted only from the volume's owner (issue 48): another

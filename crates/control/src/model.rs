@@ -383,6 +383,17 @@ pub struct ExtentRecord {
     pub drive: DriveId,
     pub node: NodeId,
     pub state: ExtentState,
+    /// A stale copy that holds every write acked on its slab: it went stale leaving fewer
+    /// than `min_replicas` copies in sync, and no change has brought that many back since,
+    /// so nothing was acked without it (docs/adr/0014). Such a copy may be made in sync
+    /// when every in-sync copy is away. False (and omitted) for every other copy, and for a
+    /// record an older build wrote: unknown is never promoted.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub holds_acked: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// Where a slab's copies live and their states.
@@ -540,6 +551,7 @@ fn place_slab(
                 drive: load.drive,
                 node: load.node,
                 state: ExtentState::InSync,
+                holds_acked: false,
             }
         })
         .collect();
@@ -1879,12 +1891,23 @@ mod tests {
                 drive: DriveId(5),
                 node: NodeId(1),
                 state: ExtentState::InSync,
+                holds_acked: false,
             }],
         };
         let text = serde_json::to_string(&s).unwrap();
         assert_eq!(
             text,
             r#"{"extents":[{"drive":5,"node":1,"state":"in-sync"}]}"#
+        );
+        assert_eq!(serde_json::from_str::<SlabRecord>(&text).unwrap(), s);
+        // A stale copy that holds every acked write says so; older builds ignore the field.
+        let mut s = s;
+        s.extents[0].state = ExtentState::Stale;
+        s.extents[0].holds_acked = true;
+        let text = serde_json::to_string(&s).unwrap();
+        assert_eq!(
+            text,
+            r#"{"extents":[{"drive":5,"node":1,"state":"stale","holds_acked":true}]}"#
         );
         assert_eq!(serde_json::from_str::<SlabRecord>(&text).unwrap(), s);
     }

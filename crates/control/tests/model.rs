@@ -54,6 +54,7 @@ fn slab(drives: &[(u64, u32)]) -> SlabRecord {
                 drive: DriveId(d),
                 node: NodeId(n),
                 state: ExtentState::InSync,
+                holds_acked: false,
             })
             .collect(),
     }

@@ -328,6 +328,11 @@ pub async fn render(node: &Node) -> String {
             "converge_volume_extents_marked_stale_total{{{l}}} {}",
             s.extents_marked_stale
         );
+        let _ = writeln!(
+            o,
+            "converge_volume_copies_promoted_total{{{l}}} {}",
+            s.copies_promoted
+        );
         let _ = writeln!(o, "converge_volume_zero_ops_total{{{l}}} {}", s.zero_ops);
         let _ = writeln!(
             o,

@@ -294,6 +294,15 @@ pub async fn run(node: Arc<Node>) {
                     }
                     Step::Evacuate(idx, e) => rebuild(&node, &v, idx, e, None, &mut warned).await,
                     Step::Drop(idx, e) => drop_copy(&node, &v, idx, e).await,
+                    Step::Promote(idx, e) => {
+                        if let Err(err) = v.promote(idx, e.drive).await {
+                            log::warn!(
+                                "volume {}: slab {idx}: promoting the copy on drive {}: {err}",
+                                v.config().name,
+                                e.drive
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -280,6 +280,7 @@ mod tests {
                     drive: DriveId(*d),
                     node: NodeId(*d as u32),
                     state: ExtentState::InSync,
+                    holds_acked: false,
                 })
                 .collect(),
         }

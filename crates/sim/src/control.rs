@@ -37,6 +37,8 @@ pub(crate) struct Ctl {
     revision: i64,
     /// The slab records decoded, kept in step with `kvs` (the checkers read them often).
     slabs: BTreeMap<(VolumeId, SlabIndex), Vec<ExtentLoc>>,
+    /// The copies the slab records mark as holding every acked write (docs/adr/0014).
+    holders: BTreeSet<(VolumeId, SlabIndex, DriveId)>,
 }
 
 fn json<T: serde::Serialize>(v: &T) -> Vec<u8> {
@@ -109,9 +111,14 @@ impl Ctl {
                         match serde_json::from_slice::<SlabRecord>(v) {
                             Ok(rec) => {
                                 self.slabs.insert(at, converge_allocator::extents_of(&rec));
+                                self.holders.retain(|h| (h.0, h.1) != at);
+                                for e in rec.extents.iter().filter(|e| e.holds_acked) {
+                                    self.holders.insert((at.0, at.1, e.drive));
+                                }
                             }
                             Err(_) => {
                                 self.slabs.remove(&at);
+                                self.holders.retain(|h| (h.0, h.1) != at);
                             }
                         }
                     }
@@ -120,6 +127,7 @@ impl Ctl {
                     wrote |= self.kvs.remove(k).is_some();
                     if let Some(at) = keys::parse_slab(k) {
                         self.slabs.remove(&at);
+                        self.holders.retain(|h| (h.0, h.1) != at);
                     }
                 }
                 Op::DeletePrefix(p) => {
@@ -129,6 +137,8 @@ impl Ctl {
                     let kvs = &self.kvs;
                     self.slabs
                         .retain(|(v, s), _| kvs.contains_key(&keys::slab(*v, *s)));
+                    self.holders
+                        .retain(|(v, s, _)| kvs.contains_key(&keys::slab(*v, *s)));
                 }
             }
         }
@@ -235,6 +245,11 @@ impl Ctl {
 
     pub(crate) fn all(&self) -> Vec<((VolumeId, SlabIndex), Vec<ExtentLoc>)> {
         self.slabs.iter().map(|(k, e)| (*k, e.clone())).collect()
+    }
+
+    /// The copies the slab records mark as holding every acked write (docs/adr/0014).
+    pub(crate) fn holders(&self) -> BTreeSet<(VolumeId, SlabIndex, DriveId)> {
+        self.holders.clone()
     }
 
     /// The previous owner's lease is gone (the nemesis decided it: crash, deposition, or a

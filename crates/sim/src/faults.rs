@@ -56,6 +56,22 @@ pub(crate) async fn nemesis(w: Arc<World>, until: Instant) {
     }
 }
 
+/// Seeds that lose a drive for good in a targeted way watch for the moment a drive holds a
+/// slab's only in-sync copy beside a stale copy the record marks as holding every acked
+/// write, and one that the budget lets go (the marked copy's node back, before its
+/// resync): then it is lost (docs/adr/0014).
+pub(crate) async fn targeted_loss(w: Arc<World>, until: Instant) {
+    while Instant::now() < until && !w.stopping() {
+        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        for n in w.node_ids() {
+            if let Some(what) = w.fail_drive(n) {
+                w.trace(|| format!("nemesis (targeted): {what}"));
+                return;
+            }
+        }
+    }
+}
+
 /// After `after`, marks one random node draining (variant `drain`), as `converge node
 /// remove` does: the repair policy then moves its copies elsewhere, copy before drop.
 pub(crate) async fn drain_one(w: Arc<World>, after: std::time::Duration) {

@@ -567,6 +567,9 @@ async fn run(w: Arc<World>) {
         let at = w.ms(0, o.fault_phase.as_millis() as u64 / 2);
         tokio::spawn(faults::drain_one(w.clone(), at));
     }
+    if w.targeted_loss() {
+        tokio::spawn(faults::targeted_loss(w.clone(), until));
+    }
     faults::nemesis(w.clone(), until).await;
 
     // ---- heal ----------------------------------------------------------------------------

@@ -425,6 +425,19 @@ pub(crate) async fn repair_volume(
             Step::Rebuild(idx, e, cause) => rebuild_one(&job, idx, e, Some(cause)).await,
             Step::Evacuate(idx, e) => rebuild_one(&job, idx, e, None).await,
             Step::Drop(idx, e) => drop_one(&job, idx, e).await,
+            Step::Promote(idx, e) => {
+                let vol = o.vol.clone();
+                let r = on_owner(o, async move { vol.promote(idx, e.drive).await }).await;
+                if matches!(r, Some(Ok(true))) {
+                    w.count("stale copies promoted (held every acked write)");
+                }
+                w.trace(|| {
+                    format!(
+                        "vol{v} epoch {}: PROMOTE slab {idx} node {} drive {}: {r:?}",
+                        o.epoch, e.node, e.drive
+                    )
+                });
+            }
         }
     }
 }

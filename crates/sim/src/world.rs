@@ -112,8 +112,12 @@ impl Health {
     /// In sync, on a node that is not impaired, not recently hit, free of rot in its slab,
     /// on a drive that has not failed.
     fn healthy(&self, key: ExtentKey, e: &ExtentLoc) -> bool {
-        e.state == ExtentState::InSync
-            && !self.bad_nodes.contains(&e.node)
+        e.state == ExtentState::InSync && self.usable(key, e)
+    }
+
+    /// Healthy but for its state: on a healthy node and drive, free of rot.
+    fn usable(&self, key: ExtentKey, e: &ExtentLoc) -> bool {
+        !self.bad_nodes.contains(&e.node)
             && !self.bad_copies.contains(&(key.volume, e.node))
             && !self.rots.iter().any(|r| r.drive == e.drive && r.key == key)
             && !self.failed.contains(&e.drive)
@@ -1278,6 +1282,16 @@ impl World {
         self: &Arc<Self>,
         hit: impl Fn(ExtentKey, &ExtentLoc) -> bool,
     ) -> bool {
+        self.within_budget_or(hit, |_, _| false)
+    }
+
+    /// [`Self::within_budget`], where a slab short of healthy copies is still let go if
+    /// `rescue(slab, its copies)` says so.
+    fn within_budget_or(
+        self: &Arc<Self>,
+        hit: impl Fn(ExtentKey, &ExtentLoc) -> bool,
+        rescue: impl Fn(ExtentKey, &[ExtentLoc]) -> bool,
+    ) -> bool {
         let health = self.health();
         let res = self.resiliencies();
         let records = lock(&self.ctl).all();
@@ -1304,7 +1318,7 @@ impl World {
                 .filter(|e| !hit(key, e) && health.healthy(key, e))
                 .filter(|e| !parity || !draining.contains(&e.node))
                 .count();
-            healthy >= min
+            healthy >= min || rescue(key, extents)
         })
     }
 
@@ -1365,27 +1379,94 @@ impl World {
         if cands.is_empty() {
             return None;
         }
-        let (id, tier) = cands[pick % cands.len()].clone();
-        if !self.within_budget(|_, e| e.drive == id) || !self.room_to_rebuild(id) {
+        // Half the seeds lose the drive for good (a bit of the seed, so that no other
+        // fault's schedule moves). Such a loss may take a slab's every in-sync copy if a
+        // stale copy the record says holds every acked write is left (docs/adr/0014): the
+        // nemesis then picks such a drive when there is one, the worst it could lose.
+        // Half of those (another bit) wait for such a drive.
+        let for_good = (self.opts.seed >> 1) & 1 == 1;
+        let targeted = for_good && (self.opts.seed >> 2) & 1 == 1;
+        let worst = cands
+            .iter()
+            .find(|(d, _)| for_good && self.sole_in_sync_beside_a_holder(*d));
+        if worst.is_none() && targeted {
+            return None;
+        }
+        let (id, tier) = worst.unwrap_or(&cands[pick % cands.len()]).clone();
+        let allowed = if for_good {
+            self.may_lose_for_good(id)
+        } else {
+            self.within_budget(|_, e| e.drive == id)
+        };
+        if !allowed || !self.room_to_rebuild(id) {
             return None;
         }
         tier.drive().fail_now("the simulation's nemesis");
         lock(&self.failed_drives).insert(id, node);
         self.drive_failures.fetch_add(1, Ordering::Relaxed);
         self.count("drive failures");
-        // Half the seeds lose the drive for good (a bit of the seed, so that no other
-        // fault's schedule moves): a blank drive replaces it at the node's next start. If
-        // the budget lets the whole node go, it goes now, as an operator powers a node
-        // down to swap the drive; its start then finds the drive missing, unreported.
-        if (self.opts.seed >> 1) & 1 == 1 {
+        // Lost for good: a blank drive replaces it at the node's next start. If the budget
+        // lets the whole node go, it goes now, as an operator powers a node down to swap
+        // the drive; its start then finds the drive missing, unreported.
+        if for_good {
             lock(&self.lost_drives).insert(id);
             self.count("drives lost for good");
+            if worst.is_some() {
+                self.count("drives lost for good with a slab's only in-sync copy");
+            }
             if self.may_impair(node) {
                 self.crash_node(node, &format!("powered down to replace drive {id}"));
             }
             return Some(format!("node {node}: drive {id} FAILED, lost for good"));
         }
         Some(format!("node {node}: drive {id} FAILED"))
+    }
+
+    /// Whether this seed loses a drive for good in a targeted way (see `fail_drive`).
+    pub(crate) fn targeted_loss(&self) -> bool {
+        !self.opts.cache && self.opts.drive_failures_max > 0 && (self.opts.seed >> 1) & 3 == 3
+    }
+
+    /// Whether `drive` holds the only in-sync copy of a mirror slab that has a stale copy
+    /// the record marks as holding every acked write.
+    fn sole_in_sync_beside_a_holder(&self, drive: DriveId) -> bool {
+        let (records, holders) = {
+            let ctl = lock(&self.ctl);
+            (ctl.all(), ctl.holders())
+        };
+        records.iter().any(|((v, s), ex)| {
+            let mut in_sync = ex.iter().filter(|e| e.state == ExtentState::InSync);
+            in_sync.clone().count() == 1
+                && in_sync.all(|e| e.drive == drive)
+                && ex.iter().any(|e| holders.contains(&(*v, *s, e.drive)))
+        })
+    }
+
+    /// May `drive` be lost for good? Every slab with a copy on it must keep, elsewhere,
+    /// what the budget asks (healthy in-sync copies), or a usable stale copy its record
+    /// marks as holding every acked write (a mirror slab of a volume without snapshots:
+    /// docs/adr/0014). The marks are the code under test's: a mark that lies lets the
+    /// loss happen, and the acked write it lost shows in the checks.
+    fn may_lose_for_good(self: &Arc<Self>, drive: DriveId) -> bool {
+        let health = self.health();
+        let res = self.resiliencies();
+        let holders = lock(&self.ctl).holders();
+        self.within_budget_or(
+            |_, e| e.drive == drive,
+            |key, ex| {
+                let mirror = res
+                    .get(&key.volume)
+                    .is_some_and(|r| !r.of_slab(key.slab).is_parity());
+                mirror
+                    && !self.opts.snapshots
+                    && ex.iter().any(|e| {
+                        e.drive != drive
+                            && e.state != ExtentState::InSync
+                            && holders.contains(&(key.volume, key.slab, e.drive))
+                            && health.usable(key, e)
+                    })
+            },
+        )
     }
 
     /// Puts a blank drive, formatted under a new id, in the place of each of `node`'s

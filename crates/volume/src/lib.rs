@@ -91,11 +91,18 @@ pub trait ReplicaIo: Send + Sync + 'static {
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum SlabChange {
     /// Set the state of the extent on `drive`, if it is currently in one of `from`.
+    /// `min_replicas`: the slab's, for the record's `holds_acked` marks (docs/adr/0014).
     State {
         drive: DriveId,
         from: Vec<ExtentState>,
         to: ExtentState,
+        min_replicas: usize,
     },
+    /// Make the stale (or syncing) copy on `drive` in sync and every in-sync copy stale: a mirror slab
+    /// whose in-sync copies are all away is served from a stale copy that holds every
+    /// acked write. The control plane refuses it (nothing changes) unless its record marks
+    /// that copy so (docs/adr/0014).
+    Promote { drive: DriveId },
     /// Replace the extent on `old` (if still there) by `new` (rebuild elsewhere).
     Replace { old: DriveId, new: ExtentLoc },
     /// Add `new` beside the others, if no extent of the slab is on its node (an
@@ -111,7 +118,9 @@ impl SlabChange {
     /// anything changed. Every [`SlabAllocator`] applies changes with this.
     pub fn apply(&self, extents: &mut Vec<ExtentLoc>) -> bool {
         match self {
-            SlabChange::State { drive, from, to } => {
+            SlabChange::State {
+                drive, from, to, ..
+            } => {
                 let mut changed = false;
                 for e in extents.iter_mut() {
                     if e.drive == *drive && from.contains(&e.state) && e.state != *to {
@@ -130,6 +139,22 @@ impl SlabChange {
                     }
                 }
                 changed
+            }
+            SlabChange::Promote { drive } => {
+                if !extents
+                    .iter()
+                    .any(|e| e.drive == *drive && e.state != ExtentState::InSync)
+                {
+                    return false;
+                }
+                for e in extents.iter_mut() {
+                    if e.drive == *drive {
+                        e.state = ExtentState::InSync;
+                    } else if e.state == ExtentState::InSync {
+                        e.state = ExtentState::Stale;
+                    }
+                }
+                true
             }
             SlabChange::Add { new } => {
                 if extents.iter().any(|e| e.node == new.node) {
@@ -1059,6 +1084,9 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         let deadline = Instant::now() + self.cfg.degraded_write_wait;
         let mut pending = targets;
         let mut ok_in_sync = 0;
+        // Every copy the operation reached, whatever its state then: whether it counts
+        // toward the ack is decided against the record when the operation settles.
+        let mut held: Vec<DriveId> = Vec::with_capacity(pending.len());
         // Copies that failed and are not tried again: they are marked stale when the
         // operation settles, however the retries go. (A `syncing` copy whose write failed
         // must not be forgotten: its copy job may make it `in-sync` before this settles.)
@@ -1078,6 +1106,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             for (at, r) in results {
                 match r {
                     Ok(()) => {
+                        held.push(at.drive);
                         if at.state == ExtentState::InSync {
                             ok_in_sync += 1;
                         }
@@ -1095,7 +1124,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 || Instant::now() >= deadline
             {
                 failed.append(&mut given_up);
-                return self.settle(idx, slab, ok_in_sync, failed).await;
+                return self.settle(idx, slab, &held, failed).await;
             }
             tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             // Retry only in-sync copies still in sync (one marked stale meanwhile is out).
@@ -1114,15 +1143,26 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
 
     /// Decides a replicated operation's outcome from every copy's answer: copies that
     /// failed are marked stale in the control plane *before* anything is acked; the
-    /// operation is acked if at least `min_replicas` in-sync copies made it durable.
+    /// operation is acked if at least `min_replicas` copies that made it durable are in
+    /// sync in the record *now*. A copy that was in sync when the operation started but
+    /// was marked stale meanwhile (another write failed on it) does not count: once the
+    /// slab is below `min_replicas`, only the copies marked as holding every acked write
+    /// may be promoted if the rest are lost (ADR 0014), and this write must not depend
+    /// on a copy nobody will trust.
     async fn settle(
         &self,
         idx: SlabIndex,
         slab: &Slab,
-        ok_in_sync: usize,
+        held: &[DriveId],
         failed: Vec<(ExtentLoc, ReplicaError)>,
     ) -> Result<(), VolumeError> {
-        if ok_in_sync == 0 && !failed.is_empty() {
+        let in_sync_holding = |slab: &Slab| {
+            slab.extents()
+                .iter()
+                .filter(|e| e.state == ExtentState::InSync && held.contains(&e.drive))
+                .count()
+        };
+        if in_sync_holding(slab) == 0 && !failed.is_empty() {
             // No in-sync copy is known to hold this write, and some may: marking them all
             // stale would leave no copy to read or resync from. Keep them in sync, fail the
             // write, and make them agree as soon as they answer.
@@ -1147,6 +1187,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                     .fetch_add(1, Ordering::Relaxed);
             }
         }
+        let ok_in_sync = in_sync_holding(slab);
         if ok_in_sync < self.min_replicas_of(idx) {
             // Short of copies because drives had no room: the client is told so.
             if let Some((at, e)) = failed
@@ -1287,6 +1328,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 drive,
                 from: from.to_vec(),
                 to,
+                min_replicas: self.min_replicas_of(idx),
             },
         )
         .await

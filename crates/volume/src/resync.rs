@@ -211,6 +211,59 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         self.mark_stale(idx, &slab, drive).await
     }
 
+    /// Serves the mirror slab `idx` again from its stale copy on `drive` (the repair
+    /// policy's `Step::Promote`: every in-sync copy is away), if the control plane's record
+    /// says that copy holds every acked write (docs/adr/0014); whether it did.
+    pub async fn promote(&self, idx: SlabIndex, drive: DriveId) -> Result<bool, VolumeError> {
+        let slab = self.slab_or_err(idx)?;
+        let _g = slab.gate.write().await;
+        if slab.is_released() {
+            return Ok(false);
+        }
+        let Some(c) = slab.extents().iter().find(|e| e.drive == drive).copied() else {
+            return Ok(false);
+        };
+        Ok(self.promote_holder(idx, &slab, &[c]).await?.is_some())
+    }
+
+    /// Makes the first of `candidates` (stale copies that answer) that the record marks as
+    /// holding every acked write the slab's in-sync copy, and its in-sync copies (all
+    /// away) stale: one fenced change, refused by the control plane for an unmarked copy.
+    /// Not for parity slabs, nor while the volume has snapshots (a stale copy takes no
+    /// snapshot floor). The caller holds the slab's write gate. Returns the copy promoted.
+    pub(crate) async fn promote_holder(
+        &self,
+        idx: SlabIndex,
+        slab: &Slab,
+        candidates: &[ExtentLoc],
+    ) -> Result<Option<ExtentLoc>, VolumeError> {
+        if self.geometry_of(idx).is_some() || !self.snapshots().is_empty() {
+            return Ok(None);
+        }
+        let _c = slab.change.lock().await;
+        for c in candidates.iter().filter(|e| e.state != ExtentState::InSync) {
+            self.apply_change(idx, slab, SlabChange::Promote { drive: c.drive })
+                .await?;
+            if slab
+                .extents()
+                .iter()
+                .any(|e| e.drive == c.drive && e.state == ExtentState::InSync)
+            {
+                log::warn!(
+                    "volume {}: slab {idx}: no in-sync copy answers; the stale copy on node {} drive {} holds every acked write and is in sync now (the others are stale)",
+                    self.cfg.name,
+                    c.node,
+                    c.drive
+                );
+                self.counters
+                    .copies_promoted
+                    .fetch_add(1, Ordering::Relaxed);
+                return Ok(Some(*c));
+            }
+        }
+        Ok(None)
+    }
+
     /// The slab's copy on `drive`, which a copy job fills.
     pub(crate) fn copy_on(
         &self,
@@ -805,6 +858,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         // block by block, so a takeover's work is bounded by what was being written.
         let mut digests = Vec::new();
         let mut unreachable = Vec::new();
+        let mut answered_stale = Vec::new();
         for e in slab.extents().iter() {
             match self
                 .ask(
@@ -815,7 +869,7 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
                 .await
             {
                 Ok(d) if e.state == ExtentState::InSync => digests.push(d),
-                Ok(_) => {}
+                Ok(_) => answered_stale.push(*e),
                 Err(ReplicaError::StaleEpoch(why)) => return Err(self.fenced(why)),
                 Err(err) => {
                     if e.state == ExtentState::InSync {
@@ -825,6 +879,14 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
             }
         }
         if digests.is_empty() {
+            // A stale copy that holds every acked write serves instead (docs/adr/0014).
+            if self
+                .promote_holder(idx, slab, &answered_stale)
+                .await?
+                .is_some()
+            {
+                return Ok(false);
+            }
             // Never mark the last in-sync copies stale: wait for one to answer.
             return Err(self.copy_error(idx, "no in-sync copy answered".into()));
         }

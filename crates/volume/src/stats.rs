@@ -61,6 +61,9 @@ pub struct VolumeCounters {
     pub repaired_blocks: AtomicU64,
     /// Copies marked stale because they failed a write.
     pub extents_marked_stale: AtomicU64,
+    /// Stale copies made in sync because they held every acked write while every in-sync
+    /// copy was away (docs/adr/0014).
+    pub copies_promoted: AtomicU64,
     /// Slabs a TRIM or WRITE_ZEROES covered whole and returned to the pool.
     pub slabs_released: AtomicU64,
     /// Mirror-accelerated parity: spans rotated from the mirror part into parity, and the
@@ -91,6 +94,8 @@ pub struct VolumeStats {
     pub repaired_blocks: u64,
     pub extents_marked_stale: u64,
     #[serde(default)]
+    pub copies_promoted: u64,
+    #[serde(default)]
     pub slabs_released: u64,
     #[serde(default)]
     pub rotations: u64,
@@ -118,6 +123,7 @@ impl VolumeCounters {
             no_space_errors: self.no_space_errors.load(Relaxed),
             repaired_blocks: self.repaired_blocks.load(Relaxed),
             extents_marked_stale: self.extents_marked_stale.load(Relaxed),
+            copies_promoted: self.copies_promoted.load(Relaxed),
             slabs_released: self.slabs_released.load(Relaxed),
             rotations: self.rotations.load(Relaxed),
             rotated_bytes: self.rotated_bytes.load(Relaxed),

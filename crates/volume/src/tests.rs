@@ -30,6 +30,8 @@ struct MemReplicas {
     paused_reads: Mutex<Option<PausedReads>>,
     /// The same for `ReadBlocks` (scrub, resync, degraded parity reads).
     paused_read_blocks: Mutex<Option<PausedReads>>,
+    /// The same for `Write`: a write delayed in flight.
+    paused_writes: Mutex<Option<PausedReads>>,
     /// Held blocks' priors (parity chunks), as the engine keeps them: (version, crc,
     /// data); a block never written has version 0 and zeros.
     priors: Mutex<Blocks>,
@@ -134,6 +136,7 @@ impl MemReplicas {
         let pause = match op {
             ExtentOp::Read { .. } => self.paused_reads.lock().unwrap().clone(),
             ExtentOp::ReadBlocks { .. } => self.paused_read_blocks.lock().unwrap().clone(),
+            ExtentOp::Write { .. } => self.paused_writes.lock().unwrap().clone(),
             _ => None,
         };
         if let Some((node, arrived, go)) = pause {
@@ -1394,6 +1397,57 @@ async fn a_read_answered_by_a_copy_dropped_meanwhile_is_read_again_elsewhere() {
     *io.paused_reads.lock().unwrap() = None;
     go.notify_one();
     assert_eq!(read.await.unwrap().unwrap(), data);
+}
+
+/// Was a bug (simulator, ADR 0014, seed 71): a write counted a copy toward its ack by the
+/// state the copy had when the write started. Another write failing on that copy meanwhile
+/// had marked it stale, leaving one copy in sync, and this write was acked with that one:
+/// below min_replicas, on a copy set the record's "holds every acked write" mark did not
+/// describe. A write is acked only on copies in sync when it settles.
+#[tokio::test]
+async fn a_copy_marked_stale_while_a_write_is_in_flight_does_not_count_toward_its_ack() {
+    let (v, io, alloc) = volume_with_alloc(1 << 20, 256 << 10);
+    let v = Arc::new(v);
+    v.write(0, pattern(4096, 1)).await.unwrap();
+    // The next write reaches nodes 2 and 3 at once and waits on its way to node 1.
+    let arrived = Arc::new(AtomicBool::new(false));
+    let go = Arc::new(tokio::sync::Notify::new());
+    *io.paused_writes.lock().unwrap() = Some((NodeId(1), arrived.clone(), go.clone()));
+    let write = {
+        let v = v.clone();
+        tokio::spawn(async move { v.write(0, pattern(4096, 2)).await })
+    };
+    while !arrived.load(Ordering::Acquire) {
+        tokio::task::yield_now().await;
+    }
+    // Meanwhile other writes failed on nodes 2 and 3: both are marked stale, node 1's copy
+    // alone stays in sync.
+    let slab = v.slab(SlabIndex(0)).unwrap();
+    v.mark_stale(SlabIndex(0), &slab, DriveId(20))
+        .await
+        .unwrap();
+    v.mark_stale(SlabIndex(0), &slab, DriveId(30))
+        .await
+        .unwrap();
+    *io.paused_writes.lock().unwrap() = None;
+    go.notify_one();
+    // Three copies took the write, one of them in sync: not acked.
+    match write.await.unwrap() {
+        Err(VolumeError::Degraded {
+            in_sync: 1,
+            min_replicas: 2,
+            ..
+        }) => {}
+        other => panic!("acked on fewer than min_replicas in-sync copies: {other:?}"),
+    }
+    let states: Vec<ExtentState> = alloc.records.lock().unwrap()[&SlabIndex(0)]
+        .iter()
+        .map(|e| e.state)
+        .collect();
+    assert_eq!(
+        states,
+        vec![ExtentState::InSync, ExtentState::Stale, ExtentState::Stale]
+    );
 }
 
 #[tokio::test]
