@@ -159,6 +159,18 @@ pub enum Cause {
     DownPastDelay,
     /// Its node is being drained: it is not brought back there.
     Draining,
+    /// Its resync found no room on its drive (a copy whose first write found the drive
+    /// full has no extent there): it goes to a drive with room, maybe on its own node.
+    NoRoom,
+}
+
+impl Cause {
+    /// The drive of the copy replaced for this cause, if the copy does not keep its node
+    /// out of [`rebuild_target`]: a failed or full drive's node may take the new copy on
+    /// another drive.
+    pub fn replacing(self, copy: &ExtentLoc) -> Option<DriveId> {
+        matches!(self, Cause::FailedDrive | Cause::NoRoom).then_some(copy.drive)
+    }
 }
 
 /// What to do about one stale copy.
@@ -300,9 +312,10 @@ pub fn round(
 /// Where a rebuilt copy of a slab whose copies are `copies` goes: one drive on a live node
 /// that holds no copy of it (`placement::place`), as a `syncing` copy; else why there is
 /// none (placement's explanation: which nodes are full, down, or already hold a copy).
-/// The copy on a failed drive that the new one replaces, `replacing`, does not count: its
-/// node may take the new copy on another drive (a node's blank drive in the place of the
-/// failed one, or a three-node cluster's mirror-3 slab, has nowhere else to go).
+/// The copy on a failed (or full) drive that the new one replaces, `replacing`, does not
+/// count: its node may take the new copy on another drive (a node's blank drive in the
+/// place of the failed one, or a three-node cluster's mirror-3 slab, has nowhere else to
+/// go); that drive itself never does.
 pub fn rebuild_target(
     copies: &[ExtentLoc],
     replacing: Option<DriveId>,
@@ -313,6 +326,14 @@ pub fn rebuild_target(
         .filter(|x| Some(x.drive) != replacing)
         .map(|x| x.node)
         .collect();
+    let others: Vec<DriveLoad>;
+    let loads = match replacing {
+        Some(d) => {
+            others = loads.iter().filter(|l| l.drive != d).cloned().collect();
+            &others[..]
+        }
+        None => loads,
+    };
     let drive = placement::place(1, loads, &holding).map_err(|e| e.to_string())?[0];
     let node = loads
         .iter()
@@ -673,6 +694,23 @@ mod tests {
         assert!(rebuild_target(&copies, None, &three).is_err());
         assert_eq!(
             rebuild_target(&copies, Some(DriveId(30)), &three).unwrap(),
+            loc(3, 31, Syncing)
+        );
+
+        // Node 3's drive 30 has no room for the copy its resync needs, though the loads
+        // (etcd's claims) say it is the emptiest: the copy goes to node 3's other drive,
+        // never back to drive 30.
+        let claims = [
+            load(1, 10, 5, true),
+            load(2, 20, 5, true),
+            load(3, 30, 0, true),
+            load(3, 31, 6, true),
+        ];
+        let stale = loc(3, 30, Stale);
+        assert_eq!(Cause::NoRoom.replacing(&stale), Some(DriveId(30)));
+        assert_eq!(Cause::DownPastDelay.replacing(&stale), None);
+        assert_eq!(
+            rebuild_target(&copies, Cause::NoRoom.replacing(&stale), &claims).unwrap(),
             loc(3, 31, Syncing)
         );
     }

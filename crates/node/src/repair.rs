@@ -23,7 +23,7 @@ use converge_allocator::repair::{self, Cause, DownClock, Step, View};
 use converge_api::JobInfo;
 use converge_types::{ExtentKey, ExtentState, NodeId, SlabIndex, VolumeId, BLOCK_SIZE};
 use converge_volume::resync::Progress;
-use converge_volume::ExtentLoc;
+use converge_volume::{ExtentLoc, VolumeError};
 use std::collections::{BTreeMap, HashSet};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -285,8 +285,15 @@ pub async fn run(node: Arc<Node>) {
             for step in steps {
                 match step {
                     Step::Resync(idx, e) => {
-                        if node.replicas.call_peer_or_local_ping(e.node).await.is_ok() {
-                            resync(&node, &v, idx, e).await;
+                        if node.replicas.call_peer_or_local_ping(e.node).await.is_ok()
+                            && resync(&node, &v, idx, e)
+                                .await
+                                .is_err_and(|e| e.is_no_space())
+                        {
+                            // Its drive has no room for it: placed elsewhere now, not
+                            // resynced there for ever.
+                            let cause = Some(Cause::NoRoom);
+                            rebuild(&node, &v, idx, e, cause, &mut warned).await;
                         }
                     }
                     Step::Rebuild(idx, e, cause) => {
@@ -309,7 +316,8 @@ pub async fn run(node: Arc<Node>) {
     }
 }
 
-async fn resync(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
+/// Resyncs the stale copy `e`, logging how it went; the error, if it failed.
+async fn resync(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) -> Result<(), VolumeError> {
     let name = v.config().name.clone();
     let job = node.jobs.begin(
         node.cfg.node_id,
@@ -333,6 +341,7 @@ async fn resync(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
                 r.blocks_differing,
                 r.blocks_compared
             );
+            Ok(())
         }
         Err(err) => {
             node.jobs.failed.fetch_add(1, Ordering::Relaxed);
@@ -340,6 +349,7 @@ async fn resync(node: &Node, v: &Vol, idx: SlabIndex, e: ExtentLoc) {
                 "resync of volume {name} slab {idx} on node {}: {err}",
                 e.node
             );
+            Err(err)
         }
     }
 }
@@ -366,7 +376,7 @@ async fn rebuild(
         }
     };
     // A failed drive's node may take the new copy on another of its drives.
-    let replacing = (cause == Some(Cause::FailedDrive)).then_some(e.drive);
+    let replacing = cause.and_then(|c| c.replacing(&e));
     let new = match repair::rebuild_target(&map, replacing, &loads) {
         Ok(n) => n,
         Err(err) => {
@@ -383,6 +393,7 @@ async fn rebuild(
         Some(Cause::FailedDrive) => ("rebuild", "its drive failed"),
         Some(Cause::DownPastDelay) => ("rebuild", "down past the repair delay"),
         Some(Cause::Draining) => ("rebuild", "its node is being drained"),
+        Some(Cause::NoRoom) => ("rebuild", "its drive has no room for it"),
         None => (
             "evacuate",
             "its node is being drained; copied before it is dropped",

@@ -420,7 +420,13 @@ pub(crate) async fn repair_volume(
         }
         match step {
             // The daemon pings the copy's node first; here, whether it is up and reachable.
-            Step::Resync(idx, e) if w.ready(e.node) => resync_one(&job, idx, e).await,
+            Step::Resync(idx, e) if w.ready(e.node) => {
+                // As the daemon: a copy whose drive has no room for it is placed elsewhere.
+                if resync_one(&job, idx, e).await {
+                    w.count("stale copies without room rebuilt elsewhere");
+                    rebuild_one(&job, idx, e, Some(Cause::NoRoom)).await
+                }
+            }
             Step::Resync(..) => {}
             Step::Rebuild(idx, e, cause) => rebuild_one(&job, idx, e, Some(cause)).await,
             Step::Evacuate(idx, e) => rebuild_one(&job, idx, e, None).await,
@@ -450,7 +456,8 @@ struct Job<'a> {
     throttle: &'a Arc<Throttle>,
 }
 
-async fn resync_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
+/// Resyncs the stale copy `e`; whether it failed for want of room on its drive.
+async fn resync_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) -> bool {
     let Job { w, v, o, throttle } = *j;
     let (vol, t) = (o.vol.clone(), throttle.clone());
     let drive = e.drive;
@@ -466,7 +473,7 @@ async fn resync_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
         // As the daemon does after a resync.
         crate::owner::release_stray_floors(w, v, o).await;
     }
-    w.trace(|| match r {
+    w.trace(|| match &r {
         Some(Ok(rep)) => format!(
             "vol{v} epoch {}: RESYNC slab {idx} node {} drive {drive}: {} differed, {} written",
             o.epoch, e.node, rep.blocks_differing, rep.blocks_written
@@ -477,6 +484,7 @@ async fn resync_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
         ),
         None => format!("vol{v} epoch {}: resync slab {idx} aborted", o.epoch),
     });
+    matches!(r, Some(Err(err)) if err.is_no_space())
 }
 
 /// Rebuilds the copy `e` elsewhere (placed by the policy's `rebuild_target` over the
@@ -494,7 +502,7 @@ async fn rebuild_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc, cause: Option<Ca
     let Some(Ok(loads)) = on_owner(o, async move { drive_loads(&cluster).await }).await else {
         return;
     };
-    let replacing = (cause == Some(Cause::FailedDrive)).then_some(e.drive);
+    let replacing = cause.and_then(|c| c.replacing(&e));
     let new = match repair::rebuild_target(&copies, replacing, &loads) {
         Ok(n) => n,
         Err(err) => {

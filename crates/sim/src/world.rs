@@ -972,7 +972,12 @@ impl World {
                     *lock(&self.stats)
                         .entry("cache blocks destaged by replay")
                         .or_insert(0) += r.blocks_destaged;
-                    if r.blocks_lost > 0 || r.blocks_of_unknown_drives > 0 {
+                    // A drive lost for good leaves its logged blocks to no drive: dropped,
+                    // as converged does (its copies are rebuilt from the others).
+                    let replaced = lock(&self.failed_drives)
+                        .iter()
+                        .any(|(d, n)| *n == id && lost.contains(d));
+                    if r.blocks_lost > 0 || (r.blocks_of_unknown_drives > 0 && !replaced) {
                         self.fail(format!(
                             "node {id}: cache replay lost {} logged blocks ({} of unknown drives)",
                             r.blocks_lost, r.blocks_of_unknown_drives
@@ -1355,13 +1360,7 @@ impl World {
     /// every copy on it. The node reports it; the repair policy rebuilds its copies
     /// elsewhere. Returns what it did.
     pub(crate) fn fail_drive(self: &Arc<Self>, node: NodeId) -> Option<String> {
-        // Not with caches: the cache now carries a failed drive's logged blocks (engine test
-        // `a_failed_capacity_drive_s_logged_blocks_are_carried_not_the_cache_failed`), but
-        // with failures on, seed 243 of `cache_tier` ended with a stale copy on a full
-        // drive that resync retried for ever (docs/SIMULATION.md, "Not simulated").
-        if self.opts.cache
-            || self.drive_failures.load(Ordering::Relaxed) >= self.opts.drive_failures_max
-        {
+        if self.drive_failures.load(Ordering::Relaxed) >= self.opts.drive_failures_max {
             return None;
         }
         let pick = self.rng(|r| r.gen::<usize>());

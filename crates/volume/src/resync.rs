@@ -921,8 +921,20 @@ impl<R: ReplicaIo, A: SlabAllocator> Volume<R, A> {
         at: ExtentLoc,
         e: ReplicaError,
     ) -> VolumeError {
-        if let ReplicaError::StaleEpoch(why) = e {
-            return self.fenced(why);
+        match e {
+            ReplicaError::StaleEpoch(why) => return self.fenced(why),
+            // The target's drive has no room for the extent (a copy whose first write
+            // found it full has none yet): the repair policy places it elsewhere.
+            ReplicaError::NoSpace(_) => {
+                return VolumeError::NoSpace {
+                    volume: self.cfg.name.clone(),
+                    why: format!(
+                        "slab {idx}: the copy on node {} drive {} has no room: {e}",
+                        at.node, at.drive
+                    ),
+                }
+            }
+            _ => {}
         }
         self.copy_error(
             idx,

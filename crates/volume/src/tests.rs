@@ -150,7 +150,10 @@ impl MemReplicas {
         self.check(at, key, op.epoch().expect("the owner never frees unfenced"))?;
         if matches!(
             op,
-            ExtentOp::Write { .. } | ExtentOp::Zero { .. } | ExtentOp::WriteHeld { .. }
+            ExtentOp::Write { .. }
+                | ExtentOp::Zero { .. }
+                | ExtentOp::WriteHeld { .. }
+                | ExtentOp::WriteBlocks { .. }
         ) && self.full.lock().unwrap().contains(&at.node)
             && !self
                 .blocks
@@ -1785,4 +1788,53 @@ async fn a_write_finding_no_room_fails_at_once_with_no_space_and_loses_nothing()
     assert_eq!(alloc.calls.load(Ordering::Relaxed), calls + 1);
     assert_eq!(vol.read(0, slab).await.unwrap(), first);
     assert_eq!(vol.read(slab, 4096).await.unwrap(), second);
+}
+
+/// A copy whose drive had no room for the slab's first write is stale without an extent;
+/// its resync finds no room either and says so (`is_no_space`): the repair policy then
+/// rebuilds it on another drive instead of resyncing it for ever (`Cause::NoRoom`).
+#[tokio::test(start_paused = true)]
+async fn a_stale_copy_whose_drive_has_no_room_fails_its_resync_with_no_space() {
+    let slab = 64 * 1024;
+    let (vol, io, alloc) = volume_with_alloc(4 * slab, slab);
+    *io.full.lock().unwrap() = vec![NodeId(3)];
+    let data = pattern(4096, 1);
+    vol.write(0, data.clone()).await.unwrap();
+    let states: Vec<ExtentState> = alloc.records.lock().unwrap()[&SlabIndex(0)]
+        .iter()
+        .map(|e| e.state)
+        .collect();
+    assert_eq!(
+        states,
+        vec![ExtentState::InSync, ExtentState::InSync, ExtentState::Stale]
+    );
+    let t = resync::Throttle::new(1 << 30);
+    let e = vol
+        .resync(SlabIndex(0), DriveId(30), &t, &resync::Progress::default())
+        .await
+        .unwrap_err();
+    assert!(e.is_no_space(), "{e}");
+    // With room, the same resync brings it back.
+    io.full.lock().unwrap().clear();
+    vol.resync(SlabIndex(0), DriveId(30), &t, &resync::Progress::default())
+        .await
+        .unwrap();
+    assert_eq!(
+        io.copy_of(
+            DriveId(30),
+            ExtentKey {
+                volume: VolumeId(7),
+                slab: SlabIndex(0)
+            }
+        )
+        .len(),
+        io.copy_of(
+            DriveId(10),
+            ExtentKey {
+                volume: VolumeId(7),
+                slab: SlabIndex(0)
+            }
+        )
+        .len()
+    );
 }
