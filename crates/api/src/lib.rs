@@ -179,6 +179,10 @@ pub struct ExtentInfo {
     pub drive: DriveId,
     pub node: NodeId,
     pub state: ExtentState,
+    /// A stale copy the slab record marks as holding every acked write: it may be made
+    /// the slab's in-sync copy if every in-sync copy is lost (docs/CONSISTENCY.md).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub holds_acked: bool,
     /// Bytes of blocks holding data in this copy or chunk (absent: its node did not
     /// answer).
     #[serde(default, skip_serializing_if = "Option::is_none")]

@@ -1505,7 +1505,11 @@ fn run_volume(cli: &Cli, cmd: &VolumeCmd) -> Result<()> {
                         converge_types::SlabIndex(s.index).to_string(),
                         format!("{:016x}", e.drive.0),
                         e.node.to_string(),
-                        e.state.to_string(),
+                        if e.holds_acked {
+                            format!("{} (holds every acked write)", e.state)
+                        } else {
+                            e.state.to_string()
+                        },
                         e.written_bytes.map_or("-".into(), format_size),
                         e.stored_bytes.map_or("-".into(), format_size),
                     ]);

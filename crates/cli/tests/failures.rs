@@ -510,3 +510,90 @@ fn a_drive_that_fails_is_marked_failed_and_its_copies_rebuilt() {
     compare(&uri, &img, "after the drive was replaced");
     assert_copies_agree(&lab, "f");
 }
+
+/// A mirror-3 slab whose in-sync copies are all away is served from the stale copy the
+/// record marks as holding every acked write, and from no other (docs/adr/0014): copy A
+/// goes stale first (two stay in sync, so writes are acked without it), copy B second
+/// (one left: nothing is acked without B from then on, and the record marks it); then
+/// C's node dies too. A, back first, is not promoted; with B's node back, B is made the
+/// in-sync copy, and every acked write reads back, the one A lacks included.
+#[test]
+fn a_stale_copy_that_holds_every_acked_write_serves_when_the_in_sync_one_is_gone() {
+    let lab = Lab::up(4, &[]);
+    lab.must(&[
+        "volume",
+        "create",
+        "p",
+        "--size",
+        "64M",
+        "--resiliency",
+        "mirror-3",
+        "--owner",
+        "1",
+    ]);
+    let tmp = tempfile::tempdir().unwrap();
+    let img = random_file(tmp.path(), "p.img", 64 << 20, 21);
+    must(Command::new("nbdcopy").arg(&img).arg(lab.uri("p")));
+    // One slab on three of the four nodes; the fourth serves it.
+    let copies: Vec<u64> = lab.extents("p").iter().map(|e| e.1).collect();
+    assert_eq!(copies.len(), 3, "{copies:?}");
+    let owner = (1..=4u64).find(|n| !copies.contains(n)).unwrap();
+    if owner != 1 {
+        lab.must(&["volume", "move", "p", "--to", &owner.to_string()]);
+    }
+    // Clients use the owner's node, which no fault touches.
+    let uri = lab.uri_on("p", owner as u32);
+    let (a, b, c) = (copies[0], copies[1], copies[2]);
+    let state_of = |node: u64| {
+        let v = lab.json(&["volume", "show", "p"]);
+        let e = v["slabs"][0]["extents"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["node"] == node)
+            .cloned()
+            .unwrap();
+        (
+            e["state"].as_str().unwrap().to_string(),
+            e["holds_acked"].as_bool().unwrap_or(false),
+        )
+    };
+
+    lab.must(&["lab", "fault", "kill", &a.to_string()]);
+    lab.wait_for("A's copy stale", MIN, || state_of(a).0 == "stale");
+    assert_eq!(state_of(a), ("stale".to_string(), false));
+    // Acked on B and C, not on A.
+    qemu_io(&uri, "write -P 0x5a 1048576 65536");
+    patch(&img, 1 << 20, 65536, 0x5a);
+
+    lab.must(&["lab", "fault", "kill", &b.to_string()]);
+    lab.wait_for("B's copy stale", MIN, || state_of(b).0 == "stale");
+    assert_eq!(state_of(b), ("stale".to_string(), true));
+    let shown = lab.must(&["volume", "show", "p"]);
+    assert!(shown.contains("stale (holds every acked write)"), "{shown}");
+
+    // C, the last in-sync copy, goes away too. A comes back first: the owner's repair
+    // rounds try to promote it (refused: unmarked) and to resync it (no in-sync copy
+    // answers: a failed job), and it stays stale. Then B comes back and is promoted.
+    lab.must(&["lab", "fault", "kill", &c.to_string()]);
+    let failed_jobs = lab.metric(owner as u32, "converge_repair_jobs_failed_total");
+    lab.must(&["lab", "fault", "restart", &a.to_string()]);
+    lab.wait_for("a round with A back and no in-sync copy", MIN, || {
+        lab.metric(owner as u32, "converge_repair_jobs_failed_total") > failed_jobs
+    });
+    assert_eq!(state_of(a), ("stale".to_string(), false));
+    lab.must(&["lab", "fault", "restart", &b.to_string()]);
+    lab.wait_for("B's copy promoted", MIN, || state_of(b).0 == "in-sync");
+    assert_eq!(state_of(c).0, "stale");
+    assert_eq!(
+        lab.metric(owner as u32, "converge_volume_copies_promoted_total"),
+        1
+    );
+    compare(&uri, &img, "served from the promoted copy");
+
+    // Everyone back: A and C are resynced from B.
+    lab.must(&["lab", "fault", "restart", &c.to_string()]);
+    lab.wait_for("every copy in sync", 2 * MIN, || all_in_sync(&lab, "p"));
+    compare(&uri, &img, "after resync from the promoted copy");
+    assert_copies_agree(&lab, "p");
+}

@@ -746,6 +746,7 @@ fn volume_info(
                             drive: e.drive,
                             node: e.node,
                             state: e.state,
+                            holds_acked: e.holds_acked,
                             written_bytes: written
                                 .and_then(|g| g.of(e, rec.id, *i))
                                 .map(|u| u.written),
