@@ -431,21 +431,26 @@ pub(crate) async fn repair_volume(
             Step::Rebuild(idx, e, cause) => rebuild_one(&job, idx, e, Some(cause)).await,
             Step::Evacuate(idx, e) => rebuild_one(&job, idx, e, None).await,
             Step::Drop(idx, e) => drop_one(&job, idx, e).await,
-            Step::Promote(idx, e) => {
-                let vol = o.vol.clone();
-                let r = on_owner(o, async move { vol.promote(idx, e.drive).await }).await;
-                if matches!(r, Some(Ok(true))) {
-                    w.count("stale copies promoted (held every acked write)");
-                }
-                w.trace(|| {
-                    format!(
-                        "vol{v} epoch {}: PROMOTE slab {idx} node {} drive {}: {r:?}",
-                        o.epoch, e.node, e.drive
-                    )
-                });
-            }
+            Step::Promote(idx, e) => promote_one(&job, idx, e).await,
         }
     }
+}
+
+/// Makes the stale copy `e` the slab's in-sync copy if the record marks it as holding
+/// every acked write (docs/adr/0014), as the daemon does.
+async fn promote_one(j: &Job<'_>, idx: SlabIndex, e: ExtentLoc) {
+    let Job { w, v, o, .. } = *j;
+    let vol = o.vol.clone();
+    let r = on_owner(o, async move { vol.promote(idx, e.drive).await }).await;
+    if matches!(r, Some(Ok(true))) {
+        w.count("stale copies promoted (held every acked write)");
+    }
+    w.trace(|| {
+        format!(
+            "vol{v} epoch {}: PROMOTE slab {idx} node {} drive {}: {r:?}",
+            o.epoch, e.node, e.drive
+        )
+    });
 }
 
 /// One repair job's surroundings: the world, the volume, its owner, the throttle.
