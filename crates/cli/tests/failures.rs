@@ -520,17 +520,7 @@ fn a_drive_that_fails_is_marked_failed_and_its_copies_rebuilt() {
 #[test]
 fn a_stale_copy_that_holds_every_acked_write_serves_when_the_in_sync_one_is_gone() {
     let lab = Lab::up(4, &[]);
-    lab.must(&[
-        "volume",
-        "create",
-        "p",
-        "--size",
-        "64M",
-        "--resiliency",
-        "mirror-3",
-        "--owner",
-        "1",
-    ]);
+    lab.create_owned("p", "64M", "mirror-3", 1);
     let tmp = tempfile::tempdir().unwrap();
     let img = random_file(tmp.path(), "p.img", 64 << 20, 21);
     must(Command::new("nbdcopy").arg(&img).arg(lab.uri("p")));

@@ -518,6 +518,14 @@ impl SlabAllocator for FixedAlloc {
 
 type TestVol = Volume<MemReplicas, FixedAlloc>;
 
+/// The states of slab `slab`'s copies, as the control plane records them.
+fn recorded_states(alloc: &FixedAlloc, slab: u64) -> Vec<ExtentState> {
+    alloc.records.lock().unwrap()[&SlabIndex(slab)]
+        .iter()
+        .map(|e| e.state)
+        .collect()
+}
+
 fn config(size: u64, slab: u64, epoch: u64) -> VolumeConfig {
     VolumeConfig {
         id: VolumeId(7),
@@ -1443,12 +1451,8 @@ async fn a_copy_marked_stale_while_a_write_is_in_flight_does_not_count_toward_it
         }) => {}
         other => panic!("acked on fewer than min_replicas in-sync copies: {other:?}"),
     }
-    let states: Vec<ExtentState> = alloc.records.lock().unwrap()[&SlabIndex(0)]
-        .iter()
-        .map(|e| e.state)
-        .collect();
     assert_eq!(
-        states,
+        recorded_states(&alloc, 0),
         vec![ExtentState::InSync, ExtentState::Stale, ExtentState::Stale]
     );
 }
@@ -1800,12 +1804,8 @@ async fn a_stale_copy_whose_drive_has_no_room_fails_its_resync_with_no_space() {
     *io.full.lock().unwrap() = vec![NodeId(3)];
     let data = pattern(4096, 1);
     vol.write(0, data.clone()).await.unwrap();
-    let states: Vec<ExtentState> = alloc.records.lock().unwrap()[&SlabIndex(0)]
-        .iter()
-        .map(|e| e.state)
-        .collect();
     assert_eq!(
-        states,
+        recorded_states(&alloc, 0),
         vec![ExtentState::InSync, ExtentState::InSync, ExtentState::Stale]
     );
     let t = resync::Throttle::new(1 << 30);
